@@ -1,0 +1,96 @@
+"""Build script for speculative-kernels.
+
+The CUDA extension in ``csrc/`` is compiled only where it can be:
+
+* ``SPECULATIVE_KERNELS_BUILD_CUDA=1`` forces the build (fails loudly without nvcc / CUDA torch);
+* ``SPECULATIVE_KERNELS_BUILD_CUDA=0`` skips it;
+* unset (default): built when the installed torch is a CUDA build and ``nvcc`` is found.
+
+Without a prebuilt extension the package JIT-compiles the same sources with ninja on first use
+(``speculative_kernels/ops/cuda_ext.py``). Install with ``--no-build-isolation`` so the build sees the torch you
+installed instead of pulling another one.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu")) + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")
+)
+
+
+def _want_cuda_build() -> bool:
+    switch = os.environ.get("SPECULATIVE_KERNELS_BUILD_CUDA", "").strip()
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"SPECULATIVE_KERNELS_BUILD_CUDA must be 0, 1 or unset, got {switch!r}")
+    if switch == "0":
+        return False
+    try:
+        import torch
+    except ImportError:
+        if switch == "1":
+            raise RuntimeError("SPECULATIVE_KERNELS_BUILD_CUDA=1 but torch is not installed")
+        return False
+    available = torch.version.cuda is not None and shutil.which("nvcc") is not None and bool(CUDA_SOURCES)
+    if switch == "1" and not available:
+        raise RuntimeError(
+            "SPECULATIVE_KERNELS_BUILD_CUDA=1 but the CUDA build is impossible: "
+            f"torch.version.cuda={torch.version.cuda}, nvcc={shutil.which('nvcc')}"
+        )
+    return available
+
+
+def _extensions():
+    if not _want_cuda_build():
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
+    nvcc_threads = os.environ.get("NVCC_THREADS", "4")
+    archs = os.environ.get("SPECULATIVE_KERNELS_CUDA_ARCHS", "80;90").split(";")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    ext = CUDAExtension(
+        name="speculative_kernels._C",
+        sources=CUDA_SOURCES,
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", f"--threads={nvcc_threads}", *gencode],
+        },
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="speculative-kernels",
+    version="0.1.0",
+    description="Exact speculative decoding with fused Triton/CUDA verification kernels; drop-in for HF generate",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8") if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["speculative_kernels", "speculative_kernels.*"]),
+    package_data={"speculative_kernels": ["csrc/*", "demo_models/*/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system=='Linux'",
+        "transformers>=5.0",
+        "tokenizers>=0.20",
+        "safetensors",
+        "ninja",
+        "packaging",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy"],
+        "bench": ["pytest-benchmark>=4", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["speculative-kernels=speculative_kernels.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,99 @@
+"""Public ops: the fused verification step and the draft-side sampler.
+
+Both take raw logits (float32, float16 or bfloat16) and apply HF's warping (temperature, top_k, top_p) inside the
+op, so the draft's q is by construction the distribution its token was drawn from. Randomness is explicit: a
+``generator``, or a ``seed`` and ``offset`` (ints or int64 tensors, device tensors allowed so CUDA graphs can capture
+them), fed to counter-based Philox noise (``philox.py``).
+"""
+
+import torch
+
+from . import backends
+from .diagnostics import raise_for_invalid_rows, should_check
+from .validation import (
+    check_logits,
+    check_same_device,
+    check_sampling_params,
+    check_tokens,
+    resolve_randomness,
+)
+
+__all__ = ["verify", "sample"]
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    offset: int | torch.Tensor = 0,
+    backend: str = "auto",
+    check: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verification (accept/reject, residual or bonus sampling; greedy when temperature == 0).
+
+    target_logits: [B, K+1, V]; draft_logits: [B, K, V], or None for a drafter without a distribution (one-hot q);
+    draft_tokens: [B, K]. Returns (tokens [B, K+1] int64: the emitted tokens then -1 padding, num_accepted [B] int64
+    in 0..K). Exactly the target's distribution under HF's warping with the same temperature/top_k/top_p.
+
+    ``check`` (default: on, except while compiling or capturing a CUDA graph) reads the result on the host and raises
+    ``ValueError`` for non-finite logits or out-of-range draft tokens; unchecked, such rows come back with
+    num_accepted == -1 and all tokens -1 for the caller to test.
+    """
+    check_logits("target_logits", target_logits, 3)
+    check_tokens("draft_tokens", draft_tokens, 2)
+    batch, num_positions, vocab = target_logits.shape
+    num_draft = num_positions - 1
+    if num_draft < 1:
+        raise ValueError(f"target_logits must have K+1 >= 2 positions, got shape {tuple(target_logits.shape)}")
+    if tuple(draft_tokens.shape) != (batch, num_draft):
+        raise ValueError(f"draft_tokens must have shape [{batch}, {num_draft}], got {tuple(draft_tokens.shape)}")
+    if draft_logits is not None:
+        check_logits("draft_logits", draft_logits, 3)
+        if tuple(draft_logits.shape) != (batch, num_draft, vocab):
+            raise ValueError(
+                f"draft_logits must have shape [{batch}, {num_draft}, {vocab}], got {tuple(draft_logits.shape)}"
+            )
+    check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
+    temperature, top_k, top_p = check_sampling_params(temperature, top_k, top_p)
+    impl = backends.implementation(backend, target_logits.device.type)
+    seed_rows, offset_rows, per_row = resolve_randomness(seed, offset, generator, batch, target_logits.device)
+    tokens, num_accepted = impl.verify(
+        target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed_rows, offset_rows, per_row
+    )
+    if should_check(check):
+        raise_for_invalid_rows(num_accepted, target_logits=target_logits, draft_logits=draft_logits,
+                               draft_tokens=draft_tokens)
+    return tokens, num_accepted
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    offset: int | torch.Tensor = 0,
+    backend: str = "auto",
+    check: bool | None = None,
+) -> torch.Tensor:
+    """Draft-side sampler: one token per row from softmax(warp(logits)) (argmax when temperature == 0).
+
+    logits: [B, V]. Returns [B] int64. Uses its own Philox stream, so reusing (seed, offset) with ``verify`` never
+    reuses random numbers. Unchecked, a row with non-finite logits comes back as -1.
+    """
+    check_logits("logits", logits, 2)
+    temperature, top_k, top_p = check_sampling_params(temperature, top_k, top_p)
+    impl = backends.implementation(backend, logits.device.type)
+    seed_rows, offset_rows, per_row = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
+    tokens = impl.sample(logits, temperature, top_k, top_p, seed_rows, offset_rows, per_row)
+    if should_check(check):
+        raise_for_invalid_rows(tokens, logits=logits)
+    return tokens

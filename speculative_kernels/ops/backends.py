@@ -1,0 +1,71 @@
+"""Backend selection for the verification ops: ``"cuda"`` extension, ``"triton"`` kernels, ``"torch"`` reference.
+
+``auto`` picks, for a CUDA device, the CUDA extension, then Triton, then torch; for any other device, torch (the
+Triton kernels run on CPU only under ``TRITON_INTERPRET=1``, which is for testing, so ``auto`` never picks them
+there). The decision is made once per device type and the reason for a fallback is logged once. A backend asked
+for by name that cannot run raises ``RuntimeError`` with the reason; it is never replaced silently.
+"""
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+logger = logging.getLogger("speculative_kernels")
+
+BACKENDS = ("torch", "triton", "cuda")
+_MODULES = {
+    "torch": "speculative_kernels.ops.torch_backend",
+    "triton": "speculative_kernels.ops.triton_backend",
+    "cuda": "speculative_kernels.ops.cuda_backend",
+}
+
+
+def _unavailable_reason(name: str, device_type: str) -> str | None:
+    """None when backend ``name`` can run on ``device_type``, else why not."""
+    if name == "torch":
+        return None
+    if name == "triton":
+        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if device_type != "cuda" and not (device_type == "cpu" and interpret):
+            return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU), got {device_type}"
+        try:
+            importlib.import_module("triton")
+        except ImportError as exc:
+            return f"triton is not importable: {exc}"
+        return None
+    if device_type != "cuda":
+        return f"the CUDA extension needs a CUDA device, got {device_type}"
+    from . import cuda_ext
+
+    return cuda_ext.unavailable_reason()
+
+
+@functools.cache
+def _auto_backend(device_type: str) -> str:
+    if device_type != "cuda":
+        return "torch"
+    for name in ("cuda", "triton"):
+        reason = _unavailable_reason(name, device_type)
+        if reason is None:
+            return name
+        logger.warning("speculative_kernels: backend %r unavailable (%s); falling back", name, reason)
+    return "torch"
+
+
+def resolve(backend: str, device_type: str) -> str:
+    """The concrete backend name for a request (``auto`` or a name) on a device type; raises if impossible."""
+    if backend == "auto":
+        return _auto_backend(device_type)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    reason = _unavailable_reason(backend, device_type)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} cannot run: {reason}")
+    return backend
+
+
+def implementation(backend: str, device_type: str) -> ModuleType:
+    """The module implementing ``verify``/``sample`` for the resolved backend."""
+    return importlib.import_module(_MODULES[resolve(backend, device_type)])

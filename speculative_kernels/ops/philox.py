@@ -1,0 +1,79 @@
+"""Counter-based random numbers shared bit-for-bit by every backend (torch, Triton, CUDA).
+
+Philox4x32-10 (Salmon et al., SC'11) keyed by a 64-bit seed: key = (seed & 0xffffffff, seed >> 32), counter
+(c0, c1, c2, c3). Only the first 32-bit output word is used. The project fixes the counter layout:
+
+    c0 = element index (vocabulary id v, or draft position i for acceptance uniforms)
+    c1 = row id (the batch row b; 0 when the caller gives a seed per row, so a row's numbers do not
+         depend on which batch it sits in)
+    c2 = offset (the caller's step counter, < 2**32)
+    c3 = stream: STREAM_ACCEPT for the accept test's uniforms, STREAM_POSITION + j for sampling at block
+         position j in verify, STREAM_DRAFT for the draft-side sampler
+
+From a 32-bit word x:
+    uniform(x)     = float32(x >> 8) * 2**-24                      in [0, 1), exact in float32
+    exponential(x) = -log1p(-u), u = max(float32(x) * 2**-32, 2**-33), with log1p(-u) taken as
+                     -(u + u^2/2 + u^3/3) for u < 2**-8 (so small draws, which decide the race, keep full
+                     relative precision on every backend) and log(1 - u) otherwise; u = 1 gives +inf
+                     (that element cannot win a race).
+
+The torch implementation below is the reference; the kernels implement the same arithmetic.
+"""
+
+import torch
+
+PHILOX_ROUNDS = 10
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+MASK32 = 0xFFFFFFFF
+
+STREAM_ACCEPT = 0
+STREAM_POSITION = 1  # + block position j (0..K)
+STREAM_DRAFT = 0x40000000
+
+EXP_SERIES_CUTOFF = 2.0**-8
+U32_SCALE = 2.0**-32
+U24_SCALE = 2.0**-24
+U_MIN = 2.0**-33
+
+
+def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product a * b, for a in [0, 2**32) held in int64."""
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    t = a * b_lo  # < 2**48
+    u = a * b_hi + (t >> 16)  # < 2**49
+    hi = u >> 16
+    lo = ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+    return hi & MASK32, lo & MASK32
+
+
+def philox_first_word(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor
+) -> torch.Tensor:
+    """First output word of Philox4x32-10, as int64 in [0, 2**32). All arguments broadcast (int64 tensors)."""
+    seed = seed.to(torch.int64)
+    k0 = seed & MASK32
+    k1 = (seed >> 32) & MASK32
+    c0, c1, c2, c3 = (c.to(torch.int64) & MASK32 for c in (c0, c1, c2, c3))
+    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & MASK32
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0
+
+
+def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
+    """uniform(x) in [0, 1): float32((x >> 8)) * 2**-24."""
+    return (x >> 8).to(torch.float32) * U24_SCALE
+
+
+def exponential_from_bits(x: torch.Tensor) -> torch.Tensor:
+    """exponential(x) >= 0 (float32), see the module docstring for the exact arithmetic."""
+    u = torch.clamp(x.to(torch.float32) * U32_SCALE, min=U_MIN)
+    series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0)))
+    return torch.where(u < EXP_SERIES_CUTOFF, series, -torch.log(1.0 - u))

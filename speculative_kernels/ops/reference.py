@@ -1,0 +1,155 @@
+"""Plain-PyTorch reference of the verification step and the draft sampler.
+
+This module defines the semantics every kernel backend must reproduce (greedy bit-exact; sampling with the same
+Philox counters, see ``philox.py``). Leviathan et al. 2023, Algorithm 1:
+
+* p_j = softmax(warp(target_logits[:, j])), q_i = softmax(warp(draft_logits[:, i])) (HF warping, ``warping.py``);
+  ``draft_logits=None`` means a one-hot q at the draft token (drafters with no distribution, e.g. n-gram).
+* Draft token x_i is accepted iff q_i(x_i) > 0 and r_i * q_i(x_i) < p_i(x_i), r_i = uniform(ACCEPT, c0=i), which is
+  r_i < p/q without a division; a token with q = 0 is never accepted and r = 0 never accepts a p = 0 token.
+* n = the number accepted before the first rejection. The next token is drawn at position n from
+  max(0, p_n - q_n) after a rejection, from p_K when all K were accepted, and from p_n if the residual is all zero.
+  Drawing is an exponential race, argmax_v w_v / E_v with E_v = exponential(POSITION + n, c0=v): the weights need
+  no normalisation and the result is a sample from w / sum(w).
+* Greedy (temperature == 0): accept while x_i == argmax z_i (first index on ties, float32 logits), then emit
+  argmax z_n. top_k / top_p cannot change an argmax, so they are irrelevant there.
+* A row with NaN or +inf in any of its logits, a row whose logits are all -inf, or a draft token outside [0, V)
+  is invalid: its num_accepted is -1 and its tokens are all -1 (the public op turns that into an error).
+"""
+
+import torch
+
+from .philox import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_POSITION,
+    exponential_from_bits,
+    philox_first_word,
+    uniform_from_bits,
+)
+from .warping import warp_logits
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B, ..., V] -> [B] bool: any NaN / +inf, or any vocabulary row that is entirely -inf."""
+    bad = torch.isnan(logits) | torch.isposinf(logits)
+    all_neg_inf = torch.isneginf(logits).all(dim=-1)
+    flat = bad.flatten(1).any(dim=1) if logits.dim() > 1 else bad.any()
+    return flat | all_neg_inf.reshape(logits.shape[0], -1).any(dim=1)
+
+
+def _row_ids(batch: int, seed_per_row: bool, device: torch.device) -> torch.Tensor:
+    if seed_per_row:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    return torch.arange(batch, dtype=torch.int64, device=device)
+
+
+def race_noise(seed, offset, seed_per_row: bool, stream: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential noise E[b, v] for one race per row. seed, offset, stream: [B] int64. Returns [B, V] float32."""
+    batch = seed.shape[0]
+    v = torch.arange(vocab, dtype=torch.int64, device=seed.device).unsqueeze(0)
+    rows = _row_ids(batch, seed_per_row, seed.device).unsqueeze(1)
+    bits = philox_first_word(seed.unsqueeze(1), v, rows, offset.unsqueeze(1), stream.unsqueeze(1))
+    return exponential_from_bits(bits)
+
+
+def accept_uniforms(seed, offset, seed_per_row: bool, num_draft: int) -> torch.Tensor:
+    """r[b, i] in [0, 1) for the accept test. seed, offset: [B] int64. Returns [B, K] float32."""
+    batch = seed.shape[0]
+    i = torch.arange(num_draft, dtype=torch.int64, device=seed.device).unsqueeze(0)
+    rows = _row_ids(batch, seed_per_row, seed.device).unsqueeze(1)
+    bits = philox_first_word(seed.unsqueeze(1), i, rows, offset.unsqueeze(1), torch.tensor(STREAM_ACCEPT))
+    return uniform_from_bits(bits)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax_v weights / noise (first index on ties). [B, V] x [B, V] -> [B] int64."""
+    return torch.argmax(weights / noise, dim=-1)
+
+
+def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: torch.Tensor, invalid: torch.Tensor):
+    """Assemble [B, K+1] output: accepted drafts, the next token, then -1; invalid rows all -1 with n = -1."""
+    batch, num_draft = draft_tokens.shape
+    pos = torch.arange(num_draft + 1, device=draft_tokens.device).unsqueeze(0)
+    n = num_accepted.unsqueeze(1)
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), -1)], dim=1)
+    out = torch.where(pos < n, padded, torch.where(pos == n, next_token.unsqueeze(1), -1))
+    out = out.masked_fill(invalid.unsqueeze(1), -1)
+    return out.to(torch.int64), num_accepted.masked_fill(invalid, -1).to(torch.int64)
+
+
+def _count_prefix(accepted: torch.Tensor) -> torch.Tensor:
+    """Number of leading True values per row. [B, K] bool -> [B] int64."""
+    return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def verify_reference(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    seed_per_row: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference verification. target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None; draft_tokens: [B, K];
+    seed, offset: [B] int64. Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
+    batch, num_draft = draft_tokens.shape
+    vocab = target_logits.shape[-1]
+    tokens = draft_tokens.to(torch.int64)
+    invalid = invalid_rows(target_logits) | ((tokens < 0) | (tokens >= vocab)).any(dim=1)
+    if draft_logits is not None:
+        invalid |= invalid_rows(draft_logits)
+    safe_tokens = tokens.clamp(0, vocab - 1).unsqueeze(-1)
+
+    if temperature == 0.0:
+        best = target_logits.to(torch.float32).argmax(dim=-1)  # [B, K+1]
+        n = _count_prefix(tokens == best[:, :num_draft])
+        next_token = best.gather(1, n.unsqueeze(1)).squeeze(1)
+        return _emit(tokens, n, next_token, invalid)
+
+    p = torch.softmax(warp_logits(target_logits, temperature, top_k, top_p), dim=-1)  # [B, K+1, V]
+    if draft_logits is None:
+        q = torch.zeros(batch, num_draft, vocab, dtype=torch.float32, device=p.device)
+        q.scatter_(-1, safe_tokens, 1.0)
+    else:
+        q = torch.softmax(warp_logits(draft_logits, temperature, top_k, top_p), dim=-1)
+    p_x = p[:, :num_draft].gather(-1, safe_tokens).squeeze(-1)
+    q_x = q.gather(-1, safe_tokens).squeeze(-1)
+    r = accept_uniforms(seed, offset, seed_per_row, num_draft)
+    n = _count_prefix((q_x > 0) & (r * q_x < p_x))
+
+    rows = torch.arange(batch, device=p.device)
+    p_n = p[rows, n]  # [B, V]
+    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)  # q_K := 0 makes the bonus draw from p_K
+    residual = torch.clamp(p_n - q_pad[rows, n], min=0.0)
+    weights = torch.where((residual.amax(dim=-1) > 0).unsqueeze(1), residual, p_n)
+    noise = race_noise(seed, offset, seed_per_row, STREAM_POSITION + n, vocab)
+    next_token = race(weights, noise)
+    return _emit(tokens, n, next_token, invalid)
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    seed_per_row: bool,
+) -> torch.Tensor:
+    """Reference draft sampler: one token per row from softmax(warp(logits)), or argmax when temperature == 0.
+
+    logits: [B, V]; seed, offset: [B] int64. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits.
+    Uses the STREAM_DRAFT counters, so it never reuses numbers that verify draws with the same seed and offset.
+    """
+    invalid = invalid_rows(logits)
+    if temperature == 0.0:
+        token = logits.to(torch.float32).argmax(dim=-1)
+    else:
+        p = torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
+        stream = torch.full_like(seed, STREAM_DRAFT)
+        token = race(p, race_noise(seed, offset, seed_per_row, stream, logits.shape[-1]))
+    return token.masked_fill(invalid, -1)

@@ -1,0 +1,66 @@
+"""Logit warping with Hugging Face's sampling semantics, in the form the kernels consume.
+
+HF's sampling path (``do_sample=True``) casts the logits to float32 and applies, in order,
+``TemperatureLogitsWarper`` (z = l / T), ``TopKLogitsWarper`` (keep z >= the k-th largest z; ties kept) and
+``TopPLogitsWarper`` (stable ascending sort of the surviving z, cumulative softmax; drop every entry whose
+cumulative probability is <= 1 - top_p, always keeping the largest). Both filters remove a prefix of the
+vocabulary in (value, index) order, so the surviving set of one row is exactly
+
+    keep(v)  <=>  (z_v, v) >= (cut_value, cut_index)   lexicographically.
+
+``warp_thresholds`` computes that pair per row with the same torch operations HF uses (so the masks agree bit for
+bit); the kernels then apply it while streaming the logits, without writing a warped copy.
+"""
+
+import torch
+
+NO_CUT = float("-inf")
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = float32(logits) / temperature (HF's TemperatureLogitsWarper); temperature > 0."""
+    z = logits.to(torch.float32)
+    return z / temperature if temperature != 1.0 else z
+
+
+def warp_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cut (value, index) for top-k then top-p, HF semantics.
+
+    z: [..., V] float32 scaled logits. Returns (cut_value [...] float32, cut_index [...] int32); with neither
+    filter active the cut is (-inf, 0), which keeps every finite entry.
+    """
+    lead = z.shape[:-1]
+    V = z.shape[-1]
+    cut_value = torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device)
+    cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
+    if top_k > 0 and top_k < V:
+        cut_value = torch.topk(z, top_k, dim=-1).values[..., -1]
+    if top_p < 1.0:
+        masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf")) if top_k > 0 else z
+        sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
+        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        removed = cumulative <= (1.0 - top_p)
+        removed[..., -1] = False
+        # The first kept position in sorted order defines the cut; everything before it is removed.
+        first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
+        # Entries below the top-k cut are -inf and removed by top-p too, so the top-p cut is the stricter one.
+        cut_value = sorted_z.gather(-1, first_kept).squeeze(-1)
+        cut_index = order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
+    return cut_value, cut_index
+
+
+def apply_thresholds(z: torch.Tensor, cut_value: torch.Tensor, cut_index: torch.Tensor) -> torch.Tensor:
+    """z with every entry below the (value, index) cut set to -inf. z: [..., V]; cuts: [...]."""
+    index = torch.arange(z.shape[-1], device=z.device, dtype=torch.int32)
+    v, i = cut_value.unsqueeze(-1), cut_index.unsqueeze(-1)
+    keep = (z > v) | ((z == v) & (index >= i))
+    return z.masked_fill(~keep, float("-inf"))
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The float32 warped logits HF would sample from: temperature, then top-k, then top-p. [..., V] -> [..., V]."""
+    z = scale_logits(logits, temperature)
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    cut_value, cut_index = warp_thresholds(z, top_k, top_p)
+    return apply_thresholds(z, cut_value, cut_index)
