@@ -1,0 +1,125 @@
+"""``speculative_kernels.generate``: a drop-in for ``model.generate`` that speculates with a draft model."""
+
+import dataclasses
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .loop import SpeculativeLoop
+from .settings import resolve_plan
+from .stats import SpeculationStats
+from .vocab import VocabBridge
+
+
+@dataclasses.dataclass
+class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus ``speculation_stats``. ``past_key_values`` is None: the caches hold
+    rolled-back holes and are not meant for reuse."""
+
+    speculation_stats: SpeculationStats | None = None
+
+
+def _model_device(model, name: str) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        raise ValueError(f"{name} has no parameters") from None
+
+
+def _check_models(model, draft_model) -> None:
+    if draft_model is None:
+        raise ValueError("draft_model (or assistant_model) is required")
+    for name, m in (("model", model), ("draft_model", draft_model)):
+        if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
+            raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
+        if m.config.is_encoder_decoder:
+            raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are supported yet")
+    target_device, draft_device = _model_device(model, "model"), _model_device(draft_model, "draft_model")
+    if target_device != draft_device:
+        raise ValueError(f"model is on {target_device} but draft_model is on {draft_device}; put both on one device")
+
+
+def _prepare_inputs(model, input_ids, attention_mask, plan_bos):
+    device = _model_device(model, "model")
+    if input_ids is None or input_ids.numel() == 0:
+        if plan_bos is None:
+            raise ValueError("input_ids is empty and the model has no bos_token_id to start from")
+        batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
+        input_ids = torch.full((batch, 1), plan_bos, dtype=torch.int64, device=device)
+        attention_mask = None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    input_ids = input_ids.to(device=device, dtype=torch.int64)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
+        )
+    attention_mask = attention_mask.to(device)
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("attention_mask shows right padding; decoder-only generation needs left padding")
+    return input_ids, attention_mask
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor | None = None,
+    *,
+    draft_model=None,
+    num_speculative_tokens: int = 5,
+    assistant_model=None,
+    tokenizer=None,
+    assistant_tokenizer=None,
+    generation_config=None,
+    speculation_stats: SpeculationStats | None = None,
+    backend: str = "auto",
+    **kwargs,
+):
+    """Speculative decoding with ``model.generate``'s arguments and return values.
+
+    input_ids: [B, L] (left-padded with ``attention_mask`` for B > 1). Returns a LongTensor [B, L + new] of prompt
+    plus new tokens, or a ``SpeculativeDecoderOnlyOutput`` (a ``GenerateDecoderOnlyOutput``) with
+    ``return_dict_in_generate=True``, whose ``speculation_stats`` holds the statistics. With a tensor result, pass
+    ``speculation_stats=SpeculationStats()`` to have it filled in. ``assistant_model`` is another name for
+    ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded draft vocabulary be checked and used.
+    """
+    if assistant_model is not None:
+        if draft_model is not None and draft_model is not assistant_model:
+            raise ValueError("pass either draft_model or assistant_model, not both")
+        draft_model = assistant_model
+    _check_models(model, draft_model)
+    if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
+        raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
+    attention_mask = kwargs.pop("attention_mask", None)
+    if "inputs" in kwargs:
+        if input_ids is not None:
+            raise ValueError("pass either input_ids or inputs, not both")
+        input_ids = kwargs.pop("inputs")
+    prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
+    plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config, kwargs)
+    model_kwargs.pop("use_cache", None)
+    if model_kwargs:
+        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
+    input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask, plan.generation_config.bos_token_id)
+    batch = input_ids.shape[0]
+    if batch > 1 and plan.streamer is not None:
+        raise ValueError("streamer supports batch size 1 only (as in transformers)")
+    if batch > 1 and plan.stopping_criteria:
+        raise ValueError("stopping_criteria are supported for batch size 1 only")
+    if batch > 1 and plan.pad_token_id is None:
+        raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")
+    bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
+
+    with torch.inference_mode():
+        loop = SpeculativeLoop(model, draft_model, bridge, plan, input_ids, attention_mask, backend=backend)
+        sequences, stats = loop.run()
+    if speculation_stats is not None:
+        for field in dataclasses.fields(SpeculationStats):
+            setattr(speculation_stats, field.name, getattr(stats, field.name))
+    if not plan.return_dict_in_generate:
+        return sequences
+    scores, logits = loop.collected_scores(sequences.shape[1] - input_ids.shape[1])
+    return SpeculativeDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats)

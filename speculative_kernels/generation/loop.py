@@ -1,0 +1,240 @@
+"""The speculative decoding loop (Leviathan et al. 2023, Algorithm 1) over two HF decoder-only models.
+
+One iteration, for every row at once:
+  1. draft: gamma single-token forwards of the draft, each sampled by ``ops.sample`` from the warped draft logits
+     (stored, so verification recomputes exactly the q each token was drawn from); no host synchronisation;
+  2. verify: one target forward over [last token, x_1..x_gamma] and ``ops.verify`` -> accepted count n and the
+     emitted tokens (accepted drafts + one residual/bonus token);
+  3. emit: cut each row at its first EOS and at max_new_tokens, write the tokens into the output buffer;
+  4. one device-to-host read of (n, finished, count) per iteration; then roll both caches back (``runner.py``).
+"""
+
+import torch
+
+from ..ops import backends
+from ..ops.diagnostics import raise_for_invalid_rows
+from ..ops.validation import resolve_randomness
+from .runner import DecoderRunner
+from .settings import Plan
+from .stats import PhaseTimer, SpeculationStats
+
+
+class SpeculativeLoop:
+    """Runs one batch of prompts to completion. Build it, call ``run()``; a server can also drive ``step()``.
+
+    input_ids, attention_mask: [B, L] (left padding only). ``bridge``: a ``VocabBridge``.
+    """
+
+    def __init__(self, target, draft, bridge, plan: Plan, input_ids, attention_mask, backend: str = "auto"):
+        self.target, self.draft, self.bridge, self.plan = target, draft, bridge, plan
+        self.device = input_ids.device
+        self.batch, self.prompt_length = input_ids.shape
+        self.gamma = plan.num_speculative_tokens
+        self.impl = backends.implementation(backend, self.device.type)
+        self.sampling = plan.sampling
+        max_slots = self.prompt_length + (self.gamma + 1) * (plan.max_new_tokens + 1) + 2
+        self.target_runner = DecoderRunner(target, self.batch, max_slots, self.device)
+        self.draft_runner = DecoderRunner(draft, self.batch, max_slots, self.device)
+        width = self.prompt_length + plan.max_new_tokens + self.gamma + 1  # slack: no scatter ever collides
+        fill = plan.pad_token_id if plan.pad_token_id is not None else 0
+        self.sequences = torch.full((self.batch, width), fill, dtype=torch.int64, device=self.device)
+        self.sequences[:, : self.prompt_length] = input_ids
+        self.generated = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+        self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+        self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
+        self.seed, _, self.seed_per_row = resolve_randomness(None, 0, None, self.batch, self.device)
+        self.iteration = 0
+        self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
+        self._histogram = torch.zeros(self.gamma + 1, dtype=torch.int64, device=self.device)
+        self.timer = PhaseTimer(self.device)
+        self.scores = self._score_buffer() if plan.output_scores else None
+        self.raw_logits = self._score_buffer() if plan.output_logits else None
+        self._prefill(input_ids, attention_mask)
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def _score_buffer(self):
+        vocab = self.bridge.target_width
+        return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, vocab, device=self.device)
+
+    def _prefill(self, input_ids, attention_mask) -> None:
+        real = attention_mask.to(torch.bool)
+        if self.prompt_length > 1:
+            self.timer.start("prefill")
+            self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
+            self.draft_runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
+            self.timer.stop("prefill")
+            self.stats.prefill_forwards += 1
+        self.last = input_ids[:, -1]
+        self.pending = (input_ids[:, -1:], None)  # draft tokens not in its cache yet, and which are real
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def _mask_min_new(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
+        """EOS gets -inf where fewer than min_new_tokens have been generated. logits [B, T, V]; generated [B, T]."""
+        if self.plan.min_new_tokens <= 0 or not self.plan.eos_token_ids:
+            return
+        too_early = (generated_before < self.plan.min_new_tokens).unsqueeze(-1)
+        eos_columns = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        eos_columns[self.eos[(self.eos >= 0) & (self.eos < logits.shape[-1])]] = True
+        logits.masked_fill_(too_early & eos_columns, float("-inf"))
+
+    def _draft(self, dtype: torch.dtype):
+        s = self.sampling
+        tokens = torch.empty(self.batch, self.gamma, dtype=torch.int64, device=self.device)
+        logits_buffer = None
+        inputs, real = self.pending
+        for i in range(self.gamma):
+            logits = self.draft_runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
+            logits = self.bridge.draft_logits(logits).to(dtype)
+            self._mask_min_new(logits, (self.generated + i).unsqueeze(1))
+            if logits_buffer is None:
+                logits_buffer = torch.empty(self.batch, self.gamma, logits.shape[-1], dtype=dtype, device=self.device)
+            logits_buffer[:, i] = logits[:, 0]
+            offset = torch.full_like(self.seed, self.iteration * self.gamma + i)
+            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
+                                     self.seed_per_row)
+            tokens[:, i] = token
+            inputs, real = token.clamp(min=0).unsqueeze(1), None
+        self.stats.draft_forwards += self.gamma
+        return tokens, logits_buffer
+
+    def _verify(self, draft_tokens, draft_logits):
+        s = self.sampling
+        target_in = torch.cat([self.last.unsqueeze(1), draft_tokens.clamp(min=0)], dim=1)
+        logits = self.target_runner.forward(target_in)
+        raw = logits.clone() if self.raw_logits is not None else None
+        positions = torch.arange(self.gamma + 1, device=self.device)
+        self._mask_min_new(logits, self.generated.unsqueeze(1) + positions)
+        offset = torch.full_like(self.seed, self.iteration)
+        out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
+                                         s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
+        self.stats.target_forwards += 1
+        return out, accepted, logits, raw
+
+    def _emit(self, out: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """Write each row's new tokens (cut at EOS / max_new_tokens) into the output; returns counts [B]."""
+        positions = torch.arange(self.gamma + 1, device=self.device).unsqueeze(0)
+        count = accepted.clamp(min=0) + 1
+        is_eos = torch.isin(out, self.eos) & (positions < count.unsqueeze(1))
+        has_eos = is_eos.any(dim=1)
+        count = torch.where(has_eos, is_eos.to(torch.int64).argmax(dim=1) + 1, count)
+        count = torch.minimum(count, self.plan.max_new_tokens - self.generated)
+        count = count.masked_fill(self.finished, 0)
+        index = self.prompt_length + self.generated.unsqueeze(1) + positions
+        keep = positions < count.unsqueeze(1)
+        self.sequences.scatter_(1, index, torch.where(keep, out, self.sequences.gather(1, index)))
+        active = ~self.finished
+        self._histogram += torch.bincount(accepted.clamp(min=0)[active], minlength=self.gamma + 1)
+        self.finished = self.finished | (has_eos & keep.any(dim=1)) | (self.generated + count >= self.plan.max_new_tokens)
+        self.generated = self.generated + count
+        return count
+
+    def _store_scores(self, processed, raw, count, generated_before) -> None:
+        """Per emitted token: HF's ``scores`` (warped target logits) and ``logits`` (raw)."""
+        positions = torch.arange(self.gamma + 1, device=self.device).unsqueeze(0)
+        index = (generated_before.unsqueeze(1) + positions).unsqueeze(-1).expand(-1, -1, processed.shape[-1])
+        keep = (positions < count.unsqueeze(1)).unsqueeze(-1)
+        for buffer, values in ((self.scores, processed), (self.raw_logits, raw)):
+            if buffer is None:
+                continue
+            if buffer is self.scores and not self.sampling.greedy:
+                from ..ops.warping import warp_logits
+
+                values = warp_logits(values, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+            buffer.scatter_(1, index, torch.where(keep, values.float(), buffer.gather(1, index)))
+
+    def _roll_back(self, accepted, accepted_host: list[int]) -> None:
+        gamma = self.gamma
+        max_n = max(accepted_host)
+        self.target_runner.keep_prefix(gamma + 1, accepted + 1, max_n + 1)
+        pending_width = self.pending[0].shape[1]
+        window = pending_width + gamma - 1
+        kept = pending_width + accepted.clamp(max=gamma - 1)
+        self.draft_runner.keep_prefix(window, kept, pending_width + min(max_n, gamma - 1))
+
+    def _next_pending(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
+        new = out.gather(1, accepted.clamp(min=0).unsqueeze(1)).squeeze(1)
+        self.last = new
+        if max(accepted_host) < self.gamma:
+            self.pending = (new.unsqueeze(1), None)
+            return
+        all_in = accepted == self.gamma
+        first = torch.where(all_in, draft_tokens[:, -1], torch.zeros_like(new))
+        real = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
+        self.pending = (torch.stack([first, new], dim=1), None if all(a == self.gamma for a in accepted_host) else real)
+
+    def step(self) -> bool:
+        """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished."""
+        dtype = next(self.target.parameters()).dtype
+        self.timer.start("draft")
+        draft_tokens, draft_logits = self._draft(dtype)
+        self.timer.stop("draft")
+        self.timer.start("verify")
+        out, accepted, processed, raw = self._verify(draft_tokens, draft_logits)
+        generated_before = self.generated
+        active_before = ~self.finished
+        count = self._emit(out, accepted)
+        self.timer.stop("verify")
+        if self.scores is not None or self.raw_logits is not None:
+            self._store_scores(processed, raw, count, generated_before)
+        # The one device-to-host read of the iteration.
+        host = torch.cat([accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]).tolist()
+        b = self.batch
+        accepted_host, count_host = host[:b], host[b : 2 * b]
+        finished_host, active_host = host[2 * b : 3 * b], host[3 * b :]
+        if min(accepted_host) < 0:
+            raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
+                                   draft_tokens=draft_tokens)
+        self._after_emit(count_host, accepted_host, active_host, generated_before)
+        self._roll_back(accepted, accepted_host)
+        self._next_pending(out, accepted, draft_tokens, accepted_host)
+        self.iteration += 1
+        return not all(finished_host)
+
+    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> None:
+        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer."""
+        active = [i for i, a in enumerate(active_host) if a]
+        self.stats.drafted_tokens += self.gamma * len(active)
+        self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
+        self.stats.new_tokens += sum(count_host)
+        if self.plan.stopping_criteria:
+            self._apply_stopping_criteria(count_host, generated_before)
+            count_host = (self.generated - generated_before).tolist()
+        if self.plan.streamer is not None and count_host[0] > 0:
+            start = self.prompt_length + int(generated_before[0])
+            self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
+
+    def _apply_stopping_criteria(self, count_host, generated_before) -> None:
+        """User stopping criteria, evaluated after every emitted token as HF does (batch 1)."""
+        start = self.prompt_length + int(generated_before[0])
+        for j in range(count_host[0]):
+            ids = self.sequences[:, : start + j + 1]
+            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in self.plan.stopping_criteria):
+                self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
+                self.generated = generated_before + (j + 1)
+                self.finished = torch.ones_like(self.finished)
+                return
+
+    def run(self):
+        """Generate until every row finished. Returns (sequences [B, L + new], SpeculationStats)."""
+        if self.plan.streamer is not None:
+            self.plan.streamer.put(self.sequences[:, : self.prompt_length].cpu())
+        self.timer.start("total")
+        running = self.plan.max_new_tokens > 0
+        while running:
+            running = self.step()
+        self.timer.stop("total")
+        if self.plan.streamer is not None:
+            self.plan.streamer.end()
+        longest = int(self.generated.max()) if self.batch else 0
+        self.stats.accepted_histogram = self._histogram.tolist()
+        self.stats.draft_time_s = self.timer.seconds("draft")
+        self.stats.verify_time_s = self.timer.seconds("verify")
+        self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
+        return self.sequences[:, : self.prompt_length + longest], self.stats
+
+    def collected_scores(self, longest: int):
+        """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested."""
+        def split(buffer):
+            return None if buffer is None else tuple(buffer[:, s] for s in range(longest))
+
+        return split(self.scores), split(self.raw_logits)

@@ -1,0 +1,88 @@
+"""Drive one decoder-only HF model slot by slot, with holes instead of copies.
+
+Every row of the batch writes the same KV-cache slots at each forward (``num_slots`` is shared), so the cache stays
+a plain rectangular HF cache. What differs per row is which slots are real: ``slot_mask`` [B, max_slots] holds 1 for
+a slot a row attends to and 0 for a hole (left padding, a rejected draft token, a filler token). Position ids run
+per row over real slots only, exactly as HF numbers a left-padded batch, so a row with holes computes what it would
+compute without them.
+
+Rollback after verification is O(1): the rejected slots of a row become holes (a mask write), and the slots no row
+needs any more at the end are cut off by shrinking the cache's length (``crop``), a view, not a copy. Holes in the
+middle cost attention work only; ``compact`` squeezes them out when they pass a threshold (batch > 1).
+"""
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from .cache_ops import crop_cache
+
+
+def _accepts(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+class DecoderRunner:
+    """One decoder-only model with its KV cache, slot mask and per-row positions.
+
+    model: an HF causal LM; batch: B; max_slots: an upper bound on cache slots (the mask buffer's width).
+    """
+
+    def __init__(self, model, batch: int, max_slots: int, device: torch.device):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.slot_mask = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)
+        self.num_slots = 0
+        self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
+        self._logits_to_keep = _accepts(model, "logits_to_keep")
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+        """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
+
+        Returns logits [B, T, V] (or [B, 1, V] with last_only).
+        """
+        batch, width = tokens.shape
+        start, end = self.num_slots, self.num_slots + width
+        if end > self.slot_mask.shape[1]:
+            raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.slot_mask.shape[1]})")
+        real_i = torch.ones_like(tokens) if real is None else real.to(torch.int64)
+        self.slot_mask[:, start:end] = real_i
+        positions = self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1
+        positions = positions.clamp(min=0)
+        kwargs = {}
+        if last_only and self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.slot_mask[:, :end],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.cache = out.past_key_values
+        self.num_slots = end
+        self.next_position += real_i.sum(dim=1)
+        logits = out.logits
+        return logits[:, -1:] if last_only else logits
+
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
+        """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes.
+
+        kept: [B] int64 on device; max_kept: max over rows (host int), so the trailing slots nobody keeps are cut.
+        """
+        start = self.num_slots - width
+        offsets = torch.arange(width, device=kept.device).unsqueeze(0)
+        window = self.slot_mask[:, start : self.num_slots]
+        dropped_real = (window * (offsets >= kept.unsqueeze(1))).sum(dim=1)
+        window.mul_((offsets < kept.unsqueeze(1)).to(window.dtype))
+        self.next_position -= dropped_real
+        self.truncate(start + max_kept)
+
+    def truncate(self, num_slots: int) -> None:
+        """Drop every slot at index >= num_slots (no row may still need them)."""
+        if num_slots < self.num_slots:
+            crop_cache(self.cache, num_slots)
+            self.slot_mask[:, num_slots : self.num_slots] = 0
+            self.num_slots = num_slots

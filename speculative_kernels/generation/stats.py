@@ -1,0 +1,86 @@
+"""Speculation statistics: acceptance, tokens per target forward, forward counts, phase times."""
+
+import dataclasses
+import time
+
+import torch
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """Filled in by ``generate``. Counts are summed over the rows that were still generating.
+
+    accepted_histogram[n] counts verification steps (per row) that accepted exactly n draft tokens (0..gamma).
+    """
+
+    num_speculative_tokens: int = 0
+    target_forwards: int = 0  # verification forwards (the prefill is counted in prefill_forwards)
+    draft_forwards: int = 0
+    prefill_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    new_tokens: int = 0
+    accepted_histogram: list = dataclasses.field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens (alpha-hat)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def verify_steps(self) -> int:
+        return int(sum(self.accepted_histogram))
+
+    @property
+    def mean_tokens_per_target_forward(self) -> float:
+        """Mean of (accepted + 1) per row and verification step: the paper's expected tokens per iteration."""
+        steps = self.verify_steps
+        if not steps:
+            return 0.0
+        return sum((n + 1) * c for n, c in enumerate(self.accepted_histogram)) / steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"acceptance {self.acceptance_rate:.3f}, {self.mean_tokens_per_target_forward:.2f} tokens/target forward, "
+            f"{self.target_forwards} target + {self.draft_forwards} draft forwards, "
+            f"histogram {self.accepted_histogram}, draft {self.draft_time_s * 1e3:.1f} ms, "
+            f"verify {self.verify_time_s * 1e3:.1f} ms"
+        )
+
+
+class PhaseTimer:
+    """Accumulates time per phase without host synchronisation: CUDA events on GPU (read once at the end),
+    ``perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+        self._open: dict = {}
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        self._open[phase] = self._now()
+
+    def stop(self, phase: str) -> None:
+        self.spans.setdefault(phase, []).append((self._open.pop(phase), self._now()))
+
+    def seconds(self, phase: str) -> float:
+        spans = self.spans.get(phase, [])
+        if self.cuda:
+            if spans:
+                spans[-1][1].synchronize()
+            return sum(b.elapsed_time(e) for b, e in spans) / 1e3
+        return sum(e - b for b, e in spans)

@@ -1,0 +1,74 @@
+"""Checking that draft and target speak one vocabulary, and bridging a padded draft vocabulary exactly.
+
+Exactness only needs q to be the distribution the draft token was drawn from, over the target's ids. So:
+
+* same width V: nothing to do;
+* draft wider (V_d > V): the draft's logits are cut to the target's V before sampling and verification;
+* draft narrower (V_d < V): the draft's logits are padded with -inf (q = 0 there, never proposed), and a target
+  token the draft cannot embed (id >= V_d) is fed to the draft as id 0: what the draft conditions on never changes
+  the output distribution, only the acceptance rate.
+
+Different widths are only accepted when both tokenizers are given and map every token to the same id; otherwise
+different ``vocab_size``s are an error, as are tokenizers that disagree.
+"""
+
+import torch
+
+
+def _logit_width(model) -> int:
+    embeddings = model.get_output_embeddings()
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        return int(embeddings.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def check_tokenizers(tokenizer, assistant_tokenizer) -> None:
+    """Raise ValueError unless the two tokenizers assign the same ids to the same tokens."""
+    if tokenizer is None or assistant_tokenizer is None:
+        return
+    target_vocab, draft_vocab = tokenizer.get_vocab(), assistant_tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = len(set(target_vocab.items()) - set(draft_vocab.items()))
+        raise ValueError(
+            "draft and target tokenizers have different vocabularies "
+            f"({len(target_vocab)} vs {len(draft_vocab)} tokens, {only_target} target entries differ); "
+            "speculative decoding needs one shared vocabulary"
+        )
+
+
+class VocabBridge:
+    """Maps draft logits onto the target vocabulary and target tokens onto draft inputs."""
+
+    def __init__(self, target, draft, tokenizer=None, assistant_tokenizer=None):
+        check_tokenizers(tokenizer, assistant_tokenizer)
+        self.target_width = _logit_width(target)
+        self.draft_width = _logit_width(draft)
+        target_size = target.config.get_text_config().vocab_size
+        draft_size = draft.config.get_text_config().vocab_size
+        if (target_size != draft_size or self.target_width != self.draft_width) and (
+            tokenizer is None or assistant_tokenizer is None
+        ):
+            raise ValueError(
+                f"draft and target have different vocabularies (vocab_size {draft_size} vs {target_size}); "
+                "if they share a tokenizer and differ only by padding, pass tokenizer= and assistant_tokenizer= "
+                "so the ids can be checked"
+            )
+
+    @property
+    def identity(self) -> bool:
+        return self.draft_width == self.target_width
+
+    def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_d] -> [..., V] (cut, or padded with -inf)."""
+        if self.draft_width > self.target_width:
+            return logits[..., : self.target_width]
+        if self.draft_width < self.target_width:
+            pad = logits.new_full((*logits.shape[:-1], self.target_width - self.draft_width), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits
+
+    def draft_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids -> ids the draft can embed (ids >= V_d become 0; see the module docstring)."""
+        if self.draft_width < self.target_width:
+            return torch.where(tokens < self.draft_width, tokens, torch.zeros_like(tokens))
+        return tokens
