@@ -1,0 +1,61 @@
+// Counter-based random numbers, bit-identical to speculative_kernels/ops/philox.py (the reference).
+//
+// Philox4x32-10 keyed by a 64-bit seed, counter (c0, c1, c2, c3); only the first output word is used.
+// Every floating-point step is an explicitly rounded intrinsic so that no FMA contraction or fast-math
+// flag can change a bit: the torch reference runs each step as a separate elementwise op.
+#pragma once
+
+#include <cstdint>
+
+namespace speculative_kernels {
+
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+constexpr uint32_t kStreamAccept = 0u;             // accept-test uniforms, c0 = draft position i
+constexpr uint32_t kStreamPosition = 1u;           // + block position j: the race at position j of verify
+constexpr uint32_t kStreamDraft = 0x40000000u;     // the draft-side sampler
+
+// First output word of Philox4x32-10(seed; c0, c1, c2, c3).
+__device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,
+                                                      uint32_t c3) {
+  uint32_t k0 = static_cast<uint32_t>(seed);
+  uint32_t k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    const uint32_t hi0 = __umulhi(kPhiloxM0, c0);
+    const uint32_t lo0 = kPhiloxM0 * c0;
+    const uint32_t hi1 = __umulhi(kPhiloxM1, c2);
+    const uint32_t lo1 = kPhiloxM1 * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  return c0;
+}
+
+// uniform(x) = float32(x >> 8) * 2^-24, in [0, 1); exact.
+__device__ __forceinline__ float uniform_from_bits(uint32_t x) {
+  return __fmul_rn(__uint2float_rn(x >> 8), 0x1p-24f);
+}
+
+// exponential(x) = -log1p(-u), u = max(float32(x) * 2^-32, 2^-33); the series u * (1 + u * (1/2 + u * (1/3)))
+// below 2^-8 and -log(1 - u) otherwise (+inf for u == 1). Same rounding, step by step, as philox.py.
+__device__ __forceinline__ float exponential_from_bits(uint32_t x) {
+  float u = __fmul_rn(__uint2float_rn(x), 0x1p-32f);
+  u = fmaxf(u, 0x1p-33f);
+  if (u < 0x1p-8f) {
+    const float third = static_cast<float>(1.0 / 3.0);
+    const float inner = __fadd_rn(0.5f, __fmul_rn(u, third));
+    return __fmul_rn(u, __fadd_rn(1.0f, __fmul_rn(u, inner)));
+  }
+  return -logf(__fsub_rn(1.0f, u));
+}
+
+}  // namespace speculative_kernels

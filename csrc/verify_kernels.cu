@@ -1,0 +1,550 @@
+// Speculative verification and draft sampling kernels; see verify_kernels.cuh for the pipeline and the contract,
+// speculative_kernels/ops/reference.py for the semantics.
+//
+// Arithmetic that decides a result uses explicitly rounded intrinsics (__fdiv_rn, __fsub_rn, __fmul_rn), so the
+// build flags (FMA contraction, --use_fast_math) cannot change it: z = x / T is a true division, p_v =
+// exp(z_v - max) / sum, the accept test is r * q < p, the race compares w_v / E_v.
+#include "common.cuh"
+#include "philox.cuh"
+#include "verify_kernels.cuh"
+
+#include <climits>
+#include <cmath>
+
+namespace speculative_kernels {
+namespace {
+
+constexpr int kDecideThreads = 256;
+constexpr int kFinalizeThreads = 32;
+constexpr int kMaxGridY = 65535;
+constexpr size_t kWorkspaceAlign = 256;
+
+// Per (logit row, chunk) partials, and after `decide` the same fields combined over the whole row.
+struct ChunkStats {
+  float raw_max;  // max of float32(logits), NaN-first like torch.argmax
+  int raw_arg;    // its first index (INT_MAX when empty)
+  float m;        // max of the kept warped logits z (-inf when none)
+  float s;        // sum of exp(z - m) over the kept z
+  int bad;        // any NaN or +inf logit
+};
+
+struct Decision {
+  int n;        // accepted draft tokens, 0..K
+  int invalid;  // 1: the row's outputs are all -1
+};
+
+// Per (batch row, chunk) race partials: argmax of residual / E and of p / E, and whether any residual > 0.
+struct RacePartial {
+  float residual_value;
+  int residual_index;
+  float p_value;
+  int p_index;
+  int any_positive;
+};
+
+struct Workspace {
+  ChunkStats* chunk_stats;  // [B * R, num_chunks]
+  ChunkStats* row_stats;    // [B * R]
+  Decision* decisions;      // [B]
+  RacePartial* race;        // [B, num_chunks]
+};
+
+// Logit rows of one batch row b are ordered j = 0..K (target positions) then K+1..2K (draft positions, only
+// with draft logits): R = K + 1 (+ K) rows per batch row, row id b * R + j.
+template <typename T>
+struct Args {
+  const T* target;
+  int64_t target_stride_b, target_stride_j;
+  const T* draft;
+  int64_t draft_stride_b, draft_stride_j;
+  bool target_vec, draft_vec;  // rows are 16-byte aligned: vector loads allowed
+  const int64_t* draft_tokens;
+  int batch, num_draft, vocab, rows_per_batch, num_chunks;
+  float temperature;
+  const float* target_cut_value;
+  const int32_t* target_cut_index;
+  const float* draft_cut_value;
+  const int32_t* draft_cut_index;
+  const int64_t* seed;
+  int64_t seed_stride;
+  const int64_t* offset;
+  int64_t offset_stride;
+  bool seed_per_row;
+  uint32_t stream_base;
+  int64_t* tokens;
+  int64_t* num_accepted;
+  Workspace ws;
+};
+
+template <typename T>
+struct RowRef {
+  const T* ptr;
+  bool vec;
+  float cut_value;
+  int cut_index;
+};
+
+// ---- small device functions ----------------------------------------------------------------------------------
+__device__ __forceinline__ ChunkStats stats_identity() { return {-INFINITY, INT_MAX, -INFINITY, 0.0f, 0}; }
+
+__device__ __forceinline__ ChunkStats combine_stats(const ChunkStats& a, const ChunkStats& b) {
+  ChunkStats out;
+  const bool take_b = argmax_prefers(b.raw_max, b.raw_arg, a.raw_max, a.raw_arg);
+  out.raw_max = take_b ? b.raw_max : a.raw_max;
+  out.raw_arg = take_b ? b.raw_arg : a.raw_arg;
+  out.bad = a.bad | b.bad;
+  out.m = fmaxf(a.m, b.m);
+  if (out.m == -INFINITY) {
+    out.s = 0.0f;
+  } else {
+    out.s = __fadd_rn(__fmul_rn(a.s, expf(__fsub_rn(a.m, out.m))), __fmul_rn(b.s, expf(__fsub_rn(b.m, out.m))));
+  }
+  return out;
+}
+
+struct CombineStats {
+  __device__ __forceinline__ ChunkStats operator()(const ChunkStats& a, const ChunkStats& b) const {
+    return combine_stats(a, b);
+  }
+};
+
+// Online softmax: add exp(z - m) to s, rescaling when z is the new maximum. z must be > -inf.
+__device__ __forceinline__ void online_add(ChunkStats& acc, float z) {
+  if (z > acc.m) {
+    acc.s = __fadd_rn(__fmul_rn(acc.s, expf(__fsub_rn(acc.m, z))), 1.0f);
+    acc.m = z;
+  } else {
+    acc.s = __fadd_rn(acc.s, expf(__fsub_rn(z, acc.m)));
+  }
+}
+
+__device__ __forceinline__ RacePartial race_identity() { return {-INFINITY, INT_MAX, -INFINITY, INT_MAX, 0}; }
+
+__device__ __forceinline__ RacePartial combine_race(const RacePartial& a, const RacePartial& b) {
+  RacePartial out = a;
+  if (argmax_prefers(b.residual_value, b.residual_index, a.residual_value, a.residual_index)) {
+    out.residual_value = b.residual_value;
+    out.residual_index = b.residual_index;
+  }
+  if (argmax_prefers(b.p_value, b.p_index, a.p_value, a.p_index)) {
+    out.p_value = b.p_value;
+    out.p_index = b.p_index;
+  }
+  out.any_positive = a.any_positive | b.any_positive;
+  return out;
+}
+
+struct CombineRace {
+  __device__ __forceinline__ RacePartial operator()(const RacePartial& a, const RacePartial& b) const {
+    return combine_race(a, b);
+  }
+};
+
+// Logit row j (0..R-1) of batch row b, with its top-k/top-p cut.
+template <typename T, bool HAS_CUT>
+__device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
+  RowRef<T> row;
+  row.cut_value = -INFINITY;
+  row.cut_index = 0;
+  const int num_positions = a.num_draft + 1;
+  if (j < num_positions) {
+    row.ptr = a.target + static_cast<int64_t>(b) * a.target_stride_b + static_cast<int64_t>(j) * a.target_stride_j;
+    row.vec = a.target_vec;
+    if constexpr (HAS_CUT) {
+      const int64_t k = static_cast<int64_t>(b) * num_positions + j;
+      row.cut_value = a.target_cut_value[k];
+      row.cut_index = a.target_cut_index[k];
+    }
+  } else {
+    const int i = j - num_positions;
+    row.ptr = a.draft + static_cast<int64_t>(b) * a.draft_stride_b + static_cast<int64_t>(i) * a.draft_stride_j;
+    row.vec = a.draft_vec;
+    if constexpr (HAS_CUT) {
+      const int64_t k = static_cast<int64_t>(b) * a.num_draft + i;
+      row.cut_value = a.draft_cut_value[k];
+      row.cut_index = a.draft_cut_index[k];
+    }
+  }
+  return row;
+}
+
+// The warped logit z = x / T and whether the top-k/top-p cut keeps element v.
+template <typename T, bool HAS_CUT>
+__device__ __forceinline__ bool warp_keep(const Args<T>& a, const RowRef<T>& row, int v, float x, float* z) {
+  *z = __fdiv_rn(x, a.temperature);
+  if constexpr (HAS_CUT) return *z > row.cut_value || (*z == row.cut_value && v >= row.cut_index);
+  return true;
+}
+
+// softmax(warp(row))[v] given the row's combined (m, s): exp(z - m) / s, 0 for a cut element.
+template <typename T, bool HAS_CUT>
+__device__ __forceinline__ float prob(const Args<T>& a, const RowRef<T>& row, const ChunkStats& stats, int v,
+                                      float x) {
+  float z;
+  if (!warp_keep<T, HAS_CUT>(a, row, v, x, &z)) return 0.0f;
+  return __fdiv_rn(expf(__fsub_rn(z, stats.m)), stats.s);
+}
+
+template <typename T>
+__device__ __forceinline__ uint64_t row_seed(const Args<T>& a, int b) {
+  return static_cast<uint64_t>(a.seed[static_cast<int64_t>(b) * a.seed_stride]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t row_offset(const Args<T>& a, int b) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(a.offset[static_cast<int64_t>(b) * a.offset_stride]));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t row_id(const Args<T>& a, int b) {
+  return a.seed_per_row ? 0u : static_cast<uint32_t>(b);
+}
+
+// Writes the K+1 tokens of batch row b (drafts before n, next at n, then -1; all -1 if invalid) and n.
+// Called by every thread of the block.
+template <typename T>
+__device__ void write_outputs(const Args<T>& a, int b, int n, int next, bool invalid) {
+  const int num_positions = a.num_draft + 1;
+  for (int j = static_cast<int>(threadIdx.x); j < num_positions; j += static_cast<int>(blockDim.x)) {
+    int64_t token = -1;
+    if (!invalid) {
+      if (j < n) token = a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + j];
+      else if (j == n) token = next;
+    }
+    a.tokens[static_cast<int64_t>(b) * num_positions + j] = token;
+  }
+  if (threadIdx.x == 0 && a.num_accepted != nullptr) a.num_accepted[b] = invalid ? -1 : n;
+}
+
+// ---- pass 1: per (logit row, chunk) statistics -------------------------------------------------------------
+template <typename T, bool SAMPLING, bool HAS_CUT>
+__global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<T> a) {
+  __shared__ ChunkStats scratch[32];
+  const int r = static_cast<int>(blockIdx.x);
+  const int c = static_cast<int>(blockIdx.y);
+  const int b = r / a.rows_per_batch;
+  const int j = r % a.rows_per_batch;
+  const RowRef<T> row = logit_row<T, HAS_CUT>(a, b, j);
+  const int start = c * kChunkSize;
+  const int end = min(start + kChunkSize, a.vocab);
+
+  ChunkStats acc = stats_identity();
+  visit_chunk(row.ptr, static_cast<const T*>(nullptr), row.vec, start, end, [&](int v, float x, float) {
+    acc.bad |= static_cast<int>(isnan(x) || x == INFINITY);
+    if (argmax_prefers(x, v, acc.raw_max, acc.raw_arg)) {
+      acc.raw_max = x;
+      acc.raw_arg = v;
+    }
+    if constexpr (SAMPLING) {
+      float z;
+      if (warp_keep<T, HAS_CUT>(a, row, v, x, &z) && z > -INFINITY) online_add(acc, z);
+    }
+  });
+  acc = block_reduce(acc, CombineStats{}, stats_identity(), scratch);
+  if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = acc;
+}
+
+// ---- pass 2: per batch row, combine partials, validate, accept/reject ---------------------------------------
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a) {
+  __shared__ int s_invalid;
+  __shared__ int s_first_reject;
+  const int b = static_cast<int>(blockIdx.x);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int num_warps = static_cast<int>(blockDim.x) >> 5;
+  const int num_positions = a.num_draft + 1;
+  ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+  if (tid == 0) {
+    s_invalid = 0;
+    s_first_reject = a.num_draft;
+  }
+
+  // One warp per logit row: fixed-order combine of its chunk partials.
+  for (int j = warp; j < a.rows_per_batch; j += num_warps) {
+    const ChunkStats* partials =
+        a.ws.chunk_stats + (static_cast<int64_t>(b) * a.rows_per_batch + j) * a.num_chunks;
+    ChunkStats acc = stats_identity();
+    for (int c = lane; c < a.num_chunks; c += 32) acc = combine_stats(acc, partials[c]);
+    acc = warp_reduce(acc, CombineStats{});
+    if (lane == 0) row_stats[j] = acc;
+  }
+  __syncthreads();
+
+  for (int j = tid; j < a.rows_per_batch; j += static_cast<int>(blockDim.x)) {
+    const ChunkStats s = row_stats[j];
+    if (s.bad || !(s.raw_max > -INFINITY)) atomicOr(&s_invalid, 1);  // NaN/+inf, or the whole row is -inf
+  }
+  for (int i = tid; i < a.num_draft; i += static_cast<int>(blockDim.x)) {
+    const int64_t token = a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + i];
+    if (token < 0 || token >= a.vocab) {
+      atomicOr(&s_invalid, 1);
+      continue;
+    }
+    const int x = static_cast<int>(token);
+    bool accept;
+    if constexpr (!SAMPLING) {
+      accept = x == row_stats[i].raw_arg;
+    } else {
+      const float r = uniform_from_bits(
+          philox_first_word(row_seed(a, b), static_cast<uint32_t>(i), row_id(a, b), row_offset(a, b), kStreamAccept));
+      const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, i);
+      const float p_x = prob<T, HAS_CUT>(a, p_row, row_stats[i], x, to_float(p_row.ptr[x]));
+      float q_x = 1.0f;  // one-hot q at the draft token
+      if constexpr (HAS_DRAFT) {
+        const RowRef<T> q_row = logit_row<T, HAS_CUT>(a, b, num_positions + i);
+        q_x = prob<T, HAS_CUT>(a, q_row, row_stats[num_positions + i], x, to_float(q_row.ptr[x]));
+      }
+      accept = q_x > 0.0f && __fmul_rn(r, q_x) < p_x;
+    }
+    if (!accept) atomicMin(&s_first_reject, i);
+  }
+  __syncthreads();
+
+  const bool invalid = s_invalid != 0;
+  const int n = s_first_reject;  // in 0..K
+  if (tid == 0) a.ws.decisions[b] = Decision{n, invalid ? 1 : 0};
+  if constexpr (!SAMPLING) write_outputs(a, b, n, row_stats[n].raw_arg, invalid);
+}
+
+// ---- pass 3: exponential race over the residual (and over p for the zero-residual fallback) -----------------
+template <typename T, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
+  __shared__ RacePartial scratch[32];
+  const int b = static_cast<int>(blockIdx.x);
+  const int c = static_cast<int>(blockIdx.y);
+  const Decision decision = a.ws.decisions[b];
+  if (decision.invalid) return;  // the same for the whole block; finalize writes -1 without reading partials
+  const int n = decision.n;
+  const int num_positions = a.num_draft + 1;
+  const ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+
+  const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
+  const ChunkStats p_stats = row_stats[n];
+  const bool has_q = n < a.num_draft;  // q_K := 0: the bonus token is drawn from p_K
+  RowRef<T> q_row{nullptr, true, -INFINITY, 0};
+  ChunkStats q_stats = stats_identity();
+  int q_token = -1;
+  if (has_q) {
+    if constexpr (HAS_DRAFT) {
+      q_row = logit_row<T, HAS_CUT>(a, b, num_positions + n);
+      q_stats = row_stats[num_positions + n];
+    } else {
+      q_token = static_cast<int>(a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + n]);
+    }
+  }
+  const bool vec = p_row.vec && (q_row.ptr == nullptr || q_row.vec);
+  const uint64_t seed = row_seed(a, b);
+  const uint32_t offset = row_offset(a, b);
+  const uint32_t rid = row_id(a, b);
+  const uint32_t stream = a.stream_base + static_cast<uint32_t>(n);
+  const int start = c * kChunkSize;
+  const int end = min(start + kChunkSize, a.vocab);
+
+  RacePartial acc = race_identity();
+  visit_chunk(p_row.ptr, q_row.ptr, vec, start, end, [&](int v, float x, float y) {
+    const float p = prob<T, HAS_CUT>(a, p_row, p_stats, v, x);
+    float q = 0.0f;
+    if (has_q) {
+      if constexpr (HAS_DRAFT) q = prob<T, HAS_CUT>(a, q_row, q_stats, v, y);
+      else q = v == q_token ? 1.0f : 0.0f;
+    }
+    const float diff = __fsub_rn(p, q);
+    const float residual = diff < 0.0f ? 0.0f : diff;  // torch.clamp(min=0) (keeps a NaN)
+    const float e = exponential_from_bits(philox_first_word(seed, static_cast<uint32_t>(v), rid, offset, stream));
+    const float residual_ratio = __fdiv_rn(residual, e);
+    const float p_ratio = __fdiv_rn(p, e);
+    if (argmax_prefers(residual_ratio, v, acc.residual_value, acc.residual_index)) {
+      acc.residual_value = residual_ratio;
+      acc.residual_index = v;
+    }
+    if (argmax_prefers(p_ratio, v, acc.p_value, acc.p_index)) {
+      acc.p_value = p_ratio;
+      acc.p_index = v;
+    }
+    acc.any_positive |= static_cast<int>(residual > 0.0f);
+  });
+  acc = block_reduce(acc, CombineRace{}, race_identity(), scratch);
+  if (threadIdx.x == 0) a.ws.race[static_cast<int64_t>(b) * a.num_chunks + c] = acc;
+}
+
+// ---- pass 4: combine the race partials, write the outputs ---------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Args<T> a) {
+  const int b = static_cast<int>(blockIdx.x);
+  const int lane = static_cast<int>(threadIdx.x);
+  const Decision decision = a.ws.decisions[b];
+  int next = -1;
+  if (!decision.invalid) {
+    const RacePartial* partials = a.ws.race + static_cast<int64_t>(b) * a.num_chunks;
+    RacePartial acc = race_identity();
+    for (int c = lane; c < a.num_chunks; c += 32) acc = combine_race(acc, partials[c]);
+    acc = warp_reduce(acc, CombineRace{});
+    // Residual race unless every residual is 0, then the race over p (reference: weights = where(max > 0, ...)).
+    next = __shfl_sync(kFullMask, acc.any_positive ? acc.residual_index : acc.p_index, 0);
+  }
+  write_outputs(a, b, decision.n, next, decision.invalid != 0);
+}
+
+// ---- host side ---------------------------------------------------------------------------------------------------
+struct Layout {
+  size_t chunk_stats, row_stats, decisions, race, total;
+};
+
+size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+int num_chunks_for(int vocab) { return (vocab + kChunkSize - 1) / kChunkSize; }
+
+// False when the sizes exceed what the grids can address.
+bool make_layout(int batch, int num_draft, int vocab, bool has_draft, Layout* out) {
+  if (batch < 0 || num_draft < 0 || vocab < 1 || vocab > INT_MAX - kChunkSize) return false;
+  const int64_t num_chunks = num_chunks_for(vocab);
+  const int64_t rows_per_batch = static_cast<int64_t>(num_draft) + 1 + (has_draft ? num_draft : 0);
+  const int64_t logit_rows = static_cast<int64_t>(batch) * rows_per_batch;
+  if (num_chunks > kMaxGridY || rows_per_batch > INT_MAX || logit_rows > INT_MAX) return false;
+  const size_t rows = static_cast<size_t>(logit_rows);
+  const size_t chunks = static_cast<size_t>(num_chunks);
+  const size_t b = static_cast<size_t>(batch);
+  out->chunk_stats = 0;
+  out->row_stats = out->chunk_stats + align_up(rows * chunks * sizeof(ChunkStats));
+  out->decisions = out->row_stats + align_up(rows * sizeof(ChunkStats));
+  out->race = out->decisions + align_up(b * sizeof(Decision));
+  out->total = out->race + align_up(b * chunks * sizeof(RacePartial));
+  return true;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+cudaError_t run_passes(const Args<T>& a, cudaStream_t stream) {
+  const dim3 stream_grid(static_cast<unsigned>(a.batch * a.rows_per_batch), static_cast<unsigned>(a.num_chunks));
+  chunk_stats_kernel<T, SAMPLING, HAS_CUT><<<stream_grid, kStreamThreads, 0, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  decide_kernel<T, SAMPLING, HAS_CUT, HAS_DRAFT><<<a.batch, kDecideThreads, 0, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || !SAMPLING) return err;  // greedy: decide wrote the outputs
+  const dim3 race_grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_chunks));
+  race_kernel<T, HAS_CUT, HAS_DRAFT><<<race_grid, kStreamThreads, 0, stream>>>(a);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  finalize_kernel<T><<<a.batch, kFinalizeThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* workspace, cudaStream_t stream) {
+  constexpr int kVec = VecWidth<T>::value;
+  const bool has_draft = p.draft_logits != nullptr;
+  const bool sampling = p.temperature > 0.0f;
+  const bool has_cut = sampling && p.target_cut_value != nullptr;
+  Args<T> a;
+  a.target = static_cast<const T*>(p.target_logits);
+  a.target_stride_b = p.target_stride_b;
+  a.target_stride_j = p.target_stride_j;
+  a.draft = static_cast<const T*>(p.draft_logits);
+  a.draft_stride_b = p.draft_stride_b;
+  a.draft_stride_j = p.draft_stride_j;
+  a.target_vec = aligned16(p.target_logits) && p.target_stride_b % kVec == 0 && p.target_stride_j % kVec == 0;
+  a.draft_vec = has_draft && aligned16(p.draft_logits) && p.draft_stride_b % kVec == 0 && p.draft_stride_j % kVec == 0;
+  a.draft_tokens = p.draft_tokens;
+  a.batch = p.batch;
+  a.num_draft = p.num_draft;
+  a.vocab = p.vocab;
+  a.rows_per_batch = p.num_draft + 1 + (has_draft ? p.num_draft : 0);
+  a.num_chunks = num_chunks_for(p.vocab);
+  a.temperature = p.temperature;
+  a.target_cut_value = p.target_cut_value;
+  a.target_cut_index = p.target_cut_index;
+  a.draft_cut_value = p.draft_cut_value;
+  a.draft_cut_index = p.draft_cut_index;
+  a.seed = p.seed;
+  a.seed_stride = p.seed_stride;
+  a.offset = p.offset;
+  a.offset_stride = p.offset_stride;
+  a.seed_per_row = p.seed_per_row;
+  a.stream_base = p.stream_base;
+  a.tokens = p.tokens;
+  a.num_accepted = p.num_accepted;
+  char* base = static_cast<char*>(workspace);
+  a.ws.chunk_stats = reinterpret_cast<ChunkStats*>(base + layout.chunk_stats);
+  a.ws.row_stats = reinterpret_cast<ChunkStats*>(base + layout.row_stats);
+  a.ws.decisions = reinterpret_cast<Decision*>(base + layout.decisions);
+  a.ws.race = reinterpret_cast<RacePartial*>(base + layout.race);
+
+  if (!sampling) {  // top-k/top-p cannot change an argmax
+    return SK_BOOL_SWITCH(has_draft, kHasDraft, [&] { return run_passes<T, false, false, kHasDraft>(a, stream); });
+  }
+  return SK_BOOL_SWITCH(has_cut, kHasCut, [&] {
+    return SK_BOOL_SWITCH(has_draft, kHasDraft, [&] { return run_passes<T, true, kHasCut, kHasDraft>(a, stream); });
+  });
+}
+
+// Host-side argument checks (no device access): cudaErrorInvalidValue on any violation.
+bool params_ok(const VerifyParams& p) {
+  if (p.target_logits == nullptr || p.tokens == nullptr || p.seed == nullptr || p.offset == nullptr) return false;
+  if (p.num_draft > 0 && p.draft_tokens == nullptr) return false;
+  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return false;
+  if (p.temperature > 0.0f && p.target_cut_value != nullptr) {
+    if (p.target_cut_index == nullptr) return false;
+    if (p.draft_logits != nullptr && p.num_draft > 0 && (p.draft_cut_value == nullptr || p.draft_cut_index == nullptr))
+      return false;
+  }
+  return p.dtype == LogitDtype::kFloat32 || p.dtype == LogitDtype::kFloat16 || p.dtype == LogitDtype::kBFloat16;
+}
+
+}  // namespace
+
+size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draft_logits) {
+  Layout layout;
+  if (!make_layout(batch, num_draft, vocab, has_draft_logits, &layout)) return 0;
+  return layout.total;
+}
+
+cudaError_t verify_launch(const VerifyParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  Layout layout;
+  if (!params_ok(p) || !make_layout(p.batch, p.num_draft, p.vocab, p.draft_logits != nullptr, &layout)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  if (workspace == nullptr || !aligned16(workspace) || workspace_bytes < layout.total) return cudaErrorInvalidValue;
+  switch (p.dtype) {
+    case LogitDtype::kFloat32:
+      return launch_typed<float>(p, layout, workspace, stream);
+    case LogitDtype::kFloat16:
+      return launch_typed<__half>(p, layout, workspace, stream);
+    case LogitDtype::kBFloat16:
+      return launch_typed<__nv_bfloat16>(p, layout, workspace, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int vocab, int64_t stride_b,
+                          float temperature, const float* cut_value, const int32_t* cut_index, const int64_t* seed,
+                          int64_t seed_stride, const int64_t* offset, int64_t offset_stride, bool seed_per_row,
+                          int64_t* tokens, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  // The sampler is verification with K = 0 and no draft: n = 0 and the token is raced from p_0, on its own stream.
+  VerifyParams p;
+  p.dtype = dtype;
+  p.batch = batch;
+  p.num_draft = 0;
+  p.vocab = vocab;
+  p.target_logits = logits;
+  p.target_stride_b = stride_b;
+  p.target_stride_j = 0;
+  p.temperature = temperature;
+  p.target_cut_value = cut_value;
+  p.target_cut_index = cut_index;
+  p.seed = seed;
+  p.seed_stride = seed_stride;
+  p.offset = offset;
+  p.offset_stride = offset_stride;
+  p.seed_per_row = seed_per_row;
+  p.stream_base = kStreamDraft;
+  p.tokens = tokens;
+  p.num_accepted = nullptr;
+  return verify_launch(p, workspace, workspace_bytes, stream);
+}
+
+}  // namespace speculative_kernels
