@@ -16,11 +16,15 @@ import shutil
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
-CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu")) + sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")
+CSRC = ROOT / "csrc"
+CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu")) + sorted(
+    str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp")
 )
+# Everything the JIT build needs: the translation units and their headers.
+CSRC_FILES = sorted(p for pattern in ("*.cu", "*.cuh", "*.cpp", "*.h") for p in CSRC.glob(pattern))
 
 
 def _want_cuda_build() -> bool:
@@ -51,21 +55,42 @@ def _extensions():
 
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
     nvcc_threads = os.environ.get("NVCC_THREADS", "4")
-    archs = os.environ.get("SPECULATIVE_KERNELS_CUDA_ARCHS", "80;90").split(";")
+    archs = [a.strip() for a in os.environ.get("SPECULATIVE_KERNELS_CUDA_ARCHS", "80;90").split(";") if a.strip()]
+    if not archs:
+        raise ValueError("SPECULATIVE_KERNELS_CUDA_ARCHS must name at least one architecture, e.g. '80;90'")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
     ext = CUDAExtension(
         name="speculative_kernels._C",
         sources=CUDA_SOURCES,
-        include_dirs=[str(ROOT / "csrc")],
+        include_dirs=[str(CSRC)],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17"],
-            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", f"--threads={nvcc_threads}", *gencode],
+            # No --use_fast_math: the kernels must reproduce the torch reference's arithmetic (true division,
+            # accurate expf/logf, denormals kept); the JIT build (ops/cuda_ext.py) uses the same flags.
+            "nvcc": ["-O3", "-std=c++17", "-lineinfo", f"--threads={nvcc_threads}", *gencode],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+class BuildPyWithCudaSources(build_py):
+    """Also copy ``csrc/`` into the built package (``speculative_kernels/csrc``), so that a non-editable install
+    without the prebuilt extension can still JIT-compile it on a CUDA machine. Editable installs use the repository's
+    ``csrc/`` directly."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False) or self.dry_run:
+            return
+        target = Path(self.build_lib) / "speculative_kernels" / "csrc"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in CSRC_FILES:
+            shutil.copy2(source, target / source.name)
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass = {"build_py": BuildPyWithCudaSources, **cmdclass}
 
 setup(
     name="speculative-kernels",

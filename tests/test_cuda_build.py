@@ -1,0 +1,130 @@
+"""Compile checks of the CUDA extension's sources (no GPU needed; skipped only where nvcc / a C++ compiler is absent).
+
+Every ``csrc/*.cu`` is compiled with plain nvcc (no torch headers) for sm_80 and sm_90, one case per file and
+architecture so each stays short; the flags are those torch's extension builder adds (no implicit half/bf16
+conversions), so the check is at least as strict as the real build. ``bindings.cpp`` is syntax-checked against the
+installed torch's headers.
+"""
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+KERNEL_FILES = sorted(CSRC.glob("*.cu"))
+ARCHS = ("80", "90")
+NVCC = shutil.which("nvcc")
+CXX = shutil.which("g++") or shutil.which("c++")
+# What torch.utils.cpp_extension passes to nvcc besides the gencode flags.
+TORCH_NVCC_FLAGS = (
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+    "--expt-relaxed-constexpr",
+)
+TIMEOUT_S = 600
+
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA sources cannot be compiled here")
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+def _cuda_include_dir() -> str:
+    """The CUDA toolkit include directory that nvcc itself uses (parsed from ``nvcc --dryrun``)."""
+    proc = subprocess.run(
+        [NVCC, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull], capture_output=True, text=True, timeout=60
+    )
+    for line in (proc.stdout + proc.stderr).splitlines():
+        match = re.search(r'INCLUDES="-I([^"\s]+)', line)
+        if match and (Path(match.group(1)) / "cuda_runtime_api.h").is_file():
+            return match.group(1)
+    raise AssertionError(f"could not find the CUDA include directory in nvcc --dryrun output:\n{proc.stderr}")
+
+
+def test_sources_present():
+    names = {p.name for p in CSRC.iterdir()}
+    assert {"verify_kernels.cu", "verify_kernels.cuh", "bindings.cpp"} <= names, names
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES + sorted(CSRC.glob("*.cuh")), ids=lambda p: p.name)
+def test_kernel_sources_are_framework_free(path):
+    """The kernel tier includes no torch / ATen / c10 / pybind headers (FlashInfer-style three tiers)."""
+    includes = re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', path.read_text(), flags=re.M)
+    framework = [h for h in includes if re.match(r"(torch|ATen|c10|pybind11|Python)", h)]
+    assert not framework, f"{path.name} includes framework headers: {framework}"
+
+
+def test_no_fast_math_in_builds():
+    """--use_fast_math would replace the true division and expf/logf the reference's arithmetic needs."""
+    from speculative_kernels.ops import cuda_ext
+
+    assert "--use_fast_math" not in cuda_ext.NVCC_FLAGS
+    setup_calls = [
+        node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())) if isinstance(node, ast.Constant)
+    ]
+    assert not any(node.value == "--use_fast_math" for node in setup_calls), "setup.py passes --use_fast_math"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)
+def test_kernel_compiles(path, arch, tmp_path):
+    _run(
+        [
+            NVCC, "-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", *TORCH_NVCC_FLAGS,
+            "-Xcompiler", "-Wall", f"-I{CSRC}", "-c", str(path), "-o", str(tmp_path / f"{path.stem}.sm{arch}.o"),
+        ]
+    )
+
+
+@needs_nvcc
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++/c++) on PATH")
+def test_bindings_syntax(tmp_path):
+    """bindings.cpp against this torch's headers. A CPU-only torch ships the c10/cuda headers but not the generated
+    c10/cuda/impl/cuda_cmake_macros.h; torch's own escape hatch C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"], _cuda_include_dir()]
+    flags = ["-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", f"-I{CSRC}"]
+    flags += [f"-isystem{p}" for p in includes]
+    if not any((Path(p) / "c10/cuda/impl/cuda_cmake_macros.h").is_file() for p in include_paths()):
+        flags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    _run([CXX, *flags, str(CSRC / "bindings.cpp")])
+
+
+def _op_schemas() -> dict[str, str]:
+    """name -> schema string of every m.def(...) in bindings.cpp (adjacent string literals joined)."""
+    text = (CSRC / "bindings.cpp").read_text()
+    schemas = {}
+    for call in re.findall(r"m\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", text):
+        schema = "".join(re.findall(r"\"([^\"]*)\"", call))
+        schemas[schema.split("(", 1)[0]] = schema
+    return schemas
+
+
+def test_op_schemas_parse_and_match_fakes():
+    """The schemas in bindings.cpp are valid and the fake implementations in cuda_backend.py take the same arguments."""
+    schemas = _op_schemas()
+    assert set(schemas) == {"verify", "sample"}, schemas
+    tree = ast.parse((ROOT / "speculative_kernels/ops/cuda_backend.py").read_text())
+    fakes = {node.name: [a.arg for a in node.args.args] for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    for name, schema in schemas.items():
+        parsed = torch._C.parse_schema(f"speculative_kernels_cuda::{schema}")
+        assert [a.name for a in parsed.arguments] == fakes[f"_{name}_fake"], name
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
