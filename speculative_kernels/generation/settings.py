@@ -129,7 +129,12 @@ def resolve_plan(model, prompt_length: int, num_speculative_tokens, generation_c
     for name in ("prefix_allowed_tokens_fn", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{name} is not supported by speculative_kernels.generate")
+    zero_new = kwargs.get("max_new_tokens") == 0  # HF refuses 0; here it means "return the prompt"
+    if zero_new:
+        kwargs["max_new_tokens"] = 1
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if zero_new:
+        config.max_new_tokens = 0
     _check_unsupported(config)
 
     if config.do_sample:

@@ -1,0 +1,177 @@
+"""Greedy speculative decoding is token-identical to ``model.generate(do_sample=False)``."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from models import FAMILIES, drafts_for, llama
+
+
+def _prompt(batch=1, length=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 97, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("draft_kind", ["self", "perturbed", "unrelated"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_matches_hf(family, draft_kind, gamma):
+    target = FAMILIES[family]()
+    draft = drafts_for(family, target)[draft_kind]
+    ids = _prompt()
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, max_new_tokens=24, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_self_draft_statistics_are_exact():
+    target = llama()
+    stats = sk.SpeculationStats()
+    gamma = 4
+    out = sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens=gamma, max_new_tokens=20,
+                      do_sample=False, speculation_stats=stats)
+    assert out.shape[1] == 7 + 20
+    assert stats.acceptance_rate == 1.0
+    assert stats.mean_tokens_per_target_forward == gamma + 1
+    assert stats.target_forwards == 20 // (gamma + 1)
+    assert stats.draft_forwards == gamma * stats.target_forwards
+    assert stats.accepted_histogram == [0, 0, 0, 0, stats.target_forwards]
+    assert stats.new_tokens == 20
+
+
+def _eos_at(target, ids, position):
+    """A token id the target greedily emits at ``position`` (and not before), to use as EOS."""
+    free = target.generate(ids, max_new_tokens=position + 1, do_sample=False, eos_token_id=None)
+    new = free[0, ids.shape[1]:].tolist()
+    for pos in range(position, len(new)):
+        if new[pos] not in new[:pos]:
+            return new[pos], pos
+    pytest.skip("no fresh token to use as EOS")
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "perturbed"])
+def test_eos_inside_accepted_block(draft_kind):
+    target = llama()
+    draft = drafts_for("llama", target)[draft_kind]
+    ids = _prompt(seed=3)
+    eos, pos = _eos_at(target, ids, 6)
+    expected = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=30, do_sample=False,
+                      eos_token_id=eos, pad_token_id=0)
+    assert expected.shape[1] == ids.shape[1] + pos + 1
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7, 11])
+def test_max_new_tokens_cuts_a_block(max_new_tokens):
+    target = llama()
+    ids = _prompt(seed=4)
+    expected = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, max_new_tokens=max_new_tokens,
+                      do_sample=False, speculation_stats=stats)
+    assert torch.equal(got, expected)
+    assert stats.new_tokens == max_new_tokens
+
+
+def test_max_new_tokens_zero_returns_prompt():
+    target = llama()
+    ids = _prompt()
+    assert torch.equal(sk.generate(target, ids, draft_model=target, max_new_tokens=0), ids)
+
+
+def test_max_length_and_generation_config_defaults():
+    target = llama()
+    ids = _prompt()
+    target.generation_config.max_length = 15  # the model's own default applies, as in HF
+    expected = target.generate(ids, do_sample=False)
+    got = sk.generate(target, ids, draft_model=llama(layers=1, seed=5), do_sample=False)
+    assert got.shape[1] == 15 and torch.equal(got, expected)
+    got = sk.generate(target, ids, draft_model=target, max_length=12)
+    assert torch.equal(got, target.generate(ids, max_length=12))
+
+
+def test_min_new_tokens_suppresses_eos():
+    target = llama()
+    ids = _prompt(seed=3)
+    eos, pos = _eos_at(target, ids, 2)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=pos + 4)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_return_dict_scores_and_logits_match_hf():
+    target = llama()
+    draft = llama(layers=1, seed=9)
+    ids = _prompt()
+    kwargs = dict(max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    assert isinstance(got, type(expected)) or isinstance(got, sk.SpeculativeDecoderOnlyOutput)
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    assert isinstance(got, GenerateDecoderOnlyOutput)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores) == 9
+    for mine, theirs in zip(got.scores, expected.scores):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    for mine, theirs in zip(got.logits, expected.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert got.speculation_stats.new_tokens == 9
+
+
+def test_streamer_receives_prompt_then_every_token():
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    target = llama()
+    ids = _prompt()
+    streamer = Collect()
+    out = sk.generate(target, ids, draft_model=target, max_new_tokens=10, do_sample=False, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1]:].tolist()
+
+
+def test_stopping_criteria_checked_after_every_token():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):
+        def __init__(self, length):
+            self.length = length
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+    target = llama()
+    ids = _prompt()
+    criteria = StoppingCriteriaList([StopAtLength(ids.shape[1] + 6)])
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=criteria)
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, max_new_tokens=20,
+                      do_sample=False, stopping_criteria=criteria)
+    assert torch.equal(got, expected)
+
+
+def test_assistant_model_alias_and_padded_prompt():
+    target = llama()
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    got = sk.generate(target, ids, attention_mask=mask, assistant_model=target, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_bos_only_when_no_prompt():
+    target = llama()
+    expected = target.generate(max_new_tokens=6, do_sample=False)
+    got = sk.generate(target, draft_model=target, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
