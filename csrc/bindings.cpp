@@ -63,12 +63,12 @@ void check_row_tensor(const at::Tensor& t, const char* name, int64_t batch, cons
   check_shape(t, name, {batch});
 }
 
-// A top-k/top-p cut tensor: [rows..] float32 values or int32 indices, made contiguous.
+// A top-k/top-p cut tensor (int32 source or tie-break vocabulary ids, one per logit row), made contiguous.
 at::Tensor cut_tensor(const std::optional<at::Tensor>& t, const char* name, at::IntArrayRef shape,
-                      at::ScalarType dtype, const at::Device& device) {
+                      const at::Device& device) {
   TORCH_CHECK(t.has_value(), name, " is required when a top-k/top-p cut is given");
   check_on_device(*t, name, device);
-  TORCH_CHECK(t->scalar_type() == dtype, name, " must be ", dtype, ", got ", t->scalar_type());
+  TORCH_CHECK(t->scalar_type() == at::kInt, name, " must be int32, got ", t->scalar_type());
   check_shape(*t, name, shape);
   return t->contiguous();
 }
@@ -80,9 +80,9 @@ void check_launch(cudaError_t err, const char* op) {
 std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_in,
                                                const std::optional<at::Tensor>& draft_logits_in,
                                                const at::Tensor& draft_tokens_in, double temperature_in,
-                                               const std::optional<at::Tensor>& target_cut_value_in,
+                                               const std::optional<at::Tensor>& target_cut_source_in,
                                                const std::optional<at::Tensor>& target_cut_index_in,
-                                               const std::optional<at::Tensor>& draft_cut_value_in,
+                                               const std::optional<at::Tensor>& draft_cut_source_in,
                                                const std::optional<at::Tensor>& draft_cut_index_in,
                                                const at::Tensor& seed, const at::Tensor& offset, bool seed_per_row) {
   TORCH_CHECK(target_logits_in.dim() == 3, "target_logits must be [B, K+1, V], got shape ", target_logits_in.sizes());
@@ -134,16 +134,16 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   }
   p.draft_tokens = draft_tokens.data_ptr<int64_t>();
   p.temperature = temperature;
-  at::Tensor target_cut_value, target_cut_index, draft_cut_value, draft_cut_index;
-  if (sampling && target_cut_value_in.has_value()) {
-    target_cut_value = cut_tensor(target_cut_value_in, "target_cut_value", {batch, num_draft + 1}, at::kFloat, device);
-    target_cut_index = cut_tensor(target_cut_index_in, "target_cut_index", {batch, num_draft + 1}, at::kInt, device);
-    p.target_cut_value = target_cut_value.data_ptr<float>();
+  at::Tensor target_cut_source, target_cut_index, draft_cut_source, draft_cut_index;
+  if (sampling && target_cut_source_in.has_value()) {
+    target_cut_source = cut_tensor(target_cut_source_in, "target_cut_source", {batch, num_draft + 1}, device);
+    target_cut_index = cut_tensor(target_cut_index_in, "target_cut_index", {batch, num_draft + 1}, device);
+    p.target_cut_source = target_cut_source.data_ptr<int32_t>();
     p.target_cut_index = target_cut_index.data_ptr<int32_t>();
     if (draft_logits.defined()) {
-      draft_cut_value = cut_tensor(draft_cut_value_in, "draft_cut_value", {batch, num_draft}, at::kFloat, device);
-      draft_cut_index = cut_tensor(draft_cut_index_in, "draft_cut_index", {batch, num_draft}, at::kInt, device);
-      p.draft_cut_value = draft_cut_value.data_ptr<float>();
+      draft_cut_source = cut_tensor(draft_cut_source_in, "draft_cut_source", {batch, num_draft}, device);
+      draft_cut_index = cut_tensor(draft_cut_index_in, "draft_cut_index", {batch, num_draft}, device);
+      p.draft_cut_source = draft_cut_source.data_ptr<int32_t>();
       p.draft_cut_index = draft_cut_index.data_ptr<int32_t>();
     }
   }
@@ -170,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   return {tokens, num_accepted};
 }
 
-at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const std::optional<at::Tensor>& cut_value_in,
+at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const std::optional<at::Tensor>& cut_source_in,
                        const std::optional<at::Tensor>& cut_index_in, const at::Tensor& seed, const at::Tensor& offset,
                        bool seed_per_row) {
   TORCH_CHECK(logits_in.dim() == 2, "logits must be [B, V], got shape ", logits_in.sizes());
@@ -185,10 +185,10 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
   const float temperature = checked_temperature(temperature_in);
   check_row_tensor(seed, "seed", batch, device);
   check_row_tensor(offset, "offset", batch, device);
-  at::Tensor cut_value, cut_index;
-  if (temperature > 0.0f && cut_value_in.has_value()) {
-    cut_value = cut_tensor(cut_value_in, "cut_value", {batch}, at::kFloat, device);
-    cut_index = cut_tensor(cut_index_in, "cut_index", {batch}, at::kInt, device);
+  at::Tensor cut_source, cut_index;
+  if (temperature > 0.0f && cut_source_in.has_value()) {
+    cut_source = cut_tensor(cut_source_in, "cut_source", {batch}, device);
+    cut_index = cut_tensor(cut_index_in, "cut_index", {batch}, device);
   }
 
   at::Tensor tokens = at::empty({batch}, logits.options().dtype(at::kLong));
@@ -201,7 +201,7 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const cudaError_t err = sample_launch(
       dtype, logits.data_ptr(), b, v, logits.stride(0), temperature,
-      cut_value.defined() ? cut_value.data_ptr<float>() : nullptr,
+      cut_source.defined() ? cut_source.data_ptr<int32_t>() : nullptr,
       cut_index.defined() ? cut_index.data_ptr<int32_t>() : nullptr, seed.data_ptr<int64_t>(), seed.stride(0),
       offset.data_ptr<int64_t>(), offset.stride(0), seed_per_row, tokens.data_ptr<int64_t>(), workspace.data_ptr(),
       workspace_bytes, stream);
@@ -215,10 +215,10 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
 TORCH_LIBRARY(speculative_kernels_cuda, m) {
   m.def(
       "verify(Tensor target_logits, Tensor? draft_logits, Tensor draft_tokens, float temperature, "
-      "Tensor? target_cut_value, Tensor? target_cut_index, Tensor? draft_cut_value, Tensor? draft_cut_index, "
+      "Tensor? target_cut_source, Tensor? target_cut_index, Tensor? draft_cut_source, Tensor? draft_cut_index, "
       "Tensor seed, Tensor offset, bool seed_per_row) -> (Tensor, Tensor)");
   m.def(
-      "sample(Tensor logits, float temperature, Tensor? cut_value, Tensor? cut_index, Tensor seed, Tensor offset, "
+      "sample(Tensor logits, float temperature, Tensor? cut_source, Tensor? cut_index, Tensor seed, Tensor offset, "
       "bool seed_per_row) -> Tensor");
 }
 

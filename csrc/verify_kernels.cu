@@ -61,9 +61,9 @@ struct Args {
   const int64_t* draft_tokens;
   int batch, num_draft, vocab, rows_per_batch, num_chunks;
   float temperature;
-  const float* target_cut_value;
+  const int32_t* target_cut_source;
   const int32_t* target_cut_index;
-  const float* draft_cut_value;
+  const int32_t* draft_cut_source;
   const int32_t* draft_cut_index;
   const int64_t* seed;
   int64_t seed_stride;
@@ -80,7 +80,8 @@ template <typename T>
 struct RowRef {
   const T* ptr;
   bool vec;
-  float cut_value;
+  bool cut_ok;      // cut_source was inside [0, V)
+  float cut_value;  // z of the cut's source element
   int cut_index;
 };
 
@@ -144,15 +145,17 @@ struct CombineRace {
 template <typename T, bool HAS_CUT>
 __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
   RowRef<T> row;
+  row.cut_ok = true;
   row.cut_value = -INFINITY;
   row.cut_index = 0;
   const int num_positions = a.num_draft + 1;
+  int cut_source = 0;
   if (j < num_positions) {
     row.ptr = a.target + static_cast<int64_t>(b) * a.target_stride_b + static_cast<int64_t>(j) * a.target_stride_j;
     row.vec = a.target_vec;
     if constexpr (HAS_CUT) {
       const int64_t k = static_cast<int64_t>(b) * num_positions + j;
-      row.cut_value = a.target_cut_value[k];
+      cut_source = a.target_cut_source[k];
       row.cut_index = a.target_cut_index[k];
     }
   } else {
@@ -161,9 +164,13 @@ __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
     row.vec = a.draft_vec;
     if constexpr (HAS_CUT) {
       const int64_t k = static_cast<int64_t>(b) * a.num_draft + i;
-      row.cut_value = a.draft_cut_value[k];
+      cut_source = a.draft_cut_source[k];
       row.cut_index = a.draft_cut_index[k];
     }
+  }
+  if constexpr (HAS_CUT) {
+    row.cut_ok = cut_source >= 0 && cut_source < a.vocab;
+    row.cut_value = row.cut_ok ? __fdiv_rn(to_float(row.ptr[cut_source]), a.temperature) : INFINITY;
   }
   return row;
 }
@@ -229,6 +236,7 @@ __global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<
   const int end = min(start + kChunkSize, a.vocab);
 
   ChunkStats acc = stats_identity();
+  acc.bad = static_cast<int>(!row.cut_ok);  // a cut source outside [0, V) invalidates the row
   visit_chunk(row.ptr, static_cast<const T*>(nullptr), row.vec, start, end, [&](int v, float x, float) {
     acc.bad |= static_cast<int>(isnan(x) || x == INFINITY);
     if (argmax_prefers(x, v, acc.raw_max, acc.raw_arg)) {
@@ -323,7 +331,7 @@ __global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
   const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
   const ChunkStats p_stats = row_stats[n];
   const bool has_q = n < a.num_draft;  // q_K := 0: the bonus token is drawn from p_K
-  RowRef<T> q_row{nullptr, true, -INFINITY, 0};
+  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0};
   ChunkStats q_stats = stats_identity();
   int q_token = -1;
   if (has_q) {
@@ -438,7 +446,7 @@ cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* work
   constexpr int kVec = VecWidth<T>::value;
   const bool has_draft = p.draft_logits != nullptr;
   const bool sampling = p.temperature > 0.0f;
-  const bool has_cut = sampling && p.target_cut_value != nullptr;
+  const bool has_cut = sampling && p.target_cut_source != nullptr;
   Args<T> a;
   a.target = static_cast<const T*>(p.target_logits);
   a.target_stride_b = p.target_stride_b;
@@ -455,9 +463,9 @@ cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* work
   a.rows_per_batch = p.num_draft + 1 + (has_draft ? p.num_draft : 0);
   a.num_chunks = num_chunks_for(p.vocab);
   a.temperature = p.temperature;
-  a.target_cut_value = p.target_cut_value;
+  a.target_cut_source = p.target_cut_source;
   a.target_cut_index = p.target_cut_index;
-  a.draft_cut_value = p.draft_cut_value;
+  a.draft_cut_source = p.draft_cut_source;
   a.draft_cut_index = p.draft_cut_index;
   a.seed = p.seed;
   a.seed_stride = p.seed_stride;
@@ -486,9 +494,9 @@ bool params_ok(const VerifyParams& p) {
   if (p.target_logits == nullptr || p.tokens == nullptr || p.seed == nullptr || p.offset == nullptr) return false;
   if (p.num_draft > 0 && p.draft_tokens == nullptr) return false;
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return false;
-  if (p.temperature > 0.0f && p.target_cut_value != nullptr) {
+  if (p.temperature > 0.0f && p.target_cut_source != nullptr) {
     if (p.target_cut_index == nullptr) return false;
-    if (p.draft_logits != nullptr && p.num_draft > 0 && (p.draft_cut_value == nullptr || p.draft_cut_index == nullptr))
+    if (p.draft_logits != nullptr && p.num_draft > 0 && (p.draft_cut_source == nullptr || p.draft_cut_index == nullptr))
       return false;
   }
   return p.dtype == LogitDtype::kFloat32 || p.dtype == LogitDtype::kFloat16 || p.dtype == LogitDtype::kBFloat16;
@@ -521,7 +529,7 @@ cudaError_t verify_launch(const VerifyParams& p, void* workspace, size_t workspa
 }
 
 cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int vocab, int64_t stride_b,
-                          float temperature, const float* cut_value, const int32_t* cut_index, const int64_t* seed,
+                          float temperature, const int32_t* cut_source, const int32_t* cut_index, const int64_t* seed,
                           int64_t seed_stride, const int64_t* offset, int64_t offset_stride, bool seed_per_row,
                           int64_t* tokens, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   // The sampler is verification with K = 0 and no draft: n = 0 and the token is raced from p_0, on its own stream.
@@ -534,7 +542,7 @@ cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int v
   p.target_stride_b = stride_b;
   p.target_stride_j = 0;
   p.temperature = temperature;
-  p.target_cut_value = cut_value;
+  p.target_cut_source = cut_source;
   p.target_cut_index = cut_index;
   p.seed = seed;
   p.seed_stride = seed_stride;

@@ -45,11 +45,14 @@ struct VerifyParams {
   // draft_tokens: [B, K] int64, contiguous (unused when K == 0).
   const int64_t* draft_tokens = nullptr;
   float temperature = 1.0f;  // 0 means greedy
-  // top-k/top-p cut per row, keep iff z > cut_value or (z == cut_value and v >= cut_index); nullptr = no cut.
-  const float* target_cut_value = nullptr;    // [B, K+1] contiguous
-  const int32_t* target_cut_index = nullptr;  // [B, K+1] contiguous
-  const float* draft_cut_value = nullptr;     // [B, K] contiguous (needed with draft_logits and a target cut)
-  const int32_t* draft_cut_index = nullptr;   // [B, K] contiguous
+  // top-k/top-p cut per row: keep v iff z_v > z_s or (z_v == z_s and v >= cut_index), s = cut_source. The cut value
+  // is the warped logit of element s computed here, with the kernels' own arithmetic, so the caller's arithmetic
+  // (e.g. Triton's approximate division under torch.compile) cannot move the cut by an ulp. A cut_source outside
+  // [0, V) marks the row invalid. nullptr = no cut.
+  const int32_t* target_cut_source = nullptr;  // [B, K+1] contiguous
+  const int32_t* target_cut_index = nullptr;   // [B, K+1] contiguous
+  const int32_t* draft_cut_source = nullptr;   // [B, K] contiguous (needed with draft_logits and a target cut)
+  const int32_t* draft_cut_index = nullptr;    // [B, K] contiguous
   // seed, offset: [B] int64 (any stride, 0 allowed).
   const int64_t* seed = nullptr;
   int64_t seed_stride = 0;
@@ -71,10 +74,10 @@ size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draf
 cudaError_t verify_launch(const VerifyParams& params, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Draft-side sampler: tokens [B] from softmax(warp(logits[B, V])) with the STREAM_DRAFT counters (argmax when
-// temperature == 0), -1 for an invalid row. cut_value/cut_index: [B] or nullptr. workspace: >=
+// temperature == 0), -1 for an invalid row. cut_source/cut_index: [B] or nullptr (see VerifyParams). workspace: >=
 // verify_workspace_bytes(batch, 0, vocab, false) bytes.
 cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int vocab, int64_t stride_b,
-                          float temperature, const float* cut_value, const int32_t* cut_index, const int64_t* seed,
+                          float temperature, const int32_t* cut_source, const int32_t* cut_index, const int64_t* seed,
                           int64_t seed_stride, const int64_t* offset, int64_t offset_stride, bool seed_per_row,
                           int64_t* tokens, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 

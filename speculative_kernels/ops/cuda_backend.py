@@ -5,10 +5,12 @@ Importing this module loads the extension (prebuilt or JIT, ``cuda_ext.py``) and
 reason where it cannot; ``backends.py`` imports it only after ``cuda_ext.unavailable_reason()`` returned None. The fake
 implementations registered here give the ops' output shapes to ``torch.compile`` (fullgraph) and to tracing.
 
-Top-k / top-p: the per-row cut (value, index) comes from ``warping.warp_thresholds`` (HF's exact masks), computed on
-z = float32(logits) / temperature as a true division, the same arithmetic the kernels use to compare against the cut.
-(PyTorch's CUDA ``tensor / python_float`` multiplies by the reciprocal instead, which can differ by one ulp and would
-move the cut by one element; the divisor is therefore a 0-dim device tensor.)
+Top-k / top-p: the per-row lexicographic cut (value, index) comes from ``warping.warp_thresholds`` (HF's exact masks).
+The kernels receive it as (source, index), the vocabulary id whose warped logit is the cut value, and recompute that
+value with their own arithmetic (z = x / T, a true division), so the elements on either side of the cut are decided by
+one arithmetic: a cut value computed here could differ from the kernel's z of the same element by an ulp (PyTorch's
+CUDA ``tensor / python_float`` multiplies by the reciprocal; Triton's fp32 ``/`` under torch.compile is approximate)
+and drop the cut element itself. z is computed here with a true division too (0-dim device tensor divisor).
 """
 
 import torch
@@ -23,7 +25,7 @@ __all__ = ["sample", "verify"]
 
 @torch.library.register_fake("speculative_kernels_cuda::verify")
 def _verify_fake(
-    target_logits, draft_logits, draft_tokens, temperature, target_cut_value, target_cut_index, draft_cut_value,
+    target_logits, draft_logits, draft_tokens, temperature, target_cut_source, target_cut_index, draft_cut_source,
     draft_cut_index, seed, offset, seed_per_row,
 ):
     batch, num_positions, _ = target_logits.shape
@@ -32,7 +34,7 @@ def _verify_fake(
 
 
 @torch.library.register_fake("speculative_kernels_cuda::sample")
-def _sample_fake(logits, temperature, cut_value, cut_index, seed, offset, seed_per_row):
+def _sample_fake(logits, temperature, cut_source, cut_index, seed, offset, seed_per_row):
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
@@ -41,9 +43,16 @@ def _cut_active(top_k: int, top_p: float, vocab: int) -> bool:
 
 
 def _cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cut_value [...] float32, cut_index [...] int32) of logits [..., V], on z = float32(logits) / T (true division)."""
+    """(cut_source [...] int32, cut_index [...] int32) of logits [..., V]: keep v iff (z_v, v) >= (z_source, index)."""
     divisor = torch.full((), temperature, dtype=torch.float32, device=logits.device)
-    return warp_thresholds(logits.to(torch.float32) / divisor, top_k, top_p)
+    z = logits.to(torch.float32) / divisor
+    cut_value, cut_index = warp_thresholds(z, top_k, top_p)
+    # With top-p the cut is an element, (z_i, i); with top-k alone it is (k-th largest z, 0): take the first element
+    # holding that value.
+    at_index = z.gather(-1, cut_index.to(torch.int64).unsqueeze(-1)).squeeze(-1)
+    first_equal = (z == cut_value.unsqueeze(-1)).to(torch.int32).argmax(dim=-1)
+    source = torch.where(at_index == cut_value, cut_index.to(torch.int64), first_equal)
+    return source.to(torch.int32), cut_index.to(torch.int32)
 
 
 def verify(
