@@ -1,0 +1,133 @@
+"""Every unsupported or invalid input gets a clear error naming it."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from models import gpt2, llama
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=3)
+
+
+def _ids():
+    return torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be >= 1"),
+        (dict(num_speculative_tokens=2.5), TypeError, "num_speculative_tokens must be an int"),
+        (dict(do_sample=True, temperature=-0.5), ValueError, "temperature"),
+        (dict(do_sample=True, top_p=1.5), ValueError, "top_p"),
+        (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
+        (dict(do_sample=True, top_k=-1), ValueError, "top_k"),
+        (dict(num_beams=2), ValueError, "num_beams"),
+        (dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences"),
+        (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
+        (dict(no_repeat_ngram_size=2), ValueError, "no_repeat_ngram_size"),
+        (dict(output_attentions=True, return_dict_in_generate=True), ValueError, "output_attentions"),
+        (dict(use_cache=False), ValueError, "use_cache"),
+        (dict(some_unknown_flag=3), ValueError, "some_unknown_flag"),
+        (dict(backend="tpu"), ValueError, "backend"),
+        (dict(backend="cuda"), RuntimeError, "'cuda' cannot run"),
+        (dict(cache_implementation="offloaded"), ValueError, "cache_implementation"),
+    ],
+)
+def test_bad_arguments(pair, kwargs, error, match):
+    target, draft = pair
+    with pytest.raises(error, match=match):
+        sk.generate(target, _ids(), draft_model=draft, max_new_tokens=4, **kwargs)
+
+
+def test_missing_or_conflicting_draft(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="draft_model"):
+        sk.generate(target, _ids(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="either draft_model or assistant_model"):
+        sk.generate(target, _ids(), draft_model=draft, assistant_model=target, max_new_tokens=4)
+
+
+def test_different_vocabularies(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="different vocabularies"):
+        sk.generate(target, _ids(), draft_model=llama(vocab=120), max_new_tokens=4)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        sk.generate(target, _ids(), draft_model=gpt2(vocab=50), max_new_tokens=4)
+
+
+def test_tokenizers_that_disagree():
+    from speculative_kernels.generation.vocab import check_tokenizers
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    check_tokenizers(Tok({"a": 0, "b": 1}), Tok({"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match="different vocabularies"):
+        check_tokenizers(Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0}))
+
+
+def test_padded_draft_vocabulary_is_exact_with_shared_tokenizer():
+    """A draft whose vocabulary is a prefix of the target's (padding) is accepted when the tokenizers agree."""
+
+    class Tok:
+        def get_vocab(self):
+            return {f"t{i}": i for i in range(90)}
+
+    target = llama()
+    for draft in (llama(layers=1, vocab=90, seed=4), llama(layers=1, vocab=128, seed=4)):
+        ids = _ids()
+        expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+        got = sk.generate(target, ids, draft_model=draft, tokenizer=Tok(), assistant_tokenizer=Tok(),
+                          max_new_tokens=10, do_sample=False)
+        assert torch.equal(got, expected)
+
+
+def test_empty_prompt_without_bos(pair):
+    target, draft = pair
+    target.generation_config.bos_token_id = None
+    try:
+        with pytest.raises(ValueError, match="bos_token_id"):
+            sk.generate(target, torch.zeros(1, 0, dtype=torch.int64), draft_model=draft, max_new_tokens=3)
+    finally:
+        target.generation_config.bos_token_id = 1
+
+
+def test_right_padding_is_refused(pair):
+    target, draft = pair
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0
+    with pytest.raises(ValueError, match="right padding"):
+        sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=3)
+
+
+def test_models_on_different_devices(pair):
+    target, _ = pair
+    elsewhere = llama(layers=1, seed=3).to("meta")
+    with pytest.raises(ValueError, match="draft_model is on meta"):
+        sk.generate(target, _ids(), draft_model=elsewhere, max_new_tokens=3)
+
+
+def test_nan_logits_raise_instead_of_emitting(pair):
+    target, draft = pair
+    broken = llama(layers=1, seed=3)
+    with torch.no_grad():
+        broken.lm_head.weight[5, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        sk.generate(target, _ids(), draft_model=broken, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="NaN"):
+        sk.generate(broken, _ids(), draft_model=draft, max_new_tokens=4, do_sample=True)
+
+
+def test_stats_type_checked(pair):
+    target, draft = pair
+    with pytest.raises(TypeError, match="speculation_stats"):
+        sk.generate(target, _ids(), draft_model=draft, max_new_tokens=3, speculation_stats={})
