@@ -22,19 +22,22 @@ from .stats import PhaseTimer, SpeculationStats
 class SpeculativeLoop:
     """Runs one batch of prompts to completion. Build it, call ``run()``; a server can also drive ``step()``.
 
-    input_ids, attention_mask: [B, L] (left padding only). ``bridge``: a ``VocabBridge``.
+    input_ids, attention_mask: [B, L] (left padding only): the (decoder) prompt. ``bridge``: a ``VocabBridge``.
+    ``runner_factory(model, batch, max_slots, device)`` builds the object that drives each model (``runner.py``'s
+    ``DecoderRunner`` by default; anything with its ``forward``/``keep_prefix`` interface fits, e.g. a static-cache
+    or an encoder-decoder runner).
     """
 
-    def __init__(self, target, draft, bridge, plan: Plan, input_ids, attention_mask, backend: str = "auto"):
+    def __init__(self, target, draft, bridge, plan: Plan, input_ids, attention_mask, backend: str = "auto",
+                 runner_factory=DecoderRunner):
         self.target, self.draft, self.bridge, self.plan = target, draft, bridge, plan
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
         self.gamma = plan.num_speculative_tokens
         self.impl = backends.implementation(backend, self.device.type)
         self.sampling = plan.sampling
-        max_slots = self.prompt_length + (self.gamma + 1) * (plan.max_new_tokens + 1) + 2
-        self.target_runner = DecoderRunner(target, self.batch, max_slots, self.device)
-        self.draft_runner = DecoderRunner(draft, self.batch, max_slots, self.device)
+        self.target_runner = runner_factory(target, self.batch, self.max_slots(), self.device)
+        self.draft_runner = runner_factory(draft, self.batch, self.max_slots(), self.device)
         width = self.prompt_length + plan.max_new_tokens + self.gamma + 1  # slack: no scatter ever collides
         fill = plan.pad_token_id if plan.pad_token_id is not None else 0
         self.sequences = torch.full((self.batch, width), fill, dtype=torch.int64, device=self.device)
@@ -52,6 +55,11 @@ class SpeculativeLoop:
         self._prefill(input_ids, attention_mask)
 
     # ----------------------------------------------------------------------------------------------- set-up
+    def max_slots(self) -> int:
+        """Upper bound on the cache slots either model can use: the prompt, then at most gamma + 1 per iteration
+        and at most max_new_tokens iterations (every unfinished row emits at least one token per iteration)."""
+        return self.prompt_length + (self.gamma + 1) * (self.plan.max_new_tokens + 1) + 2
+
     def _score_buffer(self):
         vocab = self.bridge.target_width
         return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, vocab, device=self.device)
