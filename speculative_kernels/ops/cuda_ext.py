@@ -50,7 +50,7 @@ def _device_reason() -> str | None:
     import torch
 
     if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
+        return f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None)"
     if not torch.cuda.is_available():
         return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
