@@ -105,6 +105,68 @@ def test_bindings_syntax(tmp_path):
     _run([CXX, *flags, str(CSRC / "bindings.cpp")])
 
 
+PHILOX_HOST_SHIM = r"""
+// Host build of csrc/philox.cuh: the CUDA intrinsics it uses, as exactly rounded host operations.
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#define __device__
+#define __forceinline__ inline
+static inline uint32_t __umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((uint64_t(a) * b) >> 32); }
+static inline float __uint2float_rn(uint32_t x) { return static_cast<float>(x); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+#include "philox.cuh"
+using namespace speculative_kernels;
+int main() {
+  uint64_t seed;
+  uint32_t c0, c1, c2, c3;
+  while (std::scanf("%" SCNu64 " %" SCNu32 " %" SCNu32 " %" SCNu32 " %" SCNu32, &seed, &c0, &c1, &c2, &c3) == 5) {
+    const uint32_t x = philox_first_word(seed, c0, c1, c2, c3);
+    std::printf("%" PRIu32 " %.9g %.9g\n", x, uniform_from_bits(x), exponential_from_bits(x));
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++/c++) on PATH")
+def test_philox_header_matches_reference_on_host(tmp_path):
+    """csrc/philox.cuh, built for the host, against ops/philox.py: words and uniforms bit for bit, the exponential
+    bit for bit on the series branch (u < 2^-8) and to 1 ulp elsewhere (host logf vs CUDA's)."""
+    from speculative_kernels.ops import philox
+
+    source = tmp_path / "philox_host.cpp"
+    source.write_text(PHILOX_HOST_SHIM)
+    binary = tmp_path / "philox_host"
+    _run([CXX, "-std=c++17", "-O1", "-ffp-contract=off", f"-I{CSRC}", str(source), "-o", str(binary)])
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    seed = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g, dtype=torch.int64)
+    counters = [torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64) for _ in range(4)]
+    counters[0][:64] = torch.arange(64)  # small element ids, row 0, stream constants as the kernels use them
+    counters[1][:64] = 0
+    counters[3][:64] = torch.tensor([philox.STREAM_ACCEPT, philox.STREAM_POSITION, philox.STREAM_DRAFT, 7] * 16)
+    lines = [f"{int(s) & (2**64 - 1)} {' '.join(str(int(c[i])) for c in counters)}" for i, s in enumerate(seed)]
+    proc = subprocess.run([str(binary)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert len(rows) == n
+    words = torch.tensor([int(r[0]) for r in rows], dtype=torch.int64)
+    host_uniform = torch.tensor([float(r[1]) for r in rows], dtype=torch.float32)
+    host_exp = torch.tensor([float(r[2]) for r in rows], dtype=torch.float32)
+    want = philox.philox_first_word(seed, *counters)
+    assert torch.equal(words, want)
+    assert torch.equal(host_uniform, philox.uniform_from_bits(want))
+    want_exp = philox.exponential_from_bits(want)
+    series = want.to(torch.float32) * philox.U32_SCALE < philox.EXP_SERIES_CUTOFF
+    assert torch.equal(host_exp[series], want_exp[series])
+    ulp = torch.finfo(torch.float32).eps * want_exp.abs().clamp(min=torch.finfo(torch.float32).tiny)
+    assert ((host_exp - want_exp).abs() <= ulp).all()
+
+
 def _op_schemas() -> dict[str, str]:
     """name -> schema string of every m.def(...) in bindings.cpp (adjacent string literals joined)."""
     text = (CSRC / "bindings.cpp").read_text()
