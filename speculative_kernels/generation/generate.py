@@ -64,6 +64,34 @@ def _prepare_inputs(model, input_ids, attention_mask, plan_bos):
     return input_ids, attention_mask
 
 
+def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokenizer=None, assistant_tokenizer=None,
+               generation_config=None, backend: str = "auto", **kwargs):
+    """Validate everything and build the ``SpeculativeLoop`` for one batch of prompts (shared by ``generate`` and
+    ``SpeculativeDecoder``). Returns (loop, plan, input_ids)."""
+    _check_models(model, draft_model)
+    attention_mask = kwargs.pop("attention_mask", None)
+    if "inputs" in kwargs:
+        if input_ids is not None:
+            raise ValueError("pass either input_ids or inputs, not both")
+        input_ids = kwargs.pop("inputs")
+    prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
+    plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config, kwargs)
+    model_kwargs.pop("use_cache", None)
+    if model_kwargs:
+        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
+    input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask, plan.generation_config.bos_token_id)
+    batch = input_ids.shape[0]
+    if batch > 1 and plan.streamer is not None:
+        raise ValueError("streamer supports batch size 1 only (as in transformers)")
+    if batch > 1 and plan.stopping_criteria:
+        raise ValueError("stopping_criteria are supported for batch size 1 only")
+    if batch > 1 and plan.pad_token_id is None:
+        raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")
+    bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
+    loop = SpeculativeLoop(model, draft_model, bridge, plan, input_ids, attention_mask, backend=backend)
+    return loop, plan, input_ids
+
+
 def generate(
     model,
     input_ids: torch.Tensor | None = None,
@@ -90,31 +118,13 @@ def generate(
         if draft_model is not None and draft_model is not assistant_model:
             raise ValueError("pass either draft_model or assistant_model, not both")
         draft_model = assistant_model
-    _check_models(model, draft_model)
     if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
         raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
-    attention_mask = kwargs.pop("attention_mask", None)
-    if "inputs" in kwargs:
-        if input_ids is not None:
-            raise ValueError("pass either input_ids or inputs, not both")
-        input_ids = kwargs.pop("inputs")
-    prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
-    plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config, kwargs)
-    model_kwargs.pop("use_cache", None)
-    if model_kwargs:
-        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
-    input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask, plan.generation_config.bos_token_id)
-    batch = input_ids.shape[0]
-    if batch > 1 and plan.streamer is not None:
-        raise ValueError("streamer supports batch size 1 only (as in transformers)")
-    if batch > 1 and plan.stopping_criteria:
-        raise ValueError("stopping_criteria are supported for batch size 1 only")
-    if batch > 1 and plan.pad_token_id is None:
-        raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")
-    bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
-
     with torch.inference_mode():
-        loop = SpeculativeLoop(model, draft_model, bridge, plan, input_ids, attention_mask, backend=backend)
+        loop, plan, input_ids = build_loop(
+            model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend, **kwargs
+        )
         sequences, stats = loop.run()
     if speculation_stats is not None:
         for field in dataclasses.fields(SpeculationStats):

@@ -171,7 +171,10 @@ class SpeculativeLoop:
         self.pending = (torch.stack([first, new], dim=1), None if all(a == self.gamma for a in accepted_host) else real)
 
     def step(self) -> bool:
-        """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished."""
+        """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished.
+
+        Afterwards ``emitted()`` lists the token ids each row emitted (read in the iteration's one host read).
+        """
         dtype = next(self.target.parameters()).dtype
         self.timer.start("draft")
         draft_tokens, draft_logits = self._draft(dtype)
@@ -185,10 +188,12 @@ class SpeculativeLoop:
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count, generated_before)
         # The one device-to-host read of the iteration.
-        host = torch.cat([accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]).tolist()
+        flags = [accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]
+        host = torch.cat([*flags, out.flatten()]).tolist()
         b = self.batch
         accepted_host, count_host = host[:b], host[b : 2 * b]
-        finished_host, active_host = host[2 * b : 3 * b], host[3 * b :]
+        finished_host, active_host = host[2 * b : 3 * b], host[3 * b : 4 * b]
+        self._host_tokens, self._host_counts = host[4 * b :], count_host
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
                                    draft_tokens=draft_tokens)
@@ -197,6 +202,12 @@ class SpeculativeLoop:
         self._next_pending(out, accepted, draft_tokens, accepted_host)
         self.iteration += 1
         return not all(finished_host)
+
+    def emitted(self) -> list[list[int]]:
+        """Token ids each row emitted in the last ``step()`` (after EOS / length / stopping-criteria cuts)."""
+        width = self.gamma + 1
+        tokens, counts = self._host_tokens, self._host_counts
+        return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
     def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> None:
         """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer."""
@@ -219,6 +230,7 @@ class SpeculativeLoop:
             if any(bool(torch.as_tensor(c(ids, None)).any()) for c in self.plan.stopping_criteria):
                 self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
                 self.generated = generated_before + (j + 1)
+                self._host_counts = [j + 1]
                 self.finished = torch.ones_like(self.finished)
                 return
 

@@ -1,0 +1,73 @@
+"""A decoder object a serving loop drives one iteration at a time.
+
+    decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4)
+    session = decoder.start(input_ids, attention_mask=mask, max_new_tokens=128, do_sample=True, temperature=0.7)
+    while not session.finished:
+        for row, tokens in enumerate(session.step()):   # one draft+verify iteration, one host read
+            send(row, tokens)
+    sequences = session.sequences()
+
+``start`` takes ``model.generate``'s keyword arguments. Each ``step`` returns the tokens every row emitted in that
+iteration (an empty list for a finished row); they come from the iteration's single device-to-host read.
+"""
+
+import torch
+
+from .generation.generate import build_loop
+from .generation.stats import SpeculationStats
+
+
+class DecodeSession:
+    """One batch of requests in flight. Created by ``SpeculativeDecoder.start``."""
+
+    def __init__(self, loop):
+        self._loop = loop
+        self.finished = loop.plan.max_new_tokens == 0
+        self.iterations = 0
+
+    def step(self) -> list[list[int]]:
+        """Run one iteration; returns the new token ids of each row ([] for rows already finished)."""
+        if self.finished:
+            raise RuntimeError("the session is finished; start a new one")
+        with torch.inference_mode():
+            self.finished = not self._loop.step()
+        self.iterations += 1
+        return self._loop.emitted()
+
+    def sequences(self) -> torch.Tensor:
+        """[B, L + new]: prompts and everything generated so far (finished rows padded)."""
+        longest = int(self._loop.generated.max())
+        return self._loop.sequences[:, : self._loop.prompt_length + longest]
+
+    @property
+    def stats(self) -> SpeculationStats:
+        stats = self._loop.stats
+        stats.accepted_histogram = self._loop._histogram.tolist()
+        return stats
+
+
+class SpeculativeDecoder:
+    """A target/draft pair, validated once, that starts decoding sessions.
+
+    target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``).
+    """
+
+    def __init__(self, target, draft, *, num_speculative_tokens: int = 5, backend: str = "auto", tokenizer=None,
+                 assistant_tokenizer=None):
+        self.target, self.draft = target, draft
+        self.num_speculative_tokens = num_speculative_tokens
+        self.backend = backend
+        self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
+
+    def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
+        """Prefill both models for input_ids [B, L] and return the session to ``step``."""
+        for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
+            if generation_kwargs.get(name):
+                raise ValueError(f"{name} is not available on a session; read the tokens from step()")
+        with torch.inference_mode():
+            loop, _, _ = build_loop(
+                self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,
+                tokenizer=self.tokenizer, assistant_tokenizer=self.assistant_tokenizer, backend=self.backend,
+                **generation_kwargs,
+            )
+        return DecodeSession(loop)

@@ -1,0 +1,31 @@
+"""The server-facing decoder object: step-by-step tokens equal generate's output."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from models import llama
+
+
+def test_session_steps_reproduce_generate():
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0)
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, max_new_tokens=15, do_sample=False, pad_token_id=0)
+    streamed = [[] for _ in range(3)]
+    while not session.finished:
+        for row, tokens in enumerate(session.step()):
+            streamed[row].extend(tokens)
+    assert torch.equal(session.sequences(), expected)
+    for row in range(3):
+        assert streamed[row] == expected[row, 6:].tolist()
+    assert session.stats.target_forwards == session.iterations
+    with pytest.raises(RuntimeError, match="finished"):
+        session.step()
+
+
+def test_session_refuses_output_options():
+    target = llama()
+    with pytest.raises(ValueError, match="streamer"):
+        sk.SpeculativeDecoder(target, target).start(torch.ones(1, 3, dtype=torch.int64), streamer=object())
