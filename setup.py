@@ -65,10 +65,11 @@ def _extensions():
         sources=CUDA_SOURCES,
         include_dirs=[str(CSRC)],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
-            # No --use_fast_math: the kernels must reproduce the torch reference's arithmetic (true division,
+            # No -std: torch's BuildExtension adds the standard its headers need (the sources compile as C++17 and
+            # C++20). No --use_fast_math: the kernels must reproduce the torch reference's arithmetic (true division,
             # accurate expf/logf, denormals kept); the JIT build (ops/cuda_ext.py) uses the same flags.
-            "nvcc": ["-O3", "-std=c++17", "-lineinfo", f"--threads={nvcc_threads}", *gencode],
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "-lineinfo", f"--threads={nvcc_threads}", *gencode],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -27,9 +27,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Installed copy first (non-editable install), then the repository checkout (editable install / source tree).
 SOURCE_DIRS = (_PACKAGE_DIR / "csrc", _PACKAGE_DIR.parent / "csrc")
 # nvcc flags of the JIT build; the setup.py build uses the same. No --use_fast_math: the kernels' arithmetic must match
-# the torch reference (true division, accurate expf/logf, no flushed denormals).
-NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
-CXX_FLAGS = ("-O3", "-std=c++17")
+# the torch reference (true division, accurate expf/logf, no flushed denormals). No -std: torch's builder picks the
+# language standard its headers need (C++17 or C++20; the sources compile as both).
+NVCC_FLAGS = ("-O3", "-lineinfo")
+CXX_FLAGS = ("-O3",)
 
 
 def source_dir() -> Path | None:
