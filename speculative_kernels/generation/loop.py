@@ -45,6 +45,9 @@ class SpeculativeLoop:
         self.generated = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
         self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
         self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
+        vocab = bridge.target_width
+        self._eos_columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)  # [V]: True at EOS ids
+        self._eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
         self.seed, _, self.seed_per_row = resolve_randomness(None, 0, None, self.batch, self.device)
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
@@ -81,9 +84,7 @@ class SpeculativeLoop:
         if self.plan.min_new_tokens <= 0 or not self.plan.eos_token_ids:
             return
         too_early = (generated_before < self.plan.min_new_tokens).unsqueeze(-1)
-        eos_columns = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        eos_columns[self.eos[(self.eos >= 0) & (self.eos < logits.shape[-1])]] = True
-        logits.masked_fill_(too_early & eos_columns, float("-inf"))
+        logits.masked_fill_(too_early & self._eos_columns, float("-inf"))
 
     def _draft(self, dtype: torch.dtype):
         s = self.sampling
