@@ -36,6 +36,8 @@ class DecoderRunner:
         self.num_slots = 0
         self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
         self._logits_to_keep = _accepts(model, "logits_to_keep")
+        self._attention = getattr(model.config, "_attn_implementation", None)
+        self._dtype = next(model.parameters()).dtype
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
@@ -55,7 +57,7 @@ class DecoderRunner:
             kwargs["logits_to_keep"] = 1
         out = self.model(
             input_ids=tokens,
-            attention_mask=self.slot_mask[:, :end],
+            attention_mask=self.attention_mask(start, end),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
@@ -66,6 +68,20 @@ class DecoderRunner:
         self.next_position += real_i.sum(dim=1)
         logits = out.logits
         return logits[:, -1:] if last_only else logits
+
+    def attention_mask(self, start: int, end: int) -> torch.Tensor:
+        """The mask for queries at slots [start, end): an additive 4-D mask [B, 1, T, end] (causal over slots and
+        the slot mask), which HF uses as given. Passing the 2-D mask instead would make HF read it on the host at
+        every forward to decide whether it can skip masking; attention kernels that take no 4-D mask (flash
+        attention) get the 2-D mask and pay that synchronisation."""
+        if self._attention not in ("sdpa", "eager"):
+            return self.slot_mask[:, :end]
+        query_slots = torch.arange(start, end, device=self.slot_mask.device).unsqueeze(1)
+        causal = torch.arange(end, device=self.slot_mask.device).unsqueeze(0) <= query_slots  # [T, S]
+        allowed = causal.unsqueeze(0) & self.slot_mask[:, None, :end].bool()  # [B, T, S]
+        blocked = torch.finfo(self._dtype).min
+        return torch.zeros(allowed.shape, dtype=self._dtype, device=allowed.device).masked_fill_(
+            ~allowed, blocked).unsqueeze(1)
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes.

@@ -1,0 +1,44 @@
+"""The decode loop reads the device at most once per iteration (checked by intercepting host-reading calls)."""
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import speculative_kernels as sk
+from models import llama
+
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
+              "any", "all"}
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts calls that move tensor values to the host (``any``/``all`` count only when their result is read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in HOST_READS - {"any", "all"}:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _session(batch, **kwargs):
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.randint(3, 97, (batch, 6), generator=torch.Generator().manual_seed(0))
+    return sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, max_new_tokens=20,
+                                                                               pad_token_id=0, **kwargs)
+
+
+def test_one_host_read_per_iteration_greedy_and_sampling():
+    for batch, kwargs in ((1, dict(do_sample=False)), (4, dict(do_sample=True, temperature=0.8, top_k=10,
+                                                                 top_p=0.9, min_new_tokens=5))):
+        session = _session(batch, **kwargs)
+        steps = 0
+        while not session.finished:
+            with CountHostReads() as counter:
+                session.step()
+            assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
+            steps += 1
+        assert steps > 1
