@@ -224,8 +224,8 @@ def test_zero_residual_falls_back_to_p(backend, dtype):
     seed, offset = torch.arange(batch, device=DEVICE) + 5, _rows(2, batch)
     out, n = backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
     assert (n == 0).all()
-    top = target[:, 0].float().topk(5, dim=-1).indices
-    assert (out[:, :1] == top).any(dim=1).all()
+    kth = target[:, 0].float().topk(5, dim=-1).values[:, -1]  # ties with the 5th value are kept too
+    assert (target[:, 0].float().gather(1, out[:, :1]).squeeze(1) >= kth).all()
     want = verify_reference(target, draft, tokens, *_warp_args(warp), seed, offset, False)
     assert _agreeing_rows((out, n), want).float().mean() >= MIN_AGREEMENT
 
