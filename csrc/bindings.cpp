@@ -212,6 +212,8 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
 }  // namespace
 }  // namespace speculative_kernels
 
+// The one TORCH_LIBRARY of the namespace; further op files (e.g. the KV-cache rollback kernel of issue 4, in its own
+// .cu + binding) register with TORCH_LIBRARY_FRAGMENT(speculative_kernels_cuda, m) and TORCH_LIBRARY_IMPL.
 TORCH_LIBRARY(speculative_kernels_cuda, m) {
   m.def(
       "verify(Tensor target_logits, Tensor? draft_logits, Tensor draft_tokens, float temperature, "
