@@ -20,6 +20,15 @@ _MODULES = {
     "triton": "speculative_kernels.ops.triton_backend",
     "cuda": "speculative_kernels.ops.cuda_backend",
 }
+# Op families beyond verify/sample, each with its own module per backend (same selection rules).
+_FAMILIES = {
+    "verify": _MODULES,
+    "compaction": {
+        "torch": "speculative_kernels.ops.compaction_torch",
+        "triton": "speculative_kernels.ops.compaction_triton",
+        "cuda": "speculative_kernels.ops.compaction_cuda",
+    },
+}
 
 
 def _unavailable_reason(name: str, device_type: str) -> str | None:
@@ -66,6 +75,7 @@ def resolve(backend: str, device_type: str) -> str:
     return backend
 
 
-def implementation(backend: str, device_type: str) -> ModuleType:
-    """The module implementing ``verify``/``sample`` for the resolved backend."""
-    return importlib.import_module(_MODULES[resolve(backend, device_type)])
+def implementation(backend: str, device_type: str, family: str = "verify") -> ModuleType:
+    """The module implementing an op family for the resolved backend: ``verify``/``sample`` (family "verify") or
+    ``compact_kv`` (family "compaction")."""
+    return importlib.import_module(_FAMILIES[family][resolve(backend, device_type)])

@@ -1,0 +1,77 @@
+"""``compact_kv``: squeeze the holes out of KV-cache rows, in place (the rollback kernel of batched decoding).
+
+A batched speculative cache writes the same slots for every row; rejected drafts and padding become holes, marked 0
+in ``slot_mask`` [B, S]. ``compact_kv`` moves, per row, the real slots to the left in their order (a stable per-row
+gather along the slot axis), for every given K/V tensor [B, H, S, D]:
+
+    n_b = number of nonzero slot_mask[b, :]
+    kv[b, :, j] <- kv[b, :, s_j]   for j < n_b, s_j = index of the j-th real slot of row b
+    kv[b, :, j]    unchanged        for j >= n_b
+
+and returns n [B] int64. Values are copied bit for bit, so every backend gives identical tensors. The caller
+rewrites the mask (``slot_mask[b] = j < n_b``); position ids are unchanged (each K already carries its rotary
+position, and a row's real-token count stays the same).
+
+Backends (``backends.implementation(..., family="compaction")``): ``torch`` (this file's reference: a gather and a
+copy, any device), ``triton`` (``compaction_triton.py``) and ``cuda`` (``csrc/rollback_kernels.cu``, through
+``compaction_cuda.py``). The kernels work in place with one program per (row, head): they walk the slots in tiles,
+load the moved slots of a tile, synchronise, then store them at their destinations. A destination never exceeds its
+source, so no tile overwrites a slot a later tile still has to read; slots that stay where they are (the real prefix)
+are neither read nor written.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from . import backends
+
+__all__ = ["compact_kv", "compact_kv_reference", "compaction_lengths"]
+
+
+def compaction_lengths(slot_mask: torch.Tensor) -> torch.Tensor:
+    """n [B] int64: real slots per row of slot_mask [B, S]."""
+    return (slot_mask != 0).sum(dim=1)
+
+
+def compact_kv_reference(kv: torch.Tensor, slot_mask: torch.Tensor) -> None:
+    """In place on kv [B, H, S, D] (any strides), slot_mask [B, S] (any dtype, nonzero = real)."""
+    real = slot_mask != 0
+    slots = kv.shape[2]
+    lengths = real.sum(dim=1, keepdim=True)
+    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real slots first, in slot order
+    j = torch.arange(slots, device=kv.device).unsqueeze(0)
+    source = torch.where(j < lengths, order, j)  # [B, S]
+    index = source[:, None, :, None].expand(kv.shape)
+    kv.copy_(kv.gather(2, index))
+
+
+def _check(tensors: Sequence[torch.Tensor], slot_mask: torch.Tensor) -> None:
+    if not isinstance(slot_mask, torch.Tensor) or slot_mask.dim() != 2:
+        raise ValueError(f"slot_mask must be a [B, S] tensor, got {getattr(slot_mask, 'shape', slot_mask)}")
+    if slot_mask.is_floating_point() or slot_mask.is_complex():
+        raise TypeError(f"slot_mask must be an integer or bool tensor, got {slot_mask.dtype}")
+    for i, kv in enumerate(tensors):
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
+            raise ValueError(f"kv[{i}] must be a [B, H, S, D] tensor, got {getattr(kv, 'shape', kv)}")
+        if (kv.shape[0], kv.shape[2]) != tuple(slot_mask.shape):
+            raise ValueError(
+                f"kv[{i}] has shape {tuple(kv.shape)} but slot_mask is {tuple(slot_mask.shape)} ([B, S] must match)"
+            )
+        if kv.device != slot_mask.device:
+            raise ValueError(f"kv[{i}] is on {kv.device} but slot_mask is on {slot_mask.device}")
+
+
+def compact_kv(
+    kv: torch.Tensor | Sequence[torch.Tensor], slot_mask: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Move each row's real slots to the left, in place, in every tensor of ``kv``; returns n [B] int64.
+
+    kv: one tensor [B, H, S, D] or a sequence of them (e.g. every layer's K and V; any strides, the slot axis may be a
+    view of a longer buffer); slot_mask: [B, S], nonzero = real. See the module docstring for the exact semantics.
+    """
+    tensors = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+    _check(tensors, slot_mask)
+    impl = backends.implementation(backend, slot_mask.device.type, family="compaction")
+    impl.compact_kv(tensors, slot_mask)
+    return compaction_lengths(slot_mask)
