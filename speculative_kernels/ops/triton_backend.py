@@ -1,0 +1,251 @@
+"""Triton backend of ``verify``/``sample``: fused split-row kernels, registered as torch custom ops.
+
+Same signature and return contract as ``reference.py``. Launches: sampling 3 (stats, decide + race, finish),
+greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
+``scale_kernel`` so the cut is computed from the kernels' own z). No host synchronisation, so the ops can be
+captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
+"""
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from .philox import STREAM_DRAFT, STREAM_POSITION
+from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
+from .triton_race import finish_sample_kernel, race_kernel
+from .warping import warp_thresholds
+
+__all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch knobs. ``num_sms`` None means the device's SM count."""
+
+    block_v: int = 2048  # vocabulary tile per loop iteration (power of two)
+    num_warps: int = 8  # for a full tile; scaled down with smaller tiles
+    programs_per_sm: int = 4  # target grid size per pass, so a batch of one still fills the GPU
+    max_chunks: int = 256  # bounds the per-program combine work of the decision step
+    num_sms: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    block_v: int
+    num_warps: int
+    chunks: int  # pass 1: chunks per vocabulary row
+    chunk_size: int
+    race_chunks: int  # pass 2: chunks per raced row
+    race_chunk_size: int
+    block_k: int  # power of two >= K + 1
+    block_c: int  # chunk-combine tile
+
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(stats_kernel, InterpretedFunction)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_tuning(device: torch.device) -> Tuning:
+    if device.type == "cuda":
+        return Tuning(num_sms=_sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    # Interpreter (CPU tests): big numpy tiles and one chunk per row are fastest.
+    return Tuning(block_v=4096, programs_per_sm=1, num_sms=1)
+
+
+def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Plan:
+    """Chunking of both passes (python ints only: no device reads, traceable by torch.compile)."""
+    block_v = max(16, min(tuning.block_v, triton.next_power_of_2(vocab)))
+    tiles = triton.cdiv(vocab, block_v)
+    target = tuning.programs_per_sm * (tuning.num_sms or 1)
+
+    def split(rows: int) -> tuple[int, int]:
+        chunks = max(1, min(triton.cdiv(target, rows), tiles, tuning.max_chunks))
+        size = triton.cdiv(tiles, chunks) * block_v
+        return triton.cdiv(vocab, size), size
+
+    chunks, chunk_size = split(batch * num_positions)
+    race_chunks, race_chunk_size = split(batch)
+    return Plan(
+        block_v=block_v,
+        num_warps=max(1, min(tuning.num_warps, block_v // 256)),
+        chunks=chunks,
+        chunk_size=chunk_size,
+        race_chunks=race_chunks,
+        race_chunk_size=race_chunk_size,
+        block_k=max(2, triton.next_power_of_2(num_positions)),
+        block_c=min(64, triton.next_power_of_2(max(chunks, race_chunks))),
+    )
+
+
+def _precise(device: torch.device) -> bool:
+    """libdevice math on NVIDIA GPUs; the interpreter has none (and numpy rounds every op on its own)."""
+    return device.type == "cuda" and torch.version.hip is None and not _interpreting()
+
+
+def _cuts(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, plan: Plan):
+    """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
+    batch, rows, vocab = logits.shape
+    z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
+    grid = (batch * rows, triton.cdiv(vocab, plan.block_v))
+    wrap_triton(scale_kernel)[grid](
+        logits, logits.stride(0), logits.stride(1), logits.stride(2), z, rows, vocab, temperature,
+        SCALE=temperature != 1.0, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+    )
+    cut_value, cut_index = warp_thresholds(z, top_k, top_p)
+    return cut_value.contiguous(), cut_index.contiguous()
+
+
+def _stats(target, draft, cuts, temperature: float, greedy: bool, plan: Plan, precise: bool):
+    """Pass 1 -> (float32 workspace [2, B*NR, C], int32 workspace [2, B*NR, C], plane size)."""
+    batch, num_positions, vocab = target.shape
+    num_draft = num_positions - 1
+    num_rows = num_positions + (num_draft if draft is not None else 0)
+    plane = batch * num_rows * plan.chunks
+    ws_f = torch.empty(2 * plane, dtype=torch.float32, device=target.device)
+    ws_i = torch.empty(2 * plane, dtype=torch.int32, device=target.device)
+    d = draft if draft is not None else target
+    cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
+    wrap_triton(stats_kernel)[(batch * num_positions, plan.chunks)](
+        target, target.stride(0), target.stride(1), target.stride(2),
+        d, d.stride(0), d.stride(1), d.stride(2),
+        cut_tv, cut_ti, cut_dv, cut_di,
+        ws_f, ws_i, plane,
+        vocab, num_draft, plan.chunk_size, temperature,
+        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, GREEDY=greedy, SCALE=temperature != 1.0,
+        PRECISE=precise, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+    )
+    return ws_f, ws_i, plane
+
+
+def _filters_active(top_k: int, top_p: float, vocab: int) -> bool:
+    return 0 < top_k < vocab or top_p < 1.0
+
+
+def _run(target, draft, tokens, temperature, top_k, top_p, seed, offset, seed_per_row, stream_base, tuning,
+         out_shape):
+    """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K].
+
+    Returns (tokens ``out_shape`` int64 = [B, K+1] or [B] when K = 0, num_accepted [B] int64)."""
+    batch, num_positions, vocab = target.shape
+    num_draft = num_positions - 1
+    device = target.device
+    plan = make_plan(batch, num_positions, vocab, tuning)
+    precise = _precise(device)
+    greedy = temperature == 0.0
+    out = torch.empty(out_shape, dtype=torch.int64, device=device)  # row stride K+1 either way
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
+    cuts = None
+    if not greedy and _filters_active(top_k, top_p, vocab):
+        cuts = _cuts(target, temperature, top_k, top_p, plan)
+        if draft is not None:
+            cuts = cuts + _cuts(draft, temperature, top_k, top_p, plan)
+        else:
+            cuts = cuts + cuts
+    ws_f, ws_i, plane = _stats(target, draft, cuts, temperature, greedy, plan, precise)
+    token_args = (tokens, tokens.stride(0), tokens.stride(1))
+    out_args = (out, num_positions, num_accepted)
+    if greedy:
+        wrap_triton(finish_greedy_kernel)[(batch,)](
+            ws_f, ws_i, plane, *token_args, *out_args, vocab, num_draft, plan.chunks,
+            HAS_DRAFT=draft is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
+        )
+        return out, num_accepted
+    race_plane = batch * plan.race_chunks
+    race_f = torch.empty(2 * race_plane, dtype=torch.float32, device=device)
+    race_i = torch.empty(3 * race_plane + 2 * batch, dtype=torch.int32, device=device)
+    d = draft if draft is not None else target
+    cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
+    residual = num_draft > 0
+    wrap_triton(race_kernel)[(batch, plan.race_chunks)](
+        target, target.stride(0), target.stride(1), target.stride(2),
+        d, d.stride(0), d.stride(1), d.stride(2),
+        *token_args,
+        cut_tv, cut_ti, cut_dv, cut_di,
+        seed, seed.stride(0), offset, offset.stride(0),
+        ws_f, ws_i, plane,
+        race_f, race_i, batch,
+        vocab, num_draft, plan.chunks, plan.race_chunk_size, temperature, int(seed_per_row), stream_base,
+        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, SCALE=temperature != 1.0, RESIDUAL=residual,
+        PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.block_v,
+        num_warps=plan.num_warps,
+    )
+    wrap_triton(finish_sample_kernel)[(batch,)](
+        race_f, race_i, batch, *token_args, *out_args, num_draft, plan.race_chunks,
+        RESIDUAL=residual, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
+    )
+    return out, num_accepted
+
+
+def launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                  tuning: Optional[Tuning] = None):
+    """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
+    tuning = tuning or default_tuning(target_logits.device)
+    return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
+
+
+def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row, tuning: Optional[Tuning] = None):
+    """``sample`` with explicit launch knobs: verify's machinery with K = 0 on the STREAM_DRAFT counters."""
+    tuning = tuning or default_tuning(logits.device)
+    batch = logits.shape[0]
+    no_tokens = torch.empty(batch, 0, dtype=torch.int64, device=logits.device)
+    out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                  STREAM_DRAFT, tuning, (batch,))
+    return out
+
+
+@triton_op("speculative_kernels::verify_triton", mutates_args=())
+def verify_triton(
+    target_logits: torch.Tensor,
+    draft_logits: Optional[torch.Tensor],
+    draft_tokens: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    seed_per_row: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; seed, offset [B] int64."""
+    return launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset,
+                         seed_per_row)
+
+
+@triton_op("speculative_kernels::sample_triton", mutates_args=())
+def sample_triton(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    seed_per_row: bool,
+) -> torch.Tensor:
+    """logits [B, V]; seed, offset [B] int64 -> tokens [B] int64."""
+    return launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row)
+
+
+def verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row):
+    """Same contract as ``reference.verify_reference``."""
+    return torch.ops.speculative_kernels.verify_triton(
+        target_logits, draft_logits, draft_tokens, float(temperature), int(top_k), float(top_p), seed, offset,
+        bool(seed_per_row),
+    )
+
+
+def sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row):
+    """Same contract as ``reference.sample_reference``."""
+    return torch.ops.speculative_kernels.sample_triton(
+        logits, float(temperature), int(top_k), float(top_p), seed, offset, bool(seed_per_row)
+    )

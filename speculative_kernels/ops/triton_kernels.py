@@ -1,0 +1,273 @@
+"""Triton kernels of the verification step and the draft sampler (split-row, three passes, no host sync).
+
+Rows are the vocabulary rows of one batch entry b: target positions j = 0..K, then (with draft logits) draft
+positions i = 0..K-1, so a batch entry owns NR = K+1 (+K) workspace rows. Every vocabulary row is cut into
+chunks handled by separate programs, so a batch of one still fills the GPU.
+
+1. ``stats_kernel``   grid (B*(K+1), C): per (row, chunk) online-softmax (max, sum exp) of the warped z, or
+                      (max, first argmax) of the float32 logits for greedy, and validity flags.
+2. ``race_kernel``    grid (B, C2): combines the partials (every program of a batch entry does the same, cheap,
+                      deterministic combine), gathers p_i(x_i), q_i(x_i), runs the accept test, then an exponential
+                      race over its chunk of max(0, p_n - q_n) and of p_n (the zero-residual fallback).
+3. ``finish_*``       grid (B,): combines the race (or greedy argmax) partials and writes tokens / num_accepted.
+
+z = float32(logits) / temperature is a correctly rounded division (``tl.math.div_rn``), like torch on CPU.
+"""
+
+import triton
+import triton.language as tl
+
+from .triton_random import (
+    exponential_from_bits,
+    philox_first_word,
+    philox_key,
+    precise_exp,
+    uniform_from_bits,
+)
+
+FLAG_BAD = tl.constexpr(1)  # the chunk holds NaN or +inf
+FLAG_ALIVE = tl.constexpr(2)  # the chunk holds a value > -inf
+_INT_MAX = tl.constexpr(2**31 - 1)
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
+    """float32 logits x at vocabulary ids v -> warped z (entries outside the (value, index) cut set to -inf)."""
+    if SCALE:
+        z = tl.math.div_rn(x, temperature)
+    else:
+        z = x
+    if HAS_CUT:
+        keep = (z > cut_value) | ((z == cut_value) & (v >= cut_index))
+        z = tl.where(keep, z, _NEG_INF)
+    return z
+
+
+@triton.jit
+def _chunk_flags(x):
+    """Validity flags of one tile of raw float32 logits (masked lanes hold -inf)."""
+    bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0)
+    alive = tl.max((x > _NEG_INF).to(tl.int32), 0)
+    return bad * FLAG_BAD + alive * FLAG_ALIVE
+
+
+@triton.jit
+def _row_chunk_stats(
+    x_ptr, stride_v, start, end, temperature, cut_value, cut_index, ws,
+    WS_M_ptr, WS_S_ptr, WS_I_ptr, WS_F_ptr,
+    GREEDY: tl.constexpr, SCALE: tl.constexpr, HAS_CUT: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Partials of x[start:end] written at workspace slot ``ws``: (max z, sum exp(z - max)) or, for greedy,
+    (max x, first index of it); plus the OR of the tile flags."""
+    offs = tl.arange(0, BLOCK_V)
+    flags = 0
+    m = float("-inf")
+    s = 0.0
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    for base in range(start, end, BLOCK_V):
+        v = base + offs
+        x = tl.load(x_ptr + v.to(tl.int64) * stride_v, mask=v < end, other=float("-inf")).to(tl.float32)
+        flags = flags | _chunk_flags(x)
+        if GREEDY:
+            better = x > best  # strict: a lane keeps its first (lowest) index on ties
+            best = tl.where(better, x, best)
+            best_idx = tl.where(better, v, best_idx)
+        else:
+            z = _warp(x, v, temperature, cut_value, cut_index, SCALE, HAS_CUT)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * precise_exp(m - m_safe, PRECISE) + tl.sum(precise_exp(z - m_safe, PRECISE), 0)
+            m = m_new
+    if GREEDY:
+        m = tl.max(best, 0)
+        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == m, best_idx, _INT_MAX), 0))
+    else:
+        tl.store(WS_S_ptr + ws, s)
+    tl.store(WS_M_ptr + ws, m)
+    tl.store(WS_F_ptr + ws, flags)
+
+
+@triton.jit
+def stats_kernel(
+    T_ptr, stride_tb, stride_tj, stride_tv,  # target logits [B, K+1, V]
+    D_ptr, stride_db, stride_di, stride_dv,  # draft logits [B, K, V] (HAS_DRAFT)
+    CUT_TV_ptr, CUT_TI_ptr,  # target cut (value float32, index int32) [B*(K+1)] (HAS_CUT)
+    CUT_DV_ptr, CUT_DI_ptr,  # draft cut [B*K] (HAS_CUT and HAS_DRAFT)
+    WSF_ptr, WSI_ptr, plane,  # partials: float32 [2, B*NR, C] (max, sum exp), int32 [2, B*NR, C] (argmax, flags)
+    V, K, chunk_size, temperature,
+    HAS_DRAFT: tl.constexpr, HAS_CUT: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr,
+    PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Pass 1, grid (B*(K+1), C): target row (b, j) and, with draft logits and j < K, draft row (b, j)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    b = row // (K + 1)
+    j = row - b * (K + 1)
+    num_rows = K + 1
+    if HAS_DRAFT:
+        num_rows += K
+    start = chunk * chunk_size
+    end = tl.minimum(start + chunk_size, V)
+    cut_value = float("-inf")
+    cut_index = 0
+    if HAS_CUT:
+        cut_value = tl.load(CUT_TV_ptr + row)
+        cut_index = tl.load(CUT_TI_ptr + row)
+    x_ptr = T_ptr + b.to(tl.int64) * stride_tb + j.to(tl.int64) * stride_tj
+    ws = (b * num_rows + j) * num_chunks + chunk
+    _row_chunk_stats(x_ptr, stride_tv, start, end, temperature, cut_value, cut_index, ws,
+                     WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane,
+                     GREEDY, SCALE, HAS_CUT, PRECISE, BLOCK_V)
+    if HAS_DRAFT:
+        if j < K:
+            d_cut_value = float("-inf")
+            d_cut_index = 0
+            if HAS_CUT:
+                d_cut_value = tl.load(CUT_DV_ptr + b * K + j)
+                d_cut_index = tl.load(CUT_DI_ptr + b * K + j)
+            d_ptr = D_ptr + b.to(tl.int64) * stride_db + j.to(tl.int64) * stride_di
+            d_ws = (b * num_rows + K + 1 + j) * num_chunks + chunk
+            _row_chunk_stats(d_ptr, stride_dv, start, end, temperature, d_cut_value, d_cut_index, d_ws,
+                             WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane,
+                             GREEDY, SCALE, HAS_CUT, PRECISE, BLOCK_V)
+
+
+@triton.jit
+def _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, rows, row_mask, num_chunks,
+                     PRECISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Combine the chunk partials of workspace rows ``rows`` [BLOCK_R] -> (max, sum exp, OR of flags)."""
+    m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s_all = tl.zeros([BLOCK_R], tl.float32)
+    f_all = tl.zeros([BLOCK_R], tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < num_chunks)[None, :]
+        idx = rows[:, None] * num_chunks + cols[None, :]
+        m = tl.load(WS_M_ptr + idx, mask=mask, other=float("-inf"))
+        s = tl.load(WS_S_ptr + idx, mask=mask, other=0.0)
+        f = tl.load(WS_F_ptr + idx, mask=mask, other=0)
+        m_new = tl.maximum(m_all, tl.max(m, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_all = s_all * precise_exp(m_all - m_safe, PRECISE) + tl.sum(
+            s * precise_exp(m - m_safe[:, None], PRECISE), 1)
+        m_all = m_new
+        f_all = f_all | tl.reduce(f, 1, _bit_or)
+    return m_all, s_all, f_all
+
+
+@triton.jit
+def _combine_argmax(WS_M_ptr, WS_I_ptr, WS_F_ptr, rows, row_mask, num_chunks,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Combine greedy partials of rows [BLOCK_R] -> (max, first index of the max, OR of flags)."""
+    best = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK_R], _INT_MAX, tl.int32)
+    f_all = tl.zeros([BLOCK_R], tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < num_chunks)[None, :]
+        idx = rows[:, None] * num_chunks + cols[None, :]
+        m = tl.load(WS_M_ptr + idx, mask=mask, other=float("-inf"))
+        i = tl.load(WS_I_ptr + idx, mask=mask, other=_INT_MAX)
+        f = tl.load(WS_F_ptr + idx, mask=mask, other=0)
+        blk = tl.max(m, 1)
+        blk_idx = tl.min(tl.where(m == blk[:, None], i, _INT_MAX), 1)
+        better = blk > best  # earlier chunk blocks hold lower indices
+        best = tl.where(better, blk, best)
+        best_idx = tl.where(better, blk_idx, best_idx)
+        f_all = f_all | tl.reduce(f, 1, _bit_or)
+    return best, best_idx, f_all
+
+
+@triton.jit
+def _row_invalid(flags, row_mask):
+    """1 if any masked-in row has NaN/+inf or is entirely -inf."""
+    bad = ((flags & FLAG_BAD) != 0) | ((flags & FLAG_ALIVE) == 0)
+    return tl.max((bad & row_mask).to(tl.int32), 0)
+
+
+@triton.jit
+def _pick(vec, lanes, n):
+    """vec[n] for a block ``vec`` indexed by ``lanes`` (exact: one term plus zeros)."""
+    return tl.sum(tl.where(lanes == n, vec, 0), 0)
+
+
+@triton.jit
+def _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K,
+                  BLOCK_K: tl.constexpr):
+    """tokens[b] = accepted drafts, next token, then -1; all -1 and num_accepted -1 for an invalid row."""
+    pos = tl.arange(0, BLOCK_K)
+    x = tl.load(X_ptr + b * stride_xb + pos * stride_xi, mask=pos < K, other=-1).to(tl.int64)
+    out = tl.where(pos < n, x, tl.where(pos == n, next_token.to(tl.int64), -1))
+    out = tl.where(invalid != 0, -1, out)
+    tl.store(OUT_ptr + b * stride_ob + pos, out, mask=pos <= K)
+    tl.store(NUM_ptr + b, tl.where(invalid != 0, -1, n).to(tl.int64))
+
+
+@triton.jit
+def _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
+    """Draft tokens of batch entry b on lanes < K -> (clamped ids int32, 1 if any id is outside [0, V))."""
+    in_k = lanes < K
+    x = tl.load(X_ptr + b * stride_xb + lanes * stride_xi, mask=in_k, other=0).to(tl.int64)
+    oob = tl.max((in_k & ((x < 0) | (x >= V))).to(tl.int32), 0)
+    return tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32), oob
+
+
+@triton.jit
+def finish_greedy_kernel(
+    WSF_ptr, WSI_ptr, plane,  # greedy partials: float32 [B*NR, C] max, int32 [2, B*NR, C] (argmax, flags)
+    X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
+    OUT_ptr, stride_ob, NUM_ptr,  # tokens [B, K+1] int64, num_accepted [B] int64
+    V, K, num_chunks,
+    HAS_DRAFT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Greedy pass 2, grid (B,): accept while x_i == argmax z_i, then emit argmax z_n."""
+    b = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_K)
+    num_rows = K + 1
+    if HAS_DRAFT:
+        num_rows += K
+    _, best_idx, flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + lanes, lanes <= K,
+                                         num_chunks, BLOCK_K, BLOCK_C)
+    invalid = _row_invalid(flags, lanes <= K)
+    if HAS_DRAFT:
+        _, _, d_flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + K + 1 + lanes,
+                                        lanes < K, num_chunks, BLOCK_K, BLOCK_C)
+        invalid = invalid | _row_invalid(d_flags, lanes < K)
+    x, oob = _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
+    rejected = (lanes < K) & (x != best_idx)
+    n = tl.min(tl.where(rejected, lanes, K), 0)
+    next_token = _pick(best_idx, lanes, n)
+    _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid | oob, K,
+                  BLOCK_K)
+
+
+@triton.jit
+def scale_kernel(
+    X_ptr, stride_xb, stride_xj, stride_xv,  # logits [B, J, V]
+    Z_ptr,  # out: z [B*J, V] float32, contiguous
+    J, V, temperature,
+    SCALE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """z = float32(x) / temperature, written out for ``warp_thresholds``; grid (B*J, cdiv(V, BLOCK_V)).
+
+    The top-k/top-p cut must be computed from bit-for-bit the z the other kernels compute (torch's CUDA
+    division by a python scalar multiplies by the reciprocal instead), so this kernel shares ``_warp``.
+    """
+    row = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    b = row // J
+    j = row - b * J
+    mask = v < V
+    x = tl.load(X_ptr + b.to(tl.int64) * stride_xb + j.to(tl.int64) * stride_xj + v.to(tl.int64) * stride_xv,
+                mask=mask, other=0.0).to(tl.float32)
+    z = _warp(x, v, temperature, 0.0, 0, SCALE, False)
+    tl.store(Z_ptr + row.to(tl.int64) * V + v, z, mask=mask)

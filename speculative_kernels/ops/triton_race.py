@@ -1,0 +1,214 @@
+"""Pass 2 and 3 of the sampling path: accept/reject decision plus the chunked exponential race, then the finish.
+
+Leviathan et al. 2023, Algorithm 1, with the project's counters (``philox.py``): x_i is accepted iff q_i(x_i) > 0
+and r_i * q_i(x_i) < p_i(x_i); the next token is argmax_v w_v / E_v with w = max(0, p_n - q_n) (q_K := 0), or
+w = p_n when that residual is all zero. Each program races over one chunk of the vocabulary for both weights and
+writes (best ratio, first index) partials; ``finish_sample_kernel`` picks the winner per batch entry.
+"""
+
+import triton
+import triton.language as tl
+
+from .philox import STREAM_ACCEPT
+from .triton_kernels import (
+    _INT_MAX,
+    _combine_softmax,
+    _load_draft_tokens,
+    _pick,
+    _row_invalid,
+    _warp,
+    _write_tokens,
+)
+from .triton_random import (
+    exponential_from_bits,
+    philox_first_word,
+    philox_key,
+    precise_exp,
+    uniform_from_bits,
+)
+
+_STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+
+
+@triton.jit
+def _prob(z, m, s, PRECISE: tl.constexpr):
+    """softmax entry exp(z - m) / s with a correctly rounded division."""
+    return tl.math.div_rn(precise_exp(z - m, PRECISE), s)
+
+
+@triton.jit
+def _probs_at_tokens(L_ptr, stride_lb, stride_lj, stride_lv, CUT_V_ptr, CUT_I_ptr, cut_row0, b, lanes, x, in_k,
+                     m, s, temperature, SCALE: tl.constexpr, HAS_CUT: tl.constexpr, PRECISE: tl.constexpr):
+    """p_i(x_i) for lanes i (rows of one batch entry b of logits L), 0 on lanes outside ``in_k``."""
+    ptr = L_ptr + b.to(tl.int64) * stride_lb + lanes.to(tl.int64) * stride_lj + x.to(tl.int64) * stride_lv
+    logit = tl.load(ptr, mask=in_k, other=float("-inf")).to(tl.float32)
+    cut_value = float("-inf")
+    cut_index = 0
+    if HAS_CUT:
+        cut_value = tl.load(CUT_V_ptr + cut_row0 + lanes, mask=in_k, other=float("-inf"))
+        cut_index = tl.load(CUT_I_ptr + cut_row0 + lanes, mask=in_k, other=0)
+    z = _warp(logit, x, temperature, cut_value, cut_index, SCALE, HAS_CUT)
+    return tl.where(in_k, _prob(z, tl.where(in_k, m, 0.0), tl.where(in_k, s, 1.0), PRECISE), 0.0)
+
+
+@triton.jit
+def race_kernel(
+    T_ptr, stride_tb, stride_tj, stride_tv,  # target logits [B, K+1, V]
+    D_ptr, stride_db, stride_di, stride_dv,  # draft logits [B, K, V] (HAS_DRAFT)
+    X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
+    CUT_TV_ptr, CUT_TI_ptr, CUT_DV_ptr, CUT_DI_ptr,  # cuts [B*(K+1)], [B*K] (HAS_CUT)
+    SEED_ptr, stride_seed, OFFSET_ptr, stride_offset,  # [B] int64
+    WSF_ptr, WSI_ptr, plane,  # pass-1 partials: float32 [2, B*NR, C] (max, sum exp), int32 [2, B*NR, C] (-, flags)
+    RF_ptr, RI_ptr, B,  # race partials: float32 [2, B, C2] (residual, p), int32 [3, B, C2] + [2, B] (see finish)
+    V, K, num_chunks, race_chunk_size, temperature, seed_per_row, stream_base,
+    HAS_DRAFT: tl.constexpr, HAS_CUT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+    PRECISE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Grid (B, C2). Every program of batch entry b decides n (identically), then races over its chunk."""
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks2 = tl.num_programs(1)
+    WS_M_ptr = WSF_ptr
+    WS_S_ptr = WSF_ptr + plane
+    WS_F_ptr = WSI_ptr + plane
+    lanes = tl.arange(0, BLOCK_K)
+    in_k = lanes < K
+    num_rows = K + 1
+    if HAS_DRAFT:
+        num_rows += K
+    k0, k1 = philox_key(tl.load(SEED_ptr + b * stride_seed))
+    c1 = tl.where(seed_per_row != 0, 0, b).to(tl.uint32)
+    c2 = (tl.load(OFFSET_ptr + b * stride_offset) & 0xFFFFFFFF).to(tl.uint32)
+
+    # Decision: combine the softmax partials, then p_i(x_i), q_i(x_i) and the accept test (Algorithm 1).
+    mt, st, ft = _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + lanes, lanes <= K, num_chunks,
+                                  PRECISE, BLOCK_K, BLOCK_C)
+    invalid = _row_invalid(ft, lanes <= K)
+    x, oob = _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
+    invalid = invalid | oob
+    p_x = _probs_at_tokens(T_ptr, stride_tb, stride_tj, stride_tv, CUT_TV_ptr, CUT_TI_ptr, b * (K + 1), b, lanes,
+                           x, in_k, mt, st, temperature, SCALE, HAS_CUT, PRECISE)
+    if HAS_DRAFT:
+        md, sd, fd = _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + K + 1 + lanes, in_k,
+                                      num_chunks, PRECISE, BLOCK_K, BLOCK_C)
+        invalid = invalid | _row_invalid(fd, in_k)
+        q_x = _probs_at_tokens(D_ptr, stride_db, stride_di, stride_dv, CUT_DV_ptr, CUT_DI_ptr, b * K, b, lanes,
+                               x, in_k, md, sd, temperature, SCALE, HAS_CUT, PRECISE)
+    else:
+        q_x = tl.where(in_k, 1.0, 0.0)
+    r = uniform_from_bits(philox_first_word(k0, k1, lanes.to(tl.uint32), c1, c2, _STREAM_ACCEPT))
+    accepted = (q_x > 0) & (r * q_x < p_x)
+    n = tl.min(tl.where(in_k & ~accepted, lanes, K), 0)
+    race_plane = B * num_chunks2
+    tl.store(RI_ptr + 3 * race_plane + b, n, mask=chunk == 0)
+    tl.store(RI_ptr + 3 * race_plane + B + b, invalid, mask=chunk == 0)
+
+    # Race over this chunk of row n: weights max(0, p_n - q_n) and, for the fallback, p_n.
+    m_n = _pick(mt, lanes, n)
+    s_n = _pick(st, lanes, n)
+    t_row = T_ptr + b.to(tl.int64) * stride_tb + n.to(tl.int64) * stride_tj
+    cut_value = float("-inf")
+    cut_index = 0
+    if HAS_CUT:
+        cut_value = tl.load(CUT_TV_ptr + b * (K + 1) + n)
+        cut_index = tl.load(CUT_TI_ptr + b * (K + 1) + n)
+    has_q = n < K  # q_K := 0: the bonus position races over p_K
+    x_q = tl.where(has_q, _pick(x, lanes, n), -1)  # one-hot q's token, -1 for none
+    if HAS_DRAFT:
+        nd = tl.minimum(n, K - 1)
+        md_n = tl.where(has_q, _pick(md, lanes, n), 0.0)
+        sd_n = tl.where(has_q, _pick(sd, lanes, n), 1.0)
+        d_row = D_ptr + b.to(tl.int64) * stride_db + nd.to(tl.int64) * stride_di
+        d_cut_value = float("-inf")
+        d_cut_index = 0
+        if HAS_CUT:
+            d_cut_value = tl.load(CUT_DV_ptr + b * K + nd)
+            d_cut_index = tl.load(CUT_DI_ptr + b * K + nd)
+    stream = (stream_base + n).to(tl.uint32)
+
+    offs = tl.arange(0, BLOCK_V)
+    best_r = tl.full([BLOCK_V], -1.0, tl.float32)
+    idx_r = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    best_p = tl.full([BLOCK_V], -1.0, tl.float32)
+    idx_p = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    any_r = tl.zeros([BLOCK_V], tl.int32)
+    start = chunk * race_chunk_size
+    end = tl.minimum(start + race_chunk_size, V)
+    q_end = tl.where(has_q, end, 0)  # (a scalar-bool & block mask trips the interpreter; a bound does not)
+    for base in range(start, end, BLOCK_V):
+        v = base + offs
+        mask = v < end
+        logit = tl.load(t_row + v.to(tl.int64) * stride_tv, mask=mask, other=float("-inf")).to(tl.float32)
+        p = _prob(_warp(logit, v, temperature, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
+        e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
+        w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
+        better = w_p > best_p  # strict: a lane keeps its first (lowest) index on ties
+        best_p = tl.where(better, w_p, best_p)
+        idx_p = tl.where(better, v, idx_p)
+        if RESIDUAL:
+            if HAS_DRAFT:
+                d_logit = tl.load(d_row + v.to(tl.int64) * stride_dv, mask=v < q_end,
+                                  other=float("-inf")).to(tl.float32)
+                q = _prob(_warp(d_logit, v, temperature, d_cut_value, d_cut_index, SCALE, HAS_CUT), md_n, sd_n,
+                          PRECISE)
+            else:
+                q = tl.where(v == x_q, 1.0, 0.0)
+            residual = tl.maximum(p - q, 0.0)
+            w_r = tl.where(mask, tl.math.div_rn(residual, e), -1.0)
+            better = w_r > best_r
+            best_r = tl.where(better, w_r, best_r)
+            idx_r = tl.where(better, v, idx_r)
+            any_r = any_r | (mask & (residual > 0)).to(tl.int32)
+
+    slot = b * num_chunks2 + chunk
+    top_r = tl.max(best_r, 0)
+    tl.store(RF_ptr + slot, top_r)
+    tl.store(RI_ptr + slot, tl.min(tl.where(best_r == top_r, idx_r, _INT_MAX), 0))
+    top_p = tl.max(best_p, 0)
+    tl.store(RF_ptr + race_plane + slot, top_p)
+    tl.store(RI_ptr + race_plane + slot, tl.min(tl.where(best_p == top_p, idx_p, _INT_MAX), 0))
+    tl.store(RI_ptr + 2 * race_plane + slot, tl.max(any_r, 0))
+
+
+@triton.jit
+def _combine_race(W_ptr, I_ptr, row0, num_chunks2, BLOCK_C: tl.constexpr):
+    """Winner (ratio, first index) over the chunk partials W/I[row0 : row0 + num_chunks2]."""
+    best = -2.0
+    best_idx = _INT_MAX
+    for c0 in range(0, num_chunks2, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = cols < num_chunks2
+        w = tl.load(W_ptr + row0 + cols, mask=mask, other=-2.0)
+        i = tl.load(I_ptr + row0 + cols, mask=mask, other=_INT_MAX)
+        blk = tl.max(w, 0)
+        blk_idx = tl.min(tl.where(w == blk, i, _INT_MAX), 0)
+        better = blk > best  # earlier chunk blocks hold lower indices
+        best = tl.where(better, blk, best)
+        best_idx = tl.where(better, blk_idx, best_idx)
+    return best_idx
+
+
+@triton.jit
+def finish_sample_kernel(
+    RF_ptr, RI_ptr, B,  # race partials, layout of race_kernel: float32 [2, B, C2]; int32 [3, B, C2] + n [B] + bad [B]
+    X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
+    OUT_ptr, stride_ob, NUM_ptr,  # tokens [B, K+1] int64, num_accepted [B] int64
+    K, num_chunks2,
+    RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Pass 3, grid (B,): the race winner (residual, or p_n when the residual is all zero) and the output row."""
+    b = tl.program_id(0)
+    race_plane = B * num_chunks2
+    row0 = b * num_chunks2
+    next_token = _combine_race(RF_ptr + race_plane, RI_ptr + race_plane, row0, num_chunks2, BLOCK_C)
+    if RESIDUAL:
+        cols = tl.arange(0, BLOCK_C)
+        any_r = 0
+        for c0 in range(0, num_chunks2, BLOCK_C):
+            flags = tl.load(RI_ptr + 2 * race_plane + row0 + c0 + cols, mask=c0 + cols < num_chunks2, other=0)
+            any_r = any_r | tl.max(flags, 0)
+        residual_token = _combine_race(RF_ptr, RI_ptr, row0, num_chunks2, BLOCK_C)
+        next_token = tl.where(any_r != 0, residual_token, next_token)
+    n = tl.load(RI_ptr + 3 * race_plane + b)
+    invalid = tl.load(RI_ptr + 3 * race_plane + B + b)
+    _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K, BLOCK_K)
