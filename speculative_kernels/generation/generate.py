@@ -6,7 +6,11 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .loop import SpeculativeLoop
+from .runner import DecoderRunner
+from .seq2seq import SpeculativeEncoderDecoderOutput, check_pair, prepare_seq2seq
+from .compaction import BatchingOptions
 from .settings import resolve_plan
+from .static_runner import choose_runner_factory, compile_loop, compile_options_from
 from .stats import SpeculationStats
 from .vocab import VocabBridge
 
@@ -32,8 +36,8 @@ def _check_models(model, draft_model) -> None:
     for name, m in (("model", model), ("draft_model", draft_model)):
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
-        if m.config.is_encoder_decoder:
-            raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are supported yet")
+    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
+        check_pair(model, draft_model)  # both encoder-decoder, of a supported architecture
     target_device, draft_device = _model_device(model, "model"), _model_device(draft_model, "draft_model")
     if target_device != draft_device:
         raise ValueError(f"model is on {target_device} but draft_model is on {draft_device}; put both on one device")
@@ -65,21 +69,32 @@ def _prepare_inputs(model, input_ids, attention_mask, plan_bos):
 
 
 def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokenizer=None, assistant_tokenizer=None,
-               generation_config=None, backend: str = "auto", **kwargs):
+               generation_config=None, backend: str = "auto", batching: BatchingOptions | None = None,
+               compile_options=None, **kwargs):
     """Validate everything and build the ``SpeculativeLoop`` for one batch of prompts (shared by ``generate`` and
     ``SpeculativeDecoder``). Returns (loop, plan, input_ids)."""
+    batching = batching or BatchingOptions()
     _check_models(model, draft_model)
     attention_mask = kwargs.pop("attention_mask", None)
     if "inputs" in kwargs:
         if input_ids is not None:
             raise ValueError("pass either input_ids or inputs, not both")
         input_ids = kwargs.pop("inputs")
-    prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
-    plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config, kwargs)
-    model_kwargs.pop("use_cache", None)
-    if model_kwargs:
-        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
-    input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask, plan.generation_config.bos_token_id)
+    if model.config.is_encoder_decoder:  # input_ids becomes the decoder prompt (seq2seq.py)
+        plan, input_ids, attention_mask, runner_factory = prepare_seq2seq(
+            model, draft_model, input_ids, attention_mask, num_speculative_tokens, generation_config, kwargs)
+    else:
+        prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
+        plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config,
+                                          kwargs)
+        model_kwargs.pop("use_cache", None)
+        if model_kwargs:
+            raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
+        input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask,
+                                                    plan.generation_config.bos_token_id)
+        runner_factory = choose_runner_factory(model, draft_model, plan, input_ids, batching, compile_options)
+    if model.config.is_encoder_decoder and (plan.cache_implementation == "static" or compile_options is not None):
+        raise ValueError("cache_implementation='static' and compile=True support decoder-only models only")
     batch = input_ids.shape[0]
     if batch > 1 and plan.streamer is not None:
         raise ValueError("streamer supports batch size 1 only (as in transformers)")
@@ -88,7 +103,8 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
     if batch > 1 and plan.pad_token_id is None:
         raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")
     bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
-    loop = SpeculativeLoop(model, draft_model, bridge, plan, input_ids, attention_mask, backend=backend)
+    loop = SpeculativeLoop(model, draft_model, bridge, plan, input_ids, attention_mask, backend=backend,
+                           runner_factory=runner_factory)
     return loop, plan, input_ids
 
 
@@ -104,6 +120,8 @@ def generate(
     generation_config=None,
     speculation_stats: SpeculationStats | None = None,
     backend: str = "auto",
+    compile=False,
+    batching: BatchingOptions | None = None,
     **kwargs,
 ):
     """Speculative decoding with ``model.generate``'s arguments and return values.
@@ -113,6 +131,11 @@ def generate(
     ``return_dict_in_generate=True``, whose ``speculation_stats`` holds the statistics. With a tensor result, pass
     ``speculation_stats=SpeculationStats()`` to have it filled in. ``assistant_model`` is another name for
     ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded draft vocabulary be checked and used.
+
+    ``cache_implementation="static"`` preallocates both KV caches (``static_runner.py``). ``compile=True`` (or a
+    ``CompileOptions``) also captures the draft and verification steps with ``torch.compile`` (CUDA graphs on CUDA);
+    its warm-up is reported in ``speculation_stats.warmup_time_s``, apart from ``total_time_s``. ``batching`` (a
+    ``BatchingOptions``) tunes hole compaction and the dropping of finished rows (``docs/batching.md``).
     """
     if assistant_model is not None:
         if draft_model is not None and draft_model is not assistant_model:
@@ -120,11 +143,17 @@ def generate(
         draft_model = assistant_model
     if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
         raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
+    compile_options = compile_options_from(compile)
     with torch.inference_mode():
         loop, plan, input_ids = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
-            assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend, **kwargs
+            assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend,
+            batching=batching, compile_options=compile_options, **kwargs
         )
+        if compile_options is not None:
+            loop.stats.warmup_time_s = compile_loop(loop, compile_options)
+            batching = dataclasses.replace(batching or BatchingOptions(), drop_finished_fraction=None)  # fixed shapes
+        loop.batching = batching or loop.batching
         sequences, stats = loop.run()
     if speculation_stats is not None:
         for field in dataclasses.fields(SpeculationStats):
@@ -132,4 +161,7 @@ def generate(
     if not plan.return_dict_in_generate:
         return sequences
     scores, logits = loop.collected_scores(sequences.shape[1] - input_ids.shape[1])
+    if model.config.is_encoder_decoder:
+        return SpeculativeEncoderDecoderOutput(sequences=sequences, scores=scores, logits=logits,
+                                               speculation_stats=stats)
     return SpeculativeDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats)

@@ -14,6 +14,7 @@ import torch
 from ..ops import backends
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.validation import resolve_randomness
+from .compaction import BatchingOptions, RowDropper, compactions, row_seeds
 from .runner import DecoderRunner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
@@ -48,7 +49,11 @@ class SpeculativeLoop:
         vocab = bridge.target_width
         self._eos_columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)  # [V]: True at EOS ids
         self._eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
+        self._forced = self._forced_columns(vocab)
         self.seed, _, self.seed_per_row = resolve_randomness(None, 0, None, self.batch, self.device)
+        if self.batch > 1:  # a Philox key per row: no row's numbers depend on the others (rows may leave the batch)
+            self.seed, self.seed_per_row = row_seeds(self.seed), True
+        self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.gamma + 1, dtype=torch.int64, device=self.device)
@@ -86,6 +91,29 @@ class SpeculativeLoop:
         too_early = (generated_before < self.plan.min_new_tokens).unsqueeze(-1)
         logits.masked_fill_(too_early & self._eos_columns, float("-inf"))
 
+    def _forced_columns(self, vocab: int) -> list:
+        """HF's ForcedBOS/ForcedEOSTokenLogitsProcessor as (generated index, [V] bool columns kept): forced_bos at
+        decoder length 1 (only when the prompt is a single token), forced_eos at max_length - 1."""
+        config, forced = self.plan.generation_config, []
+        for token_ids, at in ((config.forced_bos_token_id, 1 - self.prompt_length),
+                              (config.forced_eos_token_id, self.plan.max_new_tokens - 1)):
+            ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
+            if not ids or at < 0:
+                continue
+            if not all(0 <= i < vocab for i in ids):
+                raise ValueError(f"forced token ids {ids} are outside the vocabulary (size {vocab})")
+            columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            columns[ids] = True
+            forced.append((at, columns))
+        return forced
+
+    def _mask_forced(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
+        """At a forced position every logit is -inf except the forced token's, which is 0 (as HF sets it).
+        logits [B, T, V]; generated_before [B, T]."""
+        for at, columns in self._forced:
+            hit = (generated_before == at).unsqueeze(-1)
+            logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)
+
     def _draft(self, dtype: torch.dtype):
         s = self.sampling
         tokens = torch.empty(self.batch, self.gamma, dtype=torch.int64, device=self.device)
@@ -95,6 +123,7 @@ class SpeculativeLoop:
             logits = self.draft_runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
             logits = self.bridge.draft_logits(logits).to(dtype)
             self._mask_min_new(logits, (self.generated + i).unsqueeze(1))
+            self._mask_forced(logits, (self.generated + i).unsqueeze(1))
             if logits_buffer is None:
                 logits_buffer = torch.empty(self.batch, self.gamma, logits.shape[-1], dtype=dtype, device=self.device)
             logits_buffer[:, i] = logits[:, 0]
@@ -113,6 +142,7 @@ class SpeculativeLoop:
         raw = logits.clone() if self.raw_logits is not None else None
         positions = torch.arange(self.gamma + 1, device=self.device)
         self._mask_min_new(logits, self.generated.unsqueeze(1) + positions)
+        self._mask_forced(logits, self.generated.unsqueeze(1) + positions)
         offset = torch.full_like(self.seed, self.iteration)
         out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
                                          s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
@@ -154,10 +184,11 @@ class SpeculativeLoop:
     def _roll_back(self, accepted, accepted_host: list[int]) -> None:
         gamma = self.gamma
         max_n = max(accepted_host)
-        self.target_runner.keep_prefix(gamma + 1, accepted + 1, max_n + 1)
+        done = self.finished  # finished rows keep no new slots, so no row outgrows prompt + max_new_tokens
+        self.target_runner.keep_prefix(gamma + 1, (accepted + 1).masked_fill(done, 0), max_n + 1)
         pending_width = self.pending[0].shape[1]
         window = pending_width + gamma - 1
-        kept = pending_width + accepted.clamp(max=gamma - 1)
+        kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(done, 0)
         self.draft_runner.keep_prefix(window, kept, pending_width + min(max_n, gamma - 1))
 
     def _next_pending(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
@@ -190,11 +221,17 @@ class SpeculativeLoop:
             self._store_scores(processed, raw, count, generated_before)
         # The one device-to-host read of the iteration.
         flags = [accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]
-        host = torch.cat([*flags, out.flatten()]).tolist()
+        # Runners that compact holes get their rows' real-slot counts in the same read.
+        counted = [r for r in (self.target_runner, self.draft_runner) if getattr(r, "compactor", None)
+                   and r.compactor.enabled]
+        host = torch.cat([*flags, out.flatten(), *(r.next_position for r in counted)]).tolist()
         b = self.batch
         accepted_host, count_host = host[:b], host[b : 2 * b]
         finished_host, active_host = host[2 * b : 3 * b], host[3 * b : 4 * b]
-        self._host_tokens, self._host_counts = host[4 * b :], count_host
+        tail = 4 * b + out.numel()
+        self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
+        for i, runner in enumerate(counted):
+            runner.compactor.host_counts = host[tail + i * b : tail + (i + 1) * b]
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
                                    draft_tokens=draft_tokens)
@@ -241,8 +278,13 @@ class SpeculativeLoop:
             self.plan.streamer.put(self.sequences[:, : self.prompt_length].cpu())
         self.timer.start("total")
         running = self.plan.max_new_tokens > 0
+        dropper = RowDropper(self.batching)
         while running:
             running = self.step()
+            if running:
+                dropper.maybe_drop(self, self._finished_host)
+        dropper.finish(self)
+        self.stats.dropped_rows, self.stats.compactions = dropper.dropped, compactions(self)
         self.timer.stop("total")
         if self.plan.streamer is not None:
             self.plan.streamer.end()

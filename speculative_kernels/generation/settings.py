@@ -33,8 +33,6 @@ _UNSUPPORTED_UNLESS = {
     "penalty_alpha": None,
     "guidance_scale": None,
     "watermarking_config": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
     "suppress_tokens": None,
     "begin_suppress_tokens": None,
     "exponential_decay_length_penalty": None,
@@ -157,9 +155,9 @@ def resolve_plan(model, prompt_length: int, num_speculative_tokens, generation_c
     eos = _int_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
     criteria = list(stopping_criteria) if stopping_criteria else []
-    if config.cache_implementation not in (None, "dynamic"):
+    if config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
-            f"cache_implementation={config.cache_implementation!r} is not supported yet; use the default dynamic cache"
+            f"cache_implementation={config.cache_implementation!r} is not supported; use 'dynamic' (default) or 'static'"
         )
     plan = Plan(
         sampling=sampling,

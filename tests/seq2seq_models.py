@@ -1,0 +1,112 @@
+"""Tiny random-weight encoder-decoder models (T5, BART, mBART) built from configs (nothing is downloaded).
+
+At default initialisation such tiny models repeat one token whatever the input, which would let a position bug
+through; the weights are scaled up (and the decoder's position tables most of all) so that outputs depend on the
+source and on every decoder position.
+"""
+
+import torch
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    MBartConfig,
+    MBartForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+from models import perturbed
+
+VOCAB = 97
+
+
+def t5(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0) -> T5ForConditionalGeneration:
+    """T5 ids: pad = decoder start = 0, eos = 1."""
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=layers, num_heads=4,
+        dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=5.0,
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(5.0)
+    return model
+
+
+def _position_sensitive(model):
+    with torch.no_grad():
+        model.model.decoder.embed_positions.weight.normal_(0.0, 2.0)
+    return model
+
+
+def _bart_kwargs(layers, hidden, vocab):
+    return dict(
+        vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden, max_position_embeddings=256,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, init_std=0.2,
+    )
+
+
+def bart(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0) -> BartForConditionalGeneration:
+    """BART ids: bos = 0, pad = 1, eos = decoder start = 2; forced_bos_token_id = 0 as in bart-large-cnn (the
+    default config also forces EOS at max_length - 1)."""
+    torch.manual_seed(seed)
+    config = BartConfig(**_bart_kwargs(layers, hidden, vocab), bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                        decoder_start_token_id=2, forced_bos_token_id=0)
+    model = _position_sensitive(BartForConditionalGeneration(config).eval())
+    model.generation_config.forced_bos_token_id = 0
+    return model
+
+
+def mbart(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0) -> MBartForConditionalGeneration:
+    """mBART-50 style: decoder start = eos = 2, the target language code (id 5) forced as the first token."""
+    torch.manual_seed(seed)
+    config = MBartConfig(**_bart_kwargs(layers, hidden, vocab), bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                         decoder_start_token_id=2, forced_bos_token_id=5, scale_embedding=True)
+    model = _position_sensitive(MBartForConditionalGeneration(config).eval())
+    model.generation_config.forced_bos_token_id = 5
+    return model
+
+
+SEQ2SEQ_FAMILIES = {"t5": t5, "bart": bart, "mbart": mbart}
+
+
+def seq2seq_drafts_for(family: str, target):
+    """Draft models from useless to perfect: the target itself, a perturbed copy, an unrelated small model."""
+    return {
+        "self": target,
+        "perturbed": perturbed(target),
+        "unrelated": SEQ2SEQ_FAMILIES[family](layers=1, hidden=16, seed=123),
+    }
+
+
+def source_batch(lengths, seed: int = 0, pad: int = 0, low: int = 3):
+    """Right-padded encoder inputs of the given lengths (seq2seq tokenizers pad on the right) and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), max(lengths)), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.randint(low, VOCAB, (length,), generator=g)
+        mask[row, :length] = 1
+    return ids, mask
+
+
+def save_t5_pair(root):
+    """Target (2 layers) and draft (1 layer) T5 folders sharing a tiny word-level tokenizer. Returns their paths."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["translate English to German: the house is small", "summarize: the cat sat on the mat",
+              "translate English to German: the book is on the table", "summarize: a dog ran in the park"] * 5
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    paths = []
+    for name, model in (("target", t5(layers=2, vocab=len(tokenizer), seed=0)),
+                        ("draft", t5(layers=1, vocab=len(tokenizer), seed=1))):
+        path = root / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
