@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..ops.compaction import compact_kv
+from ..ops.philox import philox_first_word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +113,85 @@ def drop_rows(runner, index: torch.Tensor) -> None:
     if compactor is not None:
         compactor.enabled = index.shape[0] > 1
         compactor.host_counts = None
+
+
+# Philox streams (c3) of the per-row key derivation; disjoint from the sampling streams of ops/philox.py.
+STREAM_ROW_SEED = 0x60000000
+
+
+def row_seeds(seed: torch.Tensor) -> torch.Tensor:
+    """One independent 63-bit Philox key per row, from seed [B] and the row index b (a fold-in: two Philox words of
+    (seed[b]; b, 0, 0, STREAM_ROW_SEED + {0, 1})). With these and ``seed_per_row=True`` a row's random numbers do
+    not depend on its position in the batch."""
+    rows = torch.arange(seed.shape[0], dtype=torch.int64, device=seed.device)
+    zero = torch.zeros_like(rows)
+    high = philox_first_word(seed, rows, zero, zero, zero + STREAM_ROW_SEED)
+    low = philox_first_word(seed, rows, zero, zero, zero + STREAM_ROW_SEED + 1)
+    return ((high & 0x7FFFFFFF) << 32) | low
+
+
+class RowDropper:
+    """Drops finished rows from a running ``SpeculativeLoop`` (see the module docstring).
+
+    While rows are dropped, the loop's ``sequences``/``generated``/``scores``/``raw_logits`` hold the remaining rows
+    only; ``finish`` writes them back and restores the full-size buffers (rows in their original order).
+    """
+
+    PER_ROW = ("sequences", "generated", "finished", "seed", "last", "scores", "raw_logits")
+    OUTPUTS = ("sequences", "generated", "scores", "raw_logits")
+
+    def __init__(self, options: BatchingOptions):
+        self.options = options
+        self.rows = None  # [B'] original index of each remaining row (device), None until the first drop
+        self.full = None  # output name -> full-size tensor
+        self.dropped = 0
+
+    def maybe_drop(self, loop, finished_host: list[int]) -> bool:
+        """Drop the finished rows when enough have finished. finished_host: the loop's flags from its host read."""
+        num_finished = sum(1 for f in finished_host if f)
+        runners = (loop.target_runner, loop.draft_runner)
+        if not self.options.rows_to_drop(num_finished, len(finished_host)):
+            return False
+        if not all(hasattr(r, "select_cache_rows") for r in runners):
+            return False
+        if self.full is None:  # the loop's buffers are still the full-size ones: keep them as the outputs
+            self.full = {name: getattr(loop, name) for name in self.OUTPUTS}
+            self.rows = torch.arange(loop.batch, device=loop.device)
+        else:
+            self._write_back(loop)
+        remaining = len(finished_host) - num_finished
+        keep = torch.argsort(loop.finished.to(torch.int8), stable=True)[:remaining]  # unfinished rows, in order
+        for name in self.PER_ROW:
+            value = getattr(loop, name)
+            if value is not None:
+                setattr(loop, name, value.index_select(0, keep))
+        tokens, real = loop.pending
+        loop.pending = (tokens.index_select(0, keep), None if real is None else real.index_select(0, keep))
+        for runner in runners:
+            drop_rows(runner, keep)
+        self.rows = self.rows.index_select(0, keep)
+        loop.batch = remaining
+        self.dropped += num_finished
+        return True
+
+    def _write_back(self, loop) -> None:
+        for name, full in self.full.items():
+            if full is not None:
+                full.index_copy_(0, self.rows, getattr(loop, name))
+
+    def finish(self, loop) -> None:
+        """Write the remaining rows back and give the loop its full-size outputs again."""
+        if self.full is None:
+            return
+        self._write_back(loop)
+        for name, full in self.full.items():
+            setattr(loop, name, full)
+        loop.batch = self.full["sequences"].shape[0]
+        loop.finished = torch.ones(loop.batch, dtype=torch.bool, device=loop.device)
+        self.full = None
+
+
+def compactions(loop) -> int:
+    """Hole compactions both runners of a loop have done."""
+    return sum(getattr(getattr(r, "compactor", None), "compactions", 0) for r in (loop.target_runner,
+                                                                                  loop.draft_runner))

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache_ops import crop_cache
+from .compaction import SlotCompactor
 
 
 def _accepts(model, name: str) -> bool:
@@ -26,10 +27,12 @@ def _accepts(model, name: str) -> bool:
 class DecoderRunner:
     """One decoder-only model with its KV cache, slot mask and per-row positions.
 
-    model: an HF causal LM; batch: B; max_slots: an upper bound on cache slots (the mask buffer's width).
+    model: an HF causal LM; batch: B; max_slots: an upper bound on cache slots (the mask buffer's width);
+    compaction_threshold / compaction_backend: hole compaction for batch > 1 (``compaction.py``).
     """
 
-    def __init__(self, model, batch: int, max_slots: int, device: torch.device):
+    def __init__(self, model, batch: int, max_slots: int, device: torch.device, *,
+                 compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.slot_mask = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)
@@ -38,6 +41,7 @@ class DecoderRunner:
         self._logits_to_keep = _accepts(model, "logits_to_keep")
         self._attention = getattr(model.config, "_attn_implementation", None)
         self._dtype = next(model.parameters()).dtype
+        self.compactor = SlotCompactor(batch, compaction_threshold, compaction_backend)
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
@@ -95,6 +99,15 @@ class DecoderRunner:
         window.mul_((offsets < kept.unsqueeze(1)).to(window.dtype))
         self.next_position -= dropped_real
         self.truncate(start + max_kept)
+        self.compactor.maybe_compact(self)
+
+    def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
+        """Every layer's K and V restricted to the first ``num_slots`` slots ([B, H, num_slots, D] views)."""
+        return [t[:, :, :num_slots] for layer in self.cache.layers if layer.keys is not None and layer.keys.numel()
+                for t in (layer.keys, layer.values)]
+
+    def select_cache_rows(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
 
     def truncate(self, num_slots: int) -> None:
         """Drop every slot at index >= num_slots (no row may still need them)."""

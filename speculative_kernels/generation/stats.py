@@ -23,7 +23,10 @@ class SpeculationStats:
     accepted_histogram: list = dataclasses.field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    total_time_s: float = 0.0
+    total_time_s: float = 0.0  # prefill + decoding; excludes warmup_time_s
+    warmup_time_s: float = 0.0  # compile=True: compiling and recording the captured steps (not in total_time_s)
+    compactions: int = 0  # hole compactions of either cache (batch > 1)
+    dropped_rows: int = 0  # finished rows removed from the batch before the end
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,6 +55,7 @@ class SpeculationStats:
             f"{self.target_forwards} target + {self.draft_forwards} draft forwards, "
             f"histogram {self.accepted_histogram}, draft {self.draft_time_s * 1e3:.1f} ms, "
             f"verify {self.verify_time_s * 1e3:.1f} ms"
+            + (f", warm-up {self.warmup_time_s:.1f} s" if self.warmup_time_s else "")
         )
 
 
