@@ -1,0 +1,217 @@
+"""``cache_implementation="static"``: greedy identity with HF for batches of 1..8, rows finishing at different times
+(and on their first token), per-row sampling exactness, identical tokens to the dynamic cache, O(1) rollback, the
+architecture and memory checks, and one host read per iteration with compaction on."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+import speculative_kernels as sk
+from speculative_kernels.generation.compaction import BatchingOptions
+from speculative_kernels.generation.static_runner import (
+    SlotCache,
+    StaticDecoderRunner,
+    check_drivable,
+    check_free_memory,
+    static_capacity,
+    static_memory_bytes,
+)
+from models import FAMILIES, drafts_for, llama
+from stats_util import assert_matches
+from test_generate_batch import _left_padded
+from test_generate_sampling import NEW, VOCAB, _continuation_probs, _hf_warpers, _peaky
+from test_host_sync import CountHostReads
+
+# (family, left-padded prompt lengths): every family, B from 1 to 8.
+CASES = [("llama", [7]), ("qwen2", [5, 9]), ("gpt2", [3, 8, 1]), ("gpt2", [3, 8, 6, 1]), ("llama", [6, 2, 9, 4, 5]),
+         ("qwen2", [4, 4, 7, 2, 9, 5, 6, 3]), ("llama", [2, 7, 5, 3, 8, 1, 6, 4])]
+
+
+def _generate(target, draft, ids, mask, **kwargs):
+    kwargs = {"num_speculative_tokens": 3, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0, **kwargs}
+    return sk.generate(target, ids, attention_mask=mask, draft_model=draft, **kwargs)
+
+
+@pytest.mark.parametrize("family,lengths", CASES, ids=[f"{f}-B{len(l)}" for f, l in CASES])
+def test_static_greedy_matches_hf(family, lengths):
+    target = FAMILIES[family]()
+    draft = drafts_for(family, target)["perturbed" if len(lengths) % 2 else "unrelated"]
+    ids, mask = _left_padded(lengths, seed=len(lengths))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    got = _generate(target, draft, ids, mask, cache_implementation="static", speculation_stats=stats)
+    assert torch.equal(got, expected)
+
+
+def test_mistral_sliding_window_wider_than_the_cache_is_full_attention():
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=0)  # sliding_window 4096
+    target = MistralForCausalLM(config).eval()
+    ids, mask = _left_padded([5, 9, 3])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = _generate(target, target, ids, mask, max_new_tokens=12, cache_implementation="static")
+    assert torch.equal(got, expected)
+    config.sliding_window = 8  # binds within the cache: refused, naming the architecture
+    narrow = MistralForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="MistralForCausalLM.*sliding"):
+        _generate(narrow, narrow, ids, mask, cache_implementation="static")
+
+
+def test_rows_finish_at_different_times_and_on_first_token():
+    target, draft = llama(), llama(layers=1, seed=8)
+    ids, mask = _left_padded([6, 4, 7, 5, 3, 8], seed=2)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    eos = int(free[1, ids.shape[1]])  # row 1's very first new token becomes EOS
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=eos,
+                               pad_token_id=0)
+    stats = sk.SpeculationStats()
+    got = _generate(target, draft, ids, mask, num_speculative_tokens=4, max_new_tokens=14, eos_token_id=eos,
+                    cache_implementation="static", speculation_stats=stats,
+                    batching=BatchingOptions(drop_finished_fraction=0.1))
+    assert torch.equal(got, expected)
+    assert got[1, ids.shape[1]] == eos and bool((got[1, ids.shape[1] + 1:] == 0).all())
+    assert stats.dropped_rows >= 1
+    lengths = [row.index(eos) + 1 if eos in row else len(row) for row in got[:, ids.shape[1]:].tolist()]
+    assert stats.new_tokens == sum(lengths)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_static_and_dynamic_give_identical_tokens(do_sample):
+    target = FAMILIES["qwen2"]()
+    draft = drafts_for("qwen2", target)["perturbed"]
+    ids, mask = _left_padded([3, 8, 6, 1, 5], seed=4)
+    runs = []
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(7)
+        runs.append(_generate(target, draft, ids, mask, max_new_tokens=20, do_sample=do_sample, temperature=0.9,
+                              top_k=20, cache_implementation=cache))
+    assert torch.equal(*runs)
+
+
+def test_dropping_finished_rows_does_not_change_any_row():
+    """Per-row Philox keys: a row's sampled tokens are the same whether finished rows leave the batch or not."""
+    target, draft = _peaky(0, 2), _peaky(7, 1)
+    target.generation_config.eos_token_id = draft.generation_config.eos_token_id = 2
+    ids = torch.randint(3, VOCAB, (12, 4), generator=torch.Generator().manual_seed(3))
+    runs, stats = [], []
+    for fraction in (None, 0.1):
+        torch.manual_seed(5)
+        stats.append(sk.SpeculationStats())
+        runs.append(_generate(target, draft, ids, None, max_new_tokens=12, do_sample=True, eos_token_id=2,
+                              cache_implementation="static", speculation_stats=stats[-1],
+                              batching=BatchingOptions(drop_finished_fraction=fraction)))
+    assert stats[0].dropped_rows == 0 and stats[1].dropped_rows > 0
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,gamma", [(1.0, 0, 1.0, 2), (0.8, 3, 0.9, 3)])
+def test_sampling_exact_per_row(temperature, top_k, top_p, gamma):
+    """Each of 4000 rows of one static-cache batch is a sample of the target's HF sampling distribution (rows
+    finish at different times, holes are compacted, finished rows leave the batch)."""
+    target, draft = _peaky(0, 2), _peaky(7, 1)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    seqs, probs = _continuation_probs(target, prompt, _hf_warpers(temperature, top_k, top_p))
+    torch.manual_seed(4321)
+    stats = sk.SpeculationStats()
+    out = sk.generate(target, prompt.expand(4000, -1), draft_model=draft, num_speculative_tokens=gamma,
+                      do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=NEW,
+                      pad_token_id=0, cache_implementation="static", speculation_stats=stats)
+    new = out[:, prompt.shape[1]:].numpy()
+    codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def test_rollback_is_a_pointer_move_not_a_copy():
+    target = llama()
+    runner = StaticDecoderRunner(target, 2, 32, torch.device("cpu"), reserve=4)
+    pointers = [t.data_ptr() for t in runner.cache.tensors()]
+    tokens = torch.randint(3, 97, (2, 5))
+    runner.forward(tokens)
+    before = [t.clone() for t in runner.cache.tensors()]
+    runner.keep_prefix(5, torch.tensor([2, 4]), 4)
+    assert runner.num_slots == 4 and int(runner.cache.position) == 4
+    assert runner.slot_mask[:, :6].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert runner.next_position.tolist() == [2, 4]
+    assert [t.data_ptr() for t in runner.cache.tensors()] == pointers
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.tensors()))  # nothing moved
+
+
+def test_memory_estimate_matches_the_allocation():
+    for make in FAMILIES.values():
+        model = make()
+        cache = SlotCache(model, 3, 40, torch.device("cpu"))
+        allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
+        assert static_memory_bytes([model], 3, 40, gamma=4)["kv_caches"] == allocated
+
+
+def test_capacity_bound_and_batch_one_has_no_slack():
+    assert static_capacity(10, 100, 4, 1, 0.25) == 10 + 100 + 2 * 5 + 2
+    assert static_capacity(10, 100, 4, 8, 0.25) == 122 + 31
+
+
+def test_free_memory_check_raises_before_allocating(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    need = {"kv_caches": 5 * 2**30, "slot_masks": 0, "attention_mask": 0, "total": 5 * 2**30}
+    with pytest.raises(MemoryError, match=r"needs 5.00 GiB .* only 4.00 GiB are free"):
+        check_free_memory(need, torch.device("cuda", 0), "the static caches")
+    check_free_memory({**need, "total": 3 * 2**30}, torch.device("cuda", 0), "the static caches")
+    check_free_memory({**need, "total": 10**15}, torch.device("cpu"), "the static caches")  # CPU: not checked
+
+
+def _tiny(arch, **kwargs):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kwargs)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_undrivable_architecture_is_named_and_dynamic_still_works():
+    """Falcon's multi-query K/V (one head) is not what its config's head counts describe: refused by name at the
+    first write; the dynamic cache still runs it."""
+    model = _tiny("falcon")
+    ids, mask = _left_padded([4, 6])
+    with pytest.raises(ValueError, match="FalconForCausalLM: the static cache expected keys"):
+        _generate(model, model, ids, mask, max_new_tokens=6, cache_implementation="static")
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(_generate(model, model, ids, mask, max_new_tokens=6), expected)
+
+
+def test_attention_without_4d_masks_is_refused_by_name():
+    model = llama()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="LlamaForCausalLM uses attn_implementation='flex_attention'"):
+        check_drivable(model, 64)
+
+
+def test_static_refusals():
+    target = llama()
+    ids = torch.tensor([[1, 5, 6]])
+    with pytest.raises(ValueError, match="needs the static cache"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, compile=True, cache_implementation="dynamic")
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, cache_implementation="offloaded")
+    with pytest.raises(TypeError, match="compile must be"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, compile="yes")
+    with pytest.raises(ValueError, match="compaction_threshold"):
+        BatchingOptions(compaction_threshold=0.0)
+
+
+def test_one_host_read_per_iteration_with_compaction():
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.randint(3, 97, (5, 6), generator=torch.Generator().manual_seed(0))
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, cache_implementation="static")
+    steps = 0
+    while not session.finished:
+        with CountHostReads() as counter:
+            session.step()
+        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
+        steps += 1
+    runners = (session._loop.target_runner, session._loop.draft_runner)
+    assert sum(r.compactor.compactions for r in runners) > 0
