@@ -1,0 +1,281 @@
+"""Encoder-decoder models (T5, BART, mBART): greedy identical to HF, sampling exact, batches, inputs, errors, CLI."""
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import MarianConfig, MarianMTModel
+from transformers.generation.logits_process import ForcedBOSTokenLogitsProcessor, LogitsProcessorList
+from transformers.generation.utils import GenerateEncoderDecoderOutput
+
+import speculative_kernels as sk
+from models import llama
+from seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
+from stats_util import assert_matches
+from test_generate_sampling import _hf_warpers
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """family -> (target, {draft kind: draft})."""
+    out = {}
+    for family, make in SEQ2SEQ_FAMILIES.items():
+        target = make()
+        out[family] = (target, seq2seq_drafts_for(family, target))
+    return out
+
+
+def _assert_same_as_hf(target, draft, ids, mask, gamma, **kwargs):
+    """Sequences identical to ``target.generate``, raw logits and scores equal to float tolerance."""
+    kwargs = dict(attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                  output_scores=True, **kwargs)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, speculation_stats=stats, **kwargs)
+    assert isinstance(got, GenerateEncoderDecoderOutput) and got.speculation_stats is not None
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    assert len(got.logits) == len(expected.logits) == len(got.scores)
+    live = _live_steps(got.sequences[:, -len(got.logits):], kwargs.get("eos_token_id",
+                                                                       target.generation_config.eos_token_id))
+    for mine, theirs in ((got.logits, expected.logits), (got.scores, expected.scores)):
+        mine, theirs = torch.stack(mine, dim=1)[live], torch.stack(theirs, dim=1)[live]
+        scale = theirs[theirs.isfinite()].abs().max()
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=3e-5 * float(scale))
+    return got, stats
+
+
+def _live_steps(new_tokens, eos):
+    """[B, steps] bool: the steps at which a row was still generating (HF goes on computing finished rows)."""
+    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.int64)
+    ended = torch.isin(new_tokens, eos).to(torch.int64).cumsum(dim=1)
+    return (ended - torch.isin(new_tokens, eos).to(torch.int64)) == 0
+
+
+@pytest.mark.parametrize("family", sorted(SEQ2SEQ_FAMILIES))
+@pytest.mark.parametrize("draft_kind", ["self", "perturbed", "unrelated"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_matches_hf(pairs, family, draft_kind, gamma):
+    target, drafts = pairs[family]
+    ids, mask = source_batch([7], pad=target.config.pad_token_id)
+    _assert_same_as_hf(target, drafts[draft_kind], ids, mask, gamma, max_new_tokens=20)
+
+
+@pytest.mark.parametrize("family", sorted(SEQ2SEQ_FAMILIES))
+@pytest.mark.parametrize("lengths,draft_kind", [([5, 9], "perturbed"), ([3, 8, 6, 1], "unrelated"),
+                                                ([4, 4, 7, 2, 9, 5], "perturbed")])
+def test_batched_greedy_matches_hf_per_row(pairs, family, lengths, draft_kind):
+    target, drafts = pairs[family]
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=target.config.pad_token_id)
+    _, stats = _assert_same_as_hf(target, drafts[draft_kind], ids, mask, 3, max_new_tokens=16)
+    if draft_kind == "perturbed":  # rows accepted different counts: their caches were shifted apart
+        assert sum(1 for n in stats.accepted_histogram if n) > 1
+
+
+def test_self_draft_accepts_everything(pairs):
+    target, _ = pairs["bart"]
+    ids, mask = source_batch([5, 3, 6], pad=1)
+    _, stats = _assert_same_as_hf(target, target, ids, mask, 3, max_new_tokens=12, forced_eos_token_id=None,
+                                  eos_token_id=None)
+    assert stats.acceptance_rate == 1.0 and stats.accepted_histogram == [0, 0, 0, 3 * 3]
+
+
+def test_rows_finish_at_different_times(pairs):
+    target, drafts = pairs["t5"]
+    ids, mask = source_batch([6, 4, 7, 5], seed=2)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    eos = int(free[1, 1])  # row 1's very first new token becomes EOS
+    got, stats = _assert_same_as_hf(target, drafts["unrelated"], ids, mask, 4, max_new_tokens=10, eos_token_id=eos)
+    rows = got.sequences[:, 1:].tolist()
+    assert rows[1][0] == eos and all(t == 0 for t in rows[1][1:])
+    assert stats.new_tokens == sum(row.index(eos) + 1 if eos in row else len(row) for row in rows)
+    assert len({row.index(eos) if eos in row else len(row) for row in rows}) > 1
+
+
+@pytest.mark.parametrize("family", ["bart", "mbart"])
+def test_forced_bos_and_eos(pairs, family):
+    target, drafts = pairs[family]
+    ids, mask = source_batch([6, 3], pad=1)
+    got, _ = _assert_same_as_hf(target, drafts["unrelated"], ids, mask, 3, max_new_tokens=7,
+                                forced_bos_token_id=42, forced_eos_token_id=[2, 7], eos_token_id=None)
+    assert got.sequences[:, 1].tolist() == [42, 42]
+    assert set(got.sequences[:, -1].tolist()) <= {2, 7}
+    assert torch.isinf(got.scores[0][:, :42]).all() and (got.scores[0][:, 42] == 0).all()
+
+
+def test_forced_eos_in_a_decoder_only_model():
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=9, do_sample=False, forced_eos_token_id=2, forced_bos_token_id=4)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got, expected) and got[0, -1] == 2
+
+
+def test_decoder_input_ids_as_in_hf(pairs):
+    target, drafts = pairs["t5"]
+    ids, mask = source_batch([5, 8], pad=0)
+    for decoder_ids in (torch.tensor([[0, 17, 23], [0, 40, 41]]), torch.tensor([[17, 23], [40, 41]])):
+        got, _ = _assert_same_as_hf(target, drafts["perturbed"], ids, mask, 3, max_new_tokens=9,
+                                    decoder_input_ids=decoder_ids)
+        assert got.sequences.shape == (2, 3 + 9)
+
+
+def test_padded_decoder_prompt_as_in_hf(pairs):
+    target, drafts = pairs["bart"]
+    ids, mask = source_batch([5, 8], pad=1)
+    decoder_ids = torch.tensor([[2, 1, 30, 31], [2, 50, 51, 52]])
+    decoder_mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    _assert_same_as_hf(target, drafts["perturbed"], ids, mask, 3, max_new_tokens=9, decoder_input_ids=decoder_ids,
+                       decoder_attention_mask=decoder_mask)
+
+
+def test_encoder_outputs_given(pairs):
+    target, drafts = pairs["bart"]
+    ids, mask = source_batch([6, 4], pad=1)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    encoded = target.get_encoder()(input_ids=ids, attention_mask=mask)
+    for draft, kwargs in ((target, {}), (drafts["unrelated"], dict(input_ids=ids))):
+        got = sk.generate(target, draft_model=draft, encoder_outputs=encoded, attention_mask=mask,
+                          max_new_tokens=8, do_sample=False, **kwargs)
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="encoder_outputs alone"):
+        sk.generate(target, draft_model=drafts["unrelated"], encoder_outputs=encoded, attention_mask=mask)
+
+
+def test_max_new_tokens_zero_returns_the_decoder_prompt(pairs):
+    target, _ = pairs["t5"]
+    ids, _ = source_batch([4])
+    assert sk.generate(target, ids, draft_model=target, max_new_tokens=0).tolist() == [[0]]
+
+
+def test_decoder_session_steps(pairs):
+    target, drafts = pairs["t5"]
+    ids, mask = source_batch([5, 7], pad=0)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    session = sk.SpeculativeDecoder(target, drafts["perturbed"], num_speculative_tokens=3).start(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+VOCAB, NEW, ROWS = 6, 3, 6000
+
+
+# Output scales giving a spread continuation distribution (tens of likely cells) and acceptance around 0.4.
+LOGIT_SCALE = {"t5": 0.03, "bart": 2.0, "mbart": 1.0}
+
+
+def _peaky(family, seed, layers, forced_bos=None):
+    model = SEQ2SEQ_FAMILIES[family](layers=layers, vocab=VOCAB, seed=seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(LOGIT_SCALE[family])
+    model.generation_config.eos_token_id = None
+    model.generation_config.forced_eos_token_id = None
+    model.generation_config.forced_bos_token_id = forced_bos
+    return model
+
+
+def _continuation_probs(model, source, processors):
+    """Exact probability of every continuation of NEW decoder tokens under HF's processing, by enumeration."""
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+    start = torch.full((len(seqs), 1), model.generation_config.decoder_start_token_id)
+    decoder_ids = torch.cat([start, seqs], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=source.expand(len(seqs), -1), decoder_input_ids=decoder_ids).logits.float()
+    logp = torch.zeros(len(seqs), dtype=torch.float64)
+    for t in range(NEW):
+        step = processors(decoder_ids[:, : t + 1], logits[:, t].clone())
+        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
+    return logp.exp().numpy()
+
+
+@pytest.mark.parametrize(
+    "family,temperature,top_k,top_p,gamma,forced_bos",
+    [("t5", 1.0, 0, 1.0, 2, None), ("t5", 0.8, 3, 1.0, 3, None), ("bart", 1.0, 0, 0.8, 2, None),
+     ("mbart", 1.2, 0, 1.0, 2, 5)],
+)
+def test_whole_continuations_match_target_sampling(family, temperature, top_k, top_p, gamma, forced_bos):
+    target, draft = _peaky(family, 0, 2, forced_bos), _peaky(family, 7, 1, forced_bos)
+    source = torch.tensor([[3, 4, 5, 3, 2]])
+    processors = _hf_warpers(temperature, top_k, top_p)
+    if forced_bos is not None:
+        processors.insert(0, ForcedBOSTokenLogitsProcessor(forced_bos))
+    probs = _continuation_probs(target, source, LogitsProcessorList(processors))
+    torch.manual_seed(1234)
+    stats = sk.SpeculationStats()
+    out = sk.generate(target, source.expand(ROWS, -1), draft_model=draft, num_speculative_tokens=gamma,
+                      do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=NEW,
+                      speculation_stats=stats)
+    assert 0 < stats.acceptance_rate < 1
+    new = out[:, 1:].numpy()
+    codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_mixed_pairs_are_refused():
+    with pytest.raises(ValueError, match="encoder-decoder model but draft_model is a decoder-only"):
+        sk.generate(t5(), torch.tensor([[5, 6]]), draft_model=llama())
+    with pytest.raises(ValueError, match="decoder-only model but draft_model is an encoder-decoder"):
+        sk.generate(llama(), torch.tensor([[5, 6]]), draft_model=t5())
+
+
+def test_different_vocabularies_are_refused():
+    with pytest.raises(ValueError, match="different vocabularies"):
+        sk.generate(t5(), torch.tensor([[5, 6]]), draft_model=t5(layers=1, vocab=120))
+
+
+def test_unsupported_architecture_is_named():
+    config = MarianConfig(vocab_size=97, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=0,
+                          decoder_start_token_id=0)
+    marian = MarianMTModel(config).eval()
+    with pytest.raises(ValueError, match="type 'marian'"):
+        sk.generate(marian, torch.tensor([[5, 6]]), draft_model=marian)
+
+
+def test_bad_decoder_prompt(pairs):
+    target, _ = pairs["t5"]
+    ids, _ = source_batch([4, 4])
+    with pytest.raises(ValueError, match="decoder_attention_mask must be 1 at the last"):
+        sk.generate(target, ids, draft_model=target, decoder_input_ids=torch.tensor([[0, 5], [0, 6]]),
+                    decoder_attention_mask=torch.tensor([[1, 1], [1, 0]]))
+    with pytest.raises(ValueError, match="decoder_input_ids must be a \\[2, length\\]"):
+        sk.generate(target, ids, draft_model=target, decoder_input_ids=torch.tensor([[0, 5]]))
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def t5_dirs(tmp_path_factory):
+    return save_t5_pair(tmp_path_factory.mktemp("t5pair"))
+
+
+def test_cli_generate_compare_on_a_t5_pair(t5_dirs, capsys):
+    from speculative_kernels.cli import main
+
+    target, draft = t5_dirs
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt",
+                 "translate English to German: the cat is small", "--max-new-tokens", "10", "--gamma", "3",
+                 "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "acceptance rate" in out and "outputs identical" in out
+
+
+def test_cli_console_command_on_a_t5_pair(t5_dirs):
+    target, draft = t5_dirs
+    exe = shutil.which("speculative-kernels")
+    cmd = [exe] if exe else [sys.executable, "-m", "speculative_kernels.cli"]
+    result = subprocess.run(cmd + ["generate", "--target", str(target), "--draft", str(draft), "--prompt",
+                                   "summarize: the dog sat", "--max-new-tokens", "6", "--compare"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 0, result.stderr
+    assert "outputs identical" in result.stdout
