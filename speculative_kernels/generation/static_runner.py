@@ -164,6 +164,16 @@ def _accepts(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
+# Every captured step shares ``_step``'s code object, and dynamo keeps one cache per code object: each model, width
+# and batch size is an entry. Raise the per-code limit (default 8), and fail instead of silently running eager past it.
+_DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+
+
+def _dynamo_limits():
+    config = torch._dynamo.config
+    return config.patch(**{k: v for k, v in _DYNAMO_LIMITS.items() if hasattr(config, k)})
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
     """How ``generate(..., compile=...)`` captures the draft and verification steps.
@@ -218,7 +228,10 @@ class StaticDecoderRunner:
         compiled = self._compiled.get((width, last_only))
         if compiled is not None:
             torch.compiler.cudagraph_mark_step_begin()
-            logits = compiled(tokens, real_i).clone()  # a captured graph's outputs are overwritten by its next replay
+            fresh = torch.contiguous_format  # fresh tensors: one inference mode and one stride per shape for the guards
+            with _dynamo_limits():
+                logits = compiled(tokens.clone(memory_format=fresh), real_i.clone(memory_format=fresh))
+            logits = logits.clone()  # a captured graph's outputs are overwritten by its next replay
         else:
             logits = self._step(tokens, real_i, last_only)
         self.num_slots += width

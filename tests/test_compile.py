@@ -1,0 +1,127 @@
+"""``generate(..., compile=True)``: captured draft/verification steps give the eager static path's tokens.
+
+CPU: the steps go through dynamo with the ``aot_eager`` backend (fast to build) and, once, through inductor's default
+mode (what ``compile=True`` picks on CPU). CUDA (skipped elsewhere, with the reason): ``mode="reduce-overhead"``
+records CUDA graphs without skips, and the steady-state loop synchronises with the host once per iteration.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import speculative_kernels as sk
+from speculative_kernels.generation.generate import build_loop
+from speculative_kernels.generation.static_runner import CompileOptions, compile_loop
+from models import FAMILIES, drafts_for, llama
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TRACE_ONLY = CompileOptions(backend="aot_eager")
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs (mode='reduce-overhead') need a CUDA device")
+
+
+def _pair(family):
+    target = FAMILIES[family]().to(DEVICE)
+    return target, drafts_for(family, target)["perturbed"].to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    """One pair for the module: captured graphs are specialised to the models, so tests sharing it compile once."""
+    return _pair("llama")
+
+
+def _prompt(batch=1, length=7, seed=0):
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def test_compiled_greedy_matches_hf_and_reuses_graphs(llama_pair):
+    target, draft = llama_pair
+    ids = _prompt()
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    options = TRACE_ONLY if not ON_CUDA else CompileOptions()
+    stats = []
+    for _ in range(2):
+        graphs = counters["stats"]["unique_graphs"]
+        stats.append(sk.SpeculationStats())
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=20,
+                          do_sample=False, compile=options, speculation_stats=stats[-1])
+        assert torch.equal(got, expected)
+    assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing new
+    assert all(s.warmup_time_s > 0 and s.total_time_s > 0 for s in stats)
+    assert stats[0].target_forwards == stats[1].target_forwards > 0  # warm-up forwards are not counted
+
+
+def test_compiled_sampling_matches_eager_static(llama_pair):
+    target, draft = llama_pair
+    ids = _prompt(seed=2)
+    runs = []
+    for compile in (False, TRACE_ONLY):
+        torch.manual_seed(11)
+        runs.append(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=24,
+                                do_sample=True, temperature=0.8, top_k=20, top_p=0.9, compile=compile,
+                                cache_implementation="static"))
+    assert torch.equal(*runs)
+
+
+def test_compiled_batch_keeps_every_row():
+    """Batches compile too (fixed shapes: finished rows are not dropped), with left padding (GPT-2)."""
+    target, draft = _pair("gpt2")
+    ids = _prompt(batch=3, length=6, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                      max_new_tokens=12, do_sample=False, pad_token_id=0, compile=TRACE_ONLY, speculation_stats=stats)
+    assert torch.equal(got, expected)
+    assert stats.dropped_rows == 0
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU default (inductor, mode='default'); CUDA is checked below")
+def test_compile_true_on_cpu_uses_inductor_and_matches_hf():
+    target, draft = llama(layers=1), llama(layers=1, seed=5)
+    ids = _prompt(length=5, seed=6)
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert CompileOptions().torch_compile_kwargs(torch.device("cpu")) == {"backend": "inductor", "dynamic": False,
+                                                                           "mode": "default"}
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=2, max_new_tokens=8, do_sample=False,
+                      compile=True)
+    assert torch.equal(got, expected)
+
+
+@needs_cuda
+def test_cuda_graphs_record_without_skips(llama_pair):
+    assert CompileOptions().torch_compile_kwargs(torch.device("cuda"))["mode"] == "reduce-overhead"
+    target, draft = llama_pair
+    ids = _prompt(seed=9)
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    counters.clear()
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=24, do_sample=False,
+                      compile=True)
+    assert torch.equal(got, expected)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@needs_cuda
+def test_one_host_sync_per_iteration_when_captured(llama_pair):
+    """After warm-up, CUDA's sync debug mode flags every synchronising call: at most the iteration's read each step."""
+    target, draft = llama_pair
+    with torch.inference_mode():
+        loop, _, _ = build_loop(target, draft, _prompt(seed=3), num_speculative_tokens=3, max_new_tokens=30,
+                                do_sample=True, compile_options=CompileOptions())
+        compile_loop(loop, CompileOptions())
+        steps, running = 0, True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                while running:
+                    running = loop.step()
+                    steps += 1
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert steps > 1 and len(syncs) <= steps, [str(w.message) for w in syncs[:5]]
