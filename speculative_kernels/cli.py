@@ -14,6 +14,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def gamma_arg(text: str):
+    """--gamma: a positive int, or "auto" (calibrated per run, ``generation/gamma.py``)."""
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def _sampling_kwargs(args) -> dict:
     if args.temperature == 0.0:
         return dict(do_sample=False)
@@ -39,7 +44,8 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--gamma", type=_positive_int, default=5, help="draft tokens per iteration")
+    parser.add_argument("--gamma", type=gamma_arg, default=5,
+                        help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
@@ -76,7 +82,7 @@ def run_generate(args) -> int:
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     print(f"\nspeculative: {len(new_tokens)} tokens in {seconds:.3f} s = {len(new_tokens) / seconds:.1f} tokens/s; "
           f"acceptance rate {stats.acceptance_rate:.3f}, {stats.mean_tokens_per_target_forward:.2f} tokens per "
-          "target forward")
+          "target forward" + (f"; gamma auto -> {stats.num_speculative_tokens}" if args.gamma == "auto" else ""))
     if not args.compare:
         return 0
     torch.manual_seed(args.seed)

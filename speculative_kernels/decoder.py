@@ -42,17 +42,18 @@ class DecodeSession:
     @property
     def stats(self) -> SpeculationStats:
         stats = self._loop.stats
-        stats.accepted_histogram = self._loop._histogram.tolist()
+        stats.accepted_histogram = self._loop.histogram()
         return stats
 
 
 class SpeculativeDecoder:
     """A target/draft pair, validated once, that starts decoding sessions.
 
-    target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``).
+    target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``). num_speculative_tokens: an
+    int, or "auto" to calibrate gamma per session over its first iterations (``generation/gamma.py``).
     """
 
-    def __init__(self, target, draft, *, num_speculative_tokens: int = 5, backend: str = "auto", tokenizer=None,
+    def __init__(self, target, draft, *, num_speculative_tokens: int | str = 5, backend: str = "auto", tokenizer=None,
                  assistant_tokenizer=None):
         self.target, self.draft = target, draft
         self.num_speculative_tokens = num_speculative_tokens

@@ -92,6 +92,10 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
             raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
         input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask,
                                                     plan.generation_config.bos_token_id)
+        if plan.num_speculative_tokens == "auto" and (plan.cache_implementation == "static"
+                                                      or compile_options is not None):
+            raise ValueError("num_speculative_tokens='auto' changes gamma during the run; cache_implementation="
+                             "'static' and compile=True need a fixed gamma")
         runner_factory = choose_runner_factory(model, draft_model, plan, input_ids, batching, compile_options)
     if model.config.is_encoder_decoder and (plan.cache_implementation == "static" or compile_options is not None):
         raise ValueError("cache_implementation='static' and compile=True support decoder-only models only")
@@ -113,7 +117,7 @@ def generate(
     input_ids: torch.Tensor | None = None,
     *,
     draft_model=None,
-    num_speculative_tokens: int = 5,
+    num_speculative_tokens: int | str = 5,
     assistant_model=None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -131,6 +135,11 @@ def generate(
     ``return_dict_in_generate=True``, whose ``speculation_stats`` holds the statistics. With a tensor result, pass
     ``speculation_stats=SpeculationStats()`` to have it filled in. ``assistant_model`` is another name for
     ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded draft vocabulary be checked and used.
+
+    ``num_speculative_tokens`` (gamma) is the number of draft tokens per iteration, or ``"auto"``: start at 4,
+    measure the acceptance rate alpha and the cost ratio c over the first iterations and continue with the gamma in
+    1..16 that maximises the paper's expected speedup (``gamma.py``; the choice is in
+    ``speculation_stats.num_speculative_tokens``).
 
     ``cache_implementation="static"`` preallocates both KV caches (``static_runner.py``). ``compile=True`` (or a
     ``CompileOptions``) also captures the draft and verification steps with ``torch.compile`` (CUDA graphs on CUDA);

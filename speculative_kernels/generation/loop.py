@@ -15,6 +15,7 @@ from ..ops import backends
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.validation import resolve_randomness
 from .compaction import BatchingOptions, RowDropper, compactions, row_seeds
+from .gamma import GammaCalibrator
 from .runner import DecoderRunner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
@@ -34,12 +35,18 @@ class SpeculativeLoop:
         self.target, self.draft, self.bridge, self.plan = target, draft, bridge, plan
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
-        self.gamma = plan.num_speculative_tokens
+        # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
+        # buffers are sized for the largest gamma it may choose.
+        self.calibrator = GammaCalibrator() if plan.num_speculative_tokens == "auto" else None
+        self.gamma = self.calibrator.start_gamma if self.calibrator else plan.num_speculative_tokens
+        self.max_gamma = self.calibrator.max_gamma if self.calibrator else self.gamma
+        self._largest_gamma_used = self.gamma
         self.impl = backends.implementation(backend, self.device.type)
+        self._dtype = next(target.parameters()).dtype  # verification runs in the target's dtype
         self.sampling = plan.sampling
         self.target_runner = runner_factory(target, self.batch, self.max_slots(), self.device)
         self.draft_runner = runner_factory(draft, self.batch, self.max_slots(), self.device)
-        width = self.prompt_length + plan.max_new_tokens + self.gamma + 1  # slack: no scatter ever collides
+        width = self.prompt_length + plan.max_new_tokens + self.max_gamma + 1  # slack: no scatter ever collides
         fill = plan.pad_token_id if plan.pad_token_id is not None else 0
         self.sequences = torch.full((self.batch, width), fill, dtype=torch.int64, device=self.device)
         self.sequences[:, : self.prompt_length] = input_ids
@@ -55,8 +62,10 @@ class SpeculativeLoop:
             self.seed, self.seed_per_row = row_seeds(self.seed), True
         self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
+        self._draft_offset = 0  # Philox offset of the next draft token (advances by gamma per iteration)
+        self._masks_logits = bool(self._forced) or (plan.min_new_tokens > 0 and bool(plan.eos_token_ids))
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
-        self._histogram = torch.zeros(self.gamma + 1, dtype=torch.int64, device=self.device)
+        self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
         self.timer = PhaseTimer(self.device)
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
@@ -66,7 +75,7 @@ class SpeculativeLoop:
     def max_slots(self) -> int:
         """Upper bound on the cache slots either model can use: the prompt, then at most gamma + 1 per iteration
         and at most max_new_tokens iterations (every unfinished row emits at least one token per iteration)."""
-        return self.prompt_length + (self.gamma + 1) * (self.plan.max_new_tokens + 1) + 2
+        return self.prompt_length + (self.max_gamma + 1) * (self.plan.max_new_tokens + 1) + 2
 
     def _score_buffer(self):
         vocab = self.bridge.target_width
@@ -115,24 +124,34 @@ class SpeculativeLoop:
             logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)
 
     def _draft(self, dtype: torch.dtype):
-        s = self.sampling
-        tokens = torch.empty(self.batch, self.gamma, dtype=torch.int64, device=self.device)
+        """gamma draft forwards. Returns (tokens [B, gamma] int64, logits [B, gamma, V] in ``dtype``)."""
+        s, gamma = self.sampling, self.gamma
+        tokens = torch.empty(self.batch, gamma, dtype=torch.int64, device=self.device)
         logits_buffer = None
         inputs, real = self.pending
-        for i in range(self.gamma):
+        for i in range(gamma):
             logits = self.draft_runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
-            logits = self.bridge.draft_logits(logits).to(dtype)
-            self._mask_min_new(logits, (self.generated + i).unsqueeze(1))
-            self._mask_forced(logits, (self.generated + i).unsqueeze(1))
+            logits = self.bridge.draft_logits(logits)
+            if logits.dtype != dtype:
+                logits = logits.to(dtype)
+            if self._masks_logits:
+                self._mask_min_new(logits, (self.generated + i).unsqueeze(1))
+                self._mask_forced(logits, (self.generated + i).unsqueeze(1))
             if logits_buffer is None:
-                logits_buffer = torch.empty(self.batch, self.gamma, logits.shape[-1], dtype=dtype, device=self.device)
+                logits_buffer = torch.empty(self.batch, gamma, logits.shape[-1], dtype=dtype, device=self.device)
             logits_buffer[:, i] = logits[:, 0]
-            offset = torch.full_like(self.seed, self.iteration * self.gamma + i)
-            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
-                                     self.seed_per_row)
+            if s.greedy:
+                # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN,
+                # all -inf) is still caught: verify checks the stored draft logits.
+                token = logits[:, 0].float().argmax(dim=-1)
+            else:
+                offset = torch.full_like(self.seed, self._draft_offset + i)
+                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
+                                         self.seed_per_row)
             tokens[:, i] = token
             inputs, real = token.clamp(min=0).unsqueeze(1), None
-        self.stats.draft_forwards += self.gamma
+        self._draft_offset += gamma
+        self.stats.draft_forwards += gamma
         return tokens, logits_buffer
 
     def _verify(self, draft_tokens, draft_logits):
@@ -140,9 +159,10 @@ class SpeculativeLoop:
         target_in = torch.cat([self.last.unsqueeze(1), draft_tokens.clamp(min=0)], dim=1)
         logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
-        positions = torch.arange(self.gamma + 1, device=self.device)
-        self._mask_min_new(logits, self.generated.unsqueeze(1) + positions)
-        self._mask_forced(logits, self.generated.unsqueeze(1) + positions)
+        if self._masks_logits:
+            generated = self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device)
+            self._mask_min_new(logits, generated)
+            self._mask_forced(logits, generated)
         offset = torch.full_like(self.seed, self.iteration)
         out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
                                          s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
@@ -161,8 +181,8 @@ class SpeculativeLoop:
         index = self.prompt_length + self.generated.unsqueeze(1) + positions
         keep = positions < count.unsqueeze(1)
         self.sequences.scatter_(1, index, torch.where(keep, out, self.sequences.gather(1, index)))
-        active = ~self.finished
-        self._histogram += torch.bincount(accepted.clamp(min=0)[active], minlength=self.gamma + 1)
+        # Scatter-add, not bincount over a boolean selection (that would read the selection's size on the host).
+        self._histogram.index_add_(0, accepted.clamp(min=0), (~self.finished).to(torch.int64))
         self.finished = self.finished | (has_eos & keep.any(dim=1)) | (self.generated + count >= self.plan.max_new_tokens)
         self.generated = self.generated + count
         return count
@@ -207,9 +227,8 @@ class SpeculativeLoop:
 
         Afterwards ``emitted()`` lists the token ids each row emitted (read in the iteration's one host read).
         """
-        dtype = next(self.target.parameters()).dtype
         self.timer.start("draft")
-        draft_tokens, draft_logits = self._draft(dtype)
+        draft_tokens, draft_logits = self._draft(self._dtype)
         self.timer.stop("draft")
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits)
@@ -230,6 +249,7 @@ class SpeculativeLoop:
         finished_host, active_host = host[2 * b : 3 * b], host[3 * b : 4 * b]
         tail = 4 * b + out.numel()
         self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
+        self._host_width = self.gamma + 1
         for i, runner in enumerate(counted):
             runner.compactor.host_counts = host[tail + i * b : tail + (i + 1) * b]
         if min(accepted_host) < 0:
@@ -238,12 +258,30 @@ class SpeculativeLoop:
         self._after_emit(count_host, accepted_host, active_host, generated_before)
         self._roll_back(accepted, accepted_host)
         self._next_pending(out, accepted, draft_tokens, accepted_host)
+        if self.calibrator is not None and not self.calibrator.done:
+            self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
         self.iteration += 1
         return not all(finished_host)
 
+    def _calibrate(self, accepted_counts: list[int]) -> None:
+        """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.
+        The phase times are complete here: the iteration's host read has already waited for the device."""
+        chosen = self.calibrator.record(accepted_counts, self._last_seconds("draft"), self._last_seconds("verify"))
+        if chosen is not None:
+            self.gamma = self.stats.num_speculative_tokens = chosen
+            self._largest_gamma_used = max(self._largest_gamma_used, chosen)
+
+    def _last_seconds(self, phase: str) -> float:
+        begin, end = self.timer.spans[phase][-1]
+        return begin.elapsed_time(end) / 1e3 if self.timer.cuda else end - begin
+
+    def histogram(self) -> list[int]:
+        """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
+        return self._histogram[: self._largest_gamma_used + 1].tolist()
+
     def emitted(self) -> list[list[int]]:
         """Token ids each row emitted in the last ``step()`` (after EOS / length / stopping-criteria cuts)."""
-        width = self.gamma + 1
+        width = self._host_width
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
@@ -289,7 +327,7 @@ class SpeculativeLoop:
         if self.plan.streamer is not None:
             self.plan.streamer.end()
         longest = int(self.generated.max()) if self.batch else 0
-        self.stats.accepted_histogram = self._histogram.tolist()
+        self.stats.accepted_histogram = self.histogram()
         self.stats.draft_time_s = self.timer.seconds("draft")
         self.stats.verify_time_s = self.timer.seconds("verify")
         self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")

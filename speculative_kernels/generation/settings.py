@@ -73,7 +73,7 @@ class Plan:
     """Everything the loop needs, validated."""
 
     sampling: Sampling
-    num_speculative_tokens: int
+    num_speculative_tokens: int | str  # or "auto"
     max_new_tokens: int
     min_new_tokens: int
     eos_token_ids: tuple[int, ...]
@@ -109,9 +109,12 @@ def _check_unsupported(config) -> None:
         raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache")
 
 
-def _check_gamma(num_speculative_tokens) -> int:
+def _check_gamma(num_speculative_tokens) -> int | str:
+    if isinstance(num_speculative_tokens, str) and num_speculative_tokens == "auto":
+        return "auto"  # the loop calibrates and chooses gamma (gamma.py)
     if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, numbers.Integral):
-        raise TypeError(f"num_speculative_tokens must be an int, got {type(num_speculative_tokens).__name__}")
+        raise TypeError(
+            f"num_speculative_tokens must be an int or 'auto', got {type(num_speculative_tokens).__name__}")
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     return int(num_speculative_tokens)

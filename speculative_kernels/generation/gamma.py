@@ -1,0 +1,143 @@
+"""Choosing the draft length gamma from the paper's speedup model (Leviathan et al. 2023, section 3).
+
+With a per-token acceptance probability alpha (acceptances i.i.d., the paper's simplification) and a cost ratio
+c = (time of one draft forward) / (time of one target forward), one iteration of gamma draft tokens
+
+* emits (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average (eq. 1), and
+* costs gamma * c + 1 target-forward times,
+
+so the expected walltime improvement over plain decoding is (Theorem 3.8)
+
+    speedup(alpha, gamma, c) = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1)).
+
+``num_speculative_tokens="auto"`` maximises that over gamma in 1..16 with alpha and c measured on the run itself,
+by ``GammaCalibrator``: the loop starts with gamma = 4 and, over its first iterations (1 warm-up + 4 measured),
+records each iteration's accepted count (from the iteration's one host read, so calibration adds no host
+synchronisation) and the time of its draft phase (gamma draft forwards + sampling) and verification phase (one
+target forward over gamma + 1 tokens + verify). Then
+
+* alpha = sum(n) / sum(n + [n < gamma]) over those iterations' rows: the maximum-likelihood estimate of the
+  acceptance probability from the accepted counts n (a row that stopped at n < gamma made n + 1 accept tests, one
+  of which failed; a row that accepted all gamma made gamma tests), not accepted / drafted, which is biased low;
+* c = median(draft phase / gamma) / median(verification phase) over the measured iterations (the warm-up
+  iteration is skipped): the verification forward over gamma + 1 tokens is the "target step" of the paper's cost
+  model, as in the paper, which assumes it costs one target forward;
+
+and the loop continues with the best gamma. The tokens generated during calibration are part of the output, so
+nothing is wasted. Greedy output is the same for every gamma; with sampling the output distribution is exact for
+every gamma, but since gamma depends on measured time, a seed no longer replays a sampled output bit for bit.
+"""
+
+import dataclasses
+import math
+import statistics
+
+MAX_GAMMA = 16
+CALIBRATION_GAMMA = 4
+CALIBRATION_WARMUP = 1  # iterations whose times are not used (first-call allocations, lazy initialisation)
+CALIBRATION_ITERATIONS = 4  # timed iterations
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per iteration (accepted drafts + the one target token), eq. 1: (1 - a^(g+1)) / (1 - a)."""
+    _check_alpha(alpha)
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); gamma >= 0 (0 is plain decoding, 1.0)."""
+    if c < 0 or not math.isfinite(c):
+        raise ValueError(f"c must be a finite number >= 0, got {c}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+def choose_gamma(alpha: float, c: float, max_gamma: int = MAX_GAMMA) -> int:
+    """The gamma in 1..max_gamma with the largest expected speedup (the smallest such gamma on ties)."""
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+    return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))
+
+
+def alpha_from_counts(accepted_counts, gamma: int) -> float:
+    """Maximum-likelihood alpha from accepted counts n in 0..gamma (one per row and iteration, all at one gamma).
+
+    A row with n < gamma made n + 1 accept tests and one failed; a row with n == gamma passed all gamma tests."""
+    successes = tests = 0
+    for n in accepted_counts:
+        if not 0 <= n <= gamma:
+            raise ValueError(f"accepted count {n} is outside 0..{gamma}")
+        successes += n
+        tests += n + (1 if n < gamma else 0)
+    if tests == 0:
+        raise ValueError("no accept tests to estimate alpha from")
+    return successes / tests
+
+
+def alpha_from_histogram(histogram) -> float:
+    """alpha_from_counts for a histogram: histogram[n] = iterations (per row) that accepted n of gamma =
+    len(histogram) - 1 drafts."""
+    gamma = len(histogram) - 1
+    successes = sum(n * k for n, k in enumerate(histogram))
+    tests = successes + sum(k for n, k in enumerate(histogram) if n < gamma)
+    if tests == 0:
+        raise ValueError("no accept tests to estimate alpha from")
+    return successes / tests
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+
+
+@dataclasses.dataclass
+class GammaCalibrator:
+    """Measures alpha and c over a loop's first iterations and then picks gamma (see the module docstring).
+
+    The loop calls ``record`` once per iteration with host values it already has; ``record`` returns the gamma to
+    use from the next iteration on once calibration is complete, else None.
+    """
+
+    start_gamma: int = CALIBRATION_GAMMA
+    warmup: int = CALIBRATION_WARMUP
+    iterations: int = CALIBRATION_ITERATIONS
+    max_gamma: int = MAX_GAMMA
+    counts: list = dataclasses.field(default_factory=list)
+    draft_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration, per draft forward
+    verify_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration
+    seen: int = 0
+    alpha: float | None = None
+    c: float | None = None
+    chosen: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.chosen is not None
+
+    def record(self, accepted_counts, draft_seconds: float, verify_seconds: float) -> int | None:
+        """accepted_counts: n of each row still generating in this iteration (drafted at ``start_gamma``);
+        draft_seconds / verify_seconds: the iteration's draft and verification phase times."""
+        if self.done:
+            return None
+        self.seen += 1
+        self.counts.extend(accepted_counts)
+        if self.seen > self.warmup:
+            self.draft_seconds.append(draft_seconds / self.start_gamma)
+            self.verify_seconds.append(verify_seconds)
+        if self.seen < self.warmup + self.iterations:
+            return None
+        return self.finish()
+
+    def finish(self) -> int:
+        """Choose gamma from what was recorded (also usable early, e.g. when decoding ends during calibration)."""
+        if not self.counts or not self.verify_seconds:
+            self.chosen = self.start_gamma
+            return self.chosen
+        self.alpha = alpha_from_counts(self.counts, self.start_gamma)
+        verify = statistics.median(self.verify_seconds)
+        self.c = statistics.median(self.draft_seconds) / verify if verify > 0 else 0.0
+        self.chosen = choose_gamma(self.alpha, self.c, self.max_gamma)
+        return self.chosen

@@ -1,0 +1,164 @@
+"""gamma.py: the paper's speedup formula, the gamma chooser, the alpha estimate, and num_speculative_tokens="auto"."""
+
+import random
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from models import llama, perturbed
+from speculative_kernels.generation import gamma as gamma_mod
+from speculative_kernels.generation.gamma import (
+    GammaCalibrator,
+    alpha_from_counts,
+    alpha_from_histogram,
+    choose_gamma,
+    expected_speedup,
+    expected_tokens,
+)
+
+
+def test_expected_tokens_and_speedup_formula():
+    # eq. 1 and Theorem 3.8, by hand: alpha 0.8, gamma 4, c 0.1 -> (1 - 0.8^5) / 0.2 = 3.3616 tokens, / 1.4
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)
+    assert expected_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
+    assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens(1.0, 7) == 8.0  # the alpha -> 1 limit, not 0/0
+    assert expected_speedup(1.0, 3, 0.5) == pytest.approx(4 / 2.5)
+    assert expected_speedup(0.6, 0, 0.3) == 1.0  # gamma 0 is plain decoding
+    assert expected_speedup(0.0, 2, 0.25) == pytest.approx(1 / 1.5)  # nothing accepted: pure overhead
+    for bad in (dict(alpha=-0.1, gamma=2, c=0.1), dict(alpha=1.1, gamma=2, c=0.1), dict(alpha=0.5, gamma=2, c=-1),
+                dict(alpha=0.5, gamma=-1, c=0.1), dict(alpha=0.5, gamma=2, c=float("inf"))):
+        with pytest.raises(ValueError):
+            expected_speedup(**bad)
+
+
+def test_choose_gamma_maximises_the_formula():
+    # alpha 0.8, c 0.1: speedups 1.64, 2.03, 2.27, 2.40, 2.46, 2.470 (gamma 6), 2.448 -> 6
+    assert choose_gamma(0.8, 0.1) == 6
+    assert choose_gamma(0.0, 0.1) == 1  # nothing is ever accepted: the shortest
+    assert choose_gamma(0.9, 1.0) == 1  # a draft as slow as the target: speedup <= 1 for all, best at 1
+    assert choose_gamma(0.9, 0.0) == 16  # a free draft: the longest allowed
+    assert choose_gamma(1.0, 0.01, max_gamma=5) == 5
+    for alpha in (0.3, 0.55, 0.7, 0.85, 0.95):
+        for c in (0.01, 0.05, 0.2, 0.5):
+            best = max(range(1, 17), key=lambda g: expected_speedup(alpha, g, c))
+            assert choose_gamma(alpha, c) == best
+    with pytest.raises(ValueError):
+        choose_gamma(0.5, 0.1, max_gamma=0)
+
+
+def test_alpha_estimate_is_the_acceptance_probability():
+    rng = random.Random(0)
+    alpha, g = 0.7, 4
+    counts = []
+    for _ in range(20000):
+        n = 0
+        while n < g and rng.random() < alpha:
+            n += 1
+        counts.append(n)
+    estimate = alpha_from_counts(counts, g)
+    assert estimate == pytest.approx(alpha, abs=0.01)
+    naive = sum(counts) / (g * len(counts))  # accepted / drafted: biased low, which is why it is not used
+    assert naive < alpha - 0.1
+    histogram = [counts.count(n) for n in range(g + 1)]
+    assert alpha_from_histogram(histogram) == pytest.approx(estimate)
+    assert alpha_from_counts([g] * 5, g) == 1.0
+    assert alpha_from_counts([0] * 5, g) == 0.0
+    with pytest.raises(ValueError):
+        alpha_from_counts([5], g)
+    with pytest.raises(ValueError):
+        alpha_from_counts([], g)
+
+
+def test_calibrator_skips_warmup_and_chooses():
+    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=3)
+    assert cal.record([4], draft_seconds=100.0, verify_seconds=1.0) is None  # warm-up: time ignored
+    assert cal.record([3, 4], draft_seconds=0.4, verify_seconds=1.0) is None
+    assert cal.record([2], draft_seconds=0.4, verify_seconds=1.0) is None
+    chosen = cal.record([4], draft_seconds=0.4, verify_seconds=1.0)
+    assert cal.c == pytest.approx(0.1)
+    assert cal.alpha == pytest.approx(alpha_from_counts([4, 3, 4, 2, 4], 4))
+    assert chosen == choose_gamma(cal.alpha, 0.1) and cal.done
+    assert cal.record([0], 1.0, 1.0) is None  # done: no further changes
+    early = GammaCalibrator()
+    assert early.finish() == early.start_gamma  # nothing measured: keep the start
+
+
+def _prompt(batch=1, length=6, seed=0):
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("forced", [2, 7])
+def test_auto_switches_gamma_and_stays_greedy_identical(monkeypatch, forced):
+    """Whatever gamma the calibration picks (forced here; timing decides it for real), greedy output is the
+    target's, the switch happens after warm-up + measured iterations, and the statistics follow it."""
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
+    target = llama()
+    draft = perturbed(target, scale=0.05)
+    ids = _prompt(batch=3)
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens="auto", max_new_tokens=40,
+                      do_sample=False, pad_token_id=0, speculation_stats=stats)
+    assert torch.equal(got, expected)
+    assert stats.num_speculative_tokens == forced
+    assert len(stats.accepted_histogram) == max(forced, gamma_mod.CALIBRATION_GAMMA) + 1
+    calibration = gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
+    assert stats.draft_forwards == calibration * 4 + (stats.target_forwards - calibration) * forced
+
+
+class _RecordOffsets:
+    """Wraps a backend module and records the Philox offsets its draft sampler is called with."""
+
+    def __init__(self, impl):
+        self.impl, self.offsets = impl, []
+        self.verify = impl.verify
+
+    def sample(self, logits, temperature, top_k, top_p, seed, offset, seed_per_row):
+        self.offsets.append(offset.clone())  # read after the step: no host read inside it
+        return self.impl.sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row)
+
+
+def test_auto_session_one_host_read_and_sampling(monkeypatch):
+    from test_host_sync import CountHostReads
+
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 6)
+    target, draft = llama(), llama(layers=1, seed=4)
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens="auto").start(
+        _prompt(batch=2), max_new_tokens=30, do_sample=True, temperature=0.8, pad_token_id=0)
+    recorder = session._loop.impl = _RecordOffsets(session._loop.impl)
+    emitted = [[], []]
+    while not session.finished:
+        with CountHostReads() as counter:
+            new_tokens = session.step()
+        assert counter.reads == ["tolist"]
+        for row, tokens in enumerate(new_tokens):
+            emitted[row] += tokens
+    loop = session._loop
+    assert loop.gamma == 6 and loop.calibrator.alpha is not None
+    for row in range(2):  # what step() returned is what was written, in order, across the gamma switch
+        assert loop.generated[row] == len(emitted[row])
+        assert session.sequences()[row, 6 : 6 + len(emitted[row])].tolist() == emitted[row]
+    # Draft random numbers are never reused: offsets run 0, 1, 2, ... across the switch from gamma 4 to 6.
+    offsets = [int(o[0]) for o in recorder.offsets]
+    assert offsets == list(range(len(offsets)))
+    assert stats_consistent(session.stats)
+
+
+def stats_consistent(stats) -> bool:
+    return stats.verify_steps > 0 and len(stats.accepted_histogram) == 7 and stats.num_speculative_tokens == 6
+
+
+def test_auto_with_real_calibration_and_refusals():
+    target = llama()
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=30,
+                      do_sample=False, speculation_stats=stats)
+    assert torch.equal(got, target.generate(_prompt(), max_new_tokens=30, do_sample=False))
+    assert 1 <= stats.num_speculative_tokens <= 16
+    with pytest.raises(ValueError, match="auto"):
+        sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=5,
+                    cache_implementation="static")
+    with pytest.raises(TypeError, match="int or 'auto'"):
+        sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="five", max_new_tokens=5)
