@@ -164,6 +164,23 @@ def test_decoder_session_steps(pairs):
     assert torch.equal(session.sequences(), expected)
 
 
+@pytest.mark.parametrize("family,lengths", [("t5", [6]), ("t5", [6, 4, 5]), ("bart", [6, 4, 5])])
+def test_one_host_read_per_iteration(pairs, family, lengths):
+    from test_host_sync import CountHostReads
+
+    target, drafts = pairs[family]
+    ids, mask = source_batch(lengths, pad=target.config.pad_token_id)
+    session = sk.SpeculativeDecoder(target, drafts["perturbed"], num_speculative_tokens=3).start(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20)
+    steps = 0
+    while not session.finished:
+        with CountHostReads() as counter:
+            session.step()
+        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
+        steps += 1
+    assert steps > 1
+
+
 # ------------------------------------------------------------------------------------------------ sampling
 VOCAB, NEW, ROWS = 6, 3, 6000
 

@@ -109,6 +109,15 @@ class Seq2SeqRunner:
             if not isinstance(self._position_module, torch.nn.Embedding):
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         self._positions = None
+        # sdpa/eager take a ready additive 4-D mask as given; a 2-D one makes HF read it on the host at every forward
+        # to see whether masking can be skipped (flash attention only takes 2-D masks and pays that read).
+        self._dtype = next(model.parameters()).dtype
+        self._four_d = getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+        self._cross_mask = encoder_mask
+        if self._four_d and encoder_mask is not None:  # [B, 1, 1, S], broadcast over queries
+            blocked = ~encoder_mask.to(torch.bool)[:, None, None, :]
+            self._cross_mask = torch.zeros(blocked.shape, dtype=self._dtype, device=device).masked_fill_(
+                blocked, torch.finfo(self._dtype).min)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
@@ -148,10 +157,10 @@ class Seq2SeqRunner:
             hook = self._position_module.register_forward_hook(self._true_positions)
         try:
             out = self.model(
-                attention_mask=self.encoder_mask,
+                attention_mask=self._cross_mask,
                 encoder_outputs=self.encoder_outputs,
                 decoder_input_ids=tokens,
-                decoder_attention_mask=decoder_mask,
+                decoder_attention_mask=self._self_mask(decoder_mask, tokens.shape[1]) if self._four_d else decoder_mask,
                 past_key_values=self.cache,
                 use_cache=True,
             )
@@ -160,6 +169,15 @@ class Seq2SeqRunner:
                 hook.remove()
         self.cache = out.past_key_values
         return out.logits
+
+    def _self_mask(self, attend: torch.Tensor, width: int) -> torch.Tensor:
+        """attend [B, W + T] (1 = attended slot) -> additive [B, 1, T, W + T], causal over the T new slots."""
+        slots = attend.shape[1]
+        query_slots = torch.arange(slots - width, slots, device=attend.device).unsqueeze(1)
+        causal = torch.arange(slots, device=attend.device).unsqueeze(0) <= query_slots  # [T, W + T]
+        blocked = ~(causal.unsqueeze(0) & attend[:, None, :].to(torch.bool))
+        return torch.zeros(blocked.shape, dtype=self._dtype, device=attend.device).masked_fill_(
+            blocked, torch.finfo(self._dtype).min).unsqueeze(1)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
