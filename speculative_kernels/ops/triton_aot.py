@@ -33,18 +33,19 @@ def _sig(fn, types: dict, constexprs: dict) -> ASTSource:
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
 
 
-def variants(logit_type: str = "*bf16", block_v: int = 2048):
-    """(name, ASTSource, num_warps) for the variants the backend launches."""
+def variants(logit_type: str = "*bf16", block_v: int = 2048, quick: bool = False):
+    """(name, ASTSource, num_warps) for the variants the backend launches; ``quick``: the most general of each."""
     unit = {"stride_tv": 1, "stride_dv": 1}
     ints = {"WSI_ptr": "*i32", "RI_ptr": "*i32", "CUT_TI_ptr": "*i32", "CUT_DI_ptr": "*i32", "X_ptr": "*i64",
             "SEED_ptr": "*i64", "OFFSET_ptr": "*i64", "OUT_ptr": "*i64", "NUM_ptr": "*i64",
             "T_ptr": logit_type, "D_ptr": logit_type, "temperature": "fp32"}
     warps = max(1, min(8, block_v // 256))
-    for draft, cut, greedy in itertools.product([True, False], [True, False], [True, False]):
+    combos = [(True, True, False)] if quick else list(itertools.product([True, False], repeat=3))
+    for draft, cut, greedy in combos:
         flags = dict(HAS_DRAFT=draft, HAS_CUT=cut and not greedy, GREEDY=greedy, SCALE=True, PRECISE=True,
                      BLOCK_V=block_v)
         yield f"stats draft={draft} cut={cut} greedy={greedy}", _sig(stats_kernel, ints, {**unit, **flags}), warps
-    for draft, cut, residual in itertools.product([True, False], [True, False], [True, False]):
+    for draft, cut, residual in [(True, True, True)] if quick else itertools.product([True, False], repeat=3):
         flags = dict(HAS_DRAFT=draft, HAS_CUT=cut, SCALE=True, RESIDUAL=residual, PRECISE=True, BLOCK_K=8,
                      BLOCK_C=64, BLOCK_V=block_v)
         yield f"race draft={draft} cut={cut} residual={residual}", _sig(race_kernel, ints, {**unit, **flags}), warps
@@ -68,11 +69,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--block-v", type=int, default=2048)
     parser.add_argument("--resources", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="only the most general variant of each kernel")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     target = GPUTarget("cuda", args.arch, 32)
-    for name, src, num_warps in variants(block_v=args.block_v):
+    for name, src, num_warps in variants(block_v=args.block_v, quick=args.quick):
         compiled = triton.compile(src, target=target, options={"num_warps": num_warps})
         extra = _resources(compiled.asm["cubin"]) if args.resources else ""
         print(f"ok sm_{args.arch} {name} {extra}", flush=True)

@@ -1,0 +1,153 @@
+"""Benchmark of the verification op: every backend side by side on the same inputs, in one run.
+
+    python benchmarks/bench_verify.py                      # full sweep on the GPU (eager, do_bench median)
+    python benchmarks/bench_verify.py --quick --cuda-graph  # small sweep, launch overhead removed
+    python benchmarks/bench_verify.py --cold-l2 --cuda-graph  # rotate input sets so L2 never holds them
+    python benchmarks/bench_verify.py --device cpu --backends torch  # CPU smoke test (tiny sizes)
+
+Backends: ``cuda`` (csrc extension), ``triton``, ``torch`` (the reference, ``reference.verify_reference``) and
+``torch-compile`` (``torch.compile(fullgraph=True)`` of the reference). An unavailable backend is skipped with the
+reason printed. Reports µs/call, effective GB/s against the bytes the op must read (sampling: target + draft logits,
+(2K+1)·V·2 per batch row in bf16; greedy with ``draft_logits=None``: (K+1)·V·2) and the speed-up over the torch
+reference; prints a markdown table and writes CSV, JSON and a plot of µs vs batch size to ``--out``.
+"""
+
+import argparse
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import environment, markdown_table, plot_vs_batch, rotate, save, time_us  # noqa: E402
+
+from speculative_kernels.ops import backends  # noqa: E402
+from speculative_kernels.ops.reference import verify_reference  # noqa: E402
+
+ALL_BACKENDS = ("cuda", "triton", "torch", "torch-compile")
+FULL = dict(batch=[1, 4, 16, 64, 256], k=[1, 4, 8], vocab=[32000, 128256, 151936])
+QUICK = dict(batch=[1, 16, 64], k=[4], vocab=[32000, 128256])
+CPU = dict(batch=[1, 4], k=[1, 4], vocab=[1000])
+L2_BYTES = 50 * 2**20  # H100; rotation aims at twice this
+
+
+def load_backend(name: str, device: str):
+    """The ``verify`` callable of a backend, or the reason it cannot run."""
+    if name == "torch":
+        return verify_reference, None
+    if name == "torch-compile":
+        return torch.compile(verify_reference, fullgraph=True, dynamic=False), None
+    try:
+        return backends.implementation(name, device).verify, None
+    except (RuntimeError, ImportError, OSError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def make_inputs(batch, k, vocab, mode, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    target = (torch.randn(batch, k + 1, vocab, generator=g, device=device) * 2).to(dtype)
+    draft = None
+    if mode == "sampling":
+        draft = (target[:, :k].float() + torch.randn(batch, k, vocab, generator=g, device=device)).to(dtype)
+    tokens = torch.randint(0, vocab, (batch, k), generator=g, device=device)
+    seeds = torch.arange(batch, dtype=torch.int64, device=device) + seed
+    offsets = torch.zeros(batch, dtype=torch.int64, device=device)
+    return target, draft, tokens, seeds, offsets
+
+
+def bytes_read(batch, k, vocab, mode, itemsize) -> int:
+    rows = 2 * k + 1 if mode == "sampling" else k + 1
+    return batch * rows * vocab * itemsize
+
+
+def bench_config(args, fns, batch, k, vocab, mode) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    nbytes = bytes_read(batch, k, vocab, mode, torch.finfo(dtype).bits // 8)
+    sets = max(2, min(args.max_sets, math.ceil(2 * L2_BYTES / nbytes))) if args.cold_l2 else 1
+    inputs = [make_inputs(batch, k, vocab, mode, dtype, args.device, seed) for seed in range(sets)]
+    temperature = 1.0 if mode == "sampling" else 0.0
+    rows = []
+    for name, fn in fns.items():
+        calls = [functools.partial(fn, t, d, x, temperature, args.top_k, args.top_p, s, o, True)
+                 for t, d, x, s, o in inputs]
+        row = dict(backend=name, mode=mode, batch=batch, k=k, vocab=vocab, sets=sets)
+        try:
+            us = time_us(rotate(calls), args.device, cuda_graph=args.cuda_graph)
+            row.update(us=us, gbps=nbytes / us / 1e3)
+        except Exception as exc:  # a backend that cannot be timed here (e.g. not capturable) is reported, not fatal
+            print(f"  {name} {mode} B={batch} K={k} V={vocab}: failed: {type(exc).__name__}: {exc}")
+            row.update(us=None, gbps=None, error=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+    base = next((r["us"] for r in rows if r["backend"] == "torch" and r["us"]), None)
+    for r in rows:
+        r["speedup_vs_torch"] = base / r["us"] if base and r["us"] else None
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=ALL_BACKENDS)
+    p.add_argument("--modes", nargs="+", default=["greedy", "sampling"], choices=["greedy", "sampling"])
+    p.add_argument("--batch", type=int, nargs="+")
+    p.add_argument("--k", type=int, nargs="+")
+    p.add_argument("--vocab", type=int, nargs="+")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--quick", action="store_true", help="small sweep")
+    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (no launch overhead)")
+    p.add_argument("--cold-l2", action="store_true", help="rotate input sets so that L2 never holds the inputs")
+    p.add_argument("--max-sets", type=int, default=16, help="cap on rotated input sets")
+    p.add_argument("--max-gb", type=float, default=4.0, help="skip configs whose logits exceed this many GB")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    sweep = CPU if args.device == "cpu" else QUICK if args.quick else FULL
+    for key in ("batch", "k", "vocab"):
+        if getattr(args, key) is None:
+            setattr(args, key, sweep[key])
+    if args.device == "cpu" and args.cuda_graph:
+        p.error("--cuda-graph needs --device cuda")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    torch._dynamo.config.cache_size_limit = 256  # one compiled graph per shape for torch-compile
+    fns = {}
+    for name in args.backends:
+        fn, reason = load_backend(name, args.device)
+        if fn is None:
+            print(f"skipping backend {name!r}: {reason}")
+        else:
+            fns[name] = fn
+    meta = environment(args.device)
+    meta.update(dtype=args.dtype, cuda_graph=args.cuda_graph, cold_l2=args.cold_l2, top_k=args.top_k,
+                top_p=args.top_p)
+    print(" ".join(f"{k}={v}" for k, v in meta.items()))
+    rows = []
+    for mode in args.modes:
+        for vocab in args.vocab:
+            for k in args.k:
+                for batch in args.batch:
+                    if bytes_read(batch, k, vocab, "sampling", 4) > args.max_gb * 1e9:
+                        print(f"  skip B={batch} K={k} V={vocab}: over --max-gb")
+                        continue
+                    rows += bench_config(args, fns, batch, k, vocab, mode)
+                    print(markdown_table(rows[-len(fns):], ["backend", "mode", "batch", "k", "vocab", "us", "gbps",
+                                                            "speedup_vs_torch"]).split("\n", 2)[-1], flush=True)
+    columns = ["backend", "mode", "batch", "k", "vocab", "us", "gbps", "speedup_vs_torch"]
+    print("\n" + markdown_table(rows, columns))
+    stamp = meta["date"].replace(":", "").replace("-", "")
+    suffix = ("-graph" if args.cuda_graph else "") + ("-coldl2" if args.cold_l2 else "")
+    stem = args.out / f"verify-{args.device}{suffix}-{stamp}"
+    written = save(rows, meta, stem)
+    plot = plot_vs_batch(rows, stem.with_suffix(".png"), panel_keys=["mode", "k", "vocab"])
+    print("wrote", ", ".join(str(p) for p in written + ([plot] if plot else [])))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""The Triton backend (``ops/triton_backend.py``) against the torch reference.
+
+Runs on a CUDA device, or on the CPU through the Triton interpreter (CI). Three levels, as for every sampler here:
+
+* exact: greedy is bit-exact (ties included); sampling replays the reference's Philox numbers. Only float rounding
+  can make a row differ: the kernels sum the softmax denominator chunk by chunk (another order than torch) and use
+  other exp/log implementations (numpy's in the interpreter, libdevice on GPUs), and torch on CUDA divides by the
+  temperature as x * (1/T). A decision changes only when r * q lies within an ulp of p or two race ratios lie within
+  an ulp of each other (~1e-6 per row), so we require >= 99% identical rows; in practice all rows agree;
+* statistical: the first emitted token follows the target p, P(accept first) = sum min(p, q), the token after a
+  rejection follows max(0, p - q), the sampler follows the warped softmax (chi-square / binomial, seeded);
+* invariants: q = 0 never accepted, -1 padding, same seed same result, per-row seeds independent of batch position,
+  invalid rows flagged.
+
+Interpreter runs cost ~50 ms per program, so the sizes are chosen to keep this file around two minutes.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from speculative_kernels import ops  # noqa: E402
+from speculative_kernels.ops import philox, triton_backend  # noqa: E402
+from speculative_kernels.ops.reference import sample_reference, verify_reference  # noqa: E402
+from speculative_kernels.ops.triton_random import (  # noqa: E402
+    exponential_from_bits,
+    philox_first_word,
+    philox_key,
+    uniform_from_bits,
+)
+from speculative_kernels.ops.warping import warp_logits  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from stats_util import assert_matches  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+MIN_AGREEMENT = 0.99
+# Small tiles and many programs: every partial-combine path (several chunks per row, several race chunks).
+SPLIT = triton_backend.Tuning(block_v=32, programs_per_sm=8, num_sms=2)
+SPLIT_WIDE = triton_backend.Tuning(block_v=128, programs_per_sm=8, num_sms=2)
+WARPS = {
+    "plain": (1.0, 0, 1.0),
+    "temp": (0.7, 0, 1.0),
+    "topk": (0.7, 50, 1.0),
+    "topp": (1.0, 0, 0.9),
+    "both": (0.8, 20, 0.8),
+}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def _rows(value, batch):
+    return torch.full((batch,), value, dtype=torch.int64, device=DEVICE)
+
+
+def _inputs(batch, k, vocab, dtype, seed, scale=2.0):
+    """target [B, K+1, V], a correlated draft [B, K, V] (so drafts get accepted) and tokens drawn from the draft."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, k + 1, vocab, generator=g) * scale
+    draft = target[:, :k] + torch.randn(batch, k, vocab, generator=g) * (0.5 * scale)
+    tokens = torch.multinomial(torch.softmax(draft.reshape(-1, vocab), -1), 1, generator=g).reshape(batch, k)
+    return target.to(DEVICE, dtype), draft.to(DEVICE, dtype), tokens.to(DEVICE)
+
+
+def _check_layout(tokens, num_accepted, draft_tokens, vocab):
+    """Accepted drafts, then one emitted token in [0, V), then -1 padding; n in 0..K."""
+    k = draft_tokens.shape[1]
+    assert tokens.dtype == torch.int64 and num_accepted.dtype == torch.int64
+    for row, n in enumerate(num_accepted.tolist()):
+        assert 0 <= n <= k
+        assert torch.equal(tokens[row, :n], draft_tokens[row, :n].to(torch.int64))
+        assert 0 <= tokens[row, n] < vocab
+        assert (tokens[row, n + 1:] == -1).all()
+
+
+def _agreement(got, want):
+    same = (got[0] == want[0]).all(dim=1) & (got[1] == want[1])
+    return same.float().mean().item()
+
+
+def _verify(*args, tuning=None):
+    return triton_backend.launch_verify(*args, tuning=tuning)
+
+
+# ---- Philox and the float conversions, bit for bit --------------------------------------------------------------
+@triton.jit
+def _philox_probe(SEED_ptr, OUT_ptr, U_ptr, E_ptr, c1, c2, c3, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    v = tl.arange(0, BLOCK)
+    k0, k1 = philox_key(tl.load(SEED_ptr))
+    bits = philox_first_word(k0, k1, v.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32))
+    tl.store(OUT_ptr + v, bits.to(tl.int64))
+    tl.store(U_ptr + v, uniform_from_bits(bits))
+    tl.store(E_ptr + v, exponential_from_bits(bits, PRECISE))
+
+
+@pytest.mark.parametrize("seed", [0, 123456789, 2**62 + 12345])
+def test_philox_and_conversions_match_reference(seed):
+    block, c1, c2, c3 = 4096, 7, 2**32 - 5, philox.STREAM_DRAFT + 3
+    seed_t = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
+    bits = torch.empty(block, dtype=torch.int64, device=DEVICE)
+    u, e = (torch.empty(block, dtype=torch.float32, device=DEVICE) for _ in range(2))
+    _philox_probe[(1,)](seed_t, bits, u, e, c1, c2, c3, BLOCK=block, PRECISE=triton_backend._precise(bits.device))
+    v = torch.arange(block, dtype=torch.int64, device=DEVICE)
+    want = philox.philox_first_word(seed_t, v, torch.tensor(c1), torch.tensor(c2), torch.tensor(c3))
+    assert torch.equal(bits, want)
+    assert torch.equal(u, philox.uniform_from_bits(want))
+    # The reference's float arithmetic (SLEEF log on CPU, CUDA's logf) may differ by an ulp from numpy's / libdevice's.
+    torch.testing.assert_close(e, philox.exponential_from_bits(want), rtol=3e-7, atol=0)
+    small = want.to(torch.float32) * 2.0**-32 < philox.EXP_SERIES_CUTOFF
+    assert torch.equal(e[small], philox.exponential_from_bits(want)[small])  # the series is exact arithmetic
+
+
+# ---- greedy: bit-exact ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab,batch,k", [(3, 3, 4), (111, 3, 4), (1000, 1, 1), (8193, 3, 1), (32000, 1, 4)])
+def test_greedy_bit_exact(dtype, vocab, batch, k):
+    target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab)
+    tokens[:, 0] = target[:, 0].float().argmax(-1)  # make acceptances happen
+    args = (target, draft, tokens, 0.0, 0, 1.0, _rows(0, batch), _rows(0, batch), False)
+    got = _verify(*args)
+    want = verify_reference(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check_layout(*got, tokens, vocab)
+
+
+@pytest.mark.parametrize("tuning", [None, SPLIT], ids=["default", "split"])
+def test_greedy_ties_first_index(tuning):
+    """bf16 logits with many repeated values (and maxima repeated across chunks): first index wins, as torch."""
+    batch, k, vocab = 3, 4, 300
+    g = torch.Generator().manual_seed(5)
+    target = torch.randint(-3, 4, (batch, k + 1, vocab), generator=g).to(torch.bfloat16).to(DEVICE)
+    target[:, :, 250] = 9.0  # ties with the in-chunk maxima below, in a later chunk
+    target[:, :, 200] = 9.0
+    target[1, 2, 100] = 9.0
+    tokens = torch.tensor([[200, 200, 200, 200], [200, 200, 100, 7], [200, 250, 0, 0]], device=DEVICE)
+    args = (target, None, tokens, 0.0, 0, 1.0, _rows(0, batch), _rows(0, batch), False)
+    got = _verify(*args, tuning=tuning)
+    want = verify_reference(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].tolist() == [4, 3, 1]
+
+
+# ---- sampling: replay of the reference's random numbers ---------------------------------------------------------
+REPLAY_CASES = [
+    # vocab, dtype, batch, k, warp, one-hot draft, tuning
+    (3, torch.float32, 3, 4, "plain", False, None),
+    (111, torch.bfloat16, 3, 4, "both", False, SPLIT),
+    (111, torch.float16, 3, 1, "temp", True, SPLIT),
+    (1000, torch.float32, 3, 4, "topk", False, SPLIT_WIDE),
+    (1000, torch.bfloat16, 1, 4, "topp", True, None),
+    (8193, torch.float16, 3, 1, "plain", False, None),
+    (8193, torch.bfloat16, 1, 4, "both", False, None),
+    (32000, torch.bfloat16, 1, 1, "temp", False, None),
+    (32000, torch.float32, 1, 4, "plain", True, None),
+]
+
+
+@pytest.mark.parametrize("vocab,dtype,batch,k,warp,one_hot,tuning", REPLAY_CASES, ids=str)
+def test_sampling_replays_reference(vocab, dtype, batch, k, warp, one_hot, tuning):
+    target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab + k)
+    draft = None if one_hot else draft
+    seed = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 7919 + 3
+    args = (target, draft, tokens, *WARPS[warp], seed, _rows(11, batch), batch > 1)
+    got = _verify(*args, tuning=tuning)
+    _check_layout(*got, tokens, vocab)
+    assert _agreement(got, verify_reference(*args)) >= MIN_AGREEMENT
+
+
+def test_sampling_replays_reference_many_rows():
+    """Many rows of a small vocabulary, so that decisions vary (both accept and reject paths)."""
+    batch, k, vocab = 32, 2, 13
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=1, scale=1.0)
+    args = (target, draft, tokens, 0.9, 0, 0.95, _rows(42, batch), _rows(3, batch), False)
+    got = _verify(*args)
+    want = verify_reference(*args)
+    _check_layout(*got, tokens, vocab)
+    assert _agreement(got, want) >= MIN_AGREEMENT
+    assert len(set(got[1].tolist())) > 1  # both accept and reject paths were exercised
+
+
+@pytest.mark.parametrize("vocab,warp,tuning", [(3, "plain", None), (1000, "both", SPLIT), (32000, "temp", None)],
+                         ids=str)
+def test_sample_replays_reference(vocab, warp, tuning):
+    batch = 3
+    logits = _inputs(batch, 1, vocab, torch.bfloat16, seed=vocab)[0][:, 0]
+    seed = torch.tensor([1, 2, 3], device=DEVICE)
+    args = (logits, *WARPS[warp], seed, _rows(5, batch), True)
+    got = triton_backend.launch_sample(*args, tuning=tuning)
+    assert got.shape == (batch,) and got.dtype == torch.int64
+    assert (got == sample_reference(*args)).float().mean().item() >= MIN_AGREEMENT
+    greedy = triton_backend.launch_sample(logits, 0.0, 0, 1.0, seed, _rows(5, batch), True, tuning=tuning)
+    assert torch.equal(greedy, sample_reference(logits, 0.0, 0, 1.0, seed, _rows(5, batch), True))
+
+
+def test_strides_mixed_dtypes_and_int32_tokens():
+    batch, k, vocab = 3, 2, 257
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=9)
+    wide = torch.zeros(batch, k + 3, 2 * vocab, device=DEVICE)
+    wide[:, 1:k + 2, 5:5 + vocab] = target
+    strided_target = wide[:, 1:k + 2, 5:5 + vocab]  # non-contiguous rows
+    column_draft = draft.transpose(1, 2).contiguous().transpose(1, 2).to(torch.bfloat16)  # vocab stride != 1
+    args = (strided_target, column_draft, tokens.to(torch.int32), 0.9, 10, 0.9, _rows(1, batch), _rows(2, batch),
+            False)
+    got = _verify(*args, tuning=SPLIT)
+    want = verify_reference(target, column_draft.contiguous(), tokens, *args[3:])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- statistical tests of the Triton backend alone --------------------------------------------------------------
+P0 = torch.tensor([3.0, 0.5, 0.5, 0.5, 0.2, -1.0])  # target logits at position 0: p heavy on token 0
+Q0 = torch.tensor([0.2, 3.0, 0.5, 0.5, 0.2, -1.0])  # draft logits: q heavy on token 1
+
+
+def _stat_run(batch, one_hot):
+    """``batch`` independent rows (row id in the Philox counter) of one fixed (p, q) problem, K = 2."""
+    k, vocab = 2, P0.numel()
+    target = torch.stack([P0, P0.flip(0), P0]).expand(batch, k + 1, vocab).to(DEVICE)
+    draft = torch.stack([Q0, Q0.flip(0)]).expand(batch, k, vocab).to(DEVICE)
+    # Draft tokens drawn from q (the guarantee needs x ~ q); fixed per row, seeded.
+    g = torch.Generator().manual_seed(17)
+    q = torch.softmax(draft[0].cpu(), -1)
+    tokens = torch.multinomial(q, batch, replacement=True, generator=g).T.contiguous().to(DEVICE)
+    if one_hot:
+        draft = None
+    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(2024, batch), _rows(0, batch), False)
+    return out.cpu(), n.cpu(), tokens.cpu(), torch.softmax(P0, -1), q[0]
+
+
+def test_first_token_accept_rate_and_residual():
+    """x_0 ~ q: the first emitted token follows p; P(accept) = sum min(p, q); after a rejection the token follows
+    max(0, p - q). Checked by breaking the kernel on purpose: swapping p/q in the accept test, drawing the residual
+    from p, or an off-by-one in n fails here (and the replay tests). Dropping the max(0, .) does not change any
+    output of an exponential race: negative weights give negative ratios, which always lose to the >= 0 ones."""
+    batch = 200
+    out, n, tokens, p, q = _stat_run(batch, one_hot=False)
+    assert_matches(np.bincount(out[:, 0].numpy(), minlength=p.numel()), p.numpy())
+    accept_rate = torch.minimum(p, q).sum().item()
+    accepted = int((n >= 1).sum())
+    assert stats.binomtest(accepted, batch, accept_rate).pvalue > 1e-4, (accepted, batch, accept_rate)
+    residual = torch.clamp(p - q, min=0)
+    rejected = out[n == 0, 0]
+    assert_matches(np.bincount(rejected.numpy(), minlength=p.numel()), (residual / residual.sum()).numpy())
+
+
+def test_one_hot_draft_first_token_follows_target():
+    """draft_logits=None: q is one-hot at x, accept with probability p(x); the first token still follows p."""
+    batch = 150
+    out, n, tokens, p, _ = _stat_run(batch, one_hot=True)
+    assert_matches(np.bincount(out[:, 0].numpy(), minlength=p.numel()), p.numpy())
+    accept_rate = (p[tokens[:, 0]]).mean().item()
+    assert stats.binomtest(int((n >= 1).sum()), batch, accept_rate).pvalue > 1e-4
+
+
+def test_sample_follows_warped_softmax():
+    """The draft sampler follows softmax(warp(logits)); tokens cut by top-k/top-p never appear."""
+    batch, vocab = 200, 8
+    logits = torch.linspace(2.0, -2.0, vocab).expand(batch, vocab).to(DEVICE)
+    seed = torch.arange(batch, dtype=torch.int64, device=DEVICE) + 99
+    temperature, top_k, top_p = 0.8, 5, 0.9
+    got = triton_backend.launch_sample(logits, temperature, top_k, top_p, seed, _rows(0, batch), True)
+    probs = torch.softmax(warp_logits(logits[:1].cpu(), temperature, top_k, top_p), -1)[0]
+    assert_matches(np.bincount(got.cpu().numpy(), minlength=vocab), probs.numpy())
+
+
+# ---- invariants ---------------------------------------------------------------------------------------------------
+def test_zero_probability_tokens_never_accepted():
+    """q(x) = 0 (draft -inf there, or cut by top-k) is never accepted; neither is p(x) = 0."""
+    batch, k, vocab = 8, 2, 50
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=4)
+    tokens[:, 0] = 7
+    draft[:, 0, 7] = float("-inf")
+    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+    assert (n == 0).all() and (out[:, 0] != 7).all()
+    target[:, 0, 7] = float("-inf")
+    draft[:, 0, 7] = 0.0
+    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+    assert (n == 0).all() and (out[:, 0] != 7).all()
+    tokens[:, 0] = draft[:, 0].argmin(-1)  # cut by top-k in q (and hence q = 0)
+    out, n = _verify(target, draft, tokens, 1.0, 5, 1.0, _rows(1, batch), _rows(0, batch), False)
+    assert (n == 0).all()
+
+
+@pytest.mark.parametrize("tuning", [None, SPLIT], ids=["default", "split"])
+def test_zero_residual_falls_back_to_p(tuning):
+    """q == p and a draft token outside the top-k (p = q = 0): rejected at 0 with an all-zero residual, so the token
+    is drawn from p_0 (a race over the zero residual would return id 0, which is kept out of the top-k here)."""
+    batch, k, vocab, top_k = 8, 2, 200, 5
+    target, _, _ = _inputs(batch, k, vocab, torch.bfloat16, seed=11)
+    target[..., 0] = -20.0
+    draft = target[:, :k].clone()
+    tokens = target[:, :k].float().argmin(dim=-1)
+    args = (target, draft, tokens, 0.9, top_k, 1.0, torch.arange(batch, device=DEVICE) + 5, _rows(2, batch), True)
+    out, n = _verify(*args, tuning=tuning)
+    assert (n == 0).all()
+    kth = target[:, 0].float().topk(top_k, dim=-1).values[:, -1]  # ties with the k-th value are kept too
+    assert (target[:, 0].float().gather(1, out[:, :1]).squeeze(1) >= kth).all()
+    assert _agreement((out, n), verify_reference(*args)) >= MIN_AGREEMENT
+
+
+def test_same_seed_same_result_and_batch_position_independence():
+    batch, k, vocab = 4, 3, 64
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=8)
+    seed = torch.tensor([11, 22, 33, 44], device=DEVICE)
+    offset = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    args = (target, draft, tokens, 0.9, 0, 1.0, seed, offset, True)
+    first = _verify(*args)
+    assert all(torch.equal(a, b) for a, b in zip(first, _verify(*args)))
+    order = torch.tensor([2, 0, 3, 1], device=DEVICE)
+    permuted = _verify(target[order], draft[order], tokens[order], 0.9, 0, 1.0, seed[order], offset[order], True)
+    assert torch.equal(permuted[0], first[0][order]) and torch.equal(permuted[1], first[1][order])
+    alone = _verify(target[2:3], draft[2:3], tokens[2:3], 0.9, 0, 1.0, seed[2:3], offset[2:3], True)
+    assert torch.equal(alone[0][0], first[0][2])
+
+
+# ---- invalid rows -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_invalid_rows_flagged(temperature):
+    batch, k, vocab = 6, 2, 40
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=6)
+    target[1, 2, 5] = float("nan")
+    draft[2, 0, 3] = float("inf")
+    target[3, 1] = float("-inf")
+    tokens[4, 1] = vocab
+    tokens[5, 0] = -1
+    args = (target, draft, tokens, temperature, 0, 1.0, _rows(3, batch), _rows(0, batch), False)
+    out, n = _verify(*args)
+    want = verify_reference(*args)
+    assert n[1:].tolist() == [-1] * 5 and (out[1:] == -1).all()
+    assert torch.equal(out, want[0]) and torch.equal(n, want[1])
+    sampled = triton_backend.launch_sample(target[:, 1], temperature, 0, 1.0, _rows(3, batch), _rows(0, batch), False)
+    assert sampled[3] == -1 and (sampled[[0, 2, 4, 5]] >= 0).all()
+
+
+def test_public_op_uses_triton_and_raises_for_invalid_rows():
+    batch, k, vocab = 2, 2, 30
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=2)
+    got = ops.verify(target, draft, tokens, temperature=0.8, top_k=5, seed=3, offset=1, backend="triton")
+    seeds, offsets = _rows(3, batch), _rows(1, batch)
+    want = verify_reference(target, draft, tokens, 0.8, 5, 1.0, seeds, offsets, False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    target[1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="target_logits"):
+        ops.verify(target, draft, tokens, temperature=0.8, seed=3, backend="triton")
+    with pytest.raises(ValueError, match="logits"):
+        ops.sample(target[:, 0], seed=3, backend="triton")
+
+
+# ---- the GPU build of the kernels ---------------------------------------------------------------------------------
+@pytest.mark.skipif(
+    not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
+    reason="this triton build ships no NVIDIA backend (ptxas) to compile with",
+)
+def test_kernels_compile_for_hopper():
+    """Every kernel, in its most general variant, compiles to sm_90 cubin (no GPU needed): catches code only the
+    interpreter accepts."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-m", "speculative_kernels.ops.triton_aot", "--quick"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("ok sm_90") == 5, result.stdout
