@@ -393,6 +393,9 @@ def choose_runner_factory(target, draft, plan, input_ids: torch.Tensor, batching
     if plan.cache_implementation != "static" and compile_options is None:
         return functools.partial(DecoderRunner, compaction_threshold=batching.compaction_threshold,
                                  compaction_backend=batching.compaction_backend)
+    if not isinstance(plan.num_speculative_tokens, int):  # "auto": gamma changes while decoding
+        raise ValueError(f"cache_implementation='static' and compile=True need a fixed num_speculative_tokens (the "
+                         f"cache is sized and the steps are captured for it), got {plan.num_speculative_tokens!r}")
     batch, prompt_width = input_ids.shape
     return static_runner_factory(target, draft, batch=batch, prompt_width=prompt_width,
                                  max_new_tokens=plan.max_new_tokens, gamma=plan.num_speculative_tokens,
