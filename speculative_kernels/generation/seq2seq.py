@@ -7,7 +7,7 @@ the cross-attention cache (filled by the first decoder forward) is kept for the 
 Why not the decoder-only runner's holes: these decoders take no per-row position ids. T5 derives its relative
 attention bias from slot indices, BART/mBART their learned positions from the cache length, so a rejected token left
 as a hole in the middle of a row would shift every later position. The runner therefore keeps each row *hole-free
-and right-aligned* in a rectangular cache: row b's tokens fill the last ``length[b]`` slots, anything left of them is
+and right-aligned* in a rectangular cache: row b's tokens fill the last ``next_position[b]`` slots, anything left of them is
 masked. After each rollback, and after a forward in which some rows fed a filler, rows are shifted right by what
 they dropped (one gather over the self-attention cache, batch > 1 only; batch 1 just crops its tail), and the
 columns every row has left behind are cut off on the left.
@@ -20,7 +20,8 @@ columns every row has left behind are cut off on the left.
   encoder-decoder target (or the reverse).
 
 Decoder prompt pads (``decoder_attention_mask`` zeros) keep their positions, as in HF's generate: they are masked
-but counted, while rejected drafts and fillers are removed.
+but counted, while rejected drafts and fillers are removed. Finished rows leave the batch as with decoder-only
+models (``compaction.RowDropper``): ``select_cache_rows`` also selects the encoder output and cross-attention mask.
 """
 
 import dataclasses
@@ -90,18 +91,18 @@ class Seq2SeqRunner:
 
     def __init__(self, model, batch: int, max_slots: int, device: torch.device, encoder_outputs, encoder_mask):
         self.model, self.batch = model, batch
-        self.encoder_outputs, self.encoder_mask = encoder_outputs, encoder_mask
+        self.encoder_outputs = encoder_outputs
         # No config: layers are created as used (a config may count the encoder's layers, e.g. T5).
         self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         # The loop's view: which of its slots held a real token (to count what a rollback drops).
-        self.real = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)
+        self.slot_mask = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)
         self.num_slots = 0
-        # The cache's view: width W, row b's tokens in its last length[b] slots, attend [B, W] (0 left of them
-        # and at decoder prompt pads).
+        # The cache's view: width W, row b's tokens in its last next_position[b] slots (a row's token count is
+        # its next position), attend [B, W] (0 left of them and at decoder prompt pads).
         self.width = 0
-        self.length = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
         self.attend = torch.zeros(batch, 0, dtype=torch.int64, device=device)
-        self._bound = {0: 0}  # loop slot count -> host upper bound on max(length) at that point
+        self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
         self._position_module = None
         if position_kind(model) == "absolute":
@@ -125,8 +126,8 @@ class Seq2SeqRunner:
         loop's order."""
         batch, width = tokens.shape
         start, end = self.num_slots, self.num_slots + width
-        if end > self.real.shape[1]:
-            raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.real.shape[1]})")
+        if end > self.slot_mask.shape[1]:
+            raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.slot_mask.shape[1]})")
         prompt = start == 0
         fillers = real is not None and not prompt
         occupied = real.to(torch.int64) if fillers else torch.ones_like(tokens)
@@ -135,14 +136,14 @@ class Seq2SeqRunner:
             order = torch.argsort(1 - occupied, dim=1, stable=True)
             tokens, attend_new = tokens.gather(1, order), attend_new.gather(1, order)
         mask = torch.cat([self.attend, attend_new], dim=1)
-        self._positions = self.length.unsqueeze(1) + torch.arange(width, device=tokens.device)
+        self._positions = self.next_position.unsqueeze(1) + torch.arange(width, device=tokens.device)
         logits = self._call_model(tokens, mask)
-        self.real[:, start:end] = occupied
+        self.slot_mask[:, start:end] = occupied
         self.num_slots = end
         self._bound[end] = self._bound[start] + width
         self.attend, self.width = mask, self.width + width
         count = occupied.sum(dim=1)
-        self.length = self.length + count
+        self.next_position = self.next_position + count
         if fillers:
             self._tail_only = False
             self._shift(width - count)
@@ -193,11 +194,11 @@ class Seq2SeqRunner:
         """
         start = self.num_slots - width
         offsets = torch.arange(width, device=kept.device).unsqueeze(0)
-        dropped = (self.real[:, start : self.num_slots] * (offsets >= kept.unsqueeze(1))).sum(dim=1)
-        self.real[:, start + max_kept : self.num_slots] = 0
+        dropped = (self.slot_mask[:, start : self.num_slots] * (offsets >= kept.unsqueeze(1))).sum(dim=1)
+        self.slot_mask[:, start + max_kept : self.num_slots] = 0
         self.num_slots = start + max_kept
         self._bound = {self.num_slots: self._bound[start] + max_kept}
-        self.length = self.length - dropped
+        self.next_position = self.next_position - dropped
         if self._tail_only:  # one row, all real: it drops exactly width - max_kept tokens off its tail
             self._crop_right(self.width - (width - max_kept))
         else:
@@ -226,6 +227,17 @@ class Seq2SeqRunner:
             layer.keys, layer.values = layer.keys[..., cut:, :], layer.values[..., cut:, :]
         self.attend = self.attend[:, cut:]
         self.width = keep
+
+    def select_cache_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] of both caches, the encoder output and masks (``compaction.drop_rows`` selects
+        ``slot_mask`` and ``next_position``)."""
+        self.cache.batch_select_indices(index)
+        self.encoder_outputs = BaseModelOutput(
+            last_hidden_state=self.encoder_outputs.last_hidden_state.index_select(0, index))
+        if self._cross_mask is not None:
+            self._cross_mask = self._cross_mask.index_select(0, index)
+        self.attend = self.attend.index_select(0, index)
+        self.batch = index.shape[0]
 
     def _crop_right(self, keep: int) -> None:
         if keep < self.width:
