@@ -92,10 +92,6 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
             raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
         input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask,
                                                     plan.generation_config.bos_token_id)
-        if plan.num_speculative_tokens == "auto" and (plan.cache_implementation == "static"
-                                                      or compile_options is not None):
-            raise ValueError("num_speculative_tokens='auto' changes gamma during the run; cache_implementation="
-                             "'static' and compile=True need a fixed gamma")
         runner_factory = choose_runner_factory(model, draft_model, plan, input_ids, batching, compile_options)
     if model.config.is_encoder_decoder and (plan.cache_implementation == "static" or compile_options is not None):
         raise ValueError("cache_implementation='static' and compile=True support decoder-only models only")
