@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, when it is not installed
 from harness import environment, markdown_table, plot_vs_batch, rotate, save, time_us  # noqa: E402
 
 from speculative_kernels.ops import backends  # noqa: E402
@@ -43,6 +44,17 @@ def load_backend(name: str, device: str):
         return backends.implementation(name, device).verify, None
     except (RuntimeError, ImportError, OSError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def triton_variant(spec: str, device: str):
+    """``verify`` of the Triton backend with launch knobs from ``"block_v=1024,num_warps=4"`` (tuning sweeps)."""
+    import dataclasses
+
+    from speculative_kernels.ops import triton_backend
+
+    base = triton_backend.default_tuning(torch.device(device))
+    tuning = dataclasses.replace(base, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+    return functools.partial(triton_backend.launch_verify, tuning=tuning)
 
 
 def make_inputs(batch, k, vocab, mode, dtype, device, seed):
@@ -94,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+")
     p.add_argument("--k", type=int, nargs="+")
     p.add_argument("--vocab", type=int, nargs="+")
+    p.add_argument("--triton-tuning", nargs="*", default=[], metavar="K=V,...",
+                   help="extra Triton variants with these Tuning fields, e.g. block_v=1024,num_warps=4")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -123,6 +137,9 @@ def main(argv=None) -> list[dict]:
             print(f"skipping backend {name!r}: {reason}")
         else:
             fns[name] = fn
+    if args.triton_tuning and "triton" in fns:
+        for spec in args.triton_tuning:
+            fns[f"triton[{spec}]"] = triton_variant(spec, args.device)
     meta = environment(args.device)
     meta.update(dtype=args.dtype, cuda_graph=args.cuda_graph, cold_l2=args.cold_l2, top_k=args.top_k,
                 top_p=args.top_p)

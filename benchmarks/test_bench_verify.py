@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, when it is not installed
 from bench_verify import load_backend, make_inputs  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()

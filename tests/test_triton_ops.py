@@ -49,8 +49,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
 MIN_AGREEMENT = 0.99
 # Small tiles and many programs: every partial-combine path (several chunks per row, several race chunks).
-SPLIT = triton_backend.Tuning(block_v=32, programs_per_sm=8, num_sms=2)
-SPLIT_WIDE = triton_backend.Tuning(block_v=128, programs_per_sm=8, num_sms=2)
+SPLIT = triton_backend.Tuning(block_v=32, race_block_v=32, programs_per_sm=8, num_sms=2)
+SPLIT_WIDE = triton_backend.Tuning(block_v=128, race_block_v=128, programs_per_sm=8, num_sms=2)
 WARPS = {
     "plain": (1.0, 0, 1.0),
     "temp": (0.7, 0, 1.0),

@@ -40,6 +40,8 @@ def variants(logit_type: str = "*bf16", block_v: int = 2048, quick: bool = False
             "SEED_ptr": "*i64", "OFFSET_ptr": "*i64", "OUT_ptr": "*i64", "NUM_ptr": "*i64",
             "T_ptr": logit_type, "D_ptr": logit_type, "temperature": "fp32"}
     warps = max(1, min(8, block_v // 256))
+    race_block = max(16, block_v // 2)  # the backend's default race tile is half the pass-1 tile
+    race_warps = max(1, min(4, race_block // 256))
     combos = [(True, True, False)] if quick else list(itertools.product([True, False], repeat=3))
     for draft, cut, greedy in combos:
         flags = dict(HAS_DRAFT=draft, HAS_CUT=cut and not greedy, GREEDY=greedy, SCALE=True, PRECISE=True,
@@ -47,8 +49,9 @@ def variants(logit_type: str = "*bf16", block_v: int = 2048, quick: bool = False
         yield f"stats draft={draft} cut={cut} greedy={greedy}", _sig(stats_kernel, ints, {**unit, **flags}), warps
     for draft, cut, residual in [(True, True, True)] if quick else itertools.product([True, False], repeat=3):
         flags = dict(HAS_DRAFT=draft, HAS_CUT=cut, SCALE=True, RESIDUAL=residual, PRECISE=True, BLOCK_K=8,
-                     BLOCK_C=64, BLOCK_V=block_v)
-        yield f"race draft={draft} cut={cut} residual={residual}", _sig(race_kernel, ints, {**unit, **flags}), warps
+                     BLOCK_C=64, BLOCK_V=race_block)
+        yield (f"race draft={draft} cut={cut} residual={residual}", _sig(race_kernel, ints, {**unit, **flags}),
+               race_warps)
     yield "finish_greedy", _sig(finish_greedy_kernel, ints, dict(HAS_DRAFT=True, BLOCK_K=8, BLOCK_C=64)), 1
     yield "finish_sample", _sig(finish_sample_kernel, ints, dict(RESIDUAL=True, BLOCK_K=8, BLOCK_C=64)), 1
     yield "scale", _sig(scale_kernel, {"X_ptr": logit_type, "temperature": "fp32"},

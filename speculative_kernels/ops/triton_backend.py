@@ -26,8 +26,10 @@ __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 class Tuning:
     """Launch knobs. ``num_sms`` None means the device's SM count."""
 
-    block_v: int = 2048  # vocabulary tile per loop iteration (power of two)
+    block_v: int = 2048  # pass-1 vocabulary tile per loop iteration (power of two)
     num_warps: int = 8  # for a full tile; scaled down with smaller tiles
+    race_block_v: int = 1024  # race tile: Philox and two running (best, index) pairs per element cost registers
+    race_num_warps: int = 4  # (sm_90 ptxas: ~146 registers per thread at 1024/4 warps, 174 at 2048/8)
     programs_per_sm: int = 4  # target grid size per pass, so a batch of one still fills the GPU
     max_chunks: int = 256  # bounds the per-program combine work of the decision step
     num_sms: Optional[int] = None
@@ -37,6 +39,8 @@ class Tuning:
 class Plan:
     block_v: int
     num_warps: int
+    race_block_v: int
+    race_num_warps: int
     chunks: int  # pass 1: chunks per vocabulary row
     chunk_size: int
     race_chunks: int  # pass 2: chunks per raced row
@@ -60,25 +64,30 @@ def default_tuning(device: torch.device) -> Tuning:
     if device.type == "cuda":
         return Tuning(num_sms=_sm_count(device.index if device.index is not None else torch.cuda.current_device()))
     # Interpreter (CPU tests): big numpy tiles and one chunk per row are fastest.
-    return Tuning(block_v=4096, programs_per_sm=1, num_sms=1)
+    return Tuning(block_v=4096, race_block_v=4096, programs_per_sm=1, num_sms=1)
 
 
 def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Plan:
     """Chunking of both passes (python ints only: no device reads, traceable by torch.compile)."""
-    block_v = max(16, min(tuning.block_v, triton.next_power_of_2(vocab)))
-    tiles = triton.cdiv(vocab, block_v)
     target = tuning.programs_per_sm * (tuning.num_sms or 1)
 
-    def split(rows: int) -> tuple[int, int]:
+    def tile(block: int) -> int:
+        return max(16, min(block, triton.next_power_of_2(vocab)))
+
+    def split(rows: int, block: int) -> tuple[int, int]:
+        tiles = triton.cdiv(vocab, block)
         chunks = max(1, min(triton.cdiv(target, rows), tiles, tuning.max_chunks))
-        size = triton.cdiv(tiles, chunks) * block_v
+        size = triton.cdiv(tiles, chunks) * block
         return triton.cdiv(vocab, size), size
 
-    chunks, chunk_size = split(batch * num_positions)
-    race_chunks, race_chunk_size = split(batch)
+    block_v, race_block_v = tile(tuning.block_v), tile(tuning.race_block_v)
+    chunks, chunk_size = split(batch * num_positions, block_v)
+    race_chunks, race_chunk_size = split(batch, race_block_v)
     return Plan(
         block_v=block_v,
         num_warps=max(1, min(tuning.num_warps, block_v // 256)),
+        race_block_v=race_block_v,
+        race_num_warps=max(1, min(tuning.race_num_warps, race_block_v // 256)),
         chunks=chunks,
         chunk_size=chunk_size,
         race_chunks=race_chunks,
@@ -177,8 +186,8 @@ def _run(target, draft, tokens, temperature, top_k, top_p, seed, offset, seed_pe
         race_f, race_i, batch,
         vocab, num_draft, plan.chunks, plan.race_chunk_size, temperature, int(seed_per_row), stream_base,
         HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, SCALE=temperature != 1.0, RESIDUAL=residual,
-        PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.block_v,
-        num_warps=plan.num_warps,
+        PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.race_block_v,
+        num_warps=plan.race_num_warps,
     )
     wrap_triton(finish_sample_kernel)[(batch,)](
         race_f, race_i, batch, *token_args, *out_args, num_draft, plan.race_chunks,
