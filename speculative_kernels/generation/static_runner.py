@@ -4,9 +4,9 @@ Why our own ``Cache`` subclass rather than HF's ``StaticCache``: in transformers
 ``StaticLayer`` keeps its own ``cumulative_length`` tensor and writes at ``cumulative_length + arange(T)``. It could be
 rolled back by refilling that counter in every layer (2 x num_layers scalar writes per iteration, one kernel launch
 each); ``SlotCache`` instead shares one write pointer between all layers, so a rollback of both models is two scalar
-writes. It also allocates eagerly, so the memory check (``memory.py`` in ``docs/batching.md``) runs before anything
-is allocated, and checks every write's shape (an architecture whose K/V layout the config does not describe is refused
-with its name instead of silently misbehaving).
+writes. It also allocates eagerly, so the memory check (``check_free_memory``, ``docs/batching.md``) runs before
+anything is allocated, and checks every write's shape (an architecture whose K/V layout the config does not describe
+is refused with its name instead of silently misbehaving).
 
 Slots. As in ``runner.py``, every row writes the same slots at each forward; ``slot_mask`` [B, C] marks which are
 real (1) and which are holes (0: left padding, rejected drafts, filler). The model gets an explicit 4-D additive mask
