@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
@@ -20,6 +21,8 @@ from .triton_race import finish_sample_kernel, race_kernel
 from .warping import warp_thresholds
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
+
+_INTERPRETED = isinstance(stats_kernel, InterpretedFunction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +53,8 @@ class Plan:
 
 
 def _interpreting() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(stats_kernel, InterpretedFunction)
+    """Whether the kernels were defined under TRITON_INTERPRET=1 (decided once, when triton.jit ran)."""
+    return _INTERPRETED
 
 
 @functools.cache
