@@ -490,7 +490,8 @@ def test_jit_sources_found():
     directory = cuda_ext.source_dir()
     assert directory is not None
     files = [Path(f).name for f in cuda_ext.source_files(directory)]
-    assert "verify_kernels.cu" in files and files[-1] == "bindings.cpp", files
+    # Every translation unit is compiled; TORCH_LIBRARY / TORCH_LIBRARY_FRAGMENT registration is order-independent.
+    assert {"verify_kernels.cu", "bindings.cpp", "rollback_kernels.cu", "rollback_bindings.cpp"} <= set(files), files
 
 
 @pytest.fixture
