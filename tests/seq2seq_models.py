@@ -11,6 +11,8 @@ from transformers import (
     BartForConditionalGeneration,
     MBartConfig,
     MBartForConditionalGeneration,
+    MT5Config,
+    MT5ForConditionalGeneration,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -20,14 +22,16 @@ from models import perturbed
 VOCAB = 97
 
 
-def t5(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0) -> T5ForConditionalGeneration:
-    """T5 ids: pad = decoder start = 0, eos = 1."""
+def t5(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, mt5: bool = False):
+    """T5 (or MT5, the same architecture in its own classes) ids: pad = decoder start = 0, eos = 1."""
     torch.manual_seed(seed)
-    config = T5Config(
+    config_class, model_class = (MT5Config, MT5ForConditionalGeneration) if mt5 else (T5Config,
+                                                                                   T5ForConditionalGeneration)
+    config = config_class(
         vocab_size=vocab, d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=layers, num_heads=4,
         dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=5.0,
     )
-    model = T5ForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(5.0)
     return model

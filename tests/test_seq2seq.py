@@ -76,6 +76,13 @@ def test_batched_greedy_matches_hf_per_row(pairs, family, lengths, draft_kind):
         assert sum(1 for n in stats.accepted_histogram if n) > 1
 
 
+def test_mt5_batch_matches_hf():
+    target = t5(mt5=True)
+    assert target.config.model_type == "mt5"
+    ids, mask = source_batch([5, 9, 3])
+    _assert_same_as_hf(target, t5(layers=1, hidden=16, seed=5, mt5=True), ids, mask, 3, max_new_tokens=12)
+
+
 def test_self_draft_accepts_everything(pairs):
     target, _ = pairs["bart"]
     ids, mask = source_batch([5, 3, 6], pad=1)

@@ -7,8 +7,8 @@ the cross-attention cache (filled by the first decoder forward) is kept for the 
 Why not the decoder-only runner's holes: these decoders take no per-row position ids. T5 derives its relative
 attention bias from slot indices, BART/mBART their learned positions from the cache length, so a rejected token left
 as a hole in the middle of a row would shift every later position. The runner therefore keeps each row *hole-free
-and right-aligned* in a rectangular cache: row b's tokens fill the last ``next_position[b]`` slots, anything left of them is
-masked. After each rollback, and after a forward in which some rows fed a filler, rows are shifted right by what
+and right-aligned* in a rectangular cache: row b's tokens fill the last ``next_position[b]`` slots, anything left of
+them is masked. After each rollback, and after a forward in which some rows fed a filler, rows are shifted right by what
 they dropped (one gather over the self-attention cache, batch > 1 only; batch 1 just crops its tail), and the
 columns every row has left behind are cut off on the left.
 
@@ -303,11 +303,13 @@ def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, dev
         input_ids = torch.full((1, 1), int(bos_token_id), dtype=torch.int64, device=device)
     if input_ids is not None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+            shape = getattr(input_ids, "shape", input_ids)
+            raise ValueError(f"input_ids must be a [batch, length] tensor, got {shape}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         input_ids = input_ids.to(device=device, dtype=torch.int64)
-    if encoder_outputs is not None and input_ids is not None and encoder_outputs.last_hidden_state.shape[0] != input_ids.shape[0]:
+    given = encoder_outputs is not None and input_ids is not None
+    if given and encoder_outputs.last_hidden_state.shape[0] != input_ids.shape[0]:
         raise ValueError("encoder_outputs and input_ids have different batch sizes")
     if attention_mask is not None:
         source = input_ids.shape if input_ids is not None else encoder_outputs.last_hidden_state.shape[:2]
