@@ -1,0 +1,526 @@
+"""End-to-end benchmark: ``speculative_kernels.generate`` vs ``model.generate`` and HF assisted generation.
+
+    python benchmarks/e2e.py --device cpu --pair demo                         # the bundled demo pair
+    python benchmarks/e2e.py --device cpu --pair demo --sweep-gamma 1,2,3,4,6,8,auto   # + speedup-vs-gamma plot
+    python benchmarks/e2e.py --target DIR --draft DIR --dtype bfloat16        # any local pair
+    python benchmarks/e2e.py --synthetic --alpha 0.8                          # Llama-3-8B / 3.2-1B shapes (GPU)
+    python benchmarks/e2e.py --synthetic --alpha 0.8 --device cpu             # scaled-down shapes (CPU)
+    python benchmarks/e2e.py --pair demo --batch-sizes 1,4,16 --seq2seq       # + batching / encoder-decoder tables
+
+Per row (one gamma): measured alpha, c, tokens per target forward, tokens/s of the three paths on the same prompts
+(batch 1, greedy unless --temperature), the speedup over plain ``model.generate`` and over HF assisted generation
+(``model.generate(assistant_model=draft, num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant")``,
+HF's other assisted-generation defaults unchanged), the speedup predicted by Leviathan et al. (Theorem 3.8)
+(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha and c, and efficiency = measured / predicted.
+
+* alpha: maximum-likelihood acceptance probability from the accepted-count histogram of our runs
+  (``generation/gamma.py``; a row that stopped at n < gamma made n + 1 tests); ``accept_rate`` is accepted/drafted.
+* c: the paper's cost coefficient, measured directly: median time of one single-token forward of the draft over
+  that of the target, both with a KV cache after the first prompt (``step_time``). The in-loop phase times are in
+  the JSON too (``draft_ms_per_forward``, ``verify_ms_per_iteration``).
+* times: the paths run interleaved per prompt, ``--repeats`` times after a warm-up; a path's time is the median
+  over repeats of its total over the prompts; tokens/s = new tokens / that time.
+
+Synthetic mode (label "synthetic" in every output): random-weight Llama models of realistic shapes whose proposals
+agree with the target's greedy choice at a set rate alpha, while both models pay their full forward cost. Each
+model's logits get one entry raised by 1e4 after its real forward (a forward hook; a gather and a scatter): the
+target's at f(x), the draft's at f(x) if u(x) < alpha else at f(x) + 1, where x is the input token at that position,
+f a random cyclic permutation of the vocabulary (one cycle through all V ids, so a greedy continuation never repeats
+a token within V steps) and u(x) fixed uniform numbers. The target's greedy choice is therefore f(last token), known
+without any extra target computation, and along a continuation the draft agrees independently with probability
+alpha per position: the measured alpha estimates the set one. EOS is disabled so every path generates exactly
+``--max-new-tokens``.
+
+Results: a markdown table on stdout, JSON (and the PNG of ``--sweep-gamma``) under ``--out``. Exit status 1 if a
+greedy output of ours or of HF assisted generation differs from ``model.generate``'s.
+"""
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+import speculative_kernels as sk  # noqa: E402
+from speculative_kernels.generation.gamma import alpha_from_histogram, expected_speedup  # noqa: E402
+from speculative_kernels.ops import backends  # noqa: E402
+
+# Llama shapes: hidden, intermediate, layers, attention heads, KV heads, vocabulary; tied input/output embeddings.
+SHAPES = {
+    "llama3-8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256, tied=False),
+    "llama3.2-1b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
+    # CPU scale-downs of the two (about 60M and 10M parameters: close to the 8B/1B cost ratio on a CPU)
+    "cpu-target": dict(hidden=512, intermediate=1792, layers=8, heads=8, kv_heads=2, vocab=32000, tied=False),
+    "cpu-draft": dict(hidden=256, intermediate=896, layers=2, heads=4, kv_heads=1, vocab=32000, tied=True),
+    # for tests
+    "tiny-target": dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=512, tied=False),
+    "tiny-draft": dict(hidden=32, intermediate=64, layers=1, heads=4, kv_heads=2, vocab=512, tied=True),
+}
+BIG_LOGIT = 1e4
+COLUMNS = [("case", "case", ""), ("gamma", "γ", ""), ("alpha", "α", ".3f"), ("c", "c", ".3f"),
+           ("tokens_per_target_forward", "tok/fwd", ".2f"), ("hf_tokens_per_s", "HF tok/s", ".1f"),
+           ("assisted_tokens_per_s", "HF assisted tok/s", ".1f"), ("ours_tokens_per_s", "ours tok/s", ".1f"),
+           ("speedup_vs_hf", "× HF", ".2f"), ("speedup_vs_assisted", "× assisted", ".2f"),
+           ("predicted_speedup", "predicted ×", ".2f"), ("efficiency", "efficiency", ".2f"),
+           ("identical", "same output", "")]
+
+
+# ------------------------------------------------------------------------------------------------ synthetic pair
+def llama_from_shape(shape: dict, device, dtype, seed: int = 0):
+    """A random-weight LlamaForCausalLM of ``shape`` (built directly on ``device`` in ``dtype``); EOS disabled."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                         tie_word_embeddings=shape["tied"], max_position_embeddings=8192,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+class ControlledAcceptance:
+    """The forward hooks of the synthetic mode (see the module docstring).
+
+    target_next: [V] f, a single-cycle permutation; draft_next: [V] f(x) where u(x) < alpha, else f(x) + 1 mod V."""
+
+    def __init__(self, vocab: int, alpha: float, device, seed: int = 0):
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(vocab, generator=g)
+        target_next = torch.empty(vocab, dtype=torch.int64)
+        target_next[order] = order.roll(-1)  # order[i] -> order[i + 1]: one cycle through every id
+        agree = torch.rand(vocab, generator=g) < alpha
+        self.alpha = alpha
+        self.target_next = target_next.to(device)
+        self.draft_next = torch.where(agree, target_next, (target_next + 1) % vocab).to(device)
+
+    @staticmethod
+    def _hook(table):
+        def hook(module, args, kwargs, output):
+            ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+            logits = output.logits  # [B, T', V], the last T' <= T positions of ids [B, T]
+            chosen = table[ids[:, ids.shape[1] - logits.shape[1]:]]
+            logits.scatter_(-1, chosen.unsqueeze(-1), BIG_LOGIT)
+            return output
+
+        return hook
+
+    def attach(self, target, draft) -> list:
+        """Register the hooks; returns their handles (``.remove()`` restores the models)."""
+        return [target.register_forward_hook(self._hook(self.target_next), with_kwargs=True),
+                draft.register_forward_hook(self._hook(self.draft_next), with_kwargs=True)]
+
+
+def synthetic_pair(alpha: float, target_shape: str, draft_shape: str, device, dtype, seed: int = 0):
+    """(target, draft) with controlled acceptance hooks attached."""
+    target = llama_from_shape(SHAPES[target_shape], device, dtype, seed)
+    draft = llama_from_shape(SHAPES[draft_shape], device, dtype, seed + 1)
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"shapes {target_shape} and {draft_shape} have different vocabularies")
+    ControlledAcceptance(target.config.vocab_size, alpha, device, seed).attach(target, draft)
+    return target, draft
+
+
+def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (1, length), generator=g).to(device) for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device):
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3) -> float:
+    """Median seconds of one single-token forward with a KV cache holding ``input_ids`` [1, L]."""
+    from transformers import DynamicCache
+
+    device = input_ids.device
+    times = []
+    for _ in range(repeats):
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out, seconds = _timed(lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True),
+                                  device)
+            token = out.logits[:, -1:].argmax(-1)
+            times.append(seconds)
+    return statistics.median(times)
+
+
+def measure_c(target, draft, prompt: torch.Tensor, steps: int = 16, repeats: int = 3) -> dict:
+    """c = draft step time / target step time (single-token forwards, medians), with both times in ms."""
+    draft_s, target_s = step_time(draft, prompt, steps, repeats), step_time(target, prompt, steps, repeats)
+    return {"c": draft_s / target_s, "draft_step_ms": draft_s * 1e3, "target_step_ms": target_s * 1e3}
+
+
+def _calls(target, draft, ids, gamma, kwargs, stats):
+    return {
+        "hf": lambda: target.generate(ids, **kwargs),
+        "assisted": lambda: target.generate(ids, assistant_model=draft, num_assistant_tokens=gamma,
+                                            num_assistant_tokens_schedule="constant", **kwargs),
+        "ours": lambda: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma,
+                                    speculation_stats=stats, **kwargs),
+    }
+
+
+def generation_kwargs(max_new_tokens: int, temperature: float, pad_token_id: int, eos_token_id="model") -> dict:
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+    if eos_token_id != "model":
+        kwargs["eos_token_id"] = eos_token_id
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs["do_sample"] = False
+    return kwargs
+
+
+def _merge_histograms(histograms: list) -> list:
+    width = max(len(h) for h in histograms)
+    return [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
+
+
+def run_paths(target, draft, prompts: list, gamma, kwargs: dict, repeats: int = 3, paths=("hf", "assisted", "ours"),
+              seed: int = 0) -> dict:
+    """Time the paths on every prompt (interleaved), ``repeats`` times after a warm-up of each.
+
+    prompts: list of [1, L] tensors. Returns per path the median total seconds, the new-token count and the outputs
+    (last repeat), plus our merged statistics and whether each output equals ``model.generate``'s."""
+    device = prompts[0].device
+    totals = {p: [] for p in paths}
+    outputs, tokens = {p: [] for p in paths}, {p: 0 for p in paths}
+    stats_per_prompt = []
+    for repeat in range(repeats + 1):  # repeat 0 is the warm-up
+        outputs = {p: [] for p in paths}
+        stats_per_prompt = []
+        seconds = {p: 0.0 for p in paths}
+        for ids in prompts:
+            stats = sk.SpeculationStats()
+            calls = _calls(target, draft, ids, gamma, kwargs, stats)
+            for path in paths:
+                torch.manual_seed(seed + repeat)
+                with torch.inference_mode():
+                    out, s = _timed(calls[path], device)
+                seconds[path] += s
+                outputs[path].append(out[:, ids.shape[1]:])
+            stats_per_prompt.append(stats)
+        if repeat > 0:
+            for path in paths:
+                totals[path].append(seconds[path])
+    for path in paths:
+        tokens[path] = sum(o.numel() for o in outputs[path])
+    result = {"seconds": {p: statistics.median(t) for p, t in totals.items()}, "tokens": tokens, "outputs": outputs}
+    if "ours" in paths:
+        result["stats"] = stats_per_prompt
+    if "hf" in paths:
+        result["identical"] = {p: all(torch.equal(a, b) for a, b in zip(outputs[p], outputs["hf"]))
+                               for p in paths if p != "hf"}
+    return result
+
+
+def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) -> dict:
+    """One table row from ``run_paths``' result and ``measure_c``'s."""
+    stats = measured["stats"]
+    histogram = _merge_histograms([s.accepted_histogram for s in stats])
+    chosen = sorted({s.num_speculative_tokens for s in stats})
+    fixed = gamma != "auto"
+    rate = {p: measured["tokens"][p] / measured["seconds"][p] for p in measured["seconds"]}
+    steps = sum(histogram)
+    row = {
+        "case": case, "gamma": gamma if fixed else f"auto→{'/'.join(map(str, chosen))}",
+        "gamma_used": gamma if fixed else chosen[-1],
+        # The MLE needs one gamma per histogram; "auto" rows mix the calibration gamma with the chosen one.
+        "alpha": alpha_from_histogram(histogram) if fixed and steps else None,
+        "accept_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
+        "accepted_histogram": histogram,
+        "tokens_per_target_forward": sum((n + 1) * k for n, k in enumerate(histogram)) / steps if steps else None,
+        **c_info,
+        "draft_ms_per_forward": 1e3 * sum(s.draft_time_s for s in stats) / max(1, sum(s.draft_forwards for s in stats)),
+        "verify_ms_per_iteration": 1e3 * sum(s.verify_time_s for s in stats) / max(1, sum(s.target_forwards
+                                                                                        for s in stats)),
+        "new_tokens": measured["tokens"].get("ours"),
+    }
+    for path, name in (("hf", "hf"), ("assisted", "assisted"), ("ours", "ours")):
+        row[f"{name}_tokens_per_s"] = rate.get(path)
+        row[f"{name}_seconds"] = measured["seconds"].get(path)
+    row["speedup_vs_hf"] = rate["ours"] / rate["hf"] if "hf" in rate else None
+    row["speedup_vs_assisted"] = rate["ours"] / rate["assisted"] if "assisted" in rate else None
+    if "hf" in rate and "assisted" in rate:
+        row["assisted_speedup_vs_hf"] = rate["assisted"] / rate["hf"]
+    add_prediction(row)
+    same = measured.get("identical", {})
+    row["identical"] = None if not greedy else all(same.values()) if same else None
+    row["identical_by_path"] = same if greedy else None
+    return row
+
+
+def add_prediction(row: dict, alpha: float | None = None) -> None:
+    """predicted_speedup (Theorem 3.8 at alpha, gamma_used, c) and efficiency = measured / predicted."""
+    alpha = row["alpha"] if alpha is None else alpha
+    if alpha is None:
+        row["predicted_speedup"] = row["efficiency"] = None
+        return
+    row["predicted_speedup"] = expected_speedup(alpha, int(row["gamma_used"]), row["c"])
+    row["efficiency"] = row["speedup_vs_hf"] / row["predicted_speedup"] if row["speedup_vs_hf"] else None
+
+
+def pooled_alpha(rows: list) -> float | None:
+    """alpha over every fixed-gamma row (the MLE's successes and tests summed)."""
+    successes = tests = 0
+    for row in rows:
+        if row["alpha"] is None:
+            continue
+        hist, g = row["accepted_histogram"], len(row["accepted_histogram"]) - 1
+        s = sum(n * k for n, k in enumerate(hist))
+        successes, tests = successes + s, tests + s + sum(k for n, k in enumerate(hist) if n < g)
+    return successes / tests if tests else None
+
+
+def gamma_rows(case, target, draft, prompts, gammas, kwargs, *, repeats, with_assisted=True, c_info=None,
+               progress=print) -> list:
+    """One row per gamma (an int or "auto"); "auto" rows are predicted at the pooled alpha of the others."""
+    greedy = not kwargs.get("do_sample")
+    c_info = c_info or measure_c(target, draft, prompts[0])
+    paths = ("hf", "assisted", "ours") if with_assisted else ("hf", "ours")
+    rows = []
+    for gamma in gammas:
+        progress(f"[e2e] {case}: gamma {gamma} ...")
+        measured = run_paths(target, draft, prompts, gamma, kwargs, repeats=repeats, paths=paths)
+        rows.append(summarize_row(case, gamma, measured, c_info, greedy))
+    pooled = pooled_alpha(rows)
+    for row in rows:
+        if row["alpha"] is None and pooled is not None:
+            row["alpha_pooled"] = pooled
+            add_prediction(row, pooled)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ output
+def markdown_table(rows: list, columns=COLUMNS) -> str:
+    def cell(value, fmt):
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        return format(value, fmt) if fmt else str(value)
+
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(k), f) for k, _, f in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list, path: Path, title: str) -> Path | None:
+    """Measured speedup over model.generate (and over assisted) vs gamma, with the predicted curve."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib, or the package's [bench] extra)")
+        return None
+    fixed = [r for r in rows if isinstance(r["gamma"], int)]
+    alpha, c = pooled_alpha(fixed), rows[0]["c"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if alpha is not None:
+        grid = list(range(1, max(r["gamma"] for r in fixed) + 3))
+        ax.plot(grid, [expected_speedup(alpha, g, c) for g in grid], "--", color="gray",
+                label=f"predicted (α={alpha:.2f}, c={c:.2f})")
+    ax.plot([r["gamma"] for r in fixed], [r["speedup_vs_hf"] for r in fixed], "o-", label="measured × model.generate")
+    if any(r.get("speedup_vs_assisted") for r in fixed):
+        ax.plot([r["gamma"] for r in fixed], [r["speedup_vs_assisted"] for r in fixed], "s-",
+                label="measured × HF assisted")
+    for r in rows:
+        if not isinstance(r["gamma"], int):
+            ax.plot([r["gamma_used"]], [r["speedup_vs_hf"]], "*", markersize=14, label=f"γ {r['gamma']}")
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xlabel("γ (draft tokens per iteration)")
+    ax.set_ylabel("speedup")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def environment(device, dtype) -> dict:
+    device = torch.device(device)
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+        f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "verify_backend": backends.resolve("auto", device.type),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ optional cases
+def optional_module(name: str):
+    """benchmarks/<name>.py if that file exists (written by other benchmarks), else None."""
+    if not (HERE / f"{name}.py").is_file():
+        return None
+    return importlib.import_module(name)
+
+
+def batching_table(target, draft, prompts, batch_sizes, args, device) -> list | None:
+    module = optional_module("e2e_batching")
+    if module is None:
+        print("benchmarks/e2e_batching.py is not there: no batching table")
+        return None
+    methods = ["hf", "hf_assisted", "dynamic", "static"] + (["compiled"] if device.type == "cuda" else [])
+    return module.batching_cases(target, draft, [p[0].tolist() for p in prompts], batch_sizes, methods=methods,
+                                 max_new_tokens=args.max_new_tokens, gamma=args.batch_gamma,
+                                 do_sample=args.temperature > 0, repeats=args.repeats)
+
+
+def seq2seq_result(args, device, dtype) -> dict | None:
+    module = optional_module("e2e_seq2seq")
+    if module is None:
+        print("benchmarks/e2e_seq2seq.py is not there: no encoder-decoder case")
+        return None
+    return module.seq2seq_case(batch=1, max_new_tokens=args.max_new_tokens, gamma=args.batch_gamma,
+                               device=str(device), dtype=dtype, repeats=args.repeats)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _parse_gammas(text: str) -> list:
+    return [g.strip() if g.strip() == "auto" else int(g) for g in text.split(",") if g.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--pair", choices=["demo"], help="the bundled demo pair (default when nothing else is given)")
+    src.add_argument("--target", help="local target folder (with --draft)")
+    src.add_argument("--synthetic", action="store_true", help="random-weight pair with controlled acceptance")
+    p.add_argument("--draft", help="local draft folder (with --target)")
+    p.add_argument("--alpha", type=float, default=0.8, help="synthetic: the acceptance rate to set")
+    p.add_argument("--target-shape", choices=sorted(SHAPES), help="synthetic (default: llama3-8b on GPU, "
+                   "cpu-target on CPU)")
+    p.add_argument("--draft-shape", choices=sorted(SHAPES), help="synthetic (default: llama3.2-1b / cpu-draft)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--gamma", default="4", help="draft length of the main row (an int or 'auto')")
+    p.add_argument("--sweep-gamma", type=_parse_gammas, help="comma-separated gammas (ints and/or auto): one row "
+                   "each and a plot of measured and predicted speedup vs gamma")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts (built-in code prompts or random)")
+    p.add_argument("--prompt-length", type=int, default=32, help="synthetic: random prompt length")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
+    p.add_argument("--batch-sizes", type=lambda t: [int(b) for b in t.split(",")],
+                   help="also the batching table (benchmarks/e2e_batching.py), e.g. 1,4,16")
+    p.add_argument("--batch-gamma", type=int, default=4, help="gamma of the batching and seq2seq cases")
+    p.add_argument("--seq2seq", action="store_true", help="also the encoder-decoder case (benchmarks/e2e_seq2seq.py)")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the JSON and PNG")
+    p.add_argument("--name", help="file stem (default: e2e-<case>-<device>-<date>)")
+    args = p.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        p.error("--target and --draft go together")
+    return args
+
+
+def load_case(args, device, dtype):
+    """(case label, target, draft, prompts, pad id)."""
+    if args.synthetic:
+        gpu = device.type == "cuda"
+        t_shape = args.target_shape or ("llama3-8b" if gpu else "cpu-target")
+        d_shape = args.draft_shape or ("llama3.2-1b" if gpu else "cpu-draft")
+        target, draft = synthetic_pair(args.alpha, t_shape, d_shape, device, dtype)
+        prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
+        return f"synthetic α={args.alpha:g} ({t_shape}/{d_shape})", target, draft, prompts, 0
+    from speculative_kernels.demo import BUILTIN_PROMPTS
+    from speculative_kernels.model_loading import load_model
+
+    if args.target:
+        target_dir, draft_dir, case = args.target, args.draft, f"user pair ({Path(args.target).name}/" \
+                                                                 f"{Path(args.draft).name})"
+    else:
+        from speculative_kernels.demo_pair import demo_model_paths
+
+        (target_dir, draft_dir), case = demo_model_paths(), "demo pair"
+    name = str(dtype).replace("torch.", "")
+    target, tokenizer = load_model(target_dir, device=str(device), dtype=name)
+    draft, _ = load_model(draft_dir, device=str(device), dtype=name)
+    if tokenizer is None:
+        raise ValueError(f"{target_dir} has no tokenizer")
+    texts = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(args.prompts)]
+    prompts = [tokenizer(t, return_tensors="pt")["input_ids"].to(device) for t in texts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return case, target, draft, prompts, pad
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    case, target, draft, prompts, pad = load_case(args, device, dtype)
+    gammas = args.sweep_gamma or [args.gamma if args.gamma == "auto" else int(args.gamma)]
+    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if args.synthetic else "model")
+    rows = gamma_rows(case, target, draft, prompts, gammas, kwargs, repeats=args.repeats,
+                      with_assisted=not args.no_assisted)
+    env = environment(device, dtype)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    stem = args.out / (args.name or f"e2e-{'synthetic' if args.synthetic else 'user' if args.target else 'demo'}-"
+                                    f"{device.type}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    result = {"environment": env, "settings": settings, "rows": rows}
+    print(json.dumps(env))
+    print(markdown_table(rows))
+    if args.sweep_gamma:
+        plot = plot_sweep(rows, stem.with_suffix(".png"), f"{case}, {env['device']}")
+        result["plot"] = str(plot) if plot else None
+    if args.batch_sizes:
+        result["batching"] = batching_table(target, draft, prompts, args.batch_sizes, args, device)
+        if result["batching"]:
+            print(f"\nbatching ({case}):\n" + optional_module("e2e_batching").format_table(result["batching"]))
+    if args.seq2seq:
+        result["seq2seq"] = seq2seq_result(args, device, dtype)
+        if result["seq2seq"]:
+            print("\nencoder-decoder:\n" + json.dumps(result["seq2seq"]))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {stem.with_suffix('.json')}" + (f" and {result['plot']}" if result.get("plot") else ""))
+    return 0 if all(r["identical"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
