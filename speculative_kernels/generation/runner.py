@@ -41,6 +41,9 @@ class DecoderRunner:
         self._logits_to_keep = _accepts(model, "logits_to_keep")
         self._attention = getattr(model.config, "_attn_implementation", None)
         self._dtype = next(model.parameters()).dtype
+        # additive mask value by slot-mask value (0: hole, 1: real); indexing with the slot mask builds the mask
+        self._mask_values = torch.tensor([torch.finfo(self._dtype).min, 0.0], dtype=self._dtype, device=device)
+        self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
         self.compactor = SlotCompactor(batch, compaction_threshold, compaction_backend)
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
@@ -52,10 +55,13 @@ class DecoderRunner:
         start, end = self.num_slots, self.num_slots + width
         if end > self.slot_mask.shape[1]:
             raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.slot_mask.shape[1]})")
-        real_i = torch.ones_like(tokens) if real is None else real.to(torch.int64)
-        self.slot_mask[:, start:end] = real_i
-        positions = self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1
-        positions = positions.clamp(min=0)
+        if real is None:  # the common case, kept cheap: no cumsum, no per-row count
+            self.slot_mask[:, start:end] = 1
+            positions = self.next_position.unsqueeze(1) + self._step_offsets(width)
+        else:
+            real_i = real.to(torch.int64)
+            self.slot_mask[:, start:end] = real_i
+            positions = (self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1).clamp(min=0)
         kwargs = {}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
@@ -69,7 +75,7 @@ class DecoderRunner:
         )
         self.cache = out.past_key_values
         self.num_slots = end
-        self.next_position += real_i.sum(dim=1)
+        self.next_position += width if real is None else real_i.sum(dim=1)
         logits = out.logits
         return logits[:, -1:] if last_only else logits
 
@@ -80,12 +86,19 @@ class DecoderRunner:
         attention) get the 2-D mask and pay that synchronisation."""
         if self._attention not in ("sdpa", "eager"):
             return self.slot_mask[:, :end]
+        if end - start == 1:  # a single query sees every earlier slot: only the slot mask matters
+            return self._mask_values[self.slot_mask[:, None, None, :end]]
         query_slots = torch.arange(start, end, device=self.slot_mask.device).unsqueeze(1)
         causal = torch.arange(end, device=self.slot_mask.device).unsqueeze(0) <= query_slots  # [T, S]
         allowed = causal.unsqueeze(0) & self.slot_mask[:, None, :end].bool()  # [B, T, S]
-        blocked = torch.finfo(self._dtype).min
-        return torch.zeros(allowed.shape, dtype=self._dtype, device=allowed.device).masked_fill_(
-            ~allowed, blocked).unsqueeze(1)
+        return self._mask_values[allowed.unsqueeze(1).to(torch.int64)]
+
+    def _step_offsets(self, width: int) -> torch.Tensor:
+        """arange(width) [1, T] on the runner's device, built once per width."""
+        offsets = self._steps.get(width)
+        if offsets is None:
+            offsets = self._steps[width] = torch.arange(width, device=self.slot_mask.device).unsqueeze(0)
+        return offsets
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes.
