@@ -9,24 +9,17 @@ registration rot would break, while Inductor's C++ build of these graphs takes m
 hand, Inductor's CPU results equal eager too). On CUDA the default Inductor backend is used.
 """
 
-import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from speculative_kernels import ops
-from speculative_kernels.ops import backends
 
 HAS_CUDA = torch.cuda.is_available()
 WARPS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)]
 
-# Known bug outside this file: backends.implementation() calls importlib.import_module, which dynamo cannot trace,
-# so every public op graph-breaks (an error under fullgraph=True). Strict: the mark must go once that is fixed.
-_IMPORT_BREAKS_GRAPH = "importlib.import_module(" in inspect.getsource(backends.implementation)
-import_break = pytest.mark.xfail(
-    _IMPORT_BREAKS_GRAPH, strict=True,
-    reason="backends.implementation uses importlib.import_module, untraceable by dynamo (graph break)",
-)
 
 
 def _inputs(batch, k, vocab, device, dtype):
@@ -56,17 +49,38 @@ def _check_compiled_equals_eager(backend, device, dtype, warp, compiler="inducto
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-@import_break
 @pytest.mark.parametrize("warp", WARPS, ids=["greedy", "plain", "topk-topp"])
 def test_torch_backend_compiles_on_cpu(warp):
     torch._dynamo.reset()
     _check_compiled_equals_eager("torch", "cpu", torch.float32, warp, compiler="aot_eager")
 
 
-@import_break
 @pytest.mark.skipif(not HAS_CUDA, reason="the Triton and CUDA backends need a CUDA device (CI has none)")
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 @pytest.mark.parametrize("warp", WARPS, ids=["greedy", "plain", "topk-topp"])
 def test_backends_compile_on_cuda(backend, warp):
     torch._dynamo.reset()
     _check_compiled_equals_eager(backend, "cuda", torch.bfloat16, warp)
+
+
+_COMPILE_FIRST = """
+import sys, torch
+from speculative_kernels import ops
+assert "speculative_kernels.ops.torch_backend" not in sys.modules
+def step(t, d, x, s, o):
+    return ops.verify(t, d, x, temperature=1.0, seed=s, offset=o, backend="auto")
+g = torch.Generator().manual_seed(0)
+t, d = torch.randn(2, 4, 50, generator=g), torch.randn(2, 3, 50, generator=g)
+x, s, o = torch.randint(0, 50, (2, 3), generator=g), torch.tensor([1, 2]), torch.tensor([0, 3])
+compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(t, d, x, s, o)
+eager = step(t, d, x, s, o)
+assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+print("ok")
+"""
+
+
+def test_compile_before_any_eager_call():
+    """A fresh process whose first call of an op is inside torch.compile(fullgraph=True): backend selection and the
+    import of the backend module must not break the graph (a dynamo-untraceable import would)."""
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

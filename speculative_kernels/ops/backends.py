@@ -10,7 +10,10 @@ import functools
 import importlib
 import logging
 import os
+import sys
 from types import ModuleType
+
+import torch
 
 logger = logging.getLogger("speculative_kernels")
 
@@ -78,4 +81,14 @@ def resolve(backend: str, device_type: str) -> str:
 def implementation(backend: str, device_type: str, family: str = "verify") -> ModuleType:
     """The module implementing an op family for the resolved backend: ``verify``/``sample`` (family "verify") or
     ``compact_kv`` (family "compaction")."""
-    return importlib.import_module(_FAMILIES[family][resolve(backend, device_type)])
+    return sys.modules[_import_backend(family, backend, device_type)]
+
+
+@torch.compiler.assume_constant_result
+def _import_backend(family: str, backend: str, device_type: str) -> str:
+    """Resolve and import the backend module; return its name. Under ``torch.compile`` dynamo runs this once while
+    tracing and keeps the name as a constant, so the selection and the import (which dynamo cannot trace) never
+    break the graph, whether or not the op ran eagerly first."""
+    name = _FAMILIES[family][resolve(backend, device_type)]
+    importlib.import_module(name)
+    return name
