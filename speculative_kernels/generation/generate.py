@@ -10,7 +10,8 @@ from .runner import DecoderRunner
 from .seq2seq import SpeculativeEncoderDecoderOutput, check_pair, prepare_seq2seq
 from .compaction import BatchingOptions
 from .settings import resolve_plan
-from .static_runner import choose_runner_factory, compile_loop, compile_options_from
+from .seq2seq_static import static_seq2seq_factory
+from .static_runner import choose_runner_factory, compile_loop, compile_options_from, wants_static
 from .stats import SpeculationStats
 from .vocab import VocabBridge
 
@@ -83,6 +84,10 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
     if model.config.is_encoder_decoder:  # input_ids becomes the decoder prompt (seq2seq.py)
         plan, input_ids, attention_mask, runner_factory = prepare_seq2seq(
             model, draft_model, input_ids, attention_mask, num_speculative_tokens, generation_config, kwargs)
+        if wants_static(plan, compile_options):
+            runner_factory = static_seq2seq_factory(
+                model, draft_model, runner_factory, batch=input_ids.shape[0], prompt_width=input_ids.shape[1],
+                max_new_tokens=plan.max_new_tokens, gamma=plan.num_speculative_tokens, device=input_ids.device)
     else:
         prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
         plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config,
@@ -93,8 +98,6 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
         input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask,
                                                     plan.generation_config.bos_token_id)
         runner_factory = choose_runner_factory(model, draft_model, plan, input_ids, batching, compile_options)
-    if model.config.is_encoder_decoder and (plan.cache_implementation == "static" or compile_options is not None):
-        raise ValueError("cache_implementation='static' and compile=True support decoder-only models only")
     batch = input_ids.shape[0]
     if batch > 1 and plan.streamer is not None:
         raise ValueError("streamer supports batch size 1 only (as in transformers)")
@@ -142,7 +145,8 @@ def generate(
     1..16 that maximises the paper's expected speedup (``gamma.py``; the choice is in
     ``speculation_stats.num_speculative_tokens``).
 
-    ``cache_implementation="static"`` preallocates both KV caches (``static_runner.py``). ``compile=True`` (or a
+    ``cache_implementation="static"`` preallocates both KV caches (``static_runner.py``; for encoder-decoder pairs the
+    decoders' self-attention caches, ``seq2seq_static.py``). ``compile=True`` (or a
     ``CompileOptions``) also captures the draft and verification steps with ``torch.compile`` (CUDA graphs on CUDA);
     its warm-up is reported in ``speculation_stats.warmup_time_s``, apart from ``total_time_s``. ``batching`` (a
     ``BatchingOptions``) tunes hole compaction and the dropping of finished rows (``docs/batching.md``).

@@ -135,41 +135,57 @@ class Seq2SeqRunner:
         if fillers:  # fillers go last, so each row's real tokens follow its cache without a gap
             order = torch.argsort(1 - occupied, dim=1, stable=True)
             tokens, attend_new = tokens.gather(1, order), attend_new.gather(1, order)
-        mask = torch.cat([self.attend, attend_new], dim=1)
-        self._positions = self.next_position.unsqueeze(1) + torch.arange(width, device=tokens.device)
-        logits = self._call_model(tokens, mask)
+        count = occupied.sum(dim=1)
+        logits = self._decode(tokens, attend_new, count, fillers)
         self.slot_mask[:, start:end] = occupied
         self.num_slots = end
         self._bound[end] = self._bound[start] + width
-        self.attend, self.width = mask, self.width + width
-        count = occupied.sum(dim=1)
-        self.next_position = self.next_position + count
         if fillers:
-            self._tail_only = False
-            self._shift(width - count)
             if last_only:
                 return logits.gather(1, (count - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
             logits = logits.gather(1, torch.argsort(order, dim=1).unsqueeze(-1).expand_as(logits))
         return logits[:, -1:] if last_only else logits
 
+    def _decode(self, tokens: torch.Tensor, attend_new: torch.Tensor, count: torch.Tensor, fillers: bool):
+        """The cache-specific part of ``forward``: run the decoder on tokens [B, T] (each row's real ones first,
+        attend_new [B, T] 1 where attended), advance each row by count [B] and drop the fillers after it."""
+        width = tokens.shape[1]
+        mask = torch.cat([self.attend, attend_new], dim=1)
+        self._positions = self.next_position.unsqueeze(1) + torch.arange(width, device=tokens.device)
+        logits = self._call_model(tokens, self._self_mask(mask, width) if self._four_d else mask)
+        self.attend, self.width = mask, self.width + width
+        self.next_position = self.next_position + count
+        if fillers:
+            self._tail_only = False
+            self._shift(width - count)
+        return logits
+
     def _call_model(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
-        hook = None
-        if self._position_module is not None:
-            hook = self._position_module.register_forward_hook(self._true_positions)
+        """One decoder forward with the position hooks in place; decoder_mask: [B, W] or additive [B, 1, T, W]."""
+        hooks = self._register_position_hooks()
         try:
-            out = self.model(
-                attention_mask=self._cross_mask,
-                encoder_outputs=self.encoder_outputs,
-                decoder_input_ids=tokens,
-                decoder_attention_mask=self._self_mask(decoder_mask, tokens.shape[1]) if self._four_d else decoder_mask,
-                past_key_values=self.cache,
-                use_cache=True,
-            )
+            return self._model_forward(tokens, decoder_mask)
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
+
+    def _model_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            attention_mask=self._cross_mask,
+            encoder_outputs=self.encoder_outputs,
+            decoder_input_ids=tokens,
+            decoder_attention_mask=decoder_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.cache = out.past_key_values
         return out.logits
+
+    def _register_position_hooks(self) -> list:
+        """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
+        if self._position_module is None:
+            return []
+        return [self._position_module.register_forward_hook(self._true_positions)]
 
     def _self_mask(self, attend: torch.Tensor, width: int) -> torch.Tensor:
         """attend [B, W + T] (1 = attended slot) -> additive [B, 1, T, W + T], causal over the T new slots."""
@@ -198,9 +214,13 @@ class Seq2SeqRunner:
         self.slot_mask[:, start + max_kept : self.num_slots] = 0
         self.num_slots = start + max_kept
         self._bound = {self.num_slots: self._bound[start] + max_kept}
+        self._drop(dropped, width - max_kept)
+
+    def _drop(self, dropped: torch.Tensor, tail: int) -> None:
+        """Remove the last dropped[b] tokens of row b [B]; ``tail`` (host int) slots at the end go in every row."""
         self.next_position = self.next_position - dropped
-        if self._tail_only:  # one row, all real: it drops exactly width - max_kept tokens off its tail
-            self._crop_right(self.width - (width - max_kept))
+        if self._tail_only:  # one row, all real: it drops exactly its last `tail` tokens
+            self._crop_right(self.width - tail)
         else:
             self._shift(dropped)
             self._crop_left(min(self.width, self._bound[self.num_slots]))
@@ -231,13 +251,16 @@ class Seq2SeqRunner:
     def select_cache_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] of both caches, the encoder output and masks (``compaction.drop_rows`` selects
         ``slot_mask`` and ``next_position``)."""
-        self.cache.batch_select_indices(index)
+        self._select_cache(index)
         self.encoder_outputs = BaseModelOutput(
             last_hidden_state=self.encoder_outputs.last_hidden_state.index_select(0, index))
         if self._cross_mask is not None:
             self._cross_mask = self._cross_mask.index_select(0, index)
-        self.attend = self.attend.index_select(0, index)
         self.batch = index.shape[0]
+
+    def _select_cache(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.attend = self.attend.index_select(0, index)
 
     def _crop_right(self, keep: int) -> None:
         if keep < self.width:

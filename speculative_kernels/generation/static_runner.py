@@ -37,16 +37,23 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 class CacheLayout:
-    """What one model's static cache holds: per-layer (kv_heads, head_dim), the dtype, and its byte size."""
+    """What one model's static cache holds: per-layer (kv_heads, head_dim), the dtype, and its byte size.
 
-    def __init__(self, model):
+    sizes: (num_layers, kv_heads, head_dim) when the caller knows them better than the config (an encoder-decoder's
+    decoder, ``seq2seq_static.py``); None reads the decoder-only config.
+    """
+
+    def __init__(self, model, sizes: tuple[int, int, int] | None = None):
         self.architecture = type(model).__name__
         config = model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_attention_heads", None)
-        hidden = getattr(config, "hidden_size", None)
-        layers = getattr(config, "num_hidden_layers", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+        if sizes is not None:
+            layers, kv_heads, head_dim = sizes
+        else:
+            heads = getattr(config, "num_attention_heads", None)
+            hidden = getattr(config, "hidden_size", None)
+            layers = getattr(config, "num_hidden_layers", None)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
         if not (layers and kv_heads and head_dim):
             raise ValueError(
                 f"{self.architecture}: the static cache cannot size its K/V buffers from the config (num_hidden_layers"
@@ -63,17 +70,23 @@ class CacheLayout:
         return 2 * self.num_layers * batch * self.kv_heads * capacity * self.head_dim * element
 
 
+def check_attention(model) -> None:
+    """Raise ValueError naming the architecture unless ``model`` takes explicit 4-D masks (sdpa, eager)."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} uses attn_implementation={attention!r}; the static cache passes explicit 4-D "
+            f"masks, which only {SUPPORTED_ATTENTION} take; use the dynamic cache"
+        )
+
+
 def check_drivable(model, capacity: int) -> None:
     """Raise ValueError naming the architecture when the static runner cannot drive ``model`` exactly."""
     name = type(model).__name__
     if model.config.is_encoder_decoder:
-        raise ValueError(f"{name} is an encoder-decoder model; the static cache drives decoder-only models")
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"{name} uses attn_implementation={attention!r}; the static cache passes explicit 4-D masks, which only "
-            f"{SUPPORTED_ATTENTION} take; use the dynamic cache"
-        )
+        raise ValueError(f"{name} is an encoder-decoder model; the decoder-only static runner cannot drive it "
+                         "(seq2seq_static.py drives T5/MT5 and BART/mBART)")
+    check_attention(model)
     params = inspect.signature(model.forward).parameters
     for arg in ("position_ids", "attention_mask", "past_key_values"):
         if arg not in params:
@@ -91,7 +104,8 @@ def check_drivable(model, capacity: int) -> None:
 
 
 class SlotCacheLayer(CacheLayerMixin):
-    """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's shared write pointer."""
+    """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's write pointer: ``position`` is a 0-dim
+    tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T))."""
 
     is_compileable = True
     is_sliding = False
@@ -115,16 +129,24 @@ class SlotCacheLayer(CacheLayerMixin):
                 f"{self.architecture}: the static cache expected keys of shape {expected} and dtype {self.dtype}, got "
                 f"{tuple(key_states.shape)} {key_states.dtype}; this K/V layout is not supported, use the dynamic cache"
             )
-        slots = self.position + torch.arange(key_states.shape[2], device=self.device)
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
+        steps = torch.arange(key_states.shape[2], device=self.device)
+        if self.position.dim() == 0:
+            slots = self.position + steps
+            self.keys.index_copy_(2, slots, key_states)
+            self.values.index_copy_(2, slots, value_states)
+        else:
+            slots = (self.position.unsqueeze(1) + steps).view(key_states.shape[0], 1, -1, 1)  # [B, 1, T, 1]
+            self.keys.scatter_(2, slots.expand_as(key_states), key_states)
+            self.values.scatter_(2, slots.expand_as(value_states), value_states)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
 
     def get_seq_length(self):
-        return self.position
+        """The write pointer; with a pointer per row, the shortest row's (HF wants one length; a per-row runner gives
+        the model its positions itself)."""
+        return self.position if self.position.dim() == 0 else self.position.amin()
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -133,13 +155,14 @@ class SlotCacheLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """Preallocated K/V for every layer of one model, with one write pointer shared by all layers.
 
-    batch: B; capacity: C slots. ``position`` is a 0-dim int64 device tensor (a static address, so captured graphs
-    read it at replay time).
+    batch: B; capacity: C slots. ``position`` is an int64 device tensor (a static address, so captured graphs read it
+    at replay time): 0-dim, or [B] with ``per_row`` (``point_at`` replaces it). layout: None reads the config.
     """
 
-    def __init__(self, model, batch: int, capacity: int, device: torch.device):
-        layout = CacheLayout(model)
-        self.position = torch.zeros((), dtype=torch.int64, device=device)
+    def __init__(self, model, batch: int, capacity: int, device: torch.device, *, layout: CacheLayout | None = None,
+                 per_row: bool = False):
+        layout = layout or CacheLayout(model)
+        self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
         shape = (batch, layout.kv_heads, capacity, layout.head_dim)
         layers = [
             SlotCacheLayer(torch.zeros(shape, dtype=layout.dtype, device=device),
@@ -154,14 +177,28 @@ class SlotCache(Cache):
         return [t for layer in self.layers for t in (layer.keys, layer.values)]
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep rows ``index`` [B'] (a copy into smaller buffers)."""
+        """Keep rows ``index`` [B'] of the K/V buffers (a copy into smaller buffers; a per-row pointer is the
+        caller's to select and ``point_at``)."""
         for layer in self.layers:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
 
+    def point_at(self, position: torch.Tensor) -> None:
+        """Use ``position`` [B] as every layer's per-row write pointer (after rows were selected)."""
+        self.position = position
+        for layer in self.layers:
+            layer.position = position
+
 
 def _accepts(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """allowed: [B, T, C] bool (query t may see slot c) -> the additive mask [B, 1, T, C] that HF takes as given."""
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, blocked).unsqueeze(1)
 
 
 # Every captured step shares ``_step``'s code object, and dynamo keeps one cache per code object: each model, width
@@ -262,9 +299,7 @@ class StaticDecoderRunner:
         capacity = self.slot_mask.shape[1]
         causal = torch.arange(capacity, device=slots.device).unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
         allowed = causal.unsqueeze(0) & self.slot_mask.unsqueeze(1).bool()  # [B, T, C]
-        blocked = torch.full((), torch.finfo(self._dtype).min, dtype=self._dtype, device=slots.device)
-        zero = torch.zeros((), dtype=self._dtype, device=slots.device)
-        return torch.where(allowed, zero, blocked).unsqueeze(1)
+        return additive_mask(allowed, self._dtype)
 
     # ------------------------------------------------------------------------------------------ compile
     def compile_steps(self, shapes, options: CompileOptions) -> None:
@@ -331,10 +366,12 @@ def static_capacity(prompt_width: int, max_new_tokens: int, gamma: int, batch: i
 
 
 def static_memory_bytes(models, batch: int, capacity: int, gamma: int) -> dict:
-    """Bytes the static path allocates beyond the models: K/V caches, slot masks, and the largest per-forward mask."""
-    caches = sum(CacheLayout(m).bytes(batch, capacity) for m in models)
-    masks = len(models) * batch * capacity * 8  # slot_mask, int64
-    element = max(torch.empty((), dtype=CacheLayout(m).dtype).element_size() for m in models)
+    """Bytes the static path allocates beyond the models: K/V caches, slot masks, and the largest per-forward mask.
+    models: models or their ``CacheLayout``s."""
+    layouts = [m if isinstance(m, CacheLayout) else CacheLayout(m) for m in models]
+    caches = sum(layout.bytes(batch, capacity) for layout in layouts)
+    masks = len(layouts) * batch * capacity * 8  # slot_mask, int64
+    element = max(torch.empty((), dtype=layout.dtype).element_size() for layout in layouts)
     attention = batch * (gamma + 1) * capacity * (element + 2)  # the additive mask and its bool precursor
     return {"kv_caches": caches, "slot_masks": masks, "attention_mask": attention, "total": caches + masks + attention}
 
@@ -384,18 +421,26 @@ def compile_options_from(compile) -> CompileOptions | None:
     raise TypeError(f"compile must be a bool or a CompileOptions, got {type(compile).__name__}")
 
 
-def choose_runner_factory(target, draft, plan, input_ids: torch.Tensor, batching, compile_options):
-    """The ``runner_factory`` for ``SpeculativeLoop``: the dynamic ``DecoderRunner``, or the static runner when
-    ``cache_implementation="static"`` or compiling (captured steps need the static cache's fixed shapes)."""
+def wants_static(plan, compile_options) -> bool:
+    """Whether the request runs on the static cache: ``cache_implementation="static"`` or compiling (captured steps
+    need the static cache's fixed shapes). Raises ValueError for combinations that cannot work."""
     if compile_options is not None and plan.cache_implementation == "dynamic":
         raise ValueError("compile=True captures fixed shapes and needs the static cache; "
                          "do not combine it with cache_implementation='dynamic'")
     if plan.cache_implementation != "static" and compile_options is None:
-        return functools.partial(DecoderRunner, compaction_threshold=batching.compaction_threshold,
-                                 compaction_backend=batching.compaction_backend)
+        return False
     if not isinstance(plan.num_speculative_tokens, int):  # "auto": gamma changes while decoding
         raise ValueError(f"cache_implementation='static' and compile=True need a fixed num_speculative_tokens (the "
                          f"cache is sized and the steps are captured for it), got {plan.num_speculative_tokens!r}")
+    return True
+
+
+def choose_runner_factory(target, draft, plan, input_ids: torch.Tensor, batching, compile_options):
+    """The ``runner_factory`` for ``SpeculativeLoop``: the dynamic ``DecoderRunner``, or the static runner when
+    ``wants_static``."""
+    if not wants_static(plan, compile_options):
+        return functools.partial(DecoderRunner, compaction_threshold=batching.compaction_threshold,
+                                 compaction_backend=batching.compaction_backend)
     batch, prompt_width = input_ids.shape
     return static_runner_factory(target, draft, batch=batch, prompt_width=prompt_width,
                                  max_new_tokens=plan.max_new_tokens, gamma=plan.num_speculative_tokens,
@@ -406,7 +451,7 @@ def compile_loop(loop, options: CompileOptions) -> float:
     """Capture the draft step (pending widths 1 and 2) and the verification step (gamma + 1) of a loop built with
     static runners, and warm them up (compile, record CUDA graphs). Returns the warm-up seconds."""
     runners = (loop.target_runner, loop.draft_runner)
-    if not all(isinstance(r, StaticDecoderRunner) for r in runners):
+    if not all(callable(getattr(r, "compile_steps", None)) for r in runners):
         raise ValueError("compile=True needs the static cache runners")
     if loop.device.type == "cuda":
         torch.cuda.synchronize(loop.device)
