@@ -2,7 +2,8 @@
 
 from . import ops
 from .decoder import DecodeSession, SpeculativeDecoder
-from .generation import SpeculationStats, SpeculativeDecoderOnlyOutput, generate
+from .generation import SpeculationStats, SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput, generate
 
 __version__ = "0.1.0"
-__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput", "__version__"]
+__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
+           "SpeculativeEncoderDecoderOutput", "__version__"]

@@ -25,6 +25,7 @@ models (``compaction.RowDropper``): ``select_cache_rows`` also selects the encod
 """
 
 import dataclasses
+import functools
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
@@ -270,10 +271,19 @@ class Seq2SeqRunner:
 
 
 class Seq2SeqRunnerFactory:
-    """``runner_factory`` for the loop: each model gets the encoder output computed for it."""
+    """``runner_factory`` for the loop: each model gets the encoder output computed for it.
 
-    def __init__(self, encoded: dict, encoder_mask):
-        self.encoded, self.encoder_mask = encoded, encoder_mask  # encoded: id(model) -> BaseModelOutput
+    encode: () -> {id(model): BaseModelOutput}, run at the first runner's construction, so that every check of the
+    request (vocabularies, static-cache sizes and memory) comes before the encoder passes."""
+
+    def __init__(self, encode, encoder_mask):
+        self._encode, self._encoded, self.encoder_mask = encode, None, encoder_mask
+
+    @property
+    def encoded(self) -> dict:
+        if self._encoded is None:
+            self._encoded = self._encode()
+        return self._encoded
 
     def __call__(self, model, batch: int, max_slots: int, device: torch.device) -> Seq2SeqRunner:
         return Seq2SeqRunner(model, batch, max_slots, device, self.encoded[id(model)], self.encoder_mask)
@@ -286,7 +296,8 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, num_speculati
 
     input_ids, attention_mask: the encoder input [B, S] (either may be None, as in HF). kwargs: the remaining
     ``generate`` keywords (decoder_input_ids, decoder_attention_mask, encoder_outputs and generation settings).
-    Returns (plan, decoder_input_ids [B, Ld], decoder_attention_mask [B, Ld], runner_factory).
+    Returns (plan, decoder_input_ids [B, Ld], decoder_attention_mask [B, Ld], runner_factory); the encoders run when
+    the loop builds its first runner.
     """
     check_pair(model, draft_model)
     device = next(model.parameters()).device
@@ -303,8 +314,8 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, num_speculati
     model_kwargs.pop("use_cache", None)
     if model_kwargs:
         raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
-    encoded = _encode_both(model, draft_model, input_ids, attention_mask, encoder_outputs)
-    return plan, decoder_ids, decoder_mask, Seq2SeqRunnerFactory(encoded, attention_mask)
+    encode = functools.partial(_encode_both, model, draft_model, input_ids, attention_mask, encoder_outputs)
+    return plan, decoder_ids, decoder_mask, Seq2SeqRunnerFactory(encode, attention_mask)
 
 
 def _as_encoder_output(encoder_outputs, device):

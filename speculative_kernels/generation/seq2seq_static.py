@@ -177,22 +177,22 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self.next_position.copy_(positions)
 
 
-class StaticSeq2SeqRunnerFactory(Seq2SeqRunnerFactory):
-    """``runner_factory`` for the loop: ``StaticSeq2SeqRunner``s of ``capacity`` slots over the encoder outputs."""
+class StaticSeq2SeqRunnerFactory:
+    """``runner_factory`` for the loop: ``StaticSeq2SeqRunner``s of ``capacity`` slots over the encoder outputs of
+    a ``Seq2SeqRunnerFactory``."""
 
-    def __init__(self, encoded: dict, encoder_mask, capacity: int):
-        super().__init__(encoded, encoder_mask)
-        self.capacity = capacity
+    def __init__(self, dynamic: Seq2SeqRunnerFactory, capacity: int):
+        self.dynamic, self.capacity = dynamic, capacity
 
     def __call__(self, model, batch: int, max_slots: int, device: torch.device) -> StaticSeq2SeqRunner:
-        return StaticSeq2SeqRunner(model, batch, max_slots, device, self.encoded[id(model)], self.encoder_mask,
-                                   capacity=self.capacity)
+        return StaticSeq2SeqRunner(model, batch, max_slots, device, self.dynamic.encoded[id(model)],
+                                   self.dynamic.encoder_mask, capacity=self.capacity)
 
 
 def static_seq2seq_factory(target, draft, dynamic: Seq2SeqRunnerFactory, *, batch: int, prompt_width: int,
                            max_new_tokens: int, gamma: int, device: torch.device) -> StaticSeq2SeqRunnerFactory:
-    """Check both models and the memory; return the static factory over ``dynamic``'s encoder outputs.
-    prompt_width: the decoder prompt's width."""
+    """Check both models and the memory (before the encoders run); return the static factory over ``dynamic``'s
+    encoder outputs. prompt_width: the decoder prompt's width."""
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1, 0.0)  # no holes, no slack
     for model in (target, draft):
         check_attention(model)
@@ -200,4 +200,4 @@ def static_seq2seq_factory(target, draft, dynamic: Seq2SeqRunnerFactory, *, batc
     required = static_memory_bytes(layouts, batch, capacity, gamma)
     check_free_memory(required, device, f"the static decoder caches ({batch} rows x {capacity} slots, target and "
                                         "draft)")
-    return StaticSeq2SeqRunnerFactory(dynamic.encoded, dynamic.encoder_mask, capacity)
+    return StaticSeq2SeqRunnerFactory(dynamic, capacity)

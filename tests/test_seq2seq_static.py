@@ -1,0 +1,198 @@
+"""Encoder-decoder models (T5, BART) on the static cache and with compile=True (``seq2seq_static.py``).
+
+Greedy tokens equal HF's own ``generate`` (its default dynamic cache), sampling equals our dynamic path with the same
+seed, rollback moves pointers only (no K/V copies, the cross-attention cache kept), ``max_length`` counts the decoder
+sequence as HF does. Compiled steps run on the CPU with the ``aot_eager`` backend.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import speculative_kernels as sk
+from speculative_kernels.generation.generate import build_loop
+from speculative_kernels.generation.seq2seq_static import StaticSeq2SeqRunner
+from speculative_kernels.generation.static_runner import CompileOptions
+from seq2seq_models import bart, mbart, seq2seq_drafts_for, source_batch, t5
+
+FAMILIES = {"t5": t5, "bart": bart}
+REJECTING = {"t5": "perturbed", "bart": "unrelated"}  # drafts the target rejects sometimes (acceptance 0.03-0.4)
+TRACE_ONLY = CompileOptions(backend="aot_eager")
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """family -> (target, a draft it sometimes rejects)."""
+    out = {}
+    for family, make in FAMILIES.items():
+        target = make()
+        out[family] = (target, seq2seq_drafts_for(family, target)[REJECTING[family]])
+    return out
+
+
+def _source(target, lengths, seed=0):
+    return source_batch(lengths, seed=seed, pad=target.config.pad_token_id)
+
+
+def _greedy_pair(target, draft, ids, mask, gamma, stats=None, **kwargs):
+    """(HF's greedy output with its default cache, ours on the static cache)."""
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=gamma,
+                      do_sample=False, cache_implementation="static", speculation_stats=stats, **kwargs)
+    return expected, got
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("lengths", [[7], [5, 9]])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_static_greedy_matches_hf(pairs, family, lengths, gamma):
+    target, draft = pairs[family]
+    ids, mask = _source(target, lengths, seed=len(lengths))
+    stats = sk.SpeculationStats()
+    expected, got = _greedy_pair(target, draft, ids, mask, gamma, stats, max_new_tokens=16)
+    assert torch.equal(got, expected), (got, expected)
+    assert 0 < stats.acceptance_rate < 1  # drafts were rejected: the caches were rolled back
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_eos_inside_a_block_and_finished_rows_leave(pairs, family):
+    """A self-draft accepts whole blocks of 5 new tokens, so row 1's EOS (a token it first emits as its 2nd to 4th)
+    lands inside one; the finished row leaves the batch (both caches and the pointers are selected)."""
+    target, _ = pairs[family]
+    ids, mask = _source(target, [6, 4, 7], seed=2)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                           forced_eos_token_id=None)
+    at = next(j for j in range(2, 5) if int(free[1, j]) not in free[1, 1:j].tolist())
+    eos = int(free[1, at])
+    stats = sk.SpeculationStats()
+    expected, got = _greedy_pair(target, target, ids, mask, 4, stats, max_new_tokens=10, eos_token_id=eos,
+                                 forced_eos_token_id=None)
+    assert torch.equal(got, expected), (got, expected)
+    assert got[1, at] == eos and stats.dropped_rows > 0
+
+
+def test_static_padded_decoder_prompt_as_in_hf(pairs):
+    """Decoder prompt pads are masked but keep their positions (BART's learned positions)."""
+    target, draft = pairs["bart"]
+    ids, mask = _source(target, [5, 8])
+    decoder_ids = torch.tensor([[2, 1, 30, 31], [2, 50, 51, 52]])
+    decoder_mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    expected, got = _greedy_pair(target, draft, ids, mask, 3, max_new_tokens=9, decoder_input_ids=decoder_ids,
+                                 decoder_attention_mask=decoder_mask)
+    assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_sampling_equals_dynamic(pairs, family):
+    """Same seed, same tokens: the randomness is explicit (Philox per row), so only the logits could differ."""
+    target, draft = pairs[family]
+    ids, mask = _source(target, [5, 9, 3], seed=3)
+    runs, stats = [], []
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(5)
+        stats.append(sk.SpeculationStats())
+        runs.append(sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                                do_sample=True, temperature=0.8, top_k=20, max_new_tokens=16,
+                                cache_implementation=cache, speculation_stats=stats[-1]))
+    assert torch.equal(*runs), runs
+    assert 0 < stats[1].acceptance_rate < 1
+
+
+def test_static_rollback_moves_pointers_only(pairs):
+    """Every step: the same K/V buffers (capacity-sized, never copied), the same cross-attention tensors (computed
+    by the first forward), and each target row's pointer at its decoder length minus the pending token."""
+    target, draft = pairs["t5"]
+    ids, mask = _source(target, [5, 9])
+    with torch.inference_mode():
+        loop, _, _ = build_loop(target, draft, ids, attention_mask=mask, num_speculative_tokens=4, do_sample=False,
+                                max_new_tokens=12, eos_token_id=None, cache_implementation="static")
+        runners = (loop.target_runner, loop.draft_runner)
+        assert all(isinstance(r, StaticSeq2SeqRunner) for r in runners)
+        buffers = [[t.data_ptr() for t in r.cache.self_attention_cache.tensors()] for r in runners]
+        assert all(t.shape[2] == r.capacity for r in runners for t in r.cache.self_attention_cache.tensors())
+        cross = None
+        while loop.step():
+            assert [[t.data_ptr() for t in r.cache.self_attention_cache.tensors()] for r in runners] == buffers
+            now = [[layer.keys.data_ptr() for layer in r.cache.cross_attention_cache.layers] for r in runners]
+            assert cross is None or now == cross
+            cross = now
+            live = ~loop.finished  # a finished row keeps nothing of its last iteration
+            assert torch.equal(loop.target_runner.next_position[live], loop.generated[live])  # 1 + generated - 1
+    assert loop.stats.accepted_tokens < loop.stats.drafted_tokens
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_max_length_counts_the_decoder_sequence(pairs, family, cache):
+    """HF counts max_length over the decoder sequence, decoder start token (and decoder_input_ids) included."""
+    target, draft = pairs[family]
+    ids, mask = _source(target, [5, 9], seed=3)
+    start = target.config.decoder_start_token_id
+    for kwargs in (dict(max_length=2), dict(max_length=9), dict(max_length=6, decoder_input_ids=torch.tensor(
+            [[start, 17, 23], [start, 40, 41]]))):
+        expected = target.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                          do_sample=False, cache_implementation=cache, **kwargs)
+        assert got.shape[1] == kwargs["max_length"]
+        assert torch.equal(got, expected), (kwargs, got, expected)
+
+
+def test_static_refuses_attention_without_4d_masks(pairs):
+    target, draft = pairs["t5"]
+    ids, mask = _source(target, [4])
+    original = draft.config._attn_implementation
+    draft.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="T5ForConditionalGeneration uses attn_implementation='flash_attention_2'"):
+            sk.generate(target, ids, attention_mask=mask, draft_model=draft, cache_implementation="static")
+    finally:
+        draft.config._attn_implementation = original
+    with pytest.raises(ValueError, match="fixed num_speculative_tokens"):
+        sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens="auto",
+                    cache_implementation="static")
+
+
+# ------------------------------------------------------------------------------------------------ compile
+def test_compiled_t5_batch_matches_hf_and_reuses_graphs(pairs):
+    target, draft = pairs["t5"]
+    ids, mask = _source(target, [5, 9], seed=2)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    for call in range(2):
+        graphs = counters["stats"]["unique_graphs"]
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                          do_sample=False, max_new_tokens=12, compile=TRACE_ONLY, speculation_stats=stats)
+        assert torch.equal(got, expected), (got, expected)
+        assert stats.warmup_time_s > 0 and stats.dropped_rows == 0  # fixed shapes: rows are not dropped
+    assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing new
+
+
+def test_compiled_bart_matches_hf(pairs):
+    target, draft = pairs["bart"]
+    ids, mask = _source(target, [7])
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=4,
+                      do_sample=False, max_new_tokens=12, compile=TRACE_ONLY)
+    assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("family", ["mbart", "mt5"])
+def test_static_mbart_and_mt5_batches_match_hf(family):
+    """The other two supported types: mBART (scaled embeddings, a forced language code) and MT5 (T5's layout in its
+    own classes)."""
+    make = {"mbart": mbart, "mt5": lambda **kw: t5(mt5=True, **kw)}[family]
+    target, draft = make(), make(layers=1, hidden=16, seed=5)
+    ids, mask = _source(target, [5, 9, 3], seed=4)
+    stats = sk.SpeculationStats()
+    expected, got = _greedy_pair(target, draft, ids, mask, 3, stats, max_new_tokens=12)
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_dict_output_is_the_exported_class(pairs):
+    target, draft = pairs["bart"]
+    ids, mask = _source(target, [6])
+    out = sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=5, do_sample=False,
+                      cache_implementation="static", return_dict_in_generate=True)
+    assert isinstance(out, sk.SpeculativeEncoderDecoderOutput) and out.speculation_stats.new_tokens > 0
+    assert "SpeculativeEncoderDecoderOutput" in sk.__all__
