@@ -22,6 +22,10 @@ columns every row has left behind are cut off on the left.
 Decoder prompt pads (``decoder_attention_mask`` zeros) keep their positions, as in HF's generate: they are masked
 but counted, while rejected drafts and fillers are removed. Finished rows leave the batch as with decoder-only
 models (``compaction.RowDropper``): ``select_cache_rows`` also selects the encoder output and cross-attention mask.
+
+``cache_implementation="static"`` and ``compile=True`` use ``seq2seq_static.StaticSeq2SeqRunner``, which keeps this
+runner's loop bookkeeping (``forward``/``keep_prefix``) and replaces the cache-specific ``_decode``/``_drop``/
+``_select_cache``: a preallocated cache with a write pointer per row instead of shifts and crops.
 """
 
 import dataclasses
