@@ -122,6 +122,25 @@ def test_static_rollback_moves_pointers_only(pairs):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_one_host_read_per_iteration(pairs, family):
+    """The capacity check's bound on the rows' lengths comes with the loop's one read per iteration."""
+    from test_host_sync import CountHostReads
+
+    target, draft = pairs[family]
+    ids, mask = _source(target, [6, 4, 5])
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=20, cache_implementation="static")
+    assert isinstance(session._loop.target_runner, StaticSeq2SeqRunner)
+    steps = 0
+    while not session.finished:
+        with CountHostReads() as counter:
+            session.step()
+        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
+        steps += 1
+    assert steps > 5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_max_length_counts_the_decoder_sequence(pairs, family, cache):
     """HF counts max_length over the decoder sequence, decoder start token (and decoder_input_ids) included."""

@@ -21,6 +21,22 @@ from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
 
 
+def _wants_host_lengths(runner) -> bool:
+    """Whether a runner takes its rows' ``next_position`` from the iteration's host read: hole compaction (an
+    enabled ``compactor``) or a runner asking by ``wants_host_lengths`` (``seq2seq_static.py``: its capacity check)."""
+    compactor = getattr(runner, "compactor", None)
+    return (compactor is not None and compactor.enabled) or getattr(runner, "wants_host_lengths", False)
+
+
+def _give_host_lengths(runner, lengths: list[int]) -> None:
+    """Hand the rows' lengths (read before the rollback: upper bounds after it) to whoever asked for them."""
+    compactor = getattr(runner, "compactor", None)
+    if compactor is not None and compactor.enabled:
+        compactor.host_counts = lengths
+    if getattr(runner, "wants_host_lengths", False):
+        runner.host_lengths = lengths
+
+
 class SpeculativeLoop:
     """Runs one batch of prompts to completion. Build it, call ``run()``; a server can also drive ``step()``.
 
@@ -240,9 +256,8 @@ class SpeculativeLoop:
             self._store_scores(processed, raw, count, generated_before)
         # The one device-to-host read of the iteration.
         flags = [accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]
-        # Runners that compact holes get their rows' real-slot counts in the same read.
-        counted = [r for r in (self.target_runner, self.draft_runner) if getattr(r, "compactor", None)
-                   and r.compactor.enabled]
+        # Runners that compact holes, or size-check a cache by row lengths, get their rows' counts in the same read.
+        counted = [r for r in (self.target_runner, self.draft_runner) if _wants_host_lengths(r)]
         host = torch.cat([*flags, out.flatten(), *(r.next_position for r in counted)]).tolist()
         b = self.batch
         accepted_host, count_host = host[:b], host[b : 2 * b]
@@ -251,7 +266,7 @@ class SpeculativeLoop:
         self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
         self._host_width = self.gamma + 1
         for i, runner in enumerate(counted):
-            runner.compactor.host_counts = host[tail + i * b : tail + (i + 1) * b]
+            _give_host_lengths(runner, host[tail + i * b : tail + (i + 1) * b])
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
                                    draft_tokens=draft_tokens)

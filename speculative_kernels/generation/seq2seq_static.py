@@ -72,6 +72,9 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         if position_kind(model) == "relative":
             self._bias_module = model.get_decoder().block[0].layer[0].SelfAttention
         self._compiled = {}  # width -> compiled _step
+        # The loop's host read brings each row's length (before the rollback) here, to keep the capacity check's
+        # host bound tight without a read of its own.
+        self.wants_host_lengths, self.host_lengths = True, None
 
     @property
     def next_position(self) -> torch.Tensor:
@@ -89,8 +92,9 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
     def _decode(self, tokens: torch.Tensor, attend_new: torch.Tensor, count: torch.Tensor, fillers: bool):
         width = tokens.shape[1]
         if self._bound[self.num_slots] + width > self.capacity:
-            # The host bound sums each iteration's longest row, so at batch > 1 it outgrows every row; the capacity
-            # holds the longest row plus one iteration, so one host read of the true lengths settles it (rarely).
+            # Without the loop's lengths (a runner driven on its own) the host bound sums each iteration's longest
+            # row and at batch > 1 outgrows every row: read the true lengths (the capacity holds the longest row plus
+            # one iteration).
             self._bound[self.num_slots] = int(self.next_position.max())
             if self._bound[self.num_slots] + width > self.capacity:
                 raise RuntimeError(f"static cache exhausted ({self._bound[self.num_slots] + width} > "
@@ -141,6 +145,9 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
     def _drop(self, dropped: torch.Tensor, tail: int) -> None:
         """O(1): each row's pointer moves back by what it dropped (dropped [B])."""
         self.next_position.sub_(dropped)
+        if self.host_lengths:  # lengths before this rollback bound those after it
+            self._bound[self.num_slots] = min(self._bound[self.num_slots], max(self.host_lengths))
+        self.host_lengths = None
 
     def _select_cache(self, index: torch.Tensor) -> None:
         """Rows ``index`` of both caches and the attend flags; ``drop_rows`` then assigns the selected pointers."""
