@@ -87,6 +87,9 @@ def _load_pair(args):
     if (args.target is None) != (args.draft is None):
         raise ValueError("pass both --target and --draft, or neither (the bundled pair)")
     target_dir, draft_dir = (args.target, args.draft) if args.target else demo_model_paths()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars would bury the demo's own progress display
     dtype = _demo_dtype(args.dtype, args.device)
     target, tokenizer = load_model(target_dir, device=args.device, dtype=dtype)
     draft, draft_tokenizer = load_model(draft_dir, device=args.device, dtype=dtype)
@@ -168,7 +171,7 @@ def _report(result: PromptResult, index: int, count: int, args) -> str:
         f"--- model.generate: {result.baseline_tokens} tokens, {base_rate:.1f} tokens/s",
         _indent(result.baseline_text),
         f"--- speculative_kernels.generate ({gamma}): {result.speculative_tokens} tokens, {spec_rate:.1f} tokens/s, "
-        f"{spec_rate / base_rate:.2f}x; acceptance {s.acceptance_rate:.2f}, "
+        f"{spec_rate / base_rate:.2f}x; acceptance {s.acceptance_rate:.2f} (alpha {s.alpha:.2f}), "
         f"{s.mean_tokens_per_target_forward:.2f} tokens per target forward",
         _indent(result.speculative_text),
         "--- outputs " + ("identical" if result.identical else
@@ -185,11 +188,14 @@ def summarize(results: list[PromptResult]) -> dict:
     drafted = sum(r.stats.drafted_tokens for r in results)
     steps = sum(r.stats.verify_steps for r in results)
     emitted = sum(sum((n + 1) * c for n, c in enumerate(r.stats.accepted_histogram)) for r in results)
+    successes = sum(n * c for r in results for n, c in enumerate(r.stats.accepted_histogram))
+    failures = sum(c for r in results for n, c in enumerate(r.stats.accepted_histogram[:-1]))
     return {
         "prompts": len(results), "baseline_tokens_per_s": base_rate, "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
         "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else 0.0,
         "tokens_per_target_forward": emitted / steps if steps else 0.0,
+        "alpha": successes / (successes + failures) if successes + failures else 0.0,
         "identical": all(r.identical for r in results),
     }
 
@@ -225,8 +231,8 @@ def run_demo(args) -> int:
     print(f"model.generate                 {total['baseline_tokens_per_s']:8.1f} tokens/s")
     print(f"speculative_kernels.generate   {total['speculative_tokens_per_s']:8.1f} tokens/s   "
           f"speedup {total['speedup']:.2f}x")
-    print(f"acceptance rate {total['acceptance_rate']:.3f}, {total['tokens_per_target_forward']:.2f} tokens per "
-          "target forward")
+    print(f"acceptance rate {total['acceptance_rate']:.3f} (accepted / drafted), per-token acceptance alpha "
+          f"{total['alpha']:.3f}, {total['tokens_per_target_forward']:.2f} tokens per target forward")
     if args.temperature > 0:
         print("sampled outputs differ by design (each is an exact sample of the target's distribution)")
         return 0

@@ -30,8 +30,17 @@ class SpeculationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over drafted tokens (alpha-hat)."""
+        """Accepted draft tokens over drafted tokens. Lower than the paper's alpha: the drafts after a rejection
+        count as drafted but were never tested (see :attr:`alpha`)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The paper's alpha, the per-token acceptance probability: maximum-likelihood estimate from
+        ``accepted_histogram`` (successful accept tests over tests made); 0.0 before any verification."""
+        from .gamma import alpha_from_histogram
+
+        return alpha_from_histogram(self.accepted_histogram) if self.verify_steps else 0.0
 
     @property
     def verify_steps(self) -> int:
@@ -51,7 +60,7 @@ class SpeculationStats:
 
     def summary(self) -> str:
         return (
-            f"acceptance {self.acceptance_rate:.3f}, {self.mean_tokens_per_target_forward:.2f} tokens/target forward, "
+            f"acceptance {self.acceptance_rate:.3f} (alpha {self.alpha:.3f}), {self.mean_tokens_per_target_forward:.2f} tokens/target forward, "
             f"{self.target_forwards} target + {self.draft_forwards} draft forwards, "
             f"histogram {self.accepted_histogram}, draft {self.draft_time_s * 1e3:.1f} ms, "
             f"verify {self.verify_time_s * 1e3:.1f} ms"

@@ -1,0 +1,51 @@
+"""``speculative-kernels demo --quick`` on the bundled pair: greedy outputs identical, exit status 0 (no timing
+assertions). Also: a greedy mismatch makes it exit 1."""
+
+import torch
+
+import speculative_kernels
+from speculative_kernels.cli import main
+
+
+def test_demo_quick_greedy_outputs_identical(capsys):
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--quick", "--no-progress", "--device", "cpu", "--gamma", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "greedy outputs: identical" in out
+    assert out.count("--- outputs identical") == 2  # both quick prompts
+    assert "speedup" in out and "acceptance rate" in out and "tokens per target forward" in out
+
+
+def test_demo_auto_gamma_and_custom_prompt(capsys):
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--no-progress", "--gamma", "auto", "--max-new-tokens", "12", "--repeats", "1",
+                     "--prompt", "def add(a, b):\n"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "=== prompt 1/1" in out and "def add(a, b):" in out and "gamma auto -> " in out
+
+
+def test_demo_exits_nonzero_when_greedy_outputs_differ(monkeypatch, capsys):
+    real_generate = speculative_kernels.generate
+
+    def corrupted(*args, **kwargs):
+        out = real_generate(*args, **kwargs).clone()
+        out[0, -1] = (out[0, -1] + 1) % 100
+        return out
+
+    monkeypatch.setattr(speculative_kernels, "generate", corrupted)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--quick", "--no-progress", "--max-new-tokens", "8"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "greedy outputs: DIFFER" in out and "(ERROR: greedy)" in out
