@@ -105,12 +105,7 @@ class DecoderRunner:
 
         kept: [B] int64 on device; max_kept: max over rows (host int), so the trailing slots nobody keeps are cut.
         """
-        start = self.num_slots - width
-        offsets = torch.arange(width, device=kept.device).unsqueeze(0)
-        window = self.slot_mask[:, start : self.num_slots]
-        dropped_real = (window * (offsets >= kept.unsqueeze(1))).sum(dim=1)
-        window.mul_((offsets < kept.unsqueeze(1)).to(window.dtype))
-        self.next_position -= dropped_real
+        start = hole_rejected_slots(self.slot_mask, self.next_position, self.num_slots, width, kept)
         self.truncate(start + max_kept)
         self.compactor.maybe_compact(self)
 
@@ -128,3 +123,17 @@ class DecoderRunner:
             crop_cache(self.cache, num_slots)
             self.slot_mask[:, num_slots : self.num_slots] = 0
             self.num_slots = num_slots
+
+
+def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, num_slots: int, width: int,
+                        kept: torch.Tensor) -> int:
+    """In place: of the last ``width`` of ``num_slots`` slots, row b keeps its first kept[b]; the rest become holes
+    (slot_mask [B, S] set to 0) and next_position [B] moves back by the real tokens dropped. kept: [B] int64 on
+    device. Returns the first slot of the window (host int). No host synchronisation."""
+    start = num_slots - width
+    offsets = torch.arange(width, device=kept.device).unsqueeze(0)
+    window = slot_mask[:, start:num_slots]
+    dropped_real = (window * (offsets >= kept.unsqueeze(1))).sum(dim=1)
+    window.mul_((offsets < kept.unsqueeze(1)).to(window.dtype))
+    next_position -= dropped_real
+    return start

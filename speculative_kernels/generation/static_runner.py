@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .compaction import SlotCompactor
-from .runner import DecoderRunner
+from .runner import DecoderRunner, hole_rejected_slots
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -327,12 +327,7 @@ class StaticDecoderRunner:
         """Of the last ``width`` slots, row b keeps its first kept[b]; the rest become holes (O(1): a mask write
         and a pointer move). kept: [B] int64 on device; max_kept: max over rows (host int). Then compacts if the
         holes pass the threshold or the next iteration would not fit."""
-        start = self.num_slots - width
-        offsets = torch.arange(width, device=kept.device).unsqueeze(0)
-        window = self.slot_mask[:, start : self.num_slots]
-        dropped_real = (window * (offsets >= kept.unsqueeze(1))).sum(dim=1)
-        window.mul_((offsets < kept.unsqueeze(1)).to(window.dtype))
-        self.next_position -= dropped_real
+        start = hole_rejected_slots(self.slot_mask, self.next_position, self.num_slots, width, kept)
         self.truncate(start + max_kept)
         self.compactor.maybe_compact(self, self.reserve, self.capacity)
 
