@@ -261,7 +261,9 @@ def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) 
     steps = sum(histogram)
     row = {
         "case": case, "gamma": gamma if fixed else f"auto→{'/'.join(map(str, chosen))}",
-        "gamma_used": gamma if fixed else chosen[-1],
+        # "auto" can choose a different gamma per prompt: then no single gamma (and no prediction) describes the row.
+        "gamma_used": gamma if fixed else (chosen[0] if len(chosen) == 1 else None),
+        "gammas_chosen": [s.num_speculative_tokens for s in stats],
         # The MLE needs one gamma per histogram; "auto" rows mix the calibration gamma with the chosen one.
         "alpha": alpha_from_histogram(histogram) if fixed and steps else None,
         "accept_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
@@ -290,7 +292,7 @@ def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) 
 def add_prediction(row: dict, alpha: float | None = None) -> None:
     """predicted_speedup (Theorem 3.8 at alpha, gamma_used, c) and efficiency = measured / predicted."""
     alpha = row["alpha"] if alpha is None else alpha
-    if alpha is None:
+    if alpha is None or row["gamma_used"] is None:
         row["predicted_speedup"] = row["efficiency"] = None
         return
     row["predicted_speedup"] = expected_speedup(alpha, int(row["gamma_used"]), row["c"])
@@ -365,7 +367,8 @@ def plot_sweep(rows: list, path: Path, title: str) -> Path | None:
                 label="measured × HF assisted")
     for r in rows:
         if not isinstance(r["gamma"], int):
-            ax.plot([r["gamma_used"]], [r["speedup_vs_hf"]], "*", markersize=14, label=f"γ {r['gamma']}")
+            at = r["gamma_used"] if r["gamma_used"] is not None else statistics.median(r["gammas_chosen"])
+            ax.plot([at], [r["speedup_vs_hf"]], "*", markersize=14, label=f"γ {r['gamma']} (at the median choice)")
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xlabel("γ (draft tokens per iteration)")
     ax.set_ylabel("speedup")
