@@ -101,7 +101,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["speculative_kernels", "speculative_kernels.*"]),
-    package_data={"speculative_kernels": ["csrc/*", "demo_models/*/*"]},
+    package_data={"speculative_kernels": ["csrc/*", "demo_models/README.md", "demo_models/*/*"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",
