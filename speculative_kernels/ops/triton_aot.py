@@ -17,6 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from .compaction_triton import compact_kv_kernel
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
 
@@ -56,6 +57,9 @@ def variants(logit_type: str = "*bf16", block_v: int = 2048, quick: bool = False
     yield "finish_sample", _sig(finish_sample_kernel, ints, dict(RESIDUAL=True, BLOCK_K=8, BLOCK_C=64)), 1
     yield "scale", _sig(scale_kernel, {"X_ptr": logit_type, "temperature": "fp32"},
                         dict(SCALE=True, BLOCK_V=block_v)), warps
+    # KV-cache hole compaction (the rollback kernel): the cache viewed as 16-bit integers (bf16/fp16), head_dim 128.
+    yield "compact_kv", _sig(compact_kv_kernel, {"KV_ptr": "*i16", "M_ptr": "*i8"},
+                             dict(BLOCK_S=64, BLOCK_D=128)), 4
 
 
 def _resources(cubin: bytes) -> str:
