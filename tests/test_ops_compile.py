@@ -67,6 +67,7 @@ _COMPILE_FIRST = """
 import sys, torch
 from speculative_kernels import ops
 assert "speculative_kernels.ops.torch_backend" not in sys.modules
+assert "speculative_kernels.ops.compaction_torch" not in sys.modules
 def step(t, d, x, s, o):
     return ops.verify(t, d, x, temperature=1.0, seed=s, offset=o, backend="auto")
 g = torch.Generator().manual_seed(0)
@@ -75,6 +76,10 @@ x, s, o = torch.randint(0, 50, (2, 3), generator=g), torch.tensor([1, 2]), torch
 compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(t, d, x, s, o)
 eager = step(t, d, x, s, o)
 assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+kv, mask = torch.randn(2, 3, 8, 4, generator=g), (torch.rand(2, 8, generator=g) > 0.3).to(torch.int8)
+compiled_kv, eager_kv = kv.clone(), kv.clone()
+counts = torch.compile(ops.compact_kv, fullgraph=True, backend="aot_eager")(compiled_kv, mask)
+assert torch.equal(counts, ops.compact_kv(eager_kv, mask)) and torch.equal(compiled_kv, eager_kv)
 print("ok")
 """
 

@@ -9,6 +9,7 @@ them), fed to counter-based Philox noise (``philox.py``).
 import torch
 
 from . import backends
+from .compaction import compact_kv
 from .diagnostics import raise_for_invalid_rows, should_check
 from .validation import (
     check_logits,
@@ -18,7 +19,7 @@ from .validation import (
     resolve_randomness,
 )
 
-__all__ = ["verify", "sample"]
+__all__ = ["verify", "sample", "compact_kv"]
 
 
 def verify(
