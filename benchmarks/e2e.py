@@ -43,7 +43,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -53,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.generation.gamma import alpha_from_histogram, expected_speedup  # noqa: E402
+from speculative_kernels.cli import timed_generate  # noqa: E402
+from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
 # Llama shapes: hidden, intermediate, layers, attention heads, KV heads, vocabulary; tied input/output embeddings.
@@ -149,19 +149,6 @@ def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -
 
 
 # ------------------------------------------------------------------------------------------------ measurements
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device):
-    _sync(device)
-    start = time.perf_counter()
-    result = fn()
-    _sync(device)
-    return result, time.perf_counter() - start
-
-
 @torch.inference_mode()
 def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3) -> float:
     """Median seconds of one single-token forward with a KV cache holding ``input_ids`` [1, L]."""
@@ -174,7 +161,7 @@ def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3)
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
-            out, seconds = _timed(lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True),
+            out, seconds = timed_generate(lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True),
                                   device)
             token = out.logits[:, -1:].argmax(-1)
             times.append(seconds)
@@ -233,7 +220,7 @@ def run_paths(target, draft, prompts: list, gamma, kwargs: dict, repeats: int = 
             for path in paths:
                 torch.manual_seed(seed + repeat)
                 with torch.inference_mode():
-                    out, s = _timed(calls[path], device)
+                    out, s = timed_generate(calls[path], device)
                 seconds[path] += s
                 outputs[path].append(out[:, ids.shape[1]:])
             stats_per_prompt.append(stats)
@@ -305,9 +292,8 @@ def pooled_alpha(rows: list) -> float | None:
     for row in rows:
         if row["alpha"] is None:
             continue
-        hist, g = row["accepted_histogram"], len(row["accepted_histogram"]) - 1
-        s = sum(n * k for n, k in enumerate(hist))
-        successes, tests = successes + s, tests + s + sum(k for n, k in enumerate(hist) if n < g)
+        s, t = accept_tests(row["accepted_histogram"])
+        successes, tests = successes + s, tests + t
     return successes / tests if tests else None
 
 

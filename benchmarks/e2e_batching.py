@@ -16,9 +16,7 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import speculative_kernels as sk  # noqa: E402
+from speculative_kernels.cli import timed_median  # noqa: E402
 from speculative_kernels.generation.static_runner import CompileOptions  # noqa: E402
 
 METHODS = ("hf", "hf_assisted", "dynamic", "static", "compiled")
@@ -69,21 +68,6 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
         ids[i, width - len(row):] = torch.tensor(row)
         mask[i, width - len(row):] = 1
     return ids.to(device), mask.to(device)
-
-
-def _timed(fn, device, repeats: int):
-    """(last result, median seconds) of fn() after one warm-up call."""
-    fn()
-    times, result = [], None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options):
@@ -130,7 +114,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             if method == "compiled":
                 run()  # compiles and records; its warm-up time is in stats
                 warmup_s = stats.warmup_time_s
-            out, seconds = _timed(run, device, repeats)
+            out, seconds = timed_median(run, device, repeats)
             new_tokens = int((out[:, ids.shape[1]:] != 0).sum()) if eos_token_id is not None else batch * max_new_tokens
             if method == "hf":
                 baseline_s, expected = seconds, out

@@ -13,9 +13,7 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import speculative_kernels as sk  # noqa: E402
+from speculative_kernels.cli import timed_median  # noqa: E402
 
 
 def tiny_t5_pair(vocab: int = 512, hidden: int = 256, target_layers: int = 6, draft_layers: int = 1, seed: int = 0,
@@ -58,21 +57,6 @@ def _load(model_or_path, device, dtype):
         model, _ = load_model(model_or_path, device=str(device), dtype=None)
         return model.to(dtype=dtype)
     return model_or_path.to(device=device, dtype=dtype)
-
-
-def _timed(fn, device, repeats: int):
-    """(last result, median seconds) of fn() after one warm-up call."""
-    fn()
-    times, result = [], None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def seq2seq_case(target=None, draft=None, *, batch: int = 1, source_length: int = 64, max_new_tokens: int = 64,
@@ -113,8 +97,8 @@ def seq2seq_case(target=None, draft=None, *, batch: int = 1, source_length: int 
         return sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, speculation_stats=stats,
                            **kwargs)
 
-    expected, base_s = _timed(baseline, device, repeats)
-    got, spec_s = _timed(speculative, device, repeats)
+    expected, base_s = timed_median(baseline, device, repeats)
+    got, spec_s = timed_median(speculative, device, repeats)
     new_tokens = batch * max_new_tokens
     return {
         "case": "seq2seq",

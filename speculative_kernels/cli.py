@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import statistics
 import time
 
 import torch
@@ -25,18 +26,29 @@ def _sampling_kwargs(args) -> dict:
     return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def _sync(device) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def timed_generate(fn, device: str):
-    """(result, seconds) of fn() with the device synchronised around it."""
+def timed_generate(fn, device):
+    """(result, seconds) of fn() with the device (a str or torch.device) synchronised around it."""
     _sync(device)
     start = time.perf_counter()
     result = fn()
     _sync(device)
     return result, time.perf_counter() - start
+
+
+def timed_median(fn, device, repeats: int):
+    """(last result, median seconds over ``repeats`` timed calls) of fn(), after one untimed warm-up call."""
+    fn()
+    times, result = [], None
+    for _ in range(repeats):
+        result, seconds = timed_generate(fn, device)
+        times.append(seconds)
+    return result, statistics.median(times)
 
 
 def add_common_options(parser: argparse.ArgumentParser) -> None:

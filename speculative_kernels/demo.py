@@ -181,6 +181,8 @@ def _report(result: PromptResult, index: int, count: int, args) -> str:
 
 def summarize(results: list[PromptResult]) -> dict:
     """Totals over the prompts: tokens/s of each path (total tokens / total median time), speedup, acceptance."""
+    from .generation.gamma import accept_tests
+
     base_tokens = sum(r.baseline_tokens for r in results)
     spec_tokens = sum(r.speculative_tokens for r in results)
     base_rate = base_tokens / sum(r.baseline_s for r in results)
@@ -188,14 +190,14 @@ def summarize(results: list[PromptResult]) -> dict:
     drafted = sum(r.stats.drafted_tokens for r in results)
     steps = sum(r.stats.verify_steps for r in results)
     emitted = sum(sum((n + 1) * c for n, c in enumerate(r.stats.accepted_histogram)) for r in results)
-    successes = sum(n * c for r in results for n, c in enumerate(r.stats.accepted_histogram))
-    failures = sum(c for r in results for n, c in enumerate(r.stats.accepted_histogram[:-1]))
+    counts = [accept_tests(r.stats.accepted_histogram) for r in results]
+    successes, tests = sum(c[0] for c in counts), sum(c[1] for c in counts)
     return {
         "prompts": len(results), "baseline_tokens_per_s": base_rate, "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
         "acceptance_rate": sum(r.stats.accepted_tokens for r in results) / drafted if drafted else 0.0,
         "tokens_per_target_forward": emitted / steps if steps else 0.0,
-        "alpha": successes / (successes + failures) if successes + failures else 0.0,
+        "alpha": successes / tests if tests else 0.0,
         "identical": all(r.identical for r in results),
     }
 

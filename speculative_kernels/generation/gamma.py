@@ -77,12 +77,17 @@ def alpha_from_counts(accepted_counts, gamma: int) -> float:
     return successes / tests
 
 
-def alpha_from_histogram(histogram) -> float:
-    """alpha_from_counts for a histogram: histogram[n] = iterations (per row) that accepted n of gamma =
-    len(histogram) - 1 drafts."""
+def accept_tests(histogram) -> tuple[int, int]:
+    """(passed accept tests, accept tests made) behind a histogram: histogram[n] = iterations (per row) that
+    accepted n of gamma = len(histogram) - 1 drafts. Sums of these over several histograms pool their alpha."""
     gamma = len(histogram) - 1
     successes = sum(n * k for n, k in enumerate(histogram))
-    tests = successes + sum(k for n, k in enumerate(histogram) if n < gamma)
+    return successes, successes + sum(k for n, k in enumerate(histogram) if n < gamma)
+
+
+def alpha_from_histogram(histogram) -> float:
+    """alpha_from_counts for a histogram (see ``accept_tests``)."""
+    successes, tests = accept_tests(histogram)
     if tests == 0:
         raise ValueError("no accept tests to estimate alpha from")
     return successes / tests
