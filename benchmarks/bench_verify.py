@@ -74,7 +74,15 @@ def bytes_read(batch, k, vocab, mode, itemsize) -> int:
     return batch * rows * vocab * itemsize
 
 
-def bench_config(args, fns, batch, k, vocab, mode) -> list[dict]:
+def compiled_here(args, name, k, vocab) -> bool:
+    """torch-compile compiles once per shape: ``--compile-k`` / ``--compile-vocab`` limit it to some configs."""
+    if name != "torch-compile":
+        return True
+    return (args.compile_k is None or k in args.compile_k) and (args.compile_vocab is None or vocab in args.compile_vocab)
+
+
+def bench_config(args, fns, batch, k, vocab, mode, timing) -> list[dict]:
+    """One row per backend for one (mode, B, K, V) and one timing ("eager" or "graph": CUDA-graph replays)."""
     dtype = getattr(torch, args.dtype)
     nbytes = bytes_read(batch, k, vocab, mode, torch.finfo(dtype).bits // 8)
     sets = max(2, min(args.max_sets, math.ceil(2 * L2_BYTES / nbytes))) if args.cold_l2 else 1
@@ -82,14 +90,16 @@ def bench_config(args, fns, batch, k, vocab, mode) -> list[dict]:
     temperature = 1.0 if mode == "sampling" else 0.0
     rows = []
     for name, fn in fns.items():
+        if not compiled_here(args, name, k, vocab):
+            continue
         calls = [functools.partial(fn, t, d, x, temperature, args.top_k, args.top_p, s, o, True)
                  for t, d, x, s, o in inputs]
-        row = dict(backend=name, mode=mode, batch=batch, k=k, vocab=vocab, sets=sets)
+        row = dict(backend=name, timing=timing, mode=mode, batch=batch, k=k, vocab=vocab, sets=sets)
         try:
-            us = time_us(rotate(calls), args.device, cuda_graph=args.cuda_graph)
+            us = time_us(rotate(calls), args.device, cuda_graph=timing == "graph", rep_ms=args.rep_ms)
             row.update(us=us, gbps=nbytes / us / 1e3)
         except Exception as exc:  # a backend that cannot be timed here (e.g. not capturable) is reported, not fatal
-            print(f"  {name} {mode} B={batch} K={k} V={vocab}: failed: {type(exc).__name__}: {exc}")
+            print(f"  {name} {timing} {mode} B={batch} K={k} V={vocab}: failed: {type(exc).__name__}: {exc}")
             row.update(us=None, gbps=None, error=f"{type(exc).__name__}: {exc}")
         rows.append(row)
     base = next((r["us"] for r in rows if r["backend"] == "torch" and r["us"]), None)
@@ -112,8 +122,15 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--quick", action="store_true", help="small sweep")
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (no launch overhead)")
+    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays only (no launch overhead)")
+    p.add_argument("--timings", nargs="+", choices=["eager", "graph"],
+                   help="eager launches and/or CUDA-graph replays, in one run (default: eager, or graph with "
+                        "--cuda-graph)")
+    p.add_argument("--compile-k", type=int, nargs="+", help="time torch-compile only at these K (it compiles per "
+                   "shape)")
+    p.add_argument("--compile-vocab", type=int, nargs="+", help="time torch-compile only at these V")
     p.add_argument("--cold-l2", action="store_true", help="rotate input sets so that L2 never holds the inputs")
+    p.add_argument("--rep-ms", type=float, default=100, help="GPU: milliseconds of timed repeats per measurement")
     p.add_argument("--max-sets", type=int, default=16, help="cap on rotated input sets")
     p.add_argument("--max-gb", type=float, default=4.0, help="skip configs whose logits exceed this many GB")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -122,8 +139,10 @@ def parse_args(argv=None):
     for key in ("batch", "k", "vocab"):
         if getattr(args, key) is None:
             setattr(args, key, sweep[key])
-    if args.device == "cpu" and args.cuda_graph:
-        p.error("--cuda-graph needs --device cuda")
+    if args.timings is None:
+        args.timings = ["graph"] if args.cuda_graph else ["eager"]
+    if args.device == "cpu" and "graph" in args.timings:
+        p.error("CUDA-graph timing (--cuda-graph, --timings graph) needs --device cuda")
     return args
 
 
@@ -141,27 +160,27 @@ def main(argv=None) -> list[dict]:
         for spec in args.triton_tuning:
             fns[f"triton[{spec}]"] = triton_variant(spec, args.device)
     meta = environment(args.device)
-    meta.update(dtype=args.dtype, cuda_graph=args.cuda_graph, cold_l2=args.cold_l2, top_k=args.top_k,
-                top_p=args.top_p)
+    meta.update(dtype=args.dtype, timings=args.timings, cold_l2=args.cold_l2, top_k=args.top_k, top_p=args.top_p)
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
     rows = []
-    for mode in args.modes:
-        for vocab in args.vocab:
-            for k in args.k:
-                for batch in args.batch:
-                    if bytes_read(batch, k, vocab, "sampling", 4) > args.max_gb * 1e9:
-                        print(f"  skip B={batch} K={k} V={vocab}: over --max-gb")
-                        continue
-                    rows += bench_config(args, fns, batch, k, vocab, mode)
-                    print(markdown_table(rows[-len(fns):], ["backend", "mode", "batch", "k", "vocab", "us", "gbps",
-                                                            "speedup_vs_torch"]).split("\n", 2)[-1], flush=True)
-    columns = ["backend", "mode", "batch", "k", "vocab", "us", "gbps", "speedup_vs_torch"]
+    columns = ["backend", "timing", "mode", "batch", "k", "vocab", "us", "gbps", "speedup_vs_torch"]
+    for timing in args.timings:
+        for mode in args.modes:
+            for vocab in args.vocab:
+                for k in args.k:
+                    for batch in args.batch:
+                        if bytes_read(batch, k, vocab, "sampling", 4) > args.max_gb * 1e9:
+                            print(f"  skip B={batch} K={k} V={vocab}: over --max-gb")
+                            continue
+                        new = bench_config(args, fns, batch, k, vocab, mode, timing)
+                        rows += new
+                        print(markdown_table(new, columns).split("\n", 2)[-1], flush=True)
     print("\n" + markdown_table(rows, columns))
     stamp = meta["date"].replace(":", "").replace("-", "")
-    suffix = ("-graph" if args.cuda_graph else "") + ("-coldl2" if args.cold_l2 else "")
+    suffix = "".join(f"-{t}" for t in args.timings) + ("-coldl2" if args.cold_l2 else "")
     stem = args.out / f"verify-{args.device}{suffix}-{stamp}"
     written = save(rows, meta, stem)
-    plot = plot_vs_batch(rows, stem.with_suffix(".png"), panel_keys=["mode", "k", "vocab"])
+    plot = plot_vs_batch(rows, stem.with_suffix(".png"), panel_keys=["timing", "mode", "k", "vocab"])
     print("wrote", ", ".join(str(p) for p in written + ([plot] if plot else [])))
     return rows
 

@@ -392,7 +392,8 @@ def batching_table(target, draft, prompts, batch_sizes, args, device) -> list | 
     if module is None:
         print("benchmarks/e2e_batching.py is not there: no batching table")
         return None
-    methods = ["hf", "hf_assisted", "dynamic", "static"] + (["compiled"] if device.type == "cuda" else [])
+    compiled = ["hf_static", "draft_static", "compiled"] if device.type == "cuda" else []
+    methods = ["hf", "hf_assisted", "dynamic", "static"] + compiled
     return module.batching_cases(target, draft, [p[0].tolist() for p in prompts], batch_sizes, methods=methods,
                                  max_new_tokens=args.max_new_tokens, gamma=args.batch_gamma,
                                  do_sample=args.temperature > 0, repeats=args.repeats)

@@ -17,6 +17,7 @@ import datetime
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +28,9 @@ import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.cli import timed_median  # noqa: E402
 from speculative_kernels.generation.static_runner import CompileOptions  # noqa: E402
 
-METHODS = ("hf", "hf_assisted", "dynamic", "static", "compiled")
+# hf_static: model.generate with HF's static cache (which HF compiles on CUDA): the baseline of our compiled path.
+# draft_static: the draft alone the same way, at batch 1: with hf_static it gives c for compiled decoding.
+METHODS = ("hf", "hf_assisted", "hf_static", "draft_static", "dynamic", "static", "compiled")
 
 
 def tiny_pair(vocab: int = 512, hidden: int = 128, target_layers: int = 4, draft_layers: int = 1, seed: int = 0,
@@ -73,6 +76,10 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
 def _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options):
     if method == "hf":
         return lambda: target.generate(ids, attention_mask=mask, **kwargs)
+    if method == "hf_static":
+        return lambda: target.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+    if method == "draft_static":
+        return lambda: draft.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
     if method == "hf_assisted":
         return lambda: target.generate(ids, attention_mask=mask, assistant_model=draft, num_assistant_tokens=gamma,
                                        num_assistant_tokens_schedule="constant", **kwargs)
@@ -100,7 +107,8 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
         ids, mask = left_padded(prompts, batch, 0, device)
         baseline_s, expected = None, None
         for method in methods:
-            if (method == "hf_assisted" and batch != 1) or (method == "compiled" and batch not in compiled_batch_sizes):
+            batch_one_only = method in ("hf_assisted", "draft_static")
+            if (batch_one_only and batch != 1) or (method in ("compiled", "hf_static") and batch not in compiled_batch_sizes):
                 continue
             stats = sk.SpeculationStats()
             call = _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options)
@@ -114,6 +122,11 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             if method == "compiled":
                 run()  # compiles and records; its warm-up time is in stats
                 warmup_s = stats.warmup_time_s
+            elif method in ("hf_static", "draft_static"):
+                start = time.perf_counter()
+                run()  # HF compiles its static-cache forward on the first calls
+                run()
+                warmup_s = time.perf_counter() - start
             out, seconds = timed_median(run, device, repeats)
             new_tokens = int((out[:, ids.shape[1]:] != 0).sum()) if eos_token_id is not None else batch * max_new_tokens
             if method == "hf":
@@ -124,10 +137,10 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
                 "speedup_vs_hf": baseline_s / seconds if baseline_s else None,
                 "acceptance_rate": stats.acceptance_rate if ours else None,
                 "tokens_per_target_forward": stats.mean_tokens_per_target_forward if ours else None,
-                "warmup_s": warmup_s if method == "compiled" else None,
+                "warmup_s": warmup_s if method in ("compiled", "hf_static", "draft_static") else None,
                 "compactions": stats.compactions if ours else None,
                 "dropped_rows": stats.dropped_rows if ours else None,
-                "identical_to_hf": (None if do_sample or expected is None or method == "hf"
+                "identical_to_hf": (None if do_sample or expected is None or method in ("hf", "draft_static")
                                     else bool(torch.equal(out, expected))),
             })
     return rows

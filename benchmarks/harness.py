@@ -53,14 +53,15 @@ def rotate(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def time_us(fn: Callable[[], object], device: str, cuda_graph: bool = False, warmup: int = 3, reps: int = 20) -> float:
-    """Median microseconds per call of ``fn``."""
+def time_us(fn: Callable[[], object], device: str, cuda_graph: bool = False, warmup: int = 3, reps: int = 20,
+            rep_ms: float = 100) -> float:
+    """Median microseconds per call of ``fn`` (GPU: over ``rep_ms`` milliseconds of repeats; CPU: ``reps`` calls)."""
     if device == "cuda":
         import triton.testing
 
         if cuda_graph:
-            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
     for _ in range(warmup):
         fn()
     times = []

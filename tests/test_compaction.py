@@ -179,9 +179,11 @@ def test_rollback_bindings_syntax():
 def test_compaction_in_generation_gives_identical_tokens(family, cache, backend):
     """Compacting after almost every iteration (threshold 0.01) or only when unavoidable (threshold 1) changes
     nothing: greedy equals HF, sampling equals itself, and the eager run really compacted."""
-    target = FAMILIES[family]()
-    draft = drafts_for(family, target)["unrelated"]
-    ids, mask = _left_padded([3, 9, 5, 1, 7, 4], seed=9)
+    # Triton runs on a GPU when there is one (on the CPU only through the interpreter the suite turns on without one).
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    target = FAMILIES[family]().to(device)
+    draft = drafts_for(family, target)["unrelated"].to(device)
+    ids, mask = (t.to(device) for t in _left_padded([3, 9, 5, 1, 7, 4], seed=9))
     kwargs = dict(attention_mask=mask, draft_model=draft, num_speculative_tokens=4, max_new_tokens=14, pad_token_id=0,
                   cache_implementation=cache)
     often, never = (BatchingOptions(compaction_threshold=t, compaction_backend=backend, drop_finished_fraction=None)

@@ -123,5 +123,6 @@ def test_one_host_sync_per_iteration_when_captured(llama_pair):
                     steps += 1
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # torch also warns once that the debug mode "does not yet detect all synchronizing operations": not a sync.
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert steps > 1 and len(syncs) <= steps, [str(w.message) for w in syncs[:5]]

@@ -52,11 +52,12 @@ def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 def philox_first_word(
     seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor
 ) -> torch.Tensor:
-    """First output word of Philox4x32-10, as int64 in [0, 2**32). All arguments broadcast (int64 tensors)."""
+    """First output word of Philox4x32-10, as int64 in [0, 2**32). All arguments broadcast (int64 tensors; the
+    counters are moved to ``seed``'s device, so a 0-d CPU constant may stand for one)."""
     seed = seed.to(torch.int64)
     k0 = seed & MASK32
     k1 = (seed >> 32) & MASK32
-    c0, c1, c2, c3 = (c.to(torch.int64) & MASK32 for c in (c0, c1, c2, c3))
+    c0, c1, c2, c3 = (c.to(device=seed.device, dtype=torch.int64) & MASK32 for c in (c0, c1, c2, c3))
     c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
     for _ in range(PHILOX_ROUNDS):
         hi0, lo0 = _mulhilo(c0, PHILOX_M0)

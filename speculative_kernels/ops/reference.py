@@ -58,7 +58,8 @@ def accept_uniforms(seed, offset, seed_per_row: bool, num_draft: int) -> torch.T
     batch = seed.shape[0]
     i = torch.arange(num_draft, dtype=torch.int64, device=seed.device).unsqueeze(0)
     rows = _row_ids(batch, seed_per_row, seed.device).unsqueeze(1)
-    bits = philox_first_word(seed.unsqueeze(1), i, rows, offset.unsqueeze(1), torch.tensor(STREAM_ACCEPT))
+    stream = seed.new_full((), STREAM_ACCEPT)  # made on the device: no host copy, so CUDA graphs can capture it
+    bits = philox_first_word(seed.unsqueeze(1), i, rows, offset.unsqueeze(1), stream)
     return uniform_from_bits(bits)
 
 

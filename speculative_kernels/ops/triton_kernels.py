@@ -28,7 +28,6 @@ from .triton_random import (
 FLAG_BAD = tl.constexpr(1)  # the chunk holds NaN or +inf
 FLAG_ALIVE = tl.constexpr(2)  # the chunk holds a value > -inf
 _INT_MAX = tl.constexpr(2**31 - 1)
-_NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
@@ -40,12 +39,12 @@ def _bit_or(a, b):
 def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
     """float32 logits x at vocabulary ids v -> warped z (entries outside the (value, index) cut set to -inf)."""
     if SCALE:
-        z = tl.math.div_rn(x, temperature)
+        z = tl.math.div_rn(x, tl.cast(temperature, tl.float32))  # inductor passes a python float as fp64
     else:
         z = x
     if HAS_CUT:
         keep = (z > cut_value) | ((z == cut_value) & (v >= cut_index))
-        z = tl.where(keep, z, _NEG_INF)
+        z = tl.where(keep, z, float("-inf"))
     return z
 
 
@@ -53,7 +52,7 @@ def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT:
 def _chunk_flags(x):
     """Validity flags of one tile of raw float32 logits (masked lanes hold -inf)."""
     bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0)
-    alive = tl.max((x > _NEG_INF).to(tl.int32), 0)
+    alive = tl.max((x > float("-inf")).to(tl.int32), 0)
     return bad * FLAG_BAD + alive * FLAG_ALIVE
 
 

@@ -1,0 +1,51 @@
+"""benchmarks/gpu.py: the GPU issue's target checks, computed from result rows (the dry run itself runs in CI)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+GPU_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("gpu_run", GPU_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(backend, timing, mode, batch, us, gbps=None, speedup=None):
+    return dict(backend=backend, timing=timing, mode=mode, batch=batch, k=4, vocab=128256, us=us, gbps=gbps,
+                speedup_vs_torch=speedup)
+
+
+def test_verify_targets_read_the_right_rows(gpu):
+    rows = [_row("cuda", "graph", "greedy", 1, 6.0, 200.0), _row("cuda", "graph", "greedy", 64, 80.0, 1500.0),
+            _row("cuda", "eager", "greedy", 1, 12.0, 100.0, 9.0), _row("triton", "graph", "greedy", 1, 11.0, 90.0),
+            _row("cuda", "graph", "greedy", 1, 1.0, 1.0) | {"k": 8}]  # another K: must not be read
+    checks = {c["target"]: c for c in gpu.verify_targets(rows, copy_gbps=3000.0)}
+    assert checks["cuda greedy B=1 graph < 10 us"] == {"target": "cuda greedy B=1 graph < 10 us", "value": 6.0,
+                                                      "met": True}
+    assert checks["cuda greedy B=64 >= 0.6 of copy bandwidth"]["value"] == pytest.approx(0.5)
+    assert not checks["cuda greedy B=64 >= 0.6 of copy bandwidth"]["met"]
+    assert not checks["cuda greedy B=1 eager >= 10x torch"]["met"]
+    assert not checks["triton greedy B=1 graph < 10 us"]["met"]
+    assert not any("sampling" in name for name in checks)  # no sampling rows: no sampling checks
+
+
+def test_e2e_targets_compare_compiled_with_static_cache_generate(gpu):
+    from speculative_kernels.generation.gamma import expected_speedup
+
+    batching = [dict(method="hf_static", batch=1, seconds=1.0), dict(method="draft_static", batch=1, seconds=0.2),
+                dict(method="hf_assisted", batch=1, seconds=3.0),
+                dict(method="compiled", batch=1, seconds=0.5, identical_to_hf=True),
+                dict(method="compiled", batch=4, seconds=0.01, identical_to_hf=False)]  # B=4: not the target
+    case = {"rows": [dict(alpha=0.8, gamma=4)], "batching": batching}
+    checks = gpu.e2e_targets(case)
+    predicted = expected_speedup(0.8, 4, 0.2)
+    assert checks[0]["value"] == pytest.approx(2.0 / predicted)
+    assert checks[1] == {"target": "compiled B=1 >= 1.5x HF assisted", "value": 6.0, "met": True}
+    assert checks[2]["met"] is True
+    assert gpu.e2e_targets({"rows": []}) == []
