@@ -2,7 +2,8 @@
 
     python benchmarks/gpu.py --out DIR                                  # every phase
     python benchmarks/gpu.py --out DIR --phases env build tests verify  # lease command 1 (about 9 minutes)
-    python benchmarks/gpu.py --out DIR --phases env e2e                 # lease command 2 (about 9 minutes)
+    python benchmarks/gpu.py --out DIR --phases env e2e --e2e-cases synthetic   # lease command 2 (about 8 minutes)
+    python benchmarks/gpu.py --out DIR --phases env e2e --e2e-cases demo        # lease command 3
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
 
 Phases (each a subprocess with its own time limit, so one that hangs or fails leaves the others' results):
@@ -166,6 +167,9 @@ def verify_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     return cmd, {}
 
 
+E2E_CASES = ("synthetic", "demo")
+
+
 def e2e_commands(out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
     e2e = [sys.executable, str(HERE / "e2e.py"), "--out", str(out)]
     if dry_run:
@@ -220,7 +224,7 @@ def run_logged(cmd: list[str], log: Path, timeout: float, extra_env: dict | None
     return {"rc": proc.returncode, "seconds": round(time.perf_counter() - start, 1), "timed_out": timed_out}
 
 
-def run_phase(phase: str, out: Path, dry_run: bool, timeout: float) -> dict:
+def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CASES) -> dict:
     phase_dir = out / phase
     phase_dir.mkdir(parents=True, exist_ok=True)
     log = out / "logs" / f"{phase}.log"
@@ -249,6 +253,8 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float) -> dict:
     results = {"rc": 0, "seconds": 0.0, "timed_out": False, "cases": {}}
     start = time.perf_counter()
     for name, cmd in e2e_commands(phase_dir, dry_run):
+        if name not in cases:
+            continue
         remaining = timeout - (time.perf_counter() - start)
         if remaining < 30:
             results["cases"][name] = {"skipped": "phase time limit"}
@@ -382,6 +388,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required="--_env" not in (argv or sys.argv))
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
     p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes")
+    p.add_argument("--e2e-cases", nargs="+", default=list(E2E_CASES), choices=E2E_CASES,
+                   help="which end-to-end cases the e2e phase runs (the synthetic 8B/1B case alone takes ~7 minutes "
+                        "on an H100, its compile warm-up included)")
     p.add_argument("--limit", nargs="+", default=[], metavar="PHASE=SECONDS", help="override a phase's time limit")
     p.add_argument("--_env", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -403,7 +412,8 @@ def main(argv=None) -> int:
     results = {}
     for phase in [ph for ph in PHASES if ph in args.phases]:
         print(f"\n===== phase {phase} =====", flush=True)
-        results[phase] = run_phase(phase, args.out, args.dry_run, limits[phase] * (3 if args.dry_run else 1))
+        results[phase] = run_phase(phase, args.out, args.dry_run, limits[phase] * (3 if args.dry_run else 1),
+                                   args.e2e_cases)
         summarize(args.out, results, args.dry_run)
     text = summarize(args.out, results, args.dry_run)
     print("\n" + text)
