@@ -382,3 +382,18 @@ def cli_pair(tmp_path_factory):
     from tiny_checkpoints import save_decoder_pair
 
     return save_decoder_pair(tmp_path_factory.mktemp("contract_pair"))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_default_length_matches_model_generate_encoder_decoder(family):
+    """The same rule over the decoder sequence: 20 new decoder tokens (it was 19)."""
+    import seq2seq_models
+
+    make = getattr(seq2seq_models, family)
+    target, draft = make(), make(layers=1, seed=5)
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(3))
+    target.generation_config.eos_token_id = draft.generation_config.eos_token_id = None  # run to the limit
+    expected = _hf(target, ids)
+    with pytest.warns(UserWarning, match="model-agnostic default"):
+        got = sk.generate(target, ids, draft_model=draft)
+    assert torch.equal(got, expected) and got.shape[1] == 21
