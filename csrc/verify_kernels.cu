@@ -23,9 +23,9 @@ constexpr size_t kWorkspaceAlign = 256;
 struct ChunkStats {
   float raw_max;  // max of float32(logits), NaN-first like torch.argmax
   int raw_arg;    // its first index (INT_MAX when empty)
-  float m;        // max of the kept warped logits z (-inf when none)
+  float m;        // max of the kept warped logits z (-inf when none; > -inf iff some scaled z is)
   float s;        // sum of exp(z - m) over the kept z
-  int bad;        // any NaN or +inf logit
+  int bad;        // any NaN or +inf logit (sampling: or scaled logit z = x / T)
 };
 
 struct Decision {
@@ -245,7 +245,9 @@ __global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<
     }
     if constexpr (SAMPLING) {
       float z;
-      if (warp_keep<T, HAS_CUT>(a, row, v, x, &z) && z > -INFINITY) online_add(acc, z);
+      const bool keep = warp_keep<T, HAS_CUT>(a, row, v, x, &z);
+      acc.bad |= static_cast<int>(isnan(z) || z == INFINITY);  // overflows when scaled: invalid (reference.py)
+      if (keep && z > -INFINITY) online_add(acc, z);
     }
   });
   acc = block_reduce(acc, CombineStats{}, stats_identity(), scratch);
@@ -282,7 +284,9 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
 
   for (int j = tid; j < a.rows_per_batch; j += static_cast<int>(blockDim.x)) {
     const ChunkStats s = row_stats[j];
-    if (s.bad || !(s.raw_max > -INFINITY)) atomicOr(&s_invalid, 1);  // NaN/+inf, or the whole row is -inf
+    // NaN/+inf, or the whole row is -inf (sampling: of the scaled z, whose kept max is m; greedy: of the logits)
+    const float alive = SAMPLING ? s.m : s.raw_max;
+    if (s.bad || !(alive > -INFINITY)) atomicOr(&s_invalid, 1);
   }
   for (int i = tid; i < a.num_draft; i += static_cast<int>(blockDim.x)) {
     const int64_t token = a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + i];

@@ -1,9 +1,34 @@
-"""speculative-kernels: exact speculative decoding (Leviathan et al. 2023) for Hugging Face models."""
+"""speculative-kernels: exact speculative decoding (Leviathan et al. 2023) for Hugging Face models.
 
-from . import ops
-from .decoder import DecodeSession, SpeculativeDecoder
-from .generation import SpeculationStats, SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput, generate
+The public names are imported on first use (PEP 562), so that ``import speculative_kernels`` (and the console
+command's ``--help``) does not pay for importing torch and transformers until something needs them.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+_EXPORTS = {
+    "generate": ".generation",
+    "SpeculationStats": ".generation",
+    "SpeculativeDecoderOnlyOutput": ".generation",
+    "SpeculativeEncoderDecoderOutput": ".generation",
+    "SpeculativeDecoder": ".decoder",
+    "DecodeSession": ".decoder",
+}
 __all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
            "SpeculativeEncoderDecoderOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "ops":
+        value = importlib.import_module(".ops", __name__)
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -41,20 +41,20 @@ class DecodeSession:
 
     @property
     def stats(self) -> SpeculationStats:
-        stats = self._loop.stats
-        stats.accepted_histogram = self._loop.histogram()
-        return stats
+        """The session's statistics so far (phase times included; total_time_s is prefill plus the steps)."""
+        return self._loop.update_stats()
 
 
 class SpeculativeDecoder:
     """A target/draft pair, validated once, that starts decoding sessions.
 
     target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``). num_speculative_tokens: an
-    int, or "auto" to calibrate gamma per session over its first iterations (``generation/gamma.py``).
+    int, or "auto" to calibrate gamma per session over its first iterations (``generation/gamma.py``), or None for
+    ``generate``'s default (num_assistant_tokens where set, else 5).
     """
 
-    def __init__(self, target, draft, *, num_speculative_tokens: int | str = 5, backend: str = "auto", tokenizer=None,
-                 assistant_tokenizer=None):
+    def __init__(self, target, draft, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
+                 tokenizer=None, assistant_tokenizer=None):
         self.target, self.draft = target, draft
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend

@@ -11,7 +11,12 @@ import dataclasses
 import statistics
 import sys
 
-import torch
+DESCRIPTION = """\
+Run the target/draft pair shipped with the package (offline) on a few built-in Python snippets: each prompt is
+completed with plain model.generate and with speculative_kernels.generate, and both completions, tokens/s, the
+speedup, the acceptance rate and the mean tokens per target forward are printed. Greedy outputs must be
+token-identical: the command exits with status 1 if they are not.
+"""
 
 BUILTIN_PROMPTS = (
     "def fibonacci(n):\n",
@@ -107,6 +112,8 @@ def _kwargs(args, tokenizer, attention_mask) -> dict:
 
 
 def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptResult:
+    import torch
+
     from . import generate
     from .cli import timed_generate
     from .generation.stats import SpeculationStats
@@ -203,6 +210,11 @@ def summarize(results: list[PromptResult]) -> dict:
 
 
 def run_demo(args) -> int:
+    import torch
+
+    from .cli import ACCEPTANCE_LEGEND, prepare_run
+
+    prepare_run(args)
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, QUICK_MAX_NEW_TOKENS)
     if args.repeats is None:
@@ -233,8 +245,9 @@ def run_demo(args) -> int:
     print(f"model.generate                 {total['baseline_tokens_per_s']:8.1f} tokens/s")
     print(f"speculative_kernels.generate   {total['speculative_tokens_per_s']:8.1f} tokens/s   "
           f"speedup {total['speedup']:.2f}x")
-    print(f"acceptance rate {total['acceptance_rate']:.3f} (accepted / drafted), per-token acceptance alpha "
+    print(f"acceptance rate {total['acceptance_rate']:.3f}, per-token acceptance alpha "
           f"{total['alpha']:.3f}, {total['tokens_per_target_forward']:.2f} tokens per target forward")
+    print(f"({ACCEPTANCE_LEGEND})")
     if args.temperature > 0:
         print("sampled outputs differ by design (each is an exact sample of the target's distribution)")
         return 0
@@ -243,20 +256,21 @@ def run_demo(args) -> int:
 
 
 def add_demo_command(subparsers) -> argparse.ArgumentParser:
-    from .cli import _positive_int, add_common_options
+    from .cli import HelpFormatter, _positive_int, add_common_options
 
     demo = subparsers.add_parser("demo", help="run the bundled target/draft pair: speculative vs plain generate",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 description=DESCRIPTION, formatter_class=HelpFormatter)
     add_common_options(demo)
     demo.set_defaults(max_new_tokens=96, gamma=4, run=run_demo)
-    demo.add_argument("--prompt", action="append", help="a prompt instead of the built-in ones (repeatable)")
+    demo.add_argument("--prompt", action="append",
+                      help="a prompt instead of the built-in ones (repeatable)")
     demo.add_argument("--quick", action="store_true",
                       help=f"{QUICK_PROMPTS} prompts, at most {QUICK_MAX_NEW_TOKENS} new tokens, 1 run each (for CI)")
     demo.add_argument("--repeats", type=_positive_int,
-                      help="timed runs per prompt and path, the median is reported (default 3; 1 with --quick)")
+                      help="timed runs per prompt and path, the median is reported (default: 3, or 1 with --quick)")
     demo.add_argument("--threads", type=_positive_int,
-                      help="torch intra-op threads (default on CPU: 1; the demo models are too small to gain from "
-                           "more, and extra threads thrash when the cores are shared; elsewhere torch's default)")
+                      help="torch intra-op threads (default: 1 on CPU, where the demo models are too small to gain "
+                           "from more and extra threads thrash on shared cores; elsewhere torch's default)")
     demo.add_argument("--no-progress", action="store_true", help="no progress display")
     demo.add_argument("--target", help="another target folder instead of the bundled one (with --draft)")
     demo.add_argument("--draft", help="another draft folder instead of the bundled one (with --target)")

@@ -50,3 +50,40 @@ def test_console_script_runs(pair):
                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert result.returncode == 0, result.stderr
     assert "outputs identical" in result.stdout
+
+
+def test_empty_prompt_counts_only_new_tokens(pair, capsys):
+    """--prompt "" starts from the BOS token explicitly: 5 new tokens are reported as 5 (it said 6), and --compare
+    runs model.generate on the same one-token prompt (it ended in a traceback)."""
+    target, draft = pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "", "--max-new-tokens", "5",
+                 "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "speculative: 5 tokens" in out and "model.generate: 5 tokens" in out and "outputs identical" in out
+
+
+def test_acceptance_figures_are_explained(pair, capsys):
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
+                 "4"]) == 0
+    out = capsys.readouterr().out
+    assert "acceptance rate" in out and "alpha" in out and "accepted drafts / drafted tokens" in out
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """--help parses before anything heavy is imported (it took 5-6 s)."""
+    code = ("import sys; from speculative_kernels.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_demo_help_is_plain_text_with_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "``" not in out and "(default: 96)" in out and "(default: 4)" in out

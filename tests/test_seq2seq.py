@@ -45,7 +45,9 @@ def _assert_same_as_hf(target, draft, ids, mask, gamma, **kwargs):
     for mine, theirs in ((got.logits, expected.logits), (got.scores, expected.scores)):
         mine, theirs = torch.stack(mine, dim=1)[live], torch.stack(theirs, dim=1)[live]
         scale = theirs[theirs.isfinite()].abs().max()
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=3e-5 * float(scale))
+        # float32 rounding of forwards over different widths (HF: 1 token; here gamma + 1, or fewer at the end,
+        # where gamma is capped by the tokens left): 1e-4 of the largest logit
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4 * float(scale))
     return got, stats
 
 

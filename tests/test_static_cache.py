@@ -161,7 +161,8 @@ def test_free_memory_check_raises_before_allocating(monkeypatch):
     with pytest.raises(MemoryError, match=r"needs 5.00 GiB .* only 4.00 GiB are free"):
         check_free_memory(need, torch.device("cuda", 0), "the static caches")
     check_free_memory({**need, "total": 3 * 2**30}, torch.device("cuda", 0), "the static caches")
-    check_free_memory({**need, "total": 10**15}, torch.device("cpu"), "the static caches")  # CPU: not checked
+    with pytest.raises(MemoryError, match="the static caches needs .* GiB are free on cpu"):  # the CPU is checked too
+        check_free_memory({**need, "total": 10**15}, torch.device("cpu"), "the static caches")
 
 
 def _tiny(arch, **kwargs):

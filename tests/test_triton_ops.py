@@ -358,6 +358,27 @@ def test_public_op_uses_triton_and_raises_for_invalid_rows():
         ops.sample(target[:, 0], seed=3, backend="triton")
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy division
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("warp", [dict(top_k=0, top_p=1.0), dict(top_k=3, top_p=0.9)])
+def test_logits_that_overflow_when_scaled_are_flagged(warp):
+    """A finite logit that overflows float32 when divided by the temperature flags its row, as in the reference
+    (it used to become token 0); a -3e38 logit that only leaves its own entry at -inf does not."""
+    batch, k, vocab = 3, 1, 24
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=9)
+    target[0, 1, 4] = 3e38
+    draft[1, 0, 2] = 3e38
+    target[2, 0, 7] = -3e38
+    args = (target, draft, tokens, 0.5, warp["top_k"], warp["top_p"], _rows(3, batch), _rows(0, batch), False)
+    out, n = _verify(*args)
+    want = verify_reference(*args)
+    assert n.tolist()[:2] == [-1, -1] and n.tolist()[2] >= 0
+    assert torch.equal(out, want[0]) and torch.equal(n, want[1])
+    sampled = triton_backend.launch_sample(target[:, 1], 0.5, warp["top_k"], warp["top_p"], _rows(3, batch),
+                                           _rows(0, batch), False)
+    assert sampled.tolist()[0] == -1 and (sampled[1:] >= 0).all()
+
+
 # ---- GPU only: full-size vocabularies, CUDA graphs, no host synchronisation -----------------------------------------
 gpu = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (CI has none; the interpreter is too slow)")
 

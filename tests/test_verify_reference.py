@@ -237,3 +237,71 @@ def test_generator_makes_runs_repeatable():
     a = ops.verify(target, draft, tokens, generator=torch.Generator().manual_seed(4), backend="torch")
     b = ops.verify(target, draft, tokens, generator=torch.Generator().manual_seed(4), backend="torch")
     assert torch.equal(a[0], b[0])
+
+
+def test_logits_that_overflow_when_scaled_are_invalid():
+    """A finite logit that overflows float32 once divided by the temperature never becomes a token (it used to give
+    token 0): the row is flagged, and the checked op names the input and the temperature. Greedy is unaffected."""
+    target, draft = torch.randn(2, 3, 16), torch.randn(2, 2, 16)
+    tokens = torch.randint(0, 16, (2, 2))
+    target[1, 1, 5] = 3e38
+    for warp in (dict(), dict(top_k=4), dict(top_p=0.8)):
+        out, n = ops.verify(target, draft, tokens, temperature=0.5, seed=0, backend="torch", check=False, **warp)
+        assert n.tolist()[1] == -1 and out[1].tolist() == [-1, -1, -1] and n.tolist()[0] >= 0
+        with pytest.raises(ValueError, match="target_logits divided by temperature=0.5 is not finite.*rows \\[1\\]"):
+            ops.verify(target, draft, tokens, temperature=0.5, seed=0, backend="torch", **warp)
+    assert ops.verify(target, draft, tokens, temperature=1.0, seed=0, backend="torch")[1].min() >= 0  # 3e38 / 1
+    assert ops.verify(target, draft, tokens, temperature=0.0, backend="torch")[1].min() >= 0  # greedy: argmax
+    draft[0, 1, 2] = -3e38  # -> -inf when scaled: fine (p = 0 there), as long as the row keeps a finite entry
+    assert ops.verify(target[:1], draft[:1], tokens[:1], temperature=0.5, seed=0, backend="torch")[1].min() >= 0
+    draft[0, 1] = -3e38  # every entry -> -inf: no distribution left
+    with pytest.raises(ValueError, match="draft_logits divided by temperature"):
+        ops.verify(target[:1], draft[:1], tokens[:1], temperature=0.5, seed=0, backend="torch")
+    logits = torch.randn(2, 16)
+    logits[0, 3] = 3e38
+    assert ops.sample(logits, temperature=0.5, seed=0, backend="torch", check=False).tolist()[0] == -1
+    with pytest.raises(ValueError, match="logits divided by temperature"):
+        ops.sample(logits, temperature=0.5, seed=0, backend="torch")
+
+
+def test_subnormal_temperature_is_refused():
+    """temperature=1e-40 used to give token 0 everywhere; float32(1e-40) is subnormal, so it is refused by name."""
+    with pytest.raises(ValueError, match="temperature=1e-40 is below float32's smallest normal"):
+        ops.sample(torch.randn(2, 128), temperature=1e-40, seed=0)
+    assert ops.sample(torch.randn(2, 128), temperature=1e-30, seed=0).min() >= 0  # small but normal: fine
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("offset", 2**32, "offset must be in \\[0, 2\\*\\*32\\), got 4294967296"),
+    ("offset", -1, "offset must be in \\[0, 2\\*\\*32\\), got -1"),
+    ("seed", -1, "seed must be in \\[0, 2\\*\\*63\\), got -1"),
+])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_seed_and_offset_one_rule_for_ints_and_tensors(name, value, words, as_tensor):
+    """An offset tensor >= 2**32 used to wrap and a seed tensor -1 was accepted, while the ints were refused."""
+    given = torch.tensor(value) if as_tensor else value
+    kwargs = {"seed": 0, name: given}
+    with pytest.raises(ValueError, match=words):
+        ops.sample(torch.randn(2, 8), backend="torch", **kwargs)
+    with pytest.raises(ValueError, match=words):
+        ops.verify(torch.randn(2, 2, 8), None, torch.zeros(2, 1, dtype=torch.int64), backend="torch", **kwargs)
+
+
+def test_device_tensor_seeds_are_checked_with_the_result():
+    """The deferred check for tensors on an accelerator (no extra host read): ``raise_for_invalid_rows`` folds the
+    seed/offset range test into its one read (exercised here with CPU tensors, the code is device-agnostic)."""
+    from speculative_kernels.ops.diagnostics import raise_for_invalid_rows
+
+    flags = torch.zeros(3, dtype=torch.int64)
+    raise_for_invalid_rows(flags, seed=torch.zeros(3, dtype=torch.int64), offset=torch.full((3,), 2**32 - 1))
+    with pytest.raises(ValueError, match="offset must be in \\[0, 2\\*\\*32\\), got 4294967296 \\(batch rows \\[2\\]\\)"):
+        raise_for_invalid_rows(flags, seed=torch.zeros(3, dtype=torch.int64), offset=torch.tensor([0, 1, 2**32]))
+    with pytest.raises(ValueError, match="seed must be in \\[0, 2\\*\\*63\\), got -5"):
+        raise_for_invalid_rows(flags, seed=torch.tensor([0, -5, 0]), offset=torch.zeros(3, dtype=torch.int64))
+
+
+def test_empty_batch_is_a_clear_error():
+    with pytest.raises(ValueError, match="target_logits has an empty batch"):
+        ops.verify(torch.randn(0, 3, 8), None, torch.zeros(0, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="logits has an empty batch"):
+        ops.sample(torch.randn(0, 8))

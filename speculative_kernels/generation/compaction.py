@@ -130,6 +130,15 @@ def row_seeds(seed: torch.Tensor) -> torch.Tensor:
     return ((high & 0x7FFFFFFF) << 32) | low
 
 
+def widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """``tensor`` [B, W, ...] padded with ``fill`` along dim 1 to ``width`` columns (a copy; unchanged if wide
+    enough). The loop grows its output buffers with it; ``RowDropper`` grows its full-size copies to match."""
+    if tensor.shape[1] >= width:
+        return tensor
+    pad = tensor.new_full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill)
+    return torch.cat([tensor, pad], dim=1)
+
+
 class RowDropper:
     """Drops finished rows from a running ``SpeculativeLoop`` (see the module docstring).
 
@@ -161,6 +170,7 @@ class RowDropper:
             self._write_back(loop)
         remaining = len(finished_host) - num_finished
         keep = torch.argsort(loop.finished.to(torch.int8), stable=True)[:remaining]  # unfinished rows, in order
+        loop.select_host_rows([i for i, f in enumerate(finished_host) if not f])
         for name in self.PER_ROW:
             value = getattr(loop, name)
             if value is not None:
@@ -177,7 +187,11 @@ class RowDropper:
     def _write_back(self, loop) -> None:
         for name, full in self.full.items():
             if full is not None:
-                full.index_copy_(0, self.rows, getattr(loop, name))
+                part = getattr(loop, name)
+                if full.dim() > 1 and full.shape[1] < part.shape[1]:  # the loop grew its buffers meanwhile
+                    fill = loop.sequences_fill if name == "sequences" else 0
+                    full = self.full[name] = widen(full, part.shape[1], fill)
+                full.index_copy_(0, self.rows, part)
 
     def finish(self, loop) -> None:
         """Write the remaining rows back and give the loop its full-size outputs again."""

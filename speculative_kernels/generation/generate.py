@@ -13,7 +13,7 @@ from .settings import resolve_plan
 from .seq2seq_static import static_seq2seq_factory
 from .static_runner import choose_runner_factory, compile_loop, compile_options_from, wants_static
 from .stats import SpeculationStats
-from .vocab import VocabBridge
+from .vocab import VocabBridge, check_ids_in_vocabulary
 
 
 @dataclasses.dataclass
@@ -44,36 +44,60 @@ def _check_models(model, draft_model) -> None:
         raise ValueError(f"model is on {target_device} but draft_model is on {draft_device}; put both on one device")
 
 
+def _check_mask(name: str, mask, shape) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of 0/1 values, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)} but input_ids has {tuple(shape)}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
+    return mask
+
+
 def _prepare_inputs(model, input_ids, attention_mask, plan_bos):
     device = _model_device(model, "model")
+    if input_ids is not None and not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, length], got "
+                        f"{type(input_ids).__name__}")
     if input_ids is None or input_ids.numel() == 0:
         if plan_bos is None:
             raise ValueError("input_ids is empty and the model has no bos_token_id to start from")
         batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
-        input_ids = torch.full((batch, 1), plan_bos, dtype=torch.int64, device=device)
+        input_ids = torch.full((batch, 1), int(plan_bos), dtype=torch.int64, device=device)
         attention_mask = None
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [batch, length] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, length] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
     input_ids = input_ids.to(device=device, dtype=torch.int64)
+    check_ids_in_vocabulary(model, "input_ids", input_ids)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
-        )
-    attention_mask = attention_mask.to(device)
-    if not bool(attention_mask[:, -1].all()):
+    attention_mask = _check_mask("attention_mask", attention_mask, input_ids.shape).to(device)
+    real = attention_mask != 0
+    empty = (~real.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask is all zeros in batch rows {empty}: every prompt needs at least one real "
+                         "token (pass the row's BOS token to start from nothing)")
+    if not bool(real[:, -1].all()):
         raise ValueError("attention_mask shows right padding; decoder-only generation needs left padding")
     return input_ids, attention_mask
 
 
-def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokenizer=None, assistant_tokenizer=None,
-               generation_config=None, backend: str = "auto", batching: BatchingOptions | None = None,
-               compile_options=None, **kwargs):
+def _check_helpers(tokenizer, assistant_tokenizer, batching) -> None:
+    for name, value in (("tokenizer", tokenizer), ("assistant_tokenizer", assistant_tokenizer)):
+        if value is not None and not callable(getattr(value, "get_vocab", None)):
+            raise TypeError(f"{name} must be a transformers tokenizer (with get_vocab()), got {type(value).__name__}")
+    if batching is not None and not isinstance(batching, BatchingOptions):
+        raise TypeError(f"batching must be a speculative_kernels BatchingOptions, got {type(batching).__name__}")
+
+
+def build_loop(model, draft_model, input_ids, *, num_speculative_tokens=None, tokenizer=None,
+               assistant_tokenizer=None, generation_config=None, backend: str = "auto",
+               batching: BatchingOptions | None = None, compile_options=None, **kwargs):
     """Validate everything and build the ``SpeculativeLoop`` for one batch of prompts (shared by ``generate`` and
     ``SpeculativeDecoder``). Returns (loop, plan, input_ids)."""
+    _check_helpers(tokenizer, assistant_tokenizer, batching)
     batching = batching or BatchingOptions()
     _check_models(model, draft_model)
     attention_mask = kwargs.pop("attention_mask", None)
@@ -89,9 +113,12 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens, tokeniz
                 model, draft_model, runner_factory, batch=input_ids.shape[0], prompt_width=input_ids.shape[1],
                 max_new_tokens=plan.max_new_tokens, gamma=plan.num_speculative_tokens, device=input_ids.device)
     else:
+        if input_ids is not None and not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, length], got "
+                            f"{type(input_ids).__name__}")
         prompt_length = 0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1]
         plan, model_kwargs = resolve_plan(model, max(prompt_length, 1), num_speculative_tokens, generation_config,
-                                          kwargs)
+                                          kwargs, draft_model)
         model_kwargs.pop("use_cache", None)
         if model_kwargs:
             raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
@@ -116,7 +143,7 @@ def generate(
     input_ids: torch.Tensor | None = None,
     *,
     draft_model=None,
-    num_speculative_tokens: int | str = 5,
+    num_speculative_tokens: int | str | None = None,
     assistant_model=None,
     tokenizer=None,
     assistant_tokenizer=None,
@@ -143,7 +170,9 @@ def generate(
     ``num_speculative_tokens`` (gamma) is the number of draft tokens per iteration, or ``"auto"``: start at 4,
     measure the acceptance rate alpha and the cost ratio c over the first iterations and continue with the gamma in
     1..16 that maximises the paper's expected speedup (``gamma.py``; the choice is in
-    ``speculation_stats.num_speculative_tokens``).
+    ``speculation_stats.num_speculative_tokens``). Not given: HF's ``num_assistant_tokens`` where it is set (the
+    call, ``generation_config``, the target's or the draft's generation_config), else 5. An iteration never drafts
+    more tokens than are left to generate (none when one is left).
 
     ``cache_implementation="static"`` preallocates both KV caches (``static_runner.py``; for encoder-decoder pairs the
     decoders' self-attention caches, ``seq2seq_static.py``). ``compile=True`` (or a

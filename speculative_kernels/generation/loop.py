@@ -7,6 +7,11 @@ One iteration, for every row at once:
      emitted tokens (accepted drafts + one residual/bonus token);
   3. emit: cut each row at its first EOS and at max_new_tokens, write the tokens into the output buffer;
   4. one device-to-host read of (n, finished, count) per iteration; then roll both caches back (``runner.py``).
+
+An iteration drafts no more tokens than any unfinished row still has to generate, less one (the target adds one):
+with one token left it drafts none and samples the target alone. Buffers (the output, scores, the runners' slot
+masks) are sized by what has been generated and grow geometrically, each growth checked against the device's free
+memory (``memory.py``), so a huge ``max_new_tokens`` costs nothing up front.
 """
 
 import torch
@@ -14,11 +19,14 @@ import torch
 from ..ops import backends
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.validation import resolve_randomness
-from .compaction import BatchingOptions, RowDropper, compactions, row_seeds
+from .compaction import BatchingOptions, RowDropper, compactions, row_seeds, widen
 from .gamma import GammaCalibrator
+from .memory import check_free_memory
 from .runner import DecoderRunner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
+
+INITIAL_NEW_TOKENS = 256  # output/score buffers start with room for this many new tokens, then double
 
 
 def _wants_host_lengths(runner) -> bool:
@@ -54,7 +62,8 @@ class SpeculativeLoop:
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
         self.calibrator = GammaCalibrator() if plan.num_speculative_tokens == "auto" else None
-        self.gamma = self.calibrator.start_gamma if self.calibrator else plan.num_speculative_tokens
+        self.chosen_gamma = self.calibrator.start_gamma if self.calibrator else plan.num_speculative_tokens
+        self.gamma = self.chosen_gamma  # this iteration's: chosen_gamma, capped by the tokens left (_step_gamma)
         self.max_gamma = self.calibrator.max_gamma if self.calibrator else self.gamma
         self._largest_gamma_used = self.gamma
         self.impl = backends.implementation(backend, self.device.type)
@@ -62,12 +71,15 @@ class SpeculativeLoop:
         self.sampling = plan.sampling
         self.target_runner = runner_factory(target, self.batch, self.max_slots(), self.device)
         self.draft_runner = runner_factory(draft, self.batch, self.max_slots(), self.device)
-        width = self.prompt_length + plan.max_new_tokens + self.max_gamma + 1  # slack: no scatter ever collides
-        fill = plan.pad_token_id if plan.pad_token_id is not None else 0
-        self.sequences = torch.full((self.batch, width), fill, dtype=torch.int64, device=self.device)
+        self.sequences_fill = plan.pad_token_id if plan.pad_token_id is not None else 0
+        width = self._buffer_width(self.prompt_length + min(plan.max_new_tokens, INITIAL_NEW_TOKENS))
+        self._check_memory(width)
+        self.sequences = torch.full((self.batch, width), self.sequences_fill, dtype=torch.int64, device=self.device)
         self.sequences[:, : self.prompt_length] = input_ids
         self.generated = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
         self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+        self._generated_host = [0] * self.batch  # host copies from the iterations' reads (for capacity and gamma)
+        self._finished_host = [0] * self.batch
         self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
         vocab = bridge.target_width
         self._eos_columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)  # [V]: True at EOS ids
@@ -89,13 +101,52 @@ class SpeculativeLoop:
 
     # ----------------------------------------------------------------------------------------------- set-up
     def max_slots(self) -> int:
-        """Upper bound on the cache slots either model can use: the prompt, then at most gamma + 1 per iteration
-        and at most max_new_tokens iterations (every unfinished row emits at least one token per iteration)."""
-        return self.prompt_length + (self.max_gamma + 1) * (self.plan.max_new_tokens + 1) + 2
+        """Initial cache-slot width of the runners' slot masks (they grow as needed): the prompt, a few iterations'
+        worth of slots and room for the first new tokens."""
+        return self.prompt_length + 4 * (self.max_gamma + 2) + min(self.plan.max_new_tokens, INITIAL_NEW_TOKENS)
+
+    def _buffer_width(self, length: int) -> int:
+        """Output-buffer width for sequences of ``length`` tokens: the slack of one iteration's scatter (gamma + 1
+        positions past the last token), never more than the whole request needs."""
+        return min(length, self.prompt_length + self.plan.max_new_tokens) + self.max_gamma + 1
+
+    def _check_memory(self, width: int) -> None:
+        """MemoryError before allocating output buffers of ``width`` columns that the device cannot hold."""
+        vocab = self.bridge.target_width
+        per_column = 8 + 4 * vocab * (int(self.plan.output_scores) + int(self.plan.output_logits))
+        required = {"sequences": self.batch * width * 8,
+                    "scores": self.batch * width * (per_column - 8)}
+        required["total"] = sum(required.values())
+        check_free_memory(required, self.device, f"the output buffers ({self.batch} rows x {width} tokens)")
+
+    def _reserve(self, length: int) -> None:
+        """Make the output buffers hold sequences of ``length`` tokens (host int), doubling their width."""
+        if length + self.max_gamma + 1 <= self.sequences.shape[1]:
+            return
+        width = self._buffer_width(max(length, 2 * (self.sequences.shape[1] - self.max_gamma - 1)))
+        self._check_memory(width)
+        self.sequences = widen(self.sequences, width, self.sequences_fill)
+        new_width = width - self.prompt_length
+        if self.scores is not None:
+            self.scores = widen(self.scores, new_width, 0.0)
+        if self.raw_logits is not None:
+            self.raw_logits = widen(self.raw_logits, new_width, 0.0)
 
     def _score_buffer(self):
         vocab = self.bridge.target_width
         return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, vocab, device=self.device)
+
+    def select_host_rows(self, rows: list[int]) -> None:
+        """Keep the host copies of rows ``rows`` (when finished rows leave the batch, ``compaction.RowDropper``)."""
+        self._generated_host = [self._generated_host[i] for i in rows]
+        self._finished_host = [self._finished_host[i] for i in rows]
+
+    def _step_gamma(self) -> int:
+        """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has
+        to generate, less one (HF caps the same way); 0 when one token is left."""
+        left = max((self.plan.max_new_tokens - g for g, f in zip(self._generated_host, self._finished_host)
+                    if not f), default=1)
+        return max(0, min(self.chosen_gamma, left - 1))
 
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
@@ -140,7 +191,8 @@ class SpeculativeLoop:
             logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)
 
     def _draft(self, dtype: torch.dtype):
-        """gamma draft forwards. Returns (tokens [B, gamma] int64, logits [B, gamma, V] in ``dtype``)."""
+        """gamma draft forwards. Returns (tokens [B, gamma] int64, logits [B, gamma, V] in ``dtype``, or None when
+        gamma is 0)."""
         s, gamma = self.sampling, self.gamma
         tokens = torch.empty(self.batch, gamma, dtype=torch.int64, device=self.device)
         logits_buffer = None
@@ -179,10 +231,16 @@ class SpeculativeLoop:
             generated = self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device)
             self._mask_min_new(logits, generated)
             self._mask_forced(logits, generated)
+        self.stats.target_forwards += 1
+        if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
+            offset = torch.full_like(self.seed, self._draft_offset)
+            self._draft_offset += 1
+            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
+                                     self.seed_per_row)
+            return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
         offset = torch.full_like(self.seed, self.iteration)
         out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
                                          s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
-        self.stats.target_forwards += 1
         return out, accepted, logits, raw
 
     def _emit(self, out: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
@@ -198,7 +256,9 @@ class SpeculativeLoop:
         keep = positions < count.unsqueeze(1)
         self.sequences.scatter_(1, index, torch.where(keep, out, self.sequences.gather(1, index)))
         # Scatter-add, not bincount over a boolean selection (that would read the selection's size on the host).
-        self._histogram.index_add_(0, accepted.clamp(min=0), (~self.finished).to(torch.int64))
+        # Iterations shortened at the end (gamma below the chosen one) stay out: their counts would bias alpha.
+        if self.gamma == self.chosen_gamma:
+            self._histogram.index_add_(0, accepted.clamp(min=0), (~self.finished).to(torch.int64))
         self.finished = self.finished | (has_eos & keep.any(dim=1)) | (self.generated + count >= self.plan.max_new_tokens)
         self.generated = self.generated + count
         return count
@@ -243,6 +303,9 @@ class SpeculativeLoop:
 
         Afterwards ``emitted()`` lists the token ids each row emitted (read in the iteration's one host read).
         """
+        self.timer.start("step")
+        self.gamma = self._step_gamma()
+        self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
         draft_tokens, draft_logits = self._draft(self._dtype)
         self.timer.stop("draft")
@@ -265,17 +328,20 @@ class SpeculativeLoop:
         tail = 4 * b + out.numel()
         self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
         self._host_width = self.gamma + 1
+        self._generated_host = [g + c for g, c in zip(self._generated_host, count_host)]
         for i, runner in enumerate(counted):
             _give_host_lengths(runner, host[tail + i * b : tail + (i + 1) * b])
         if min(accepted_host) < 0:
-            raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
-                                   draft_tokens=draft_tokens)
+            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
+                                   draft_logits=draft_logits, draft_tokens=draft_tokens)
         self._after_emit(count_host, accepted_host, active_host, generated_before)
-        self._roll_back(accepted, accepted_host)
-        self._next_pending(out, accepted, draft_tokens, accepted_host)
-        if self.calibrator is not None and not self.calibrator.done:
+        if self.gamma > 0:  # gamma 0 is the last iteration (one token left for every row): no rollback needed
+            self._roll_back(accepted, accepted_host)
+            self._next_pending(out, accepted, draft_tokens, accepted_host)
+        if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
             self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
         self.iteration += 1
+        self.timer.stop("step")
         return not all(finished_host)
 
     def _calibrate(self, accepted_counts: list[int]) -> None:
@@ -283,7 +349,7 @@ class SpeculativeLoop:
         The phase times are complete here: the iteration's host read has already waited for the device."""
         chosen = self.calibrator.record(accepted_counts, self._last_seconds("draft"), self._last_seconds("verify"))
         if chosen is not None:
-            self.gamma = self.stats.num_speculative_tokens = chosen
+            self.chosen_gamma = self.stats.num_speculative_tokens = chosen
             self._largest_gamma_used = max(self._largest_gamma_used, chosen)
 
     def _last_seconds(self, phase: str) -> float:
@@ -342,11 +408,18 @@ class SpeculativeLoop:
         if self.plan.streamer is not None:
             self.plan.streamer.end()
         longest = int(self.generated.max()) if self.batch else 0
+        self.update_stats()
+        self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
+        return self.sequences[:, : self.prompt_length + longest], self.stats
+
+    def update_stats(self) -> SpeculationStats:
+        """Fill in the statistics read from the device or the timers (histogram, phase times; total_time_s: prefill
+        plus the iterations run so far). Reads the device: call it between iterations, not inside one."""
         self.stats.accepted_histogram = self.histogram()
         self.stats.draft_time_s = self.timer.seconds("draft")
         self.stats.verify_time_s = self.timer.seconds("verify")
-        self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
-        return self.sequences[:, : self.prompt_length + longest], self.stats
+        self.stats.total_time_s = self.timer.seconds("step") + self.timer.seconds("prefill")
+        return self.stats
 
     def collected_scores(self, longest: int):
         """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested."""

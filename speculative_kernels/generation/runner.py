@@ -27,7 +27,7 @@ def _accepts(model, name: str) -> bool:
 class DecoderRunner:
     """One decoder-only model with its KV cache, slot mask and per-row positions.
 
-    model: an HF causal LM; batch: B; max_slots: an upper bound on cache slots (the mask buffer's width);
+    model: an HF causal LM; batch: B; max_slots: the slot mask's initial width (it grows as needed);
     compaction_threshold / compaction_backend: hole compaction for batch > 1 (``compaction.py``).
     """
 
@@ -53,8 +53,7 @@ class DecoderRunner:
         """
         batch, width = tokens.shape
         start, end = self.num_slots, self.num_slots + width
-        if end > self.slot_mask.shape[1]:
-            raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.slot_mask.shape[1]})")
+        self.slot_mask = grow_columns(self.slot_mask, end)
         if real is None:  # the common case, kept cheap: no cumsum, no per-row count
             self.slot_mask[:, start:end] = 1
             positions = self.next_position.unsqueeze(1) + self._step_offsets(width)
@@ -123,6 +122,14 @@ class DecoderRunner:
             crop_cache(self.cache, num_slots)
             self.slot_mask[:, num_slots : self.num_slots] = 0
             self.num_slots = num_slots
+
+
+def grow_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """mask [B, M] with at least ``width`` columns: doubled (zeros appended) when too narrow, so growing to any
+    length costs amortised O(1) per slot. (Runners that are captured by torch.compile size theirs up front.)"""
+    if width <= mask.shape[1]:
+        return mask
+    return torch.cat([mask, mask.new_zeros(mask.shape[0], max(width, 2 * mask.shape[1]) - mask.shape[1])], dim=1)
 
 
 def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, num_slots: int, width: int,

@@ -37,7 +37,9 @@ from transformers.generation.utils import GenerateEncoderDecoderOutput
 from transformers.modeling_outputs import BaseModelOutput
 
 from .cache_ops import crop_cache
+from .runner import grow_columns
 from .settings import resolve_plan
+from .vocab import check_ids_in_vocabulary
 from .stats import SpeculationStats
 
 # model_type -> how its decoder knows positions ("relative": nothing to do; "absolute": embed_positions hook).
@@ -131,8 +133,7 @@ class Seq2SeqRunner:
         loop's order."""
         batch, width = tokens.shape
         start, end = self.num_slots, self.num_slots + width
-        if end > self.slot_mask.shape[1]:
-            raise RuntimeError(f"cache slot buffer exhausted ({end} > {self.slot_mask.shape[1]})")
+        self.slot_mask = grow_columns(self.slot_mask, end)
         prompt = start == 0
         fillers = real is not None and not prompt
         occupied = real.to(torch.int64) if fillers else torch.ones_like(tokens)
@@ -308,13 +309,17 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, num_speculati
     decoder_ids = kwargs.pop("decoder_input_ids", None)
     decoder_mask = kwargs.pop("decoder_attention_mask", None)
     encoder_outputs = _as_encoder_output(kwargs.pop("encoder_outputs", None), device)
-    probe, _ = resolve_plan(model, 1, num_speculative_tokens, generation_config, dict(kwargs))
+    probe, _ = resolve_plan(model, None, num_speculative_tokens, generation_config, dict(kwargs), draft_model)
     config = probe.generation_config
     input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
                                                device)
     batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_ids, decoder_mask, batch, device)
-    plan, model_kwargs = resolve_plan(model, decoder_ids.shape[1], num_speculative_tokens, generation_config, kwargs)
+    if input_ids is not None:
+        check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
+    check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
+    plan, model_kwargs = resolve_plan(model, decoder_ids.shape[1], num_speculative_tokens, generation_config, kwargs,
+                                      draft_model)
     model_kwargs.pop("use_cache", None)
     if model_kwargs:
         raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")

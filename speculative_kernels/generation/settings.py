@@ -1,57 +1,140 @@
 """Resolve ``generate`` keyword arguments into one validated plan, with HF's own precedence rules.
 
 The target model's ``_prepare_generation_config`` merges, as ``model.generate`` does, the explicit keywords over the
-given ``generation_config`` over the model's ``generation_config`` over HF's global defaults. Every setting is then
-either honoured exactly or refused with a ``ValueError`` naming it: nothing is silently ignored.
+given ``generation_config`` over the model's ``generation_config`` over HF's global defaults. Every field of
+``GenerationConfig`` is then in exactly one of the tables below (``tests/test_generation_fields.py`` enumerates the
+installed transformers' fields, so a new field cannot slip through unclassified):
+
+* ``HONOURED``: applied exactly as ``model.generate`` applies it;
+* ``NO_EFFECT``: fields ``model.generate`` itself ignores in greedy/sampling decoding (beam-search-only settings, the
+  config's own metadata), so accepting them changes nothing;
+* ``REFUSED_UNLESS``: settings we cannot honour exactly; any value but "off" (or HF's own default) raises
+  ``ValueError`` naming the field.
+
+A field of the installed ``GenerationConfig`` that is in none of them (a newer transformers) is refused by name as
+soon as it is set.
 """
 
 import dataclasses
+import math
 import numbers
+import warnings
 
 import torch
+from transformers import GenerationConfig
 
 from ..ops.validation import check_sampling_params
 
-# GenerationConfig fields we cannot honour exactly, with the value that means "off".
-_UNSUPPORTED_UNLESS = {
-    "num_beams": 1,
-    "num_beam_groups": 1,
-    "num_return_sequences": 1,
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "force_words_ids": None,
-    "constraints": None,
-    "sequence_bias": None,
-    "min_p": None,
-    "top_h": None,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "penalty_alpha": None,
-    "guidance_scale": None,
-    "watermarking_config": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "remove_invalid_values": False,
-    "output_attentions": False,
-    "output_hidden_states": False,
-    "max_time": None,
-    "stop_strings": None,
-    "prompt_lookup_num_tokens": None,
-    "assistant_early_exit": None,
-    "dola_layers": None,
-    "low_memory": None,
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+_TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+                    "forced_eos_token_id")
+
+# Applied as model.generate applies them (where: this module, the loop, seq2seq.py).
+HONOURED = {
+    "max_length": "length (HF's default of 20 new tokens when unset, capped at max_position_embeddings)",
+    "max_new_tokens": "length",
+    "min_length": "EOS masked before it",
+    "min_new_tokens": "EOS masked before it",
+    "do_sample": "greedy or sampling",
+    "temperature": "warping",
+    "top_k": "warping",
+    "top_p": "warping",
+    "eos_token_id": "stops a row",
+    "pad_token_id": "fills finished rows",
+    "bos_token_id": "starts an empty prompt",
+    "decoder_start_token_id": "starts the decoder (encoder-decoder)",
+    "forced_bos_token_id": "forced first token",
+    "forced_eos_token_id": "forced last token",
+    "use_cache": "must be True (the KV cache is rolled back)",
+    "return_dict_in_generate": "output class",
+    "output_scores": "scores",
+    "output_logits": "logits",
+    "cache_implementation": "'dynamic' or 'static'",
+    "num_assistant_tokens": "gamma when num_speculative_tokens is not given",
+    "num_assistant_tokens_schedule": "'constant' only (gamma fixed, or num_speculative_tokens='auto')",
+}
+# Ignored by model.generate too in greedy/sampling decoding (num_beams is always 1 here), or metadata.
+NO_EFFECT = {
+    "early_stopping": "beam search only",
+    "length_penalty": "beam search only",
+    "is_assistant": "metadata HF sets on an assistant's config",
+    "transformers_version": "metadata",
+    "_from_model_config": "metadata",
+    "disable_compile": "speculative_kernels never compiles on its own (see compile=)",
+}
+# Field -> the values that mean "off". HF's global default for the field (``_get_default_generation_params``) is
+# accepted too: a value nobody set changes nothing.
+REFUSED_UNLESS = {
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "diversity_penalty": (0.0,),
+    "num_return_sequences": (1,),
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "bad_words_ids": (),
+    "force_words_ids": (),
+    "constraints": (),
+    "sequence_bias": (),
+    "min_p": (),
+    "top_h": (),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "penalty_alpha": (),
+    "guidance_scale": (1.0,),
+    "watermarking_config": (),
+    "suppress_tokens": (),
+    "begin_suppress_tokens": (),
+    "exponential_decay_length_penalty": (),
+    "renormalize_logits": (False,),
+    "remove_invalid_values": (False,),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+    "max_time": (),
+    "stop_strings": (),
+    "token_healing": (False,),
+    "low_memory": (False,),
+    "dola_layers": (),
+    "use_mtp": (False,),
+    "prompt_lookup_num_tokens": (),
+    "max_matching_ngram_size": (),
+    "assistant_early_exit": (),
+    "assistant_confidence_threshold": (),
+    "assistant_lookbehind": (),
+    "target_lookbehind": (),
+    "assistant_ensemble_weight": (),
+    "cache_config": (),
+    "max_cache_len": (),
+    "compile_config": (),
+    "prefill_chunk_size": (),
+    "continuous_batching_config": (),
+    "speculation_type": (),
 }
 _REASONS = {
     "num_beams": "beam search is not speculative sampling",
+    "num_beam_groups": "group beam search is not speculative sampling",
+    "diversity_penalty": "group beam search is not speculative sampling",
     "num_return_sequences": "repeat the prompt in the batch instead",
     "output_attentions": "attention maps of the speculative forwards do not match per-step ones",
     "output_hidden_states": "hidden states of the speculative forwards do not match per-step ones",
+    "token_healing": "it rewrites the prompt",
+    "use_mtp": "multi-token prediction is another drafting method",
+    "prompt_lookup_num_tokens": "prompt-lookup drafting is not implemented; pass draft_model=",
+    "max_matching_ngram_size": "prompt-lookup drafting is not implemented; pass draft_model=",
+    "assistant_early_exit": "early-exit drafting is not implemented; pass draft_model=",
+    "assistant_confidence_threshold": "HF's draft-confidence stopping is not implemented; gamma is fixed, or "
+                                      "num_speculative_tokens='auto'",
+    "assistant_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
+    "target_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
+    "assistant_ensemble_weight": "an ensemble of draft and target is not the target's distribution",
+    "cache_config": "the caches are speculative_kernels' own (cache_implementation='dynamic' or 'static')",
+    "max_cache_len": "the static cache is sized by speculative_kernels",
+    "compile_config": "pass compile=True or a CompileOptions instead",
+    "prefill_chunk_size": "the prompt is prefilled in one forward",
+    "continuous_batching_config": "continuous batching is not implemented; see SpeculativeDecoder",
+    "speculation_type": "HF's other speculation methods are not implemented; pass draft_model=",
 }
 
 
@@ -87,56 +170,214 @@ class Plan:
     generation_config: object
 
 
-def _int_list(value) -> tuple[int, ...]:
+def _hf_defaults() -> dict:
+    getter = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return getter() if callable(getter) else {}
+
+
+def generation_fields() -> set[str]:
+    """The fields of the installed transformers' ``GenerationConfig``."""
+    return set(GenerationConfig().to_dict())
+
+
+def classified_fields() -> set[str]:
+    return set(HONOURED) | set(NO_EFFECT) | set(REFUSED_UNLESS)
+
+
+def _is_off(value, off: tuple, default) -> bool:
+    if value is None or (isinstance(value, (list, tuple, dict, set)) and not value):
+        return True
+    return value in off or (default is not None and value == default)
+
+
+def _check_refused(config) -> None:
+    defaults = _hf_defaults()
+    for name, off in REFUSED_UNLESS.items():
+        value = getattr(config, name, None)
+        if not _is_off(value, off, defaults.get(name)):
+            why = _REASONS.get(name, "it cannot be applied exactly across a speculative block")
+            raise ValueError(f"{name}={value!r} is not supported by speculative_kernels.generate ({why})")
+    known = classified_fields()
+    for name in sorted(generation_fields() - known):  # a field of a newer transformers, not yet classified here
+        value = getattr(config, name, None)
+        if value is not None and value != defaults.get(name):
+            raise ValueError(f"{name}={value!r} is a generation setting speculative_kernels does not know yet; "
+                             "it cannot promise to honour it exactly, so it refuses it")
+    if config.use_cache is False:
+        raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache")
+    schedule = config.num_assistant_tokens_schedule
+    if schedule not in (None, "constant"):
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant; pass "
+                         "num_speculative_tokens='auto' to have it chosen from the measured acceptance and costs)")
+    if config.cache_implementation not in (None, "dynamic", "static"):
+        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported; use 'dynamic' "
+                         "(default) or 'static'")
+
+
+def token_ids(name: str, value) -> tuple[int, ...]:
+    """eos_token_id-like values (an id, a list of ids or an integer tensor) -> a tuple of ids >= 0.
+
+    Integral floats (65.0) are ids as in model.generate; strings, bools and fractional numbers are refused by name.
+    """
     if value is None:
         return ()
     if isinstance(value, torch.Tensor):
-        return tuple(int(v) for v in value.flatten().tolist())
-    if isinstance(value, numbers.Integral):
-        return (int(value),)
-    return tuple(int(v) for v in value)
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got a {value.dtype} tensor")
+        items = value.flatten().tolist()
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [value]
+    ids = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, numbers.Real) or isinstance(item, complex):
+            raise TypeError(f"{name} must be a token id (int) or a list of them, got {value!r}")
+        if not float(item).is_integer():
+            raise TypeError(f"{name} must be a token id (int) or a list of them, got {value!r}")
+        if item < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        ids.append(int(item))
+    return tuple(ids)
 
 
-def _check_unsupported(config) -> None:
-    for name, off in _UNSUPPORTED_UNLESS.items():
-        value = getattr(config, name, off)
-        if value is None and off is not None:
-            continue
-        if value != off and not (off is None and value in ((), [], {})):
-            why = _REASONS.get(name, "it cannot be applied exactly across a speculative block")
-            raise ValueError(f"{name}={value!r} is not supported by speculative_kernels.generate ({why})")
-    if config.use_cache is False:
-        raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache")
+def _length(name: str, value, *, allow_zero: bool = True) -> int | float:
+    """A length setting: an int, or a real number as model.generate takes it (generation stops once the length
+    reaches it, so 5.5 new tokens are 6). Returns it unchanged (the caller rounds up)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be >= {0 if allow_zero else 1}, got {value!r}")
+    return value
 
 
-def _check_gamma(num_speculative_tokens) -> int | str:
+def _int_setting(name: str, value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_gamma(num_speculative_tokens, name: str = "num_speculative_tokens") -> int | str:
     if isinstance(num_speculative_tokens, str) and num_speculative_tokens == "auto":
         return "auto"  # the loop calibrates and chooses gamma (gamma.py)
     if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, numbers.Integral):
-        raise TypeError(
-            f"num_speculative_tokens must be an int or 'auto', got {type(num_speculative_tokens).__name__}")
+        raise TypeError(f"{name} must be an int or 'auto', got {type(num_speculative_tokens).__name__}")
     if num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        raise ValueError(f"{name} must be >= 1, got {num_speculative_tokens}")
     return int(num_speculative_tokens)
 
 
-def resolve_plan(model, prompt_length: int, num_speculative_tokens, generation_config, kwargs: dict):
-    """(Plan, leftover model kwargs). kwargs: everything ``generate`` received besides models and input_ids."""
+def _choose_gamma(num_speculative_tokens, sources) -> int | str:
+    """num_speculative_tokens if given; else HF's num_assistant_tokens from the first of ``sources`` (the call's
+    keyword, a given generation_config, the target's and, where HF reads it, the draft's generation_config) that
+    sets it; else the default. Both given and different: an error."""
+    unset = GenerationConfig().num_assistant_tokens  # None in transformers 5 (the merge fills HF's 20 in later)
+    assistant = next((v for v in sources if v is not None and v != unset), None)
+    if num_speculative_tokens is None:
+        if assistant is None:
+            return DEFAULT_NUM_SPECULATIVE_TOKENS
+        return _check_gamma(assistant, "num_assistant_tokens")
+    gamma = _check_gamma(num_speculative_tokens)
+    if assistant is not None and gamma != assistant:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and num_assistant_tokens={assistant!r} "
+                         "disagree; pass one of them")
+    return gamma
+
+
+def _check_generation_config(generation_config) -> None:
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        hint = "; build one with GenerationConfig(**settings)" if isinstance(generation_config, dict) else ""
+        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
+                        f"{type(generation_config).__name__}{hint}")
+
+
+def _has_default_max_length(model, generation_config, kwargs: dict) -> bool:
+    """HF's test (``generate``, transformers 5.x): max_length set nowhere, so HF generates 20 *new* tokens."""
+    return (kwargs.get("max_length") is None
+            and (generation_config is None or generation_config.max_length is None)
+            and model.generation_config.max_length is None)
+
+
+def _max_new_tokens(model, config, prompt_length: int, default_max_length: bool) -> int:
+    """New tokens to generate, as model.generate decides them (``_prepare_generated_length``): max_new_tokens if
+    set; else, for HF's default max_length (20), 20 new tokens capped at max_position_embeddings (with HF's
+    warning); else max_length - prompt length (a prompt as long as max_length is an error, as in HF)."""
+    if config.max_new_tokens is not None:
+        return math.ceil(_length("max_new_tokens", config.max_new_tokens))
+    max_length = _length("max_length", config.max_length)
+    if default_max_length:
+        max_length = max_length + prompt_length
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions is not None:
+            max_length = min(max_length, positions)
+        warnings.warn(f"Using the model-agnostic default `max_length` (={max_length}) to control the generation "
+                      "length. We recommend setting `max_new_tokens` to control the maximum length of the "
+                      "generation.", UserWarning, stacklevel=5)
+    if prompt_length >= max_length:
+        raise ValueError(f"Input length of input_ids is {prompt_length}, but `max_length` is set to {max_length}; "
+                         "increase max_length or, better, set max_new_tokens")
+    return math.ceil(max_length - prompt_length)
+
+
+def _check_callables(streamer, stopping_criteria) -> list:
+    if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                     and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"streamer must have put() and end() methods (a transformers BaseStreamer), got "
+                        f"{type(streamer).__name__}")
+    if not stopping_criteria:
+        return []
+    if not isinstance(stopping_criteria, (list, tuple)):
+        raise TypeError(f"stopping_criteria must be a list of callables (a StoppingCriteriaList), got "
+                        f"{type(stopping_criteria).__name__}")
+    for criterion in stopping_criteria:
+        if not callable(criterion):
+            raise TypeError(f"stopping_criteria must hold callables (input_ids, scores) -> bool, got "
+                            f"{type(criterion).__name__} {criterion!r}")
+    return list(stopping_criteria)
+
+
+def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, generation_config, kwargs: dict,
+                 draft_model=None):
+    """(Plan, leftover model kwargs). kwargs: everything ``generate`` received besides models and input_ids.
+
+    prompt_length: the (decoder) prompt's width, or None to resolve only the settings (lengths left at 0).
+    num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5).
+    """
+    _check_generation_config(generation_config)
     streamer = kwargs.pop("streamer", None)
-    stopping_criteria = kwargs.pop("stopping_criteria", None)
+    criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
     logits_processor = kwargs.pop("logits_processor", None)
     if logits_processor:
         raise ValueError("logits_processor is not supported: pass temperature/top_k/top_p/min_new_tokens instead")
     for name in ("prefix_allowed_tokens_fn", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{name} is not supported by speculative_kernels.generate")
+    for name in ("max_new_tokens", "max_length"):  # before HF's own checks, which fail on odd types unclearly
+        if kwargs.get(name) is not None:
+            _length(name, kwargs[name])
+    for name in ("min_new_tokens", "min_length"):
+        if kwargs.get(name) is not None:
+            _int_setting(name, kwargs[name])
+    for name in _TOKEN_ID_FIELDS:
+        token_ids(name, kwargs.get(name))
     zero_new = kwargs.get("max_new_tokens") == 0  # HF refuses 0; here it means "return the prompt"
     if zero_new:
         kwargs["max_new_tokens"] = 1
+    default_max_length = _has_default_max_length(model, generation_config, kwargs)
+    gamma = _choose_gamma(num_speculative_tokens, [
+        kwargs.get("num_assistant_tokens"), getattr(generation_config, "num_assistant_tokens", None),
+        model.generation_config.num_assistant_tokens,
+        getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if zero_new:
         config.max_new_tokens = 0
-    _check_unsupported(config)
+    _check_refused(config)
 
     if config.do_sample:
         sampling = Sampling(*check_sampling_params(config.temperature, config.top_k or 0, config.top_p))
@@ -145,26 +386,21 @@ def resolve_plan(model, prompt_length: int, num_speculative_tokens, generation_c
     else:
         sampling = Sampling(0.0, 0, 1.0)
 
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = config.max_length - prompt_length
-    if max_new < 0:
-        raise ValueError(
-            f"max_length={config.max_length} is shorter than the prompt ({prompt_length} tokens); "
-            "set max_new_tokens instead"
-        )
-    min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt_length, 0)
-    eos = _int_list(config.eos_token_id)
-    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-    criteria = list(stopping_criteria) if stopping_criteria else []
-    if config.cache_implementation not in (None, "dynamic", "static"):
-        raise ValueError(
-            f"cache_implementation={config.cache_implementation!r} is not supported; use 'dynamic' (default) or 'static'"
-        )
+    max_new = min_new = 0
+    if prompt_length is not None:
+        max_new = _max_new_tokens(model, config, prompt_length, default_max_length)
+        min_new = max(_int_setting("min_new_tokens", config.min_new_tokens),
+                      _int_setting("min_length", config.min_length) - prompt_length, 0)
+    eos = token_ids("eos_token_id", config.eos_token_id)
+    pad_ids = token_ids("pad_token_id", config.pad_token_id)
+    if len(pad_ids) > 1:
+        raise TypeError(f"pad_token_id must be one token id, got {config.pad_token_id!r}")
+    pad = pad_ids[0] if pad_ids else (eos[0] if eos else None)
+    for name in _TOKEN_ID_FIELDS:
+        token_ids(name, getattr(config, name))
     plan = Plan(
         sampling=sampling,
-        num_speculative_tokens=_check_gamma(num_speculative_tokens),
+        num_speculative_tokens=gamma,
         max_new_tokens=int(max_new),
         min_new_tokens=int(min_new),
         eos_token_ids=eos,

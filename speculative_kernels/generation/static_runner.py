@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .compaction import SlotCompactor
+from .memory import check_free_memory  # noqa: F401 (also imported from here by seq2seq_static and tests)
 from .runner import DecoderRunner, hole_rejected_slots
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -369,21 +370,6 @@ def static_memory_bytes(models, batch: int, capacity: int, gamma: int) -> dict:
     element = max(torch.empty((), dtype=layout.dtype).element_size() for layout in layouts)
     attention = batch * (gamma + 1) * capacity * (element + 2)  # the additive mask and its bool precursor
     return {"kv_caches": caches, "slot_masks": masks, "attention_mask": attention, "total": caches + masks + attention}
-
-
-def check_free_memory(required: dict, device: torch.device, what: str) -> None:
-    """Raise before allocating when ``required['total']`` bytes exceed the device's free memory (CUDA only)."""
-    if device.type != "cuda":
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch, reusable
-    if required["total"] > free:
-        gib = 2.0**30
-        parts = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in required.items() if k != "total")
-        raise MemoryError(
-            f"{what} needs {required['total'] / gib:.2f} GiB ({parts}) but only {free / gib:.2f} GiB are free on "
-            f"{device}; lower the batch size or max_new_tokens, or use the dynamic cache"
-        )
 
 
 def static_runner_factory(target, draft, *, batch: int, prompt_width: int, max_new_tokens: int, gamma: int,

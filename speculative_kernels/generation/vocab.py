@@ -36,6 +36,24 @@ def check_tokenizers(tokenizer, assistant_tokenizer) -> None:
         )
 
 
+def _vocabulary_size(model) -> int:
+    embeddings = model.get_input_embeddings()
+    size = getattr(embeddings, "num_embeddings", None)
+    return int(size) if size is not None else int(model.config.get_text_config().vocab_size)
+
+
+def check_ids_in_vocabulary(model, name: str, ids: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless every id is in [0, vocabulary size) of ``model``'s input embedding (HF
+    fails on such ids with an IndexError inside the embedding). One host read, before decoding starts."""
+    if ids.numel() == 0:
+        return
+    vocab = _vocabulary_size(model)
+    low, high = torch.aminmax(ids)
+    if int(low) < 0 or int(high) >= vocab:
+        bad = int(low) if int(low) < 0 else int(high)
+        raise ValueError(f"{name} holds id {bad}, outside the vocabulary [0, {vocab}) of the model's embedding")
+
+
 class VocabBridge:
     """Maps draft logits onto the target vocabulary and target tokens onto draft inputs."""
 

@@ -43,8 +43,9 @@ def verify(
     in 0..K). Exactly the target's distribution under HF's warping with the same temperature/top_k/top_p.
 
     ``check`` (default: on, except while compiling or capturing a CUDA graph) reads the result on the host and raises
-    ``ValueError`` for non-finite logits or out-of-range draft tokens; unchecked, such rows come back with
-    num_accepted == -1 and all tokens -1 for the caller to test.
+    ``ValueError`` for non-finite logits (raw, or after the division by temperature when sampling), out-of-range
+    draft tokens, or an out-of-range seed/offset tensor; unchecked, such logit/token rows come back with
+    num_accepted == -1 and all tokens -1 for the caller to test (seed/offset: see ``validation.py``).
     """
     check_logits("target_logits", target_logits, 3)
     check_tokens("draft_tokens", draft_tokens, 2)
@@ -68,8 +69,8 @@ def verify(
         target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed_rows, offset_rows, per_row
     )
     if should_check(check):
-        raise_for_invalid_rows(num_accepted, target_logits=target_logits, draft_logits=draft_logits,
-                               draft_tokens=draft_tokens)
+        raise_for_invalid_rows(num_accepted, temperature=temperature, seed=seed_rows, offset=offset_rows,
+                               target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
     return tokens, num_accepted
 
 
@@ -88,7 +89,8 @@ def sample(
     """Draft-side sampler: one token per row from softmax(warp(logits)) (argmax when temperature == 0).
 
     logits: [B, V]. Returns [B] int64. Uses its own Philox stream, so reusing (seed, offset) with ``verify`` never
-    reuses random numbers. Unchecked, a row with non-finite logits comes back as -1.
+    reuses random numbers. Unchecked, a row with non-finite logits (raw, or after the division by temperature) comes
+    back as -1.
     """
     check_logits("logits", logits, 2)
     temperature, top_k, top_p = check_sampling_params(temperature, top_k, top_p)
@@ -96,5 +98,5 @@ def sample(
     seed_rows, offset_rows, per_row = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
     tokens = impl.sample(logits, temperature, top_k, top_p, seed_rows, offset_rows, per_row)
     if should_check(check):
-        raise_for_invalid_rows(tokens, logits=logits)
+        raise_for_invalid_rows(tokens, temperature=temperature, seed=seed_rows, offset=offset_rows, logits=logits)
     return tokens

@@ -3,6 +3,8 @@
 import torch
 
 from .reference import invalid_rows
+from .validation import MAX_OFFSET, bad_randomness
+from .warping import scale_logits
 
 
 def should_check(check: bool | None) -> bool:
@@ -14,24 +16,47 @@ def should_check(check: bool | None) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def raise_for_invalid_rows(flags: torch.Tensor, **inputs) -> None:
-    """Raise ValueError if any entry of ``flags`` ([B]) is -1, naming the offending input and rows.
+def _rows(mask: torch.Tensor) -> list[int]:
+    return mask.nonzero().flatten().tolist()
 
-    One host read of ``flags``; the inputs are only inspected after a failure.
+
+def raise_for_invalid_rows(flags: torch.Tensor, *, temperature: float = 0.0, seed: torch.Tensor | None = None,
+                           offset: torch.Tensor | None = None, **inputs) -> None:
+    """Raise ValueError if any entry of ``flags`` ([B]) is -1, or (given seed/offset [B]) a row's seed or offset is
+    out of range, naming the offending input and rows.
+
+    One host read of the combined flags; the inputs are only inspected after a failure. ``temperature`` > 0: the
+    logits were scaled by it, so a logit that overflows float32 when scaled is named too.
     """
-    bad = (flags < 0).nonzero().flatten().tolist()
+    failed = flags < 0
+    if seed is not None:
+        failed = failed | bad_randomness(seed, offset)
+    bad = _rows(failed)
     if not bad:
         return
+    if seed is not None:
+        for name, value in (("seed", seed), ("offset", offset)):
+            out_of_range = (value < 0) | (value >= MAX_OFFSET) if name == "offset" else value < 0
+            rows = _rows(out_of_range)
+            if rows:
+                limit = "2**32" if name == "offset" else "2**63"
+                raise ValueError(f"{name} must be in [0, {limit}), got {int(value[rows[0]])} (batch rows {rows})")
+    vocab = inputs["target_logits"].shape[-1] if "target_logits" in inputs else None
     for name, tensor in inputs.items():
         if tensor is None:
             continue
         if tensor.is_floating_point():
-            rows = invalid_rows(tensor).nonzero().flatten().tolist()
+            rows = _rows(invalid_rows(tensor))
             if rows:
                 raise ValueError(f"{name} has NaN, +inf or an all -inf row in batch rows {rows}; no token emitted")
-        else:
-            vocab = inputs["target_logits"].shape[-1]
-            rows = ((tensor < 0) | (tensor >= vocab)).any(dim=-1).nonzero().flatten().tolist()
+            if temperature > 0.0:
+                rows = _rows(invalid_rows(scale_logits(tensor, temperature)))
+                if rows:
+                    raise ValueError(
+                        f"{name} divided by temperature={temperature!r} is not finite (a logit overflows float32, "
+                        f"or every logit becomes -inf) in batch rows {rows}; no token emitted")
+        elif vocab is not None:
+            rows = _rows(((tensor < 0) | (tensor >= vocab)).any(dim=-1))
             if rows:
                 raise ValueError(f"{name} has ids outside [0, {vocab}) in batch rows {rows}")
     raise ValueError(f"invalid input in batch rows {bad}")

@@ -14,7 +14,10 @@ Philox counters, see ``philox.py``). Leviathan et al. 2023, Algorithm 1:
 * Greedy (temperature == 0): accept while x_i == argmax z_i (first index on ties, float32 logits), then emit
   argmax z_n. top_k / top_p cannot change an argmax, so they are irrelevant there.
 * A row with NaN or +inf in any of its logits, a row whose logits are all -inf, or a draft token outside [0, V)
-  is invalid: its num_accepted is -1 and its tokens are all -1 (the public op turns that into an error).
+  is invalid: its num_accepted is -1 and its tokens are all -1 (the public op turns that into an error). When
+  sampling, the same test applies to the scaled logits z = float32(logits) / temperature, what the softmax sees:
+  a finite logit that overflows float32 when scaled (3e38 at temperature 0.5), or a row that every logit leaves
+  for -inf, is invalid too (HF's sampler raises on the NaN probabilities such a row gives).
 """
 
 import torch
@@ -27,7 +30,7 @@ from .philox import (
     philox_first_word,
     uniform_from_bits,
 )
-from .warping import warp_logits
+from .warping import scale_logits, warp_logits
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -111,12 +114,16 @@ def verify_reference(
         next_token = best.gather(1, n.unsqueeze(1)).squeeze(1)
         return _emit(tokens, n, next_token, invalid)
 
-    p = torch.softmax(warp_logits(target_logits, temperature, top_k, top_p), dim=-1)  # [B, K+1, V]
+    z = scale_logits(target_logits, temperature)  # [B, K+1, V] float32; validity is judged on what softmax sees
+    invalid |= invalid_rows(z)
+    p = torch.softmax(warp_logits(z, 1.0, top_k, top_p), dim=-1)  # [B, K+1, V]
     if draft_logits is None:
         q = torch.zeros(batch, num_draft, vocab, dtype=torch.float32, device=p.device)
         q.scatter_(-1, safe_tokens, 1.0)
     else:
-        q = torch.softmax(warp_logits(draft_logits, temperature, top_k, top_p), dim=-1)
+        z_draft = scale_logits(draft_logits, temperature)
+        invalid |= invalid_rows(z_draft)
+        q = torch.softmax(warp_logits(z_draft, 1.0, top_k, top_p), dim=-1)
     p_x = p[:, :num_draft].gather(-1, safe_tokens).squeeze(-1)
     q_x = q.gather(-1, safe_tokens).squeeze(-1)
     r = accept_uniforms(seed, offset, seed_per_row, num_draft)
@@ -143,14 +150,17 @@ def sample_reference(
 ) -> torch.Tensor:
     """Reference draft sampler: one token per row from softmax(warp(logits)), or argmax when temperature == 0.
 
-    logits: [B, V]; seed, offset: [B] int64. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits.
-    Uses the STREAM_DRAFT counters, so it never reuses numbers that verify draws with the same seed and offset.
+    logits: [B, V]; seed, offset: [B] int64. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits
+    (when sampling: scaled logits, see the module docstring). Uses the STREAM_DRAFT counters, so it never reuses
+    numbers that verify draws with the same seed and offset.
     """
     invalid = invalid_rows(logits)
     if temperature == 0.0:
         token = logits.to(torch.float32).argmax(dim=-1)
     else:
-        p = torch.softmax(warp_logits(logits, temperature, top_k, top_p), dim=-1)
+        z = scale_logits(logits, temperature)
+        invalid |= invalid_rows(z)
+        p = torch.softmax(warp_logits(z, 1.0, top_k, top_p), dim=-1)
         stream = torch.full_like(seed, STREAM_DRAFT)
         token = race(p, race_noise(seed, offset, seed_per_row, stream, logits.shape[-1]))
     return token.masked_fill(invalid, -1)

@@ -5,7 +5,8 @@ positions i = 0..K-1, so a batch entry owns NR = K+1 (+K) workspace rows. Every 
 chunks handled by separate programs, so a batch of one still fills the GPU.
 
 1. ``stats_kernel``   grid (B*(K+1), C): per (row, chunk) online-softmax (max, sum exp) of the warped z, or
-                      (max, first argmax) of the float32 logits for greedy, and validity flags.
+                      (max, first argmax) of the float32 logits for greedy, and validity flags (of the scaled z
+                      when sampling, of the logits for greedy; ``reference.py``).
 2. ``race_kernel``    grid (B, C2): combines the partials (every program of a batch entry does the same, cheap,
                       deterministic combine), gathers p_i(x_i), q_i(x_i), runs the accept test, then an exponential
                       race over its chunk of max(0, p_n - q_n) and of p_n (the zero-residual fallback).
@@ -36,16 +37,28 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
-    """float32 logits x at vocabulary ids v -> warped z (entries outside the (value, index) cut set to -inf)."""
+def _scale(x, temperature, SCALE: tl.constexpr):
+    """float32 logits x -> z = x / temperature (correctly rounded)."""
     if SCALE:
         z = tl.math.div_rn(x, tl.cast(temperature, tl.float32))  # inductor passes a python float as fp64
     else:
         z = x
+    return z
+
+
+@triton.jit
+def _cut(z, v, cut_value, cut_index, HAS_CUT: tl.constexpr):
+    """Scaled logits z at vocabulary ids v -> entries outside the (value, index) cut set to -inf."""
     if HAS_CUT:
         keep = (z > cut_value) | ((z == cut_value) & (v >= cut_index))
         z = tl.where(keep, z, float("-inf"))
     return z
+
+
+@triton.jit
+def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
+    """float32 logits x at vocabulary ids v -> warped z (entries outside the (value, index) cut set to -inf)."""
+    return _cut(_scale(x, temperature, SCALE), v, cut_value, cut_index, HAS_CUT)
 
 
 @triton.jit
@@ -74,13 +87,15 @@ def _row_chunk_stats(
     for base in range(start, end, BLOCK_V):
         v = base + offs
         x = tl.load(x_ptr + v.to(tl.int64) * stride_v, mask=v < end, other=float("-inf")).to(tl.float32)
-        flags = flags | _chunk_flags(x)
         if GREEDY:
+            flags = flags | _chunk_flags(x)
             better = x > best  # strict: a lane keeps its first (lowest) index on ties
             best = tl.where(better, x, best)
             best_idx = tl.where(better, v, best_idx)
         else:
-            z = _warp(x, v, temperature, cut_value, cut_index, SCALE, HAS_CUT)
+            z = _scale(x, temperature, SCALE)
+            flags = flags | _chunk_flags(z)  # judged after scaling: a logit that overflows invalidates the row
+            z = _cut(z, v, cut_value, cut_index, HAS_CUT)
             m_new = tl.maximum(m, tl.max(z, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * precise_exp(m - m_safe, PRECISE) + tl.sum(precise_exp(z - m_safe, PRECISE), 0)

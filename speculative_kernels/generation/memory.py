@@ -1,0 +1,43 @@
+"""Checking that an allocation fits before making it, on every device: a clear ``MemoryError`` naming what needs
+the memory, instead of a failure deep in the allocator (or, on the CPU, swapping and the OOM killer)."""
+
+import os
+
+import torch
+
+GIB = 2.0**30
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can still get: CUDA's free memory plus what torch's caching allocator holds
+    unused; on the CPU the system's available memory (``MemAvailable``); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def check_free_memory(required: dict, device: torch.device, what: str) -> None:
+    """Raise MemoryError before allocating when ``required['total']`` bytes exceed what ``device`` has free.
+
+    required: {part: bytes, ..., "total": bytes}; what: the allocation, in words (for the message)."""
+    free = free_bytes(device)
+    if free is None or required["total"] <= free:
+        return
+    parts = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in required.items() if k != "total")
+    raise MemoryError(
+        f"{what} needs {required['total'] / GIB:.2f} GiB ({parts}) but only {free / GIB:.2f} GiB are free on "
+        f"{device}; lower the batch size or max_new_tokens"
+    )

@@ -1,0 +1,399 @@
+"""The contract of issue 11: HF's defaults, nothing silently ignored, a non-finite value never becomes a token.
+
+One test per reproduction of the issue, and a table of bad inputs across the public surface (``generate``, the
+ops, ``SpeculativeDecoder``, the CLI): each row names the input, the error class and the words the error must say.
+"""
+
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import speculative_kernels as sk
+from models import llama
+from speculative_kernels import ops
+from speculative_kernels.cli import main
+from speculative_kernels.generation import loop as loop_module
+from speculative_kernels.generation import settings
+
+P = torch.tensor([[1, 17, 42, 70, 7]])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=3)
+
+
+def _hf(target, ids, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return target.generate(ids, **kwargs)
+
+
+# ---- 1. a non-finite value after temperature scaling is never a token --------------------------------------------
+def test_tiny_temperature_is_refused_not_token_zero(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="temperature=1e-40 is below float32's smallest normal"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=6, do_sample=True, temperature=1e-40)
+
+
+def test_target_logits_that_overflow_when_scaled_raise(pair):
+    """A target whose logits are finite but overflow float32 at temperature 0.5 (a row of 3e38 logits)."""
+    target, draft = pair
+    huge = llama()
+    with torch.no_grad():
+        huge.lm_head.weight.zero_()
+        huge.lm_head.bias = None
+        huge.lm_head.weight[5] = 1e30  # logit of token 5 ~ 1e30 * sum(hidden): finite, but / 0.5 overflows or not
+    ids = P.clone()
+    with torch.no_grad():
+        logits = huge(ids).logits[0, -1]
+        assert torch.isfinite(logits).all()
+        huge.lm_head.weight[5] *= 3e38 / float(logits.abs().max())  # largest logit ~3e38: finite, 6e38 scaled
+        assert torch.isfinite(huge(ids).logits).all()
+    with pytest.raises(ValueError, match="divided by temperature=0.5 is not finite"):
+        sk.generate(huge, ids, draft_model=draft, max_new_tokens=4, do_sample=True, temperature=0.5)
+
+
+# ---- 2. the default length is HF's ---------------------------------------------------------------------------------
+def test_default_length_matches_model_generate(pair):
+    target, draft = pair
+    for ids in (P, torch.randint(3, 97, (1, 25), generator=torch.Generator().manual_seed(0))):
+        expected = _hf(target, ids)
+        with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
+            got = sk.generate(target, ids, draft_model=draft)
+        assert torch.equal(got, expected) and got.shape[1] == ids.shape[1] + 20
+
+
+def test_default_length_is_capped_by_the_context_like_hf():
+    target, draft = llama(), llama(layers=1, seed=3)
+    for model in (target, draft):
+        model.config.max_position_embeddings = 30
+    ids = torch.randint(3, 97, (1, 25), generator=torch.Generator().manual_seed(1))
+    expected = _hf(target, ids)
+    with pytest.warns(UserWarning):
+        got = sk.generate(target, ids, draft_model=draft)
+    assert torch.equal(got, expected) and got.shape[1] == 30
+
+
+def test_explicit_max_length_counts_the_prompt_like_hf(pair):
+    target, draft = pair
+    assert torch.equal(sk.generate(target, P, draft_model=draft, max_length=12), _hf(target, P, max_length=12))
+    with pytest.raises(ValueError, match="Input length of input_ids is 5, but `max_length` is set to 5"):
+        sk.generate(target, P, draft_model=draft, max_length=5)
+    target.generation_config.max_length = 9  # a checkpoint's own max_length is a total length, as in HF
+    try:
+        assert torch.equal(sk.generate(target, P, draft_model=draft), _hf(target, P))
+        assert sk.generate(target, P, draft_model=draft).shape[1] == 9
+    finally:
+        target.generation_config.max_length = None
+
+
+# ---- 3. every GenerationConfig field is honoured or refused by name ----------------------------------------------
+def test_every_generation_config_field_is_classified():
+    """A field of the installed transformers that none of the tables names fails here (classify it in
+    settings.py: honoured, no effect, or refused); stale names fail too."""
+    fields = set(GenerationConfig().to_dict())
+    assert fields == settings.generation_fields()
+    tables = [set(settings.HONOURED), set(settings.NO_EFFECT), set(settings.REFUSED_UNLESS)]
+    assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
+    assert fields - settings.classified_fields() == set(), "unclassified GenerationConfig fields"
+    assert settings.classified_fields() - fields == set(), "names in the tables that GenerationConfig lacks"
+
+
+def test_an_unclassified_field_is_refused_at_run_time(pair, monkeypatch):
+    """What a newer transformers adds is refused by name when set, until settings.py classifies it."""
+    target, draft = pair
+    monkeypatch.delitem(settings.REFUSED_UNLESS, "token_healing")
+    with pytest.raises(ValueError, match="token_healing=True is a generation setting speculative_kernels does not"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3, token_healing=True)
+
+
+# A value that is not "off" for every refused field (a new refused field needs one here).
+REFUSED_SAMPLES = {
+    "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "num_return_sequences": 2,
+    "repetition_penalty": 1.2, "encoder_repetition_penalty": 1.2, "no_repeat_ngram_size": 2,
+    "encoder_no_repeat_ngram_size": 2, "bad_words_ids": [[5]], "force_words_ids": [[5]], "constraints": ["x"],
+    "sequence_bias": {(5,): 1.0}, "min_p": 0.1, "top_h": 0.5, "typical_p": 0.9, "epsilon_cutoff": 1e-3,
+    "eta_cutoff": 1e-3, "penalty_alpha": 0.6, "guidance_scale": 1.5, "watermarking_config": {"bias": 2.0},
+    "suppress_tokens": [5], "begin_suppress_tokens": [5], "exponential_decay_length_penalty": (3, 1.1),
+    "renormalize_logits": True, "remove_invalid_values": True, "output_attentions": True,
+    "output_hidden_states": True, "max_time": 10.0, "stop_strings": ["x"], "token_healing": True,
+    "low_memory": True, "dola_layers": "high", "use_mtp": True, "prompt_lookup_num_tokens": 3,
+    "max_matching_ngram_size": 2, "assistant_early_exit": 1, "assistant_confidence_threshold": 0.2,
+    "assistant_lookbehind": 5, "target_lookbehind": 5, "assistant_ensemble_weight": 0.5,
+    "cache_config": {"backend": "quanto"}, "max_cache_len": 64, "compile_config": {"fullgraph": True},
+    "prefill_chunk_size": 4, "continuous_batching_config": {"x": 1}, "speculation_type": "dflash",
+}
+
+
+def test_refused_samples_cover_the_table():
+    assert set(REFUSED_SAMPLES) == set(settings.REFUSED_UNLESS)
+
+
+@pytest.mark.parametrize("name", sorted(settings.REFUSED_UNLESS))
+def test_each_refused_field_raises_naming_it(pair, name):
+    target, draft = pair
+    with pytest.raises(ValueError, match=name):  # our message, or HF's own check where it comes first
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3, **{name: REFUSED_SAMPLES[name]})
+
+
+@pytest.mark.parametrize("name", ["num_assistant_tokens_schedule", "cache_implementation", "use_cache"])
+def test_honoured_fields_refuse_what_they_cannot_do(pair, name):
+    target, draft = pair
+    value = {"num_assistant_tokens_schedule": "heuristic", "cache_implementation": "offloaded",
+             "use_cache": False}[name]
+    with pytest.raises(ValueError, match=name):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3, **{name: value})
+
+
+def test_num_assistant_tokens_is_gamma(pair):
+    target, draft = pair
+    expected = _hf(target, P, max_new_tokens=12)
+    for source in ("kwarg", "generation_config", "draft_config"):
+        stats = sk.SpeculationStats()
+        if source == "kwarg":
+            got = sk.generate(target, P, draft_model=draft, max_new_tokens=12, num_assistant_tokens=3,
+                              speculation_stats=stats)
+        elif source == "generation_config":
+            got = sk.generate(target, P, draft_model=draft, speculation_stats=stats,
+                              generation_config=GenerationConfig(max_new_tokens=12, num_assistant_tokens=3))
+        else:
+            draft.generation_config.num_assistant_tokens = 3  # where HF's assisted generation reads it
+            try:
+                got = sk.generate(target, P, draft_model=draft, max_new_tokens=12, speculation_stats=stats)
+            finally:
+                draft.generation_config.num_assistant_tokens = None
+        assert torch.equal(got, expected)
+        assert stats.num_speculative_tokens == 3 and len(stats.accepted_histogram) == 4, source
+    stats = sk.SpeculationStats()
+    sk.generate(target, P, draft_model=draft, max_new_tokens=12, speculation_stats=stats)
+    assert stats.num_speculative_tokens == settings.DEFAULT_NUM_SPECULATIVE_TOKENS  # not HF's 20
+    with pytest.raises(ValueError, match="num_speculative_tokens=4 and num_assistant_tokens=3 disagree"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=4, num_speculative_tokens=4,
+                    num_assistant_tokens=3)
+
+
+def test_no_effect_fields_change_nothing(pair):
+    target, draft = pair
+    expected = sk.generate(target, P, draft_model=draft, max_new_tokens=8)
+    got = sk.generate(target, P, draft_model=draft, max_new_tokens=8, early_stopping=True, length_penalty=2.0,
+                      disable_compile=True)
+    assert torch.equal(got, expected)
+
+
+# ---- 4. token ids and lengths of odd types -------------------------------------------------------------------------
+def test_eos_token_id_types_as_hf(pair):
+    target, draft = pair
+    first = int(_hf(target, P, max_new_tokens=1)[0, -1])
+    for eos in (first, float(first), [float(first)], torch.tensor([first])):
+        got = sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=eos)
+        assert torch.equal(got, _hf(target, P, max_new_tokens=5, eos_token_id=first)) and got.shape[1] == 6, eos
+    with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=str(first))
+    with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=65.5)
+
+
+def test_fractional_max_new_tokens_as_hf(pair):
+    target, draft = pair
+    expected = _hf(target, P, max_new_tokens=5.5)
+    got = sk.generate(target, P, draft_model=draft, max_new_tokens=5.5)
+    assert torch.equal(got, expected) and got.shape[1] == 5 + 6
+    with pytest.raises(TypeError, match="max_new_tokens must be an int, got str"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens="5")
+
+
+# ---- 6. session statistics ----------------------------------------------------------------------------------------
+def test_session_stats_report_phase_times(pair):
+    target, draft = pair
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(P, max_new_tokens=8)
+    while not session.finished:
+        session.step()
+    stats = session.stats
+    assert stats.draft_time_s > 0 and stats.verify_time_s > 0
+    assert stats.total_time_s >= stats.draft_time_s + stats.verify_time_s
+
+
+# ---- buffers sized by what is generated; gamma capped by what is left -------------------------------------------
+def test_huge_max_new_tokens_allocates_nothing_up_front(pair):
+    target, draft = pair
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4).start(P, max_new_tokens=10**9)
+    loop = session._loop
+    assert loop.sequences.shape[1] < 300 and loop.target_runner.slot_mask.shape[1] < 400
+    for _ in range(3):
+        session.step()
+
+
+def test_buffers_grow_and_output_is_unchanged(pair, monkeypatch):
+    """Tiny initial buffers force many doublings (sequences, scores, slot masks), with rows leaving the batch."""
+    target, draft = pair
+    monkeypatch.setattr(loop_module, "INITIAL_NEW_TOKENS", 2)
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True, eos_token_id=[2, 11, 30])
+    expected = _hf(target, ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores)
+
+
+def test_gamma_is_capped_by_the_tokens_left(pair):
+    target, draft = pair
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, P, draft_model=draft, num_speculative_tokens=1000, max_new_tokens=6,
+                      speculation_stats=stats)
+    assert torch.equal(got, _hf(target, P, max_new_tokens=6))
+    assert stats.draft_forwards <= 5 + 4 + 3 + 2 + 1  # each iteration drafts at most the tokens left, less one
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=1000).start(P, max_new_tokens=6)
+    while not session.finished:
+        left = 6 - int(session._loop.generated[0])
+        session.step()
+        assert session._loop.gamma == left - 1
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, P, draft_model=draft, max_new_tokens=1, speculation_stats=stats)
+    assert torch.equal(got, _hf(target, P, max_new_tokens=1))
+    assert (stats.draft_forwards, stats.target_forwards) == (0, 1)  # one token left: no drafting
+    torch.manual_seed(0)
+    sampled = sk.generate(target, P, draft_model=draft, max_new_tokens=1, do_sample=True, temperature=0.8)
+    assert sampled.shape[1] == 6
+
+
+# ---- bad inputs across the public surface --------------------------------------------------------------------------
+class _NoPut:
+    def end(self):
+        pass
+
+
+def _zero_row_mask():
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    mask[1] = 0
+    return mask
+
+
+GENERATE_ROWS = [
+    # (what, kwargs (input_ids overrides P), error, words)
+    ("list input_ids", dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a torch.Tensor"),
+    ("dict generation_config", dict(generation_config={"max_new_tokens": 3}), TypeError,
+     "generation_config must be a transformers.GenerationConfig, got dict"),
+    ("list attention_mask", dict(attention_mask=[[1, 1, 1, 1, 1]]), TypeError, "attention_mask must be a torch.Tensor"),
+    ("all-zero mask row", dict(input_ids=torch.cat([P, P]), attention_mask=_zero_row_mask(), pad_token_id=0),
+     ValueError, "attention_mask is all zeros in batch rows \\[1\\]"),
+    ("tokenizer='x'", dict(tokenizer="x"), TypeError, "tokenizer must be a transformers tokenizer"),
+    ("batching='x'", dict(batching="x"), TypeError, "batching must be a speculative_kernels BatchingOptions"),
+    ("streamer without put", dict(streamer=_NoPut()), TypeError, "streamer must have put\\(\\) and end\\(\\)"),
+    ("stopping_criteria=[1]", dict(stopping_criteria=[1]), TypeError, "stopping_criteria must hold callables"),
+    ("max_new_tokens='5'", dict(max_new_tokens="5"), TypeError, "max_new_tokens must be an int, got str"),
+    ("max_new_tokens=-1", dict(max_new_tokens=-1), ValueError, "max_new_tokens must be >= 0"),
+    ("min_new_tokens=2.5", dict(min_new_tokens=2.5), TypeError, "min_new_tokens must be an int"),
+    ("prompt id outside vocabulary", dict(input_ids=torch.tensor([[1, 500, 3]])), ValueError,
+     "input_ids holds id 500, outside the vocabulary \\[0, 97\\)"),
+    ("eos_token_id='65'", dict(eos_token_id="65"), TypeError, "eos_token_id must be a token id"),
+    ("pad_token_id='x'", dict(pad_token_id="x"), TypeError, "pad_token_id must be a token id"),
+    ("temperature=1e-40", dict(do_sample=True, temperature=1e-40), ValueError, "temperature=1e-40"),
+    ("num_speculative_tokens=0", dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be >= 1"),
+    ("num_assistant_tokens=0", dict(num_assistant_tokens=0), ValueError, "num_assistant_tokens must be >= 1"),
+    ("prompt_lookup_num_tokens", dict(prompt_lookup_num_tokens=3), ValueError, "prompt_lookup_num_tokens=3"),
+    ("diversity_penalty", dict(diversity_penalty=0.5), ValueError, "diversity_penalty=0.5"),
+    ("max_new_tokens=inf", dict(max_new_tokens=float("inf")), ValueError, "max_new_tokens must be finite"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,error,words", GENERATE_ROWS, ids=[r[0] for r in GENERATE_ROWS])
+def test_bad_generate_inputs(pair, what, kwargs, error, words):
+    target, draft = pair
+    kwargs = {"input_ids": P, "max_new_tokens": 3, **kwargs}
+    with pytest.raises(error, match=words):
+        sk.generate(target, kwargs.pop("input_ids"), draft_model=draft, **kwargs)
+
+
+DECODER_ROWS = [r for r in GENERATE_ROWS if "batching" not in r[1]]  # SpeculativeDecoder takes no batching
+
+
+@pytest.mark.parametrize("what,kwargs,error,words", DECODER_ROWS, ids=[r[0] for r in DECODER_ROWS])
+def test_bad_decoder_inputs(pair, what, kwargs, error, words):
+    """The same inputs through SpeculativeDecoder.start (streamer is refused there for its own reason)."""
+    target, draft = pair
+    kwargs = {"input_ids": P, "max_new_tokens": 3, **kwargs}
+    helpers = {k: kwargs.pop(k) for k in ("tokenizer", "num_speculative_tokens") if k in kwargs}
+    if "streamer" in kwargs:
+        error, words = ValueError, "streamer is not available on a session"
+    decoder = sk.SpeculativeDecoder(target, draft, **helpers)
+    with pytest.raises(error, match=words):
+        decoder.start(kwargs.pop("input_ids"), **kwargs)
+
+
+def _logits(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+OPS_ROWS = [
+    ("B=0 verify", lambda: ops.verify(_logits(0, 3, 8), None, torch.zeros(0, 2, dtype=torch.int64)), ValueError,
+     "target_logits has an empty batch"),
+    ("B=0 sample", lambda: ops.sample(_logits(0, 8)), ValueError, "logits has an empty batch"),
+    ("offset tensor 2**32", lambda: ops.sample(_logits(2, 8), seed=0, offset=torch.tensor(2**32)), ValueError,
+     "offset must be in \\[0, 2\\*\\*32\\)"),
+    ("seed tensor -1", lambda: ops.sample(_logits(2, 8), seed=torch.tensor(-1)), ValueError,
+     "seed must be in \\[0, 2\\*\\*63\\)"),
+    ("seed float", lambda: ops.sample(_logits(2, 8), seed=1.5), TypeError, "seed must be an int"),
+    ("temperature 1e-40", lambda: ops.sample(_logits(2, 8), temperature=1e-40, seed=0), ValueError,
+     "temperature=1e-40"),
+    ("logit 3e38 at T 0.5", lambda: ops.verify(_logits(1, 2, 8).index_fill_(2, torch.tensor([3]), 3e38), None,
+                                                torch.zeros(1, 1, dtype=torch.int64), temperature=0.5, seed=0),
+     ValueError, "target_logits divided by temperature=0.5 is not finite"),
+    ("list logits", lambda: ops.sample([[0.0, 1.0]]), TypeError, "logits must be a torch.Tensor"),
+    ("top_k float", lambda: ops.sample(_logits(2, 8), top_k=2.0, seed=0), TypeError, "top_k must be an int"),
+]
+
+
+@pytest.mark.parametrize("what,call,error,words", OPS_ROWS, ids=[r[0] for r in OPS_ROWS])
+def test_bad_op_inputs(what, call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+CLI_ROWS = [
+    ("--device tpu", ["--device", "tpu"], "--device 'tpu' is not a device name"),
+    ("--device cuda without CUDA", ["--device", "cuda"], "CUDA is not available"),
+    ("--backend cuda on cpu", ["--device", "cpu", "--backend", "cuda"], "--backend cuda: backend 'cuda' cannot run"),
+    ("--top-k when greedy", ["--top-k", "5"], "--top-k/--top-p only apply when sampling"),
+    ("--top-p when greedy", ["--top-p", "0.5"], "--top-k/--top-p only apply when sampling"),
+    ("--max-new-tokens beyond the context", ["--max-new-tokens", "1000000000"],
+     "exceeds the target's context length"),
+    ("--top-p 0 when sampling", ["--temperature", "0.7", "--top-p", "0"], "top_p must be in"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA rows assume a machine without CUDA")
+@pytest.mark.parametrize("what,argv,words", CLI_ROWS, ids=[r[0] for r in CLI_ROWS])
+def test_bad_cli_inputs(cli_pair, capsys, what, argv, words):
+    target, draft = cli_pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "def f(x):",
+                 "--max-new-tokens", "4", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, no traceback
+    assert pytest.importorskip("re").search(words, err), err
+
+
+@pytest.fixture(scope="module")
+def cli_pair(tmp_path_factory):
+    from tiny_checkpoints import save_decoder_pair
+
+    return save_decoder_pair(tmp_path_factory.mktemp("contract_pair"))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_default_length_matches_model_generate_encoder_decoder(family):
+    """The same rule over the decoder sequence: 20 new decoder tokens (it was 19)."""
+    import seq2seq_models
+
+    make = getattr(seq2seq_models, family)
+    target, draft = make(), make(layers=1, seed=5)
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(3))
+    target.generation_config.eos_token_id = draft.generation_config.eos_token_id = None  # run to the limit
+    expected = _hf(target, ids)
+    with pytest.warns(UserWarning, match="model-agnostic default"):
+        got = sk.generate(target, ids, draft_model=draft)
+    assert torch.equal(got, expected) and got.shape[1] == 21
