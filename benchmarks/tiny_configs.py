@@ -69,6 +69,8 @@ def tiny_config(model_type: str, **overrides):
     if getattr(config, "is_encoder_decoder", False):
         config.decoder_start_token_id = 0
     config.use_cache = True  # some configs (MPT) default to False, which generate refuses
+    if not getattr(config, "is_encoder_decoder", False):
+        config.is_decoder = True  # encoder families (BERT, RoBERTa, ...) generate as decoders only with it
     return config
 
 

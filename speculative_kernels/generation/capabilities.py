@@ -43,6 +43,7 @@ RECURRENT_CONFIG_FIELDS = ("mamba_d_state", "mamba_n_heads", "ssm_state_size", "
 ALIBI_FROM_MASK = ("bloom", "falcon")
 PATHS = ("dynamic", "static", "compile")
 FOUR_D_ATTENTION = ("sdpa", "eager")
+_DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 
 
@@ -113,6 +114,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         if arg not in params:
             _refuse(name, path, f"its forward takes no {arg} (a cache-less or recurrent model); speculative "
                                 "decoding needs a KV cache it can roll back")
+    if not getattr(config, "is_decoder", True) and _source_matches(model, _DECODER_ONLY_CACHE):
+        _refuse(name, path, "config.is_decoder is False, so it runs as a bidirectional encoder without a KV cache; "
+                            "set is_decoder=True to generate with it")
     types, windows = layer_types(config)
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
     if unknown:
@@ -126,6 +130,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     reason = _recurrent_reason(model, config)
     if reason:
         _refuse(name, path, reason)
+    layout = _static_layout_reason(config) if path != "dynamic" else None
+    if layout:
+        _refuse(name, path, layout)
     if CACHELESS_LAYERS & set(types) and path != "dynamic":
         _refuse(name, path, f"layers of type {sorted(CACHELESS_LAYERS & set(types))} (no cache of their own, or "
                             "one shared with another layer) are supported by the dynamic cache only")
@@ -152,8 +159,6 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if mixed and not _takes_mask_dict(model):
         _refuse(name, path, "it mixes full and sliding-window layers but takes a single attention mask")
     if alibi:
-        if path != "dynamic":
-            _refuse(name, path, "ALiBi is built from a 2-D attention mask, and the static cache passes 4-D masks")
         if window is not None:
             _refuse(name, path, "ALiBi together with sliding windows is not supported")
         return ModelSpec(name, mask="2d")
@@ -164,8 +169,8 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window)
 
 
-def _takes_mask_dict(model) -> bool:
-    """Whether the decoder stack accepts a dict of masks keyed by layer type (HF's hybrid-attention models)."""
+def _source_matches(model, pattern: re.Pattern) -> bool:
+    """Whether the forward of the model or of its base (decoder stack) matches ``pattern``."""
     for module in (getattr(model, "base_model", None), model):
         if module is None:
             continue
@@ -173,9 +178,25 @@ def _takes_mask_dict(model) -> bool:
             source = inspect.getsource(type(module).forward)
         except (OSError, TypeError):
             continue
-        if _DICT_MASK.search(source):
+        if pattern.search(source):
             return True
     return False
+
+
+def _takes_mask_dict(model) -> bool:
+    """Whether the decoder stack accepts a dict of masks keyed by layer type (HF's hybrid-attention models)."""
+    return _source_matches(model, _DICT_MASK)
+
+
+def _static_layout_reason(config) -> str | None:
+    """Why the static cache's K/V buffers, sized from the config's head counts, would not fit the model's K/V."""
+    if getattr(config, "kv_lora_rank", None):
+        return ("multi-head latent attention caches keys and values of different head sizes, which the static "
+                "cache's [B, H_kv, C, D] buffers do not describe")
+    if getattr(config, "model_type", "") == "falcon" and getattr(config, "multi_query", False) and not getattr(
+            config, "new_decoder_architecture", False):
+        return "its multi-query K/V (one head) is not what its config's head counts describe"
+    return None
 
 
 def _check_encoder_decoder(model, path: str) -> None:

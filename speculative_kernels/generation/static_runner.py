@@ -287,6 +287,8 @@ class StaticDecoderRunner:
         """Additive [B, 1, T, C]: the query at slot q sees slot s iff s <= q and s is real in its row. Sliding-window
         layers also need s inside q's window (``runner.window_mask``); a model mixing full and sliding layers gets
         both masks in a dict keyed by layer type."""
+        if self.spec.mask == "2d":  # ALiBi models build their bias and causal mask from the slot mask
+            return self.slot_mask
         capacity = self.slot_mask.shape[1]
         causal = torch.arange(capacity, device=slots.device).unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
         allowed = causal.unsqueeze(0) & self.slot_mask.unsqueeze(1).bool()  # [B, T, C]
