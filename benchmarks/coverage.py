@@ -122,6 +122,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     extra = {"cache_implementation": "static"} if static else {}
     if compiled:
         extra["compile"] = CompileOptions(backend="aot_eager")
+        torch._dynamo.reset()  # one process compiles every architecture: start each from dynamo's empty caches
     try:
         got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=GAMMA, speculation_stats=stats,
                           **common, **extra)

@@ -42,6 +42,15 @@ RECURRENT_CONFIG_FIELDS = ("mamba_d_state", "mamba_n_heads", "ssm_state_size", "
 # ALiBi models whose bias is computed from a 2-D attention mask (real positions: cumsum of the mask).
 ALIBI_FROM_MASK = ("bloom", "falcon")
 PATHS = ("dynamic", "static", "compile")
+# Architectures whose failure the generic rules above cannot see from the config or the forward's signature, found
+# by benchmarks/coverage.py: model_type -> (paths refused, reason).
+KNOWN_UNSUPPORTED = {
+    "cpmant": (PATHS, "it builds its own attention mask and position bias from the 2-D mask and cache length, and "
+                      "does not take the runners' 4-D slot masks"),
+    "prophetnet": (PATHS, "its n-gram stream attention builds its own masks and does not take 4-D slot masks"),
+    "mimo_v2_flash": (("static", "compile"), "its sliding-window layers have their own K/V head count, which the "
+                                             "static cache's per-model buffer shape does not describe"),
+}
 FOUR_D_ATTENTION = ("sdpa", "eager")
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
@@ -130,6 +139,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     reason = _recurrent_reason(model, config)
     if reason:
         _refuse(name, path, reason)
+    known = KNOWN_UNSUPPORTED.get(getattr(config, "model_type", ""))
+    if known and path in known[0]:
+        _refuse(name, path, known[1])
     layout = _static_layout_reason(config) if path != "dynamic" else None
     if layout:
         _refuse(name, path, layout)
@@ -190,6 +202,9 @@ def _takes_mask_dict(model) -> bool:
 
 def _static_layout_reason(config) -> str | None:
     """Why the static cache's K/V buffers, sized from the config's head counts, would not fit the model's K/V."""
+    if getattr(config, "per_layer_config", None):
+        return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
+                "shape does not describe")
     if getattr(config, "kv_lora_rank", None):
         return ("multi-head latent attention caches keys and values of different head sizes, which the static "
                 "cache's [B, H_kv, C, D] buffers do not describe")
