@@ -209,12 +209,32 @@ def render(rows, version: str) -> str:
         "",
         "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens.",
         "",
+        "## How each family is handled",
+        "",
+        "* **Full attention** (Llama, Qwen, GPT-2, OPT, ...; the decoders of BERT-like families with "
+        "`is_decoder=True`): every path.",
+        "* **Sliding windows** (Mistral, Mixtral, Starcoder2, Phi3, Qwen2 with windows; Gemma2/3, Cohere2, GPT-OSS "
+        "interleaving local and global layers): the caches keep every slot (a rollback can restore what a window "
+        "would have evicted) and the window is applied in the 4-D mask over each row's real positions (HF's rule "
+        "`q - k < window`); models mixing both layer kinds get a dict of masks keyed by layer type. Every path.",
+        "* **ALiBi from the mask** (Bloom, Falcon with `alibi=True`): they get the 2-D slot mask, from which they build "
+        "per-row ALiBi over real positions and their causal mask. Every path.",
+        "* **Positions from cache slots** (no `position_ids`: BART-style decoders used alone, MPT's ALiBi over key "
+        "slots, ...): exact at batch 1 (no holes); batch > 1 is refused, since rejected drafts leave holes.",
+        "* **Recurrent, conv/SSM and hybrid models** (Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, LFM2, Jamba, "
+        "Qwen3-Next, ...) and cache-less ones (OpenAI-GPT): refused. A conv/SSM state folds in every token, so a "
+        "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
+        "* **Static cache only**: K/V layouts that its per-model `[B, H_kv, C, D]` buffers do not describe (MLA, "
+        "Falcon's multi-query K/V, per-layer sizes) are refused there and run on the dynamic cache.",
+        "",
+        "## Summary",
+        "",
         "| | " + " | ".join(HEADERS) + " |",
         "|---|" + "---|" * len(COLUMNS),
     ]
     for status in ("exact", "refused", "not checked", "defect"):
         lines.append(f"| {status} | " + " | ".join(str(counts[c].get(status, 0)) for c in COLUMNS) + " |")
-    lines += ["", "| model type | architecture | " + " | ".join(HEADERS) + " |",
+    lines += ["", "## Per architecture", "", "| model type | architecture | " + " | ".join(HEADERS) + " |",
               "|---|---|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = [row[c].replace("|", "/") for c in COLUMNS]

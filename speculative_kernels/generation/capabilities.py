@@ -145,6 +145,13 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     layout = _static_layout_reason(config) if path != "dynamic" else None
     if layout:
         _refuse(name, path, layout)
+    if path != "dynamic":
+        from .static_runner import CacheLayout  # noqa: PLC0415 -- static_runner imports this module
+
+        try:
+            CacheLayout(model)
+        except Exception as error:  # noqa: BLE001 -- e.g. a config that refuses a global head_dim
+            _refuse(name, path, f"the static cache cannot size its K/V buffers from the config ({error})")
     if CACHELESS_LAYERS & set(types) and path != "dynamic":
         _refuse(name, path, f"layers of type {sorted(CACHELESS_LAYERS & set(types))} (no cache of their own, or "
                             "one shared with another layer) are supported by the dynamic cache only")
@@ -202,7 +209,7 @@ def _takes_mask_dict(model) -> bool:
 
 def _static_layout_reason(config) -> str | None:
     """Why the static cache's K/V buffers, sized from the config's head counts, would not fit the model's K/V."""
-    if getattr(config, "per_layer_config", None):
+    if getattr(config, "is_heterogeneous", False):
         return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
                 "shape does not describe")
     if getattr(config, "kv_lora_rank", None):
