@@ -209,6 +209,8 @@ def render(rows, version: str) -> str:
         "",
         "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens.",
         "",
+        *([f"**Partial sweep: {len(rows)} of {len(all_types())} config classes** (the run was cut short); "
+           "rerun the script for the rest.", ""] if len(rows) < len(all_types()) else []),
         "## How each family is handled",
         "",
         "* **Full attention** (Llama, Qwen, GPT-2, OPT, ...; the decoders of BERT-like families with "
