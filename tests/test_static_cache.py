@@ -44,7 +44,7 @@ def test_static_greedy_matches_hf(family, lengths):
     assert torch.equal(got, expected)
 
 
-def test_mistral_sliding_window_wider_than_the_cache_is_full_attention():
+def test_mistral_sliding_window_wide_or_binding_is_exact():
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
@@ -54,10 +54,14 @@ def test_mistral_sliding_window_wider_than_the_cache_is_full_attention():
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     got = _generate(target, target, ids, mask, max_new_tokens=12, cache_implementation="static")
     assert torch.equal(got, expected)
-    config.sliding_window = 8  # binds within the cache: refused, naming the architecture
+    config.sliding_window = 4  # binds: applied by the masks over real positions, the cache keeps every slot
     narrow = MistralForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="MistralForCausalLM.*sliding"):
-        _generate(narrow, narrow, ids, mask, cache_implementation="static")
+    expected = narrow.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    draft = MistralForCausalLM(config).eval()  # other random weights: rejections
+    stats = sk.SpeculationStats()
+    got = _generate(narrow, draft, ids, mask, max_new_tokens=12, cache_implementation="static",
+                    speculation_stats=stats)
+    assert torch.equal(got, expected) and stats.acceptance_rate < 1.0
 
 
 def test_rows_finish_at_different_times_and_on_first_token():
@@ -173,11 +177,11 @@ def _tiny(arch, **kwargs):
 
 
 def test_undrivable_architecture_is_named_and_dynamic_still_works():
-    """Falcon's multi-query K/V (one head) is not what its config's head counts describe: refused by name at the
-    first write; the dynamic cache still runs it."""
+    """Falcon's multi-query K/V (one head) is not what its config's head counts describe: refused by name up front
+    (capabilities.py); the dynamic cache still runs it."""
     model = _tiny("falcon")
     ids, mask = _left_padded([4, 6])
-    with pytest.raises(ValueError, match="FalconForCausalLM: the static cache expected keys"):
+    with pytest.raises(ValueError, match="FalconForCausalLM cannot be driven exactly.*multi-query"):
         _generate(model, model, ids, mask, max_new_tokens=6, cache_implementation="static")
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(_generate(model, model, ids, mask, max_new_tokens=6), expected)
@@ -186,7 +190,7 @@ def test_undrivable_architecture_is_named_and_dynamic_still_works():
 def test_attention_without_4d_masks_is_refused_by_name():
     model = llama()
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="LlamaForCausalLM uses attn_implementation='flex_attention'"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*attn_implementation='flex_attention' takes no 4-D mask"):
         check_drivable(model, 64)
 
 

@@ -16,6 +16,8 @@ def crop_cache(cache, num_slots: int) -> None:
         raise TypeError(f"crop_cache expects a DynamicCache, got {type(cache).__name__}")
     for layer in _layers(cache):
         kind = type(layer).__name__
+        if kind == "DummyLayer":  # no cache of its own (MoE-only layer, KV-sharing consumer)
+            continue
         if kind != "DynamicLayer":
             raise ValueError(
                 f"cannot roll back a cache layer of type {kind} (sliding-window or state-space layers drop the "

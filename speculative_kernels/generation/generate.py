@@ -5,6 +5,7 @@ import dataclasses
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .capabilities import check_request, request_path
 from .loop import SpeculativeLoop
 from .runner import DecoderRunner
 from .seq2seq import SpeculativeEncoderDecoderOutput, check_pair, prepare_seq2seq
@@ -108,7 +109,10 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens=None, to
     if model.config.is_encoder_decoder:  # input_ids becomes the decoder prompt (seq2seq.py)
         plan, input_ids, attention_mask, runner_factory = prepare_seq2seq(
             model, draft_model, input_ids, attention_mask, num_speculative_tokens, generation_config, kwargs)
-        if wants_static(plan, compile_options):
+        static = wants_static(plan, compile_options)
+        check_request(model, draft_model, path=request_path(static, compile_options is not None),
+                      batch=input_ids.shape[0])
+        if static:
             runner_factory = static_seq2seq_factory(
                 model, draft_model, runner_factory, batch=input_ids.shape[0], prompt_width=input_ids.shape[1],
                 max_new_tokens=plan.max_new_tokens, gamma=plan.num_speculative_tokens, device=input_ids.device)
@@ -124,6 +128,8 @@ def build_loop(model, draft_model, input_ids, *, num_speculative_tokens=None, to
             raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
         input_ids, attention_mask = _prepare_inputs(model, input_ids, attention_mask,
                                                     plan.generation_config.bos_token_id)
+        check_request(model, draft_model, path=request_path(wants_static(plan, compile_options), compile_options is not None),
+                      batch=input_ids.shape[0])
         runner_factory = choose_runner_factory(model, draft_model, plan, input_ids, batching, compile_options)
     batch = input_ids.shape[0]
     if batch > 1 and plan.streamer is not None:

@@ -15,8 +15,10 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .cache_ops import crop_cache
+from .capabilities import ModelSpec, check_model
 from .compaction import SlotCompactor
 
 
@@ -34,7 +36,8 @@ class DecoderRunner:
     def __init__(self, model, batch: int, max_slots: int, device: torch.device, *,
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.spec: ModelSpec = check_model(model, path="dynamic", batch=batch)
+        self.cache = RollbackCache(model.config)
         self.slot_mask = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)
         self.num_slots = 0
         self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -78,19 +81,31 @@ class DecoderRunner:
         logits = out.logits
         return logits[:, -1:] if last_only else logits
 
-    def attention_mask(self, start: int, end: int) -> torch.Tensor:
+    def attention_mask(self, start: int, end: int):
         """The mask for queries at slots [start, end): an additive 4-D mask [B, 1, T, end] (causal over slots and
         the slot mask), which HF uses as given. Passing the 2-D mask instead would make HF read it on the host at
         every forward to decide whether it can skip masking; attention kernels that take no 4-D mask (flash
-        attention) get the 2-D mask and pay that synchronisation."""
-        if self._attention not in ("sdpa", "eager"):
+        attention) and ALiBi models (which build their bias from it, ``capabilities.py``) get the 2-D mask.
+        Sliding-window layers get the window applied over real positions (``window_mask``); models that mix full
+        and sliding layers get a dict of both masks keyed by layer type."""
+        if self._attention not in ("sdpa", "eager") or self.spec.mask == "2d":
             return self.slot_mask[:, :end]
+        slot_mask = self.slot_mask[:, :end]
         if end - start == 1:  # a single query sees every earlier slot: only the slot mask matters
-            return self._mask_values[self.slot_mask[:, None, None, :end]]
-        query_slots = torch.arange(start, end, device=self.slot_mask.device).unsqueeze(1)
-        causal = torch.arange(end, device=self.slot_mask.device).unsqueeze(0) <= query_slots  # [T, S]
-        allowed = causal.unsqueeze(0) & self.slot_mask[:, None, :end].bool()  # [B, T, S]
-        return self._mask_values[allowed.unsqueeze(1).to(torch.int64)]
+            allowed = slot_mask[:, None, :].bool()  # [B, 1, S]
+        else:
+            query_slots = torch.arange(start, end, device=self.slot_mask.device).unsqueeze(1)
+            causal = torch.arange(end, device=self.slot_mask.device).unsqueeze(0) <= query_slots  # [T, S]
+            allowed = causal.unsqueeze(0) & slot_mask[:, None, :].bool()  # [B, T, S]
+        full = self._mask_values[allowed.unsqueeze(1).to(torch.int64)]
+        if self.spec.sliding_window is None:
+            return full
+        windowed = allowed & window_mask(slot_mask, torch.arange(start, end, device=slot_mask.device),
+                                         self.spec.sliding_window)
+        sliding = self._mask_values[windowed.unsqueeze(1).to(torch.int64)]
+        if self.spec.mask == "4d-by-layer-type":
+            return {"full_attention": full, "sliding_attention": sliding}
+        return sliding
 
     def _step_offsets(self, width: int) -> torch.Tensor:
         """arange(width) [1, T] on the runner's device, built once per width."""
@@ -130,6 +145,32 @@ def grow_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
     if width <= mask.shape[1]:
         return mask
     return torch.cat([mask, mask.new_zeros(mask.shape[0], max(width, 2 * mask.shape[1]) - mask.shape[1])], dim=1)
+class RollbackCache(DynamicCache):
+    """HF's ``DynamicCache(config=...)`` with every sliding-window layer replaced by a full ``DynamicLayer``.
+
+    A sliding-window layer evicts keys older than its window, and a rollback could not bring back what a rejected
+    draft pushed out; keeping every slot lets a rollback cut the tail as for full attention, while the window itself
+    is applied by the runner's masks (``window_mask``). Memory grows as for full attention. Other layer kinds
+    (cache-less layers of MoE-only or KV-sharing models) stay as HF builds them; ``capabilities.check_model`` refuses
+    the kinds a rollback cannot handle before this is built.
+    """
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                       for layer in self.layers]
+
+
+def window_mask(slot_mask: torch.Tensor, query_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T, S] bool: the key at slot s is inside the sliding window of the query at slot query_slots[t].
+
+    slot_mask: [B, S] (1 = real slot); query_slots: [T]. Real slots of a row carry positions 0, 1, 2, ... in slot
+    order (holes take none), so a slot's position is the count of real slots up to it, minus one; HF's rule is
+    q - k < window over positions (cache positions in HF, which differ from these by the row's left padding only).
+    """
+    positions = slot_mask.cumsum(dim=1)  # [B, S]: position + 1 at real slots
+    query = positions.index_select(1, query_slots)  # [B, T]
+    return (query.unsqueeze(2) - positions.unsqueeze(1)) < window
 
 
 def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, num_slots: int, width: int,

@@ -30,9 +30,10 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .capabilities import check_model
 from .compaction import SlotCompactor
 from .memory import check_free_memory  # noqa: F401 (also imported from here by seq2seq_static and tests)
-from .runner import DecoderRunner, hole_rejected_slots
+from .runner import DecoderRunner, hole_rejected_slots, window_mask
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -81,27 +82,15 @@ def check_attention(model) -> None:
         )
 
 
-def check_drivable(model, capacity: int) -> None:
-    """Raise ValueError naming the architecture when the static runner cannot drive ``model`` exactly."""
-    name = type(model).__name__
+def check_drivable(model, capacity: int, batch: int = 1, path: str = "static"):
+    """The ``capabilities.ModelSpec`` of ``model`` on the static path, or ValueError naming the architecture (the one
+    check every path shares, ``capabilities.py``), after checking that the config sizes the K/V buffers."""
     if model.config.is_encoder_decoder:
-        raise ValueError(f"{name} is an encoder-decoder model; the decoder-only static runner cannot drive it "
-                         "(seq2seq_static.py drives T5/MT5 and BART/mBART)")
-    check_attention(model)
-    params = inspect.signature(model.forward).parameters
-    for arg in ("position_ids", "attention_mask", "past_key_values"):
-        if arg not in params:
-            raise ValueError(f"{name}.forward takes no {arg}; the static cache cannot drive it")
-    layout = CacheLayout(model)
-    other = sorted({t for t in layout.layer_types if t != "full_attention"})
-    windowed = other == ["sliding_attention"] or (not layout.layer_types and layout.sliding_window)
-    if windowed and layout.sliding_window is not None and layout.sliding_window >= capacity:
-        return  # the window never binds: with at most `capacity` slots, sliding attention is full attention
-    if other or windowed:
-        raise ValueError(
-            f"{name} has {other or ['sliding_attention']} layers (sliding window {layout.sliding_window}) that bind "
-            f"within the {capacity} cache slots needed; the static cache drives full-attention layers only"
-        )
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; the decoder-only static runner cannot "
+                         "drive it (seq2seq_static.py drives T5/MT5 and BART/mBART)")
+    spec = check_model(model, path=path, batch=batch)
+    CacheLayout(model)
+    return spec
 
 
 class SlotCacheLayer(CacheLayerMixin):
@@ -241,7 +230,7 @@ class StaticDecoderRunner:
 
     def __init__(self, model, batch: int, capacity: int, device: torch.device, *, reserve: int = 0,
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
-        check_drivable(model, capacity)
+        self.spec = check_drivable(model, capacity, batch)
         self.model = model
         self.cache = SlotCache(model, batch, capacity, device)
         self.capacity, self.reserve = capacity, reserve
@@ -295,12 +284,21 @@ class StaticDecoderRunner:
         logits = out.logits
         return logits[:, -1:] if last_only else logits
 
-    def _attention_mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """Additive [B, 1, T, C]: the query at slot q sees slot s iff s <= q and s is real in its row."""
+    def _attention_mask(self, slots: torch.Tensor):
+        """Additive [B, 1, T, C]: the query at slot q sees slot s iff s <= q and s is real in its row. Sliding-window
+        layers also need s inside q's window (``runner.window_mask``); a model mixing full and sliding layers gets
+        both masks in a dict keyed by layer type."""
+        if self.spec.mask == "2d":  # ALiBi models build their bias and causal mask from the slot mask
+            return self.slot_mask
         capacity = self.slot_mask.shape[1]
         causal = torch.arange(capacity, device=slots.device).unsqueeze(0) <= slots.unsqueeze(1)  # [T, C]
         allowed = causal.unsqueeze(0) & self.slot_mask.unsqueeze(1).bool()  # [B, T, C]
-        return additive_mask(allowed, self._dtype)
+        if self.spec.sliding_window is None:
+            return additive_mask(allowed, self._dtype)
+        sliding = additive_mask(allowed & window_mask(self.slot_mask, slots, self.spec.sliding_window), self._dtype)
+        if self.spec.mask == "4d-by-layer-type":
+            return {"full_attention": additive_mask(allowed, self._dtype), "sliding_attention": sliding}
+        return sliding
 
     # ------------------------------------------------------------------------------------------ compile
     def compile_steps(self, shapes, options: CompileOptions) -> None:
@@ -378,7 +376,7 @@ def static_runner_factory(target, draft, *, batch: int, prompt_width: int, max_n
     ``SpeculativeLoop``. options: a ``compaction.BatchingOptions``."""
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, batch, options.slack)
     for model in (target, draft):
-        check_drivable(model, capacity)
+        check_drivable(model, capacity, batch)
     required = static_memory_bytes((target, draft), batch, capacity, gamma)
     check_free_memory(required, device, f"the static caches ({batch} rows x {capacity} slots, target and draft)")
 

@@ -1,0 +1,281 @@
+"""Architecture coverage: every causal-LM and seq2seq config class of the installed transformers, tiny random weights.
+
+For each architecture and each path (dynamic cache, static cache, compile=True; batch 1, and batch 2 with a
+left-padded row on the dynamic and static caches) the result is:
+
+* "exact": greedy ``speculative_kernels.generate`` equals ``model.generate`` token for token, with a real,
+  imperfect draft (the target with Gaussian noise on every weight) that causes rejections (checked: the acceptance
+  rate is below 1);
+* "refused: ...": ``capabilities.check_request`` (the check ``generate`` runs before allocating anything) raises a
+  ``ValueError`` naming the architecture, and ``generate`` raises the same;
+* "not checked: ...": the tiny config or HF's own ``model.generate`` could not be built/run generically;
+* "DIFFERENT" / "ERROR: ...": a defect (a silent difference, or an error from inside transformers/torch).
+
+Sliding windows are set to 6 (prompts are 10 tokens), so they bind. ``compile`` uses the ``aot_eager`` backend
+(traces with dynamo and AOT autograd, no code generation; a CPU sweep). Usage:
+
+    python benchmarks/coverage.py --out benchmarks/results/coverage.jsonl   # the sweep (about 10 minutes on 2 cores)
+    python benchmarks/coverage.py --render benchmarks/results/coverage.jsonl --doc docs/architectures.md
+    python benchmarks/coverage.py --only mistral,bloom                      # a few architectures
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+COLUMNS = ("dynamic", "static", "compile", "batch2_dynamic", "batch2_static")
+HEADERS = ("dynamic", "static", "compile", "batch > 1 (dynamic)", "batch > 1 (static)")
+PROMPT, NEW, GAMMA, NOISE = 10, 10, 3, (0.3, 1.0, 3.0)
+
+
+class Timeout(Exception):
+    pass
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:220]}"
+
+
+def _models(model_type: str, kind: str):
+    """(target, [drafts]): the tiny target and copies of it with growing noise on every weight."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from speculative_kernels.generation.settings import _UNSUPPORTED_UNLESS
+    from tiny_configs import tiny_config
+
+    config = tiny_config(model_type, sliding_window=6)
+    auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSeq2SeqLM
+    torch.manual_seed(0)
+    target = auto.from_config(config).eval()
+    for name, off in _UNSUPPORTED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
+        if getattr(target.generation_config, name, off) not in (off, None):
+            setattr(target.generation_config, name, off)
+    drafts = []
+    for noise in NOISE:
+        draft = copy.deepcopy(target)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in draft.parameters():
+                if p.is_floating_point() and p.numel() > 1:
+                    p.add_(torch.randn_like(p) * noise * p.std().clamp(min=1e-3))
+        drafts.append(draft)
+    return target, drafts
+
+
+def _inputs(batch: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 120, (batch, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :4], mask[1, :4] = 0, 0
+    return ids, mask
+
+
+def _run(target, drafts, kind: str, column: str) -> str:
+    """The first draft that causes rejections decides the cell."""
+    for draft in drafts:
+        cell = _run_one(target, draft, kind, column)
+        if cell != "not checked: the draft accepted everything":
+            return cell
+    return cell
+
+
+def _run_one(target, draft, kind: str, column: str) -> str:
+    import torch
+
+    import speculative_kernels as sk
+    from speculative_kernels.generation.capabilities import check_request, request_path
+    from speculative_kernels.generation.static_runner import CompileOptions
+
+    batch = 2 if column.startswith("batch2") else 1
+    static = column in ("static", "compile", "batch2_static")
+    compiled = column == "compile"
+    path = request_path(static, compiled)
+    try:
+        check_request(target, draft, path=path, batch=batch)
+    except ValueError as error:
+        text = str(error)
+        return "refused: " + (text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text)
+    ids, mask = _inputs(batch)
+    if kind == "seq2seq":  # encoder input: right padding
+        mask = mask.flip(1)
+        ids = ids.flip(1)
+    common = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, attention_mask=mask)
+    try:
+        with torch.no_grad():
+            expected = target.generate(ids, **common)
+    except Exception as error:  # noqa: BLE001
+        return "not checked: model.generate itself fails (" + _short(error) + ")"
+    stats = sk.SpeculationStats()
+    extra = {"cache_implementation": "static"} if static else {}
+    if compiled:
+        extra["compile"] = CompileOptions(backend="aot_eager")
+        torch._dynamo.reset()  # one process compiles every architecture: start each from dynamo's empty caches
+    try:
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=GAMMA, speculation_stats=stats,
+                          **common, **extra)
+    except ValueError as error:
+        return "ERROR (refused late): " + _short(error)
+    except Exception as error:  # noqa: BLE001
+        return "ERROR: " + _short(error)
+    if got.shape != expected.shape or not torch.equal(got, expected):
+        return "DIFFERENT"
+    if stats.acceptance_rate >= 1.0:
+        return "not checked: the draft accepted everything"
+    return "exact"
+
+
+def sweep(types, out, timeout: int) -> None:
+    import torch
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(Timeout()))
+    from tiny_configs import NotChecked
+
+    for model_type, kind in types:
+        row = {"model_type": model_type, "kind": kind}
+        start = time.time()
+        signal.alarm(timeout)
+        try:
+            target, drafts = _models(model_type, kind)
+            row["architecture"] = type(target).__name__
+            for column in COLUMNS:
+                begin = time.time()
+                row[column] = _run(target, drafts, kind, column)
+                row.setdefault("column_seconds", {})[column] = round(time.time() - begin, 1)
+        except NotChecked as error:
+            row.update({c: "not checked: " + str(error) for c in COLUMNS if c not in row})
+        except Timeout:
+            row.update({c: f"not checked: over {timeout} s on the CPU" for c in COLUMNS if c not in row})
+        except Exception as error:  # noqa: BLE001
+            row.update({c: "not checked: building the tiny model fails (" + _short(error) + ")"
+                        for c in COLUMNS if c not in row})
+        finally:
+            signal.alarm(0)
+        row["seconds"] = round(time.time() - start, 1)
+        print(json.dumps(row), file=out, flush=True)
+
+
+def all_types():
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    return ([(t, "causal") for t in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+            + [(t, "seq2seq") for t in sorted(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)])
+
+
+def _status(cell: str) -> str:
+    for word in ("exact", "refused", "not checked"):
+        if cell.startswith(word):
+            return word
+    return "defect"
+
+
+def render(rows, version: str) -> str:
+    counts = {c: {} for c in COLUMNS}
+    for row in rows:
+        for c in COLUMNS:
+            status = _status(row[c])
+            counts[c][status] = counts[c].get(status, 0) + 1
+    lines = [
+        "# Architecture coverage",
+        "",
+        f"Generated by `python benchmarks/coverage.py` over every causal-LM and seq2seq config class of transformers "
+        f"{version} (tiny random weights: hidden 32, 2 layers, vocab 128; sliding windows 6 with 10-token prompts, "
+        f"so they bind; {NEW} new tokens, gamma {GAMMA}; greedy). Do not edit by hand: rerun the script.",
+        "",
+        "* **exact**: greedy output identical to `model.generate`, with an imperfect draft (the target plus noise) "
+        "that causes rejections;",
+        "* **refused**: `generate` raises a `ValueError` naming the architecture and the reason before allocating "
+        "anything (`speculative_kernels/generation/capabilities.py`);",
+        "* **not checked**: the tiny model or HF's own `generate` cannot be built or run generically (reason given).",
+        "",
+        "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens.",
+        "",
+        *([f"**Partial sweep: {len(rows)} of {len(all_types())} config classes** (the run was cut short); "
+           "rerun the script for the rest.", ""] if len(rows) < len(all_types()) else []),
+        "## How each family is handled",
+        "",
+        "* **Full attention** (Llama, Qwen, GPT-2, OPT, ...; the decoders of BERT-like families with "
+        "`is_decoder=True`): every path.",
+        "* **Sliding windows** (Mistral, Mixtral, Starcoder2, Phi3, Qwen2 with windows; Gemma2/3, Cohere2, GPT-OSS "
+        "interleaving local and global layers): the caches keep every slot (a rollback can restore what a window "
+        "would have evicted) and the window is applied in the 4-D mask over each row's real positions (HF's rule "
+        "`q - k < window`); models mixing both layer kinds get a dict of masks keyed by layer type. Every path.",
+        "* **ALiBi from the mask** (Bloom, Falcon with `alibi=True`): they get the 2-D slot mask, from which they build "
+        "per-row ALiBi over real positions and their causal mask. Every path.",
+        "* **Positions from cache slots** (no `position_ids`: BART-style decoders used alone, MPT's ALiBi over key "
+        "slots, ...): exact at batch 1 (no holes); batch > 1 is refused, since rejected drafts leave holes.",
+        "* **Recurrent, conv/SSM and hybrid models** (Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, LFM2, Jamba, "
+        "Qwen3-Next, ...) and cache-less ones (OpenAI-GPT): refused. A conv/SSM state folds in every token, so a "
+        "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
+        "* **Static cache only**: K/V layouts that its per-model `[B, H_kv, C, D]` buffers do not describe (MLA, "
+        "Falcon's multi-query K/V, per-layer sizes) are refused there and run on the dynamic cache.",
+        "",
+        "## Summary",
+        "",
+        "| | " + " | ".join(HEADERS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
+    for status in ("exact", "refused", "not checked", "defect"):
+        lines.append(f"| {status} | " + " | ".join(str(counts[c].get(status, 0)) for c in COLUMNS) + " |")
+    lines += ["", "## Per architecture", "", "| model type | architecture | " + " | ".join(HEADERS) + " |",
+              "|---|---|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [row[c].replace("|", "/") for c in COLUMNS]
+        if len(set(cells)) == 1 and not cells[0].startswith("exact"):
+            cells = [cells[0]] + ["same"] * (len(cells) - 1)
+        lines.append(f"| {row['model_type']} | {row.get('architecture', '')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="-", help="JSON lines output (default stdout)")
+    parser.add_argument("--only", default=None, help="comma-separated model types")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per architecture")
+    parser.add_argument("--shard", default="0/1", help="i/n: every n-th architecture from the i-th (parallel runs)")
+    parser.add_argument("--render", default=None, help="render a JSON lines file into a Markdown table")
+    parser.add_argument("--doc", default=None, help="write the rendered table here (default stdout)")
+    args = parser.parse_args(argv)
+    if args.render:
+        import transformers
+
+        rows = sorted((json.loads(line) for path in args.render.split(",") for line in open(path) if line.strip()),
+                      key=lambda row: (row["kind"], row["model_type"]))
+        text = render(rows, transformers.__version__)
+        if args.doc:
+            with open(args.doc, "w") as f:
+                f.write(text)
+        else:
+            sys.stdout.write(text)
+        return
+    types = all_types()
+    if args.only:
+        wanted = set(args.only.split(","))
+        types = [(t, k) for t, k in types if t in wanted]
+    index, count = (int(x) for x in args.shard.split("/"))
+    types = types[index::count]
+    out = sys.stdout if args.out == "-" else open(args.out, "w")
+    sweep(types, out, args.timeout)
+
+
+if __name__ == "__main__":
+    main()

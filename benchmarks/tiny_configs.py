@@ -1,0 +1,89 @@
+"""Tiny random-weight configs for every causal-LM and seq2seq config class of the installed transformers.
+
+``tiny_config(model_type)`` returns a config with the standard size fields shrunk (vocab 128, hidden 32, 2 layers,
+4 heads, 2 KV heads) or raises ``NotChecked`` with the reason a generic construction does not work (multimodal
+configs with sub-configs, configs that need a custom tokenizer, ...). Used by ``benchmarks/coverage.py`` and the
+architecture tests.
+"""
+
+import copy
+import inspect
+
+import torch
+from transformers import AutoConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+VOCAB = 128
+SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# Standard names (config.attribute_map maps most per-family names to these) and a few common per-family ones.
+SIZES = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, n_positions=256, d_model=32, d_ff=64,
+    d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    ffn_dim=64, n_inner=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+    n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+    rotary_dim=8, partial_rotary_factor=0.5, rope_scaling=None, tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+
+
+MULTIMODAL = ("vision", "audio", "vq", "encoder", "patcher", "speech", "acoustic", "semantic", "projector",
+              "depth_decoder", "global_config", "decoder")
+NOT_TEXT = ("fuyu",)  # image-text models whose configs have no sub-configs
+
+
+class NotChecked(Exception):
+    """A config that the generic construction cannot make tiny; the message says why."""
+
+
+def _fields(config_class) -> set:
+    names = set(inspect.signature(config_class.__init__).parameters)
+    names |= set(getattr(config_class, "__dataclass_fields__", {}) or {})
+    names |= set(getattr(config_class, "attribute_map", {}) or {})
+    return names
+
+
+def tiny_config(model_type: str, **overrides):
+    config_class = CONFIG_MAPPING[model_type]
+    subs = sorted(getattr(config_class, "sub_configs", None) or {})
+    if any(any(word in sub for word in MULTIMODAL) for sub in subs) or model_type in NOT_TEXT:
+        raise NotChecked(f"multimodal or nested config (sub-configs {subs}); needs model-specific construction "
+                         "(a text-only sibling, e.g. gemma3_text, is checked where transformers has one)")
+    fields = _fields(config_class)
+    kwargs = {k: v for k, v in {**SIZES, **SPECIAL}.items() if k in fields}
+    kwargs.update({k: v for k, v in overrides.items() if k in fields})
+    if "kv_lora_rank" in fields or "attention_types" in fields:  # MLA / GPT-Neo: per-family head sizes
+        kwargs.pop("partial_rotary_factor", None)
+        kwargs.pop("head_dim", None)
+    if "attention_types" in fields:
+        kwargs["attention_types"] = [[["global", "local"], 1]]
+    try:
+        config = config_class(**kwargs)
+    except Exception as error:  # noqa: BLE001 -- the reason goes into the table
+        raise NotChecked(f"{config_class.__name__} rejects the generic tiny sizes: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0][:150]}") from None
+    _fit_layer_lists(config)
+    if getattr(config, "is_encoder_decoder", False):
+        config.decoder_start_token_id = 0
+    config.use_cache = True  # some configs (MPT) default to False, which generate refuses
+    if not getattr(config, "is_encoder_decoder", False):
+        config.is_decoder = True  # encoder families (BERT, RoBERTa, ...) generate as decoders only with it
+    return config
+
+
+def _fit_layer_lists(config) -> None:
+    """Per-layer lists (layer_types, ...) sized for the default depth are cut to the tiny depth, keeping one
+    layer of each kind where the pattern allows."""
+    layers = getattr(config, "num_hidden_layers", None)
+    for name in ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and layers and len(value) != layers:
+            kinds = list(dict.fromkeys(value))
+            fitted = (kinds * layers)[:layers] if len(kinds) <= layers else list(value[:layers])
+            try:
+                setattr(config, name, fitted)
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,254 @@
+"""Which architectures each cache path can drive exactly: one check, run before anything is allocated.
+
+``check_request(target, draft, path=..., batch=...)`` is called once per request by ``generate.build_loop`` (for
+``generate`` and ``SpeculativeDecoder`` alike); every runner calls ``check_model`` again on its own model for the
+``ModelSpec`` it drives it by, so no path can accept a model that another path's check would refuse. A refusal is a
+``ValueError`` naming the architecture and the reason. Paths: "dynamic" (HF ``DynamicCache``), "static"
+(``SlotCache``), "compile" (the static path under ``torch.compile``).
+
+What the runners need from a model, and why each rule exists:
+
+* A KV cache they can roll back: ``forward`` takes ``past_key_values`` and every layer keeps per-token K/V.
+  Recurrent and conv/SSM layers ("conv", "linear_attention", "mamba", ... and models with their own recurrent
+  cache: Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, ...) fold every token into one state: a rejected draft cannot
+  be taken out of it, and the slot masks that keep left padding and holes out of attention do not reach it.
+* Positions per row: rejected drafts leave holes in a batch (``runner.py``), so the model must take ``position_ids``
+  (or, for ALiBi, derive positions from the 2-D mask). Models that count positions from cache slots are exact at
+  batch 1 only, where the runners never leave holes.
+* Masks the model uses as given: sdpa/eager take our 4-D additive masks. Sliding-window layers get the window
+  applied in that mask, over each row's real positions (``q - k < window``, HF's rule), while the cache keeps every
+  slot (a rollback can then restore what a window would have evicted). Models that mix full and sliding layers get
+  a dict ``{"full_attention": ..., "sliding_attention": ...}``, which HF's models take in place of one mask.
+* ALiBi: Bloom and Falcon (``alibi=True``) build the bias from a 2-D mask (``cumsum`` of the mask: each key's real
+  position), and their own causal mask from it; they get the runner's 2-D slot mask. MPT builds ALiBi from key slot
+  indices (batch 1 only).
+"""
+
+import dataclasses
+import inspect
+import re
+
+# Layer types whose cache holds per-token K/V that the runners can mask and roll back.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+# Layers without a cache of their own (MoE/MLP-only layers, KV-sharing consumers).
+CACHELESS_LAYERS = {"dummy", "moe", "mlp"}
+RECURRENT_LAYERS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "mamba2", "ssm", "recurrent",
+                    "rwkv", "lightning_attention", "linear", "deltanet", "gated_deltanet", "kda", "m", "s"}
+# Config fields that mark state-space or recurrent blocks in models that list no recurrent layer types.
+RECURRENT_CONFIG_FIELDS = ("mamba_d_state", "mamba_n_heads", "ssm_state_size", "mamba_d_conv", "conv_L_cache",
+                           "lru_width", "linear_attn_config", "block_types", "hybrid_override_pattern",
+                           "layers_block_type", "attn_layer_period", "mamba_expand", "linear_key_head_dim",
+                           "slstm_block_indices", "state_size", "conv_kernel", "time_step_rank")
+# ALiBi models whose bias is computed from a 2-D attention mask (real positions: cumsum of the mask).
+ALIBI_FROM_MASK = ("bloom", "falcon")
+PATHS = ("dynamic", "static", "compile")
+# Architectures whose failure the generic rules above cannot see from the config or the forward's signature, found
+# by benchmarks/coverage.py: model_type -> (paths refused, reason).
+KNOWN_UNSUPPORTED = {
+    "cpmant": (PATHS, "it builds its own attention mask and position bias from the 2-D mask and cache length, and "
+                      "does not take the runners' 4-D slot masks"),
+    "prophetnet": (PATHS, "its n-gram stream attention builds its own masks and does not take 4-D slot masks"),
+    "mimo_v2_flash": (("static", "compile"), "its sliding-window layers have their own K/V head count, which the "
+                                             "static cache's per-model buffer shape does not describe"),
+}
+FOUR_D_ATTENTION = ("sdpa", "eager")
+_DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
+_DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """How a runner drives one decoder-only model.
+
+    mask: "4d" (one additive [B, 1, T, S] mask), "4d-by-layer-type" (a dict of them keyed by layer type) or "2d"
+    (the slot mask [B, S]; ALiBi models build their bias and causal mask from it).
+    sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
+    """
+
+    architecture: str
+    mask: str = "4d"
+    sliding_window: int | None = None
+
+
+def _refuse(name: str, path: str, reason: str):
+    where = {"dynamic": "", "static": " with cache_implementation='static'", "compile": " with compile=True"}[path]
+    raise ValueError(f"{name} cannot be driven exactly by speculative_kernels{where}: {reason}")
+
+
+def _parameters(model) -> set:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def layer_types(config) -> tuple[list[str], list[int | None]]:
+    """(layer type per cache layer, sliding window per layer) as HF's ``DynamicCache(config=...)`` reads them, in
+    every transformers 5.x (5.17 returns one kwargs dict, later versions one per layer)."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # older layouts: read the config
+        get_layer_types_and_kwargs = None
+    if get_layer_types_and_kwargs is not None:
+        try:
+            types, kwargs = get_layer_types_and_kwargs(config)
+        except Exception:  # noqa: BLE001 -- configs HF's own helper cannot read: fall back to the plain fields
+            types, kwargs = None, None
+        if types is not None:
+            per_layer = kwargs if isinstance(kwargs, list) else [kwargs] * len(types)
+            return list(types), [k.get("sliding_window") for k in per_layer]
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * (config.num_hidden_layers or 0)
+    return list(types), [window if t == "sliding_attention" else None for t in types]
+
+
+def _recurrent_reason(model, config) -> str | None:
+    name = type(model).__name__
+    cache_kind = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(cache_kind) and not cache_kind():
+        return "it keeps a recurrent or custom cache that HF's DynamicCache cannot hold"
+    if getattr(model, "_is_stateful", False):
+        return "it is stateful (recurrent or conv/SSM state), and a state cannot be rolled back per token"
+    fields = [f for f in RECURRENT_CONFIG_FIELDS if getattr(config, f, None) not in (None, [], ())]
+    if fields and name:
+        return (f"its config describes recurrent or state-space blocks ({', '.join(fields)}): their state folds in "
+                "every token, so a rejected draft cannot be removed from it, and left padding reaches it")
+    return None
+
+
+def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
+    name = type(model).__name__
+    config = model.config.get_text_config(decoder=True)
+    params = _parameters(model)
+    for arg in ("past_key_values", "attention_mask"):
+        if arg not in params:
+            _refuse(name, path, f"its forward takes no {arg} (a cache-less or recurrent model); speculative "
+                                "decoding needs a KV cache it can roll back")
+    if not getattr(config, "is_decoder", True) and _source_matches(model, _DECODER_ONLY_CACHE):
+        _refuse(name, path, "config.is_decoder is False, so it runs as a bidirectional encoder without a KV cache; "
+                            "set is_decoder=True to generate with it")
+    types, windows = layer_types(config)
+    unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
+    if unknown:
+        recurrent = sorted(set(unknown) & RECURRENT_LAYERS)
+        if recurrent:
+            _refuse(name, path, f"it has {recurrent} layers: a conv/recurrent state folds in every token, so a "
+                                "rejected draft cannot be removed from it, and left padding reaches it")
+        if "chunked_attention" in unknown:
+            _refuse(name, path, "chunked attention is not supported (its chunks follow HF's cache slots)")
+        _refuse(name, path, f"it has cache layers of type {unknown}, which cannot be rolled back slot by slot")
+    reason = _recurrent_reason(model, config)
+    if reason:
+        _refuse(name, path, reason)
+    known = KNOWN_UNSUPPORTED.get(getattr(config, "model_type", ""))
+    if known and path in known[0]:
+        _refuse(name, path, known[1])
+    layout = _static_layout_reason(config) if path != "dynamic" else None
+    if layout:
+        _refuse(name, path, layout)
+    if path != "dynamic":
+        from .static_runner import CacheLayout  # noqa: PLC0415 -- static_runner imports this module
+
+        try:
+            CacheLayout(model)
+        except Exception as error:  # noqa: BLE001 -- e.g. a config that refuses a global head_dim
+            _refuse(name, path, f"the static cache cannot size its K/V buffers from the config ({error})")
+    if CACHELESS_LAYERS & set(types) and path != "dynamic":
+        _refuse(name, path, f"layers of type {sorted(CACHELESS_LAYERS & set(types))} (no cache of their own, or "
+                            "one shared with another layer) are supported by the dynamic cache only")
+    attention = getattr(model.config, "_attn_implementation", None)
+    model_type = getattr(config, "model_type", "")
+    alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
+    if model_type == "mpt" or "alibi" in model_type:
+        alibi_slots = True
+    else:
+        alibi_slots = False
+    if path != "dynamic" and attention not in FOUR_D_ATTENTION:
+        _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; the static cache passes explicit "
+                            f"4-D masks, which only {FOUR_D_ATTENTION} take")
+    sliding = {w for t, w in zip(types, windows) if t == "sliding_attention"}
+    window = None
+    if sliding:
+        if len(sliding) > 1 or None in sliding:
+            _refuse(name, path, f"its sliding-window layers have different windows {sorted(map(str, sliding))}")
+        window = int(sliding.pop())
+        if attention not in FOUR_D_ATTENTION:
+            _refuse(name, path, f"sliding-window layers are applied through 4-D masks, which "
+                                f"attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
+    mixed = window is not None and "full_attention" in types
+    if mixed and not _takes_mask_dict(model):
+        _refuse(name, path, "it mixes full and sliding-window layers but takes a single attention mask")
+    if alibi:
+        if window is not None:
+            _refuse(name, path, "ALiBi together with sliding windows is not supported")
+        return ModelSpec(name, mask="2d")
+    if batch > 1 and ("position_ids" not in params or alibi_slots):
+        why = "ALiBi from key slot indices" if alibi_slots else "its forward takes no position_ids"
+        _refuse(name, path, f"it derives positions from cache slots ({why}); rejected drafts leave holes in a batch, "
+                            "so only batch size 1 is exact")
+    return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window)
+
+
+def _source_matches(model, pattern: re.Pattern) -> bool:
+    """Whether the forward of the model or of its base (decoder stack) matches ``pattern``."""
+    for module in (getattr(model, "base_model", None), model):
+        if module is None:
+            continue
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        if pattern.search(source):
+            return True
+    return False
+
+
+def _takes_mask_dict(model) -> bool:
+    """Whether the decoder stack accepts a dict of masks keyed by layer type (HF's hybrid-attention models)."""
+    return _source_matches(model, _DICT_MASK)
+
+
+def _static_layout_reason(config) -> str | None:
+    """Why the static cache's K/V buffers, sized from the config's head counts, would not fit the model's K/V."""
+    if getattr(config, "is_heterogeneous", False):
+        return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
+                "shape does not describe")
+    if getattr(config, "kv_lora_rank", None):
+        return ("multi-head latent attention caches keys and values of different head sizes, which the static "
+                "cache's [B, H_kv, C, D] buffers do not describe")
+    if getattr(config, "model_type", "") == "falcon" and getattr(config, "multi_query", False) and not getattr(
+            config, "new_decoder_architecture", False):
+        return "its multi-query K/V (one head) is not what its config's head counts describe"
+    return None
+
+
+def _check_encoder_decoder(model, path: str) -> None:
+    from .seq2seq import position_kind  # noqa: PLC0415 -- seq2seq imports this module's users
+
+    name = type(model).__name__
+    if not callable(getattr(model, "get_encoder", None)) or model.get_encoder() is None:
+        _refuse(name, path, "its config is encoder-decoder but the model has no encoder")
+    position_kind(model)  # ValueError naming unsupported encoder-decoder types
+    attention = getattr(model.config, "_attn_implementation", None)
+    if path != "dynamic" and attention not in FOUR_D_ATTENTION:
+        _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; use 'sdpa' or 'eager'")
+
+
+def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec | None:
+    """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
+    architecture and the reason. Encoder-decoder models are checked and return None (``seq2seq.py`` drives them)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        _check_encoder_decoder(model, path)
+        return None
+    return _check_decoder_only(model, path, batch)
+
+
+def check_request(target, draft, *, path: str, batch: int) -> None:
+    """Check both models of a request before anything is allocated (ValueError naming the first refusal)."""
+    for model in (target, draft):
+        check_model(model, path=path, batch=batch)
+
+
+def request_path(static: bool, compiled: bool) -> str:
+    return "compile" if compiled else "static" if static else "dynamic"

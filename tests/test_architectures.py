@@ -1,0 +1,203 @@
+"""Architecture families beyond plain full attention: exact on every path that accepts them, refused up front
+(``capabilities.py``) on every path that does not. One representative per family of docs/architectures.md; the
+full sweep over every config class is ``benchmarks/coverage.py``."""
+
+import importlib
+
+import pytest
+import torch
+from transformers import (
+    BartConfig,
+    BartForCausalLM,
+    BertConfig,
+    BertLMHeadModel,
+    BloomConfig,
+    BloomForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    FalconMambaConfig,
+    FalconMambaForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MptConfig,
+    MptForCausalLM,
+    OpenAIGPTConfig,
+    OpenAIGPTLMHeadModel,
+    RecurrentGemmaConfig,
+    RecurrentGemmaForCausalLM,
+    RwkvConfig,
+    RwkvForCausalLM,
+)
+
+import speculative_kernels as sk
+from speculative_kernels.generation.capabilities import check_model
+from speculative_kernels.generation.static_runner import CompileOptions
+from models import perturbed
+
+generate_module = importlib.import_module("speculative_kernels.generation.generate")  # the package exports the function
+
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+PATHS = {"dynamic": {}, "static": {"cache_implementation": "static"},
+         "compile": {"compile": CompileOptions(backend="aot_eager")}}
+
+
+def _build(model_class, config, seed: int = 0):
+    """Untied output embeddings: tied tiny random models tend to repeat their input, which any draft guesses."""
+    config.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def _batch(batch: int, pad: int = 4, length: int = 10):
+    ids = torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        ids[1, :pad], mask[1, :pad] = 0, 0
+    return ids, mask
+
+
+def _check_exact(target, *, batch: int, path: str = "dynamic", noise: float | None = 0.3, new: int = 12):
+    """noise None: the draft is the same architecture with other random weights (rejects more)."""
+    draft = perturbed(target, noise) if noise is not None else _build(type(target), target.config, seed=1)
+    ids, mask = _batch(batch)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                      max_new_tokens=new, do_sample=False, pad_token_id=0, speculation_stats=stats, **PATHS[path])
+    assert torch.equal(got, expected)
+    assert stats.acceptance_rate < 1.0  # the draft was rejected somewhere: rollbacks were exercised
+
+
+def _check_refused_up_front(model, match: str, *, batch: int = 2, path: str = "dynamic", monkeypatch=None):
+    """generate raises ValueError naming the architecture before any runner or cache exists."""
+    def no_loop(*args, **kwargs):
+        raise AssertionError("a loop (and its caches) was built for a model that should be refused")
+
+    ids, mask = _batch(batch)
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=f"{type(model).__name__}.*{match}"):
+        patch.setattr(generate_module, "SpeculativeLoop", no_loop)
+        sk.generate(model, ids, attention_mask=mask, draft_model=model, num_speculative_tokens=3, max_new_tokens=4,
+                    pad_token_id=0, **PATHS[path])
+    with pytest.raises(ValueError, match=match):
+        check_model(model, path=path, batch=batch)
+
+
+# ------------------------------------------------------------------------------------------- sliding windows
+def mistral_window():
+    return _build(MistralForCausalLM, MistralConfig(**SIZES, sliding_window=6))
+
+
+def gemma2_window():  # interleaved sliding / full layers: the masks go in as a dict keyed by layer type
+    return _build(Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=8, sliding_window=6,
+                                                  layer_types=["sliding_attention", "full_attention"]))
+
+
+def gpt_oss_window():
+    return _build(GptOssForCausalLM, GptOssConfig(**SIZES, head_dim=8, sliding_window=6, num_local_experts=4,
+                                                  num_experts_per_tok=2,
+                                                  layer_types=["sliding_attention", "full_attention"]))
+
+
+@pytest.mark.parametrize("make", [mistral_window, gemma2_window, gpt_oss_window])
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sliding_window_smaller_than_the_sequence_is_exact(make, path, batch):
+    _check_exact(make(), batch=batch, path=path)
+
+
+def test_sliding_window_compiled_is_exact():
+    _check_exact(gemma2_window(), batch=1, path="compile")
+
+
+# ------------------------------------------------------------------------------------------- ALiBi
+def bloom():
+    return _build(BloomForCausalLM, BloomConfig(vocab_size=97, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
+                                                eos_token_id=2, pad_token_id=0, tie_word_embeddings=False))
+
+
+def falcon_alibi():
+    return _build(FalconForCausalLM, FalconConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, alibi=True, new_decoder_architecture=True,
+                                                  num_kv_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                                  tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("make", [bloom, falcon_alibi])
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+def test_alibi_from_the_slot_mask_is_exact_in_a_padded_batch(make, path):
+    _check_exact(make(), batch=2, path=path, noise=None)
+
+
+def test_falcon_multi_query_static_refused_up_front_dynamic_exact(monkeypatch):
+    model = _build(FalconForCausalLM, FalconConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=4, bos_token_id=1, eos_token_id=2,
+                                                   pad_token_id=0))  # multi_query=True: one K/V head
+    _check_exact(model, batch=2, path="dynamic")
+    _check_refused_up_front(model, "multi-query", path="static", monkeypatch=monkeypatch)
+
+
+# ------------------------------------------------------------------------------------------- slot positions
+def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(monkeypatch):
+    """BART's decoder alone and MPT (ALiBi from key slots) take no position_ids: rejected drafts leave holes in a
+    batch, so batch > 1 is refused; batch 1 has no holes."""
+    bart = _build(BartForCausalLM, BartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                              decoder_ffn_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                              decoder_start_token_id=0, forced_eos_token_id=None))
+    mpt = _build(MptForCausalLM, MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    for model in (bart, mpt):
+        _check_exact(model, batch=1, noise=None)
+        for path in ("dynamic", "static"):
+            _check_refused_up_front(model, "only batch size 1 is exact", path=path, monkeypatch=monkeypatch)
+
+
+def test_encoder_family_without_is_decoder_is_refused(monkeypatch):
+    config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    _check_refused_up_front(_build(BertLMHeadModel, config), "is_decoder is False", monkeypatch=monkeypatch)
+    config.is_decoder = True
+    _check_exact(_build(BertLMHeadModel, config), batch=2)
+
+
+# ------------------------------------------------------------------------------------------- recurrent state
+def lfm2():  # the case of issue 12: silently different in a padded batch before
+    return _build(Lfm2ForCausalLM, Lfm2Config(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              layer_types=["conv", "full_attention"], bos_token_id=1,
+                                              eos_token_id=2, pad_token_id=0))
+
+
+RECURRENT = {
+    "lfm2": (lfm2, r"\['conv'\] layers"),
+    "mamba": (lambda: _build(MambaForCausalLM, MambaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2)),
+              "takes no past_key_values"),
+    "falcon_mamba": (lambda: _build(FalconMambaForCausalLM, FalconMambaConfig(vocab_size=97, hidden_size=32,
+                                                                              num_hidden_layers=2)),
+                     "takes no past_key_values"),
+    "rwkv": (lambda: _build(RwkvForCausalLM, RwkvConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                                        attention_hidden_size=32, intermediate_size=64)),
+             "takes no past_key_values|recurrent"),
+    "recurrent_gemma": (lambda: _build(RecurrentGemmaForCausalLM, RecurrentGemmaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=32, head_dim=8, attention_window_size=8, pad_token_id=0)),
+        "takes no past_key_values|recurrent"),
+    "openai_gpt": (lambda: _build(OpenAIGPTLMHeadModel, OpenAIGPTConfig(vocab_size=97, n_embd=32, n_layer=2,
+                                                                        n_head=4)),
+                   "takes no past_key_values"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECURRENT))
+@pytest.mark.parametrize("path", ["dynamic", "static", "compile"])
+def test_recurrent_and_cacheless_models_are_refused_up_front_on_every_path(name, path, monkeypatch):
+    make, match = RECURRENT[name]
+    _check_refused_up_front(make(), match, batch=1 if path == "compile" else 2, path=path, monkeypatch=monkeypatch)
