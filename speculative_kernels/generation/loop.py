@@ -270,7 +270,8 @@ class SpeculativeLoop:
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, target_logits=processed, draft_logits=draft_logits,
                                    draft_tokens=draft_tokens)
-        self._after_emit(count_host, accepted_host, active_host, generated_before)
+        if self._after_emit(count_host, accepted_host, active_host, generated_before):
+            finished_host = self._finished_host = [1] * b  # a stopping criterion ended the (batch-1) request
         self._roll_back(accepted, accepted_host)
         self._next_pending(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done:
@@ -300,21 +301,25 @@ class SpeculativeLoop:
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
-    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> None:
-        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer."""
+    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> bool:
+        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer. Returns True when a
+        stopping criterion fired (the host's finished flags, read before it ran, are then stale)."""
         active = [i for i, a in enumerate(active_host) if a]
         self.stats.drafted_tokens += self.gamma * len(active)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
         self.stats.new_tokens += sum(count_host)
+        stopped = False
         if self.plan.stopping_criteria:
-            self._apply_stopping_criteria(count_host, generated_before)
-            count_host = (self.generated - generated_before).tolist()
+            stopped = self._apply_stopping_criteria(count_host, generated_before)
+            count_host = self._host_counts
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + int(generated_before[0])
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
+        return stopped
 
-    def _apply_stopping_criteria(self, count_host, generated_before) -> None:
-        """User stopping criteria, evaluated after every emitted token as HF does (batch 1)."""
+    def _apply_stopping_criteria(self, count_host, generated_before) -> bool:
+        """User stopping criteria, evaluated after every emitted token as HF does (batch 1). Returns whether one
+        fired; then the tokens after it are cut and every row is finished."""
         start = self.prompt_length + int(generated_before[0])
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
@@ -323,7 +328,8 @@ class SpeculativeLoop:
                 self.generated = generated_before + (j + 1)
                 self._host_counts = [j + 1]
                 self.finished = torch.ones_like(self.finished)
-                return
+                return True
+        return False
 
     def run(self):
         """Generate until every row finished. Returns (sequences [B, L + new], SpeculationStats)."""
