@@ -98,6 +98,21 @@ def test_kernel_edge_densities_and_several_tensors(backend, density):
     assert all(torch.equal(a, b) for a, b in zip(tensors, want))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernel_on_second_device_with_first_current(backend):
+    """A cache on cuda:1 while cuda:0 is current (a model split over GPUs): the kernel must run on cuda:1."""
+    buffer, kv, mask = _case(3, 2, 300, 64, torch.bfloat16, seed=8)
+    buffer, mask = buffer.to("cuda:1"), mask.to("cuda:1")
+    kv = buffer[:, :, : kv.shape[2]]
+    want = buffer.clone()
+    compact_kv(want[:, :, : kv.shape[2]], mask, backend="torch")
+    with torch.cuda.device(0):
+        compact_kv(kv, mask, backend=backend)
+    torch.cuda.synchronize("cuda:1")
+    assert torch.equal(buffer.view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_inputs_raise():
     kv = torch.zeros(2, 1, 5, 4)
     with pytest.raises(ValueError, match=r"\[B, S\] must match"):

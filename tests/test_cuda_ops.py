@@ -457,6 +457,28 @@ def test_cuda_graph_capture(backend, warp):
         _assert_same(graph_out, backend.verify(target, draft, tokens, *args, seed, offset, False))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("warp", [dict(temperature=0.0, top_k=0, top_p=1.0), REPLAY_WARPS[3]], ids=str)
+def test_logits_on_second_device_with_first_current(backend, warp):
+    """Logits on cuda:1 while cuda:0 is current (an HF device_map model's head): the binding's device guard runs the
+    kernels on cuda:1, on its current stream, with the same results as with cuda:1 current."""
+    batch, k, vocab = 3, 4, 8193
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=29, device="cuda:1")
+    seed, offset = _rows(5, batch, "cuda:1"), _rows(1, batch, "cuda:1")
+    args = (target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    with torch.cuda.device(1):
+        want = backend.verify(*args)
+        want_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+    with torch.cuda.device(0):
+        got = backend.verify(*args)
+        got_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+    torch.cuda.synchronize("cuda:1")
+    assert got[0].device == torch.device("cuda:1")
+    _assert_same(got, want)
+    _assert_same([got_sample], [want_sample])
+    _assert_invariants(*got, tokens)
+
+
 # ---- without a CUDA device: loader logic and Python plumbing --------------------------------------------------------
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
 def test_unavailable_reason_on_cpu():

@@ -403,6 +403,35 @@ def test_cuda_graph_capture_without_host_sync(warp):
     assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+@pytest.mark.parametrize("warp", ["plain", "both"])
+def test_logits_on_second_device_with_first_current(warp):
+    """Logits on cuda:1 (an HF device_map model's head) while cuda:0 is current: the launches must go to cuda:1."""
+    batch, k, vocab = 3, 4, 32000
+    target, draft, tokens = (t.to("cuda:1") for t in _inputs(batch, k, vocab, torch.bfloat16, seed=12))
+    seed = torch.arange(batch, device="cuda:1") + 1
+    offset = torch.full((batch,), 3, device="cuda:1")
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), WARPS[warp]):
+        args = (target, draft, tokens, temperature, top_k, top_p, seed, offset, True)
+        with torch.cuda.device(1):
+            want = triton_backend.verify(*args)
+            want_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+        with torch.cuda.device(0):
+            got = triton_backend.verify(*args)
+            got_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+        torch.cuda.synchronize("cuda:1")
+        assert got[0].device == torch.device("cuda:1")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_sample, want_sample)
+        reference = verify_reference(*args)
+        if temperature == 0.0:
+            assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+        else:
+            assert _agreement(got, reference) >= MIN_AGREEMENT
+
+
 # ---- the GPU build of the kernels ---------------------------------------------------------------------------------
 @pytest.mark.skipif(
     not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
@@ -417,3 +446,15 @@ def test_kernels_compile_for_hopper():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("ok sm_90") == 6, result.stdout
+
+
+def test_launches_guard_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: every launch enters the tensors' device first (a GPU test below
+    runs logits on cuda:1 with cuda:0 current)."""
+    seen = []
+    guard = triton_backend.device_guard
+    monkeypatch.setattr(triton_backend, "device_guard", lambda device: (seen.append(device), guard(device))[1])
+    target, draft, tokens = _inputs(1, 1, 16, torch.float32, seed=1)
+    _verify(target, draft, tokens, 0.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
+    triton_backend.launch_sample(target[:, 0], 1.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
+    assert seen == [target.device, target.device]

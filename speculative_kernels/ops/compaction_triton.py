@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from .backends import device_guard
+
 __all__ = ["compact_kv"]
 
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -60,10 +62,11 @@ def compact_kv_triton(kv: torch.Tensor, slot_mask: torch.Tensor) -> None:
     block_d = min(triton.next_power_of_2(head_dim), 128)
     block_s = 64 if kv.device.type == "cuda" else 256
     grid = (batch * heads, triton.cdiv(head_dim, block_d))
-    wrap_triton(compact_kv_kernel)[grid](
-        data, slot_mask, heads, slots, head_dim, data.stride(0), data.stride(1), data.stride(2),
-        BLOCK_S=block_s, BLOCK_D=block_d,
-    )
+    with device_guard(kv.device):
+        wrap_triton(compact_kv_kernel)[grid](
+            data, slot_mask, heads, slots, head_dim, data.stride(0), data.stride(1), data.stride(2),
+            BLOCK_S=block_s, BLOCK_D=block_d,
+        )
 
 
 def compact_kv(tensors, slot_mask) -> None:

@@ -15,6 +15,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from .backends import device_guard
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
@@ -202,8 +203,9 @@ def launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k,
                   tuning: Optional[Tuning] = None):
     """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
     tuning = tuning or default_tuning(target_logits.device)
-    return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
+    with device_guard(target_logits.device):
+        return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                    STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
 
 
 def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row, tuning: Optional[Tuning] = None):
@@ -211,8 +213,9 @@ def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row,
     tuning = tuning or default_tuning(logits.device)
     batch = logits.shape[0]
     no_tokens = torch.empty(batch, 0, dtype=torch.int64, device=logits.device)
-    out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                  STREAM_DRAFT, tuning, (batch,))
+    with device_guard(logits.device):
+        out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                      STREAM_DRAFT, tuning, (batch,))
     return out
 
 
