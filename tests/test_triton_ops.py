@@ -403,6 +403,30 @@ def test_cuda_graph_capture_without_host_sync(warp):
     assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
 
 
+@gpu
+def test_no_recompilation_for_new_batch_sizes_on_gpu():
+    """The JIT's own caches: after B = 1 compiled each kernel, B = 2..8 and 64 compile nothing new."""
+    from speculative_kernels.ops.triton_kernels import finish_greedy_kernel, stats_kernel
+    from speculative_kernels.ops.triton_race import finish_sample_kernel, race_kernel
+
+    kernels = (stats_kernel, finish_greedy_kernel, race_kernel, finish_sample_kernel)
+    device = torch.cuda.current_device()
+
+    def compiled():
+        return sum(len(kernel.device_caches[device][0]) for kernel in kernels)
+
+    def run(batch):
+        target, draft, tokens = _inputs(batch, 4, 32000, torch.bfloat16, seed=batch)
+        for temperature in (0.0, 0.8):
+            _verify(target, draft, tokens, temperature, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+
+    run(1)
+    after_first = compiled()
+    for batch in (2, 3, 4, 5, 6, 7, 8, 64):
+        run(batch)
+    assert compiled() == after_first
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
@@ -433,19 +457,47 @@ def test_logits_on_second_device_with_first_current(warp):
 
 
 # ---- the GPU build of the kernels ---------------------------------------------------------------------------------
-@pytest.mark.skipif(
+needs_ptxas = pytest.mark.skipif(
     not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
     reason="this triton build ships no NVIDIA backend (ptxas) to compile with",
 )
-def test_kernels_compile_for_hopper():
-    """Every kernel, in its most general variant, compiles to sm_90 cubin (no GPU needed): catches code only the
-    interpreter accepts."""
+
+
+def _aot(*args: str) -> subprocess.CompletedProcess:
+    """``python -m speculative_kernels.ops.triton_aot ARGS`` with real JIT functions (no interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-m", "speculative_kernels.ops.triton_aot", "--quick"], env=env,
-                            capture_output=True, text=True, timeout=600)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is every version's default
+    return subprocess.run([sys.executable, "-m", "speculative_kernels.ops.triton_aot", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@needs_ptxas
+def test_kernels_compile_for_hopper_as_the_jit_builds_them():
+    """Every kernel compiles to sm_90 cubin (no GPU needed; catches code only the interpreter accepts), bound by the
+    JIT's own binder from the backend's recorded launches, so with the JIT's 16-byte divisibility hints: the logits
+    and the KV cache are read with 128-bit loads, as on the GPU (without the hints they were scalar loads)."""
+    result = _aot("--quick")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("ok sm_90") == 6, result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ok sm_90")]
+    names = {line.split()[2] for line in lines}
+    assert names == {"stats_kernel", "race_kernel", "finish_greedy_kernel", "finish_sample_kernel", "scale_kernel",
+                     "compact_kv_kernel"}, result.stdout
+    for line in lines:
+        if line.split()[2] in ("stats_kernel", "race_kernel", "scale_kernel", "compact_kv_kernel"):
+            assert "v4." in line.split("loads=")[1], line
+
+
+@needs_ptxas
+def test_one_compiled_variant_for_every_batch_size():
+    """A server sees new batch sizes all the time: none may compile a new kernel variant. Triton's JIT binder, run
+    on the backend's recorded launches for B = 1..8, 64, 256, must give one cache key per kernel and mode (the
+    combine tile once followed B, and B-dependent integers were specialised on == 1 / % 16)."""
+    result = _aot("--batches", "1", "2", "3", "4", "5", "6", "7", "8", "64", "256", "--vocab", "32000")
+    counts = [line.split() for line in result.stdout.splitlines() if line.startswith("variants ")]
+    assert len(counts) >= 20, result.stdout + result.stderr[-4000:]
+    assert all(c[1] == "1" for c in counts), result.stdout
+    assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_launches_guard_the_tensors_device(monkeypatch):

@@ -33,7 +33,8 @@ class Tuning:
     block_v: int = 2048  # pass-1 vocabulary tile per loop iteration (power of two)
     num_warps: int = 8  # for a full tile; scaled down with smaller tiles
     race_block_v: int = 1024  # race tile: Philox and two running (best, index) pairs per element cost registers
-    race_num_warps: int = 4  # (sm_90 ptxas: ~146 registers per thread at 1024/4 warps, 174 at 2048/8)
+    race_num_warps: int = 4  # (sm_90, as the JIT builds it (triton_aot --resources): 128 registers per thread at
+    #                           1024/4 warps, 164 at 2048/8)
     programs_per_sm: int = 4  # target grid size per pass, so a batch of one still fills the GPU
     max_chunks: int = 256  # bounds the per-program combine work of the decision step
     num_sms: Optional[int] = None
@@ -50,7 +51,7 @@ class Plan:
     race_chunks: int  # pass 2: chunks per raced row
     race_chunk_size: int
     block_k: int  # power of two >= K + 1
-    block_c: int  # chunk-combine tile
+    block_c: int  # chunk-combine tile (independent of B: one compiled variant for every batch size)
 
 
 def _interpreting() -> bool:
@@ -86,6 +87,9 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
     block_v, race_block_v = tile(tuning.block_v), tile(tuning.race_block_v)
     chunks, chunk_size = split(batch * num_positions, block_v)
     race_chunks, race_chunk_size = split(batch, race_block_v)
+    # The combine tile covers the most chunks any batch size can get (B = 1), so that it is the same constexpr for
+    # every B: a tile chosen from this call's chunks would compile a new kernel variant for each new batch size.
+    most_chunks = max(split(1, block_v)[0], split(1, race_block_v)[0])
     return Plan(
         block_v=block_v,
         num_warps=max(1, min(tuning.num_warps, block_v // 256)),
@@ -96,7 +100,7 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
         race_chunks=race_chunks,
         race_chunk_size=race_chunk_size,
         block_k=max(2, triton.next_power_of_2(num_positions)),
-        block_c=min(64, triton.next_power_of_2(max(chunks, race_chunks))),
+        block_c=min(64, triton.next_power_of_2(most_chunks)),
     )
 
 
