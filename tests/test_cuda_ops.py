@@ -521,9 +521,31 @@ def fresh_loader(monkeypatch):
     """cuda_ext with a clean once-per-process cache, pretending a CUDA device is present."""
     monkeypatch.setattr(cuda_ext, "_device_reason", lambda: None)
     monkeypatch.setattr(cuda_ext, "_import_prebuilt", lambda: "speculative_kernels._C is not installed")
+    monkeypatch.setattr(cuda_ext, "_jit_blocker", lambda: None)  # a toolkit matching torch's CUDA
     cuda_ext._load_once.cache_clear()
     yield
     cuda_ext._load_once.cache_clear()
+
+
+def test_jit_build_not_attempted_with_a_mismatched_toolkit(monkeypatch, tmp_path):
+    """nvcc of another CUDA major version than torch's: no JIT build; the reason names both versions."""
+    from torch.utils import cpp_extension
+
+    from test_cuda_build import fake_cuda_home
+
+    monkeypatch.setattr(cuda_ext, "_device_reason", lambda: None)
+    monkeypatch.setattr(cuda_ext, "_import_prebuilt", lambda: "speculative_kernels._C is not installed")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", fake_cuda_home(tmp_path, "13.0"))
+    builds = []
+    monkeypatch.setattr(cuda_ext, "_jit_build", lambda: builds.append(1))
+    cuda_ext._load_once.cache_clear()
+    try:
+        reason = cuda_ext.unavailable_reason()
+    finally:
+        cuda_ext._load_once.cache_clear()
+    assert "CUDA 13.0" in reason and "12.8" in reason and "cannot be JIT-compiled" in reason, reason
+    assert builds == []
 
 
 def test_jit_failure_reported_and_not_retried(fresh_loader, monkeypatch):
