@@ -83,6 +83,19 @@ def test_kernel_is_bit_exact_with_reference(backend, dtype, size):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("size,dtype", [((2, 1, 70, 576), torch.bfloat16), ((1, 2, 45, 1000), torch.float32),
+                                        ((1, 1, 40, 2100), torch.float16)], ids=str)
+def test_rows_wider_than_one_staging_chunk(backend, size, dtype):
+    """Slot rows over the CUDA kernel's 1024-byte staging chunk (a 576-wide bf16 latent cache: 1152 bytes; a partial
+    last chunk; several chunks), bit-exact with the reference."""
+    buffer, kv, mask = _case(*size, dtype, seed=13)
+    want_buffer = buffer.clone()
+    compact_kv(want_buffer[:, :, : kv.shape[2]], mask, backend="torch")
+    compact_kv(kv, mask, backend=backend)
+    assert torch.equal(buffer.view(torch.int8), want_buffer.view(torch.int8))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("density", [0.0, 1.0, 0.05, 0.95])
 def test_kernel_edge_densities_and_several_tensors(backend, density):
     tensors, masks = [], None
