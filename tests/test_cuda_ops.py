@@ -457,6 +457,30 @@ def test_cuda_graph_capture(backend, warp):
         _assert_same(graph_out, backend.verify(target, draft, tokens, *args, seed, offset, False))
 
 
+@gpu
+def test_seed_none_inside_cuda_graph_capture(backend):
+    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
+    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
+    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
+    batch, k, vocab = 64, 2, 1000
+    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.verify(target, None, tokens, temperature=1.0, backend="cuda")  # compiles / loads outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="cuda")
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((n >= 0) & (n <= k)).all()
+    assert not torch.equal(out, first)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("warp", [dict(temperature=0.0, top_k=0, top_p=1.0), REPLAY_WARPS[3]], ids=str)
 def test_logits_on_second_device_with_first_current(backend, warp):

@@ -404,6 +404,30 @@ def test_cuda_graph_capture_without_host_sync(warp):
 
 
 @gpu
+def test_seed_none_inside_cuda_graph_capture():
+    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
+    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
+    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
+    batch, k, vocab = 64, 2, 1000
+    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.verify(target, None, tokens, temperature=1.0, backend="triton")  # compiles / loads outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="triton")
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((n >= 0) & (n <= k)).all()
+    assert not torch.equal(out, first)
+
+
+@gpu
 def test_no_recompilation_for_new_batch_sizes_on_gpu():
     """The JIT's own caches: after B = 1 compiled each kernel, B = 2..8 and 64 compile nothing new."""
     from speculative_kernels.ops.triton_kernels import finish_greedy_kernel, stats_kernel

@@ -78,7 +78,11 @@ class SpeculativeLoop:
             self.seed, self.seed_per_row = row_seeds(self.seed), True
         self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
-        self._draft_offset = 0  # Philox offset of the next draft token (advances by gamma per iteration)
+        # Philox offsets as device counters advanced in place (draft: one per drafted token; verify: one per
+        # iteration): no host value enters an iteration's random numbers, so the draft and verification steps can be
+        # captured in a CUDA graph as they are (the seed above is drawn on the device too).
+        self._draft_offset = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._verify_offset = torch.zeros((), dtype=torch.int64, device=self.device)
         self._masks_logits = bool(self._forced) or (plan.min_new_tokens > 0 and bool(plan.eos_token_ids))
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
@@ -161,12 +165,11 @@ class SpeculativeLoop:
                 # all -inf) is still caught: verify checks the stored draft logits.
                 token = logits[:, 0].float().argmax(dim=-1)
             else:
-                offset = torch.full_like(self.seed, self._draft_offset + i)
-                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
-                                         self.seed_per_row)
+                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed,
+                                         self._draft_offset.expand(self.batch), self.seed_per_row)
+                self._draft_offset.add_(1)
             tokens[:, i] = token
             inputs, real = token.clamp(min=0).unsqueeze(1), None
-        self._draft_offset += gamma
         self.stats.draft_forwards += gamma
         return tokens, logits_buffer
 
@@ -179,9 +182,11 @@ class SpeculativeLoop:
             generated = self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device)
             self._mask_min_new(logits, generated)
             self._mask_forced(logits, generated)
-        offset = torch.full_like(self.seed, self.iteration)
         out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
-                                         s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
+                                         s.top_k, s.top_p, self.seed, self._verify_offset.expand(self.batch),
+                                         self.seed_per_row)
+        if not s.greedy:
+            self._verify_offset.add_(1)
         self.stats.target_forwards += 1
         return out, accepted, logits, raw
 
