@@ -419,6 +419,26 @@ def test_invalid_rows_flagged(backend, vocab, warp):
         ops.verify(target[:2], draft[:2], tokens[:2], **warp, seed=0, backend="cuda")
 
 
+@gpu
+def test_ops_never_synchronise_with_the_host(backend):
+    """CUDA's sync debug mode raises on any host synchronisation: none in verify or sample, greedy or sampling,
+    with or without the top-k/top-p cut (computed by torch ops on the device)."""
+    target, draft, tokens = _inputs(4, 4, 32000, torch.bfloat16, seed=31)
+    seed, offset = _rows(5, 4), _rows(2, 4)
+    warps = [dict(temperature=0.0, top_k=0, top_p=1.0), *REPLAY_WARPS]
+    for warp in warps:  # warm-up: the extension is loaded, allocations cached
+        backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for warp in warps:
+            for d in (draft, None):
+                backend.verify(target, d, tokens, *_warp_args(warp), seed, offset, False)
+            backend.sample(target[:, 0], *_warp_args(warp), seed, offset, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- torch.compile and CUDA graphs --------------------------------------------------------------------------------
 @gpu
 def test_torch_compile_fullgraph(backend):
