@@ -4,15 +4,18 @@ The CUDA extension in ``csrc/`` is compiled only where it can be:
 
 * ``SPECULATIVE_KERNELS_BUILD_CUDA=1`` forces the build (fails loudly without nvcc / CUDA torch);
 * ``SPECULATIVE_KERNELS_BUILD_CUDA=0`` skips it;
-* unset (default): built when the installed torch is a CUDA build and ``nvcc`` is found.
+* unset (default): built when the installed torch is a CUDA build and the nvcc torch's builder uses
+  (``CUDA_HOME/bin/nvcc``) has torch's CUDA major version; otherwise skipped, with the reason printed.
 
 Without a prebuilt extension the package JIT-compiles the same sources with ninja on first use
 (``speculative_kernels/ops/cuda_ext.py``). Install with ``--no-build-isolation`` so the build sees the torch you
 installed instead of pulling another one.
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -27,6 +30,16 @@ CUDA_SOURCES = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cu")) + sor
 CSRC_FILES = sorted(p for pattern in ("*.cu", "*.cuh", "*.cpp", "*.h") for p in CSRC.glob(pattern))
 
 
+def _cuda_toolkit():
+    """``speculative_kernels/ops/cuda_toolkit.py`` (standard library only), loaded by path: the package cannot be
+    imported before it is installed. The JIT build (``ops/cuda_ext.py``) runs the same check."""
+    path = ROOT / "speculative_kernels" / "ops" / "cuda_toolkit.py"
+    spec = importlib.util.spec_from_file_location("_speculative_kernels_cuda_toolkit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _want_cuda_build() -> bool:
     switch = os.environ.get("SPECULATIVE_KERNELS_BUILD_CUDA", "").strip()
     if switch not in ("", "0", "1"):
@@ -35,17 +48,18 @@ def _want_cuda_build() -> bool:
         return False
     try:
         import torch
+        from torch.utils.cpp_extension import CUDA_HOME
     except ImportError:
         if switch == "1":
             raise RuntimeError("SPECULATIVE_KERNELS_BUILD_CUDA=1 but torch is not installed")
         return False
-    available = torch.version.cuda is not None and shutil.which("nvcc") is not None and bool(CUDA_SOURCES)
-    if switch == "1" and not available:
-        raise RuntimeError(
-            "SPECULATIVE_KERNELS_BUILD_CUDA=1 but the CUDA build is impossible: "
-            f"torch.version.cuda={torch.version.cuda}, nvcc={shutil.which('nvcc')}"
-        )
-    return available
+    reason = _cuda_toolkit().build_blocker(torch.version.cuda, CUDA_HOME) if CUDA_SOURCES else "csrc/ is missing"
+    if reason is None:
+        return True
+    if switch == "1":
+        raise RuntimeError(f"SPECULATIVE_KERNELS_BUILD_CUDA=1 but the CUDA extension cannot be built: {reason}")
+    print(f"speculative-kernels: not building the CUDA extension: {reason}", file=sys.stderr)
+    return False
 
 
 def _extensions():

@@ -48,6 +48,7 @@ GPU_TESTS = [
     "tests/test_cuda_ops.py", "tests/test_cuda_build.py", "tests/test_triton_ops.py", "tests/test_ops_compile.py",
     "tests/test_compile.py", "tests/test_compaction.py", "tests/test_static_cache.py", "tests/test_seq2seq_static.py",
     "tests/test_host_sync.py", "tests/test_generate_greedy.py", "tests/test_generate_batch.py",
+    "tests/test_kernel_edges.py",
 ]
 
 

@@ -29,11 +29,12 @@ struct CompactParams {
 
 // Slots per tile of the kernel's walk (one warp ballot per tile).
 constexpr int kCompactTile = 32;
-// Largest D * element_bytes the kernel stages in shared memory per slot (tile bytes = kCompactTile * this).
-constexpr int kCompactMaxRowBytes = 1024;
+// Bytes of each slot a block stages in shared memory (tile bytes = kCompactTile * this = 32 KiB). A longer slot row
+// (e.g. a 576-wide bf16 latent cache: 1152 bytes) is split into column chunks of this size, one block each.
+constexpr int kCompactChunkBytes = 1024;
 
-// Compacts every (b, h) row in place. Returns cudaErrorInvalidValue for an unsupported element size or a head
-// dimension above kCompactMaxRowBytes / element_bytes, else the launch error.
+// Compacts every (b, h) row in place, any head dimension. Returns cudaErrorInvalidValue for an unsupported element
+// size or sizes beyond the grid, else the launch error.
 cudaError_t compact_kv_launch(const CompactParams& params, cudaStream_t stream);
 
 }  // namespace speculative_kernels

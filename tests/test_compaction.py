@@ -83,6 +83,19 @@ def test_kernel_is_bit_exact_with_reference(backend, dtype, size):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("size,dtype", [((2, 1, 70, 576), torch.bfloat16), ((1, 2, 45, 1000), torch.float32),
+                                        ((1, 1, 40, 2100), torch.float16)], ids=str)
+def test_rows_wider_than_one_staging_chunk(backend, size, dtype):
+    """Slot rows over the CUDA kernel's 1024-byte staging chunk (a 576-wide bf16 latent cache: 1152 bytes; a partial
+    last chunk; several chunks), bit-exact with the reference."""
+    buffer, kv, mask = _case(*size, dtype, seed=13)
+    want_buffer = buffer.clone()
+    compact_kv(want_buffer[:, :, : kv.shape[2]], mask, backend="torch")
+    compact_kv(kv, mask, backend=backend)
+    assert torch.equal(buffer.view(torch.int8), want_buffer.view(torch.int8))
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("density", [0.0, 1.0, 0.05, 0.95])
 def test_kernel_edge_densities_and_several_tensors(backend, density):
     tensors, masks = [], None
@@ -96,6 +109,21 @@ def test_kernel_edge_densities_and_several_tensors(backend, density):
     compact_kv(want, masks, backend="torch")
     compact_kv(tensors, masks, backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(tensors, want))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernel_on_second_device_with_first_current(backend):
+    """A cache on cuda:1 while cuda:0 is current (a model split over GPUs): the kernel must run on cuda:1."""
+    buffer, kv, mask = _case(3, 2, 300, 64, torch.bfloat16, seed=8)
+    buffer, mask = buffer.to("cuda:1"), mask.to("cuda:1")
+    kv = buffer[:, :, : kv.shape[2]]
+    want = buffer.clone()
+    compact_kv(want[:, :, : kv.shape[2]], mask, backend="torch")
+    with torch.cuda.device(0):
+        compact_kv(kv, mask, backend=backend)
+    torch.cuda.synchronize("cuda:1")
+    assert torch.equal(buffer.view(torch.int16), want.view(torch.int16))
 
 
 def test_bad_inputs_raise():

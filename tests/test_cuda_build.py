@@ -96,7 +96,7 @@ def test_kernel_compiles(path, arch, std, tmp_path):
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++/c++) on PATH")
 @pytest.mark.parametrize("std", ["c++17", "c++20"])  # torch's extension builder picks one or the other by version
 def test_bindings_syntax(std):
-    """bindings.cpp against this torch's headers. A CPU-only torch ships the c10/cuda headers but not the generated
+    """bindings.cpp against this torch's headers (rollback_bindings.cpp: test_compaction.py). A CPU-only torch ships the c10/cuda headers but not the generated
     c10/cuda/impl/cuda_cmake_macros.h; torch's own escape hatch C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it."""
     from torch.utils.cpp_extension import include_paths
 
@@ -193,3 +193,66 @@ def test_op_schemas_parse_and_match_fakes():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- whether to build at all: nvcc's CUDA major version must be torch's ---------------------------------------------
+def fake_cuda_home(root: Path, release: str) -> str:
+    """A CUDA_HOME whose bin/nvcc only answers ``--version`` with ``release``."""
+    bin_dir = root / f"cuda-{release}" / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    nvcc = bin_dir / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    nvcc.chmod(0o755)
+    return str(bin_dir.parent)
+
+
+@pytest.mark.parametrize("torch_cuda,release,blocked", [("12.8", "13.0", True), ("13.0", "12.9", True),
+                                                        ("13.0", "13.0", False), ("13.2", "13.0", False)])
+def test_toolkit_major_version_must_match_torch(tmp_path, torch_cuda, release, blocked):
+    from speculative_kernels.ops.cuda_toolkit import build_blocker
+
+    reason = build_blocker(torch_cuda, fake_cuda_home(tmp_path, release))
+    if blocked:
+        assert f"CUDA {release}" in reason and torch_cuda in reason, reason
+    else:
+        assert reason is None
+
+
+def test_toolkit_missing_or_cpu_torch(tmp_path):
+    from speculative_kernels.ops.cuda_toolkit import build_blocker
+
+    assert "without CUDA" in build_blocker(None, fake_cuda_home(tmp_path, "13.0"))
+    assert "nvcc not found" in build_blocker("13.0", str(tmp_path / "nowhere"))
+    assert "nvcc not found" in build_blocker("13.0", None)
+
+
+@pytest.fixture
+def setup_py(monkeypatch):
+    """setup.py's namespace, executed with setuptools.setup stubbed out (nothing is built or installed)."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    monkeypatch.delenv("SPECULATIVE_KERNELS_BUILD_CUDA", raising=False)
+    return runpy.run_path(str(ROOT / "setup.py"))
+
+
+@pytest.mark.parametrize("release,switch,want", [("13.0", "", False), ("13.0", "0", False), ("13.0", "1", "raise"),
+                                                 ("12.4", "", True), ("12.4", "0", False)])
+def test_setup_skips_a_mismatched_toolkit_with_the_reason(setup_py, monkeypatch, tmp_path, capsys, release, switch,
+                                                          want):
+    """torch built with CUDA 12.8: nvcc 13.0 is skipped with the reason (pip install must not fail), or refused when
+    SPECULATIVE_KERNELS_BUILD_CUDA=1 forces the build; nvcc 12.4 builds (torch allows another minor version)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", fake_cuda_home(tmp_path, release))
+    monkeypatch.setenv("SPECULATIVE_KERNELS_BUILD_CUDA", switch)
+    if want == "raise":
+        with pytest.raises(RuntimeError, match=r"BUILD_CUDA=1 .*CUDA 13\.0 but torch was built with CUDA 12\.8"):
+            setup_py["_want_cuda_build"]()
+        return
+    assert setup_py["_want_cuda_build"]() is want
+    if switch == "" and not want:
+        assert "not building the CUDA extension" in capsys.readouterr().err

@@ -419,6 +419,26 @@ def test_invalid_rows_flagged(backend, vocab, warp):
         ops.verify(target[:2], draft[:2], tokens[:2], **warp, seed=0, backend="cuda")
 
 
+@gpu
+def test_ops_never_synchronise_with_the_host(backend):
+    """CUDA's sync debug mode raises on any host synchronisation: none in verify or sample, greedy or sampling,
+    with or without the top-k/top-p cut (computed by torch ops on the device)."""
+    target, draft, tokens = _inputs(4, 4, 32000, torch.bfloat16, seed=31)
+    seed, offset = _rows(5, 4), _rows(2, 4)
+    warps = [dict(temperature=0.0, top_k=0, top_p=1.0), *REPLAY_WARPS]
+    for warp in warps:  # warm-up: the extension is loaded, allocations cached
+        backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for warp in warps:
+            for d in (draft, None):
+                backend.verify(target, d, tokens, *_warp_args(warp), seed, offset, False)
+            backend.sample(target[:, 0], *_warp_args(warp), seed, offset, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- torch.compile and CUDA graphs --------------------------------------------------------------------------------
 @gpu
 def test_torch_compile_fullgraph(backend):
@@ -455,6 +475,52 @@ def test_cuda_graph_capture(backend, warp):
         target.copy_(_inputs(batch, k, vocab, torch.float16, seed=100 + step)[0])
         graph.replay()
         _assert_same(graph_out, backend.verify(target, draft, tokens, *args, seed, offset, False))
+
+
+@gpu
+def test_seed_none_inside_cuda_graph_capture(backend):
+    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
+    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
+    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
+    batch, k, vocab = 64, 2, 1000
+    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.verify(target, None, tokens, temperature=1.0, backend="cuda")  # compiles / loads outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="cuda")
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((n >= 0) & (n <= k)).all()
+    assert not torch.equal(out, first)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("warp", [dict(temperature=0.0, top_k=0, top_p=1.0), REPLAY_WARPS[3]], ids=str)
+def test_logits_on_second_device_with_first_current(backend, warp):
+    """Logits on cuda:1 while cuda:0 is current (an HF device_map model's head): the binding's device guard runs the
+    kernels on cuda:1, on its current stream, with the same results as with cuda:1 current."""
+    batch, k, vocab = 3, 4, 8193
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=29, device="cuda:1")
+    seed, offset = _rows(5, batch, "cuda:1"), _rows(1, batch, "cuda:1")
+    args = (target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    with torch.cuda.device(1):
+        want = backend.verify(*args)
+        want_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+    with torch.cuda.device(0):
+        got = backend.verify(*args)
+        got_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+    torch.cuda.synchronize("cuda:1")
+    assert got[0].device == torch.device("cuda:1")
+    _assert_same(got, want)
+    _assert_same([got_sample], [want_sample])
+    _assert_invariants(*got, tokens)
 
 
 # ---- without a CUDA device: loader logic and Python plumbing --------------------------------------------------------
@@ -499,9 +565,31 @@ def fresh_loader(monkeypatch):
     """cuda_ext with a clean once-per-process cache, pretending a CUDA device is present."""
     monkeypatch.setattr(cuda_ext, "_device_reason", lambda: None)
     monkeypatch.setattr(cuda_ext, "_import_prebuilt", lambda: "speculative_kernels._C is not installed")
+    monkeypatch.setattr(cuda_ext, "_jit_blocker", lambda: None)  # a toolkit matching torch's CUDA
     cuda_ext._load_once.cache_clear()
     yield
     cuda_ext._load_once.cache_clear()
+
+
+def test_jit_build_not_attempted_with_a_mismatched_toolkit(monkeypatch, tmp_path):
+    """nvcc of another CUDA major version than torch's: no JIT build; the reason names both versions."""
+    from torch.utils import cpp_extension
+
+    from test_cuda_build import fake_cuda_home
+
+    monkeypatch.setattr(cuda_ext, "_device_reason", lambda: None)
+    monkeypatch.setattr(cuda_ext, "_import_prebuilt", lambda: "speculative_kernels._C is not installed")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", fake_cuda_home(tmp_path, "13.0"))
+    builds = []
+    monkeypatch.setattr(cuda_ext, "_jit_build", lambda: builds.append(1))
+    cuda_ext._load_once.cache_clear()
+    try:
+        reason = cuda_ext.unavailable_reason()
+    finally:
+        cuda_ext._load_once.cache_clear()
+    assert "CUDA 13.0" in reason and "12.8" in reason and "cannot be JIT-compiled" in reason, reason
+    assert builds == []
 
 
 def test_jit_failure_reported_and_not_retried(fresh_loader, monkeypatch):

@@ -161,6 +161,32 @@ def test_stopping_criteria_checked_after_every_token():
     assert torch.equal(got, expected)
 
 
+def test_no_iteration_after_a_stopping_criterion_fires():
+    """Once a criterion fires, the loop stops: no further draft + verify iteration (counted at the target)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    target = llama()
+    forwards = []
+    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    fired_at = []
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stop = input_ids.shape[1] >= ids.shape[1] + 6
+            if stop and not fired_at:
+                fired_at.append(len(forwards))
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
+
+    ids = _prompt()
+    stats = sk.SpeculationStats()
+    out = sk.generate(target, ids, draft_model=llama(layers=1, seed=3), num_speculative_tokens=4,
+                      max_new_tokens=20, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAtLength()]),
+                      speculation_stats=stats)
+    assert out.shape[1] == ids.shape[1] + 6
+    assert fired_at and len(forwards) == fired_at[0], (fired_at, len(forwards))
+    assert stats.target_forwards == len(forwards) - stats.prefill_forwards
+
+
 def test_assistant_model_alias_and_padded_prompt():
     target = llama()
     ids = _prompt()

@@ -77,3 +77,39 @@ def test_sampling_is_repeatable_with_manual_seed():
         torch.manual_seed(99)
         runs.append(sk.generate(target, prompt, draft_model=draft, do_sample=True, max_new_tokens=12, top_k=0))
     assert torch.equal(*runs)
+
+
+def test_random_offsets_are_device_counters_at_fixed_addresses():
+    """Capture-safe randomness: every draft sample and every verification reads its Philox offset from one device
+    storage that the loop advances in place (what a captured CUDA graph replays), never from a tensor built from a
+    host value per call; the values are 0, 1, 2, ... per drafted token and per iteration, as before."""
+    from speculative_kernels.generation.generate import build_loop
+
+    ids = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(3))
+    loop, _, _ = build_loop(llama(), llama(layers=1, seed=3), ids, num_speculative_tokens=3, max_new_tokens=10,
+                            do_sample=True, temperature=0.9, pad_token_id=0)
+    impl = loop.impl
+    offsets, values = {"sample": [], "verify": []}, {"sample": [], "verify": []}
+
+    def record(name, offset):
+        offsets[name].append(offset)  # kept alive: a fresh tensor per call would get a new address
+        values[name].append(offset.tolist())
+
+    class Recording:
+        def sample(self, *args):
+            record("sample", args[5])
+            return impl.sample(*args)
+
+        def verify(self, *args):
+            record("verify", args[7])
+            return impl.verify(*args)
+
+    loop.impl = Recording()
+    while loop.step():
+        pass
+    iterations = len(values["verify"])
+    assert iterations > 1
+    for name, found in offsets.items():
+        assert len({o.untyped_storage().data_ptr() for o in found}) == 1, name
+    assert values["sample"] == [[i, i] for i in range(3 * iterations)]
+    assert values["verify"] == [[i, i] for i in range(iterations)]

@@ -1,5 +1,6 @@
 """The decode loop reads the device at most once per iteration (checked by intercepting host-reading calls)."""
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -24,17 +25,28 @@ class CountHostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _session(batch, **kwargs):
-    target, draft = llama(), llama(layers=1, seed=4)
-    ids = torch.randint(3, 97, (batch, 6), generator=torch.Generator().manual_seed(0))
-    return sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, max_new_tokens=20,
-                                                                               pad_token_id=0, **kwargs)
+def _session(batch, device="cpu", backend="auto", **kwargs):
+    target, draft = llama().to(device), llama(layers=1, seed=4).to(device)
+    ids = torch.randint(3, 97, (batch, 6), generator=torch.Generator().manual_seed(0)).to(device)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3, backend=backend)
+    return decoder.start(ids, max_new_tokens=20, pad_token_id=0, **kwargs)
 
 
 def test_one_host_read_per_iteration_greedy_and_sampling():
+    _check_one_read_per_iteration()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_one_host_read_per_iteration_with_gpu_kernels(backend):
+    """The same count with the kernels doing the verification and the draft sampling on a GPU."""
+    _check_one_read_per_iteration(device="cuda", backend=backend)
+
+
+def _check_one_read_per_iteration(**session_kwargs):
     for batch, kwargs in ((1, dict(do_sample=False)), (4, dict(do_sample=True, temperature=0.8, top_k=10,
                                                                  top_p=0.9, min_new_tokens=5))):
-        session = _session(batch, **kwargs)
+        session = _session(batch, **session_kwargs, **kwargs)
         steps = 0
         while not session.finished:
             with CountHostReads() as counter:

@@ -424,17 +424,134 @@ def test_cuda_graph_capture_without_host_sync(warp):
     assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
 
 
+@gpu
+def test_seed_none_inside_cuda_graph_capture():
+    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
+    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
+    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
+    batch, k, vocab = 64, 2, 1000
+    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.verify(target, None, tokens, temperature=1.0, backend="triton")  # compiles / loads outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="triton")
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ((n >= 0) & (n <= k)).all()
+    assert not torch.equal(out, first)
+
+
+@gpu
+def test_no_recompilation_for_new_batch_sizes_on_gpu():
+    """The JIT's own caches: after B = 1 compiled each kernel, B = 2..8 and 64 compile nothing new."""
+    from speculative_kernels.ops.triton_kernels import finish_greedy_kernel, stats_kernel
+    from speculative_kernels.ops.triton_race import finish_sample_kernel, race_kernel
+
+    kernels = (stats_kernel, finish_greedy_kernel, race_kernel, finish_sample_kernel)
+    device = torch.cuda.current_device()
+
+    def compiled():
+        return sum(len(kernel.device_caches[device][0]) for kernel in kernels)
+
+    def run(batch):
+        target, draft, tokens = _inputs(batch, 4, 32000, torch.bfloat16, seed=batch)
+        for temperature in (0.0, 0.8):
+            _verify(target, draft, tokens, temperature, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+
+    run(1)
+    after_first = compiled()
+    for batch in (2, 3, 4, 5, 6, 7, 8, 64):
+        run(batch)
+    assert compiled() == after_first
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+@pytest.mark.parametrize("warp", ["plain", "both"])
+def test_logits_on_second_device_with_first_current(warp):
+    """Logits on cuda:1 (an HF device_map model's head) while cuda:0 is current: the launches must go to cuda:1."""
+    batch, k, vocab = 3, 4, 32000
+    target, draft, tokens = (t.to("cuda:1") for t in _inputs(batch, k, vocab, torch.bfloat16, seed=12))
+    seed = torch.arange(batch, device="cuda:1") + 1
+    offset = torch.full((batch,), 3, device="cuda:1")
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), WARPS[warp]):
+        args = (target, draft, tokens, temperature, top_k, top_p, seed, offset, True)
+        with torch.cuda.device(1):
+            want = triton_backend.verify(*args)
+            want_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+        with torch.cuda.device(0):
+            got = triton_backend.verify(*args)
+            got_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+        torch.cuda.synchronize("cuda:1")
+        assert got[0].device == torch.device("cuda:1")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_sample, want_sample)
+        reference = verify_reference(*args)
+        if temperature == 0.0:
+            assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
+        else:
+            assert _agreement(got, reference) >= MIN_AGREEMENT
+
+
 # ---- the GPU build of the kernels ---------------------------------------------------------------------------------
-@pytest.mark.skipif(
+needs_ptxas = pytest.mark.skipif(
     not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
     reason="this triton build ships no NVIDIA backend (ptxas) to compile with",
 )
-def test_kernels_compile_for_hopper():
-    """Every kernel, in its most general variant, compiles to sm_90 cubin (no GPU needed): catches code only the
-    interpreter accepts."""
+
+
+def _aot(*args: str) -> subprocess.CompletedProcess:
+    """``python -m speculative_kernels.ops.triton_aot ARGS`` with real JIT functions (no interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-m", "speculative_kernels.ops.triton_aot", "--quick"], env=env,
-                            capture_output=True, text=True, timeout=600)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is every version's default
+    return subprocess.run([sys.executable, "-m", "speculative_kernels.ops.triton_aot", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@needs_ptxas
+def test_kernels_compile_for_hopper_as_the_jit_builds_them():
+    """Every kernel compiles to sm_90 cubin (no GPU needed; catches code only the interpreter accepts), bound by the
+    JIT's own binder from the backend's recorded launches, so with the JIT's 16-byte divisibility hints: the logits
+    and the KV cache are read with 128-bit loads, as on the GPU (without the hints they were scalar loads)."""
+    result = _aot("--quick")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("ok sm_90") == 6, result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ok sm_90")]
+    names = {line.split()[2] for line in lines}
+    assert names == {"stats_kernel", "race_kernel", "finish_greedy_kernel", "finish_sample_kernel", "scale_kernel",
+                     "compact_kv_kernel"}, result.stdout
+    for line in lines:
+        if line.split()[2] in ("stats_kernel", "race_kernel", "scale_kernel", "compact_kv_kernel"):
+            assert "v4." in line.split("loads=")[1], line
+
+
+@needs_ptxas
+def test_one_compiled_variant_for_every_batch_size():
+    """A server sees new batch sizes all the time: none may compile a new kernel variant. Triton's JIT binder, run
+    on the backend's recorded launches for B = 1..8, 64, 256, must give one cache key per kernel and mode (the
+    combine tile once followed B, and B-dependent integers were specialised on == 1 / % 16)."""
+    result = _aot("--batches", "1", "2", "3", "4", "5", "6", "7", "8", "64", "256", "--vocab", "32000")
+    counts = [line.split() for line in result.stdout.splitlines() if line.startswith("variants ")]
+    assert len(counts) >= 20, result.stdout + result.stderr[-4000:]
+    assert all(c[1] == "1" for c in counts), result.stdout
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_launches_guard_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: every launch enters the tensors' device first (a GPU test below
+    runs logits on cuda:1 with cuda:0 current)."""
+    seen = []
+    guard = triton_backend.device_guard
+    monkeypatch.setattr(triton_backend, "device_guard", lambda device: (seen.append(device), guard(device))[1])
+    target, draft, tokens = _inputs(1, 1, 16, torch.float32, seed=1)
+    _verify(target, draft, tokens, 0.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
+    triton_backend.launch_sample(target[:, 0], 1.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
+    assert seen == [target.device, target.device]

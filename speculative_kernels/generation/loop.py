@@ -90,7 +90,11 @@ class SpeculativeLoop:
             self.seed, self.seed_per_row = row_seeds(self.seed), True
         self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
-        self._draft_offset = 0  # Philox offset of the next draft token (advances by gamma per iteration)
+        # Philox offsets as device counters advanced in place (draft: one per drafted token; verify: one per
+        # iteration): no host value enters an iteration's random numbers, so the draft and verification steps can be
+        # captured in a CUDA graph as they are (the seed above is drawn on the device too).
+        self._draft_offset = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._verify_offset = torch.zeros((), dtype=torch.int64, device=self.device)
         self._masks_logits = bool(self._forced) or (plan.min_new_tokens > 0 and bool(plan.eos_token_ids))
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
@@ -213,12 +217,11 @@ class SpeculativeLoop:
                 # all -inf) is still caught: verify checks the stored draft logits.
                 token = logits[:, 0].float().argmax(dim=-1)
             else:
-                offset = torch.full_like(self.seed, self._draft_offset + i)
-                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
-                                         self.seed_per_row)
+                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed,
+                                         self._draft_offset.expand(self.batch), self.seed_per_row)
+                self._draft_offset.add_(1)
             tokens[:, i] = token
             inputs, real = token.clamp(min=0).unsqueeze(1), None
-        self._draft_offset += gamma
         self.stats.draft_forwards += gamma
         return tokens, logits_buffer
 
@@ -233,14 +236,16 @@ class SpeculativeLoop:
             self._mask_forced(logits, generated)
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
-            offset = torch.full_like(self.seed, self._draft_offset)
-            self._draft_offset += 1
-            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed, offset,
-                                     self.seed_per_row)
+            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed,
+                                     self._draft_offset.expand(self.batch), self.seed_per_row)
+            if not s.greedy:
+                self._draft_offset.add_(1)
             return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
-        offset = torch.full_like(self.seed, self.iteration)
         out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
-                                         s.top_k, s.top_p, self.seed, offset, self.seed_per_row)
+                                         s.top_k, s.top_p, self.seed, self._verify_offset.expand(self.batch),
+                                         self.seed_per_row)
+        if not s.greedy:
+            self._verify_offset.add_(1)
         return out, accepted, logits, raw
 
     def _emit(self, out: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
@@ -334,7 +339,8 @@ class SpeculativeLoop:
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
                                    draft_logits=draft_logits, draft_tokens=draft_tokens)
-        self._after_emit(count_host, accepted_host, active_host, generated_before)
+        if self._after_emit(count_host, accepted_host, active_host, generated_before):
+            finished_host = self._finished_host = [1] * b  # a stopping criterion ended the (batch-1) request
         if self.gamma > 0:  # gamma 0 is the last iteration (one token left for every row): no rollback needed
             self._roll_back(accepted, accepted_host)
             self._next_pending(out, accepted, draft_tokens, accepted_host)
@@ -366,21 +372,25 @@ class SpeculativeLoop:
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
-    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> None:
-        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer."""
+    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> bool:
+        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer. Returns True when a
+        stopping criterion fired (the host's finished flags, read before it ran, are then stale)."""
         active = [i for i, a in enumerate(active_host) if a]
         self.stats.drafted_tokens += self.gamma * len(active)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
         self.stats.new_tokens += sum(count_host)
+        stopped = False
         if self.plan.stopping_criteria:
-            self._apply_stopping_criteria(count_host, generated_before)
-            count_host = (self.generated - generated_before).tolist()
+            stopped = self._apply_stopping_criteria(count_host, generated_before)
+            count_host = self._host_counts
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + int(generated_before[0])
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
+        return stopped
 
-    def _apply_stopping_criteria(self, count_host, generated_before) -> None:
-        """User stopping criteria, evaluated after every emitted token as HF does (batch 1)."""
+    def _apply_stopping_criteria(self, count_host, generated_before) -> bool:
+        """User stopping criteria, evaluated after every emitted token as HF does (batch 1). Returns whether one
+        fired; then the tokens after it are cut and every row is finished."""
         start = self.prompt_length + int(generated_before[0])
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
@@ -389,7 +399,8 @@ class SpeculativeLoop:
                 self.generated = generated_before + (j + 1)
                 self._host_counts = [j + 1]
                 self.finished = torch.ones_like(self.finished)
-                return
+                return True
+        return False
 
     def run(self):
         """Generate until every row finished. Returns (sequences [B, L + new], SpeculationStats)."""

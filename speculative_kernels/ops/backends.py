@@ -6,6 +6,7 @@ there). The decision is made once per device type and the reason for a fallback 
 for by name that cannot run raises ``RuntimeError`` with the reason; it is never replaced silently.
 """
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -92,3 +93,14 @@ def _import_backend(family: str, backend: str, device_type: str) -> str:
     name = _FAMILIES[family][resolve(backend, device_type)]
     importlib.import_module(name)
     return name
+
+
+def device_guard(device: torch.device):
+    """Context that makes ``device`` the current CUDA device for a kernel launch (a no-op context elsewhere).
+
+    Triton launches on the *current* device and its current stream, whatever device the tensors live on: logits on
+    cuda:1 (an HF ``device_map`` model's head) with cuda:0 current would fault. The CUDA bindings do the same with
+    ``c10::cuda::CUDAGuard``."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

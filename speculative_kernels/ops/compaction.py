@@ -14,8 +14,9 @@ position, and a row's real-token count stays the same).
 
 Backends (``backends.implementation(..., family="compaction")``): ``torch`` (this file's reference: a gather and a
 copy, any device), ``triton`` (``compaction_triton.py``) and ``cuda`` (``csrc/rollback_kernels.cu``, through
-``compaction_cuda.py``). The kernels work in place with one program per (row, head): they walk the slots in tiles,
-load the moved slots of a tile, synchronise, then store them at their destinations. A destination never exceeds its
+``compaction_cuda.py``). The kernels work in place with one program per (row, head, block of the head dimension, so
+any row width): they walk the slots in tiles, load the moved slots of a tile, synchronise, then store them at their
+destinations. A destination never exceeds its
 source, so no tile overwrites a slot a later tile still has to read; slots that stay where they are (the real prefix)
 are neither read nor written.
 """

@@ -68,6 +68,16 @@ def _import_prebuilt() -> str | None:
     return None
 
 
+def _jit_blocker() -> str | None:
+    """Why the JIT build cannot work here (``cuda_toolkit.build_blocker`` with torch's CUDA_HOME), or None."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from .cuda_toolkit import build_blocker
+
+    return build_blocker(torch.version.cuda, cpp_extension.CUDA_HOME)
+
+
 def _jit_build() -> None:
     """JIT-compile (or reuse torch's cached build of) the sources and load the library. Raises on failure."""
     from torch.utils import cpp_extension
@@ -96,6 +106,10 @@ def _load_once() -> str | None:
     if prebuilt_reason is None:
         logger.info("speculative_kernels: loaded the prebuilt CUDA extension %s", PREBUILT_MODULE)
         return None
+    blocker = _jit_blocker()
+    if blocker is not None:
+        logger.warning("speculative_kernels: no JIT build of the CUDA extension (%s; %s)", blocker, prebuilt_reason)
+        return f"{prebuilt_reason}, and it cannot be JIT-compiled: {blocker}"
     start = time.perf_counter()
     try:
         _jit_build()

@@ -1,65 +1,183 @@
-"""Ahead-of-time compile of every Triton kernel variant for an NVIDIA target, with no GPU needed.
+"""Ahead-of-time compile of the Triton kernels exactly as the JIT builds them, for an NVIDIA target, with no GPU.
 
-    python -m speculative_kernels.ops.triton_aot [--arch 90] [--resources]
+    python -m speculative_kernels.ops.triton_aot [--arch 90] [--resources] [--quick] [--vocab V --k K --batch B]
+    python -m speculative_kernels.ops.triton_aot --batches 1 2 3 4 5 6 7 8   # compiled variants per kernel over B
 
-Triton's NVIDIA backend (with its bundled ptxas) compiles to cubin without a device, so a CPU-only CI can still
-catch kernels that only the interpreter accepts. ``--resources`` prints registers / spills per variant
-(via the bundled cuobjdump). Must run without TRITON_INTERPRET (the kernels must be real JIT functions).
+The variants are not written out by hand. The backend's own launch code (``triton_backend.launch_verify`` /
+``launch_sample``, ``compaction_triton``) runs on CPU tensors of a typical shape (bf16 logits, V = 128256, K = 4,
+B = 1, an H100's 132 SMs) with every kernel launch recorded instead of executed (``recording``); each recorded launch
+is then bound by Triton's own JIT binder for the target (``bind``), which gives the specialisation the JIT keys its
+cache on and compiles: ``tt.divisibility = 16`` on 16-byte aligned pointers and on integers divisible by 16, an integer
+equal to 1 as a constant, ``do_not_specialize`` arguments left generic, the launch's constexprs and ``num_warps``.
+So ``--resources`` reports the registers of the kernels that run, and ``--batches`` counts how many variants a range
+of batch sizes compiles (one per kernel and mode is the goal: a new batch size must not cost a compilation).
+
+Checked with Triton 3.6 (the GPU image's) and 3.9. Must run without TRITON_INTERPRET (the kernels must be real JIT
+functions).
 """
 
 import argparse
-import itertools
+import contextlib
+import dataclasses
 import os
+import re
 import subprocess
 import tempfile
 
+import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-from .compaction_triton import compact_kv_kernel
-from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
-from .triton_race import finish_sample_kernel, race_kernel
+from . import compaction_triton, triton_backend
 
-
-def _sig(fn, types: dict, constexprs: dict) -> ASTSource:
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = types.get(name, "*fp32")
-        else:
-            signature[name] = types.get(name, "i32")
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+# An H100's SM count, so the recorded plans (chunks per row, grid) are the ones that GPU launches.
+H100 = triton_backend.Tuning(num_sms=132)
 
 
-def variants(logit_type: str = "*bf16", block_v: int = 2048, quick: bool = False):
-    """(name, ASTSource, num_warps) for the variants the backend launches; ``quick``: the most general of each."""
-    unit = {"stride_tv": 1, "stride_dv": 1}
-    ints = {"WSI_ptr": "*i32", "RI_ptr": "*i32", "CUT_TI_ptr": "*i32", "CUT_DI_ptr": "*i32", "X_ptr": "*i64",
-            "SEED_ptr": "*i64", "OFFSET_ptr": "*i64", "OUT_ptr": "*i64", "NUM_ptr": "*i64",
-            "T_ptr": logit_type, "D_ptr": logit_type, "temperature": "fp32"}
-    warps = max(1, min(8, block_v // 256))
-    race_block = max(16, block_v // 2)  # the backend's default race tile is half the pass-1 tile
-    race_warps = max(1, min(4, race_block // 256))
-    combos = [(True, True, False)] if quick else list(itertools.product([True, False], repeat=3))
-    for draft, cut, greedy in combos:
-        flags = dict(HAS_DRAFT=draft, HAS_CUT=cut and not greedy, GREEDY=greedy, SCALE=True, PRECISE=True,
-                     BLOCK_V=block_v)
-        yield f"stats draft={draft} cut={cut} greedy={greedy}", _sig(stats_kernel, ints, {**unit, **flags}), warps
-    for draft, cut, residual in [(True, True, True)] if quick else itertools.product([True, False], repeat=3):
-        flags = dict(HAS_DRAFT=draft, HAS_CUT=cut, SCALE=True, RESIDUAL=residual, PRECISE=True, BLOCK_K=8,
-                     BLOCK_C=64, BLOCK_V=race_block)
-        yield (f"race draft={draft} cut={cut} residual={residual}", _sig(race_kernel, ints, {**unit, **flags}),
-               race_warps)
-    yield "finish_greedy", _sig(finish_greedy_kernel, ints, dict(HAS_DRAFT=True, BLOCK_K=8, BLOCK_C=64)), 1
-    yield "finish_sample", _sig(finish_sample_kernel, ints, dict(RESIDUAL=True, BLOCK_K=8, BLOCK_C=64)), 1
-    yield "scale", _sig(scale_kernel, {"X_ptr": logit_type, "temperature": "fp32"},
-                        dict(SCALE=True, BLOCK_V=block_v)), warps
-    # KV-cache hole compaction (the rollback kernel): the cache viewed as 16-bit integers (bf16/fp16), head_dim 128.
-    yield "compact_kv", _sig(compact_kv_kernel, {"KV_ptr": "*i16", "M_ptr": "*i8"},
-                             dict(BLOCK_S=64, BLOCK_D=128)), 4
+@dataclasses.dataclass
+class Launch:
+    """One recorded ``wrap_triton(kernel)[grid](*args, **kwargs)``."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+class _Recorder:
+    """Stands in for ``torch.library.wrap_triton``: ``recorder(kernel)[grid](...)`` appends a ``Launch``."""
+
+    def __init__(self):
+        self.launches: list[Launch] = []
+
+    def __call__(self, kernel):
+        recorder = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: recorder.launches.append(Launch(kernel, grid, args, kwargs))
+
+        return _Grid()
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the Triton backends' launches instead of running them, with CPU tensors taking the GPU's decisions
+    (libdevice math, the GPU's compaction tile). Yields the list the launches are appended to."""
+    recorder = _Recorder()
+    cuda = torch.device("cuda")
+    saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend._precise,
+             compaction_triton.slot_tile)
+    precise, slot_tile = triton_backend._precise, compaction_triton.slot_tile
+    triton_backend.wrap_triton = compaction_triton.wrap_triton = recorder
+    triton_backend._precise = lambda device: precise(cuda)
+    compaction_triton.slot_tile = lambda device: slot_tile(cuda)
+    try:
+        yield recorder.launches
+    finally:
+        (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend._precise,
+         compaction_triton.slot_tile) = saved
+
+
+@dataclasses.dataclass
+class Bound:
+    """A launch as the JIT sees it: its cache key and what it compiles (signature, constexprs, attrs, options)."""
+
+    name: str
+    key: str
+    source: ASTSource
+    options: dict
+
+
+def bind(launch: Launch, target: GPUTarget) -> Bound:
+    """Triton's JIT binding of a recorded launch for ``target`` (``JITFunction.run`` up to the compile call)."""
+    fn = launch.kernel
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    for option in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what run() adds (3.9 has both, 3.6 one)
+        if hasattr(knobs.compilation, option):
+            kwargs[option] = getattr(knobs.compilation, option)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    key = compute_cache_key({}, specialization, options)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return Bound(launch.name, key, ASTSource(fn, signature, constexprs, attrs), options.__dict__)
+
+
+def _rows(value: int, batch: int) -> torch.Tensor:
+    return torch.full((batch,), value, dtype=torch.int64)
+
+
+def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, quick: bool = False,
+                        tuning=H100) -> list[tuple[str, Launch]]:
+    """(mode, launch) for every kernel launch of the verify/sample modes at one size (``quick``: the most general
+    sampling mode and greedy with draft logits only). The logits are zeros: nothing is computed."""
+    target = torch.zeros(batch, k + 1, vocab, dtype=dtype)
+    draft = torch.zeros(batch, k, vocab, dtype=dtype)
+    tokens = torch.zeros(batch, k, dtype=torch.int64)
+    seed, offset = _rows(1, batch), _rows(0, batch)
+    modes = {  # mode -> (draft logits or None, temperature, top_k, top_p); the sampler is K = 0 verification
+        "greedy": (draft, 0.0, 0, 1.0),
+        "greedy one-hot": (None, 0.0, 0, 1.0),
+        "sampling": (draft, 0.8, 0, 1.0),
+        "sampling one-hot": (None, 0.8, 0, 1.0),
+        "sampling top-k/top-p": (draft, 0.8, 50, 0.9),
+        "sampling top-k/top-p one-hot": (None, 0.8, 50, 0.9),
+        "sample": ("sample", 0.8, 0, 1.0),
+        "sample top-p": ("sample", 0.8, 0, 0.9),
+    }
+    if quick:
+        modes = {m: modes[m] for m in ("greedy", "sampling top-k/top-p")}
+    out = []
+    for mode, (d, temperature, top_k, top_p) in modes.items():
+        with recording() as launches:
+            if isinstance(d, str):
+                triton_backend.launch_sample(target[:, 0], temperature, top_k, top_p, seed, offset, False, tuning)
+            else:
+                triton_backend.launch_verify(target, d, tokens, temperature, top_k, top_p, seed, offset, False,
+                                             tuning)
+        out += [(mode, launch) for launch in launches]
+    return out
+
+
+def record_compaction(batch: int = 1, heads: int = 8, slots: int = 4096, head_dim: int = 128,
+                      dtype=torch.bfloat16) -> list[tuple[str, Launch]]:
+    """The KV-cache compaction launch for one layer tensor [B, H, S, D] (a static cache's used prefix)."""
+    cache = torch.zeros(batch, heads, slots + 64, head_dim, dtype=dtype)
+    mask = torch.ones(batch, slots, dtype=torch.int64)
+    with recording() as launches:
+        compaction_triton.compact_kv([cache[:, :, :slots]], mask)
+    return [("compact_kv", launch) for launch in launches]
+
+
+def variants(arch: int = 90, batch: int = 1, k: int = 4, vocab: int = 128256, quick: bool = False) -> list:
+    """(label, Bound) per distinct compilation of the typical launches, in launch order."""
+    target = GPUTarget("cuda", arch, 32)
+    seen, out = set(), []
+    for mode, launch in record_verify_modes(batch, k, vocab, quick=quick) + record_compaction(batch):
+        bound = bind(launch, target)
+        if (bound.name, bound.key) not in seen:
+            seen.add((bound.name, bound.key))
+            out.append((f"{bound.name} [{mode}]", bound))
+    return out
+
+
+def variants_over_batches(batches, arch: int = 90, k: int = 4, vocab: int = 128256) -> dict[str, int]:
+    """Distinct JIT compilations per (kernel, mode) over the batch sizes ``batches`` (ideally 1 each)."""
+    target = GPUTarget("cuda", arch, 32)
+    keys: dict[str, set] = {}
+    for batch in batches:
+        for mode, launch in record_verify_modes(batch, k, vocab) + record_compaction(batch):
+            keys.setdefault(f"{launch.name} [{mode}]", set()).add(bind(launch, target).key)
+    return {label: len(found) for label, found in keys.items()}
 
 
 def _resources(cubin: bytes) -> str:
@@ -71,20 +189,35 @@ def _resources(cubin: bytes) -> str:
     return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
 
 
+def global_loads(ptx: str) -> str:
+    """The kinds of global loads in a kernel's PTX, e.g. "b32,v4.b32" (v4: 128-bit vector loads)."""
+    return ",".join(sorted(set(re.findall(r"ld\.global\.(?:nc\.)?([\w.]+)", ptx))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--block-v", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per verification")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--resources", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="only the most general variant of each kernel")
+    parser.add_argument("--quick", action="store_true", help="greedy and the most general sampling mode only")
+    parser.add_argument("--batches", type=int, nargs="+",
+                        help="instead of compiling: count the distinct JIT variants per kernel over these batch sizes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    if args.batches:
+        counts = variants_over_batches(args.batches, args.arch, args.k, args.vocab)
+        for label, count in counts.items():
+            print(f"variants {count} {label}")
+        raise SystemExit(0 if all(c == 1 for c in counts.values()) else 1)
     target = GPUTarget("cuda", args.arch, 32)
-    for name, src, num_warps in variants(block_v=args.block_v, quick=args.quick):
-        compiled = triton.compile(src, target=target, options={"num_warps": num_warps})
+    for label, bound in variants(args.arch, args.batch, args.k, args.vocab, args.quick):
+        compiled = triton.compile(bound.source, target=target, options=bound.options)
         extra = _resources(compiled.asm["cubin"]) if args.resources else ""
-        print(f"ok sm_{args.arch} {name} {extra}", flush=True)
+        loads = global_loads(compiled.asm["ptx"])
+        print(f"ok sm_{args.arch} {label} num_warps={bound.options['num_warps']} loads={loads} {extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from .backends import device_guard
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
@@ -32,7 +33,8 @@ class Tuning:
     block_v: int = 2048  # pass-1 vocabulary tile per loop iteration (power of two)
     num_warps: int = 8  # for a full tile; scaled down with smaller tiles
     race_block_v: int = 1024  # race tile: Philox and two running (best, index) pairs per element cost registers
-    race_num_warps: int = 4  # (sm_90 ptxas: ~146 registers per thread at 1024/4 warps, 174 at 2048/8)
+    race_num_warps: int = 4  # (sm_90, as the JIT builds it (triton_aot --resources): 128 registers per thread at
+    #                           1024/4 warps, 164 at 2048/8)
     programs_per_sm: int = 4  # target grid size per pass, so a batch of one still fills the GPU
     max_chunks: int = 256  # bounds the per-program combine work of the decision step
     num_sms: Optional[int] = None
@@ -49,7 +51,7 @@ class Plan:
     race_chunks: int  # pass 2: chunks per raced row
     race_chunk_size: int
     block_k: int  # power of two >= K + 1
-    block_c: int  # chunk-combine tile
+    block_c: int  # chunk-combine tile (independent of B: one compiled variant for every batch size)
 
 
 def _interpreting() -> bool:
@@ -85,6 +87,9 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
     block_v, race_block_v = tile(tuning.block_v), tile(tuning.race_block_v)
     chunks, chunk_size = split(batch * num_positions, block_v)
     race_chunks, race_chunk_size = split(batch, race_block_v)
+    # The combine tile covers the most chunks any batch size can get (B = 1), so that it is the same constexpr for
+    # every B: a tile chosen from this call's chunks would compile a new kernel variant for each new batch size.
+    most_chunks = max(split(1, block_v)[0], split(1, race_block_v)[0])
     return Plan(
         block_v=block_v,
         num_warps=max(1, min(tuning.num_warps, block_v // 256)),
@@ -95,7 +100,7 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
         race_chunks=race_chunks,
         race_chunk_size=race_chunk_size,
         block_k=max(2, triton.next_power_of_2(num_positions)),
-        block_c=min(64, triton.next_power_of_2(max(chunks, race_chunks))),
+        block_c=min(64, triton.next_power_of_2(most_chunks)),
     )
 
 
@@ -202,8 +207,9 @@ def launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k,
                   tuning: Optional[Tuning] = None):
     """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
     tuning = tuning or default_tuning(target_logits.device)
-    return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
+    with device_guard(target_logits.device):
+        return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                    STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
 
 
 def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row, tuning: Optional[Tuning] = None):
@@ -211,8 +217,9 @@ def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row,
     tuning = tuning or default_tuning(logits.device)
     batch = logits.shape[0]
     no_tokens = torch.empty(batch, 0, dtype=torch.int64, device=logits.device)
-    out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                  STREAM_DRAFT, tuning, (batch,))
+    with device_guard(logits.device):
+        out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+                      STREAM_DRAFT, tuning, (batch,))
     return out
 
 

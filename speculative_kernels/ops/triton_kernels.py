@@ -109,7 +109,11 @@ def _row_chunk_stats(
     tl.store(WS_F_ptr + ws, flags)
 
 
-@triton.jit
+# Arguments that change with the batch size are not specialised (``do_not_specialize``): Triton would otherwise key a
+# compilation on each integer's "== 1" / "% 16 == 0" class, and a server would recompile for new batch sizes. The
+# sizes that do not vary with B (V, K, chunk sizes: multiples of the tile) and the strides keep their specialisation,
+# which gives the loads their 16-byte alignment.
+@triton.jit(do_not_specialize=["plane"])
 def stats_kernel(
     T_ptr, stride_tb, stride_tj, stride_tv,  # target logits [B, K+1, V]
     D_ptr, stride_db, stride_di, stride_dv,  # draft logits [B, K, V] (HAS_DRAFT)
@@ -235,7 +239,7 @@ def _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
     return tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32), oob
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["plane", "num_chunks"])
 def finish_greedy_kernel(
     WSF_ptr, WSI_ptr, plane,  # greedy partials: float32 [B*NR, C] max, int32 [2, B*NR, C] (argmax, flags)
     X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]

@@ -51,7 +51,7 @@ def _probs_at_tokens(L_ptr, stride_lb, stride_lj, stride_lv, CUT_V_ptr, CUT_I_pt
     return tl.where(in_k, _prob(z, tl.where(in_k, m, 0.0), tl.where(in_k, s, 1.0), PRECISE), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_seed", "stride_offset", "plane", "B", "num_chunks", "seed_per_row"])
 def race_kernel(
     T_ptr, stride_tb, stride_tj, stride_tv,  # target logits [B, K+1, V]
     D_ptr, stride_db, stride_di, stride_dv,  # draft logits [B, K, V] (HAS_DRAFT)
@@ -188,7 +188,7 @@ def _combine_race(W_ptr, I_ptr, row0, num_chunks2, BLOCK_C: tl.constexpr):
     return best_idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "num_chunks2"])
 def finish_sample_kernel(
     RF_ptr, RI_ptr, B,  # race partials, layout of race_kernel: float32 [2, B, C2]; int32 [3, B, C2] + n [B] + bad [B]
     X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]

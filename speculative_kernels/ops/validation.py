@@ -113,8 +113,10 @@ def bad_randomness(seed_rows: torch.Tensor, offset_rows: torch.Tensor) -> torch.
 def resolve_randomness(seed, offset, generator, batch: int, device: torch.device):
     """Turn (seed | generator, offset) into ([B] seed, [B] offset, seed_per_row) int64 tensors on ``device``.
 
-    With neither a seed nor a generator, a seed is drawn from torch's default generator (so ``torch.manual_seed``
-    makes runs repeatable). A CUDA generator yields a device tensor: no host synchronisation.
+    With neither a seed nor a generator, a seed is drawn from torch's default generator of ``device`` (so
+    ``torch.manual_seed`` makes runs repeatable). On a GPU that draw is a device op: no host copy, and inside a CUDA
+    graph capture it is captured (every replay draws a fresh seed) instead of copying a host value from pageable
+    memory. A CUDA generator likewise yields a device tensor: no host synchronisation.
     """
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
@@ -123,7 +125,7 @@ def resolve_randomness(seed, offset, generator, batch: int, device: torch.device
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         seed = torch.randint(0, 2**62, (), generator=generator, device=generator.device)
     elif seed is None:
-        seed = torch.randint(0, 2**62, ())
+        seed = torch.randint(0, 2**62, (), device=device)  # on the op's device: capturable by a CUDA graph
     seed_rows, seed_per_row = _as_row_tensor("seed", seed, batch, device)
     offset_rows, _ = _as_row_tensor("offset", offset, batch, device)
     return seed_rows, offset_rows, seed_per_row

@@ -1,0 +1,294 @@
+"""Kernel edge cases that the sampling replay (which tolerates 1% of rows differing) would let through.
+
+A kernel bug confined to a small region of the vocabulary (a chunk boundary, the last partial 16-byte vector of a
+row, the last id) changes few random rows. Here the result is forced into that region and checked exactly:
+
+* planted winners: a dominant logit (40 above N(0, 2) noise) at the ids where such bugs hide (first and last ids, the
+  CUDA chunk edges 2048 i, the Triton tile edges, the last partial vector), one row per id. Greedy must return it, and
+  so must every race: sampling from p (``sample``; the bonus position after all drafts were accepted) and the residual
+  max(0, p - q) after a rejection, with dense and with one-hot q. Checked against the planted id and bit for bit
+  against the reference; no decision is near a tie, so float rounding cannot excuse a difference;
+* exact-arithmetic replay: logits in {0, -inf} make p and q exact uniform distributions over random supports (and put
+  massive ties at the top-k/top-p cuts), so the reference's and the kernels' arithmetic agree bit for bit and the
+  replay must be ``torch.equal``: dense-q residuals after rejections, and the bonus token of rows where every draft
+  is accepted (p = q bitwise before position K);
+* sizes: V = 1, 2, a multiple of 2048, 256000; B = 256; rows of 1001 ids in a 1008-wide buffer (the CUDA vector
+  path with a partial tail) and in a contiguous 1001-wide buffer (misaligned rows: the scalar path).
+
+GPU: the CUDA and Triton backends at full size, every dtype. CPU (CI): the Triton interpreter at small sizes (with
+its default tiling and with small split tiles) and the torch reference, so the same checks run cheaply.
+"""
+
+import functools
+import importlib
+
+import pytest
+import torch
+
+from speculative_kernels.ops.reference import sample_reference, verify_reference
+from speculative_kernels.ops.warping import warp_logits
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+WINNER = 40.0
+gpu = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device (the CPU runs the small cases below)")
+cpu_only = pytest.mark.skipif(ON_CUDA, reason="the small CPU cases; a GPU runs the full-size ones")
+
+
+SPLIT = dict(block_v=32, race_block_v=32, programs_per_sm=8, num_sms=2)  # small tiles, several chunks per row
+
+
+def _tuning(name: str):
+    from speculative_kernels.ops import triton_backend
+
+    if name == "triton-split":
+        return triton_backend.Tuning(**SPLIT)
+    return triton_backend.default_tuning(torch.device(DEVICE))
+
+
+@functools.cache
+def _backend(name: str):
+    """(verify, sample) with the reference's contract: "cuda", "triton", "triton-split" (small tiles, many chunks),
+    "torch" (the reference itself: the planted-id checks still test it against the definition)."""
+    if name == "torch":
+        return verify_reference, sample_reference
+    if name.startswith("triton"):
+        from speculative_kernels.ops import triton_backend
+
+        tuning = _tuning(name)
+        return (functools.partial(triton_backend.launch_verify, tuning=tuning),
+                functools.partial(triton_backend.launch_sample, tuning=tuning))
+    module = importlib.import_module("speculative_kernels.ops.cuda_backend")  # loads or JIT-builds the extension
+    return module.verify, module.sample
+
+
+def _chunk_widths(name: str, batch: int, k: int, vocab: int) -> set[int]:
+    """The widths whose multiples are tile or chunk boundaries in backend ``name`` at this size: Triton's tiles and
+    chunk sizes of both passes (from its plan, for verify with K drafts and for the sampler), CUDA's 2048-id chunk."""
+    if name.startswith("triton"):
+        from speculative_kernels.ops import triton_backend
+
+        plans = [triton_backend.make_plan(batch, positions, vocab, _tuning(name)) for positions in (k + 1, 1)]
+        return {w for plan in plans for w in (plan.block_v, plan.chunk_size, plan.race_block_v, plan.race_chunk_size)}
+    return {2048} if name == "cuda" else {32, 1024, 2048}
+
+
+def _rows(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int64, device=DEVICE)
+
+
+def _randomness(batch: int, salt: int = 0):
+    return _rows([b * 7919 + 17 + salt for b in range(batch)]), _rows([3 + salt] * batch)
+
+
+def _layout(logits: torch.Tensor, layout: str) -> torch.Tensor:
+    """``logits`` [..., V] as a contiguous tensor or as a view of a buffer whose rows are padded to a multiple of 16
+    ids (V = 1001 -> 1008: 16-byte aligned rows, so the CUDA kernels take the vector path with a partial tail)."""
+    if layout == "contiguous":
+        return logits.contiguous()
+    vocab = logits.shape[-1]
+    buffer = torch.zeros(*logits.shape[:-1], -(-(vocab + 1) // 16) * 16, dtype=logits.dtype, device=logits.device)
+    buffer[..., :vocab] = logits
+    return buffer[..., :vocab]
+
+
+def _edges(vocab: int, widths) -> list[int]:
+    """Vocabulary ids where tiling bugs hide: the first and last two ids; for each width, the first two boundaries
+    and the last one (each +-1); the start of the last partial 16-byte vector (4 lanes for fp32, 8 for fp16/bf16)."""
+    ids = {0, 1, vocab - 2, vocab - 1}
+    for width in widths:
+        for edge in (width, 2 * width, (vocab - 1) // width * width):
+            ids |= {edge - 1, edge, edge + 1}
+    for lanes in (4, 8):
+        ids.add(vocab - (vocab % lanes or lanes))
+    return sorted(i for i in ids if 0 <= i < vocab)
+
+
+def _noise(batch: int, rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, rows, vocab, generator=g) * 2.0
+
+
+def _plant(logits: torch.Tensor, winners: torch.Tensor) -> torch.Tensor:
+    """logits [B, J, V] with WINNER written at winners [B, J]."""
+    return logits.scatter(-1, winners.unsqueeze(-1).cpu(), WINNER)
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b.cpu()), f"\n{a}\n!=\n{b}"
+
+
+# ---- planted winners ----------------------------------------------------------------------------------------------
+PLANTED_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "triton") for dtype in DTYPES
+               for vocab, layout in ((1001, "padded"), (1001, "contiguous"), (6149, "padded"), (151936, "contiguous"),
+                                     (256000, "padded"))]
+PLANTED_CPU = [("triton", torch.bfloat16, 1001, "padded"),  # one chunk per row: the tail and the last vector
+               ("triton-split", torch.float32, 161, "contiguous"),  # 32-wide tiles, two race chunks
+               *[("torch", dtype, 6149, "padded") for dtype in DTYPES]]
+
+
+def _planted_case(name: str, vocab: int, k: int, seed: int):
+    """One row per edge id of the backend at this size (the plan depends on the batch: settle it first); winners
+    [B, K+1]: row b's planted id at position j is edge (b + j) mod B, so every edge is tried at every position."""
+    batch = 8
+    for _ in range(4):
+        edges = _edges(vocab, _chunk_widths(name, batch, k, vocab))
+        if len(edges) == batch:
+            break
+        batch = len(edges)
+    index = (torch.arange(batch).unsqueeze(1) + torch.arange(k + 1).unsqueeze(0)) % batch
+    winners = torch.tensor(edges)[index]
+    return batch, winners, _noise(batch, k + 1, vocab, seed)
+
+
+def _check_planted_greedy(name, dtype, vocab, layout):
+    verify, sample = _backend(name)
+    k = 2
+    batch, winners, noise = _planted_case(name, vocab, k, seed=vocab)
+    target = _layout(_plant(noise, winners).to(DEVICE, dtype), layout)
+    draft = _layout(noise[:, :k].to(DEVICE, dtype), layout)
+    tokens = winners[:, :k].clone()
+    tokens[1::2, 1] = (tokens[1::2, 1] + 1) % vocab  # odd rows: rejected at position 1
+    tokens = tokens.to(DEVICE)
+    seed, offset = _randomness(batch)
+    n_want = torch.where(torch.arange(batch) % 2 == 0, k, 1)
+    for d in (draft, None):
+        out, n = verify(target, d, tokens, 0.0, 0, 1.0, seed, offset, False)
+        assert torch.equal(n.cpu(), n_want)
+        assert torch.equal(out.cpu().gather(1, n_want.unsqueeze(1)).squeeze(1), winners.gather(1, n_want.unsqueeze(1)).squeeze(1))
+        _assert_same((out, n), verify_reference(target, d, tokens, 0.0, 0, 1.0, seed, offset, False))
+    assert torch.equal(sample(target[:, 0], 0.0, 0, 1.0, seed, offset, False).cpu(), winners[:, 0])
+
+
+def _check_planted_races(name, dtype, vocab, layout, warp):
+    """p (the sampler; the bonus token), the residual after a rejection (dense and one-hot q)."""
+    verify, sample = _backend(name)
+    k = 2
+    batch, winners, noise = _planted_case(name, vocab, k, seed=vocab + 1)
+    target = _layout(_plant(noise, winners).to(DEVICE, dtype), layout)
+    seed, offset = _randomness(batch, salt=5)
+    temperature, top_k, top_p = warp
+    args = (temperature, top_k, top_p, seed, offset, False)
+
+    got = sample(target[:, 0], *args)
+    assert torch.equal(got.cpu(), winners[:, 0])
+    _assert_same([got], [sample_reference(target[:, 0], *args)])
+
+    # Rejected at 0: the draft is sure of another id x (p(x) ~ e^-40), so the residual is ~ p, won by the winner.
+    others = (winners[:, :k] + vocab // 2) % vocab
+    draft = _layout(_plant(noise[:, :k], others).to(DEVICE, dtype), layout)
+    tokens = others.to(DEVICE)
+    for d in (draft, None):
+        out, n = verify(target, d, tokens, *args)
+        assert (n == 0).all(), n
+        assert torch.equal(out[:, 0].cpu(), winners[:, 0])
+        _assert_same((out, n), verify_reference(target, d, tokens, *args))
+
+    # Every draft accepted (q = p bitwise: the same logits), then the bonus token from p_K: the winner at K.
+    same = _layout(_plant(noise[:, :k], winners[:, :k]).to(DEVICE, dtype), layout)
+    tokens = winners[:, :k].to(DEVICE)
+    out, n = verify(target, same, tokens, *args)
+    assert (n == k).all(), n
+    assert torch.equal(out[:, k].cpu(), winners[:, k])
+    _assert_same((out, n), verify_reference(target, same, tokens, *args))
+
+
+PLANTED_WARPS = [(0.8, 0, 1.0), (1.0, 50, 0.9)]
+
+
+@gpu
+@pytest.mark.parametrize("name,dtype,vocab,layout", PLANTED_GPU, ids=str)
+def test_planted_winner_greedy(name, dtype, vocab, layout):
+    _check_planted_greedy(name, dtype, vocab, layout)
+
+
+@gpu
+@pytest.mark.parametrize("warp", PLANTED_WARPS, ids=str)
+@pytest.mark.parametrize("name,dtype,vocab,layout", PLANTED_GPU, ids=str)
+def test_planted_winner_races(name, dtype, vocab, layout, warp):
+    _check_planted_races(name, dtype, vocab, layout, warp)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,dtype,vocab,layout", PLANTED_CPU, ids=str)
+def test_planted_winner_small(name, dtype, vocab, layout):
+    if name != "triton-split":  # (the interpreter is slow; greedy with split tiles: test_triton_ops' ties test)
+        _check_planted_greedy(name, dtype, vocab, layout)
+    _check_planted_races(name, dtype, vocab, layout, PLANTED_WARPS[1])
+
+
+# ---- exact-arithmetic replay: uniform p and q over random supports -------------------------------------------------
+def _support_logits(batch: int, rows: int, vocab: int, size: int, g: torch.Generator) -> torch.Tensor:
+    """[batch, rows, V] float32: 0 on ``size`` random ids of each row, -inf elsewhere."""
+    ids = torch.rand(batch, rows, vocab, generator=g).argsort(dim=-1)[..., :size]
+    return torch.full((batch, rows, vocab), float("-inf")).scatter(-1, ids, 0.0)
+
+
+def _draw_from(logits: torch.Tensor, warp, g: torch.Generator) -> torch.Tensor:
+    """One id per row of logits [B, J, V] drawn from the warped distribution q (as a drafter would)."""
+    probs = torch.softmax(warp_logits(logits.flatten(0, 1), *warp), dim=-1)
+    return torch.multinomial(probs, 1, generator=g).reshape(logits.shape[:2])
+
+
+EXACT_WARPS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 7, 1.0), (0.9, 0, 0.5), (1.0, 5, 0.8)]
+
+
+def _check_exact_replay(name, dtype, batch, vocab, layout, warps=EXACT_WARPS):
+    """Dense-q residual after rejections, and the bonus token after full acceptance: torch.equal with the reference."""
+    verify, sample = _backend(name)
+    k = 3
+    g = torch.Generator().manual_seed(vocab + batch)
+    target = _support_logits(batch, k + 1, vocab, max(1, vocab // 3), g)
+    draft_cpu = _support_logits(batch, k, vocab, max(1, vocab // 2), g)
+    bonus_target = torch.cat([draft_cpu, target[:, k:]], dim=1)  # p = q at every draft position: all accepted
+    target, draft, bonus_target = (_layout(t.to(DEVICE, dtype), layout) for t in (target, draft_cpu, bonus_target))
+    rejected = 0
+    for warp in warps:
+        tokens = _draw_from(draft_cpu, warp, g).to(DEVICE)
+        seed, offset = _randomness(batch, salt=int(warp[0] * 10) + warp[1])
+        args = (*warp, seed, offset, batch % 2 == 1)
+        got = verify(target, draft, tokens, *args)
+        _assert_same(got, verify_reference(target, draft, tokens, *args))
+        rejected += int((got[1] < k).sum())
+        got = verify(bonus_target, draft, tokens, *args)
+        assert (got[1] == k).all(), got[1]
+        _assert_same(got, verify_reference(bonus_target, draft, tokens, *args))
+        _assert_same([sample(target[:, 0], *args)], [sample_reference(target[:, 0], *args)])
+    assert vocab <= 2 or rejected > 0  # the residual race ran
+
+
+@gpu
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+@pytest.mark.parametrize("batch,vocab,layout", [(64, 2, "contiguous"), (64, 1001, "padded"), (16, 6144, "padded"),
+                                                (256, 32000, "contiguous"), (4, 256000, "padded")], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_replay_of_residual_and_bonus(name, dtype, batch, vocab, layout):
+    _check_exact_replay(name, dtype, batch, vocab, layout)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,dtype,batch,vocab,layout", [("triton", torch.float32, 4, 2, "contiguous"),
+                                                           ("triton-split", torch.bfloat16, 3, 161, "padded")],
+                         ids=str)
+def test_exact_replay_small(name, dtype, batch, vocab, layout):
+    _check_exact_replay(name, dtype, batch, vocab, layout, warps=EXACT_WARPS[::4])
+
+
+# ---- a vocabulary of one id -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["cuda", "triton"] if ON_CUDA else ["triton"])
+def test_vocabulary_of_one(name):
+    """V = 1: every draft is the only id, p = q = 1, so all are accepted and the bonus token is 0, in every mode."""
+    verify, sample = _backend(name)
+    batch, k = 3, 2
+    target = torch.zeros(batch, k + 1, 1, device=DEVICE)
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    seed, offset = _randomness(batch)
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 1, 0.5)):
+        for draft in (target[:, :k], None):
+            args = (temperature, top_k, top_p, seed, offset, False)
+            out, n = verify(target, draft, tokens, *args)
+            assert (n == k).all() and (out == 0).all()
+            _assert_same((out, n), verify_reference(target, draft, tokens, *args))
+        assert (sample(target[:, 0], temperature, top_k, top_p, seed, offset, False) == 0).all()
