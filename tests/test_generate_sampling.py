@@ -111,5 +111,8 @@ def test_random_offsets_are_device_counters_at_fixed_addresses():
     assert iterations > 1
     for name, found in offsets.items():
         assert len({o.untyped_storage().data_ptr() for o in found}) == 1, name
-    assert values["sample"] == [[i, i] for i in range(3 * iterations)]
+    # gamma is capped by the tokens left, so iterations draft 3 tokens or fewer (none in a last, target-only one).
+    target_only = loop.stats.target_forwards - iterations
+    assert len(values["sample"]) == loop.stats.draft_forwards + target_only > 2 * iterations
+    assert values["sample"] == [[i, i] for i in range(len(values["sample"]))]
     assert values["verify"] == [[i, i] for i in range(iterations)]
