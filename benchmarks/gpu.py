@@ -45,10 +45,11 @@ PHASES = ("env", "build", "tests", "verify", "e2e")
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
 LIMITS = {"env": 60, "build": 200, "tests": 180, "verify": 200, "e2e": 540}
 GPU_TESTS = [
-    "tests/test_cuda_ops.py", "tests/test_cuda_build.py", "tests/test_triton_ops.py", "tests/test_ops_compile.py",
-    "tests/test_compile.py", "tests/test_compaction.py", "tests/test_static_cache.py", "tests/test_seq2seq_static.py",
-    "tests/test_host_sync.py", "tests/test_generate_greedy.py", "tests/test_generate_batch.py",
-    "tests/test_kernel_edges.py",
+    "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
+    "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
+    "tests/generation/test_compile.py", "tests/generation/test_static_cache.py",
+    "tests/generation/test_seq2seq_static.py", "tests/generation/test_host_sync.py",
+    "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
 ]
 
 

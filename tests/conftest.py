@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-sys.path.insert(0, os.path.dirname(__file__))  # the tiny-model factories in tests/models.py
+sys.path.insert(0, os.path.dirname(__file__))  # the shared helpers: tests/helpers/
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; it must be on before any kernel is defined.

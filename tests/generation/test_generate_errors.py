@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from models import gpt2, llama
+from helpers.models import gpt2, llama
 
 
 @pytest.fixture(scope="module")

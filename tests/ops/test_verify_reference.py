@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
 
 from speculative_kernels import ops
 from speculative_kernels.ops.warping import warp_logits
-from stats_util import assert_matches
+from helpers.stats import assert_matches
 
 ROWS = 40_000
 WARPS = [

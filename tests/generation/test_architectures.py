@@ -40,7 +40,7 @@ from transformers import (
 import speculative_kernels as sk
 from speculative_kernels.generation.capabilities import check_model
 from speculative_kernels.generation.static_runner import CompileOptions
-from models import perturbed
+from helpers.models import perturbed
 
 generate_module = importlib.import_module("speculative_kernels.generation.generate")  # the package exports the function
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from models import llama
+from helpers.models import llama
 
 
 def test_session_steps_reproduce_generate():

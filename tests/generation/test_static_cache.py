@@ -17,11 +17,11 @@ from speculative_kernels.generation.static_runner import (
     static_capacity,
     static_memory_bytes,
 )
-from models import FAMILIES, drafts_for, llama
-from stats_util import assert_matches
-from test_generate_batch import _left_padded
-from test_generate_sampling import NEW, VOCAB, _continuation_probs, _hf_warpers, _peaky
-from test_host_sync import CountHostReads
+from helpers.host_reads import step_reading_once
+from helpers.models import FAMILIES, drafts_for, llama
+from helpers.prompts import left_padded
+from helpers.sampling import NEW, VOCAB, continuation_probs, hf_warpers, peaky
+from helpers.stats import assert_matches
 
 # (family, left-padded prompt lengths): every family, B from 1 to 8.
 CASES = [("llama", [7]), ("qwen2", [5, 9]), ("gpt2", [3, 8, 1]), ("gpt2", [3, 8, 6, 1]), ("llama", [6, 2, 9, 4, 5]),
@@ -37,7 +37,7 @@ def _generate(target, draft, ids, mask, **kwargs):
 def test_static_greedy_matches_hf(family, lengths):
     target = FAMILIES[family]()
     draft = drafts_for(family, target)["perturbed" if len(lengths) % 2 else "unrelated"]
-    ids, mask = _left_padded(lengths, seed=len(lengths))
+    ids, mask = left_padded(lengths, seed=len(lengths))
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     stats = sk.SpeculationStats()
     got = _generate(target, draft, ids, mask, cache_implementation="static", speculation_stats=stats)
@@ -50,7 +50,7 @@ def test_mistral_sliding_window_wide_or_binding_is_exact():
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                            eos_token_id=2, pad_token_id=0)  # sliding_window 4096
     target = MistralForCausalLM(config).eval()
-    ids, mask = _left_padded([5, 9, 3])
+    ids, mask = left_padded([5, 9, 3])
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     got = _generate(target, target, ids, mask, max_new_tokens=12, cache_implementation="static")
     assert torch.equal(got, expected)
@@ -66,7 +66,7 @@ def test_mistral_sliding_window_wide_or_binding_is_exact():
 
 def test_rows_finish_at_different_times_and_on_first_token():
     target, draft = llama(), llama(layers=1, seed=8)
-    ids, mask = _left_padded([6, 4, 7, 5, 3, 8], seed=2)
+    ids, mask = left_padded([6, 4, 7, 5, 3, 8], seed=2)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     eos = int(free[1, ids.shape[1]])  # row 1's very first new token becomes EOS
@@ -87,7 +87,7 @@ def test_rows_finish_at_different_times_and_on_first_token():
 def test_static_and_dynamic_give_identical_tokens(do_sample):
     target = FAMILIES["qwen2"]()
     draft = drafts_for("qwen2", target)["perturbed"]
-    ids, mask = _left_padded([3, 8, 6, 1, 5], seed=4)
+    ids, mask = left_padded([3, 8, 6, 1, 5], seed=4)
     runs = []
     for cache in ("dynamic", "static"):
         torch.manual_seed(7)
@@ -98,7 +98,7 @@ def test_static_and_dynamic_give_identical_tokens(do_sample):
 
 def test_dropping_finished_rows_does_not_change_any_row():
     """Per-row Philox keys: a row's sampled tokens are the same whether finished rows leave the batch or not."""
-    target, draft = _peaky(0, 2), _peaky(7, 1)
+    target, draft = peaky(0, 2), peaky(7, 1)
     target.generation_config.eos_token_id = draft.generation_config.eos_token_id = 2
     ids = torch.randint(3, VOCAB, (12, 4), generator=torch.Generator().manual_seed(3))
     runs, stats = [], []
@@ -116,9 +116,9 @@ def test_dropping_finished_rows_does_not_change_any_row():
 def test_sampling_exact_per_row(temperature, top_k, top_p, gamma):
     """Each of 4000 rows of one static-cache batch is a sample of the target's HF sampling distribution (rows
     finish at different times, holes are compacted, finished rows leave the batch)."""
-    target, draft = _peaky(0, 2), _peaky(7, 1)
+    target, draft = peaky(0, 2), peaky(7, 1)
     prompt = torch.tensor([[1, 4, 3, 5]])
-    seqs, probs = _continuation_probs(target, prompt, _hf_warpers(temperature, top_k, top_p))
+    seqs, probs = continuation_probs(target, prompt, hf_warpers(temperature, top_k, top_p))
     torch.manual_seed(4321)
     stats = sk.SpeculationStats()
     out = sk.generate(target, prompt.expand(4000, -1), draft_model=draft, num_speculative_tokens=gamma,
@@ -180,7 +180,7 @@ def test_undrivable_architecture_is_named_and_dynamic_still_works():
     """Falcon's multi-query K/V (one head) is not what its config's head counts describe: refused by name up front
     (capabilities.py); the dynamic cache still runs it."""
     model = _tiny("falcon")
-    ids, mask = _left_padded([4, 6])
+    ids, mask = left_padded([4, 6])
     with pytest.raises(ValueError, match="FalconForCausalLM cannot be driven exactly.*multi-query"):
         _generate(model, model, ids, mask, max_new_tokens=6, cache_implementation="static")
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -212,11 +212,6 @@ def test_one_host_read_per_iteration_with_compaction():
     ids = torch.randint(3, 97, (5, 6), generator=torch.Generator().manual_seed(0))
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
         ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, cache_implementation="static")
-    steps = 0
-    while not session.finished:
-        with CountHostReads() as counter:
-            session.step()
-        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
-        steps += 1
+    step_reading_once(session)
     runners = (session._loop.target_runner, session._loop.draft_runner)
     assert sum(r.compactor.compactions for r in runners) > 0

@@ -10,10 +10,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import speculative_kernels as sk
+from helpers.host_reads import step_reading_once
 from speculative_kernels.generation.generate import build_loop
 from speculative_kernels.generation.seq2seq_static import StaticSeq2SeqRunner
 from speculative_kernels.generation.static_runner import CompileOptions
-from seq2seq_models import bart, mbart, seq2seq_drafts_for, source_batch, t5
+from helpers.seq2seq_models import bart, mbart, seq2seq_drafts_for, source_batch, t5
 
 FAMILIES = {"t5": t5, "bart": bart}
 REJECTING = {"t5": "perturbed", "bart": "unrelated"}  # drafts the target rejects sometimes (acceptance 0.03-0.4)
@@ -124,19 +125,12 @@ def test_static_rollback_moves_pointers_only(pairs):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_static_one_host_read_per_iteration(pairs, family):
     """The capacity check's bound on the rows' lengths comes with the loop's one read per iteration."""
-    from test_host_sync import CountHostReads
-
     target, draft = pairs[family]
     ids, mask = _source(target, [6, 4, 5])
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
         ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=20, cache_implementation="static")
     assert isinstance(session._loop.target_runner, StaticSeq2SeqRunner)
-    steps = 0
-    while not session.finished:
-        with CountHostReads() as counter:
-            session.step()
-        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
-        steps += 1
+    steps = step_reading_once(session)
     assert steps > 5
 
 

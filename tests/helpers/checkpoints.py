@@ -5,7 +5,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from models import llama
+from helpers.models import llama
 
 CORPUS = [
     "def add(a, b): return a + b",

@@ -10,7 +10,7 @@ import torch
 import speculative_kernels as sk
 from speculative_kernels.generation.gamma import alpha_from_histogram
 
-E2E_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e.py"
+E2E_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e.py"
 
 
 @pytest.fixture(autouse=True)

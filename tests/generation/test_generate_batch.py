@@ -1,21 +1,13 @@
-"""Batch > 1: each row accepts its own count; greedy output equals HF's on the same left-padded batch."""
+"""Batch > 1: each row accepts its own count; greedy output equals HF's on the same left-padded batch; hole compaction
+changes no token."""
 
 import pytest
 import torch
 
 import speculative_kernels as sk
-from models import FAMILIES, drafts_for, llama
-
-
-def _left_padded(lengths, seed=0, pad=0):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(3, 97, (length,), generator=g)
-        mask[row, width - length:] = 1
-    return ids, mask
+from speculative_kernels.generation.compaction import BatchingOptions
+from helpers.models import FAMILIES, drafts_for, llama
+from helpers.prompts import left_padded
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -23,7 +15,7 @@ def _left_padded(lengths, seed=0, pad=0):
 def test_batched_greedy_matches_hf_per_row(family, lengths):
     target = FAMILIES[family]()
     draft = drafts_for(family, target)["perturbed" if len(lengths) % 2 else "unrelated"]
-    ids, mask = _left_padded(lengths)
+    ids, mask = left_padded(lengths)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
                       max_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -33,7 +25,7 @@ def test_batched_greedy_matches_hf_per_row(family, lengths):
 def test_rows_finish_at_different_times_and_on_first_token():
     target = llama()
     draft = llama(layers=1, seed=8)
-    ids, mask = _left_padded([6, 4, 7, 5], seed=2)
+    ids, mask = left_padded([6, 4, 7, 5], seed=2)
     free = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     eos = int(free[1, ids.shape[1]])  # row 1's very first new token becomes EOS
@@ -53,10 +45,36 @@ def test_rows_finish_at_different_times_and_on_first_token():
 
 def test_self_draft_batch_accepts_everything():
     target = llama()
-    ids, mask = _left_padded([5, 3, 6])
+    ids, mask = left_padded([5, 3, 6])
     stats = sk.SpeculationStats()
     got = sk.generate(target, ids, attention_mask=mask, draft_model=target, num_speculative_tokens=3,
                       max_new_tokens=12, do_sample=False, pad_token_id=0, speculation_stats=stats)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
     assert stats.acceptance_rate == 1.0 and stats.accepted_histogram == [0, 0, 0, 3 * 3]
+
+
+# ------------------------------------------------------------------------------------------ hole compaction
+@pytest.mark.parametrize("family,cache,backend", [("llama", "static", "triton"), ("gpt2", "dynamic", "torch")])
+def test_compaction_in_generation_gives_identical_tokens(family, cache, backend):
+    """Compacting after almost every iteration (threshold 0.01) or only when unavoidable (threshold 1) changes
+    nothing: greedy equals HF, sampling equals itself, and the eager run really compacted."""
+    # Triton runs on a GPU when there is one (on the CPU only through the interpreter the suite turns on without one).
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    target = FAMILIES[family]().to(device)
+    draft = drafts_for(family, target)["unrelated"].to(device)
+    ids, mask = (t.to(device) for t in left_padded([3, 9, 5, 1, 7, 4], seed=9))
+    kwargs = dict(attention_mask=mask, draft_model=draft, num_speculative_tokens=4, max_new_tokens=14, pad_token_id=0,
+                  cache_implementation=cache)
+    often, never = (BatchingOptions(compaction_threshold=t, compaction_backend=backend, drop_finished_fraction=None)
+                    for t in (0.01, 1.0))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    greedy = sk.generate(target, ids, do_sample=False, batching=often, speculation_stats=stats, **kwargs)
+    assert torch.equal(greedy, expected)
+    assert stats.compactions >= 4, stats.compactions
+    sampled = []
+    for options in (often, never):
+        torch.manual_seed(3)
+        sampled.append(sk.generate(target, ids, do_sample=True, top_k=30, batching=options, **kwargs))
+    assert torch.equal(*sampled)

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.cuda_toolkit import fake_cuda_home
+
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 KERNEL_FILES = sorted(CSRC.glob("*.cu"))
 # Each architecture once; the two language standards torch's extension builder may pick (by torch version) are spread
@@ -196,16 +198,6 @@ if __name__ == "__main__":
 
 
 # ---- whether to build at all: nvcc's CUDA major version must be torch's ---------------------------------------------
-def fake_cuda_home(root: Path, release: str) -> str:
-    """A CUDA_HOME whose bin/nvcc only answers ``--version`` with ``release``."""
-    bin_dir = root / f"cuda-{release}" / "bin"
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    nvcc = bin_dir / "nvcc"
-    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
-    nvcc.chmod(0o755)
-    return str(bin_dir.parent)
-
-
 @pytest.mark.parametrize("torch_cuda,release,blocked", [("12.8", "13.0", True), ("13.0", "12.9", True),
                                                         ("13.0", "13.0", False), ("13.2", "13.0", False)])
 def test_toolkit_major_version_must_match_torch(tmp_path, torch_cuda, release, blocked):

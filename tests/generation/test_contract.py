@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 import speculative_kernels as sk
-from models import llama
+from helpers.models import llama
 from speculative_kernels import ops
 from speculative_kernels.cli import main
 from speculative_kernels.generation import loop as loop_module
@@ -379,7 +379,7 @@ def test_bad_cli_inputs(cli_pair, capsys, what, argv, words):
 
 @pytest.fixture(scope="module")
 def cli_pair(tmp_path_factory):
-    from tiny_checkpoints import save_decoder_pair
+    from helpers.checkpoints import save_decoder_pair
 
     return save_decoder_pair(tmp_path_factory.mktemp("contract_pair"))
 
@@ -387,7 +387,7 @@ def cli_pair(tmp_path_factory):
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_default_length_matches_model_generate_encoder_decoder(family):
     """The same rule over the decoder sequence: 20 new decoder tokens (it was 19)."""
-    import seq2seq_models
+    from helpers import seq2seq_models
 
     make = getattr(seq2seq_models, family)
     target, draft = make(), make(layers=1, seed=5)

@@ -2,27 +2,10 @@
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import speculative_kernels as sk
-from models import llama
-
-HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
-              "any", "all"}
-
-
-class CountHostReads(TorchFunctionMode):
-    """Counts calls that move tensor values to the host (``any``/``all`` count only when their result is read)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", str(func))
-        if name in HOST_READS - {"any", "all"}:
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
+from helpers.host_reads import step_reading_once
+from helpers.models import llama
 
 
 def _session(batch, device="cpu", backend="auto", **kwargs):
@@ -47,10 +30,5 @@ def _check_one_read_per_iteration(**session_kwargs):
     for batch, kwargs in ((1, dict(do_sample=False)), (4, dict(do_sample=True, temperature=0.8, top_k=10,
                                                                  top_p=0.9, min_new_tokens=5))):
         session = _session(batch, **session_kwargs, **kwargs)
-        steps = 0
-        while not session.finished:
-            with CountHostReads() as counter:
-                session.step()
-            assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
-            steps += 1
+        steps = step_reading_once(session)
         assert steps > 1

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from models import FAMILIES, drafts_for, llama
+from helpers.models import FAMILIES, drafts_for, llama
 
 
 def _prompt(batch=1, length=7, seed=0):

@@ -17,7 +17,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from models import perturbed
+from helpers.models import perturbed
 
 VOCAB = 97
 

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 import speculative_kernels as sk
 from speculative_kernels.generation.generate import build_loop
 from speculative_kernels.generation.static_runner import CompileOptions, compile_loop
-from models import FAMILIES, drafts_for, llama
+from helpers.models import FAMILIES, drafts_for, llama
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

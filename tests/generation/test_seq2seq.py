@@ -14,10 +14,11 @@ from transformers.generation.logits_process import ForcedBOSTokenLogitsProcessor
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 
 import speculative_kernels as sk
-from models import llama
-from seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
-from stats_util import assert_matches
-from test_generate_sampling import _hf_warpers
+from helpers.host_reads import step_reading_once
+from helpers.models import llama
+from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
+from helpers.sampling import hf_warpers
+from helpers.stats import assert_matches
 
 
 @pytest.fixture(scope="module")
@@ -176,18 +177,11 @@ def test_decoder_session_steps(pairs):
 
 @pytest.mark.parametrize("family,lengths", [("t5", [6]), ("t5", [6, 4, 5]), ("bart", [6, 4, 5])])
 def test_one_host_read_per_iteration(pairs, family, lengths):
-    from test_host_sync import CountHostReads
-
     target, drafts = pairs[family]
     ids, mask = source_batch(lengths, pad=target.config.pad_token_id)
     session = sk.SpeculativeDecoder(target, drafts["perturbed"], num_speculative_tokens=3).start(
         ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=20)
-    steps = 0
-    while not session.finished:
-        with CountHostReads() as counter:
-            session.step()
-        assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
-        steps += 1
+    steps = step_reading_once(session)
     assert steps > 1
 
 
@@ -231,7 +225,7 @@ def _continuation_probs(model, source, processors):
 def test_whole_continuations_match_target_sampling(family, temperature, top_k, top_p, gamma, forced_bos):
     target, draft = _peaky(family, 0, 2, forced_bos), _peaky(family, 7, 1, forced_bos)
     source = torch.tensor([[3, 4, 5, 3, 2]])
-    processors = _hf_warpers(temperature, top_k, top_p)
+    processors = hf_warpers(temperature, top_k, top_p)
     if forced_bos is not None:
         processors.insert(0, ForcedBOSTokenLogitsProcessor(forced_bos))
     probs = _continuation_probs(target, source, LogitsProcessorList(processors))

@@ -29,9 +29,10 @@ from speculative_kernels import ops
 from speculative_kernels.ops import cuda_ext
 from speculative_kernels.ops.reference import sample_reference, verify_reference
 from speculative_kernels.ops.warping import apply_thresholds, warp_logits
-from stats_util import assert_matches
+from helpers.cuda_graphs import assert_seed_none_is_captured
+from helpers.stats import assert_matches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKEND_MODULE = "speculative_kernels.ops.cuda_backend"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda"
@@ -479,26 +480,8 @@ def test_cuda_graph_capture(backend, warp):
 
 @gpu
 def test_seed_none_inside_cuda_graph_capture(backend):
-    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
-    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
-    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
-    batch, k, vocab = 64, 2, 1000
-    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
-    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.verify(target, None, tokens, temperature=1.0, backend="cuda")  # compiles / loads outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="cuda")
-    graph.replay()
-    first = out.clone()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert ((n >= 0) & (n <= k)).all()
-    assert not torch.equal(out, first)
+    """seed=None inside a CUDA-graph capture gets a fresh device-drawn seed per replay."""
+    assert_seed_none_is_captured("cuda", DEVICE)  # the fixture loaded the extension
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -575,7 +558,7 @@ def test_jit_build_not_attempted_with_a_mismatched_toolkit(monkeypatch, tmp_path
     """nvcc of another CUDA major version than torch's: no JIT build; the reason names both versions."""
     from torch.utils import cpp_extension
 
-    from test_cuda_build import fake_cuda_home
+    from helpers.cuda_toolkit import fake_cuda_home
 
     monkeypatch.setattr(cuda_ext, "_device_reason", lambda: None)
     monkeypatch.setattr(cuda_ext, "_import_prebuilt", lambda: "speculative_kernels._C is not installed")

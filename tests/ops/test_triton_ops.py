@@ -42,11 +42,12 @@ from speculative_kernels.ops.triton_random import (  # noqa: E402
 )
 from speculative_kernels.ops.warping import warp_logits  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from stats_util import assert_matches  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers
+from helpers.cuda_graphs import assert_seed_none_is_captured  # noqa: E402
+from helpers.stats import assert_matches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIN_AGREEMENT = 0.99
 # Small tiles and many programs: every partial-combine path (several chunks per row, several race chunks).
 SPLIT = triton_backend.Tuning(block_v=32, race_block_v=32, programs_per_sm=8, num_sms=2)
@@ -426,26 +427,8 @@ def test_cuda_graph_capture_without_host_sync(warp):
 
 @gpu
 def test_seed_none_inside_cuda_graph_capture():
-    """seed=None while capturing a CUDA graph: the seed is drawn on the device, so it is captured (no host copy
-    from pageable memory inside the capture) and every replay draws a fresh one (a seed baked into the graph would
-    repeat the tokens). Uniform logits: the tokens depend on the random numbers only."""
-    batch, k, vocab = 64, 2, 1000
-    target = torch.zeros(batch, k + 1, vocab, device=DEVICE)
-    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.verify(target, None, tokens, temperature=1.0, backend="triton")  # compiles / loads outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, n = ops.verify(target, None, tokens, temperature=1.0, backend="triton")
-    graph.replay()
-    first = out.clone()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert ((n >= 0) & (n <= k)).all()
-    assert not torch.equal(out, first)
+    """seed=None inside a CUDA-graph capture gets a fresh device-drawn seed per replay."""
+    assert_seed_none_is_captured("triton", DEVICE)
 
 
 @gpu

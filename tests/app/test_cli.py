@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from speculative_kernels.cli import main
-from tiny_checkpoints import save_decoder_pair
+from helpers.checkpoints import save_decoder_pair
 
 
 @pytest.fixture(scope="module")

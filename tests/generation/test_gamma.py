@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from models import llama, perturbed
+from helpers.models import llama, perturbed
 from speculative_kernels.generation import gamma as gamma_mod
 from speculative_kernels.generation.gamma import (
     GammaCalibrator,
@@ -124,7 +124,7 @@ class _RecordOffsets:
 
 
 def test_auto_session_one_host_read_and_sampling(monkeypatch):
-    from test_host_sync import CountHostReads
+    from helpers.host_reads import CountHostReads
 
     monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 6)
     target, draft = llama(), llama(layers=1, seed=4)

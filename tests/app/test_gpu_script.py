@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-GPU_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+GPU_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,55 +1,15 @@
 """Sampled continuations follow the target's own sampling distribution (HF warpers), for the whole sequence."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 import speculative_kernels as sk
-from models import llama
-from stats_util import assert_matches
+from helpers.models import llama
+from helpers.sampling import NEW, VOCAB, continuation_probs, hf_warpers, peaky
+from helpers.stats import assert_matches
 
-VOCAB, NEW, ROWS = 6, 3, 6000
-
-
-def _peaky(seed, layers):
-    model = llama(layers=layers, vocab=VOCAB, seed=seed)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(60.0)  # random init gives near-uniform outputs; sharpen them
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _hf_warpers(temperature, top_k, top_p):
-    warpers = LogitsProcessorList()
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
-
-
-def _continuation_probs(model, prompt, warpers):
-    """Exact probability of every continuation of NEW tokens under HF's sampling, by enumeration."""
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
-    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    L = prompt.shape[1]
-    logp = torch.zeros(len(seqs), dtype=torch.float64)
-    for t in range(NEW):
-        step = warpers(ids[:, : L + t], logits[:, L + t - 1].clone())
-        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
-    return seqs, logp.exp().numpy()
+ROWS = 6000
 
 
 @pytest.mark.parametrize(
@@ -57,9 +17,9 @@ def _continuation_probs(model, prompt, warpers):
     [(1.0, 0, 1.0, 2), (0.8, 0, 1.0, 3), (1.0, 3, 1.0, 2), (1.2, 0, 0.7, 2), (1.0, 4, 0.85, 1)],
 )
 def test_whole_continuations_match_target_sampling(temperature, top_k, top_p, gamma):
-    target, draft = _peaky(0, 2), _peaky(7, 1)
+    target, draft = peaky(0, 2), peaky(7, 1)
     prompt = torch.tensor([[1, 4, 3, 5]])
-    seqs, probs = _continuation_probs(target, prompt, _hf_warpers(temperature, top_k, top_p))
+    seqs, probs = continuation_probs(target, prompt, hf_warpers(temperature, top_k, top_p))
     torch.manual_seed(1234)
     out = sk.generate(target, prompt.expand(ROWS, -1), draft_model=draft, num_speculative_tokens=gamma,
                       do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=NEW,
@@ -70,7 +30,7 @@ def test_whole_continuations_match_target_sampling(temperature, top_k, top_p, ga
 
 
 def test_sampling_is_repeatable_with_manual_seed():
-    target, draft = _peaky(0, 2), _peaky(7, 1)
+    target, draft = peaky(0, 2), peaky(7, 1)
     prompt = torch.tensor([[1, 4, 3, 5]])
     runs = []
     for _ in range(2):
