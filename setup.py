@@ -32,7 +32,7 @@ CSRC_FILES = sorted(p for pattern in ("*.cu", "*.cuh", "*.cpp", "*.h") for p in 
 
 def _cuda_toolkit():
     """``speculative_kernels/ops/cuda_toolkit.py`` (standard library only), loaded by path: the package cannot be
-    imported before it is installed. The JIT build (``ops/cuda_ext.py``) runs the same check."""
+    imported before it is installed. The JIT build (``ops/cuda_ext.py``) runs the same check with the same flags."""
     path = ROOT / "speculative_kernels" / "ops" / "cuda_toolkit.py"
     spec = importlib.util.spec_from_file_location("_speculative_kernels_cuda_toolkit", path)
     module = importlib.util.module_from_spec(spec)
@@ -74,16 +74,14 @@ def _extensions():
         raise ValueError("SPECULATIVE_KERNELS_CUDA_ARCHS must name at least one architecture, e.g. '80;90'")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
+    toolkit = _cuda_toolkit()  # the flags the JIT build (ops/cuda_ext.py) uses too
     ext = CUDAExtension(
         name="speculative_kernels._C",
         sources=CUDA_SOURCES,
         include_dirs=[str(CSRC)],
         extra_compile_args={
-            # No -std: torch's BuildExtension adds the standard its headers need (the sources compile as C++17 and
-            # C++20). No --use_fast_math: the kernels must reproduce the torch reference's arithmetic (true division,
-            # accurate expf/logf, denormals kept); the JIT build (ops/cuda_ext.py) uses the same flags.
-            "cxx": ["-O3"],
-            "nvcc": ["-O3", "-lineinfo", f"--threads={nvcc_threads}", *gencode],
+            "cxx": list(toolkit.CXX_FLAGS),
+            "nvcc": [*toolkit.NVCC_FLAGS, f"--threads={nvcc_threads}", *gencode],
         },
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -18,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from .cuda_toolkit import CXX_FLAGS, NVCC_FLAGS, build_blocker
+
 logger = logging.getLogger("speculative_kernels")
 
 OP_NAMESPACE = "speculative_kernels_cuda"
@@ -26,11 +28,6 @@ JIT_NAME = "speculative_kernels_cuda_jit"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # Installed copy first (non-editable install), then the repository checkout (editable install / source tree).
 SOURCE_DIRS = (_PACKAGE_DIR / "csrc", _PACKAGE_DIR.parent / "csrc")
-# nvcc flags of the JIT build; the setup.py build uses the same. No --use_fast_math: the kernels' arithmetic must match
-# the torch reference (true division, accurate expf/logf, no flushed denormals). No -std: torch's builder picks the
-# language standard its headers need (C++17 or C++20; the sources compile as both).
-NVCC_FLAGS = ("-O3", "-lineinfo")
-CXX_FLAGS = ("-O3",)
 
 
 def source_dir() -> Path | None:
@@ -72,8 +69,6 @@ def _jit_blocker() -> str | None:
     """Why the JIT build cannot work here (``cuda_toolkit.build_blocker`` with torch's CUDA_HOME), or None."""
     import torch
     from torch.utils import cpp_extension
-
-    from .cuda_toolkit import build_blocker
 
     return build_blocker(torch.version.cuda, cpp_extension.CUDA_HOME)
 

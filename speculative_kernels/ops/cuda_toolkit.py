@@ -1,4 +1,5 @@
-"""Can the CUDA toolkit build the extension for this torch? One check for ``setup.py`` and the JIT build.
+"""Can the CUDA toolkit build the extension for this torch, and with which flags? One answer for ``setup.py`` and
+the JIT build (``cuda_ext.py``).
 
 torch's extension builder compiles with ``CUDA_HOME/bin/nvcc`` (``torch.utils.cpp_extension.CUDA_HOME``) and refuses an
 nvcc whose CUDA *major* version differs from the one torch was built with (``torch.version.cuda``): in ``setup.py``
@@ -13,6 +14,11 @@ import re
 import subprocess
 
 _RELEASE = re.compile(r"release (\d+)\.(\d+)")
+# The compiler flags of both builds. No --use_fast_math: the kernels' arithmetic must match the torch reference (true
+# division, accurate expf/logf, no flushed denormals). No -std: torch's builder picks the language standard its
+# headers need (C++17 or C++20; the sources compile as both).
+NVCC_FLAGS = ("-O3", "-lineinfo")
+CXX_FLAGS = ("-O3",)
 
 
 def nvcc_path(cuda_home: str | None) -> str | None:

@@ -72,14 +72,17 @@ def test_kernel_sources_are_framework_free(path):
 
 
 def test_no_fast_math_in_builds():
-    """--use_fast_math would replace the true division and expf/logf the reference's arithmetic needs."""
-    from speculative_kernels.ops import cuda_ext
+    """--use_fast_math would replace the true division and expf/logf the reference's arithmetic needs. Both builds
+    take their flags from ``cuda_toolkit`` (written once)."""
+    from speculative_kernels.ops import cuda_ext, cuda_toolkit
 
-    assert "--use_fast_math" not in cuda_ext.NVCC_FLAGS
-    setup_calls = [
-        node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())) if isinstance(node, ast.Constant)
-    ]
+    assert "--use_fast_math" not in cuda_toolkit.NVCC_FLAGS
+    assert cuda_ext.NVCC_FLAGS is cuda_toolkit.NVCC_FLAGS and cuda_ext.CXX_FLAGS is cuda_toolkit.CXX_FLAGS
+    setup_text = (ROOT / "setup.py").read_text()
+    setup_calls = [node for node in ast.walk(ast.parse(setup_text)) if isinstance(node, ast.Constant)]
     assert not any(node.value == "--use_fast_math" for node in setup_calls), "setup.py passes --use_fast_math"
+    assert "toolkit.NVCC_FLAGS" in setup_text and "toolkit.CXX_FLAGS" in setup_text
+    assert not any(node.value in ("-O3", "-lineinfo") for node in setup_calls), "setup.py writes its own flags"
 
 
 @needs_nvcc
