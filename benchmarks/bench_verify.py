@@ -25,7 +25,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, whe
 from harness import environment, markdown_table, plot_vs_batch, rotate, save, time_us  # noqa: E402
 
 from speculative_kernels.ops import backends  # noqa: E402
+from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.reference import verify_reference  # noqa: E402
+from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
 ALL_BACKENDS = ("cuda", "triton", "torch", "torch-compile")
 FULL = dict(batch=[1, 4, 16, 64, 256], k=[1, 4, 8], vocab=[32000, 128256, 151936])
@@ -92,8 +94,8 @@ def bench_config(args, fns, batch, k, vocab, mode, timing) -> list[dict]:
     for name, fn in fns.items():
         if not compiled_here(args, name, k, vocab):
             continue
-        calls = [functools.partial(fn, t, d, x, temperature, args.top_k, args.top_p, s, o, True)
-                 for t, d, x, s, o in inputs]
+        sampling = Sampling(temperature, args.top_k, args.top_p)
+        calls = [functools.partial(fn, t, d, x, sampling, Randomness(s, o, True)) for t, d, x, s, o in inputs]
         row = dict(backend=name, timing=timing, mode=mode, batch=batch, k=k, vocab=vocab, sets=sets)
         try:
             us = time_us(rotate(calls), args.device, cuda_graph=timing == "graph", rep_ms=args.rep_ms)

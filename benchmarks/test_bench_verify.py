@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, when it is not installed
 from bench_verify import load_backend, make_inputs  # noqa: E402
 
+from speculative_kernels.ops.randomness import Randomness  # noqa: E402
+from speculative_kernels.ops.sampling import Sampling  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 GPU_CONFIGS = {
     "B1-K4-V128256-sampling": (1, 4, 128256, "sampling"),
@@ -31,10 +34,11 @@ def _run_benchmark(benchmark, backend, device, batch, k, vocab, mode):
     if fn is None:
         pytest.skip(f"backend {backend!r} unavailable: {reason}")
     target, draft, tokens, seeds, offsets = make_inputs(batch, k, vocab, mode, torch.bfloat16, device, seed=0)
-    temperature = 1.0 if mode == "sampling" else 0.0
+    sampling = Sampling(1.0 if mode == "sampling" else 0.0, 0, 1.0)
+    randomness = Randomness(seeds, offsets, True)
 
     def call():
-        out = fn(target, draft, tokens, temperature, 0, 1.0, seeds, offsets, True)
+        out = fn(target, draft, tokens, sampling, randomness)
         if device == "cuda":
             torch.cuda.synchronize()
         return out

@@ -14,6 +14,7 @@
 #include <optional>
 #include <tuple>
 
+#include "philox_streams.h"
 #include "verify_kernels.cuh"
 
 namespace speculative_kernels {
@@ -152,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   p.offset = offset.data_ptr<int64_t>();
   p.offset_stride = offset.stride(0);
   p.seed_per_row = seed_per_row;
-  p.stream_base = 1;  // STREAM_POSITION
+  p.stream_base = kStreamPosition;
 
   const auto long_options = target_logits.options().dtype(at::kLong);
   at::Tensor tokens = at::empty({batch, num_draft + 1}, long_options);

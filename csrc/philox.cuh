@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "philox_streams.h"  // the stream ids (kStreamAccept, kStreamPosition, kStreamDraft), defined in philox.py
+
 namespace speculative_kernels {
 
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
@@ -14,10 +16,6 @@ constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
-
-constexpr uint32_t kStreamAccept = 0u;             // accept-test uniforms, c0 = draft position i
-constexpr uint32_t kStreamPosition = 1u;           // + block position j: the race at position j of verify
-constexpr uint32_t kStreamDraft = 0x40000000u;     // the draft-side sampler
 
 // First output word of Philox4x32-10(seed; c0, c1, c2, c3).
 __device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,

@@ -20,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "philox_streams.h"
+
 namespace speculative_kernels {
 
 enum class LogitDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -59,7 +61,7 @@ struct VerifyParams {
   const int64_t* offset = nullptr;
   int64_t offset_stride = 0;
   bool seed_per_row = false;  // Philox c1 = 0 instead of the batch row
-  uint32_t stream_base = 1;   // Philox c3 of the race at position j is stream_base + j
+  uint32_t stream_base = kStreamPosition;  // Philox c3 of the race at position j is stream_base + j
   // Outputs: tokens [B, K+1] int64 contiguous; num_accepted [B] int64 or nullptr.
   int64_t* tokens = nullptr;
   int64_t* num_accepted = nullptr;

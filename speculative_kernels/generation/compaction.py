@@ -24,7 +24,6 @@ import math
 import torch
 
 from ..ops.compaction import compact_kv
-from ..ops.philox import philox_first_word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,21 +114,6 @@ def drop_rows(runner, index: torch.Tensor) -> None:
         compactor.host_counts = None
 
 
-# Philox streams (c3) of the per-row key derivation; disjoint from the sampling streams of ops/philox.py.
-STREAM_ROW_SEED = 0x60000000
-
-
-def row_seeds(seed: torch.Tensor) -> torch.Tensor:
-    """One independent 63-bit Philox key per row, from seed [B] and the row index b (a fold-in: two Philox words of
-    (seed[b]; b, 0, 0, STREAM_ROW_SEED + {0, 1})). With these and ``seed_per_row=True`` a row's random numbers do
-    not depend on its position in the batch."""
-    rows = torch.arange(seed.shape[0], dtype=torch.int64, device=seed.device)
-    zero = torch.zeros_like(rows)
-    high = philox_first_word(seed, rows, zero, zero, zero + STREAM_ROW_SEED)
-    low = philox_first_word(seed, rows, zero, zero, zero + STREAM_ROW_SEED + 1)
-    return ((high & 0x7FFFFFFF) << 32) | low
-
-
 def widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
     """``tensor`` [B, W, ...] padded with ``fill`` along dim 1 to ``width`` columns (a copy; unchanged if wide
     enough). The loop grows its output buffers with it; ``RowDropper`` grows its full-size copies to match."""
@@ -146,7 +130,7 @@ class RowDropper:
     only; ``finish`` writes them back and restores the full-size buffers (rows in their original order).
     """
 
-    PER_ROW = ("sequences", "generated", "finished", "seed", "last", "scores", "raw_logits")
+    PER_ROW = ("sequences", "generated", "finished", "last", "scores", "raw_logits")
     OUTPUTS = ("sequences", "generated", "scores", "raw_logits")
 
     def __init__(self, options: BatchingOptions):
@@ -175,6 +159,7 @@ class RowDropper:
             value = getattr(loop, name)
             if value is not None:
                 setattr(loop, name, value.index_select(0, keep))
+        loop.randomness.select_rows(keep)
         tokens, real = loop.pending
         loop.pending = (tokens.index_select(0, keep), None if real is None else real.index_select(0, keep))
         for runner in runners:

@@ -18,8 +18,8 @@ import torch
 
 from ..ops import backends
 from ..ops.diagnostics import raise_for_invalid_rows
-from ..ops.validation import resolve_randomness
-from .compaction import BatchingOptions, RowDropper, compactions, row_seeds, widen
+from ..ops.randomness import DecodeRandomness
+from .compaction import BatchingOptions, RowDropper, compactions, widen
 from .gamma import GammaCalibrator
 from .memory import check_free_memory
 from .runner import DecoderRunner
@@ -85,16 +85,9 @@ class SpeculativeLoop:
         self._eos_columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)  # [V]: True at EOS ids
         self._eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
         self._forced = self._forced_columns(vocab)
-        self.seed, _, self.seed_per_row = resolve_randomness(None, 0, None, self.batch, self.device)
-        if self.batch > 1:  # a Philox key per row: no row's numbers depend on the others (rows may leave the batch)
-            self.seed, self.seed_per_row = row_seeds(self.seed), True
+        self.randomness = DecodeRandomness(self.batch, self.device)
         self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
-        # Philox offsets as device counters advanced in place (draft: one per drafted token; verify: one per
-        # iteration): no host value enters an iteration's random numbers, so the draft and verification steps can be
-        # captured in a CUDA graph as they are (the seed above is drawn on the device too).
-        self._draft_offset = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._verify_offset = torch.zeros((), dtype=torch.int64, device=self.device)
         self._masks_logits = bool(self._forced) or (plan.min_new_tokens > 0 and bool(plan.eos_token_ids))
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
@@ -217,9 +210,8 @@ class SpeculativeLoop:
                 # all -inf) is still caught: verify checks the stored draft logits.
                 token = logits[:, 0].float().argmax(dim=-1)
             else:
-                token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed,
-                                         self._draft_offset.expand(self.batch), self.seed_per_row)
-                self._draft_offset.add_(1)
+                token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
+                self.randomness.advance_draft()
             tokens[:, i] = token
             inputs, real = token.clamp(min=0).unsqueeze(1), None
         self.stats.draft_forwards += gamma
@@ -236,16 +228,14 @@ class SpeculativeLoop:
             self._mask_forced(logits, generated)
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
-            token = self.impl.sample(logits[:, 0], s.temperature, s.top_k, s.top_p, self.seed,
-                                     self._draft_offset.expand(self.batch), self.seed_per_row)
+            token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
             if not s.greedy:
-                self._draft_offset.add_(1)
+                self.randomness.advance_draft()
             return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
-        out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s.temperature,
-                                         s.top_k, s.top_p, self.seed, self._verify_offset.expand(self.batch),
-                                         self.seed_per_row)
+        out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s,
+                                         self.randomness.verify())
         if not s.greedy:
-            self._verify_offset.add_(1)
+            self.randomness.advance_verify()
         return out, accepted, logits, raw
 
     def _emit(self, out: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

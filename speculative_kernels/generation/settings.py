@@ -23,6 +23,7 @@ import warnings
 import torch
 from transformers import GenerationConfig
 
+from ..ops.sampling import GREEDY, Sampling
 from ..ops.validation import check_sampling_params
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
@@ -136,19 +137,6 @@ _REASONS = {
     "continuous_batching_config": "continuous batching is not implemented; see SpeculativeDecoder",
     "speculation_type": "HF's other speculation methods are not implemented; pass draft_model=",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclasses.dataclass
@@ -384,7 +372,7 @@ def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, gener
         if sampling.temperature == 0.0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")
     else:
-        sampling = Sampling(0.0, 0, 1.0)
+        sampling = GREEDY
 
     max_new = min_new = 0
     if prompt_length is not None:

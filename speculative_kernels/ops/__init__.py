@@ -3,7 +3,8 @@
 Both take raw logits (float32, float16 or bfloat16) and apply HF's warping (temperature, top_k, top_p) inside the
 op, so the draft's q is by construction the distribution its token was drawn from. Randomness is explicit: a
 ``generator``, or a ``seed`` and ``offset`` (ints or int64 tensors, device tensors allowed so CUDA graphs can capture
-them), fed to counter-based Philox noise (``philox.py``).
+them), fed to counter-based Philox noise (``philox.py``, ``randomness.py``). The backends take them as ``Sampling``
+and ``Randomness`` objects (``backends.py`` picks one).
 """
 
 import torch
@@ -11,13 +12,9 @@ import torch
 from . import backends
 from .compaction import compact_kv
 from .diagnostics import raise_for_invalid_rows, should_check
-from .validation import (
-    check_logits,
-    check_same_device,
-    check_sampling_params,
-    check_tokens,
-    resolve_randomness,
-)
+from .randomness import resolve_randomness
+from .sampling import Sampling
+from .validation import check_logits, check_same_device, check_sampling_params, check_tokens
 
 __all__ = ["verify", "sample", "compact_kv"]
 
@@ -62,14 +59,12 @@ def verify(
                 f"draft_logits must have shape [{batch}, {num_draft}, {vocab}], got {tuple(draft_logits.shape)}"
             )
     check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
-    temperature, top_k, top_p = check_sampling_params(temperature, top_k, top_p)
+    sampling = Sampling(*check_sampling_params(temperature, top_k, top_p))
     impl = backends.implementation(backend, target_logits.device.type)
-    seed_rows, offset_rows, per_row = resolve_randomness(seed, offset, generator, batch, target_logits.device)
-    tokens, num_accepted = impl.verify(
-        target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed_rows, offset_rows, per_row
-    )
+    randomness = resolve_randomness(seed, offset, generator, batch, target_logits.device)
+    tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness)
     if should_check(check):
-        raise_for_invalid_rows(num_accepted, temperature=temperature, seed=seed_rows, offset=offset_rows,
+        raise_for_invalid_rows(num_accepted, temperature=sampling.temperature, randomness=randomness,
                                target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
     return tokens, num_accepted
 
@@ -93,10 +88,10 @@ def sample(
     back as -1.
     """
     check_logits("logits", logits, 2)
-    temperature, top_k, top_p = check_sampling_params(temperature, top_k, top_p)
+    sampling = Sampling(*check_sampling_params(temperature, top_k, top_p))
     impl = backends.implementation(backend, logits.device.type)
-    seed_rows, offset_rows, per_row = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
-    tokens = impl.sample(logits, temperature, top_k, top_p, seed_rows, offset_rows, per_row)
+    randomness = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
+    tokens = impl.sample(logits, sampling, randomness)
     if should_check(check):
-        raise_for_invalid_rows(tokens, temperature=temperature, seed=seed_rows, offset=offset_rows, logits=logits)
+        raise_for_invalid_rows(tokens, temperature=sampling.temperature, randomness=randomness, logits=logits)
     return tokens

@@ -16,6 +16,8 @@ and drop the cut element itself. z is computed here with a true division too (0-
 import torch
 
 from . import cuda_ext
+from .randomness import Randomness
+from .sampling import Sampling
 from .warping import warp_thresholds
 
 cuda_ext.load()  # the ops must exist before their fake implementations can be registered
@@ -38,15 +40,11 @@ def _sample_fake(logits, temperature, cut_source, cut_index, seed, offset, seed_
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
-def _cut_active(top_k: int, top_p: float, vocab: int) -> bool:
-    return 0 < top_k < vocab or top_p < 1.0
-
-
-def _cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """(cut_source [...] int32, cut_index [...] int32) of logits [..., V]: keep v iff (z_v, v) >= (z_source, index)."""
-    divisor = torch.full((), temperature, dtype=torch.float32, device=logits.device)
+    divisor = torch.full((), sampling.temperature, dtype=torch.float32, device=logits.device)
     z = logits.to(torch.float32) / divisor
-    cut_value, cut_index = warp_thresholds(z, top_k, top_p)
+    cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
     # With top-p the cut is an element, (z_i, i); with top-k alone it is (k-th largest z, 0): take the first element
     # holding that value.
     at_index = z.gather(-1, cut_index.to(torch.int64).unsqueeze(-1)).squeeze(-1)
@@ -55,43 +53,24 @@ def _cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> 
     return source.to(torch.int32), cut_index.to(torch.int32)
 
 
-def verify(
-    target_logits: torch.Tensor,
-    draft_logits: torch.Tensor | None,
-    draft_tokens: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
-    seed_per_row: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None (one-hot q); draft_tokens: [B, K];
-    seed, offset: [B] int64. Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
+def verify(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft_tokens: torch.Tensor,
+           sampling: Sampling, randomness: Randomness) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None (one-hot q); draft_tokens: [B, K].
+    Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
     target_cut = draft_cut = (None, None)
-    if temperature > 0.0 and _cut_active(top_k, top_p, target_logits.shape[-1]):
-        target_cut = _cut(target_logits, temperature, top_k, top_p)
+    if sampling.cuts(target_logits.shape[-1]):
+        target_cut = _cut(target_logits, sampling)
         if draft_logits is not None:
-            draft_cut = _cut(draft_logits, temperature, top_k, top_p)
+            draft_cut = _cut(draft_logits, sampling)
     return torch.ops.speculative_kernels_cuda.verify(
-        target_logits, draft_logits, draft_tokens, float(temperature), *target_cut, *draft_cut, seed, offset,
-        bool(seed_per_row),
+        target_logits, draft_logits, draft_tokens, float(sampling.temperature), *target_cut, *draft_cut,
+        randomness.seed, randomness.offset, bool(randomness.seed_per_row),
     )
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
-    seed_per_row: bool,
-) -> torch.Tensor:
-    """logits: [B, V]; seed, offset: [B] int64. Returns [B] int64 (-1 for an invalid row)."""
-    cut = (None, None)
-    if temperature > 0.0 and _cut_active(top_k, top_p, logits.shape[-1]):
-        cut = _cut(logits, temperature, top_k, top_p)
+def sample(logits: torch.Tensor, sampling: Sampling, randomness: Randomness) -> torch.Tensor:
+    """logits: [B, V]. Returns [B] int64 (-1 for an invalid row)."""
+    cut = _cut(logits, sampling) if sampling.cuts(logits.shape[-1]) else (None, None)
     return torch.ops.speculative_kernels_cuda.sample(
-        logits, float(temperature), *cut, seed, offset, bool(seed_per_row)
+        logits, float(sampling.temperature), *cut, randomness.seed, randomness.offset, bool(randomness.seed_per_row)
     )

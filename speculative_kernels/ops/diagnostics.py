@@ -3,7 +3,7 @@
 import torch
 
 from .reference import invalid_rows
-from .validation import MAX_OFFSET, bad_randomness
+from .randomness import MAX_OFFSET, Randomness
 from .warping import scale_logits
 
 
@@ -20,22 +20,22 @@ def _rows(mask: torch.Tensor) -> list[int]:
     return mask.nonzero().flatten().tolist()
 
 
-def raise_for_invalid_rows(flags: torch.Tensor, *, temperature: float = 0.0, seed: torch.Tensor | None = None,
-                           offset: torch.Tensor | None = None, **inputs) -> None:
-    """Raise ValueError if any entry of ``flags`` ([B]) is -1, or (given seed/offset [B]) a row's seed or offset is
-    out of range, naming the offending input and rows.
+def raise_for_invalid_rows(flags: torch.Tensor, *, temperature: float = 0.0, randomness: Randomness | None = None,
+                           **inputs) -> None:
+    """Raise ValueError if any entry of ``flags`` ([B]) is -1, or (given the call's ``randomness``) a row's seed or
+    offset is out of range, naming the offending input and rows.
 
     One host read of the combined flags; the inputs are only inspected after a failure. ``temperature`` > 0: the
     logits were scaled by it, so a logit that overflows float32 when scaled is named too.
     """
     failed = flags < 0
-    if seed is not None:
-        failed = failed | bad_randomness(seed, offset)
+    if randomness is not None:
+        failed = failed | randomness.out_of_range()
     bad = _rows(failed)
     if not bad:
         return
-    if seed is not None:
-        for name, value in (("seed", seed), ("offset", offset)):
+    if randomness is not None:
+        for name, value in (("seed", randomness.seed), ("offset", randomness.offset)):
             out_of_range = (value < 0) | (value >= MAX_OFFSET) if name == "offset" else value < 0
             rows = _rows(out_of_range)
             if rows:

@@ -8,7 +8,10 @@ Philox4x32-10 (Salmon et al., SC'11) keyed by a 64-bit seed: key = (seed & 0xfff
          depend on which batch it sits in)
     c2 = offset (the caller's step counter, < 2**32)
     c3 = stream: STREAM_ACCEPT for the accept test's uniforms, STREAM_POSITION + j for sampling at block
-         position j in verify, STREAM_DRAFT for the draft-side sampler
+         position j in verify, STREAM_DRAFT for the draft-side sampler, STREAM_ROW_KEY + {0, 1} for the per-row
+         keys (``randomness.row_keys``). The stream ids are defined here only: the Triton kernels import them, and
+         ``csrc/philox_streams.h`` is generated from ``STREAMS`` by ``streams_header()`` (a test checks that the
+         file is current).
 
 From a 32-bit word x:
     uniform(x)     = float32(x >> 8) * 2**-24                      in [0, 1), exact in float32
@@ -32,6 +35,14 @@ MASK32 = 0xFFFFFFFF
 STREAM_ACCEPT = 0
 STREAM_POSITION = 1  # + block position j (0..K)
 STREAM_DRAFT = 0x40000000
+STREAM_ROW_KEY = 0x60000000  # + 0, + 1
+# The C++ name and meaning of every stream id, for csrc/philox_streams.h.
+STREAMS = {
+    "kStreamAccept": (STREAM_ACCEPT, "accept-test uniforms, c0 = draft position i"),
+    "kStreamPosition": (STREAM_POSITION, "+ block position j: the race at position j of verify"),
+    "kStreamDraft": (STREAM_DRAFT, "the draft-side sampler"),
+    "kStreamRowKey": (STREAM_ROW_KEY, "+ 0, + 1: the two words of a row's key (randomness.row_keys)"),
+}
 
 EXP_SERIES_CUTOFF = 2.0**-8
 U32_SCALE = 2.0**-32
@@ -78,3 +89,23 @@ def exponential_from_bits(x: torch.Tensor) -> torch.Tensor:
     u = torch.clamp(x.to(torch.float32) * U32_SCALE, min=U_MIN)
     series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0)))
     return torch.where(u < EXP_SERIES_CUTOFF, series, -torch.log(1.0 - u))
+
+
+def streams_header() -> str:
+    """The text of ``csrc/philox_streams.h``: ``STREAMS`` as C++ constants (host- and device-usable)."""
+    lines = [
+        "// Philox stream ids (counter word c3), generated from speculative_kernels/ops/philox.py, which defines them:",
+        "//   python -c 'from speculative_kernels.ops.philox import streams_header as h; print(h(), end=\"\")' \\",
+        "//       > csrc/philox_streams.h",
+        "// Do not edit by hand (tests/ops/test_random_streams.py checks that this file is current).",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "",
+        "namespace speculative_kernels {",
+        "",
+        *(f"constexpr uint32_t {name} = 0x{value:08X}u;  // {meaning}" for name, (value, meaning) in STREAMS.items()),
+        "",
+        "}  // namespace speculative_kernels",
+    ]
+    return "\n".join(lines) + "\n"

@@ -30,6 +30,8 @@ from .philox import (
     philox_first_word,
     uniform_from_bits,
 )
+from .randomness import Randomness
+from .sampling import Sampling
 from .warping import scale_logits, warp_logits
 
 
@@ -47,22 +49,22 @@ def _row_ids(batch: int, seed_per_row: bool, device: torch.device) -> torch.Tens
     return torch.arange(batch, dtype=torch.int64, device=device)
 
 
-def race_noise(seed, offset, seed_per_row: bool, stream: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exponential noise E[b, v] for one race per row. seed, offset, stream: [B] int64. Returns [B, V] float32."""
-    batch = seed.shape[0]
+def race_noise(randomness: Randomness, stream: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential noise E[b, v] for one race per row. stream: [B] int64. Returns [B, V] float32."""
+    seed = randomness.seed
     v = torch.arange(vocab, dtype=torch.int64, device=seed.device).unsqueeze(0)
-    rows = _row_ids(batch, seed_per_row, seed.device).unsqueeze(1)
-    bits = philox_first_word(seed.unsqueeze(1), v, rows, offset.unsqueeze(1), stream.unsqueeze(1))
+    rows = _row_ids(seed.shape[0], randomness.seed_per_row, seed.device).unsqueeze(1)
+    bits = philox_first_word(seed.unsqueeze(1), v, rows, randomness.offset.unsqueeze(1), stream.unsqueeze(1))
     return exponential_from_bits(bits)
 
 
-def accept_uniforms(seed, offset, seed_per_row: bool, num_draft: int) -> torch.Tensor:
-    """r[b, i] in [0, 1) for the accept test. seed, offset: [B] int64. Returns [B, K] float32."""
-    batch = seed.shape[0]
+def accept_uniforms(randomness: Randomness, num_draft: int) -> torch.Tensor:
+    """r[b, i] in [0, 1) for the accept test. Returns [B, K] float32."""
+    seed = randomness.seed
     i = torch.arange(num_draft, dtype=torch.int64, device=seed.device).unsqueeze(0)
-    rows = _row_ids(batch, seed_per_row, seed.device).unsqueeze(1)
+    rows = _row_ids(seed.shape[0], randomness.seed_per_row, seed.device).unsqueeze(1)
     stream = seed.new_full((), STREAM_ACCEPT)  # made on the device: no host copy, so CUDA graphs can capture it
-    bits = philox_first_word(seed.unsqueeze(1), i, rows, offset.unsqueeze(1), stream)
+    bits = philox_first_word(seed.unsqueeze(1), i, rows, randomness.offset.unsqueeze(1), stream)
     return uniform_from_bits(bits)
 
 
@@ -87,19 +89,11 @@ def _count_prefix(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def verify_reference(
-    target_logits: torch.Tensor,
-    draft_logits: torch.Tensor | None,
-    draft_tokens: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
-    seed_per_row: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference verification. target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None; draft_tokens: [B, K];
-    seed, offset: [B] int64. Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
+def verify_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft_tokens: torch.Tensor,
+                     sampling: Sampling, randomness: Randomness) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference verification. target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None; draft_tokens: [B, K].
+    Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     batch, num_draft = draft_tokens.shape
     vocab = target_logits.shape[-1]
     tokens = draft_tokens.to(torch.int64)
@@ -126,7 +120,7 @@ def verify_reference(
         q = torch.softmax(warp_logits(z_draft, 1.0, top_k, top_p), dim=-1)
     p_x = p[:, :num_draft].gather(-1, safe_tokens).squeeze(-1)
     q_x = q.gather(-1, safe_tokens).squeeze(-1)
-    r = accept_uniforms(seed, offset, seed_per_row, num_draft)
+    r = accept_uniforms(randomness, num_draft)
     n = _count_prefix((q_x > 0) & (r * q_x < p_x))
 
     rows = torch.arange(batch, device=p.device)
@@ -134,33 +128,25 @@ def verify_reference(
     q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)  # q_K := 0 makes the bonus draw from p_K
     residual = torch.clamp(p_n - q_pad[rows, n], min=0.0)
     weights = torch.where((residual.amax(dim=-1) > 0).unsqueeze(1), residual, p_n)
-    noise = race_noise(seed, offset, seed_per_row, STREAM_POSITION + n, vocab)
+    noise = race_noise(randomness, STREAM_POSITION + n, vocab)
     next_token = race(weights, noise)
     return _emit(tokens, n, next_token, invalid)
 
 
-def sample_reference(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
-    seed_per_row: bool,
-) -> torch.Tensor:
+def sample_reference(logits: torch.Tensor, sampling: Sampling, randomness: Randomness) -> torch.Tensor:
     """Reference draft sampler: one token per row from softmax(warp(logits)), or argmax when temperature == 0.
 
-    logits: [B, V]; seed, offset: [B] int64. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits
+    logits: [B, V]. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits
     (when sampling: scaled logits, see the module docstring). Uses the STREAM_DRAFT counters, so it never reuses
     numbers that verify draws with the same seed and offset.
     """
     invalid = invalid_rows(logits)
-    if temperature == 0.0:
+    if sampling.greedy:
         token = logits.to(torch.float32).argmax(dim=-1)
     else:
-        z = scale_logits(logits, temperature)
+        z = scale_logits(logits, sampling.temperature)
         invalid |= invalid_rows(z)
-        p = torch.softmax(warp_logits(z, 1.0, top_k, top_p), dim=-1)
-        stream = torch.full_like(seed, STREAM_DRAFT)
-        token = race(p, race_noise(seed, offset, seed_per_row, stream, logits.shape[-1]))
+        p = torch.softmax(warp_logits(z, 1.0, sampling.top_k, sampling.top_p), dim=-1)
+        stream = torch.full_like(randomness.seed, STREAM_DRAFT)
+        token = race(p, race_noise(randomness, stream, logits.shape[-1]))
     return token.masked_fill(invalid, -1)

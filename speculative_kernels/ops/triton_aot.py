@@ -32,6 +32,8 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 from . import compaction_triton, triton_backend
+from .randomness import Randomness
+from .sampling import Sampling
 
 # An H100's SM count, so the recorded plans (chunks per row, grid) are the ones that GPU launches.
 H100 = triton_backend.Tuning(num_sms=132)
@@ -137,13 +139,14 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
     if quick:
         modes = {m: modes[m] for m in ("greedy", "sampling top-k/top-p")}
     out = []
+    randomness = Randomness(seed, offset)
     for mode, (d, temperature, top_k, top_p) in modes.items():
+        sampling = Sampling(temperature, top_k, top_p)
         with recording() as launches:
             if isinstance(d, str):
-                triton_backend.launch_sample(target[:, 0], temperature, top_k, top_p, seed, offset, False, tuning)
+                triton_backend.launch_sample(target[:, 0], sampling, randomness, tuning)
             else:
-                triton_backend.launch_verify(target, d, tokens, temperature, top_k, top_p, seed, offset, False,
-                                             tuning)
+                triton_backend.launch_verify(target, d, tokens, sampling, randomness, tuning)
         out += [(mode, launch) for launch in launches]
     return out
 

@@ -1,6 +1,7 @@
 """Triton backend of ``verify``/``sample``: fused split-row kernels, registered as torch custom ops.
 
-Same signature and return contract as ``reference.py``. Launches: sampling 3 (stats, decide + race, finish),
+Same signature and return contract as ``reference.py`` (``Sampling`` and ``Randomness`` objects; the registered ops
+take them as flat arguments). Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
 ``scale_kernel`` so the cut is computed from the kernels' own z). No host synchronisation, so the ops can be
 captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
@@ -17,6 +18,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .backends import device_guard
 from .philox import STREAM_DRAFT, STREAM_POSITION
+from .randomness import Randomness
+from .sampling import Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
 from .warping import warp_thresholds
@@ -109,16 +112,16 @@ def _precise(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not _interpreting()
 
 
-def _cuts(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, plan: Plan):
+def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
     batch, rows, vocab = logits.shape
     z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
     grid = (batch * rows, triton.cdiv(vocab, plan.block_v))
     wrap_triton(scale_kernel)[grid](
-        logits, logits.stride(0), logits.stride(1), logits.stride(2), z, rows, vocab, temperature,
-        SCALE=temperature != 1.0, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        logits, logits.stride(0), logits.stride(1), logits.stride(2), z, rows, vocab, sampling.temperature,
+        SCALE=sampling.temperature != 1.0, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )
-    cut_value, cut_index = warp_thresholds(z, top_k, top_p)
+    cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
     return cut_value.contiguous(), cut_index.contiguous()
 
 
@@ -144,28 +147,25 @@ def _stats(target, draft, cuts, temperature: float, greedy: bool, plan: Plan, pr
     return ws_f, ws_i, plane
 
 
-def _filters_active(top_k: int, top_p: float, vocab: int) -> bool:
-    return 0 < top_k < vocab or top_p < 1.0
-
-
-def _run(target, draft, tokens, temperature, top_k, top_p, seed, offset, seed_per_row, stream_base, tuning,
+def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stream_base: int, tuning: Tuning,
          out_shape):
     """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K].
 
     Returns (tokens ``out_shape`` int64 = [B, K+1] or [B] when K = 0, num_accepted [B] int64)."""
+    temperature, seed, offset = sampling.temperature, randomness.seed, randomness.offset
     batch, num_positions, vocab = target.shape
     num_draft = num_positions - 1
     device = target.device
     plan = make_plan(batch, num_positions, vocab, tuning)
     precise = _precise(device)
-    greedy = temperature == 0.0
+    greedy = sampling.greedy
     out = torch.empty(out_shape, dtype=torch.int64, device=device)  # row stride K+1 either way
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     cuts = None
-    if not greedy and _filters_active(top_k, top_p, vocab):
-        cuts = _cuts(target, temperature, top_k, top_p, plan)
+    if sampling.cuts(vocab):
+        cuts = _cuts(target, sampling, plan)
         if draft is not None:
-            cuts = cuts + _cuts(draft, temperature, top_k, top_p, plan)
+            cuts = cuts + _cuts(draft, sampling, plan)
         else:
             cuts = cuts + cuts
     ws_f, ws_i, plane = _stats(target, draft, cuts, temperature, greedy, plan, precise)
@@ -191,7 +191,7 @@ def _run(target, draft, tokens, temperature, top_k, top_p, seed, offset, seed_pe
         seed, seed.stride(0), offset, offset.stride(0),
         ws_f, ws_i, plane,
         race_f, race_i, batch,
-        vocab, num_draft, plan.chunks, plan.race_chunk_size, temperature, int(seed_per_row), stream_base,
+        vocab, num_draft, plan.chunks, plan.race_chunk_size, temperature, int(randomness.seed_per_row), stream_base,
         HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, SCALE=temperature != 1.0, RESIDUAL=residual,
         PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.race_block_v,
         num_warps=plan.race_num_warps,
@@ -203,23 +203,22 @@ def _run(target, draft, tokens, temperature, top_k, top_p, seed, offset, seed_pe
     return out, num_accepted
 
 
-def launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
+def launch_verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness,
                   tuning: Optional[Tuning] = None):
     """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
     tuning = tuning or default_tuning(target_logits.device)
     with device_guard(target_logits.device):
-        return _run(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                    STREAM_POSITION, tuning, tuple(target_logits.shape[:2]))
+        return _run(target_logits, draft_logits, draft_tokens, sampling, randomness, STREAM_POSITION, tuning,
+                    tuple(target_logits.shape[:2]))
 
 
-def launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row, tuning: Optional[Tuning] = None):
+def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Optional[Tuning] = None):
     """``sample`` with explicit launch knobs: verify's machinery with K = 0 on the STREAM_DRAFT counters."""
     tuning = tuning or default_tuning(logits.device)
     batch = logits.shape[0]
     no_tokens = torch.empty(batch, 0, dtype=torch.int64, device=logits.device)
     with device_guard(logits.device):
-        out, _ = _run(logits.unsqueeze(1), None, no_tokens, temperature, top_k, top_p, seed, offset, seed_per_row,
-                      STREAM_DRAFT, tuning, (batch,))
+        out, _ = _run(logits.unsqueeze(1), None, no_tokens, sampling, randomness, STREAM_DRAFT, tuning, (batch,))
     return out
 
 
@@ -236,8 +235,8 @@ def verify_triton(
     seed_per_row: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; seed, offset [B] int64."""
-    return launch_verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset,
-                         seed_per_row)
+    return launch_verify(target_logits, draft_logits, draft_tokens, Sampling(temperature, top_k, top_p),
+                         Randomness(seed, offset, seed_per_row))
 
 
 @triton_op("speculative_kernels::sample_triton", mutates_args=())
@@ -251,19 +250,20 @@ def sample_triton(
     seed_per_row: bool,
 ) -> torch.Tensor:
     """logits [B, V]; seed, offset [B] int64 -> tokens [B] int64."""
-    return launch_sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row)
+    return launch_sample(logits, Sampling(temperature, top_k, top_p), Randomness(seed, offset, seed_per_row))
 
 
-def verify(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, seed, offset, seed_per_row):
+def verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness):
     """Same contract as ``reference.verify_reference``."""
     return torch.ops.speculative_kernels.verify_triton(
-        target_logits, draft_logits, draft_tokens, float(temperature), int(top_k), float(top_p), seed, offset,
-        bool(seed_per_row),
+        target_logits, draft_logits, draft_tokens, float(sampling.temperature), int(sampling.top_k),
+        float(sampling.top_p), randomness.seed, randomness.offset, bool(randomness.seed_per_row),
     )
 
 
-def sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row):
+def sample(logits, sampling: Sampling, randomness: Randomness):
     """Same contract as ``reference.sample_reference``."""
     return torch.ops.speculative_kernels.sample_triton(
-        logits, float(temperature), int(top_k), float(top_p), seed, offset, bool(seed_per_row)
+        logits, float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), randomness.seed,
+        randomness.offset, bool(randomness.seed_per_row),
     )

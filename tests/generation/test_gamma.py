@@ -118,9 +118,9 @@ class _RecordOffsets:
         self.impl, self.offsets = impl, []
         self.verify = impl.verify
 
-    def sample(self, logits, temperature, top_k, top_p, seed, offset, seed_per_row):
-        self.offsets.append(offset.clone())  # read after the step: no host read inside it
-        return self.impl.sample(logits, temperature, top_k, top_p, seed, offset, seed_per_row)
+    def sample(self, logits, sampling, randomness):
+        self.offsets.append(randomness.offset.clone())  # read after the step: no host read inside it
+        return self.impl.sample(logits, sampling, randomness)
 
 
 def test_auto_session_one_host_read_and_sampling(monkeypatch):

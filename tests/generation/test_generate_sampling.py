@@ -57,11 +57,11 @@ def test_random_offsets_are_device_counters_at_fixed_addresses():
 
     class Recording:
         def sample(self, *args):
-            record("sample", args[5])
+            record("sample", args[2].offset)
             return impl.sample(*args)
 
         def verify(self, *args):
-            record("verify", args[7])
+            record("verify", args[4].offset)
             return impl.verify(*args)
 
     loop.impl = Recording()

@@ -27,7 +27,9 @@ import torch
 
 from speculative_kernels import ops
 from speculative_kernels.ops import cuda_ext
+from speculative_kernels.ops.randomness import Randomness
 from speculative_kernels.ops.reference import sample_reference, verify_reference
+from speculative_kernels.ops.sampling import GREEDY, Sampling
 from speculative_kernels.ops.warping import apply_thresholds, warp_logits
 from helpers.cuda_graphs import assert_seed_none_is_captured
 from helpers.stats import assert_matches
@@ -67,8 +69,8 @@ def _rows(value: int, batch: int, device=DEVICE) -> torch.Tensor:
     return torch.full((batch,), value, dtype=torch.int64, device=device)
 
 
-def _warp_args(warp: dict) -> tuple:
-    return warp["temperature"], warp["top_k"], warp["top_p"]
+def _sampling(warp: dict) -> Sampling:
+    return Sampling(warp["temperature"], warp["top_k"], warp["top_p"])
 
 
 def _inputs(batch, k, vocab, dtype, seed, scale=2.0, device=DEVICE):
@@ -125,11 +127,11 @@ def test_greedy_bit_exact(backend, dtype, vocab, batch, k):
     tokens = torch.where(keep, best[:, :k], torch.randint(0, vocab, (batch, k), generator=g, device=DEVICE))
     seed, offset = _rows(3, batch), _rows(0, batch)
     for d in (draft, None):
-        got = backend.verify(target, d, tokens, 0.0, 0, 1.0, seed, offset, False)
-        want = verify_reference(target, d, tokens, 0.0, 0, 1.0, seed, offset, False)
+        got = backend.verify(target, d, tokens, GREEDY, Randomness(seed, offset, False))
+        want = verify_reference(target, d, tokens, GREEDY, Randomness(seed, offset, False))
         _assert_same(got, want)
-    got = backend.sample(target[:, 0], 0.0, 0, 1.0, seed, offset, False)
-    _assert_same([got], [sample_reference(target[:, 0], 0.0, 0, 1.0, seed, offset, False)])
+    got = backend.sample(target[:, 0], GREEDY, Randomness(seed, offset, False))
+    _assert_same([got], [sample_reference(target[:, 0], GREEDY, Randomness(seed, offset, False))])
 
 
 # ---- sampling: exact replay -----------------------------------------------------------------------------------------
@@ -146,10 +148,12 @@ def test_constant_logits_replay_bit_exact(backend, dtype, vocab):
     seed = torch.randint(0, 2**62, (batch,), generator=g, device=DEVICE)
     offset = torch.randint(0, 2**32, (batch,), generator=g, device=DEVICE)
     for per_row in (False, True):
-        out, n = backend.verify(target, None, tokens, 1.0, 0, 1.0, seed, offset, per_row)
-        _assert_same((out, n), verify_reference(target, None, tokens, 1.0, 0, 1.0, seed, offset, per_row))
-        sampled = backend.sample(target[:, 0], 1.0, 0, 1.0, seed, offset, per_row)
-        _assert_same([sampled], [sample_reference(target[:, 0], 1.0, 0, 1.0, seed, offset, per_row)])
+        out, n = backend.verify(target, None, tokens, Sampling(1.0, 0, 1.0), Randomness(seed, offset, per_row))
+        _assert_same((out, n), verify_reference(target, None, tokens, Sampling(1.0, 0, 1.0),
+                                                Randomness(seed, offset, per_row)))
+        sampled = backend.sample(target[:, 0], Sampling(1.0, 0, 1.0), Randomness(seed, offset, per_row))
+        _assert_same([sampled], [sample_reference(target[:, 0], Sampling(1.0, 0, 1.0),
+                                                  Randomness(seed, offset, per_row))])
         assert (n < k).any()  # the residual race after a rejection is exercised
         if vocab == 3:  # P(accept) = 1/3: accepted prefixes and the bonus draw are exercised too
             assert (n > 0).any()
@@ -164,10 +168,10 @@ def _replay(backend, target, draft, tokens, warp, reference_device, per_row=Fals
         d = draft if rep % 2 == 0 else None
         seed = torch.arange(batch, device=DEVICE) * 7919 + 1000 + rep
         offset = _rows(rep * 3 + 1, batch)
-        got = backend.verify(target, d, tokens, *_warp_args(warp), seed, offset, per_row)
+        got = backend.verify(target, d, tokens, _sampling(warp), Randomness(seed, offset, per_row))
         _assert_invariants(*got, tokens)
-        want = verify_reference(to_ref(target), to_ref(d), to_ref(tokens), *_warp_args(warp), to_ref(seed),
-                                to_ref(offset), per_row)
+        want = verify_reference(to_ref(target), to_ref(d), to_ref(tokens), _sampling(warp),
+                                Randomness(to_ref(seed), to_ref(offset), per_row))
         same += int(_agreeing_rows(got, want).sum())
         total += batch
     return same / total
@@ -203,9 +207,9 @@ def test_sample_replays_reference(backend, dtype, vocab):
     same = total = 0
     for rep, warp in enumerate(REPLAY_WARPS * 2):
         seed, offset = _rows(rep + 17, 64), _rows(rep, 64)
-        got = backend.sample(logits, *_warp_args(warp), seed, offset, rep % 2 == 1)
+        got = backend.sample(logits, _sampling(warp), Randomness(seed, offset, rep % 2 == 1))
         assert ((got >= 0) & (got < vocab)).all()
-        want = sample_reference(logits, *_warp_args(warp), seed, offset, rep % 2 == 1)
+        want = sample_reference(logits, _sampling(warp), Randomness(seed, offset, rep % 2 == 1))
         same += int((got == want).sum())
         total += 64
     assert same / total >= MIN_AGREEMENT
@@ -223,11 +227,11 @@ def test_zero_residual_falls_back_to_p(backend, dtype):
     tokens = target[:, :k].float().argmin(dim=-1)
     warp = dict(temperature=0.9, top_k=5, top_p=1.0)
     seed, offset = torch.arange(batch, device=DEVICE) + 5, _rows(2, batch)
-    out, n = backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    out, n = backend.verify(target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     assert (n == 0).all()
     kth = target[:, 0].float().topk(5, dim=-1).values[:, -1]  # ties with the 5th value are kept too
     assert (target[:, 0].float().gather(1, out[:, :1]).squeeze(1) >= kth).all()
-    want = verify_reference(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    want = verify_reference(target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     assert _agreeing_rows((out, n), want).float().mean() >= MIN_AGREEMENT
 
 
@@ -331,7 +335,8 @@ def test_cut_tokens_never_emitted(backend, dtype):
     target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=21)
     rows = torch.arange(batch, device=DEVICE)
     for d in (draft, None):
-        out, n = backend.verify(target, d, tokens, 1.0, top_k, 1.0, _rows(9, batch), _rows(0, batch), False)
+        out, n = backend.verify(target, d, tokens, Sampling(1.0, top_k, 1.0),
+                                Randomness(_rows(9, batch), _rows(0, batch), False))
         kth = target.float().topk(top_k, dim=-1).values[..., -1]  # [B, K+1]; ties with it are kept
         emitted = out.gather(1, n.unsqueeze(1)).squeeze(1)
         assert (target.float()[rows, n, emitted] >= kth[rows, n]).all()
@@ -343,14 +348,16 @@ def test_seed_per_row_is_batch_independent_and_deterministic(backend):
     target, draft, tokens = _inputs(3, k, vocab, torch.bfloat16, seed=13)
     seed = torch.tensor([11, 22, 33], device=DEVICE)
     offset = torch.tensor([1, 2, 3], device=DEVICE)
-    args = (0.8, 20, 0.9)
-    full = backend.verify(target, draft, tokens, *args, seed, offset, True)
-    _assert_same(full, backend.verify(target, draft, tokens, *args, seed, offset, True))
+    sampling = Sampling(0.8, 20, 0.9)
+    full = backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, True))
+    _assert_same(full, backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, True)))
     order = torch.tensor([2, 0], device=DEVICE)
-    part = backend.verify(target[order], draft[order], tokens[order], *args, seed[order], offset[order], True)
+    part = backend.verify(target[order], draft[order], tokens[order], sampling,
+                          Randomness(seed[order], offset[order], True))
     _assert_same((full[0][order], full[1][order]), part)
-    sampled = backend.sample(target[:, 0], *args, seed, offset, True)
-    _assert_same([sampled[order]], [backend.sample(target[order, 0], *args, seed[order], offset[order], True)])
+    sampled = backend.sample(target[:, 0], sampling, Randomness(seed, offset, True))
+    _assert_same([sampled[order]], [backend.sample(target[order, 0], sampling,
+                                                   Randomness(seed[order], offset[order], True))])
 
 
 @gpu
@@ -363,18 +370,21 @@ def test_strides_and_layouts(backend, dtype):
     permuted = target.transpose(0, 1).contiguous().transpose(0, 1)
     vocab_strided = target.transpose(1, 2).contiguous().transpose(1, 2)
     for temperature in (0.0, 0.8):
-        ref = backend.verify(target, draft, tokens, temperature, 20, 0.9, seed, offset, False)
+        ref = backend.verify(target, draft, tokens, Sampling(temperature, 20, 0.9), Randomness(seed, offset, False))
         for t in (permuted, vocab_strided):
-            _assert_same(backend.verify(t, draft, tokens, temperature, 20, 0.9, seed, offset, False), ref)
-        _assert_same(backend.verify(target, draft, tokens.to(torch.int32), temperature, 20, 0.9, seed, offset, False), ref)
+            _assert_same(backend.verify(t, draft, tokens, Sampling(temperature, 20, 0.9),
+                                        Randomness(seed, offset, False)), ref)
+        _assert_same(backend.verify(target, draft, tokens.to(torch.int32), Sampling(temperature, 20, 0.9),
+                                    Randomness(seed, offset, False)), ref)
         expanded = torch.tensor([5], device=DEVICE).expand(batch)
-        _assert_same(backend.verify(target, draft, tokens, temperature, 20, 0.9, expanded, offset, False), ref)
+        _assert_same(backend.verify(target, draft, tokens, Sampling(temperature, 20, 0.9),
+                                    Randomness(expanded, offset, False)), ref)
     # Rows not 16-byte aligned (vocab padded by 3): the scalar-load path, against the reference.
     padded = torch.zeros(batch, k + 1, vocab + 3, dtype=dtype, device=DEVICE)
     padded[..., :vocab] = target
     sliced = padded[..., :vocab]
-    _assert_same(backend.verify(sliced, draft, tokens, 0.0, 0, 1.0, seed, offset, False),
-                 verify_reference(target, draft, tokens, 0.0, 0, 1.0, seed, offset, False))
+    _assert_same(backend.verify(sliced, draft, tokens, GREEDY, Randomness(seed, offset, False)),
+                 verify_reference(target, draft, tokens, GREEDY, Randomness(seed, offset, False)))
     agreement = _replay(backend, sliced, draft, tokens, REPLAY_WARPS[3], DEVICE)
     assert agreement >= MIN_AGREEMENT
 
@@ -405,16 +415,16 @@ def test_invalid_rows_flagged(backend, vocab, warp):
     bad = torch.tensor([1, 2, 3, 4, 5, 6], device=DEVICE)
     good = torch.tensor([0, 7, 8, 9], device=DEVICE)
     seed, offset = _rows(3, batch), _rows(1, batch)
-    got = backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    got = backend.verify(target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     assert (got[1][bad] == -1).all() and (got[0][bad] == -1).all()
-    want = verify_reference(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    want = verify_reference(target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     assert torch.equal(want[1][bad], got[1][bad])
     assert _agreeing_rows((got[0][good], got[1][good]), (want[0][good], want[1][good])).all()
     logits = target[:, 0].clone()
     logits[1, 3] = float("nan")
     logits[2] = float("-inf")
     logits[3, 0] = float("inf")
-    sampled = backend.sample(logits, *_warp_args(warp), seed, offset, False)
+    sampled = backend.sample(logits, _sampling(warp), Randomness(seed, offset, False))
     assert (sampled[1:4] == -1).all() and (sampled[[0, 4, 5]] >= 0).all()
     with pytest.raises(ValueError, match="target_logits"):
         ops.verify(target[:2], draft[:2], tokens[:2], **warp, seed=0, backend="cuda")
@@ -428,14 +438,14 @@ def test_ops_never_synchronise_with_the_host(backend):
     seed, offset = _rows(5, 4), _rows(2, 4)
     warps = [dict(temperature=0.0, top_k=0, top_p=1.0), *REPLAY_WARPS]
     for warp in warps:  # warm-up: the extension is loaded, allocations cached
-        backend.verify(target, draft, tokens, *_warp_args(warp), seed, offset, False)
+        backend.verify(target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for warp in warps:
             for d in (draft, None):
-                backend.verify(target, d, tokens, *_warp_args(warp), seed, offset, False)
-            backend.sample(target[:, 0], *_warp_args(warp), seed, offset, True)
+                backend.verify(target, d, tokens, _sampling(warp), Randomness(seed, offset, False))
+            backend.sample(target[:, 0], _sampling(warp), Randomness(seed, offset, True))
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -447,8 +457,8 @@ def test_torch_compile_fullgraph(backend):
     seed, offset = _rows(5, 3), _rows(9, 3)
 
     def step(t, d, x, s, o):
-        out, n = backend.verify(t, d, x, 0.8, 20, 0.9, s, o, False)
-        return out, n, backend.sample(t[:, 0], 0.8, 20, 0.9, s, o, False)
+        out, n = backend.verify(t, d, x, Sampling(0.8, 20, 0.9), Randomness(s, o, False))
+        return out, n, backend.sample(t[:, 0], Sampling(0.8, 20, 0.9), Randomness(s, o, False))
 
     eager = step(target, draft, tokens, seed, offset)
     compiled = torch.compile(step, fullgraph=True)(target, draft, tokens, seed, offset)
@@ -461,21 +471,21 @@ def test_cuda_graph_capture(backend, warp):
     batch, k, vocab = 3, 4, 8193
     target, draft, tokens = _inputs(batch, k, vocab, torch.float16, seed=4)
     seed, offset = _rows(5, batch), _rows(0, batch)
-    args = _warp_args(warp)
+    sampling = _sampling(warp)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            backend.verify(target, draft, tokens, *args, seed, offset, False)
+            backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, False))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_out = backend.verify(target, draft, tokens, *args, seed, offset, False)
+        graph_out = backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, False))
     for step in range(3):
         offset.fill_(step)
         target.copy_(_inputs(batch, k, vocab, torch.float16, seed=100 + step)[0])
         graph.replay()
-        _assert_same(graph_out, backend.verify(target, draft, tokens, *args, seed, offset, False))
+        _assert_same(graph_out, backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, False)))
 
 
 @gpu
@@ -492,13 +502,13 @@ def test_logits_on_second_device_with_first_current(backend, warp):
     batch, k, vocab = 3, 4, 8193
     target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=29, device="cuda:1")
     seed, offset = _rows(5, batch, "cuda:1"), _rows(1, batch, "cuda:1")
-    args = (target, draft, tokens, *_warp_args(warp), seed, offset, False)
+    args = (target, draft, tokens, _sampling(warp), Randomness(seed, offset, False))
     with torch.cuda.device(1):
         want = backend.verify(*args)
-        want_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+        want_sample = backend.sample(target[:, 0], _sampling(warp), Randomness(seed, offset, False))
     with torch.cuda.device(0):
         got = backend.verify(*args)
-        got_sample = backend.sample(target[:, 0], *_warp_args(warp), seed, offset, False)
+        got_sample = backend.sample(target[:, 0], _sampling(warp), Randomness(seed, offset, False))
     torch.cuda.synchronize("cuda:1")
     assert got[0].device == torch.device("cuda:1")
     _assert_same(got, want)
@@ -618,12 +628,13 @@ def emulated_backend():
 
     def verify_impl(target, draft, tokens, temperature, t_src, t_idx, d_src, d_idx, seed, offset, per_row):
         calls.append(dict(temperature=temperature, target_cut=(t_src, t_idx), draft_cut=(d_src, d_idx)))
-        return verify_reference(target, draft, tokens, temperature, state["top_k"], state["top_p"], seed, offset,
-                                per_row)
+        return verify_reference(target, draft, tokens, Sampling(temperature, state["top_k"], state["top_p"]),
+                                Randomness(seed, offset, per_row))
 
     def sample_impl(logits, temperature, src, idx, seed, offset, per_row):
         calls.append(dict(temperature=temperature, cut=(src, idx)))
-        return sample_reference(logits, temperature, state["top_k"], state["top_p"], seed, offset, per_row)
+        return sample_reference(logits, Sampling(temperature, state["top_k"], state["top_p"]),
+                                Randomness(seed, offset, per_row))
 
     lib.impl("verify", verify_impl, "CPU")
     lib.impl("sample", sample_impl, "CPU")
@@ -654,15 +665,16 @@ def test_plumbing_and_cut_on_cpu(emulated_backend, top_k, top_p):
     target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=1, device="cpu")
     target = target.round(decimals=1)  # ties at the cut
     seed, offset = _rows(4, batch, "cpu"), _rows(2, batch, "cpu")
-    got = module.verify(target, draft, tokens, temperature, top_k, top_p, seed, offset, False)
-    _assert_same(got, verify_reference(target, draft, tokens, temperature, top_k, top_p, seed, offset, False))
+    got = module.verify(target, draft, tokens, Sampling(temperature, top_k, top_p), Randomness(seed, offset, False))
+    _assert_same(got, verify_reference(target, draft, tokens, Sampling(temperature, top_k, top_p),
+                                       Randomness(seed, offset, False)))
     call = calls[-1]
     assert isinstance(call["temperature"], float)
     for logits, cut, shape in ((target, call["target_cut"], (batch, k + 1)), (draft, call["draft_cut"], (batch, k))):
         assert all(t.dtype == torch.int32 and tuple(t.shape) == shape for t in cut)
         want = torch.isfinite(warp_logits(logits, temperature, top_k, top_p))
         assert torch.equal(_kernel_keep(logits, temperature, cut), want)
-    module.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+    module.sample(target[:, 0], Sampling(temperature, top_k, top_p), Randomness(seed, offset, True))
     assert torch.equal(_kernel_keep(target[:, 0], temperature, calls[-1]["cut"]),
                        torch.isfinite(warp_logits(target[:, 0], temperature, top_k, top_p)))
 
@@ -674,7 +686,7 @@ def test_no_cut_passed_when_inactive(emulated_backend):
     seed, offset = _rows(1, batch, "cpu"), _rows(0, batch, "cpu")
     for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, vocab, 1.0), (0.0, 5, 0.5)):
         state.update(top_k=top_k, top_p=top_p)
-        module.verify(target, draft, tokens, temperature, top_k, top_p, seed, offset, False)
+        module.verify(target, draft, tokens, Sampling(temperature, top_k, top_p), Randomness(seed, offset, False))
         assert calls[-1]["target_cut"] == (None, None) and calls[-1]["draft_cut"] == (None, None)
 
 
@@ -685,8 +697,8 @@ def test_fake_impls_under_torch_compile_on_cpu(emulated_backend):
     seed, offset = _rows(5, 3, "cpu"), _rows(1, 3, "cpu")
 
     def step(t, d, x, s, o):
-        out, n = module.verify(t, d, x, 0.8, 5, 0.9, s, o, False)
-        return out, n, module.sample(t[:, 0], 0.8, 5, 0.9, s, o, False)
+        out, n = module.verify(t, d, x, Sampling(0.8, 5, 0.9), Randomness(s, o, False))
+        return out, n, module.sample(t[:, 0], Sampling(0.8, 5, 0.9), Randomness(s, o, False))
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     _assert_same(compiled(target, draft, tokens, seed, offset), step(target, draft, tokens, seed, offset))

@@ -25,7 +25,9 @@ import importlib
 import pytest
 import torch
 
+from speculative_kernels.ops.randomness import Randomness
 from speculative_kernels.ops.reference import sample_reference, verify_reference
+from speculative_kernels.ops.sampling import GREEDY, Sampling
 from speculative_kernels.ops.warping import warp_logits
 
 ON_CUDA = torch.cuda.is_available()
@@ -78,8 +80,8 @@ def _rows(values) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64, device=DEVICE)
 
 
-def _randomness(batch: int, salt: int = 0):
-    return _rows([b * 7919 + 17 + salt for b in range(batch)]), _rows([3 + salt] * batch)
+def _randomness(batch: int, salt: int = 0, seed_per_row: bool = False) -> Randomness:
+    return Randomness(_rows([b * 7919 + 17 + salt for b in range(batch)]), _rows([3 + salt] * batch), seed_per_row)
 
 
 def _layout(logits: torch.Tensor, layout: str) -> torch.Tensor:
@@ -152,14 +154,14 @@ def _check_planted_greedy(name, dtype, vocab, layout):
     tokens = winners[:, :k].clone()
     tokens[1::2, 1] = (tokens[1::2, 1] + 1) % vocab  # odd rows: rejected at position 1
     tokens = tokens.to(DEVICE)
-    seed, offset = _randomness(batch)
+    randomness = _randomness(batch)
     n_want = torch.where(torch.arange(batch) % 2 == 0, k, 1)
     for d in (draft, None):
-        out, n = verify(target, d, tokens, 0.0, 0, 1.0, seed, offset, False)
+        out, n = verify(target, d, tokens, GREEDY, randomness)
         assert torch.equal(n.cpu(), n_want)
         assert torch.equal(out.cpu().gather(1, n_want.unsqueeze(1)).squeeze(1), winners.gather(1, n_want.unsqueeze(1)).squeeze(1))
-        _assert_same((out, n), verify_reference(target, d, tokens, 0.0, 0, 1.0, seed, offset, False))
-    assert torch.equal(sample(target[:, 0], 0.0, 0, 1.0, seed, offset, False).cpu(), winners[:, 0])
+        _assert_same((out, n), verify_reference(target, d, tokens, GREEDY, randomness))
+    assert torch.equal(sample(target[:, 0], GREEDY, randomness).cpu(), winners[:, 0])
 
 
 def _check_planted_races(name, dtype, vocab, layout, warp):
@@ -168,9 +170,7 @@ def _check_planted_races(name, dtype, vocab, layout, warp):
     k = 2
     batch, winners, noise = _planted_case(name, vocab, k, seed=vocab + 1)
     target = _layout(_plant(noise, winners).to(DEVICE, dtype), layout)
-    seed, offset = _randomness(batch, salt=5)
-    temperature, top_k, top_p = warp
-    args = (temperature, top_k, top_p, seed, offset, False)
+    args = (Sampling(*warp), _randomness(batch, salt=5))
 
     got = sample(target[:, 0], *args)
     assert torch.equal(got.cpu(), winners[:, 0])
@@ -247,8 +247,7 @@ def _check_exact_replay(name, dtype, batch, vocab, layout, warps=EXACT_WARPS):
     rejected = 0
     for warp in warps:
         tokens = _draw_from(draft_cpu, warp, g).to(DEVICE)
-        seed, offset = _randomness(batch, salt=int(warp[0] * 10) + warp[1])
-        args = (*warp, seed, offset, batch % 2 == 1)
+        args = (Sampling(*warp), _randomness(batch, salt=int(warp[0] * 10) + warp[1], seed_per_row=batch % 2 == 1))
         got = verify(target, draft, tokens, *args)
         _assert_same(got, verify_reference(target, draft, tokens, *args))
         rejected += int((got[1] < k).sum())
@@ -284,11 +283,10 @@ def test_vocabulary_of_one(name):
     batch, k = 3, 2
     target = torch.zeros(batch, k + 1, 1, device=DEVICE)
     tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
-    seed, offset = _randomness(batch)
-    for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 1, 0.5)):
+    randomness = _randomness(batch)
+    for sampling in (GREEDY, Sampling(1.0, 0, 1.0), Sampling(0.7, 1, 0.5)):
         for draft in (target[:, :k], None):
-            args = (temperature, top_k, top_p, seed, offset, False)
-            out, n = verify(target, draft, tokens, *args)
+            out, n = verify(target, draft, tokens, sampling, randomness)
             assert (n == k).all() and (out == 0).all()
-            _assert_same((out, n), verify_reference(target, draft, tokens, *args))
-        assert (sample(target[:, 0], temperature, top_k, top_p, seed, offset, False) == 0).all()
+            _assert_same((out, n), verify_reference(target, draft, tokens, sampling, randomness))
+        assert (sample(target[:, 0], sampling, randomness) == 0).all()

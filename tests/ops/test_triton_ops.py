@@ -33,7 +33,9 @@ from scipy import stats  # noqa: E402
 
 from speculative_kernels import ops  # noqa: E402
 from speculative_kernels.ops import philox, triton_backend  # noqa: E402
+from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.reference import sample_reference, verify_reference  # noqa: E402
+from speculative_kernels.ops.sampling import GREEDY, Sampling  # noqa: E402
 from speculative_kernels.ops.triton_random import (  # noqa: E402
     exponential_from_bits,
     philox_first_word,
@@ -53,11 +55,11 @@ MIN_AGREEMENT = 0.99
 SPLIT = triton_backend.Tuning(block_v=32, race_block_v=32, programs_per_sm=8, num_sms=2)
 SPLIT_WIDE = triton_backend.Tuning(block_v=128, race_block_v=128, programs_per_sm=8, num_sms=2)
 WARPS = {
-    "plain": (1.0, 0, 1.0),
-    "temp": (0.7, 0, 1.0),
-    "topk": (0.7, 50, 1.0),
-    "topp": (1.0, 0, 0.9),
-    "both": (0.8, 20, 0.8),
+    "plain": Sampling(1.0, 0, 1.0),
+    "temp": Sampling(0.7, 0, 1.0),
+    "topk": Sampling(0.7, 50, 1.0),
+    "topp": Sampling(1.0, 0, 0.9),
+    "both": Sampling(0.8, 20, 0.8),
 }
 
 
@@ -129,7 +131,7 @@ def test_philox_and_conversions_match_reference(seed):
 def test_greedy_bit_exact(dtype, vocab, batch, k):
     target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab)
     tokens[:, 0] = target[:, 0].float().argmax(-1)  # make acceptances happen
-    args = (target, draft, tokens, 0.0, 0, 1.0, _rows(0, batch), _rows(0, batch), False)
+    args = (target, draft, tokens, GREEDY, Randomness(_rows(0, batch), _rows(0, batch), False))
     got = _verify(*args)
     want = verify_reference(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -146,7 +148,7 @@ def test_greedy_ties_first_index(tuning):
     target[:, :, 200] = 9.0
     target[1, 2, 100] = 9.0
     tokens = torch.tensor([[200, 200, 200, 200], [200, 200, 100, 7], [200, 250, 0, 0]], device=DEVICE)
-    args = (target, None, tokens, 0.0, 0, 1.0, _rows(0, batch), _rows(0, batch), False)
+    args = (target, None, tokens, GREEDY, Randomness(_rows(0, batch), _rows(0, batch), False))
     got = _verify(*args, tuning=tuning)
     want = verify_reference(*args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -173,7 +175,7 @@ def test_sampling_replays_reference(vocab, dtype, batch, k, warp, one_hot, tunin
     target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab + k)
     draft = None if one_hot else draft
     seed = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 7919 + 3
-    args = (target, draft, tokens, *WARPS[warp], seed, _rows(11, batch), batch > 1)
+    args = (target, draft, tokens, WARPS[warp], Randomness(seed, _rows(11, batch), batch > 1))
     got = _verify(*args, tuning=tuning)
     _check_layout(*got, tokens, vocab)
     assert _agreement(got, verify_reference(*args)) >= MIN_AGREEMENT
@@ -183,7 +185,7 @@ def test_sampling_replays_reference_many_rows():
     """Many rows of a small vocabulary, so that decisions vary (both accept and reject paths)."""
     batch, k, vocab = 32, 2, 13
     target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=1, scale=1.0)
-    args = (target, draft, tokens, 0.9, 0, 0.95, _rows(42, batch), _rows(3, batch), False)
+    args = (target, draft, tokens, Sampling(0.9, 0, 0.95), Randomness(_rows(42, batch), _rows(3, batch), False))
     got = _verify(*args)
     want = verify_reference(*args)
     _check_layout(*got, tokens, vocab)
@@ -197,12 +199,13 @@ def test_sample_replays_reference(vocab, warp, tuning):
     batch = 3
     logits = _inputs(batch, 1, vocab, torch.bfloat16, seed=vocab)[0][:, 0]
     seed = torch.tensor([1, 2, 3], device=DEVICE)
-    args = (logits, *WARPS[warp], seed, _rows(5, batch), True)
+    args = (logits, WARPS[warp], Randomness(seed, _rows(5, batch), True))
     got = triton_backend.launch_sample(*args, tuning=tuning)
     assert got.shape == (batch,) and got.dtype == torch.int64
     assert (got == sample_reference(*args)).float().mean().item() >= MIN_AGREEMENT
-    greedy = triton_backend.launch_sample(logits, 0.0, 0, 1.0, seed, _rows(5, batch), True, tuning=tuning)
-    assert torch.equal(greedy, sample_reference(logits, 0.0, 0, 1.0, seed, _rows(5, batch), True))
+    randomness = Randomness(seed, _rows(5, batch), True)
+    greedy = triton_backend.launch_sample(logits, GREEDY, randomness, tuning=tuning)
+    assert torch.equal(greedy, sample_reference(logits, GREEDY, randomness))
 
 
 def test_strides_mixed_dtypes_and_int32_tokens():
@@ -212,8 +215,8 @@ def test_strides_mixed_dtypes_and_int32_tokens():
     wide[:, 1:k + 2, 5:5 + vocab] = target
     strided_target = wide[:, 1:k + 2, 5:5 + vocab]  # non-contiguous rows
     column_draft = draft.transpose(1, 2).contiguous().transpose(1, 2).to(torch.bfloat16)  # vocab stride != 1
-    args = (strided_target, column_draft, tokens.to(torch.int32), 0.9, 10, 0.9, _rows(1, batch), _rows(2, batch),
-            False)
+    args = (strided_target, column_draft, tokens.to(torch.int32), Sampling(0.9, 10, 0.9),
+            Randomness(_rows(1, batch), _rows(2, batch), False))
     got = _verify(*args, tuning=SPLIT)
     want = verify_reference(target, column_draft.contiguous(), tokens, *args[3:])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -235,7 +238,8 @@ def _stat_run(batch, one_hot):
     tokens = torch.multinomial(q, batch, replacement=True, generator=g).T.contiguous().to(DEVICE)
     if one_hot:
         draft = None
-    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(2024, batch), _rows(0, batch), False)
+    out, n = _verify(target, draft, tokens, Sampling(1.0, 0, 1.0),
+                     Randomness(_rows(2024, batch), _rows(0, batch), False))
     return out.cpu(), n.cpu(), tokens.cpu(), torch.softmax(P0, -1), q[0]
 
 
@@ -270,7 +274,8 @@ def test_sample_follows_warped_softmax():
     logits = torch.linspace(2.0, -2.0, vocab).expand(batch, vocab).to(DEVICE)
     seed = torch.arange(batch, dtype=torch.int64, device=DEVICE) + 99
     temperature, top_k, top_p = 0.8, 5, 0.9
-    got = triton_backend.launch_sample(logits, temperature, top_k, top_p, seed, _rows(0, batch), True)
+    got = triton_backend.launch_sample(logits, Sampling(temperature, top_k, top_p),
+                                       Randomness(seed, _rows(0, batch), True))
     probs = torch.softmax(warp_logits(logits[:1].cpu(), temperature, top_k, top_p), -1)[0]
     assert_matches(np.bincount(got.cpu().numpy(), minlength=vocab), probs.numpy())
 
@@ -282,14 +287,14 @@ def test_zero_probability_tokens_never_accepted():
     target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=4)
     tokens[:, 0] = 7
     draft[:, 0, 7] = float("-inf")
-    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+    out, n = _verify(target, draft, tokens, Sampling(1.0, 0, 1.0), Randomness(_rows(1, batch), _rows(0, batch), False))
     assert (n == 0).all() and (out[:, 0] != 7).all()
     target[:, 0, 7] = float("-inf")
     draft[:, 0, 7] = 0.0
-    out, n = _verify(target, draft, tokens, 1.0, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+    out, n = _verify(target, draft, tokens, Sampling(1.0, 0, 1.0), Randomness(_rows(1, batch), _rows(0, batch), False))
     assert (n == 0).all() and (out[:, 0] != 7).all()
     tokens[:, 0] = draft[:, 0].argmin(-1)  # cut by top-k in q (and hence q = 0)
-    out, n = _verify(target, draft, tokens, 1.0, 5, 1.0, _rows(1, batch), _rows(0, batch), False)
+    out, n = _verify(target, draft, tokens, Sampling(1.0, 5, 1.0), Randomness(_rows(1, batch), _rows(0, batch), False))
     assert (n == 0).all()
 
 
@@ -302,7 +307,8 @@ def test_zero_residual_falls_back_to_p(tuning):
     target[..., 0] = -20.0
     draft = target[:, :k].clone()
     tokens = target[:, :k].float().argmin(dim=-1)
-    args = (target, draft, tokens, 0.9, top_k, 1.0, torch.arange(batch, device=DEVICE) + 5, _rows(2, batch), True)
+    args = (target, draft, tokens, Sampling(0.9, top_k, 1.0),
+            Randomness(torch.arange(batch, device=DEVICE) + 5, _rows(2, batch), True))
     out, n = _verify(*args, tuning=tuning)
     assert (n == 0).all()
     kth = target[:, 0].float().topk(top_k, dim=-1).values[:, -1]  # ties with the k-th value are kept too
@@ -315,13 +321,15 @@ def test_same_seed_same_result_and_batch_position_independence():
     target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=8)
     seed = torch.tensor([11, 22, 33, 44], device=DEVICE)
     offset = torch.tensor([0, 1, 2, 3], device=DEVICE)
-    args = (target, draft, tokens, 0.9, 0, 1.0, seed, offset, True)
+    args = (target, draft, tokens, Sampling(0.9, 0, 1.0), Randomness(seed, offset, True))
     first = _verify(*args)
     assert all(torch.equal(a, b) for a, b in zip(first, _verify(*args)))
     order = torch.tensor([2, 0, 3, 1], device=DEVICE)
-    permuted = _verify(target[order], draft[order], tokens[order], 0.9, 0, 1.0, seed[order], offset[order], True)
+    permuted = _verify(target[order], draft[order], tokens[order], Sampling(0.9, 0, 1.0),
+                       Randomness(seed[order], offset[order], True))
     assert torch.equal(permuted[0], first[0][order]) and torch.equal(permuted[1], first[1][order])
-    alone = _verify(target[2:3], draft[2:3], tokens[2:3], 0.9, 0, 1.0, seed[2:3], offset[2:3], True)
+    alone = _verify(target[2:3], draft[2:3], tokens[2:3], Sampling(0.9, 0, 1.0),
+                    Randomness(seed[2:3], offset[2:3], True))
     assert torch.equal(alone[0][0], first[0][2])
 
 
@@ -336,12 +344,13 @@ def test_invalid_rows_flagged(temperature):
     target[3, 1] = float("-inf")
     tokens[4, 1] = vocab
     tokens[5, 0] = -1
-    args = (target, draft, tokens, temperature, 0, 1.0, _rows(3, batch), _rows(0, batch), False)
+    args = (target, draft, tokens, Sampling(temperature, 0, 1.0), Randomness(_rows(3, batch), _rows(0, batch), False))
     out, n = _verify(*args)
     want = verify_reference(*args)
     assert n[1:].tolist() == [-1] * 5 and (out[1:] == -1).all()
     assert torch.equal(out, want[0]) and torch.equal(n, want[1])
-    sampled = triton_backend.launch_sample(target[:, 1], temperature, 0, 1.0, _rows(3, batch), _rows(0, batch), False)
+    sampled = triton_backend.launch_sample(target[:, 1], Sampling(temperature, 0, 1.0),
+                                           Randomness(_rows(3, batch), _rows(0, batch), False))
     assert sampled[3] == -1 and (sampled[[0, 2, 4, 5]] >= 0).all()
 
 
@@ -350,7 +359,7 @@ def test_public_op_uses_triton_and_raises_for_invalid_rows():
     target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=2)
     got = ops.verify(target, draft, tokens, temperature=0.8, top_k=5, seed=3, offset=1, backend="triton")
     seeds, offsets = _rows(3, batch), _rows(1, batch)
-    want = verify_reference(target, draft, tokens, 0.8, 5, 1.0, seeds, offsets, False)
+    want = verify_reference(target, draft, tokens, Sampling(0.8, 5, 1.0), Randomness(seeds, offsets, False))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     target[1, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="target_logits"):
@@ -370,13 +379,14 @@ def test_logits_that_overflow_when_scaled_are_flagged(warp):
     target[0, 1, 4] = 3e38
     draft[1, 0, 2] = 3e38
     target[2, 0, 7] = -3e38
-    args = (target, draft, tokens, 0.5, warp["top_k"], warp["top_p"], _rows(3, batch), _rows(0, batch), False)
+    args = (target, draft, tokens, Sampling(0.5, warp["top_k"], warp["top_p"]),
+            Randomness(_rows(3, batch), _rows(0, batch), False))
     out, n = _verify(*args)
     want = verify_reference(*args)
     assert n.tolist()[:2] == [-1, -1] and n.tolist()[2] >= 0
     assert torch.equal(out, want[0]) and torch.equal(n, want[1])
-    sampled = triton_backend.launch_sample(target[:, 1], 0.5, warp["top_k"], warp["top_p"], _rows(3, batch),
-                                           _rows(0, batch), False)
+    sampled = triton_backend.launch_sample(target[:, 1], Sampling(0.5, warp["top_k"], warp["top_p"]),
+                                           Randomness(_rows(3, batch), _rows(0, batch), False))
     assert sampled.tolist()[0] == -1 and (sampled[1:] >= 0).all()
 
 
@@ -390,10 +400,10 @@ def test_large_vocab_on_gpu(warp):
     batch, k, vocab = 64, 8, 151936
     target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=151)
     seed = torch.arange(batch, device=DEVICE) + 1
-    greedy_args = (target, draft, tokens, 0.0, 0, 1.0, seed, _rows(0, batch), True)
+    greedy_args = (target, draft, tokens, GREEDY, Randomness(seed, _rows(0, batch), True))
     got, want = _verify(*greedy_args), verify_reference(*greedy_args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    args = (target, draft, tokens, *WARPS[warp], seed, _rows(4, batch), True)
+    args = (target, draft, tokens, WARPS[warp], Randomness(seed, _rows(4, batch), True))
     got = _verify(*args)
     _check_layout(*got, tokens, vocab)
     assert _agreement(got, verify_reference(*args)) >= MIN_AGREEMENT
@@ -405,7 +415,7 @@ def test_cuda_graph_capture_without_host_sync(warp):
     batch, k, vocab = 4, 4, 32000
     target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=3)
     seed, offset = _rows(7, batch), _rows(0, batch)
-    args = (target, draft, tokens, *WARPS[warp], seed, offset, False)
+    args = (target, draft, tokens, WARPS[warp], Randomness(seed, offset, False))
     eager = triton_backend.verify(*args)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation inside the op raises
@@ -446,7 +456,8 @@ def test_no_recompilation_for_new_batch_sizes_on_gpu():
     def run(batch):
         target, draft, tokens = _inputs(batch, 4, 32000, torch.bfloat16, seed=batch)
         for temperature in (0.0, 0.8):
-            _verify(target, draft, tokens, temperature, 0, 1.0, _rows(1, batch), _rows(0, batch), False)
+            _verify(target, draft, tokens, Sampling(temperature, 0, 1.0),
+                    Randomness(_rows(1, batch), _rows(0, batch), False))
 
     run(1)
     after_first = compiled()
@@ -466,19 +477,20 @@ def test_logits_on_second_device_with_first_current(warp):
     target, draft, tokens = (t.to("cuda:1") for t in _inputs(batch, k, vocab, torch.bfloat16, seed=12))
     seed = torch.arange(batch, device="cuda:1") + 1
     offset = torch.full((batch,), 3, device="cuda:1")
-    for temperature, top_k, top_p in ((0.0, 0, 1.0), WARPS[warp]):
-        args = (target, draft, tokens, temperature, top_k, top_p, seed, offset, True)
+    randomness = Randomness(seed, offset, True)
+    for sampling in (GREEDY, WARPS[warp]):
+        args = (target, draft, tokens, sampling, randomness)
         with torch.cuda.device(1):
             want = triton_backend.verify(*args)
-            want_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+            want_sample = triton_backend.sample(target[:, 0], sampling, randomness)
         with torch.cuda.device(0):
             got = triton_backend.verify(*args)
-            got_sample = triton_backend.sample(target[:, 0], temperature, top_k, top_p, seed, offset, True)
+            got_sample = triton_backend.sample(target[:, 0], sampling, randomness)
         torch.cuda.synchronize("cuda:1")
         assert got[0].device == torch.device("cuda:1")
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_sample, want_sample)
         reference = verify_reference(*args)
-        if temperature == 0.0:
+        if sampling.greedy:
             assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
         else:
             assert _agreement(got, reference) >= MIN_AGREEMENT
@@ -535,6 +547,6 @@ def test_launches_guard_the_tensors_device(monkeypatch):
     guard = triton_backend.device_guard
     monkeypatch.setattr(triton_backend, "device_guard", lambda device: (seen.append(device), guard(device))[1])
     target, draft, tokens = _inputs(1, 1, 16, torch.float32, seed=1)
-    _verify(target, draft, tokens, 0.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
-    triton_backend.launch_sample(target[:, 0], 1.0, 0, 1.0, _rows(0, 1), _rows(0, 1), False)
+    _verify(target, draft, tokens, GREEDY, Randomness(_rows(0, 1), _rows(0, 1), False))
+    triton_backend.launch_sample(target[:, 0], Sampling(1.0, 0, 1.0), Randomness(_rows(0, 1), _rows(0, 1), False))
     assert seen == [target.device, target.device]

@@ -291,13 +291,14 @@ def test_device_tensor_seeds_are_checked_with_the_result():
     """The deferred check for tensors on an accelerator (no extra host read): ``raise_for_invalid_rows`` folds the
     seed/offset range test into its one read (exercised here with CPU tensors, the code is device-agnostic)."""
     from speculative_kernels.ops.diagnostics import raise_for_invalid_rows
+    from speculative_kernels.ops.randomness import Randomness
 
-    flags = torch.zeros(3, dtype=torch.int64)
-    raise_for_invalid_rows(flags, seed=torch.zeros(3, dtype=torch.int64), offset=torch.full((3,), 2**32 - 1))
+    flags, zeros = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    raise_for_invalid_rows(flags, randomness=Randomness(zeros, torch.full((3,), 2**32 - 1)))
     with pytest.raises(ValueError, match="offset must be in \\[0, 2\\*\\*32\\), got 4294967296 \\(batch rows \\[2\\]\\)"):
-        raise_for_invalid_rows(flags, seed=torch.zeros(3, dtype=torch.int64), offset=torch.tensor([0, 1, 2**32]))
+        raise_for_invalid_rows(flags, randomness=Randomness(zeros, torch.tensor([0, 1, 2**32])))
     with pytest.raises(ValueError, match="seed must be in \\[0, 2\\*\\*63\\), got -5"):
-        raise_for_invalid_rows(flags, seed=torch.tensor([0, -5, 0]), offset=torch.zeros(3, dtype=torch.int64))
+        raise_for_invalid_rows(flags, randomness=Randomness(torch.tensor([0, -5, 0]), zeros))
 
 
 def test_empty_batch_is_a_clear_error():
