@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.cli import timed_generate  # noqa: E402
+from speculative_kernels.timing import timed_generate  # noqa: E402
 from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 

@@ -21,7 +21,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.cli import timed_median  # noqa: E402
+from speculative_kernels.timing import timed_median  # noqa: E402
 
 
 def tiny_t5_pair(vocab: int = 512, hidden: int = 256, target_layers: int = 6, draft_layers: int = 1, seed: int = 0,

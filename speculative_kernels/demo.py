@@ -11,6 +11,15 @@ import dataclasses
 import statistics
 import sys
 
+from .cli_options import (
+    ACCEPTANCE_LEGEND,
+    HelpFormatter,
+    add_common_options,
+    positive_int,
+    prepare_run,
+    sampling_kwargs,
+)
+
 DESCRIPTION = """\
 Run the target/draft pair shipped with the package (offline) on a few built-in Python snippets: each prompt is
 completed with plain model.generate and with speculative_kernels.generate, and both completions, tokens/s, the
@@ -104,19 +113,16 @@ def _load_pair(args):
 
 
 def _kwargs(args, tokenizer, attention_mask) -> dict:
-    from .cli import _sampling_kwargs
-
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                **_sampling_kwargs(args))
+                **sampling_kwargs(args))
 
 
 def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptResult:
     import torch
 
-    from . import generate
-    from .cli import timed_generate
-    from .generation.stats import SpeculationStats
+    from . import SpeculationStats, generate
+    from .timing import timed_generate
 
     target, draft, tokenizer, draft_tokenizer = pair
     encoded = tokenizer(prompt, return_tensors="pt")
@@ -212,8 +218,6 @@ def summarize(results: list[PromptResult]) -> dict:
 def run_demo(args) -> int:
     import torch
 
-    from .cli import ACCEPTANCE_LEGEND, prepare_run
-
     prepare_run(args)
     if args.quick:
         args.max_new_tokens = min(args.max_new_tokens, QUICK_MAX_NEW_TOKENS)
@@ -256,8 +260,6 @@ def run_demo(args) -> int:
 
 
 def add_demo_command(subparsers) -> argparse.ArgumentParser:
-    from .cli import HelpFormatter, _positive_int, add_common_options
-
     demo = subparsers.add_parser("demo", help="run the bundled target/draft pair: speculative vs plain generate",
                                  description=DESCRIPTION, formatter_class=HelpFormatter)
     add_common_options(demo)
@@ -266,9 +268,9 @@ def add_demo_command(subparsers) -> argparse.ArgumentParser:
                       help="a prompt instead of the built-in ones (repeatable)")
     demo.add_argument("--quick", action="store_true",
                       help=f"{QUICK_PROMPTS} prompts, at most {QUICK_MAX_NEW_TOKENS} new tokens, 1 run each (for CI)")
-    demo.add_argument("--repeats", type=_positive_int,
+    demo.add_argument("--repeats", type=positive_int,
                       help="timed runs per prompt and path, the median is reported (default: 3, or 1 with --quick)")
-    demo.add_argument("--threads", type=_positive_int,
+    demo.add_argument("--threads", type=positive_int,
                       help="torch intra-op threads (default: 1 on CPU, where the demo models are too small to gain "
                            "from more and extra threads thrash on shared cores; elsewhere torch's default)")
     demo.add_argument("--no-progress", action="store_true", help="no progress display")
