@@ -50,16 +50,16 @@ def _models(model_type: str, kind: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from speculative_kernels.generation.settings import _UNSUPPORTED_UNLESS
+    from speculative_kernels.generation.settings import REFUSED_UNLESS
     from tiny_configs import tiny_config
 
     config = tiny_config(model_type, sliding_window=6)
     auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSeq2SeqLM
     torch.manual_seed(0)
     target = auto.from_config(config).eval()
-    for name, off in _UNSUPPORTED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
-        if getattr(target.generation_config, name, off) not in (off, None):
-            setattr(target.generation_config, name, off)
+    for name, off in REFUSED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
+        if getattr(target.generation_config, name, None) not in (*off, None):
+            setattr(target.generation_config, name, off[0] if off else None)
     drafts = []
     for noise in NOISE:
         draft = copy.deepcopy(target)
@@ -97,7 +97,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
 
     import speculative_kernels as sk
     from speculative_kernels.generation.capabilities import check_request, request_path
-    from speculative_kernels.generation.static_runner import CompileOptions
+    from speculative_kernels import CompileOptions
 
     batch = 2 if column.startswith("batch2") else 1
     static = column in ("static", "compile", "batch2_static")

@@ -26,7 +26,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import timed_median  # noqa: E402
-from speculative_kernels.generation.static_runner import CompileOptions  # noqa: E402
+from speculative_kernels import CompileOptions  # noqa: E402
 
 # hf_static: model.generate with HF's static cache (which HF compiles on CUDA): the baseline of our compiled path.
 # draft_static: the draft alone the same way, at batch 1: with hf_static it gives c for compiled decoding.

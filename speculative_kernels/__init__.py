@@ -12,11 +12,13 @@ _EXPORTS = {
     "SpeculationStats": ".generation",
     "SpeculativeDecoderOnlyOutput": ".generation",
     "SpeculativeEncoderDecoderOutput": ".generation",
+    "BatchingOptions": ".generation",
+    "CompileOptions": ".generation",
     "SpeculativeDecoder": ".decoder",
     "DecodeSession": ".decoder",
 }
 __all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
-           "SpeculativeEncoderDecoderOutput", "__version__"]
+           "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions", "__version__"]
 
 
 def __getattr__(name: str):

@@ -13,17 +13,23 @@ iteration (an empty list for a finished row); they come from the iteration's sin
 
 import torch
 
-from .generation.generate import build_loop
+from .generation.loop import SpeculativeLoop
+from .generation.request import build_loop
 from .generation.stats import SpeculationStats
 
 
 class DecodeSession:
     """One batch of requests in flight. Created by ``SpeculativeDecoder.start``."""
 
-    def __init__(self, loop):
+    def __init__(self, loop: SpeculativeLoop):
         self._loop = loop
         self.finished = loop.plan.max_new_tokens == 0
         self.iterations = 0
+
+    @property
+    def loop(self) -> SpeculativeLoop:
+        """The loop this session drives, for inspection (its runners, buffers, the gamma of the last iteration)."""
+        return self._loop
 
     def step(self) -> list[list[int]]:
         """Run one iteration; returns the new token ids of each row ([] for rows already finished)."""
@@ -66,7 +72,7 @@ class SpeculativeDecoder:
             if generation_kwargs.get(name):
                 raise ValueError(f"{name} is not available on a session; read the tokens from step()")
         with torch.inference_mode():
-            loop, _, _ = build_loop(
+            loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,
                 tokenizer=self.tokenizer, assistant_tokenizer=self.assistant_tokenizer, backend=self.backend,
                 **generation_kwargs,

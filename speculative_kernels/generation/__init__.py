@@ -1,7 +1,11 @@
-"""The generate loop: settings, model runners, the speculative loop and the HF-compatible front end."""
+"""Speculative decoding with HF models: ``generate`` (front end) -> ``request.build_loop`` (a call, checked, as a
+ready loop) -> ``loop.SpeculativeLoop`` (draft, verify, emit, roll back) over a ``drafter.Drafter`` and the
+``runners`` that drive each model's KV cache. Layers: ``docs/architecture.md``."""
 
-from .generate import SpeculativeDecoderOnlyOutput, generate
-from .seq2seq import SpeculativeEncoderDecoderOutput
+from .generate import generate
+from .options import BatchingOptions, CompileOptions
+from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculationStats
 
-__all__ = ["generate", "SpeculationStats", "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput"]
+__all__ = ["generate", "BatchingOptions", "CompileOptions", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
+           "SpeculativeEncoderDecoderOutput"]

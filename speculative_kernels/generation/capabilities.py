@@ -1,27 +1,8 @@
-"""Which architectures each cache path can drive exactly: one check, run before anything is allocated.
+"""Which architectures each cache path drives exactly: one check per request, run before anything is allocated.
 
-``check_request(target, draft, path=..., batch=...)`` is called once per request by ``generate.build_loop`` (for
-``generate`` and ``SpeculativeDecoder`` alike); every runner calls ``check_model`` again on its own model for the
-``ModelSpec`` it drives it by, so no path can accept a model that another path's check would refuse. A refusal is a
-``ValueError`` naming the architecture and the reason. Paths: "dynamic" (HF ``DynamicCache``), "static"
-(``SlotCache``), "compile" (the static path under ``torch.compile``).
-
-What the runners need from a model, and why each rule exists:
-
-* A KV cache they can roll back: ``forward`` takes ``past_key_values`` and every layer keeps per-token K/V.
-  Recurrent and conv/SSM layers ("conv", "linear_attention", "mamba", ... and models with their own recurrent
-  cache: Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, ...) fold every token into one state: a rejected draft cannot
-  be taken out of it, and the slot masks that keep left padding and holes out of attention do not reach it.
-* Positions per row: rejected drafts leave holes in a batch (``runner.py``), so the model must take ``position_ids``
-  (or, for ALiBi, derive positions from the 2-D mask). Models that count positions from cache slots are exact at
-  batch 1 only, where the runners never leave holes.
-* Masks the model uses as given: sdpa/eager take our 4-D additive masks. Sliding-window layers get the window
-  applied in that mask, over each row's real positions (``q - k < window``, HF's rule), while the cache keeps every
-  slot (a rollback can then restore what a window would have evicted). Models that mix full and sliding layers get
-  a dict ``{"full_attention": ..., "sliding_attention": ...}``, which HF's models take in place of one mask.
-* ALiBi: Bloom and Falcon (``alibi=True``) build the bias from a 2-D mask (``cumsum`` of the mask: each key's real
-  position), and their own causal mask from it; they get the runner's 2-D slot mask. MPT builds ALiBi from key slot
-  indices (batch 1 only).
+``check_request(target, draft, path=..., batch=...)`` returns each model's ``ModelSpec`` (how a runner drives it), or
+raises a ``ValueError`` naming the architecture and the reason. Paths: "dynamic" (HF ``DynamicCache``), "static"
+(``SlotCache``), "compile" (the static path under ``torch.compile``). Why each rule exists: ``docs/architectures.md``.
 """
 
 import dataclasses
@@ -52,22 +33,36 @@ KNOWN_UNSUPPORTED = {
                                              "static cache's per-model buffer shape does not describe"),
 }
 FOUR_D_ATTENTION = ("sdpa", "eager")
+# Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
+# "absolute": BART's learned table, read at each row's own positions).
+POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute"}
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """How a runner drives one decoder-only model.
+    """How a runner drives one model.
 
     mask: "4d" (one additive [B, 1, T, S] mask), "4d-by-layer-type" (a dict of them keyed by layer type) or "2d"
-    (the slot mask [B, S]; ALiBi models build their bias and causal mask from it).
+    (the slot mask [B, S]: ALiBi models build their bias and causal mask from it; attention kernels that take no 4-D
+    mask get it too).
     sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
+    positions: encoder-decoder models only, how the decoder knows positions ("relative" or "absolute"); None for
+    decoder-only models, which take position ids.
+    kv_sizes: (layers, kv_heads, head_dim) of the (decoder self-attention) K/V, read on the static paths, which
+    preallocate them; None on the dynamic path.
     """
 
     architecture: str
     mask: str = "4d"
     sliding_window: int | None = None
+    positions: str | None = None
+    kv_sizes: tuple[int, int, int] | None = None
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.positions is not None
 
 
 def _refuse(name: str, path: str, reason: str):
@@ -145,11 +140,10 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     layout = _static_layout_reason(config) if path != "dynamic" else None
     if layout:
         _refuse(name, path, layout)
+    sizes = None
     if path != "dynamic":
-        from .static_runner import CacheLayout  # noqa: PLC0415 -- static_runner imports this module
-
         try:
-            CacheLayout(model)
+            sizes = _config_kv_sizes(name, config)
         except Exception as error:  # noqa: BLE001 -- e.g. a config that refuses a global head_dim
             _refuse(name, path, f"the static cache cannot size its K/V buffers from the config ({error})")
     if CACHELESS_LAYERS & set(types) and path != "dynamic":
@@ -180,12 +174,29 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if alibi:
         if window is not None:
             _refuse(name, path, "ALiBi together with sliding windows is not supported")
-        return ModelSpec(name, mask="2d")
+        return ModelSpec(name, mask="2d", kv_sizes=sizes)
     if batch > 1 and ("position_ids" not in params or alibi_slots):
         why = "ALiBi from key slot indices" if alibi_slots else "its forward takes no position_ids"
         _refuse(name, path, f"it derives positions from cache slots ({why}); rejected drafts leave holes in a batch, "
                             "so only batch size 1 is exact")
-    return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window)
+    if attention not in FOUR_D_ATTENTION:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
+        return ModelSpec(name, mask="2d", kv_sizes=sizes)
+    return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes)
+
+
+def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder-only config, or ValueError when it does not say."""
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    if not (layers and kv_heads and head_dim):
+        raise ValueError(
+            f"{name}: the static cache cannot size its K/V buffers from the config (num_hidden_layers={layers}, "
+            f"num_key_value_heads={kv_heads}, head_dim={head_dim}); use the dynamic cache"
+        )
+    return int(layers), int(kv_heads), int(head_dim)
 
 
 def _source_matches(model, pattern: re.Pattern) -> bool:
@@ -221,33 +232,69 @@ def _static_layout_reason(config) -> str | None:
     return None
 
 
-def _check_encoder_decoder(model, path: str) -> None:
-    from .seq2seq import position_kind  # noqa: PLC0415 -- seq2seq imports this module's users
+def position_kind(model, name: str = "model") -> str:
+    """How an encoder-decoder model's decoder knows positions (``POSITION_KINDS``), or ValueError for other types."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in POSITION_KINDS:
+        raise ValueError(
+            f"{name} is an encoder-decoder model of type {model_type!r} ({type(model).__name__}), which "
+            f"speculative_kernels does not support; supported encoder-decoder types: {sorted(POSITION_KINDS)}"
+        )
+    return POSITION_KINDS[model_type]
 
+
+def check_pair(model, draft_model) -> None:
+    """ValueError unless target and draft are both decoder-only, or both encoder-decoders of a supported type."""
+    target_seq2seq, draft_seq2seq = model.config.is_encoder_decoder, draft_model.config.is_encoder_decoder
+    if target_seq2seq != draft_seq2seq:
+        kinds = {True: "an encoder-decoder", False: "a decoder-only"}
+        raise ValueError(
+            f"model is {kinds[target_seq2seq]} model but draft_model is {kinds[draft_seq2seq]} model; the draft must "
+            "condition on the same input as the target, so both must be encoder-decoder or both decoder-only"
+        )
+    if target_seq2seq:
+        for name, m in (("model", model), ("draft_model", draft_model)):
+            position_kind(m, name)
+
+
+def _decoder_kv_sizes(model, positions: str) -> tuple[int, int, int]:
+    """The decoder self-attention's (layers, kv_heads, head_dim), read from the modules (a T5 config's head count
+    times d_kv need not be d_model, and its layer count is the encoder's)."""
+    decoder = model.get_decoder()
+    if positions == "relative":  # T5/MT5
+        attention = decoder.block[0].layer[0].SelfAttention
+        return len(decoder.block), attention.n_heads, attention.key_value_proj_dim
+    attention = decoder.layers[0].self_attn  # BART/mBART
+    return len(decoder.layers), attention.num_heads, attention.head_dim
+
+
+def _check_encoder_decoder(model, path: str) -> ModelSpec:
     name = type(model).__name__
     if not callable(getattr(model, "get_encoder", None)) or model.get_encoder() is None:
         _refuse(name, path, "its config is encoder-decoder but the model has no encoder")
-    position_kind(model)  # ValueError naming unsupported encoder-decoder types
+    positions = position_kind(model)  # ValueError naming unsupported encoder-decoder types
     attention = getattr(model.config, "_attn_implementation", None)
     if path != "dynamic" and attention not in FOUR_D_ATTENTION:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; use 'sdpa' or 'eager'")
+    sizes = _decoder_kv_sizes(model, positions) if path != "dynamic" else None
+    return ModelSpec(name, mask="4d" if attention in FOUR_D_ATTENTION else "2d", positions=positions,
+                     kv_sizes=sizes)
 
 
-def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec | None:
+def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
-    architecture and the reason. Encoder-decoder models are checked and return None (``seq2seq.py`` drives them)."""
+    architecture and the reason."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
     if getattr(model.config, "is_encoder_decoder", False):
-        _check_encoder_decoder(model, path)
-        return None
+        return _check_encoder_decoder(model, path)
     return _check_decoder_only(model, path, batch)
 
 
-def check_request(target, draft, *, path: str, batch: int) -> None:
-    """Check both models of a request before anything is allocated (ValueError naming the first refusal)."""
-    for model in (target, draft):
-        check_model(model, path=path, batch=batch)
+def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:
+    """Check both models of a request before anything is allocated: (target spec, draft spec), or ValueError naming
+    the first refusal."""
+    return check_model(target, path=path, batch=batch), check_model(draft, path=path, batch=batch)
 
 
 def request_path(static: bool, compiled: bool) -> str:

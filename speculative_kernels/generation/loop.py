@@ -1,78 +1,54 @@
-"""The speculative decoding loop (Leviathan et al. 2023, Algorithm 1) over two HF decoder-only models.
+"""The speculative decoding loop (Leviathan et al. 2023, Algorithm 1): one ``step`` drafts, verifies, emits and
+rolls back for every row at once, with one device-to-host read (the iteration's flags, tokens and the lengths the
+runners asked for). The walk-through of an iteration is in ``docs/architecture.md``."""
 
-One iteration, for every row at once:
-  1. draft: gamma single-token forwards of the draft, each sampled by ``ops.sample`` from the warped draft logits
-     (stored, so verification recomputes exactly the q each token was drawn from); no host synchronisation;
-  2. verify: one target forward over [last token, x_1..x_gamma] and ``ops.verify`` -> accepted count n and the
-     emitted tokens (accepted drafts + one residual/bonus token);
-  3. emit: cut each row at its first EOS and at max_new_tokens, write the tokens into the output buffer;
-  4. one device-to-host read of (n, finished, count) per iteration; then roll both caches back (``runner.py``).
-
-An iteration drafts no more tokens than any unfinished row still has to generate, less one (the target adds one):
-with one token left it drafts none and samples the target alone. Buffers (the output, scores, the runners' slot
-masks) are sized by what has been generated and grow geometrically, each growth checked against the device's free
-memory (``memory.py``), so a huge ``max_new_tokens`` costs nothing up front.
-"""
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-from ..ops import backends
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.randomness import DecodeRandomness
-from .compaction import BatchingOptions, RowDropper, compactions, widen
+from ..ops.warping import warp_logits
+from .buffers import initial_new_tokens, widen
+from .drafter import Drafter
 from .gamma import GammaCalibrator
+from .logit_masks import LogitMasks
 from .memory import check_free_memory
-from .runner import DecoderRunner
+from .options import BatchingOptions
+from .rows import Outputs, RowDropper
+from .runners import Runner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
 
-INITIAL_NEW_TOKENS = 256  # output/score buffers start with room for this many new tokens, then double
-
-
-def _wants_host_lengths(runner) -> bool:
-    """Whether a runner takes its rows' ``next_position`` from the iteration's host read: hole compaction (an
-    enabled ``compactor``) or a runner asking by ``wants_host_lengths`` (``seq2seq_static.py``: its capacity check)."""
-    compactor = getattr(runner, "compactor", None)
-    return (compactor is not None and compactor.enabled) or getattr(runner, "wants_host_lengths", False)
-
-
-def _give_host_lengths(runner, lengths: list[int]) -> None:
-    """Hand the rows' lengths (read before the rollback: upper bounds after it) to whoever asked for them."""
-    compactor = getattr(runner, "compactor", None)
-    if compactor is not None and compactor.enabled:
-        compactor.host_counts = lengths
-    if getattr(runner, "wants_host_lengths", False):
-        runner.host_lengths = lengths
-
 
 class SpeculativeLoop:
-    """Runs one batch of prompts to completion. Build it, call ``run()``; a server can also drive ``step()``.
+    """Runs one batch of prompts to completion (``run``), or one iteration at a time (``step``, for a server).
 
-    input_ids, attention_mask: [B, L] (left padding only): the (decoder) prompt. ``bridge``: a ``VocabBridge``.
-    ``runner_factory(model, batch, max_slots, device)`` builds the object that drives each model (``runner.py``'s
-    ``DecoderRunner`` by default; anything with its ``forward``/``keep_prefix`` interface fits, e.g. a static-cache
-    or an encoder-decoder runner).
+    Built complete by ``request.build_loop``. target: the target model's ``Runner``; drafter: what proposes the
+    tokens (``drafter.py``); input_ids, attention_mask: [B, L], the (decoder) prompts, left-padded; vocab: V of the
+    target's logits; dtype: the verification's dtype (the target's); impl: the module implementing ``verify``/``sample``
+    (``ops.backends.implementation``); batching: when finished rows leave the batch in ``run``; warm_up: called after
+    the prefill, returns its seconds (``compile=True``: captures and warms up the steps).
     """
 
-    def __init__(self, target, draft, bridge, plan: Plan, input_ids, attention_mask, backend: str = "auto",
-                 runner_factory=DecoderRunner):
-        self.target, self.draft, self.bridge, self.plan = target, draft, bridge, plan
+    def __init__(self, target: Runner, drafter: Drafter, plan: Plan, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
+                 batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None):
+        self.target_runner, self.drafter, self.plan = target, drafter, plan
+        self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
-        self.calibrator = GammaCalibrator() if plan.num_speculative_tokens == "auto" else None
+        self.calibrator = GammaCalibrator(max_gamma=plan.max_gamma) if plan.num_speculative_tokens == "auto" else None
         self.chosen_gamma = self.calibrator.start_gamma if self.calibrator else plan.num_speculative_tokens
         self.gamma = self.chosen_gamma  # this iteration's: chosen_gamma, capped by the tokens left (_step_gamma)
-        self.max_gamma = self.calibrator.max_gamma if self.calibrator else self.gamma
+        self.max_gamma = plan.max_gamma
         self._largest_gamma_used = self.gamma
-        self.impl = backends.implementation(backend, self.device.type)
-        self._dtype = next(target.parameters()).dtype  # verification runs in the target's dtype
         self.sampling = plan.sampling
-        self.target_runner = runner_factory(target, self.batch, self.max_slots(), self.device)
-        self.draft_runner = runner_factory(draft, self.batch, self.max_slots(), self.device)
         self.sequences_fill = plan.pad_token_id if plan.pad_token_id is not None else 0
-        width = self._buffer_width(self.prompt_length + min(plan.max_new_tokens, INITIAL_NEW_TOKENS))
+        width = self._buffer_width(self.prompt_length + initial_new_tokens(plan.max_new_tokens))
         self._check_memory(width)
         self.sequences = torch.full((self.batch, width), self.sequences_fill, dtype=torch.int64, device=self.device)
         self.sequences[:, : self.prompt_length] = input_ids
@@ -81,27 +57,19 @@ class SpeculativeLoop:
         self._generated_host = [0] * self.batch  # host copies from the iterations' reads (for capacity and gamma)
         self._finished_host = [0] * self.batch
         self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
-        vocab = bridge.target_width
-        self._eos_columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)  # [V]: True at EOS ids
-        self._eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
-        self._forced = self._forced_columns(vocab)
+        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device)
         self.randomness = DecodeRandomness(self.batch, self.device)
-        self.batching = BatchingOptions()  # run() drops finished rows by these rules (set by generate)
         self.iteration = 0
-        self._masks_logits = bool(self._forced) or (plan.min_new_tokens > 0 and bool(plan.eos_token_ids))
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
         self.timer = PhaseTimer(self.device)
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
         self._prefill(input_ids, attention_mask)
+        if warm_up is not None:
+            self.stats.warmup_time_s = warm_up()
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def max_slots(self) -> int:
-        """Initial cache-slot width of the runners' slot masks (they grow as needed): the prompt, a few iterations'
-        worth of slots and room for the first new tokens."""
-        return self.prompt_length + 4 * (self.max_gamma + 2) + min(self.plan.max_new_tokens, INITIAL_NEW_TOKENS)
-
     def _buffer_width(self, length: int) -> int:
         """Output-buffer width for sequences of ``length`` tokens: the slack of one iteration's scatter (gamma + 1
         positions past the last token), never more than the whole request needs."""
@@ -109,8 +77,7 @@ class SpeculativeLoop:
 
     def _check_memory(self, width: int) -> None:
         """MemoryError before allocating output buffers of ``width`` columns that the device cannot hold."""
-        vocab = self.bridge.target_width
-        per_column = 8 + 4 * vocab * (int(self.plan.output_scores) + int(self.plan.output_logits))
+        per_column = 8 + 4 * self.vocab * (int(self.plan.output_scores) + int(self.plan.output_logits))
         required = {"sequences": self.batch * width * 8,
                     "scores": self.batch * width * (per_column - 8)}
         required["total"] = sum(required.values())
@@ -130,13 +97,7 @@ class SpeculativeLoop:
             self.raw_logits = widen(self.raw_logits, new_width, 0.0)
 
     def _score_buffer(self):
-        vocab = self.bridge.target_width
-        return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, vocab, device=self.device)
-
-    def select_host_rows(self, rows: list[int]) -> None:
-        """Keep the host copies of rows ``rows`` (when finished rows leave the batch, ``compaction.RowDropper``)."""
-        self._generated_host = [self._generated_host[i] for i in rows]
-        self._finished_host = [self._finished_host[i] for i in rows]
+        return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, self.vocab, device=self.device)
 
     def _step_gamma(self) -> int:
         """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has
@@ -150,90 +111,42 @@ class SpeculativeLoop:
         if self.prompt_length > 1:
             self.timer.start("prefill")
             self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
-            self.draft_runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
+            self.drafter.start(input_ids, real)
             self.timer.stop("prefill")
             self.stats.prefill_forwards += 1
+        else:
+            self.drafter.start(input_ids, real)
         self.last = input_ids[:, -1]
-        self.pending = (input_ids[:, -1:], None)  # draft tokens not in its cache yet, and which are real
 
     # ----------------------------------------------------------------------------------------------- steps
-    def _mask_min_new(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
-        """EOS gets -inf where fewer than min_new_tokens have been generated. logits [B, T, V]; generated [B, T]."""
-        if self.plan.min_new_tokens <= 0 or not self.plan.eos_token_ids:
-            return
-        too_early = (generated_before < self.plan.min_new_tokens).unsqueeze(-1)
-        logits.masked_fill_(too_early & self._eos_columns, float("-inf"))
-
-    def _forced_columns(self, vocab: int) -> list:
-        """HF's ForcedBOS/ForcedEOSTokenLogitsProcessor as (generated index, [V] bool columns kept): forced_bos at
-        decoder length 1 (only when the prompt is a single token), forced_eos at max_length - 1."""
-        config, forced = self.plan.generation_config, []
-        for token_ids, at in ((config.forced_bos_token_id, 1 - self.prompt_length),
-                              (config.forced_eos_token_id, self.plan.max_new_tokens - 1)):
-            ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
-            if not ids or at < 0:
-                continue
-            if not all(0 <= i < vocab for i in ids):
-                raise ValueError(f"forced token ids {ids} are outside the vocabulary (size {vocab})")
-            columns = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            columns[ids] = True
-            forced.append((at, columns))
-        return forced
-
-    def _mask_forced(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
-        """At a forced position every logit is -inf except the forced token's, which is 0 (as HF sets it).
-        logits [B, T, V]; generated_before [B, T]."""
-        for at, columns in self._forced:
-            hit = (generated_before == at).unsqueeze(-1)
-            logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)
-
-    def _draft(self, dtype: torch.dtype):
-        """gamma draft forwards. Returns (tokens [B, gamma] int64, logits [B, gamma, V] in ``dtype``, or None when
-        gamma is 0)."""
-        s, gamma = self.sampling, self.gamma
-        tokens = torch.empty(self.batch, gamma, dtype=torch.int64, device=self.device)
-        logits_buffer = None
-        inputs, real = self.pending
-        for i in range(gamma):
-            logits = self.draft_runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
-            logits = self.bridge.draft_logits(logits)
-            if logits.dtype != dtype:
-                logits = logits.to(dtype)
-            if self._masks_logits:
-                self._mask_min_new(logits, (self.generated + i).unsqueeze(1))
-                self._mask_forced(logits, (self.generated + i).unsqueeze(1))
-            if logits_buffer is None:
-                logits_buffer = torch.empty(self.batch, gamma, logits.shape[-1], dtype=dtype, device=self.device)
-            logits_buffer[:, i] = logits[:, 0]
-            if s.greedy:
-                # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN,
-                # all -inf) is still caught: verify checks the stored draft logits.
-                token = logits[:, 0].float().argmax(dim=-1)
-            else:
-                token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
-                self.randomness.advance_draft()
-            tokens[:, i] = token
-            inputs, real = token.clamp(min=0).unsqueeze(1), None
-        self.stats.draft_forwards += gamma
-        return tokens, logits_buffer
+    def _choose_draft_token(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """The drafter's ``choose``: draft logits [B, V] of draft position i masked in place as the target's are
+        (``LogitMasks``), then the token [B] drawn from them."""
+        if self.masks.active:
+            self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
+        if self.sampling.greedy:
+            # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
+            # -inf) is still caught: verify checks the stored draft logits.
+            return logits.float().argmax(dim=-1)
+        token = self.impl.sample(logits, self.sampling, self.randomness.draft())
+        self.randomness.advance_draft()
+        return token
 
     def _verify(self, draft_tokens, draft_logits):
         s = self.sampling
         target_in = torch.cat([self.last.unsqueeze(1), draft_tokens.clamp(min=0)], dim=1)
         logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
-        if self._masks_logits:
-            generated = self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device)
-            self._mask_min_new(logits, generated)
-            self._mask_forced(logits, generated)
+        if self.masks.active:
+            self.masks.apply(logits, self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device))
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
             token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
             if not s.greedy:
                 self.randomness.advance_draft()
             return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
-        out, accepted = self.impl.verify(logits, draft_logits.to(logits.dtype), draft_tokens, s,
-                                         self.randomness.verify())
+        q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
+        out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify())
         if not s.greedy:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
@@ -267,31 +180,25 @@ class SpeculativeLoop:
             if buffer is None:
                 continue
             if buffer is self.scores and not self.sampling.greedy:
-                from ..ops.warping import warp_logits
-
                 values = warp_logits(values, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
             buffer.scatter_(1, index, torch.where(keep, values.float(), buffer.gather(1, index)))
 
-    def _roll_back(self, accepted, accepted_host: list[int]) -> None:
-        gamma = self.gamma
-        max_n = max(accepted_host)
-        done = self.finished  # finished rows keep no new slots, so no row outgrows prompt + max_new_tokens
-        self.target_runner.keep_prefix(gamma + 1, (accepted + 1).masked_fill(done, 0), max_n + 1)
-        pending_width = self.pending[0].shape[1]
-        window = pending_width + gamma - 1
-        kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(done, 0)
-        self.draft_runner.keep_prefix(window, kept, pending_width + min(max_n, gamma - 1))
+    def _draft(self):
+        """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None)."""
+        if self.gamma == 0:
+            return torch.empty(self.batch, 0, dtype=torch.int64, device=self.device), None
+        tokens, logits = self.drafter.propose(self.gamma, self._choose_draft_token)
+        self.stats.draft_forwards = self.drafter.forwards
+        return tokens, logits
 
-    def _next_pending(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
-        new = out.gather(1, accepted.clamp(min=0).unsqueeze(1)).squeeze(1)
-        self.last = new
-        if max(accepted_host) < self.gamma:
-            self.pending = (new.unsqueeze(1), None)
-            return
-        all_in = accepted == self.gamma
-        first = torch.where(all_in, draft_tokens[:, -1], torch.zeros_like(new))
-        real = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
-        self.pending = (torch.stack([first, new], dim=1), None if all(a == self.gamma for a in accepted_host) else real)
+    def _roll_back(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
+        """Both caches keep what was accepted; finished rows keep no new slots, so no row outgrows prompt +
+        max_new_tokens. out [B, gamma + 1]: the emitted tokens; accepted [B]."""
+        max_n = max(accepted_host)
+        done = self.finished
+        self.target_runner.keep_prefix(self.gamma + 1, (accepted + 1).masked_fill(done, 0), max_n + 1)
+        self.last = out.gather(1, accepted.clamp(min=0).unsqueeze(1)).squeeze(1)
+        self.drafter.accept(draft_tokens, accepted, accepted_host, self.last, done)
 
     def step(self) -> bool:
         """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished.
@@ -302,7 +209,7 @@ class SpeculativeLoop:
         self.gamma = self._step_gamma()
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
-        draft_tokens, draft_logits = self._draft(self._dtype)
+        draft_tokens, draft_logits = self._draft()
         self.timer.stop("draft")
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits)
@@ -312,11 +219,12 @@ class SpeculativeLoop:
         self.timer.stop("verify")
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count, generated_before)
-        # The one device-to-host read of the iteration.
+        # The one device-to-host read of the iteration; the runners' lengths (hole compaction, capacity bounds) ride
+        # along.
         flags = [accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]
-        # Runners that compact holes, or size-check a cache by row lengths, get their rows' counts in the same read.
-        counted = [r for r in (self.target_runner, self.draft_runner) if _wants_host_lengths(r)]
-        host = torch.cat([*flags, out.flatten(), *(r.next_position for r in counted)]).tolist()
+        readers = [(r, r.lengths_to_read()) for r in (self.target_runner, self.drafter)]
+        readers = [(r, lengths) for r, lengths in readers if lengths is not None]
+        host = torch.cat([*flags, out.flatten(), *(lengths for _, lengths in readers)]).tolist()
         b = self.batch
         accepted_host, count_host = host[:b], host[b : 2 * b]
         finished_host, active_host = host[2 * b : 3 * b], host[3 * b : 4 * b]
@@ -324,16 +232,15 @@ class SpeculativeLoop:
         self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
         self._host_width = self.gamma + 1
         self._generated_host = [g + c for g, c in zip(self._generated_host, count_host)]
-        for i, runner in enumerate(counted):
-            _give_host_lengths(runner, host[tail + i * b : tail + (i + 1) * b])
+        for i, (reader, _) in enumerate(readers):
+            reader.lengths_read(host[tail + i * b : tail + (i + 1) * b])
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
                                    draft_logits=draft_logits, draft_tokens=draft_tokens)
         if self._after_emit(count_host, accepted_host, active_host, generated_before):
             finished_host = self._finished_host = [1] * b  # a stopping criterion ended the (batch-1) request
         if self.gamma > 0:  # gamma 0 is the last iteration (one token left for every row): no rollback needed
-            self._roll_back(accepted, accepted_host)
-            self._next_pending(out, accepted, draft_tokens, accepted_host)
+            self._roll_back(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
             self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
         self.iteration += 1
@@ -398,13 +305,17 @@ class SpeculativeLoop:
             self.plan.streamer.put(self.sequences[:, : self.prompt_length].cpu())
         self.timer.start("total")
         running = self.plan.max_new_tokens > 0
-        dropper = RowDropper(self.batching)
+        dropper = RowDropper(self.batching, self.sequences_fill)
         while running:
             running = self.step()
-            if running:
-                dropper.maybe_drop(self, self._finished_host)
-        dropper.finish(self)
-        self.stats.dropped_rows, self.stats.compactions = dropper.dropped, compactions(self)
+            if running and dropper.due(self._finished_host):
+                self._drop_finished_rows(dropper)
+        full = dropper.finish(self._outputs())
+        if full is not None:  # every row back, in its original place
+            self._set_outputs(full)
+            self.batch = full.generated.shape[0]
+            self.finished = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+        self.stats.dropped_rows = dropper.dropped
         self.timer.stop("total")
         if self.plan.streamer is not None:
             self.plan.streamer.end()
@@ -413,9 +324,32 @@ class SpeculativeLoop:
         self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
         return self.sequences[:, : self.prompt_length + longest], self.stats
 
+    def _drop_finished_rows(self, dropper: RowDropper) -> None:
+        """Keep only the unfinished rows in every per-row state: outputs, flags, keys, runners (the row choice is
+        made on the device from the finished flags; the host flags say how many remain)."""
+        remaining = [i for i, f in enumerate(self._finished_host) if not f]
+        keep = torch.argsort(self.finished.to(torch.int8), stable=True)[: len(remaining)]  # unfinished rows, in order
+        self._set_outputs(dropper.drop(self._outputs(), keep))
+        self.finished = self.finished.index_select(0, keep)
+        self.last = self.last.index_select(0, keep)
+        self.randomness.select_rows(keep)
+        self.target_runner.select_rows(keep)
+        self.drafter.select_rows(keep)
+        self._generated_host = [self._generated_host[i] for i in remaining]
+        self._finished_host = [self._finished_host[i] for i in remaining]
+        self.batch = len(remaining)
+
+    def _outputs(self) -> Outputs:
+        return Outputs(self.sequences, self.generated, self.scores, self.raw_logits)
+
+    def _set_outputs(self, outputs: Outputs) -> None:
+        self.sequences, self.generated = outputs.sequences, outputs.generated
+        self.scores, self.raw_logits = outputs.scores, outputs.raw_logits
+
     def update_stats(self) -> SpeculationStats:
-        """Fill in the statistics read from the device or the timers (histogram, phase times; total_time_s: prefill
-        plus the iterations run so far). Reads the device: call it between iterations, not inside one."""
+        """Fill in the statistics read from the device or the timers (histogram, phase times, compactions;
+        total_time_s: prefill plus the iterations run so far). Reads the device: call it between iterations."""
+        self.stats.compactions = self.target_runner.compactions + self.drafter.compactions
         self.stats.accepted_histogram = self.histogram()
         self.stats.draft_time_s = self.timer.seconds("draft")
         self.stats.verify_time_s = self.timer.seconds("verify")

@@ -1,8 +1,8 @@
-"""Resolve ``generate`` keyword arguments into one validated plan, with HF's own precedence rules.
+"""Resolve ``generate`` keyword arguments into validated settings and a plan, with HF's own precedence rules.
 
 The target model's ``_prepare_generation_config`` merges, as ``model.generate`` does, the explicit keywords over the
 given ``generation_config`` over the model's ``generation_config`` over HF's global defaults. Every field of
-``GenerationConfig`` is then in exactly one of the tables below (``tests/test_generation_fields.py`` enumerates the
+``GenerationConfig`` is then in exactly one of the tables below (``tests/generation/test_contract.py`` enumerates the
 installed transformers' fields, so a new field cannot slip through unclassified):
 
 * ``HONOURED``: applied exactly as ``model.generate`` applies it;
@@ -25,12 +25,13 @@ from transformers import GenerationConfig
 
 from ..ops.sampling import GREEDY, Sampling
 from ..ops.validation import check_sampling_params
+from .gamma import MAX_GAMMA
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 _TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
                     "forced_eos_token_id")
 
-# Applied as model.generate applies them (where: this module, the loop, seq2seq.py).
+# Applied as model.generate applies them (where: this module, the loop, seq2seq_inputs.py).
 HONOURED = {
     "max_length": "length (HF's default of 20 new tokens when unset, capped at max_position_embeddings)",
     "max_new_tokens": "length",
@@ -141,7 +142,7 @@ _REASONS = {
 
 @dataclasses.dataclass
 class Plan:
-    """Everything the loop needs, validated."""
+    """Everything the loop needs, validated (``Settings.plan``)."""
 
     sampling: Sampling
     num_speculative_tokens: int | str  # or "auto"
@@ -156,6 +157,12 @@ class Plan:
     stopping_criteria: list
     cache_implementation: str | None
     generation_config: object
+
+    @property
+    def max_gamma(self) -> int:
+        """The largest gamma an iteration may draft (buffers are sized for it): the fixed one, or the calibration's
+        upper bound with "auto"."""
+        return MAX_GAMMA if self.num_speculative_tokens == "auto" else self.num_speculative_tokens
 
 
 def _hf_defaults() -> dict:
@@ -330,13 +337,47 @@ def _check_callables(streamer, stopping_criteria) -> list:
     return list(stopping_criteria)
 
 
-def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, generation_config, kwargs: dict,
-                 draft_model=None):
-    """(Plan, leftover model kwargs). kwargs: everything ``generate`` received besides models and input_ids.
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A call's generation settings, validated, before the (decoder) prompt's length is known
+    (``resolve_settings``); ``plan`` adds the lengths."""
 
-    prompt_length: the (decoder) prompt's width, or None to resolve only the settings (lengths left at 0).
-    num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5).
-    """
+    config: GenerationConfig
+    sampling: Sampling
+    num_speculative_tokens: int | str
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    streamer: object | None
+    stopping_criteria: list
+    default_max_length: bool  # max_length set nowhere: HF generates 20 new tokens
+
+    def plan(self, model, prompt_length: int) -> Plan:
+        """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
+        config = self.config
+        max_new = _max_new_tokens(model, config, prompt_length, self.default_max_length)
+        min_new = max(_int_setting("min_new_tokens", config.min_new_tokens),
+                      _int_setting("min_length", config.min_length) - prompt_length, 0)
+        return Plan(
+            sampling=self.sampling,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_new_tokens=int(max_new),
+            min_new_tokens=int(min_new),
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=bool(config.return_dict_in_generate),
+            output_scores=bool(config.output_scores),
+            output_logits=bool(config.output_logits),
+            streamer=self.streamer,
+            stopping_criteria=self.stopping_criteria,
+            cache_implementation=config.cache_implementation,
+            generation_config=config,
+        )
+
+
+def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: dict, draft_model=None) -> Settings:
+    """Validate every generation keyword once. kwargs: what ``generate`` received besides the models, the inputs and
+    its own arguments; a keyword that is neither a generation setting nor handled is refused here (ValueError).
+    num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5)."""
     _check_generation_config(generation_config)
     streamer = kwargs.pop("streamer", None)
     criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
@@ -366,6 +407,9 @@ def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, gener
     if zero_new:
         config.max_new_tokens = 0
     _check_refused(config)
+    model_kwargs.pop("use_cache", None)
+    if model_kwargs:
+        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
 
     if config.do_sample:
         sampling = Sampling(*check_sampling_params(config.temperature, config.top_k or 0, config.top_p))
@@ -373,12 +417,6 @@ def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, gener
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")
     else:
         sampling = GREEDY
-
-    max_new = min_new = 0
-    if prompt_length is not None:
-        max_new = _max_new_tokens(model, config, prompt_length, default_max_length)
-        min_new = max(_int_setting("min_new_tokens", config.min_new_tokens),
-                      _int_setting("min_length", config.min_length) - prompt_length, 0)
     eos = token_ids("eos_token_id", config.eos_token_id)
     pad_ids = token_ids("pad_token_id", config.pad_token_id)
     if len(pad_ids) > 1:
@@ -386,19 +424,4 @@ def resolve_plan(model, prompt_length: int | None, num_speculative_tokens, gener
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else None)
     for name in _TOKEN_ID_FIELDS:
         token_ids(name, getattr(config, name))
-    plan = Plan(
-        sampling=sampling,
-        num_speculative_tokens=gamma,
-        max_new_tokens=int(max_new),
-        min_new_tokens=int(min_new),
-        eos_token_ids=eos,
-        pad_token_id=pad,
-        return_dict_in_generate=bool(config.return_dict_in_generate),
-        output_scores=bool(config.output_scores),
-        output_logits=bool(config.output_logits),
-        streamer=streamer,
-        stopping_criteria=criteria,
-        cache_implementation=config.cache_implementation,
-        generation_config=config,
-    )
-    return plan, model_kwargs
+    return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length)

@@ -2,7 +2,6 @@
 (``capabilities.py``) on every path that does not. One representative per family of docs/architectures.md; the
 full sweep over every config class is ``benchmarks/coverage.py``."""
 
-import importlib
 
 import pytest
 import torch
@@ -38,11 +37,10 @@ from transformers import (
 )
 
 import speculative_kernels as sk
+from speculative_kernels import CompileOptions
+from speculative_kernels.generation import request as request_module
 from speculative_kernels.generation.capabilities import check_model
-from speculative_kernels.generation.static_runner import CompileOptions
 from helpers.models import perturbed
-
-generate_module = importlib.import_module("speculative_kernels.generation.generate")  # the package exports the function
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -80,11 +78,12 @@ def _check_exact(target, *, batch: int, path: str = "dynamic", noise: float | No
 def _check_refused_up_front(model, match: str, *, batch: int = 2, path: str = "dynamic", monkeypatch=None):
     """generate raises ValueError naming the architecture before any runner or cache exists."""
     def no_loop(*args, **kwargs):
-        raise AssertionError("a loop (and its caches) was built for a model that should be refused")
+        raise AssertionError("a runner or loop (and its caches) was built for a model that should be refused")
 
     ids, mask = _batch(batch)
     with monkeypatch.context() as patch, pytest.raises(ValueError, match=f"{type(model).__name__}.*{match}"):
-        patch.setattr(generate_module, "SpeculativeLoop", no_loop)
+        patch.setattr(request_module, "make_runner", no_loop)
+        patch.setattr(request_module, "SpeculativeLoop", no_loop)
         sk.generate(model, ids, attention_mask=mask, draft_model=model, num_speculative_tokens=3, max_new_tokens=4,
                     pad_token_id=0, **PATHS[path])
     with pytest.raises(ValueError, match=match):

@@ -12,8 +12,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import speculative_kernels as sk
-from speculative_kernels.generation.generate import build_loop
-from speculative_kernels.generation.static_runner import CompileOptions, compile_loop
+from speculative_kernels import CompileOptions
+from speculative_kernels.generation.request import build_loop
 from helpers.models import FAMILIES, drafts_for, llama
 
 ON_CUDA = torch.cuda.is_available()
@@ -110,9 +110,8 @@ def test_one_host_sync_per_iteration_when_captured(llama_pair):
     """After warm-up, CUDA's sync debug mode flags every synchronising call: at most the iteration's read each step."""
     target, draft = llama_pair
     with torch.inference_mode():
-        loop, _, _ = build_loop(target, draft, _prompt(seed=3), num_speculative_tokens=3, max_new_tokens=30,
-                                do_sample=True, compile_options=CompileOptions())
-        compile_loop(loop, CompileOptions())
+        loop = build_loop(target, draft, _prompt(seed=3), num_speculative_tokens=3, max_new_tokens=30,
+                          do_sample=True, compile_options=CompileOptions())  # captured and warmed up
         steps, running = 0, True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -14,7 +14,7 @@ import speculative_kernels as sk
 from helpers.models import llama
 from speculative_kernels import ops
 from speculative_kernels.cli import main
-from speculative_kernels.generation import loop as loop_module
+from speculative_kernels.generation import buffers
 from speculative_kernels.generation import settings
 
 P = torch.tensor([[1, 17, 42, 70, 7]])
@@ -220,7 +220,7 @@ def test_session_stats_report_phase_times(pair):
 def test_huge_max_new_tokens_allocates_nothing_up_front(pair):
     target, draft = pair
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4).start(P, max_new_tokens=10**9)
-    loop = session._loop
+    loop = session.loop
     assert loop.sequences.shape[1] < 300 and loop.target_runner.slot_mask.shape[1] < 400
     for _ in range(3):
         session.step()
@@ -229,7 +229,7 @@ def test_huge_max_new_tokens_allocates_nothing_up_front(pair):
 def test_buffers_grow_and_output_is_unchanged(pair, monkeypatch):
     """Tiny initial buffers force many doublings (sequences, scores, slot masks), with rows leaving the batch."""
     target, draft = pair
-    monkeypatch.setattr(loop_module, "INITIAL_NEW_TOKENS", 2)
+    monkeypatch.setattr(buffers, "INITIAL_NEW_TOKENS", 2)
     ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                   output_scores=True, eos_token_id=[2, 11, 30])
@@ -248,9 +248,9 @@ def test_gamma_is_capped_by_the_tokens_left(pair):
     assert stats.draft_forwards <= 5 + 4 + 3 + 2 + 1  # each iteration drafts at most the tokens left, less one
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=1000).start(P, max_new_tokens=6)
     while not session.finished:
-        left = 6 - int(session._loop.generated[0])
+        left = 6 - int(session.loop.generated[0])
         session.step()
-        assert session._loop.gamma == left - 1
+        assert session.loop.gamma == left - 1
     stats = sk.SpeculationStats()
     got = sk.generate(target, P, draft_model=draft, max_new_tokens=1, speculation_stats=stats)
     assert torch.equal(got, _hf(target, P, max_new_tokens=1))

@@ -112,25 +112,27 @@ def test_auto_switches_gamma_and_stays_greedy_identical(monkeypatch, forced):
 
 
 class _RecordOffsets:
-    """Wraps a backend module and records the Philox offsets its draft sampler is called with."""
+    """Wraps a backend's draft sampler and records the Philox offsets it is called with."""
 
-    def __init__(self, impl):
-        self.impl, self.offsets = impl, []
-        self.verify = impl.verify
+    def __init__(self, sample):
+        self._sample, self.offsets = sample, []
 
-    def sample(self, logits, sampling, randomness):
+    def __call__(self, logits, sampling, randomness):
         self.offsets.append(randomness.offset.clone())  # read after the step: no host read inside it
-        return self.impl.sample(logits, sampling, randomness)
+        return self._sample(logits, sampling, randomness)
 
 
 def test_auto_session_one_host_read_and_sampling(monkeypatch):
     from helpers.host_reads import CountHostReads
+    from speculative_kernels.ops import torch_backend  # what the loop calls on the CPU
 
     monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 6)
     target, draft = llama(), llama(layers=1, seed=4)
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens="auto").start(
         _prompt(batch=2), max_new_tokens=30, do_sample=True, temperature=0.8, pad_token_id=0)
-    recorder = session._loop.impl = _RecordOffsets(session._loop.impl)
+    assert session.loop.impl is torch_backend
+    recorder = _RecordOffsets(torch_backend.sample)
+    monkeypatch.setattr(torch_backend, "sample", recorder)
     emitted = [[], []]
     while not session.finished:
         with CountHostReads() as counter:
@@ -138,7 +140,7 @@ def test_auto_session_one_host_read_and_sampling(monkeypatch):
         assert counter.reads == ["tolist"]
         for row, tokens in enumerate(new_tokens):
             emitted[row] += tokens
-    loop = session._loop
+    loop = session.loop
     assert loop.chosen_gamma == 6 and loop.calibrator.alpha is not None
     for row in range(2):  # what step() returned is what was written, in order, across the gamma switch
         assert loop.generated[row] == len(emitted[row])

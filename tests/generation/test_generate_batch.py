@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from speculative_kernels.generation.compaction import BatchingOptions
+from speculative_kernels import BatchingOptions
 from helpers.models import FAMILIES, drafts_for, llama
 from helpers.prompts import left_padded
 

@@ -39,32 +39,34 @@ def test_sampling_is_repeatable_with_manual_seed():
     assert torch.equal(*runs)
 
 
-def test_random_offsets_are_device_counters_at_fixed_addresses():
+def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
     """Capture-safe randomness: every draft sample and every verification reads its Philox offset from one device
     storage that the loop advances in place (what a captured CUDA graph replays), never from a tensor built from a
     host value per call; the values are 0, 1, 2, ... per drafted token and per iteration, as before."""
-    from speculative_kernels.generation.generate import build_loop
+    from speculative_kernels.generation.request import build_loop
+    from speculative_kernels.ops import torch_backend  # what the loop calls on the CPU
 
     ids = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(3))
-    loop, _, _ = build_loop(llama(), llama(layers=1, seed=3), ids, num_speculative_tokens=3, max_new_tokens=10,
-                            do_sample=True, temperature=0.9, pad_token_id=0)
-    impl = loop.impl
+    loop = build_loop(llama(), llama(layers=1, seed=3), ids, num_speculative_tokens=3, max_new_tokens=10,
+                      do_sample=True, temperature=0.9, pad_token_id=0)
     offsets, values = {"sample": [], "verify": []}, {"sample": [], "verify": []}
+    sample, verify = torch_backend.sample, torch_backend.verify
 
     def record(name, offset):
         offsets[name].append(offset)  # kept alive: a fresh tensor per call would get a new address
         values[name].append(offset.tolist())
 
-    class Recording:
-        def sample(self, *args):
-            record("sample", args[2].offset)
-            return impl.sample(*args)
+    def recording_sample(logits, sampling, randomness):
+        record("sample", randomness.offset)
+        return sample(logits, sampling, randomness)
 
-        def verify(self, *args):
-            record("verify", args[4].offset)
-            return impl.verify(*args)
+    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness):
+        record("verify", randomness.offset)
+        return verify(target_logits, draft_logits, draft_tokens, sampling, randomness)
 
-    loop.impl = Recording()
+    assert loop.impl is torch_backend
+    monkeypatch.setattr(torch_backend, "sample", recording_sample)
+    monkeypatch.setattr(torch_backend, "verify", recording_verify)
     while loop.step():
         pass
     iterations = len(values["verify"])

@@ -11,9 +11,9 @@ from torch._dynamo.utils import counters
 
 import speculative_kernels as sk
 from helpers.host_reads import step_reading_once
-from speculative_kernels.generation.generate import build_loop
-from speculative_kernels.generation.seq2seq_static import StaticSeq2SeqRunner
-from speculative_kernels.generation.static_runner import CompileOptions
+from speculative_kernels import CompileOptions
+from speculative_kernels.generation.request import build_loop
+from speculative_kernels.generation.runners.static_seq2seq import StaticSeq2SeqRunner
 from helpers.seq2seq_models import bart, mbart, seq2seq_drafts_for, source_batch, t5
 
 FAMILIES = {"t5": t5, "bart": bart}
@@ -105,9 +105,9 @@ def test_static_rollback_moves_pointers_only(pairs):
     target, draft = pairs["t5"]
     ids, mask = _source(target, [5, 9])
     with torch.inference_mode():
-        loop, _, _ = build_loop(target, draft, ids, attention_mask=mask, num_speculative_tokens=4, do_sample=False,
-                                max_new_tokens=12, eos_token_id=None, cache_implementation="static")
-        runners = (loop.target_runner, loop.draft_runner)
+        loop = build_loop(target, draft, ids, attention_mask=mask, num_speculative_tokens=4, do_sample=False,
+                          max_new_tokens=12, eos_token_id=None, cache_implementation="static")
+        runners = (loop.target_runner, loop.drafter.runner)
         assert all(isinstance(r, StaticSeq2SeqRunner) for r in runners)
         buffers = [[t.data_ptr() for t in r.cache.self_attention_cache.tensors()] for r in runners]
         assert all(t.shape[2] == r.capacity for r in runners for t in r.cache.self_attention_cache.tensors())
@@ -129,7 +129,7 @@ def test_static_one_host_read_per_iteration(pairs, family):
     ids, mask = _source(target, [6, 4, 5])
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
         ids, attention_mask=mask, max_new_tokens=24, do_sample=True, top_k=20, cache_implementation="static")
-    assert isinstance(session._loop.target_runner, StaticSeq2SeqRunner)
+    assert isinstance(session.loop.target_runner, StaticSeq2SeqRunner)
     steps = step_reading_once(session)
     assert steps > 5
 

@@ -8,15 +8,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 import speculative_kernels as sk
-from speculative_kernels.generation.compaction import BatchingOptions
-from speculative_kernels.generation.static_runner import (
-    SlotCache,
-    StaticDecoderRunner,
-    check_drivable,
-    check_free_memory,
-    static_capacity,
-    static_memory_bytes,
-)
+from speculative_kernels import BatchingOptions
+from speculative_kernels.generation.capabilities import check_model
+from speculative_kernels.generation.memory import check_free_memory
+from speculative_kernels.generation.runners.sizing import static_capacity, static_memory_bytes
+from speculative_kernels.generation.runners.slot_cache import CacheLayout, SlotCache
+from speculative_kernels.generation.runners.static_decoder import StaticDecoderRunner
 from helpers.host_reads import step_reading_once
 from helpers.models import FAMILIES, drafts_for, llama
 from helpers.prompts import left_padded
@@ -131,7 +128,8 @@ def test_sampling_exact_per_row(temperature, top_k, top_p, gamma):
 
 def test_rollback_is_a_pointer_move_not_a_copy():
     target = llama()
-    runner = StaticDecoderRunner(target, 2, 32, torch.device("cpu"), reserve=4)
+    runner = StaticDecoderRunner(target, check_model(target, path="static", batch=2), 2, 32, torch.device("cpu"),
+                                 reserve=4)
     pointers = [t.data_ptr() for t in runner.cache.tensors()]
     tokens = torch.randint(3, 97, (2, 5))
     runner.forward(tokens)
@@ -147,9 +145,10 @@ def test_rollback_is_a_pointer_move_not_a_copy():
 def test_memory_estimate_matches_the_allocation():
     for make in FAMILIES.values():
         model = make()
-        cache = SlotCache(model, 3, 40, torch.device("cpu"))
+        layout = CacheLayout.of(model, check_model(model, path="static", batch=3))
+        cache = SlotCache(layout, 3, 40, torch.device("cpu"))
         allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
-        assert static_memory_bytes([model], 3, 40, gamma=4)["kv_caches"] == allocated
+        assert static_memory_bytes([layout], 3, 40, gamma=4)["kv_caches"] == allocated
 
 
 def test_capacity_bound_and_batch_one_has_no_slack():
@@ -191,7 +190,7 @@ def test_attention_without_4d_masks_is_refused_by_name():
     model = llama()
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="LlamaForCausalLM.*attn_implementation='flex_attention' takes no 4-D mask"):
-        check_drivable(model, 64)
+        check_model(model, path="static")
 
 
 def test_static_refusals():
@@ -213,5 +212,4 @@ def test_one_host_read_per_iteration_with_compaction():
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
         ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, cache_implementation="static")
     step_reading_once(session)
-    runners = (session._loop.target_runner, session._loop.draft_runner)
-    assert sum(r.compactor.compactions for r in runners) > 0
+    assert session.stats.compactions > 0  # of either cache

@@ -1,0 +1,129 @@
+"""What proposes the tokens the target verifies (``Drafter``), and the first implementation: a draft model
+(``ModelDrafter``). A drafter without a model (n-gram, prompt lookup) proposes tokens without a distribution; the
+verification then takes q as one-hot at each proposed token, which is exact for a deterministic proposal."""
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from .runners import Runner
+from .vocab import VocabBridge
+
+# choose(logits [B, V], i) -> token [B]: processes the draft logits of draft position i in place as the verifier
+# processes the target's (forced tokens, EOS before min_new_tokens), then draws the token from them.
+ChooseToken = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class Drafter(Protocol):
+    """Proposes gamma tokens per row and iteration, conditioned on every row's sequence so far."""
+
+    def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
+        """Condition on the prompts input_ids [B, L] (real [B, L] bool: False at left padding). The last token is not
+        consumed: the next ``propose`` starts from it."""
+
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft gamma >= 1 tokens per row. Returns (tokens [B, gamma] int64, logits [B, gamma, V] of the
+        distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one)."""
+
+    def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
+               next_token: torch.Tensor, finished: torch.Tensor) -> None:
+        """After verification: row b kept its first accepted[b] of draft_tokens [B, gamma] (accepted: [B] int64 on
+        the device, accepted_host its host copy) and the target emitted next_token [B] after them; finished [B] bool
+        rows keep nothing of this iteration. Roll back to that and get ready for the next ``propose``."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] (int64 on the device) of every per-row state."""
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        """As ``Runner.lengths_to_read``: [B] int64 wanted from the iteration's host read, or None."""
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        """The values of ``lengths_to_read()`` as read on the host."""
+
+    @property
+    def forwards(self) -> int:
+        """Model forwards ``propose`` has run so far (0 for a drafter without a model)."""
+
+    @property
+    def compactions(self) -> int:
+        """Hole compactions of its cache so far (0 without one)."""
+
+
+class ModelDrafter:
+    """A ``Drafter`` that runs a draft model one token at a time through its runner.
+
+    bridge: maps the draft's vocabulary onto the target's (``vocab.py``); dtype: the verification's dtype (the
+    target's), in which q's logits are kept. Each row's input not yet in the draft's cache is ``pending``: the last
+    emitted token, after a fully accepted iteration also the last draft (fed together as a width-2 step, with a
+    filler for the rows that need only one).
+    """
+
+    # The widths of the draft's forwards while drafting (pending 1 or 2 tokens), last position only: what
+    # ``compile=True`` captures.
+    CAPTURED_SHAPES = ((1, True), (2, True))
+
+    def __init__(self, runner: Runner, bridge: VocabBridge, dtype: torch.dtype):
+        self.runner, self.bridge, self.dtype = runner, bridge, dtype
+        self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (tokens [B, P], real [B, P] or None)
+        self._forwards = 0
+
+    def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
+        if input_ids.shape[1] > 1:
+            self.runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
+        self.pending = (input_ids[:, -1:], None)
+
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, real = self.pending
+        batch, device = inputs.shape[0], inputs.device
+        tokens = torch.empty(batch, gamma, dtype=torch.int64, device=device)
+        q_logits = None
+        for i in range(gamma):
+            logits = self.runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
+            logits = self.bridge.draft_logits(logits)[:, 0]
+            if logits.dtype != self.dtype:
+                logits = logits.to(self.dtype)
+            token = choose(logits, i)
+            if q_logits is None:
+                q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=self.dtype, device=device)
+            q_logits[:, i] = logits
+            tokens[:, i] = token
+            inputs, real = token.clamp(min=0).unsqueeze(1), None
+        self._forwards += gamma
+        return tokens, q_logits
+
+    def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
+               next_token: torch.Tensor, finished: torch.Tensor) -> None:
+        gamma = draft_tokens.shape[1]
+        max_n = max(accepted_host)
+        # The draft's cache holds the pending tokens and the first gamma - 1 drafts (the last was never fed).
+        pending_width = self.pending[0].shape[1]
+        kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(finished, 0)
+        self.runner.keep_prefix(pending_width + gamma - 1, kept, pending_width + min(max_n, gamma - 1))
+        if max_n < gamma:
+            self.pending = (next_token.unsqueeze(1), None)
+            return
+        all_in = accepted == gamma  # these rows still have to feed their last draft
+        first = torch.where(all_in, draft_tokens[:, -1], torch.zeros_like(next_token))
+        real = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
+        every_row = all(a == gamma for a in accepted_host)
+        self.pending = (torch.stack([first, next_token], dim=1), None if every_row else real)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.runner.select_rows(index)
+        tokens, real = self.pending
+        self.pending = (tokens.index_select(0, index), None if real is None else real.index_select(0, index))
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        return self.runner.lengths_to_read()
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        self.runner.lengths_read(lengths)
+
+    @property
+    def forwards(self) -> int:
+        return self._forwards
+
+    @property
+    def compactions(self) -> int:
+        return self.runner.compactions

@@ -1,0 +1,105 @@
+"""Checking a call's inputs once, for decoder-only and encoder-decoder models alike: the models, the token tensors
+and masks, the helpers, what a batch can take; and the decoder-only prompt."""
+
+import torch
+
+from .capabilities import check_pair
+from .options import BatchingOptions
+from .settings import Plan
+from .vocab import check_ids_in_vocabulary
+
+
+def model_device(model, name: str = "model") -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        raise ValueError(f"{name} has no parameters") from None
+
+
+def check_models(model, draft_model) -> None:
+    """Two HF models on one device, both decoder-only or both encoder-decoders of a supported type."""
+    if draft_model is None:
+        raise ValueError("draft_model (or assistant_model) is required")
+    for name, m in (("model", model), ("draft_model", draft_model)):
+        if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
+            raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
+    check_pair(model, draft_model)
+    target_device, draft_device = model_device(model, "model"), model_device(draft_model, "draft_model")
+    if target_device != draft_device:
+        raise ValueError(f"model is on {target_device} but draft_model is on {draft_device}; put both on one device")
+
+
+def check_helpers(tokenizer, assistant_tokenizer, batching) -> None:
+    for name, value in (("tokenizer", tokenizer), ("assistant_tokenizer", assistant_tokenizer)):
+        if value is not None and not callable(getattr(value, "get_vocab", None)):
+            raise TypeError(f"{name} must be a transformers tokenizer (with get_vocab()), got {type(value).__name__}")
+    if batching is not None and not isinstance(batching, BatchingOptions):
+        raise TypeError(f"batching must be a speculative_kernels BatchingOptions, got {type(batching).__name__}")
+
+
+def check_token_type(name: str, ids) -> None:
+    """TypeError unless ``ids`` is None or a tensor (a list of lists is the usual mistake)."""
+    if ids is not None and not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids [batch, length], got {type(ids).__name__}")
+
+
+def token_tensor(name: str, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """ids [B, L] of an integer dtype, as int64 on ``device`` (ValueError / TypeError naming ``name``)."""
+    check_token_type(name, ids)
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must be a [batch, length] tensor, got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be an integer tensor, got {ids.dtype}")
+    return ids.to(device=device, dtype=torch.int64)
+
+
+def mask_tensor(name: str, mask, shape, device: torch.device, of: str = "input_ids") -> torch.Tensor:
+    """An attention mask of ``shape`` (that of ``of``), integer or bool, on ``device`` (TypeError / ValueError naming
+    ``name``)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of 0/1 values, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)} but {of} has {tuple(shape)}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
+    return mask.to(device)
+
+
+def prompt_length(input_ids) -> int:
+    """The width of a decoder-only prompt as given (an empty or missing prompt becomes one BOS token)."""
+    return max(0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1], 1)
+
+
+def prepare_prompt(model, input_ids, attention_mask, bos_token_id) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder-only prompt: (input_ids [B, L] int64, attention_mask [B, L]) on the model's device, left-padded,
+    every row with a real token and every id in the vocabulary. An empty or missing prompt starts from BOS."""
+    device = model_device(model)
+    if input_ids is None or input_ids.numel() == 0:
+        if bos_token_id is None:
+            raise ValueError("input_ids is empty and the model has no bos_token_id to start from")
+        batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
+        input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
+        attention_mask = None
+    input_ids = token_tensor("input_ids", input_ids, device)
+    check_ids_in_vocabulary(model, "input_ids", input_ids)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = mask_tensor("attention_mask", attention_mask, input_ids.shape, device)
+    real = attention_mask != 0
+    empty = (~real.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask is all zeros in batch rows {empty}: every prompt needs at least one real "
+                         "token (pass the row's BOS token to start from nothing)")
+    if not bool(real[:, -1].all()):
+        raise ValueError("attention_mask shows right padding; decoder-only generation needs left padding")
+    return input_ids, attention_mask
+
+
+def check_batch(plan: Plan, batch: int) -> None:
+    """What needs batch size 1 (as in transformers), and what a batch needs."""
+    if batch > 1 and plan.streamer is not None:
+        raise ValueError("streamer supports batch size 1 only (as in transformers)")
+    if batch > 1 and plan.stopping_criteria:
+        raise ValueError("stopping_criteria are supported for batch size 1 only")
+    if batch > 1 and plan.pad_token_id is None:
+        raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")

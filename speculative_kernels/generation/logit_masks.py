@@ -1,0 +1,48 @@
+"""The logits processors of HF's greedy/sampling generation besides warping, as in-place masks: EOS suppressed
+before ``min_new_tokens`` (``MinLength``/``MinNewTokensLength``) and forced first/last tokens (``ForcedBOS``/
+``ForcedEOS``). The loop applies them to the target's and the draft's logits alike, so q is what the draft sampled
+from and p what HF would sample from."""
+
+import torch
+
+from .settings import Plan
+
+
+class LogitMasks:
+    """plan: the request's; prompt_length: the (decoder) prompt's width; vocab: V."""
+
+    def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device):
+        self.min_new_tokens = plan.min_new_tokens if plan.eos_token_ids else 0
+        self.eos_columns = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]: True at EOS ids
+        self.eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
+        self.forced = self._forced_columns(plan, prompt_length, vocab, device)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.forced) or self.min_new_tokens > 0
+
+    def apply(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
+        """In place on logits [B, T, V] whose positions follow generated_before [B, T] new tokens."""
+        if self.min_new_tokens > 0:  # EOS gets -inf where fewer than min_new_tokens have been generated
+            too_early = (generated_before < self.min_new_tokens).unsqueeze(-1)
+            logits.masked_fill_(too_early & self.eos_columns, float("-inf"))
+        for at, columns in self.forced:  # every logit -inf but the forced token's, which is 0 (as HF sets it)
+            hit = (generated_before == at).unsqueeze(-1)
+            logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)
+
+    @staticmethod
+    def _forced_columns(plan: Plan, prompt_length: int, vocab: int, device: torch.device) -> list:
+        """(generated index, [V] bool columns kept) pairs: forced_bos at decoder length 1 (only when the prompt is a
+        single token), forced_eos at max_length - 1."""
+        config, forced = plan.generation_config, []
+        for token_ids, at in ((config.forced_bos_token_id, 1 - prompt_length),
+                              (config.forced_eos_token_id, plan.max_new_tokens - 1)):
+            ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
+            if not ids or at < 0:
+                continue
+            if not all(0 <= i < vocab for i in ids):
+                raise ValueError(f"forced token ids {ids} are outside the vocabulary (size {vocab})")
+            columns = torch.zeros(vocab, dtype=torch.bool, device=device)
+            columns[ids] = True
+            forced.append((at, columns))
+        return forced

@@ -1,0 +1,73 @@
+"""The knobs of ``generate`` beyond HF's: batched decoding (``BatchingOptions``) and compiled steps
+(``CompileOptions``)."""
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingOptions:
+    """Knobs of batched decoding (batch > 1); the defaults suit most workloads (``docs/batching.md``).
+
+    compaction_threshold: compact when holes exceed this fraction of the used slots (0 < t <= 1).
+    drop_finished_fraction: drop finished rows from the batch once at least this fraction of it has finished
+        (0 < f <= 1); None never drops.
+    compaction_backend: backend of ``ops.compact_kv`` ("auto", "torch", "triton", "cuda").
+    static_slack: extra static-cache slots, as a fraction of the minimum capacity, that let holes accumulate between
+        compactions (None: compaction_threshold). Memory grows by this fraction; compactions get rarer.
+    """
+
+    compaction_threshold: float = 0.25
+    drop_finished_fraction: float | None = 0.25
+    compaction_backend: str = "auto"
+    static_slack: float | None = None
+
+    def __post_init__(self):
+        if not 0.0 < self.compaction_threshold <= 1.0:
+            raise ValueError(f"compaction_threshold must be in (0, 1], got {self.compaction_threshold}")
+        if self.drop_finished_fraction is not None and not 0.0 < self.drop_finished_fraction <= 1.0:
+            raise ValueError(f"drop_finished_fraction must be in (0, 1] or None, got {self.drop_finished_fraction}")
+        if self.static_slack is not None and not 0.0 <= self.static_slack <= 4.0:
+            raise ValueError(f"static_slack must be in [0, 4] or None, got {self.static_slack}")
+
+    @property
+    def slack(self) -> float:
+        return self.compaction_threshold if self.static_slack is None else self.static_slack
+
+    def rows_to_drop(self, num_finished: int, batch: int) -> bool:
+        """Whether to drop ``num_finished`` finished rows out of ``batch`` now (some row must stay unfinished)."""
+        if self.drop_finished_fraction is None or num_finished == 0 or num_finished >= batch:
+            return False
+        return num_finished >= max(1, math.ceil(self.drop_finished_fraction * batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How ``generate(..., compile=...)`` captures the draft and verification steps.
+
+    mode: ``torch.compile`` mode; None picks "reduce-overhead" (CUDA graphs) on CUDA and "default" elsewhere.
+    backend: ``torch.compile`` backend ("inductor"; "aot_eager" traces without code generation, for debugging).
+    """
+
+    mode: str | None = None
+    backend: str = "inductor"
+
+    def torch_compile_kwargs(self, device: torch.device) -> dict:
+        mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        kwargs = {"backend": self.backend, "dynamic": False}
+        if self.backend == "inductor":
+            kwargs["mode"] = mode
+        return kwargs
+
+    @staticmethod
+    def from_argument(compile) -> "CompileOptions | None":
+        """``generate``'s ``compile`` argument (False, True or a CompileOptions) as CompileOptions or None."""
+        if compile is None or compile is False:
+            return None
+        if compile is True:
+            return CompileOptions()
+        if isinstance(compile, CompileOptions):
+            return compile
+        raise TypeError(f"compile must be a bool or a CompileOptions, got {type(compile).__name__}")

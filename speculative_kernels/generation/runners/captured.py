@@ -1,0 +1,56 @@
+"""Captured steps (``compile=True``): compiling a runner's step, calling the compiled step, and capturing and warming
+up the steps of a request before it decodes."""
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..options import CompileOptions
+from .protocol import CapturableRunner
+
+# Every captured step of one runner class shares its step's code object, and dynamo keeps one cache per code object:
+# each model, width and batch size is an entry. Raise the per-code limit (default 8), and fail instead of silently
+# running eager past it.
+_DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+
+
+def dynamo_limits():
+    """Context raising dynamo's recompile limit for the captured steps (options a torch version lacks are skipped)."""
+    config = torch._dynamo.config
+    return config.patch(**{k: v for k, v in _DYNAMO_LIMITS.items() if hasattr(config, k)})
+
+
+def compile_step(step: Callable, options: CompileOptions, device: torch.device,
+                 static: Sequence[torch.Tensor]) -> Callable:
+    """``torch.compile`` of ``step``; ``static`` are the tensors it reads and writes in place (the cache, masks,
+    pointers), marked as static addresses so that a captured graph reads them at replay time."""
+    for tensor in static:
+        torch._dynamo.mark_static_address(tensor)
+    return torch.compile(step, **options.torch_compile_kwargs(device))
+
+
+def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    """Run a compiled step on fresh copies of its inputs (one inference mode and one stride per shape for the guards)
+    and return a copy of its output (a captured graph's outputs are overwritten by its next replay)."""
+    torch.compiler.cudagraph_mark_step_begin()
+    fresh = torch.contiguous_format
+    with dynamo_limits():
+        out = compiled(*(t.clone(memory_format=fresh) for t in inputs))
+    return out.clone()
+
+
+def capture_steps(steps: Sequence[tuple[CapturableRunner, Sequence[tuple[int, bool]]]], options: CompileOptions,
+                  device: torch.device) -> float:
+    """Capture each runner's steps at its (width, last_only) shapes, then warm every runner up (compile, record CUDA
+    graphs). Returns the seconds it took (``SpeculationStats.warmup_time_s``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for runner, shapes in steps:
+        runner.capture(shapes, options)
+    for runner, _ in steps:
+        runner.warm_up()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -1,0 +1,83 @@
+"""``DecoderRunner``: a decoder-only model over HF's dynamic cache, slot by slot, with holes instead of copies.
+
+Each row's real slots are marked in ``slot_mask`` [B, S] (1 real, 0 a hole: left padding, a rejected draft, a
+filler); position ids count real slots only, so a row with holes computes what it would alone. A rollback marks the
+rejected slots as holes and cuts the slots no row needs off the end (a view); ``SlotCompactor`` squeezes the holes
+out in bulk when they pass a threshold (``docs/batching.md``).
+"""
+
+import torch
+
+from ..buffers import grow_columns
+from ..capabilities import ModelSpec
+from .dynamic_cache import RollbackCache, crop_cache
+from .masks import decoder_mask
+from .slot_mask import SlotMaskRunner, accepts
+
+
+class DecoderRunner(SlotMaskRunner):
+    """A ``Runner`` for one decoder-only model on HF's dynamic cache.
+
+    spec: from ``capabilities.check_model``; batch: B; max_slots: the slot mask's initial width (it grows as needed);
+    compaction_threshold / compaction_backend: hole compaction for batch > 1 (``options.BatchingOptions``).
+    """
+
+    def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, *,
+                 compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
+        super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
+        self.model, self.spec = model, spec
+        self.cache = RollbackCache(model.config)
+        self._logits_to_keep = accepts(model, "logits_to_keep")
+        self._dtype = next(model.parameters()).dtype
+        self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+        """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
+        Returns logits [B, T, V] (or [B, 1, V] with last_only)."""
+        width = tokens.shape[1]
+        start, end = self.num_slots, self.num_slots + width
+        self.slot_mask = grow_columns(self.slot_mask, end)
+        if real is None:  # the common case, kept cheap: no cumsum, no per-row count
+            self.slot_mask[:, start:end] = 1
+            positions = self.next_position.unsqueeze(1) + self._step_offsets(width)
+        else:
+            real_i = real.to(torch.int64)
+            self.slot_mask[:, start:end] = real_i
+            positions = (self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1).clamp(min=0)
+        kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        query_slots = torch.arange(start, end, device=self.slot_mask.device)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype),
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.cache = out.past_key_values
+        self.num_slots = end
+        self.next_position += width if real is None else real_i.sum(dim=1)
+        logits = out.logits
+        return logits[:, -1:] if last_only else logits
+
+    def _step_offsets(self, width: int) -> torch.Tensor:
+        """arange(width) [1, T] on the runner's device, built once per width."""
+        offsets = self._steps.get(width)
+        if offsets is None:
+            offsets = self._steps[width] = torch.arange(width, device=self.slot_mask.device).unsqueeze(0)
+        return offsets
+
+    def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
+        """Every layer's K and V restricted to the first ``num_slots`` slots ([B, H, num_slots, D] views)."""
+        return [t[:, :, :num_slots] for layer in self.cache.layers if layer.keys is not None and layer.keys.numel()
+                for t in (layer.keys, layer.values)]
+
+    def truncate(self, num_slots: int) -> None:
+        """Drop every slot at index >= num_slots (no row may still need them)."""
+        if num_slots < self.num_slots:
+            crop_cache(self.cache, num_slots)
+            self.slot_mask[:, num_slots : self.num_slots] = 0
+            self.num_slots = num_slots
+
+    def _select_cache_rows(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)

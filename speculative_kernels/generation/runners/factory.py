@@ -1,0 +1,67 @@
+"""The one place that sizes and builds the runners of a request: the dynamic or the static cache, for decoder-only or
+encoder-decoder models."""
+
+import dataclasses
+
+import torch
+
+from ..capabilities import ModelSpec
+from ..memory import check_free_memory
+from ..options import BatchingOptions
+from .decoder import DecoderRunner
+from .protocol import Runner
+from .seq2seq import Seq2SeqRunner
+from .sizing import static_capacity, static_memory_bytes
+from .slot_cache import CacheLayout
+from .static_decoder import StaticDecoderRunner
+from .static_seq2seq import StaticSeq2SeqRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerPlan:
+    """How the two runners of a request are built (``plan_runners``).
+
+    static: preallocated caches; batch: B; slots: the slot masks' initial width (they grow); capacity: slots per row
+    of a static cache (0 on the dynamic cache); reserve: the most slots one iteration writes (gamma + 1).
+    """
+
+    static: bool
+    batch: int
+    slots: int
+    capacity: int
+    reserve: int
+    batching: BatchingOptions
+    device: torch.device
+
+
+def plan_runners(target, draft, specs: tuple[ModelSpec, ModelSpec], *, static: bool, batch: int, prompt_width: int,
+                 max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
+                 device: torch.device) -> RunnerPlan:
+    """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
+    hold them (``docs/batching.md``: the bound). gamma: the fixed draft length (static); slots: the dynamic slot
+    masks' initial width."""
+    if not static:
+        return RunnerPlan(False, batch, slots, 0, 0, batching, device)
+    encoder_decoder = specs[0].encoder_decoder
+    # Encoder-decoder rows stay hole-free (no compaction, no slack): the longest row plus one iteration.
+    capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else batch, batching.slack)
+    layouts = [CacheLayout.of(model, spec) for model, spec in zip((target, draft), specs)]
+    required = static_memory_bytes(layouts, batch, capacity, gamma)
+    what = "the static decoder caches" if encoder_decoder else "the static caches"
+    check_free_memory(required, device, f"{what} ({batch} rows x {capacity} slots, target and draft)")
+    return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device)
+
+
+def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None) -> Runner:
+    """The runner of one model. Encoder-decoder models take their encoder output [B, S, H] and mask [B, S]."""
+    if spec.encoder_decoder:
+        if plan.static:
+            return StaticSeq2SeqRunner(model, spec, plan.batch, plan.slots, plan.device, encoder_outputs, encoder_mask,
+                                       capacity=plan.capacity)
+        return Seq2SeqRunner(model, spec, plan.batch, plan.slots, plan.device, encoder_outputs, encoder_mask)
+    compaction = dict(compaction_threshold=plan.batching.compaction_threshold,
+                      compaction_backend=plan.batching.compaction_backend)
+    if plan.static:
+        return StaticDecoderRunner(model, spec, plan.batch, plan.capacity, plan.device, reserve=plan.reserve,
+                                   **compaction)
+    return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, **compaction)

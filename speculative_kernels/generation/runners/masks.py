@@ -1,0 +1,51 @@
+"""The attention masks the runners give the models, built in one place from which slots each row attends to.
+
+HF's sdpa/eager attention takes an additive 4-D mask [B, 1, T, S] as given, so a row with holes computes exactly what
+it would compute alone and HF never reads a 2-D mask on the host to decide whether it may skip masking.
+"""
+
+import torch
+
+from ..capabilities import ModelSpec
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """allowed [B, T, S] bool (query t may see slot s) -> the additive mask [B, 1, T, S]: 0 or dtype's minimum."""
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, blocked).unsqueeze(1)
+
+
+def causal_slots(attend: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
+    """[B, T, S] bool: the query at slot q sees slot s iff s <= q and attend[b, s]. attend: [B, S] (nonzero =
+    attended); query_slots: [T] (every row's queries at the same slots) or [B, T] (a slot per row and query)."""
+    keys = torch.arange(attend.shape[1], device=attend.device)
+    causal = keys <= query_slots.unsqueeze(-1)  # [T, S] or [B, T, S]
+    return causal & attend.unsqueeze(1).bool()
+
+
+def window_mask(slot_mask: torch.Tensor, query_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """[B, T, S] bool: the key at slot s is inside the sliding window of the query at slot query_slots[t].
+
+    slot_mask: [B, S] (1 = real slot); query_slots: [T]. Real slots of a row carry positions 0, 1, 2, ... in slot
+    order (holes take none), so a slot's position is the count of real slots up to it, minus one; HF's rule is
+    q - k < window over positions (cache positions in HF, which differ from these by the row's left padding only).
+    """
+    positions = slot_mask.cumsum(dim=1)  # [B, S]: position + 1 at real slots
+    query = positions.index_select(1, query_slots)  # [B, T]
+    return (query.unsqueeze(2) - positions.unsqueeze(1)) < window
+
+
+def decoder_mask(slot_mask: torch.Tensor, query_slots: torch.Tensor, spec: ModelSpec, dtype: torch.dtype):
+    """The ``attention_mask`` of a decoder-only forward whose queries sit at ``query_slots`` [T] of slot_mask [B, S]:
+    the slot mask itself for "2d" models (ALiBi from the mask; attention that takes no 4-D mask), else the additive
+    4-D mask, with the sliding window applied over real positions, or a dict of both keyed by layer type."""
+    if spec.mask == "2d":
+        return slot_mask
+    allowed = causal_slots(slot_mask, query_slots)
+    if spec.sliding_window is None:
+        return additive_mask(allowed, dtype)
+    sliding = additive_mask(allowed & window_mask(slot_mask, query_slots, spec.sliding_window), dtype)
+    if spec.mask == "4d-by-layer-type":
+        return {"full_attention": additive_mask(allowed, dtype), "sliding_attention": sliding}
+    return sliding

@@ -1,0 +1,219 @@
+"""``Seq2SeqRunner``: one encoder-decoder model (T5/MT5, BART/mBART) over a hole-free, right-aligned decoder cache.
+
+These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
+the cache length), so a hole would shift every later position. Each row's tokens therefore fill the last
+``next_position[b]`` slots of a rectangular cache; rollbacks and fillers shift rows right by what they dropped (one
+gather, batch > 1 only; batch 1 crops its tail) and the columns every row has left behind are cut on the left. BART's
+decoder reads its position table at each row's true positions through a forward hook. The cross-attention cache,
+filled by the first decoder forward, is kept for the whole request. Details: ``docs/architecture.md``.
+"""
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
+
+from ..buffers import grow_columns
+from ..capabilities import ModelSpec
+from .dynamic_cache import crop_cache
+from .masks import additive_mask, causal_slots
+
+
+def _shift_right(tensor: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tensor:
+    """Row b of ``tensor`` (batch on dim 0) moved ``shift[b]`` slots towards the end along ``dim`` (the last
+    shift[b] slots fall off, the first ones repeat slot 0 and must be masked by the caller)."""
+    width = tensor.shape[dim]
+    source = (torch.arange(width, device=shift.device).unsqueeze(0) - shift.unsqueeze(1)).clamp(min=0)  # [B, W]
+    shape = [tensor.shape[0]] + [1] * (tensor.dim() - 1)
+    shape[dim] = width
+    return tensor.gather(dim, source.view(shape).expand_as(tensor))
+
+
+class Seq2SeqRunner:
+    """A ``Runner`` for one encoder-decoder model with its encoder output.
+
+    The loop's slot numbering is kept in ``slot_mask`` (which of its slots held a real token, to count what a
+    rollback drops). The first forward is the decoder prompt: there ``real`` is the decoder attention mask and every
+    token keeps its position (pads are masked but counted, as in HF). Later, ``real`` False marks a filler, which
+    takes no position and is dropped right after the forward.
+    spec: from ``capabilities.check_model``; encoder_outputs: BaseModelOutput with last_hidden_state [B, S, H];
+    encoder_mask: [B, S] or None.
+    """
+
+    def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, encoder_outputs,
+                 encoder_mask):
+        self.model, self.spec, self.batch = model, spec, batch
+        self.encoder_outputs = encoder_outputs
+        # No config: layers are created as used (a config may count the encoder's layers, e.g. T5).
+        self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        self.slot_mask = torch.zeros(batch, max_slots, dtype=torch.int64, device=device)  # the loop's view [B, S]
+        self.num_slots = 0
+        # The cache's view: width W, row b's tokens in its last next_position[b] slots (a row's token count is
+        # its next position), attend [B, W] (0 left of them and at decoder prompt pads).
+        self.width = 0
+        self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.attend = torch.zeros(batch, 0, dtype=torch.int64, device=device)
+        self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
+        self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
+        self._position_module = None
+        if spec.positions == "absolute":
+            self._position_module = model.get_decoder().embed_positions
+            if not isinstance(self._position_module, torch.nn.Embedding):
+                raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
+        self._positions = None
+        self._dtype = next(model.parameters()).dtype
+        self._four_d = spec.mask == "4d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
+        self._cross_mask = encoder_mask
+        if self._four_d and encoder_mask is not None:  # [B, 1, 1, S], broadcast over queries
+            self._cross_mask = additive_mask(encoder_mask.to(torch.bool)[:, None, :], self._dtype)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+        """Run tokens [B, T] after each row's tokens. Returns logits [B, T, V] (or [B, 1, V] with last_only) in the
+        loop's order."""
+        width = tokens.shape[1]
+        start, end = self.num_slots, self.num_slots + width
+        self.slot_mask = grow_columns(self.slot_mask, end)
+        prompt = start == 0
+        fillers = real is not None and not prompt
+        occupied = real.to(torch.int64) if fillers else torch.ones_like(tokens)
+        attend_new = real.to(torch.int64) if (real is not None and prompt) else occupied
+        if fillers:  # fillers go last, so each row's real tokens follow its cache without a gap
+            order = torch.argsort(1 - occupied, dim=1, stable=True)
+            tokens, attend_new = tokens.gather(1, order), attend_new.gather(1, order)
+        count = occupied.sum(dim=1)
+        logits = self._decode(tokens, attend_new, count, fillers)
+        self.slot_mask[:, start:end] = occupied
+        self.num_slots = end
+        self._bound[end] = self._bound[start] + width
+        if fillers:
+            if last_only:
+                return logits.gather(1, (count - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
+            logits = logits.gather(1, torch.argsort(order, dim=1).unsqueeze(-1).expand_as(logits))
+        return logits[:, -1:] if last_only else logits
+
+    def _decode(self, tokens: torch.Tensor, attend_new: torch.Tensor, count: torch.Tensor, fillers: bool):
+        """The cache-specific part of ``forward``: run the decoder on tokens [B, T] (each row's real ones first,
+        attend_new [B, T] 1 where attended), advance each row by count [B] and drop the fillers after it."""
+        width = tokens.shape[1]
+        mask = torch.cat([self.attend, attend_new], dim=1)
+        self._positions = self.next_position.unsqueeze(1) + torch.arange(width, device=tokens.device)
+        if self._four_d:
+            query_slots = torch.arange(mask.shape[1] - width, mask.shape[1], device=mask.device)
+            decoder_mask = additive_mask(causal_slots(mask, query_slots), self._dtype)
+        else:
+            decoder_mask = mask
+        logits = self._call_model(tokens, decoder_mask)
+        self.attend, self.width = mask, self.width + width
+        self.next_position = self.next_position + count
+        if fillers:
+            self._tail_only = False
+            self._shift(width - count)
+        return logits
+
+    def _call_model(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        """One decoder forward with the position hooks in place; decoder_mask: [B, W] or additive [B, 1, T, W]."""
+        hooks = self._register_position_hooks()
+        try:
+            return self._model_forward(tokens, decoder_mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _model_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            attention_mask=self._cross_mask,
+            encoder_outputs=self.encoder_outputs,
+            decoder_input_ids=tokens,
+            decoder_attention_mask=decoder_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        return out.logits
+
+    def _register_position_hooks(self) -> list:
+        """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
+        if self._position_module is None:
+            return []
+        return [self._position_module.register_forward_hook(self._true_positions)]
+
+    def _true_positions(self, module, args, output):
+        """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
+        limit = module.num_embeddings - getattr(module, "offset", 0) - 1
+        positions = self._positions.clamp(max=limit) + getattr(module, "offset", 0)  # fillers may run past the end
+        return torch.nn.functional.embedding(positions, module.weight).to(output.dtype)
+
+    # ------------------------------------------------------------------------------------------- rollback
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
+        """Of the loop's last ``width`` slots, row b keeps the first kept[b]; the real tokens among the rest go."""
+        start = self.num_slots - width
+        offsets = torch.arange(width, device=kept.device).unsqueeze(0)
+        dropped = (self.slot_mask[:, start : self.num_slots] * (offsets >= kept.unsqueeze(1))).sum(dim=1)
+        self.slot_mask[:, start + max_kept : self.num_slots] = 0
+        self.num_slots = start + max_kept
+        self._bound = {self.num_slots: self._bound[start] + max_kept}
+        self._drop(dropped, width - max_kept)
+
+    def _drop(self, dropped: torch.Tensor, tail: int) -> None:
+        """Remove the last dropped[b] tokens of row b [B]; ``tail`` (host int) slots at the end go in every row."""
+        self.next_position = self.next_position - dropped
+        if self._tail_only:  # one row, all real: it drops exactly its last `tail` tokens
+            self._crop_right(self.width - tail)
+        else:
+            self._shift(dropped)
+            self._crop_left(min(self.width, self._bound[self.num_slots]))
+        self._tail_only = self.batch == 1
+
+    def _shift(self, shift: torch.Tensor) -> None:
+        """Move row b right by shift[b] slots (its last shift[b] slots are dropped); shift: [B] int64."""
+        for layer in self.cache.self_attention_cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            layer.keys = _shift_right(layer.keys, shift, dim=2)
+            layer.values = _shift_right(layer.values, shift, dim=2)
+        valid = torch.arange(self.width, device=shift.device).unsqueeze(0) >= shift.unsqueeze(1)
+        self.attend = _shift_right(self.attend, shift, dim=1) * valid
+
+    def _crop_left(self, keep: int) -> None:
+        """Keep the last ``keep`` slots (no row has a token left of them)."""
+        cut = self.width - keep
+        if cut <= 0:
+            return
+        for layer in self.cache.self_attention_cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            layer.keys, layer.values = layer.keys[..., cut:, :], layer.values[..., cut:, :]
+        self.attend = self.attend[:, cut:]
+        self.width = keep
+
+    def _crop_right(self, keep: int) -> None:
+        if keep < self.width:
+            crop_cache(self.cache.self_attention_cache, keep)
+            self.attend = self.attend[:, :keep]
+            self.width = keep
+
+    # ------------------------------------------------------------------------------------------- rows
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] of both caches, the encoder output, the masks and the positions."""
+        self._select_cache(index)
+        self.encoder_outputs = BaseModelOutput(
+            last_hidden_state=self.encoder_outputs.last_hidden_state.index_select(0, index))
+        if self._cross_mask is not None:
+            self._cross_mask = self._cross_mask.index_select(0, index)
+        self.slot_mask = self.slot_mask.index_select(0, index)
+        self.next_position = self.next_position.index_select(0, index)
+        self.batch = index.shape[0]
+
+    def _select_cache(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.attend = self.attend.index_select(0, index)
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        return None  # its bookkeeping needs no host lengths
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        raise AssertionError("Seq2SeqRunner asks for no lengths")
+
+    @property
+    def compactions(self) -> int:
+        return 0  # no holes

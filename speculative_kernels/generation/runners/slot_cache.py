@@ -1,0 +1,122 @@
+"""``SlotCache``: a preallocated KV cache written at a write pointer, which a rollback moves back (no K/V copy).
+
+Why not HF's ``StaticCache``: in transformers 5.x (5.17 to 5.23 alike) every ``StaticLayer`` keeps its own
+``cumulative_length``, so rolling it back would be one scalar write per layer and model; here all layers share one
+pointer. It also allocates eagerly (the memory check runs first) and checks every write's shape, so a K/V layout the
+config does not describe fails with the architecture's name (``docs/batching.md``).
+"""
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..capabilities import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What one model's static cache holds: K and V of ``num_layers`` layers, [B, kv_heads, C, head_dim] each."""
+
+    architecture: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(model, spec: ModelSpec) -> "CacheLayout":
+        """The layout of ``model``'s static cache, from its static-path spec (``capabilities.check_model``)."""
+        layers, kv_heads, head_dim = spec.kv_sizes
+        return CacheLayout(spec.architecture, layers, kv_heads, head_dim, next(model.parameters()).dtype)
+
+    def bytes(self, batch: int, capacity: int) -> int:
+        """K and V of every layer: 2 * layers * B * H_kv * C * D * element size."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * batch * self.kv_heads * capacity * self.head_dim * element
+
+
+class SlotCacheLayer(CacheLayerMixin):
+    """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's write pointer: ``position`` is a 0-dim
+    tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T))."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, architecture: str):
+        super().__init__()
+        self.keys, self.values, self.position = keys, values, position
+        self.max_cache_len = keys.shape[2]
+        self.architecture = architecture
+        self.is_initialized = True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise AssertionError("SlotCacheLayer is allocated eagerly")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write key/value_states [B, H_kv, T, D] at slots position + [0, T); return the whole buffers."""
+        expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], self.keys.shape[3])
+        if tuple(key_states.shape) != expected or key_states.dtype != self.dtype:
+            raise ValueError(
+                f"{self.architecture}: the static cache expected keys of shape {expected} and dtype {self.dtype}, got "
+                f"{tuple(key_states.shape)} {key_states.dtype}; this K/V layout is not supported, use the dynamic cache"
+            )
+        steps = torch.arange(key_states.shape[2], device=self.device)
+        if self.position.dim() == 0:
+            slots = self.position + steps
+            self.keys.index_copy_(2, slots, key_states)
+            self.values.index_copy_(2, slots, value_states)
+        else:
+            slots = (self.position.unsqueeze(1) + steps).view(key_states.shape[0], 1, -1, 1)  # [B, 1, T, 1]
+            self.keys.scatter_(2, slots.expand_as(key_states), key_states)
+            self.values.scatter_(2, slots.expand_as(value_states), value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        """The write pointer; with a pointer per row, the shortest row's (HF wants one length; a per-row runner gives
+        the model its positions itself)."""
+        return self.position if self.position.dim() == 0 else self.position.amin()
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+
+class SlotCache(Cache):
+    """Preallocated K/V for every layer of one model, with one write pointer shared by all layers.
+
+    batch: B; capacity: C slots. ``position`` is an int64 device tensor (a static address, so captured graphs read it
+    at replay time): 0-dim, or [B] with ``per_row`` (``point_at`` replaces it).
+    """
+
+    def __init__(self, layout: CacheLayout, batch: int, capacity: int, device: torch.device, *,
+                 per_row: bool = False):
+        self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
+        shape = (batch, layout.kv_heads, capacity, layout.head_dim)
+        layers = [
+            SlotCacheLayer(torch.zeros(shape, dtype=layout.dtype, device=device),
+                           torch.zeros(shape, dtype=layout.dtype, device=device), self.position, layout.architecture)
+            for _ in range(layout.num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.capacity = capacity
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every K and V buffer [B, H_kv, C, D]."""
+        return [t for layer in self.layers for t in (layer.keys, layer.values)]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] of the K/V buffers (a copy into smaller buffers; a per-row pointer is the
+        caller's to select and ``point_at``)."""
+        for layer in self.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+    def point_at(self, position: torch.Tensor) -> None:
+        """Use ``position`` [B] as every layer's per-row write pointer (after rows were selected)."""
+        self.position = position
+        for layer in self.layers:
+            layer.position = position

@@ -1,0 +1,139 @@
+"""``StaticSeq2SeqRunner``: an encoder-decoder model over a preallocated decoder self-attention cache with a write
+pointer per row (``cache_implementation="static"`` and ``compile=True`` for T5/MT5, BART/mBART).
+
+The cache is ``EncoderDecoderCache(SlotCache, DynamicCache)``, HF's structure with two differences speculation needs:
+row b's tokens fill slots [0, next_position[b]) of its row, hole-free and left-aligned, so a token's position is its
+slot and a rollback subtracts what each row dropped from its pointer (O(1), no K/V moved; stale slots past a pointer
+are overwritten before any query can see them); and the cross-attention cache is filled once, by the first decoder
+forward. Rows sit at different lengths while HF derives one offset from the cache, so hooks give the decoder each
+row's own positions: BART's position table, T5's relative bias [B, H, T, C] (computed with T5's own bucket function
+and table). No holes, so no compaction and no slack.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+
+from ..capabilities import ModelSpec
+from ..options import CompileOptions
+from .captured import call_captured, compile_step
+from .masks import additive_mask, causal_slots
+from .seq2seq import Seq2SeqRunner
+from .slot_cache import CacheLayout, SlotCache
+
+
+class StaticSeq2SeqRunner(Seq2SeqRunner):
+    """A ``CapturableRunner``: ``Seq2SeqRunner``'s loop bookkeeping over the preallocated cache. capacity: C slots
+    per row; spec: the model's static-path spec; the other arguments are ``Seq2SeqRunner``'s."""
+
+    def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, encoder_outputs,
+                 encoder_mask, *, capacity: int):
+        super().__init__(model, spec, batch, max_slots, device, encoder_outputs, encoder_mask)
+        self.capacity = capacity
+        self_attention = SlotCache(CacheLayout.of(model, spec), batch, capacity, device, per_row=True)
+        self.cache = EncoderDecoderCache(self_attention, DynamicCache())
+        self.next_position = self_attention.position  # [B]: one tensor, the rows' lengths and the write pointers
+        self.attend = torch.zeros(batch, capacity, dtype=torch.int64, device=device)  # 0: a decoder prompt pad
+        self._keys = torch.arange(capacity, device=device)
+        self._bias_module = None
+        if spec.positions == "relative":
+            self._bias_module = model.get_decoder().block[0].layer[0].SelfAttention
+        self._compiled = {}  # width -> compiled _step
+        self._host_lengths = None  # the rows' lengths from the loop's host read (keeps the capacity bound tight)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def _decode(self, tokens: torch.Tensor, attend_new: torch.Tensor, count: torch.Tensor, fillers: bool):
+        width = tokens.shape[1]
+        if self._bound[self.num_slots] + width > self.capacity:
+            # Without the loop's lengths (a runner driven on its own) the host bound sums each iteration's longest
+            # row and at batch > 1 outgrows every row: read the true lengths (the capacity holds the longest row plus
+            # one iteration).
+            self._bound[self.num_slots] = int(self.next_position.max())
+            if self._bound[self.num_slots] + width > self.capacity:
+                raise RuntimeError(f"static cache exhausted ({self._bound[self.num_slots] + width} > "
+                                   f"{self.capacity} slots)")
+        hooks = self._register_position_hooks()
+        try:
+            compiled = self._compiled.get(width)
+            if compiled is None:
+                return self._step(tokens, attend_new, count)
+            return call_captured(compiled, tokens, attend_new, count)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _step(self, tokens: torch.Tensor, attend_new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The captured part: write the attend flags, build the mask and positions, run the decoder, advance.
+        tokens, attend_new: [B, T] (real tokens first in each row); count: [B] real tokens per row."""
+        slots = self.next_position.unsqueeze(1) + self._keys[: tokens.shape[1]]  # [B, T]
+        self.attend.scatter_(1, slots, attend_new)
+        self._positions = slots
+        logits = self._model_forward(tokens, additive_mask(causal_slots(self.attend, slots), self._dtype))
+        self.next_position.add_(count)
+        return logits
+
+    def _register_position_hooks(self) -> list:
+        hooks = super()._register_position_hooks()
+        if self._bias_module is not None:
+            hooks.append(self._bias_module.register_forward_pre_hook(self._relative_bias, with_kwargs=True))
+        return hooks
+
+    def _relative_bias(self, module, args, kwargs):
+        """Forward pre-hook on T5's first decoder self-attention: position_bias [B, H, T, C] for each row's query
+        positions ``self._positions`` [B, T] (HF: one shared offset, [1, H, T, C])."""
+        relative = self._keys.view(1, 1, -1) - self._positions.unsqueeze(2)  # [B, T, C]: key - query position
+        buckets = module._relative_position_bucket(
+            relative, bidirectional=not module.is_decoder, num_buckets=module.relative_attention_num_buckets,
+            max_distance=module.relative_attention_max_distance)
+        kwargs["position_bias"] = module.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+        return args, kwargs
+
+    # ------------------------------------------------------------------------------------------- rollback
+    def _drop(self, dropped: torch.Tensor, tail: int) -> None:
+        """O(1): each row's pointer moves back by what it dropped (dropped [B])."""
+        self.next_position.sub_(dropped)
+        if self._host_lengths:  # lengths before this rollback bound those after it
+            self._bound[self.num_slots] = min(self._bound[self.num_slots], max(self._host_lengths))
+        self._host_lengths = None
+
+    # ------------------------------------------------------------------------------------------- rows
+    def select_rows(self, index: torch.Tensor) -> None:
+        super().select_rows(index)
+        self.cache.self_attention_cache.point_at(self.next_position)
+
+    def _select_cache(self, index: torch.Tensor) -> None:
+        self.cache.self_attention_cache.select_rows(index)
+        self.cache.cross_attention_cache.batch_select_indices(index)
+        self.attend = self.attend.index_select(0, index)
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        return self.next_position
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        self._host_lengths = lengths
+
+    # ------------------------------------------------------------------------------------------- capture
+    def capture(self, shapes: Sequence[tuple[int, bool]], options: CompileOptions) -> None:
+        """The cross-attention cache is filled first (by a rewound eager forward when no forward has run yet), so the
+        captured steps only read it."""
+        if not self.cache.cross_attention_cache.layers:
+            self._rewound(self.forward, torch.zeros(self.batch, 1, dtype=torch.int64, device=self.attend.device))
+        cross = [t for layer in self.cache.cross_attention_cache.layers for t in (layer.keys, layer.values)]
+        static = (self.attend, self.next_position, *self.cache.self_attention_cache.tensors(), *cross)
+        compiled = compile_step(self._step, options, self.attend.device, static)
+        self._compiled.update({width: compiled for width, _ in shapes})
+
+    def warm_up(self, calls: int = 3) -> None:
+        for width in self._compiled:
+            tokens = torch.zeros(self.batch, width, dtype=torch.int64, device=self.attend.device)
+            for _ in range(calls):
+                self._rewound(self.forward, tokens)
+
+    def _rewound(self, forward, tokens: torch.Tensor) -> None:
+        """Call forward(tokens) and put the loop's view and the pointers back as they were."""
+        start, bound, positions = self.num_slots, self._bound[self.num_slots], self.next_position.clone()
+        forward(tokens)
+        self.slot_mask[:, start : self.num_slots] = 0
+        self.num_slots, self._bound = start, {start: bound}
+        self.next_position.copy_(positions)

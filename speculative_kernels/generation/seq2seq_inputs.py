@@ -1,0 +1,117 @@
+"""Preparing an encoder-decoder request as HF's ``generate`` does: the encoder input, the decoder prompt, and the
+encoder passes (run once per request, after every check)."""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+from transformers.modeling_outputs import BaseModelOutput
+
+from .inputs import mask_tensor, model_device, token_tensor
+from .vocab import check_ids_in_vocabulary
+
+
+@dataclasses.dataclass
+class Seq2SeqPrompt:
+    """decoder_ids, decoder_mask: [B, Ld], the decoder prompt (start token first); encoder_mask: [B, S] or None;
+    encode(): runs the encoders, returning {id(model): BaseModelOutput with last_hidden_state [B, S, H]}."""
+
+    decoder_ids: torch.Tensor
+    decoder_mask: torch.Tensor
+    encoder_mask: torch.Tensor | None
+    encode: Callable[[], dict]
+
+
+def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, decoder_input_ids=None,
+                    decoder_attention_mask=None, encoder_outputs=None) -> Seq2SeqPrompt:
+    """input_ids, attention_mask: the encoder input [B, S] (either may be None, as in HF; right padding as usual);
+    config: the resolved GenerationConfig (decoder_start_token_id, bos_token_id). ``decoder_input_ids`` (with
+    ``decoder_attention_mask``) continue the decoder prompt; ``encoder_outputs`` replace the target's encoder pass."""
+    device = model_device(model)
+    encoder_outputs = _as_encoder_output(encoder_outputs, device)
+    input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
+                                               device)
+    batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
+    decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
+    if input_ids is not None:
+        check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
+    check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
+    encode = functools.partial(_encode_both, model, draft_model, input_ids, attention_mask, encoder_outputs)
+    return Seq2SeqPrompt(decoder_ids, decoder_mask, attention_mask, encode)
+
+
+def _as_encoder_output(encoder_outputs, device):
+    if encoder_outputs is None:
+        return None
+    if isinstance(encoder_outputs, (tuple, list)):
+        encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+    hidden = getattr(encoder_outputs, "last_hidden_state", None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise ValueError("encoder_outputs must hold last_hidden_state [batch, source length, hidden]")
+    return BaseModelOutput(last_hidden_state=hidden.to(device))
+
+
+def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device):
+    """(input_ids, attention_mask) for the encoders. No ids and no encoder_outputs: [[bos]], as HF does."""
+    if input_ids is None and encoder_outputs is None:
+        if bos_token_id is None:
+            raise ValueError("input_ids (or encoder_outputs) is required: the model has no bos_token_id to start from")
+        input_ids = torch.full((1, 1), int(bos_token_id), dtype=torch.int64, device=device)
+    if input_ids is not None:
+        input_ids = token_tensor("input_ids", input_ids, device)
+        if input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a [batch, length] tensor, got shape {tuple(input_ids.shape)}")
+    given = encoder_outputs is not None and input_ids is not None
+    if given and encoder_outputs.last_hidden_state.shape[0] != input_ids.shape[0]:
+        raise ValueError("encoder_outputs and input_ids have different batch sizes")
+    if attention_mask is not None:
+        source = input_ids.shape if input_ids is not None else encoder_outputs.last_hidden_state.shape[:2]
+        attention_mask = mask_tensor("attention_mask", attention_mask, source, device, of="the encoder input")
+    return input_ids, attention_mask
+
+
+def _decoder_prompt(config, decoder_ids, decoder_mask, batch: int, device):
+    """HF's decoder prompt: decoder_start_token_id (or bos) alone, or prepended to decoder_input_ids that do not
+    all start with it (decoder_attention_mask gets a 1 in front)."""
+    start = config.decoder_start_token_id if config.decoder_start_token_id is not None else config.bos_token_id
+    if start is None:
+        raise ValueError("decoder_start_token_id or bos_token_id has to be defined for encoder-decoder generation")
+    start = torch.as_tensor(start, dtype=torch.int64, device=device)
+    if start.dim() == 1 and start.shape[0] != batch:
+        raise ValueError(f"decoder_start_token_id has {start.shape[0]} entries for a batch of {batch}")
+    start = start.view(-1, 1).expand(batch, 1)
+    if decoder_ids is None:
+        if decoder_mask is not None:
+            raise ValueError("decoder_attention_mask was given without decoder_input_ids")
+        return start.clone(), torch.ones(batch, 1, dtype=torch.int64, device=device)
+    if not isinstance(decoder_ids, torch.Tensor) or decoder_ids.dim() != 2 or decoder_ids.shape[0] != batch:
+        raise ValueError(f"decoder_input_ids must be a [{batch}, length] tensor, got "
+                         f"{getattr(decoder_ids, 'shape', decoder_ids)}")
+    decoder_ids = decoder_ids.to(device=device, dtype=torch.int64)
+    if decoder_mask is None:
+        decoder_mask = torch.ones_like(decoder_ids)
+    decoder_mask = mask_tensor("decoder_attention_mask", decoder_mask, decoder_ids.shape, device,
+                               of="decoder_input_ids").to(torch.int64)
+    if decoder_ids.shape[1] == 0 or bool((decoder_ids[:, 0] != start[:, 0]).all()):
+        decoder_ids = torch.cat([start, decoder_ids], dim=1)
+        decoder_mask = torch.cat([torch.ones_like(start), decoder_mask], dim=1)
+    if not bool(decoder_mask[:, -1].all()):
+        raise ValueError("decoder_attention_mask must be 1 at the last decoder_input_ids position of every row")
+    return decoder_ids, decoder_mask
+
+
+@torch.inference_mode()
+def _encode_both(model, draft_model, input_ids, attention_mask, encoder_outputs) -> dict:
+    """id(model) -> encoder output. The draft reuses the target's when it is the same model or shares its encoder."""
+    if encoder_outputs is None:
+        encoder_outputs = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+    encoded = {id(model): encoder_outputs}
+    if draft_model is model or draft_model.get_encoder() is model.get_encoder():
+        encoded[id(draft_model)] = encoder_outputs
+    elif input_ids is None:
+        raise ValueError("encoder_outputs alone cannot feed the draft's own encoder; pass input_ids as well")
+    else:
+        encoded[id(draft_model)] = draft_model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                                             return_dict=True)
+    return encoded
