@@ -75,16 +75,16 @@ def recording():
     (libdevice math, the GPU's compaction tile). Yields the list the launches are appended to."""
     recorder = _Recorder()
     cuda = torch.device("cuda")
-    saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend._precise,
+    saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend.precise_math,
              compaction_triton.slot_tile)
-    precise, slot_tile = triton_backend._precise, compaction_triton.slot_tile
+    precise, slot_tile = triton_backend.precise_math, compaction_triton.slot_tile
     triton_backend.wrap_triton = compaction_triton.wrap_triton = recorder
-    triton_backend._precise = lambda device: precise(cuda)
+    triton_backend.precise_math = lambda device: precise(cuda)
     compaction_triton.slot_tile = lambda device: slot_tile(cuda)
     try:
         yield recorder.launches
     finally:
-        (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend._precise,
+        (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend.precise_math,
          compaction_triton.slot_tile) = saved
 
 

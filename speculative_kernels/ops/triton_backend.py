@@ -107,7 +107,7 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
     )
 
 
-def _precise(device: torch.device) -> bool:
+def precise_math(device: torch.device) -> bool:
     """libdevice math on NVIDIA GPUs; the interpreter has none (and numpy rounds every op on its own)."""
     return device.type == "cuda" and torch.version.hip is None and not _interpreting()
 
@@ -157,7 +157,7 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
     num_draft = num_positions - 1
     device = target.device
     plan = make_plan(batch, num_positions, vocab, tuning)
-    precise = _precise(device)
+    precise = precise_math(device)
     greedy = sampling.greedy
     out = torch.empty(out_shape, dtype=torch.int64, device=device)  # row stride K+1 either way
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)

@@ -28,7 +28,7 @@ from .triton_random import (
 
 FLAG_BAD = tl.constexpr(1)  # the chunk holds NaN or +inf
 FLAG_ALIVE = tl.constexpr(2)  # the chunk holds a value > -inf
-_INT_MAX = tl.constexpr(2**31 - 1)
+INT_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _cut(z, v, cut_value, cut_index, HAS_CUT: tl.constexpr):
 
 
 @triton.jit
-def _warp(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
+def warp_logit(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS_CUT: tl.constexpr):
     """float32 logits x at vocabulary ids v -> warped z (entries outside the (value, index) cut set to -inf)."""
     return _cut(_scale(x, temperature, SCALE), v, cut_value, cut_index, HAS_CUT)
 
@@ -83,7 +83,7 @@ def _row_chunk_stats(
     m = float("-inf")
     s = 0.0
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    best_idx = tl.full([BLOCK_V], INT_MAX, tl.int32)
     for base in range(start, end, BLOCK_V):
         v = base + offs
         x = tl.load(x_ptr + v.to(tl.int64) * stride_v, mask=v < end, other=float("-inf")).to(tl.float32)
@@ -102,7 +102,7 @@ def _row_chunk_stats(
             m = m_new
     if GREEDY:
         m = tl.max(best, 0)
-        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == m, best_idx, _INT_MAX), 0))
+        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == m, best_idx, INT_MAX), 0))
     else:
         tl.store(WS_S_ptr + ws, s)
     tl.store(WS_M_ptr + ws, m)
@@ -160,7 +160,7 @@ def stats_kernel(
 
 
 @triton.jit
-def _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, rows, row_mask, num_chunks,
+def combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, rows, row_mask, num_chunks,
                      PRECISE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Combine the chunk partials of workspace rows ``rows`` [BLOCK_R] -> (max, sum exp, OR of flags)."""
     m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -187,17 +187,17 @@ def _combine_argmax(WS_M_ptr, WS_I_ptr, WS_F_ptr, rows, row_mask, num_chunks,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Combine greedy partials of rows [BLOCK_R] -> (max, first index of the max, OR of flags)."""
     best = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_R], _INT_MAX, tl.int32)
+    best_idx = tl.full([BLOCK_R], INT_MAX, tl.int32)
     f_all = tl.zeros([BLOCK_R], tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < num_chunks)[None, :]
         idx = rows[:, None] * num_chunks + cols[None, :]
         m = tl.load(WS_M_ptr + idx, mask=mask, other=float("-inf"))
-        i = tl.load(WS_I_ptr + idx, mask=mask, other=_INT_MAX)
+        i = tl.load(WS_I_ptr + idx, mask=mask, other=INT_MAX)
         f = tl.load(WS_F_ptr + idx, mask=mask, other=0)
         blk = tl.max(m, 1)
-        blk_idx = tl.min(tl.where(m == blk[:, None], i, _INT_MAX), 1)
+        blk_idx = tl.min(tl.where(m == blk[:, None], i, INT_MAX), 1)
         better = blk > best  # earlier chunk blocks hold lower indices
         best = tl.where(better, blk, best)
         best_idx = tl.where(better, blk_idx, best_idx)
@@ -206,20 +206,20 @@ def _combine_argmax(WS_M_ptr, WS_I_ptr, WS_F_ptr, rows, row_mask, num_chunks,
 
 
 @triton.jit
-def _row_invalid(flags, row_mask):
+def row_invalid(flags, row_mask):
     """1 if any masked-in row has NaN/+inf or is entirely -inf."""
     bad = ((flags & FLAG_BAD) != 0) | ((flags & FLAG_ALIVE) == 0)
     return tl.max((bad & row_mask).to(tl.int32), 0)
 
 
 @triton.jit
-def _pick(vec, lanes, n):
+def pick_lane(vec, lanes, n):
     """vec[n] for a block ``vec`` indexed by ``lanes`` (exact: one term plus zeros)."""
     return tl.sum(tl.where(lanes == n, vec, 0), 0)
 
 
 @triton.jit
-def _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K,
+def write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K,
                   BLOCK_K: tl.constexpr):
     """tokens[b] = accepted drafts, next token, then -1; all -1 and num_accepted -1 for an invalid row."""
     pos = tl.arange(0, BLOCK_K)
@@ -231,7 +231,7 @@ def _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n
 
 
 @triton.jit
-def _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
+def load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
     """Draft tokens of batch entry b on lanes < K -> (clamped ids int32, 1 if any id is outside [0, V))."""
     in_k = lanes < K
     x = tl.load(X_ptr + b * stride_xb + lanes * stride_xi, mask=in_k, other=0).to(tl.int64)
@@ -255,16 +255,16 @@ def finish_greedy_kernel(
         num_rows += K
     _, best_idx, flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + lanes, lanes <= K,
                                          num_chunks, BLOCK_K, BLOCK_C)
-    invalid = _row_invalid(flags, lanes <= K)
+    invalid = row_invalid(flags, lanes <= K)
     if HAS_DRAFT:
         _, _, d_flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + K + 1 + lanes,
                                         lanes < K, num_chunks, BLOCK_K, BLOCK_C)
-        invalid = invalid | _row_invalid(d_flags, lanes < K)
-    x, oob = _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
+        invalid = invalid | row_invalid(d_flags, lanes < K)
+    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
     rejected = (lanes < K) & (x != best_idx)
     n = tl.min(tl.where(rejected, lanes, K), 0)
-    next_token = _pick(best_idx, lanes, n)
-    _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid | oob, K,
+    next_token = pick_lane(best_idx, lanes, n)
+    write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid | oob, K,
                   BLOCK_K)
 
 
@@ -278,7 +278,7 @@ def scale_kernel(
     """z = float32(x) / temperature, written out for ``warp_thresholds``; grid (B*J, cdiv(V, BLOCK_V)).
 
     The top-k/top-p cut must be computed from bit-for-bit the z the other kernels compute (torch's CUDA
-    division by a python scalar multiplies by the reciprocal instead), so this kernel shares ``_warp``.
+    division by a python scalar multiplies by the reciprocal instead), so this kernel shares ``warp_logit``.
     """
     row = tl.program_id(0)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -287,5 +287,5 @@ def scale_kernel(
     mask = v < V
     x = tl.load(X_ptr + b.to(tl.int64) * stride_xb + j.to(tl.int64) * stride_xj + v.to(tl.int64) * stride_xv,
                 mask=mask, other=0.0).to(tl.float32)
-    z = _warp(x, v, temperature, 0.0, 0, SCALE, False)
+    z = warp_logit(x, v, temperature, 0.0, 0, SCALE, False)
     tl.store(Z_ptr + row.to(tl.int64) * V + v, z, mask=mask)

@@ -11,13 +11,13 @@ import triton.language as tl
 
 from .philox import STREAM_ACCEPT
 from .triton_kernels import (
-    _INT_MAX,
-    _combine_softmax,
-    _load_draft_tokens,
-    _pick,
-    _row_invalid,
-    _warp,
-    _write_tokens,
+    INT_MAX,
+    combine_softmax,
+    load_draft_tokens,
+    pick_lane,
+    row_invalid,
+    warp_logit,
+    write_tokens,
 )
 from .triton_random import (
     exponential_from_bits,
@@ -47,7 +47,7 @@ def _probs_at_tokens(L_ptr, stride_lb, stride_lj, stride_lv, CUT_V_ptr, CUT_I_pt
     if HAS_CUT:
         cut_value = tl.load(CUT_V_ptr + cut_row0 + lanes, mask=in_k, other=float("-inf"))
         cut_index = tl.load(CUT_I_ptr + cut_row0 + lanes, mask=in_k, other=0)
-    z = _warp(logit, x, temperature, cut_value, cut_index, SCALE, HAS_CUT)
+    z = warp_logit(logit, x, temperature, cut_value, cut_index, SCALE, HAS_CUT)
     return tl.where(in_k, _prob(z, tl.where(in_k, m, 0.0), tl.where(in_k, s, 1.0), PRECISE), 0.0)
 
 
@@ -81,17 +81,17 @@ def race_kernel(
     c2 = (tl.load(OFFSET_ptr + b * stride_offset) & 0xFFFFFFFF).to(tl.uint32)
 
     # Decision: combine the softmax partials, then p_i(x_i), q_i(x_i) and the accept test (Algorithm 1).
-    mt, st, ft = _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + lanes, lanes <= K, num_chunks,
+    mt, st, ft = combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + lanes, lanes <= K, num_chunks,
                                   PRECISE, BLOCK_K, BLOCK_C)
-    invalid = _row_invalid(ft, lanes <= K)
-    x, oob = _load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
+    invalid = row_invalid(ft, lanes <= K)
+    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
     invalid = invalid | oob
     p_x = _probs_at_tokens(T_ptr, stride_tb, stride_tj, stride_tv, CUT_TV_ptr, CUT_TI_ptr, b * (K + 1), b, lanes,
                            x, in_k, mt, st, temperature, SCALE, HAS_CUT, PRECISE)
     if HAS_DRAFT:
-        md, sd, fd = _combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + K + 1 + lanes, in_k,
+        md, sd, fd = combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + K + 1 + lanes, in_k,
                                       num_chunks, PRECISE, BLOCK_K, BLOCK_C)
-        invalid = invalid | _row_invalid(fd, in_k)
+        invalid = invalid | row_invalid(fd, in_k)
         q_x = _probs_at_tokens(D_ptr, stride_db, stride_di, stride_dv, CUT_DV_ptr, CUT_DI_ptr, b * K, b, lanes,
                                x, in_k, md, sd, temperature, SCALE, HAS_CUT, PRECISE)
     else:
@@ -104,8 +104,8 @@ def race_kernel(
     tl.store(RI_ptr + 3 * race_plane + B + b, invalid, mask=chunk == 0)
 
     # Race over this chunk of row n: weights max(0, p_n - q_n) and, for the fallback, p_n.
-    m_n = _pick(mt, lanes, n)
-    s_n = _pick(st, lanes, n)
+    m_n = pick_lane(mt, lanes, n)
+    s_n = pick_lane(st, lanes, n)
     t_row = T_ptr + b.to(tl.int64) * stride_tb + n.to(tl.int64) * stride_tj
     cut_value = float("-inf")
     cut_index = 0
@@ -113,11 +113,11 @@ def race_kernel(
         cut_value = tl.load(CUT_TV_ptr + b * (K + 1) + n)
         cut_index = tl.load(CUT_TI_ptr + b * (K + 1) + n)
     has_q = n < K  # q_K := 0: the bonus position races over p_K
-    x_q = tl.where(has_q, _pick(x, lanes, n), -1)  # one-hot q's token, -1 for none
+    x_q = tl.where(has_q, pick_lane(x, lanes, n), -1)  # one-hot q's token, -1 for none
     if HAS_DRAFT:
         nd = tl.minimum(n, K - 1)
-        md_n = tl.where(has_q, _pick(md, lanes, n), 0.0)
-        sd_n = tl.where(has_q, _pick(sd, lanes, n), 1.0)
+        md_n = tl.where(has_q, pick_lane(md, lanes, n), 0.0)
+        sd_n = tl.where(has_q, pick_lane(sd, lanes, n), 1.0)
         d_row = D_ptr + b.to(tl.int64) * stride_db + nd.to(tl.int64) * stride_di
         d_cut_value = float("-inf")
         d_cut_index = 0
@@ -128,9 +128,9 @@ def race_kernel(
 
     offs = tl.arange(0, BLOCK_V)
     best_r = tl.full([BLOCK_V], -1.0, tl.float32)
-    idx_r = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    idx_r = tl.full([BLOCK_V], INT_MAX, tl.int32)
     best_p = tl.full([BLOCK_V], -1.0, tl.float32)
-    idx_p = tl.full([BLOCK_V], _INT_MAX, tl.int32)
+    idx_p = tl.full([BLOCK_V], INT_MAX, tl.int32)
     any_r = tl.zeros([BLOCK_V], tl.int32)
     start = chunk * race_chunk_size
     end = tl.minimum(start + race_chunk_size, V)
@@ -139,7 +139,7 @@ def race_kernel(
         v = base + offs
         mask = v < end
         logit = tl.load(t_row + v.to(tl.int64) * stride_tv, mask=mask, other=float("-inf")).to(tl.float32)
-        p = _prob(_warp(logit, v, temperature, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
+        p = _prob(warp_logit(logit, v, temperature, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
         e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
         w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
         better = w_p > best_p  # strict: a lane keeps its first (lowest) index on ties
@@ -149,7 +149,7 @@ def race_kernel(
             if HAS_DRAFT:
                 d_logit = tl.load(d_row + v.to(tl.int64) * stride_dv, mask=v < q_end,
                                   other=float("-inf")).to(tl.float32)
-                q = _prob(_warp(d_logit, v, temperature, d_cut_value, d_cut_index, SCALE, HAS_CUT), md_n, sd_n,
+                q = _prob(warp_logit(d_logit, v, temperature, d_cut_value, d_cut_index, SCALE, HAS_CUT), md_n, sd_n,
                           PRECISE)
             else:
                 q = tl.where(v == x_q, 1.0, 0.0)
@@ -163,10 +163,10 @@ def race_kernel(
     slot = b * num_chunks2 + chunk
     top_r = tl.max(best_r, 0)
     tl.store(RF_ptr + slot, top_r)
-    tl.store(RI_ptr + slot, tl.min(tl.where(best_r == top_r, idx_r, _INT_MAX), 0))
+    tl.store(RI_ptr + slot, tl.min(tl.where(best_r == top_r, idx_r, INT_MAX), 0))
     top_p = tl.max(best_p, 0)
     tl.store(RF_ptr + race_plane + slot, top_p)
-    tl.store(RI_ptr + race_plane + slot, tl.min(tl.where(best_p == top_p, idx_p, _INT_MAX), 0))
+    tl.store(RI_ptr + race_plane + slot, tl.min(tl.where(best_p == top_p, idx_p, INT_MAX), 0))
     tl.store(RI_ptr + 2 * race_plane + slot, tl.max(any_r, 0))
 
 
@@ -174,14 +174,14 @@ def race_kernel(
 def _combine_race(W_ptr, I_ptr, row0, num_chunks2, BLOCK_C: tl.constexpr):
     """Winner (ratio, first index) over the chunk partials W/I[row0 : row0 + num_chunks2]."""
     best = -2.0
-    best_idx = _INT_MAX
+    best_idx = INT_MAX
     for c0 in range(0, num_chunks2, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = cols < num_chunks2
         w = tl.load(W_ptr + row0 + cols, mask=mask, other=-2.0)
-        i = tl.load(I_ptr + row0 + cols, mask=mask, other=_INT_MAX)
+        i = tl.load(I_ptr + row0 + cols, mask=mask, other=INT_MAX)
         blk = tl.max(w, 0)
-        blk_idx = tl.min(tl.where(w == blk, i, _INT_MAX), 0)
+        blk_idx = tl.min(tl.where(w == blk, i, INT_MAX), 0)
         better = blk > best  # earlier chunk blocks hold lower indices
         best = tl.where(better, blk, best)
         best_idx = tl.where(better, blk_idx, best_idx)
@@ -211,4 +211,4 @@ def finish_sample_kernel(
         next_token = tl.where(any_r != 0, residual_token, next_token)
     n = tl.load(RI_ptr + 3 * race_plane + b)
     invalid = tl.load(RI_ptr + 3 * race_plane + B + b)
-    _write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K, BLOCK_K)
+    write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K, BLOCK_K)

@@ -114,7 +114,7 @@ def test_philox_and_conversions_match_reference(seed):
     seed_t = torch.tensor([seed], dtype=torch.int64, device=DEVICE)
     bits = torch.empty(block, dtype=torch.int64, device=DEVICE)
     u, e = (torch.empty(block, dtype=torch.float32, device=DEVICE) for _ in range(2))
-    _philox_probe[(1,)](seed_t, bits, u, e, c1, c2, c3, BLOCK=block, PRECISE=triton_backend._precise(bits.device))
+    _philox_probe[(1,)](seed_t, bits, u, e, c1, c2, c3, BLOCK=block, PRECISE=triton_backend.precise_math(bits.device))
     v = torch.arange(block, dtype=torch.int64, device=DEVICE)
     want = philox.philox_first_word(seed_t, v, torch.tensor(c1), torch.tensor(c2), torch.tensor(c3))
     assert torch.equal(bits, want)

@@ -3,15 +3,10 @@
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from speculative_kernels import ops
 from speculative_kernels.ops.warping import warp_logits
+from helpers.sampling import hf_warpers
 from helpers.stats import assert_matches
 
 ROWS = 40_000
@@ -117,14 +112,7 @@ def test_warping_matches_hf_warpers_bit_for_bit(seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(16, 50, generator=g)  # continuous: no ties (HF's unstable sort orders ties arbitrarily)
     for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.6), (1.2, 10, 0.75), (0.5, 3, 0.3)]:
-        hf = LogitsProcessorList()
-        if temperature != 1.0:
-            hf.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            hf.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            hf.append(TopPLogitsWarper(top_p))
-        expected = hf(None, logits.clone())
+        expected = hf_warpers(temperature, top_k, top_p)(None, logits.clone())
         assert torch.equal(warp_logits(logits, temperature, top_k, top_p), expected)
 
 
