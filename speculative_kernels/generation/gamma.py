@@ -1,32 +1,6 @@
-"""Choosing the draft length gamma from the paper's speedup model (Leviathan et al. 2023, section 3).
-
-With a per-token acceptance probability alpha (acceptances i.i.d., the paper's simplification) and a cost ratio
-c = (time of one draft forward) / (time of one target forward), one iteration of gamma draft tokens
-
-* emits (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average (eq. 1), and
-* costs gamma * c + 1 target-forward times,
-
-so the expected walltime improvement over plain decoding is (Theorem 3.8)
-
-    speedup(alpha, gamma, c) = (1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1)).
-
-``num_speculative_tokens="auto"`` maximises that over gamma in 1..16 with alpha and c measured on the run itself,
-by ``GammaCalibrator``: the loop starts with gamma = 4 and, over its first iterations (1 warm-up + 4 measured),
-records each iteration's accepted count (from the iteration's one host read, so calibration adds no host
-synchronisation) and the time of its draft phase (gamma draft forwards + sampling) and verification phase (one
-target forward over gamma + 1 tokens + verify). Then
-
-* alpha = sum(n) / sum(n + [n < gamma]) over those iterations' rows: the maximum-likelihood estimate of the
-  acceptance probability from the accepted counts n (a row that stopped at n < gamma made n + 1 accept tests, one
-  of which failed; a row that accepted all gamma made gamma tests), not accepted / drafted, which is biased low;
-* c = median(draft phase / gamma) / median(verification phase) over the measured iterations (the warm-up
-  iteration is skipped): the verification forward over gamma + 1 tokens is the "target step" of the paper's cost
-  model, as in the paper, which assumes it costs one target forward;
-
-and the loop continues with the best gamma. The tokens generated during calibration are part of the output, so
-nothing is wasted. Greedy output is the same for every gamma; with sampling the output distribution is exact for
-every gamma, but since gamma depends on measured time, a seed no longer replays a sampled output bit for bit.
-"""
+"""Choosing the draft length gamma from the paper's speedup model (Leviathan et al. 2023, section 3): the expected
+speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (Theorem 3.8), and ``GammaCalibrator``, which measures
+alpha and c over a run's first iterations for ``num_speculative_tokens="auto"``. How: ``docs/architecture.md``."""
 
 import dataclasses
 import math

@@ -34,10 +34,11 @@ def generate(
     ``speculation_stats=SpeculationStats()`` to have it filled in. ``assistant_model`` is another name for
     ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded draft vocabulary be checked and used.
 
-    Encoder-decoder pairs (T5/MT5, BART/mBART; ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids/attention_mask are the encoder input
-    (right-padded as usual); the decoder starts from ``decoder_start_token_id`` or from ``decoder_input_ids`` (with
-    ``decoder_attention_mask``), and ``encoder_outputs`` may replace the target's encoder pass, as in HF. The result
-    holds the decoder sequences; with ``return_dict_in_generate=True`` it is a ``SpeculativeEncoderDecoderOutput``.
+    Encoder-decoder pairs (T5/MT5, BART/mBART; ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids and
+    attention_mask are the encoder input (right-padded as usual); the decoder starts from ``decoder_start_token_id``
+    or from ``decoder_input_ids`` (with ``decoder_attention_mask``), and ``encoder_outputs`` may replace the target's
+    encoder pass, as in HF. The result holds the decoder sequences; with ``return_dict_in_generate=True`` it is a
+    ``SpeculativeEncoderDecoderOutput``.
 
     ``num_speculative_tokens`` (gamma) is the number of draft tokens per iteration, or ``"auto"``: start at 4,
     measure the acceptance rate alpha and the cost ratio c over the first iterations and continue with the gamma in

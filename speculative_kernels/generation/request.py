@@ -8,13 +8,13 @@ import functools
 import torch
 
 from ..ops import backends
+from .buffers import initial_slots
 from .capabilities import check_request, request_path
 from .drafter import ModelDrafter
 from .inputs import check_batch, check_helpers, check_models, check_token_type, prepare_prompt, prompt_length
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions
 from .runners import capture_steps, make_runner, plan_runners
-from .buffers import initial_slots
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import Plan, resolve_settings
 from .vocab import VocabBridge
@@ -26,7 +26,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
                **kwargs) -> SpeculativeLoop:
-    """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop, prefilled.
+    """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
+    prefilled.
 
     input_ids: [B, L] (decoder-only: the prompts, left-padded with ``attention_mask``; encoder-decoder: the encoder
     input). Everything is checked before anything is allocated; the encoders run once the checks have passed.

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from .gamma import alpha_from_histogram
+
 
 @dataclasses.dataclass
 class SpeculationStats:
@@ -38,8 +40,6 @@ class SpeculationStats:
     def alpha(self) -> float:
         """The paper's alpha, the per-token acceptance probability: maximum-likelihood estimate from
         ``accepted_histogram`` (successful accept tests over tests made); 0.0 before any verification."""
-        from .gamma import alpha_from_histogram
-
         return alpha_from_histogram(self.accepted_histogram) if self.verify_steps else 0.0
 
     @property

@@ -1,24 +1,13 @@
 """``compact_kv``: squeeze the holes out of KV-cache rows, in place (the rollback kernel of batched decoding).
 
-A batched speculative cache writes the same slots for every row; rejected drafts and padding become holes, marked 0
-in ``slot_mask`` [B, S]. ``compact_kv`` moves, per row, the real slots to the left in their order (a stable per-row
-gather along the slot axis), for every given K/V tensor [B, H, S, D]:
+For every K/V tensor [B, H, S, D] and slot_mask [B, S] (nonzero = real), per row b with n_b real slots:
 
-    n_b = number of nonzero slot_mask[b, :]
     kv[b, :, j] <- kv[b, :, s_j]   for j < n_b, s_j = index of the j-th real slot of row b
     kv[b, :, j]    unchanged        for j >= n_b
 
-and returns n [B] int64. Values are copied bit for bit, so every backend gives identical tensors. The caller
-rewrites the mask (``slot_mask[b] = j < n_b``); position ids are unchanged (each K already carries its rotary
-position, and a row's real-token count stays the same).
-
-Backends (``backends.implementation(..., family="compaction")``): ``torch`` (this file's reference: a gather and a
-copy, any device), ``triton`` (``compaction_triton.py``) and ``cuda`` (``csrc/rollback_kernels.cu``, through
-``compaction_cuda.py``). The kernels work in place with one program per (row, head, block of the head dimension, so
-any row width): they walk the slots in tiles, load the moved slots of a tile, synchronise, then store them at their
-destinations. A destination never exceeds its
-source, so no tile overwrites a slot a later tile still has to read; slots that stay where they are (the real prefix)
-are neither read nor written.
+returning n [B] int64; values are copied bit for bit, so every backend gives identical tensors. Backends
+(``backends.implementation(..., family="compaction")``): ``torch`` (the reference below), ``triton``
+(``compaction_triton.py``) and ``cuda`` (``csrc/rollback_kernels.cu``). How they work: ``docs/batching.md``.
 """
 
 from collections.abc import Sequence
