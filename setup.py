@@ -115,10 +115,16 @@ setup(
     packages=find_packages(include=["speculative_kernels", "speculative_kernels.*"]),
     package_data={"speculative_kernels": ["csrc/*", "demo_models/README.md", "demo_models/*/*"]},
     include_package_data=True,
+    # Minimum versions, each for a reason: torch 2.6 brought torch.library.triton_op/wrap_triton, through which the
+    # Triton kernels register (the newest API the package uses; register_fake 2.4, assume_constant_result and
+    # is_compiling older), and ships with triton 3.2; where either is missing, backend="auto" falls back to torch
+    # with the reason logged (ops/backends.py). transformers 5.17 is the oldest CI runs the generation tests on
+    # (.ci/run), and the GPU image's. Run on: torch 2.13, triton 3.9 (interpreter), transformers 5.23 and 5.17 (CI);
+    # torch 2.11, triton 3.6, transformers 5.17 (the GPU image, benchmarks/RESULTS.md). Older ones are untested.
     install_requires=[
-        "torch>=2.4",
-        "triton>=3.0; platform_system=='Linux'",
-        "transformers>=5.0",
+        "torch>=2.6",
+        "triton>=3.2; platform_system=='Linux'",
+        "transformers>=5.17",
         "tokenizers>=0.20",
         "safetensors",
         "ninja",

@@ -43,8 +43,12 @@ def _unavailable_reason(name: str, device_type: str) -> str | None:
         interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
         if device_type != "cuda" and not (device_type == "cpu" and interpret):
             return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU), got {device_type}"
+        missing = [api for api in ("triton_op", "wrap_triton") if not hasattr(torch.library, api)]
+        if missing:  # the kernels register through them (triton_backend.py, compaction_triton.py)
+            return f"torch {torch.__version__} has no torch.library.{' or '.join(missing)} (torch >= 2.6 has)"
         try:
             importlib.import_module("triton")
+            importlib.import_module("triton.language.extra.libdevice")
         except ImportError as exc:
             return f"triton is not importable: {exc}"
         return None

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
+from helpers.float_error import assert_logits_as_accurate_as_hf
 from helpers.models import FAMILIES, drafts_for, llama
 
 
@@ -115,10 +116,7 @@ def test_return_dict_scores_and_logits_match_hf():
     assert isinstance(got, GenerateDecoderOnlyOutput)
     assert torch.equal(got.sequences, expected.sequences)
     assert len(got.scores) == len(expected.scores) == 9
-    for mine, theirs in zip(got.scores, expected.scores):
-        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
-    for mine, theirs in zip(got.logits, expected.logits):
-        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    assert_logits_as_accurate_as_hf(target, got, expected)
     assert got.speculation_stats.new_tokens == 9
 
 

@@ -14,10 +14,11 @@ from transformers.generation.logits_process import ForcedBOSTokenLogitsProcessor
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 
 import speculative_kernels as sk
+from helpers.float_error import assert_logits_as_accurate_as_hf
 from helpers.host_reads import step_reading_once
 from helpers.models import llama
-from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
 from helpers.sampling import hf_warpers
+from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
 from helpers.stats import assert_matches
 
 
@@ -32,7 +33,7 @@ def pairs():
 
 
 def _assert_same_as_hf(target, draft, ids, mask, gamma, **kwargs):
-    """Sequences identical to ``target.generate``, raw logits and scores equal to float tolerance."""
+    """Sequences identical to ``target.generate``, raw logits and scores as accurate as HF's (``float_error``)."""
     kwargs = dict(attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_logits=True,
                   output_scores=True, **kwargs)
     expected = target.generate(ids, **kwargs)
@@ -40,15 +41,10 @@ def _assert_same_as_hf(target, draft, ids, mask, gamma, **kwargs):
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, speculation_stats=stats, **kwargs)
     assert isinstance(got, GenerateEncoderDecoderOutput) and got.speculation_stats is not None
     assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
-    assert len(got.logits) == len(expected.logits) == len(got.scores)
     live = _live_steps(got.sequences[:, -len(got.logits):], kwargs.get("eos_token_id",
                                                                        target.generation_config.eos_token_id))
-    for mine, theirs in ((got.logits, expected.logits), (got.scores, expected.scores)):
-        mine, theirs = torch.stack(mine, dim=1)[live], torch.stack(theirs, dim=1)[live]
-        scale = theirs[theirs.isfinite()].abs().max()
-        # float32 rounding of forwards over different widths (HF: 1 token; here gamma + 1, or fewer at the end,
-        # where gamma is capped by the tokens left): 1e-4 of the largest logit
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4 * float(scale))
+    decoder_mask = {k: kwargs[k] for k in ("decoder_attention_mask",) if k in kwargs}
+    assert_logits_as_accurate_as_hf(target, got, expected, live, input_ids=ids, attention_mask=mask, **decoder_mask)
     return got, stats
 
 
@@ -190,7 +186,7 @@ VOCAB, NEW, ROWS = 6, 3, 6000
 
 
 # Output scales giving a spread continuation distribution (tens of likely cells) and acceptance around 0.4.
-LOGIT_SCALE = {"t5": 0.03, "bart": 2.0, "mbart": 1.0}
+LOGIT_SCALE = {"t5": 0.3, "bart": 2.0, "mbart": 1.0}
 
 
 def _peaky(family, seed, layers, forced_bos=None):

@@ -1,0 +1,48 @@
+"""Backend selection where Triton cannot run (torch < 2.6 without ``torch.library.triton_op``/``wrap_triton``, or no
+importable triton): ``auto`` falls back to the torch reference and logs why; ``"triton"`` asked by name raises."""
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from speculative_kernels.ops import backends
+
+
+@pytest.fixture
+def fresh_selection(monkeypatch):
+    """A clean once-per-process choice, with the CUDA extension unavailable, as on a GPU machine without it."""
+    monkeypatch.setattr(backends, "_unavailable_reason", _without_cuda_extension(backends._unavailable_reason))
+    backends._auto_backend.cache_clear()
+    yield
+    backends._auto_backend.cache_clear()
+
+
+def _without_cuda_extension(reason_of):
+    return lambda name, device_type: "no extension here" if name == "cuda" else reason_of(name, device_type)
+
+
+def _assert_falls_back(caplog, because):
+    with caplog.at_level(logging.WARNING, logger="speculative_kernels"):
+        assert backends.resolve("auto", "cuda") == "torch"
+        assert backends.resolve("auto", "cuda") == "torch"  # chosen once: logged once
+    triton_lines = [r.getMessage() for r in caplog.records if "'triton' unavailable" in r.getMessage()]
+    assert len(triton_lines) == 1 and because in triton_lines[0], caplog.text
+    with pytest.raises(RuntimeError, match=f"backend 'triton' cannot run: .*{because}"):
+        backends.resolve("triton", "cuda")
+
+
+def test_auto_picks_triton_when_it_can_run(fresh_selection):
+    assert backends.resolve("auto", "cuda") == "triton"  # the control: the fallbacks below are caused by the patch
+
+
+@pytest.mark.parametrize("api", ["triton_op", "wrap_triton"])
+def test_torch_without_triton_op_falls_back_with_reason(fresh_selection, monkeypatch, caplog, api):
+    monkeypatch.delattr(torch.library, api)
+    _assert_falls_back(caplog, f"torch.library.{api}")
+
+
+def test_missing_triton_falls_back_with_reason(fresh_selection, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    _assert_falls_back(caplog, "triton is not importable")
