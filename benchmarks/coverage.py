@@ -58,7 +58,8 @@ def _models(model_type: str, kind: str):
     torch.manual_seed(0)
     target = auto.from_config(config).eval()
     for name, off in REFUSED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
-        if getattr(target.generation_config, name, None) not in (*off, None):
+        value = getattr(target.generation_config, name, None)
+        if value is not None and value not in off:
             setattr(target.generation_config, name, off[0] if off else None)
     drafts = []
     for noise in NOISE:
@@ -146,6 +147,13 @@ def sweep(types, out, timeout: int) -> None:
     torch.set_num_threads(1)
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(Timeout()))
     from tiny_configs import NotChecked
+
+    # Our own imports fail here, loudly, instead of inside the per-model try below (where they would read as "not
+    # checked" for every architecture).
+    import speculative_kernels  # noqa: F401
+    from speculative_kernels.generation.capabilities import check_request, request_path  # noqa: F401
+    from speculative_kernels.generation.settings import REFUSED_UNLESS  # noqa: F401
+    from speculative_kernels.generation.static_runner import CompileOptions  # noqa: F401
 
     for model_type, kind in types:
         row = {"model_type": model_type, "kind": kind}

@@ -229,6 +229,11 @@ def _static_layout_reason(config) -> str | None:
     if getattr(config, "model_type", "") == "falcon" and getattr(config, "multi_query", False) and not getattr(
             config, "new_decoder_architecture", False):
         return "its multi-query K/V (one head) is not what its config's head counts describe"
+    decoder_heads = getattr(config, "decoder_attention_heads", None)
+    if decoder_heads is not None and decoder_heads != getattr(config, "num_attention_heads", decoder_heads):
+        # e.g. WhisperForCausalLM: num_attention_heads / num_key_value_heads map to the encoder's heads
+        return (f"its decoder has {decoder_heads} attention heads where the config's num_attention_heads (the "
+                f"encoder's) says {config.num_attention_heads}, so the static cache cannot size its K/V from it")
     return None
 
 

@@ -144,11 +144,26 @@ def test_falcon_multi_query_static_refused_up_front_dynamic_exact(monkeypatch):
     _check_refused_up_front(model, "multi-query", path="static", monkeypatch=monkeypatch)
 
 
+def test_decoder_heads_other_than_the_configs_refused_on_the_static_cache(monkeypatch):
+    """WhisperForCausalLM: num_attention_heads / num_key_value_heads name the encoder's heads, so the static cache
+    sized from them would not fit the decoder's K/V (it failed mid-request before the check knew it)."""
+    from transformers import WhisperConfig, WhisperForCausalLM
+
+    config = WhisperConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                           max_target_positions=64, max_source_positions=64, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0, decoder_start_token_id=1)
+    model = _build(WhisperForCausalLM, config)
+    model.generation_config.begin_suppress_tokens = model.generation_config.suppress_tokens = None  # refused by name
+    _check_exact(model, batch=1, path="dynamic")
+    _check_refused_up_front(model, "attention heads", path="static", monkeypatch=monkeypatch)
+
+
 # ------------------------------------------------------------------------------------------- slot positions
 def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(monkeypatch):
     """BART's decoder alone and MPT (ALiBi from key slots) take no position_ids: rejected drafts leave holes in a
     batch, so batch > 1 is refused; batch 1 has no holes."""
-    bart = _build(BartForCausalLM, BartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+    bart = _build(BartForCausalLM, BartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
                                               decoder_ffn_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                               decoder_start_token_id=0, forced_eos_token_id=None))
     mpt = _build(MptForCausalLM, MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True,
