@@ -153,7 +153,7 @@ def sweep(types, out, timeout: int) -> None:
     import speculative_kernels  # noqa: F401
     from speculative_kernels.generation.capabilities import check_request, request_path  # noqa: F401
     from speculative_kernels.generation.settings import REFUSED_UNLESS  # noqa: F401
-    from speculative_kernels.generation.static_runner import CompileOptions  # noqa: F401
+    from speculative_kernels import CompileOptions  # noqa: F401
 
     for model_type, kind in types:
         row = {"model_type": model_type, "kind": kind}
