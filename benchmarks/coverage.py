@@ -110,7 +110,8 @@ def _run_one(target, draft, kind: str, column: str) -> str:
         text = str(error)
         return "refused: " + (text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text)
     ids, mask = _inputs(batch)
-    if kind == "seq2seq":  # encoder input: right padding
+    if getattr(target.config, "is_encoder_decoder", False):  # encoder input: right padding (the seq2seq mapping
+        # also lists decoder-only audio/speech-to-text models, whose prompts are left-padded)
         mask = mask.flip(1)
         ids = ids.flip(1)
     common = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, attention_mask=mask)

@@ -1,8 +1,8 @@
 """Tiny random-weight configs for every causal-LM and seq2seq config class of the installed transformers.
 
 ``tiny_config(model_type)`` returns a config with the standard size fields shrunk (vocab 128, hidden 32, 2 layers,
-4 heads, 2 KV heads) or raises ``NotChecked`` with the reason a generic construction does not work (multimodal
-configs with sub-configs, configs that need a custom tokenizer, ...). Used by ``benchmarks/coverage.py`` and the
+4 heads, 2 KV heads), sub-configs (text, vision, audio, ...) shrunk the same way, or raises ``NotChecked`` with the
+reason a generic construction does not work (a sub-config of any model type, sizes a config rejects, ...). Used by ``benchmarks/coverage.py`` and the
 architecture tests.
 """
 
@@ -30,8 +30,6 @@ SIZES = dict(
 )
 
 
-MULTIMODAL = ("vision", "audio", "vq", "encoder", "patcher", "speech", "acoustic", "semantic", "projector",
-              "depth_decoder", "global_config", "decoder")
 NOT_TEXT = ("fuyu",)  # image-text models whose configs have no sub-configs
 
 
@@ -48,10 +46,32 @@ def _fields(config_class) -> set:
 
 def tiny_config(model_type: str, **overrides):
     config_class = CONFIG_MAPPING[model_type]
-    subs = sorted(getattr(config_class, "sub_configs", None) or {})
-    if any(any(word in sub for word in MULTIMODAL) for sub in subs) or model_type in NOT_TEXT:
-        raise NotChecked(f"multimodal or nested config (sub-configs {subs}); needs model-specific construction "
-                         "(a text-only sibling, e.g. gemma3_text, is checked where transformers has one)")
+    if model_type in NOT_TEXT:
+        raise NotChecked("an image-text model whose config has no sub-configs; needs model-specific construction")
+    config = _tiny(config_class, overrides)
+    if getattr(config, "is_encoder_decoder", False):
+        config.decoder_start_token_id = 0
+    config.use_cache = True  # some configs (MPT) default to False, which generate refuses
+    if not getattr(config, "is_encoder_decoder", False):
+        config.is_decoder = True  # encoder families (BERT, RoBERTa, ...) generate as decoders only with it
+    return config
+
+
+def _tiny(config_class, overrides: dict):
+    """config_class with the standard sizes shrunk; each sub-config (text, vision, audio, encoder, ...) is shrunk
+    the same way and passed in as an instance."""
+    subs, default = {}, None
+    for name, sub_class in sorted((getattr(config_class, "sub_configs", None) or {}).items()):
+        if sub_class is AutoConfig or not inspect.isclass(sub_class):  # any model type: the default's own class
+            try:
+                default = default or config_class()
+            except Exception as error:  # noqa: BLE001 -- the reason goes into the table
+                raise NotChecked(f"nested config whose {name} is any model type and whose defaults do not build: "
+                                 f"{type(error).__name__}") from None
+            sub_class = type(getattr(default, name, None))
+            if not hasattr(sub_class, "sub_configs") and not hasattr(sub_class, "model_type"):
+                raise NotChecked(f"nested config whose {name} is any model type and has no default")
+        subs[name] = _tiny(sub_class, overrides)
     fields = _fields(config_class)
     kwargs = {k: v for k, v in {**SIZES, **SPECIAL}.items() if k in fields}
     kwargs.update({k: v for k, v in overrides.items() if k in fields})
@@ -60,17 +80,13 @@ def tiny_config(model_type: str, **overrides):
         kwargs.pop("head_dim", None)
     if "attention_types" in fields:
         kwargs["attention_types"] = [[["global", "local"], 1]]
+    kwargs.update({k: v for k, v in subs.items() if k in fields})
     try:
         config = config_class(**kwargs)
     except Exception as error:  # noqa: BLE001 -- the reason goes into the table
         raise NotChecked(f"{config_class.__name__} rejects the generic tiny sizes: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:150]}") from None
     _fit_layer_lists(config)
-    if getattr(config, "is_encoder_decoder", False):
-        config.decoder_start_token_id = 0
-    config.use_cache = True  # some configs (MPT) default to False, which generate refuses
-    if not getattr(config, "is_encoder_decoder", False):
-        config.is_decoder = True  # encoder families (BERT, RoBERTa, ...) generate as decoders only with it
     return config
 
 

@@ -32,6 +32,12 @@ KNOWN_UNSUPPORTED = {
     "mimo_v2_flash": (("static", "compile"), "its sliding-window layers have their own K/V head count, which the "
                                              "static cache's per-model buffer shape does not describe"),
 }
+# transformers classes whose generate() override only routes inputs this library does not take (audio features) to
+# GenerationMixin.generate, reviewed in transformers 5.17-5.23; any other override is refused (MusicGen's codebook
+# delay pattern, SeamlessM4T's target-language tokens, ...). Granite Speech also switches LoRA adapters when PEFT
+# has loaded them, so it is accepted only without them.
+GENERATE_ROUTES_INPUTS_ONLY = {"GraniteSpeechForConditionalGeneration", "GraniteSpeechPlusForConditionalGeneration",
+                               "Nemotron3_5TranscribeForConditionalGeneration"}
 FOUR_D_ATTENTION = ("sdpa", "eager")
 # Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
 # "absolute": BART's learned table, read at each row's own positions).
@@ -286,11 +292,26 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
                      kv_sizes=sizes)
 
 
+def _own_generate_reason(model) -> str | None:
+    """Why a transformers class's own generate() (steps that speculative_kernels.generate would skip) rules the
+    model out, or None. A user's own subclass may override generate: it is theirs to call or not."""
+    owner = next((klass for klass in type(model).__mro__ if "generate" in vars(klass)), None)
+    if owner is None or owner.__name__ == "GenerationMixin" or not owner.__module__.startswith("transformers."):
+        return None
+    if owner.__name__ in GENERATE_ROUTES_INPUTS_ONLY and not getattr(model, "_hf_peft_config_loaded", False):
+        return None
+    return (f"{owner.__name__}.generate adds steps of its own to HF's generation loop (its own inputs, processors "
+            "or adapters), which speculative_kernels does not reproduce")
+
+
 def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
     architecture and the reason."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
+    reason = _own_generate_reason(model)
+    if reason is not None:
+        _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
         return _check_encoder_decoder(model, path)
     return _check_decoder_only(model, path, batch)

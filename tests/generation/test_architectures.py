@@ -12,6 +12,8 @@ from transformers import (
     BertLMHeadModel,
     BloomConfig,
     BloomForCausalLM,
+    MusicgenDecoderConfig,
+    MusicgenForCausalLM,
     FalconConfig,
     FalconForCausalLM,
     FalconMambaConfig,
@@ -172,6 +174,18 @@ def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(
         _check_exact(model, batch=1, noise=None)
         for path in ("dynamic", "static"):
             _check_refused_up_front(model, "only batch size 1 is exact", path=path, monkeypatch=monkeypatch)
+
+
+def test_models_with_their_own_generate_are_refused(monkeypatch):
+    """MusicGen's generate() adds its codebook delay pattern to HF's loop: speculative_kernels would silently skip it,
+    so it refuses the model up front, on every path, naming the override."""
+    config = MusicgenDecoderConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   ffn_dim=64, num_codebooks=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _build(MusicgenForCausalLM, config)
+    for path in ("dynamic", "static"):
+        for batch in (1, 2):
+            _check_refused_up_front(model, r"MusicgenForCausalLM\.generate adds steps of its own", batch=batch,
+                                    path=path, monkeypatch=monkeypatch)
 
 
 def test_encoder_family_without_is_decoder_is_refused(monkeypatch):
