@@ -76,7 +76,7 @@ def _check_row_tensor(name: str, value: torch.Tensor, dtypes, batch: int, device
                         f"got {value.dtype}")
     if tuple(value.shape) != (batch,):
         raise ValueError(f"{name} tensor must have shape [{batch}] (one value per row), got {tuple(value.shape)}")
-    if value.device != device:
+    if value.device != torch.device(device):
         raise ValueError(f"{name} is on {value.device} but the logits are on {device}; put them on one device")
 
 

@@ -626,15 +626,21 @@ def emulated_backend():
     for schema in _op_schemas():
         lib.define(schema)
 
-    def verify_impl(target, draft, tokens, temperature, t_src, t_idx, d_src, d_idx, seed, offset, per_row):
-        calls.append(dict(temperature=temperature, target_cut=(t_src, t_idx), draft_cut=(d_src, d_idx)))
-        return verify_reference(target, draft, tokens, Sampling(temperature, state["top_k"], state["top_p"]),
-                                Randomness(seed, offset, per_row))
+    def sampling(temperature, temperature_rows):
+        if temperature_rows is None:
+            return Sampling(temperature, state["top_k"], state["top_p"])
+        return state["sampling"]  # per-row: the Sampling the test passed (the op receives only the temperatures)
 
-    def sample_impl(logits, temperature, src, idx, seed, offset, per_row):
-        calls.append(dict(temperature=temperature, cut=(src, idx)))
-        return sample_reference(logits, Sampling(temperature, state["top_k"], state["top_p"]),
-                                Randomness(seed, offset, per_row))
+    def verify_impl(target, draft, tokens, temperature, t_rows, t_src, t_idx, d_src, d_idx, seed, offset, per_row,
+                    num_draft_tokens):
+        calls.append(dict(temperature=temperature, temperature_rows=t_rows, target_cut=(t_src, t_idx),
+                          draft_cut=(d_src, d_idx), num_draft_tokens=num_draft_tokens))
+        return verify_reference(target, draft, tokens, sampling(temperature, t_rows), Randomness(seed, offset, per_row),
+                                num_draft_tokens)
+
+    def sample_impl(logits, temperature, t_rows, src, idx, seed, offset, per_row):
+        calls.append(dict(temperature=temperature, temperature_rows=t_rows, cut=(src, idx)))
+        return sample_reference(logits, sampling(temperature, t_rows), Randomness(seed, offset, per_row))
 
     lib.impl("verify", verify_impl, "CPU")
     lib.impl("sample", sample_impl, "CPU")
