@@ -18,6 +18,14 @@ Philox counters, see ``philox.py``). Leviathan et al. 2023, Algorithm 1:
   sampling, the same test applies to the scaled logits z = float32(logits) / temperature, what the softmax sees:
   a finite logit that overflows float32 when scaled (3e38 at temperature 0.5), or a row that every logit leaves
   for -inf, is invalid too (HF's sampler raises on the NaN probabilities such a row gives).
+* Per-row draft limit n_b (``num_draft_tokens`` [B], 0..K): row b accepts only among its first n_b drafts; all n_b
+  accepted, the next token is drawn from p_{n_b} (q_{n_b} := 0; greedy: argmax z_{n_b}). n_b = 0 is a plain step:
+  one token from p_0 raced with the STREAM_POSITION + 0 noise. The random numbers are those of the unlimited call,
+  so n_b = K is that call bit for bit. Positions past n_b (target j > n_b, drafts i >= n_b) are never read: they
+  cannot invalidate the row. A limit outside 0..K makes the row invalid.
+* Per-row parameters (``Sampling.rows``): row b uses its own temperature / top_k / top_p for every position, exactly
+  as the scalar call with those values would (``warping.row_thresholds``); temperature 0 makes the row greedy
+  (it is then judged on its raw logits). A row with an invalid parameter is invalid.
 """
 
 import torch
