@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
   const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
   const ChunkStats p_stats = row_stats[n];
   const bool has_q = n < limit;  // q := 0 once all n_b drafts are accepted: the bonus token is drawn from p_n
-  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0};
+  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0, 1.0f};
   ChunkStats q_stats = stats_identity();
   int q_token = -1;
   if (has_q) {

@@ -9,7 +9,7 @@ import torch
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: tensors have no boolean ==
 class RowSampling:
     """Per-row sampling parameters, on the op's device (validated by ``validation.check_row_sampling``).
 
