@@ -151,7 +151,7 @@ def stats_kernel(
     CUT_TV_ptr, CUT_TI_ptr,  # target cut (value float32, index int32) [B*(K+1)] (HAS_CUT)
     CUT_DV_ptr, CUT_DI_ptr,  # draft cut [B*K] (HAS_CUT and HAS_DRAFT)
     TEMP_ptr, NB_ptr,  # temperature [B] float32 (ROW_PARAMS), num_draft_tokens [B] int64 (HAS_LIMIT)
-    WSF_ptr, WSI_ptr, plane,  # partials: float32 [2 (+1 ROW_PARAMS), B*NR, C] (max, sum exp, raw max), int32 [2, B*NR, C]
+    WSF_ptr, WSI_ptr, plane,  # float32 [2 (+1 ROW_PARAMS), B*NR, C] (max, sum exp, raw max); int32 [2, B*NR, C]
     V, K, chunk_size, temperature,
     HAS_DRAFT: tl.constexpr, HAS_CUT: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr,
     ROW_PARAMS: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,

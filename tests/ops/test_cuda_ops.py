@@ -857,7 +857,8 @@ def test_per_row_invalid_values_flagged(backend):
     batch, k, vocab = 4, 2, 300
     target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=46)
     bad = dict(temperature=torch.tensor([0.0, -1.0, 0.8, 0.8], device=DEVICE),
-               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE), top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
+               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE),
+               top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
     out, n = ops.verify(target, draft, tokens, **bad, seed=2, backend="cuda", check=False)
     assert (n[1:3] == -1).all() and (out[1:3] == -1).all() and (n[[0, 3]] >= 0).all()
     with pytest.raises(ValueError, match=r"temperature must be finite and >= 0.*batch rows \[1\]"):

@@ -680,7 +680,8 @@ def test_per_row_invalid_values_flagged():
     batch, k, vocab = 4, 2, 30
     target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=46)
     bad = dict(temperature=torch.tensor([0.0, -1.0, 0.8, 0.8], device=DEVICE),
-               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE), top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
+               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE),
+               top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
     out, n = ops.verify(target, draft, tokens, **bad, seed=2, backend="triton", check=False)
     assert (n[1:3] == -1).all() and (out[1:3] == -1).all() and (n[[0, 3]] >= 0).all()
     want = ops.verify(target, draft, tokens, **bad, seed=2, backend="torch", check=False)
@@ -702,7 +703,8 @@ def test_per_row_first_token_and_sample_follow_each_rows_target_on_gpu(one_hot):
     warped target distribution (chi-square); greedy rows emit the argmax."""
     vocab, k, rows = 10, 2, PER_ROW_STAT_ROWS
     g = torch.Generator().manual_seed(47)
-    target, draft = (torch.randn(k + 1, vocab, generator=g) * 1.5).to(DEVICE), (torch.randn(k, vocab, generator=g) * 1.5).to(DEVICE)
+    target = (torch.randn(k + 1, vocab, generator=g) * 1.5).to(DEVICE)
+    draft = (torch.randn(k, vocab, generator=g) * 1.5).to(DEVICE)
     t, kk, p = (torch.tensor(v).repeat_interleave(rows).to(DEVICE) for v in zip(*MIXED))
     params = dict(temperature=t.float(), top_k=kk, top_p=p.double())
     batch = len(MIXED) * rows
