@@ -74,6 +74,16 @@ at::Tensor cut_tensor(const std::optional<at::Tensor>& t, const char* name, at::
   return t->contiguous();
 }
 
+// Optional per-row tensor (temperature_rows: float32, num_draft_tokens: int64) of shape [B], made contiguous.
+at::Tensor optional_row_tensor(const std::optional<at::Tensor>& t, const char* name, at::ScalarType dtype,
+                               int64_t batch, const at::Device& device) {
+  if (!t.has_value()) return at::Tensor();
+  check_on_device(*t, name, device);
+  TORCH_CHECK(t->scalar_type() == dtype, name, " must be ", dtype, ", got ", t->scalar_type());
+  check_shape(*t, name, {batch});
+  return t->contiguous();
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "speculative_kernels_cuda::", op, ": kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -81,11 +91,13 @@ void check_launch(cudaError_t err, const char* op) {
 std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_in,
                                                const std::optional<at::Tensor>& draft_logits_in,
                                                const at::Tensor& draft_tokens_in, double temperature_in,
+                                               const std::optional<at::Tensor>& temperature_rows_in,
                                                const std::optional<at::Tensor>& target_cut_source_in,
                                                const std::optional<at::Tensor>& target_cut_index_in,
                                                const std::optional<at::Tensor>& draft_cut_source_in,
                                                const std::optional<at::Tensor>& draft_cut_index_in,
-                                               const at::Tensor& seed, const at::Tensor& offset, bool seed_per_row) {
+                                               const at::Tensor& seed, const at::Tensor& offset, bool seed_per_row,
+                                               const std::optional<at::Tensor>& num_draft_tokens_in) {
   TORCH_CHECK(target_logits_in.dim() == 3, "target_logits must be [B, K+1, V], got shape ", target_logits_in.sizes());
   const at::Device device = target_logits_in.device();
   check_on_device(target_logits_in, "target_logits", device);
@@ -96,7 +108,11 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   TORCH_CHECK(num_draft >= 0, "target_logits must have at least one position, got shape ", target_logits_in.sizes());
   TORCH_CHECK(vocab >= 1, "target_logits has an empty vocabulary dimension");
   const float temperature = checked_temperature(temperature_in);
-  const bool sampling = temperature > 0.0f;
+  const at::Tensor temperature_rows = optional_row_tensor(temperature_rows_in, "temperature_rows", at::kFloat, batch,
+                                                          device);
+  const bool sampling = temperature > 0.0f || temperature_rows.defined();  // some row samples
+  const at::Tensor num_draft_tokens = optional_row_tensor(num_draft_tokens_in, "num_draft_tokens", at::kLong, batch,
+                                                          device);
 
   at::Tensor target_logits = unit_stride_vocab(target_logits_in);
   logit_dtype(target_logits, "target_logits");
@@ -135,6 +151,8 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   }
   p.draft_tokens = draft_tokens.data_ptr<int64_t>();
   p.temperature = temperature;
+  p.temperature_rows = temperature_rows.defined() ? temperature_rows.data_ptr<float>() : nullptr;
+  p.num_draft_tokens = num_draft_tokens.defined() ? num_draft_tokens.data_ptr<int64_t>() : nullptr;
   at::Tensor target_cut_source, target_cut_index, draft_cut_source, draft_cut_index;
   if (sampling && target_cut_source_in.has_value()) {
     target_cut_source = cut_tensor(target_cut_source_in, "target_cut_source", {batch, num_draft + 1}, device);
@@ -171,9 +189,10 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   return {tokens, num_accepted};
 }
 
-at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const std::optional<at::Tensor>& cut_source_in,
-                       const std::optional<at::Tensor>& cut_index_in, const at::Tensor& seed, const at::Tensor& offset,
-                       bool seed_per_row) {
+at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in,
+                       const std::optional<at::Tensor>& temperature_rows_in,
+                       const std::optional<at::Tensor>& cut_source_in, const std::optional<at::Tensor>& cut_index_in,
+                       const at::Tensor& seed, const at::Tensor& offset, bool seed_per_row) {
   TORCH_CHECK(logits_in.dim() == 2, "logits must be [B, V], got shape ", logits_in.sizes());
   const at::Device device = logits_in.device();
   check_on_device(logits_in, "logits", device);
@@ -184,10 +203,12 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
   const int64_t vocab = logits.size(1);
   TORCH_CHECK(vocab >= 1, "logits has an empty vocabulary dimension");
   const float temperature = checked_temperature(temperature_in);
+  const at::Tensor temperature_rows = optional_row_tensor(temperature_rows_in, "temperature_rows", at::kFloat, batch,
+                                                          device);
   check_row_tensor(seed, "seed", batch, device);
   check_row_tensor(offset, "offset", batch, device);
   at::Tensor cut_source, cut_index;
-  if (temperature > 0.0f && cut_source_in.has_value()) {
+  if ((temperature > 0.0f || temperature_rows.defined()) && cut_source_in.has_value()) {
     cut_source = cut_tensor(cut_source_in, "cut_source", {batch}, device);
     cut_index = cut_tensor(cut_index_in, "cut_index", {batch}, device);
   }
@@ -202,6 +223,7 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const cudaError_t err = sample_launch(
       dtype, logits.data_ptr(), b, v, logits.stride(0), temperature,
+      temperature_rows.defined() ? temperature_rows.data_ptr<float>() : nullptr,
       cut_source.defined() ? cut_source.data_ptr<int32_t>() : nullptr,
       cut_index.defined() ? cut_index.data_ptr<int32_t>() : nullptr, seed.data_ptr<int64_t>(), seed.stride(0),
       offset.data_ptr<int64_t>(), offset.stride(0), seed_per_row, tokens.data_ptr<int64_t>(), workspace.data_ptr(),
@@ -218,11 +240,12 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in, const
 TORCH_LIBRARY(speculative_kernels_cuda, m) {
   m.def(
       "verify(Tensor target_logits, Tensor? draft_logits, Tensor draft_tokens, float temperature, "
-      "Tensor? target_cut_source, Tensor? target_cut_index, Tensor? draft_cut_source, Tensor? draft_cut_index, "
-      "Tensor seed, Tensor offset, bool seed_per_row) -> (Tensor, Tensor)");
+      "Tensor? temperature_rows, Tensor? target_cut_source, Tensor? target_cut_index, Tensor? draft_cut_source, "
+      "Tensor? draft_cut_index, Tensor seed, Tensor offset, bool seed_per_row, Tensor? num_draft_tokens) "
+      "-> (Tensor, Tensor)");
   m.def(
-      "sample(Tensor logits, float temperature, Tensor? cut_source, Tensor? cut_index, Tensor seed, Tensor offset, "
-      "bool seed_per_row) -> Tensor");
+      "sample(Tensor logits, float temperature, Tensor? temperature_rows, Tensor? cut_source, Tensor? cut_index, "
+      "Tensor seed, Tensor offset, bool seed_per_row) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(speculative_kernels_cuda, CUDA, m) {

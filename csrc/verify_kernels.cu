@@ -61,6 +61,8 @@ struct Args {
   const int64_t* draft_tokens;
   int batch, num_draft, vocab, rows_per_batch, num_chunks;
   float temperature;
+  const float* temperature_rows;  // [B] or nullptr
+  const int64_t* draft_limit;     // num_draft_tokens [B] or nullptr
   const int32_t* target_cut_source;
   const int32_t* target_cut_index;
   const int32_t* draft_cut_source;
@@ -80,9 +82,10 @@ template <typename T>
 struct RowRef {
   const T* ptr;
   bool vec;
-  bool cut_ok;      // cut_source was inside [0, V)
-  float cut_value;  // z of the cut's source element
+  bool cut_ok;        // cut_source was inside [0, V)
+  float cut_value;    // z of the cut's source element
   int cut_index;
+  float temperature;  // the row's divisor (1 for a greedy row of a per-row launch)
 };
 
 // ---- small device functions ----------------------------------------------------------------------------------
@@ -141,10 +144,45 @@ struct CombineRace {
   }
 };
 
+// The temperature of batch row b: the scalar, or its per-row value with 0 (a greedy row) read as 1, so that a greedy
+// row's z is its float32 logits and its validity flags are the raw logits' (as greedy judges them).
+template <typename T>
+__device__ __forceinline__ float row_temperature(const Args<T>& a, int b) {
+  if (a.temperature_rows == nullptr) return a.temperature;
+  const float t = a.temperature_rows[b];
+  return t == 0.0f ? 1.0f : t;
+}
+
+// Whether batch row b of a per-row launch is greedy (never, without per-row temperatures: SAMPLING decides).
+template <typename T>
+__device__ __forceinline__ bool row_greedy(const Args<T>& a, int b) {
+  return a.temperature_rows != nullptr && a.temperature_rows[b] == 0.0f;
+}
+
+// Batch row b's draft limit n_b clamped to 0..K; *bad: the given value was outside 0..K.
+template <typename T>
+__device__ __forceinline__ int row_limit(const Args<T>& a, int b, bool* bad) {
+  *bad = false;
+  if (a.draft_limit == nullptr) return a.num_draft;
+  const int64_t n = a.draft_limit[b];
+  *bad = n < 0 || n > a.num_draft;
+  return static_cast<int>(n < 0 ? 0 : (n > a.num_draft ? a.num_draft : n));
+}
+
+// Whether logit row j (target j <= n_b, draft j - (K+1) < n_b) of batch row b is used.
+template <typename T>
+__device__ __forceinline__ bool row_used(const Args<T>& a, int b, int j) {
+  bool bad;
+  const int limit = row_limit(a, b, &bad);
+  const int num_positions = a.num_draft + 1;
+  return j < num_positions ? j <= limit : j - num_positions < limit;
+}
+
 // Logit row j (0..R-1) of batch row b, with its top-k/top-p cut.
 template <typename T, bool HAS_CUT>
 __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
   RowRef<T> row;
+  row.temperature = row_temperature(a, b);
   row.cut_ok = true;
   row.cut_value = -INFINITY;
   row.cut_index = 0;
@@ -170,7 +208,7 @@ __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
   }
   if constexpr (HAS_CUT) {
     row.cut_ok = cut_source >= 0 && cut_source < a.vocab;
-    row.cut_value = row.cut_ok ? __fdiv_rn(to_float(row.ptr[cut_source]), a.temperature) : INFINITY;
+    row.cut_value = row.cut_ok ? __fdiv_rn(to_float(row.ptr[cut_source]), row.temperature) : INFINITY;
   }
   return row;
 }
@@ -178,7 +216,7 @@ __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
 // The warped logit z = x / T and whether the top-k/top-p cut keeps element v.
 template <typename T, bool HAS_CUT>
 __device__ __forceinline__ bool warp_keep(const Args<T>& a, const RowRef<T>& row, int v, float x, float* z) {
-  *z = __fdiv_rn(x, a.temperature);
+  *z = __fdiv_rn(x, row.temperature);
   if constexpr (HAS_CUT) return *z > row.cut_value || (*z == row.cut_value && v >= row.cut_index);
   return true;
 }
@@ -231,6 +269,10 @@ __global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<
   const int c = static_cast<int>(blockIdx.y);
   const int b = r / a.rows_per_batch;
   const int j = r % a.rows_per_batch;
+  if (!row_used(a, b, j)) {  // past the row's draft limit: never read (decide ignores the partials)
+    if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = stats_identity();
+    return;
+  }
   const RowRef<T> row = logit_row<T, HAS_CUT>(a, b, j);
   const int start = c * kChunkSize;
   const int end = min(start + kChunkSize, a.vocab);
@@ -266,9 +308,12 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
   const int num_warps = static_cast<int>(blockDim.x) >> 5;
   const int num_positions = a.num_draft + 1;
   ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+  bool bad_limit;
+  const int limit = row_limit(a, b, &bad_limit);  // n_b: drafts past it are never accepted
+  const bool greedy = !SAMPLING || row_greedy(a, b);
   if (tid == 0) {
-    s_invalid = 0;
-    s_first_reject = a.num_draft;
+    s_invalid = bad_limit ? 1 : 0;
+    s_first_reject = limit;
   }
 
   // One warp per logit row: fixed-order combine of its chunk partials.
@@ -283,12 +328,13 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
   __syncthreads();
 
   for (int j = tid; j < a.rows_per_batch; j += static_cast<int>(blockDim.x)) {
+    if (!row_used(a, b, j)) continue;
     const ChunkStats s = row_stats[j];
     // NaN/+inf, or the whole row is -inf (sampling: of the scaled z, whose kept max is m; greedy: of the logits)
     const float alive = SAMPLING ? s.m : s.raw_max;
     if (s.bad || !(alive > -INFINITY)) atomicOr(&s_invalid, 1);
   }
-  for (int i = tid; i < a.num_draft; i += static_cast<int>(blockDim.x)) {
+  for (int i = tid; i < limit; i += static_cast<int>(blockDim.x)) {
     const int64_t token = a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + i];
     if (token < 0 || token >= a.vocab) {
       atomicOr(&s_invalid, 1);
@@ -296,7 +342,7 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
     }
     const int x = static_cast<int>(token);
     bool accept;
-    if constexpr (!SAMPLING) {
+    if (greedy) {
       accept = x == row_stats[i].raw_arg;
     } else {
       const float r = uniform_from_bits(
@@ -317,7 +363,7 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
   const bool invalid = s_invalid != 0;
   const int n = s_first_reject;  // in 0..K
   if (tid == 0) a.ws.decisions[b] = Decision{n, invalid ? 1 : 0};
-  if constexpr (!SAMPLING) write_outputs(a, b, n, row_stats[n].raw_arg, invalid);
+  if (greedy) write_outputs(a, b, n, row_stats[n].raw_arg, invalid);  // race and finalize skip greedy rows
 }
 
 // ---- pass 3: exponential race over the residual (and over p for the zero-residual fallback) -----------------
@@ -327,15 +373,18 @@ __global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
   const int b = static_cast<int>(blockIdx.x);
   const int c = static_cast<int>(blockIdx.y);
   const Decision decision = a.ws.decisions[b];
-  if (decision.invalid) return;  // the same for the whole block; finalize writes -1 without reading partials
+  // The same for the whole block: finalize writes -1 without reading partials; decide wrote a greedy row.
+  if (decision.invalid || row_greedy(a, b)) return;
   const int n = decision.n;
   const int num_positions = a.num_draft + 1;
+  bool bad_limit;
+  const int limit = row_limit(a, b, &bad_limit);
   const ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
 
   const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
   const ChunkStats p_stats = row_stats[n];
-  const bool has_q = n < a.num_draft;  // q_K := 0: the bonus token is drawn from p_K
-  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0};
+  const bool has_q = n < limit;  // q := 0 once all n_b drafts are accepted: the bonus token is drawn from p_n
+  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0, 1.0f};
   ChunkStats q_stats = stats_identity();
   int q_token = -1;
   if (has_q) {
@@ -386,6 +435,7 @@ template <typename T>
 __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Args<T> a) {
   const int b = static_cast<int>(blockIdx.x);
   const int lane = static_cast<int>(threadIdx.x);
+  if (row_greedy(a, b)) return;  // decide wrote it
   const Decision decision = a.ws.decisions[b];
   int next = -1;
   if (!decision.invalid) {
@@ -449,7 +499,7 @@ template <typename T>
 cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* workspace, cudaStream_t stream) {
   constexpr int kVec = VecWidth<T>::value;
   const bool has_draft = p.draft_logits != nullptr;
-  const bool sampling = p.temperature > 0.0f;
+  const bool sampling = p.temperature > 0.0f || p.temperature_rows != nullptr;  // some row samples
   const bool has_cut = sampling && p.target_cut_source != nullptr;
   Args<T> a;
   a.target = static_cast<const T*>(p.target_logits);
@@ -467,6 +517,8 @@ cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* work
   a.rows_per_batch = p.num_draft + 1 + (has_draft ? p.num_draft : 0);
   a.num_chunks = num_chunks_for(p.vocab);
   a.temperature = p.temperature;
+  a.temperature_rows = p.temperature_rows;
+  a.draft_limit = p.num_draft_tokens;
   a.target_cut_source = p.target_cut_source;
   a.target_cut_index = p.target_cut_index;
   a.draft_cut_source = p.draft_cut_source;
@@ -498,7 +550,7 @@ bool params_ok(const VerifyParams& p) {
   if (p.target_logits == nullptr || p.tokens == nullptr || p.seed == nullptr || p.offset == nullptr) return false;
   if (p.num_draft > 0 && p.draft_tokens == nullptr) return false;
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) return false;
-  if (p.temperature > 0.0f && p.target_cut_source != nullptr) {
+  if ((p.temperature > 0.0f || p.temperature_rows != nullptr) && p.target_cut_source != nullptr) {
     if (p.target_cut_index == nullptr) return false;
     if (p.draft_logits != nullptr && p.num_draft > 0 && (p.draft_cut_source == nullptr || p.draft_cut_index == nullptr))
       return false;
@@ -533,9 +585,10 @@ cudaError_t verify_launch(const VerifyParams& p, void* workspace, size_t workspa
 }
 
 cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int vocab, int64_t stride_b,
-                          float temperature, const int32_t* cut_source, const int32_t* cut_index, const int64_t* seed,
-                          int64_t seed_stride, const int64_t* offset, int64_t offset_stride, bool seed_per_row,
-                          int64_t* tokens, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                          float temperature, const float* temperature_rows, const int32_t* cut_source,
+                          const int32_t* cut_index, const int64_t* seed, int64_t seed_stride, const int64_t* offset,
+                          int64_t offset_stride, bool seed_per_row, int64_t* tokens, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
   // The sampler is verification with K = 0 and no draft: n = 0 and the token is raced from p_0, on its own stream.
   VerifyParams p;
   p.dtype = dtype;
@@ -546,6 +599,7 @@ cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int v
   p.target_stride_b = stride_b;
   p.target_stride_j = 0;
   p.temperature = temperature;
+  p.temperature_rows = temperature_rows;
   p.target_cut_source = cut_source;
   p.target_cut_index = cut_index;
   p.seed = seed;

@@ -47,6 +47,12 @@ struct VerifyParams {
   // draft_tokens: [B, K] int64, contiguous (unused when K == 0).
   const int64_t* draft_tokens = nullptr;
   float temperature = 1.0f;  // 0 means greedy
+  // Per-row temperature: [B] float32 contiguous, or nullptr (the scalar for every row). When given it replaces the
+  // scalar: a row at 0 is greedy, the others sample (greedy and sampled rows in one launch).
+  const float* temperature_rows = nullptr;
+  // Per-row draft limit n_b: [B] int64 contiguous in 0..K, or nullptr (K for every row). Row b accepts a prefix of its
+  // first n_b drafts and reads no logits or draft tokens past them; a value outside 0..K marks the row invalid.
+  const int64_t* num_draft_tokens = nullptr;
   // top-k/top-p cut per row: keep v iff z_v > z_s or (z_v == z_s and v >= cut_index), s = cut_source. The cut value
   // is the warped logit of element s computed here, with the kernels' own arithmetic, so the caller's arithmetic
   // (e.g. Triton's approximate division under torch.compile) cannot move the cut by an ulp. A cut_source outside
@@ -76,11 +82,12 @@ size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draf
 cudaError_t verify_launch(const VerifyParams& params, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Draft-side sampler: tokens [B] from softmax(warp(logits[B, V])) with the STREAM_DRAFT counters (argmax when
-// temperature == 0), -1 for an invalid row. cut_source/cut_index: [B] or nullptr (see VerifyParams). workspace: >=
-// verify_workspace_bytes(batch, 0, vocab, false) bytes.
+// temperature == 0), -1 for an invalid row. temperature_rows: [B] or nullptr, cut_source/cut_index: [B] or nullptr
+// (see VerifyParams). workspace: >= verify_workspace_bytes(batch, 0, vocab, false) bytes.
 cudaError_t sample_launch(LogitDtype dtype, const void* logits, int batch, int vocab, int64_t stride_b,
-                          float temperature, const int32_t* cut_source, const int32_t* cut_index, const int64_t* seed,
-                          int64_t seed_stride, const int64_t* offset, int64_t offset_stride, bool seed_per_row,
-                          int64_t* tokens, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                          float temperature, const float* temperature_rows, const int32_t* cut_source,
+                          const int32_t* cut_index, const int64_t* seed, int64_t seed_stride, const int64_t* offset,
+                          int64_t offset_stride, bool seed_per_row, int64_t* tokens, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace speculative_kernels

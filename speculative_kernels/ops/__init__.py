@@ -13,8 +13,7 @@ from . import backends
 from .compaction import compact_kv
 from .diagnostics import raise_for_invalid_rows, should_check
 from .randomness import resolve_randomness
-from .sampling import Sampling
-from .validation import check_logits, check_same_device, check_sampling_params, check_tokens
+from .validation import check_logits, check_num_draft_tokens, check_same_device, check_sampling, check_tokens
 
 __all__ = ["verify", "sample", "compact_kv"]
 
@@ -24,9 +23,10 @@ def verify(
     draft_logits: torch.Tensor | None,
     draft_tokens: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    num_draft_tokens: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     offset: int | torch.Tensor = 0,
@@ -37,12 +37,25 @@ def verify(
 
     target_logits: [B, K+1, V]; draft_logits: [B, K, V], or None for a drafter without a distribution (one-hot q);
     draft_tokens: [B, K]. Returns (tokens [B, K+1] int64: the emitted tokens then -1 padding, num_accepted [B] int64
-    in 0..K). Exactly the target's distribution under HF's warping with the same temperature/top_k/top_p.
+    in 0..n_b). Exactly the target's distribution under HF's warping with the same temperature/top_k/top_p.
+
+    temperature / top_k / top_p: python scalars, or [B] tensors on the logits' device (float32/float64 temperature and
+    top_p, int64 top_k; scalars and tensors may be mixed), one value per row; temperature 0 makes that row greedy.
+    A row's result never depends on the other rows' parameters.
+
+    num_draft_tokens: [B] int64 on the logits' device, n_b in 0..K (None: K for every row). Row b verifies only its
+    first n_b drafts: it accepts a prefix of them, then emits the residual token at its first rejection i < n_b, or,
+    having accepted all n_b, one token from p at position n_b (greedy: argmax there). Positions past n_b are never
+    accepted and never read: draft tokens/logits at i >= n_b and target logits at j > n_b may hold anything (-1
+    padding included). n_b = 0 is a plain decoding step: one token from softmax(warp(target_logits[b, 0])), drawn
+    with this op's own Philox stream (``STREAM_POSITION`` + 0 at the call's seed/offset; ``sample`` uses
+    ``STREAM_DRAFT``). The random numbers do not depend on n_b, so n_b == K gives exactly the result without it.
 
     ``check`` (default: on, except while compiling or capturing a CUDA graph) reads the result on the host and raises
     ``ValueError`` for non-finite logits (raw, or after the division by temperature when sampling), out-of-range
-    draft tokens, or an out-of-range seed/offset tensor; unchecked, such logit/token rows come back with
-    num_accepted == -1 and all tokens -1 for the caller to test (seed/offset: see ``validation.py``).
+    draft tokens, an out-of-range seed/offset tensor, per-row temperature/top_k/top_p or num_draft_tokens value (the
+    error names the argument and the rows); unchecked, such rows (seed/offset aside: see ``randomness.py``) come back
+    with num_accepted == -1 and all tokens -1 for the caller to test.
     """
     check_logits("target_logits", target_logits, 3)
     check_tokens("draft_tokens", draft_tokens, 2)
@@ -59,22 +72,25 @@ def verify(
                 f"draft_logits must have shape [{batch}, {num_draft}, {vocab}], got {tuple(draft_logits.shape)}"
             )
     check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
-    sampling = Sampling(*check_sampling_params(temperature, top_k, top_p))
+    check_num_draft_tokens(num_draft_tokens, batch, target_logits.device)
+    sampling = check_sampling(temperature, top_k, top_p, batch, target_logits.device)
     impl = backends.implementation(backend, target_logits.device.type)
     randomness = resolve_randomness(seed, offset, generator, batch, target_logits.device)
-    tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness)
+    tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness,
+                                       num_draft_tokens)
     if should_check(check):
-        raise_for_invalid_rows(num_accepted, temperature=sampling.temperature, randomness=randomness,
-                               target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
+        raise_for_invalid_rows(num_accepted, sampling=sampling, randomness=randomness,
+                               num_draft_tokens=num_draft_tokens, target_logits=target_logits,
+                               draft_logits=draft_logits, draft_tokens=draft_tokens)
     return tokens, num_accepted
 
 
 def sample(
     logits: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     offset: int | torch.Tensor = 0,
@@ -83,15 +99,16 @@ def sample(
 ) -> torch.Tensor:
     """Draft-side sampler: one token per row from softmax(warp(logits)) (argmax when temperature == 0).
 
-    logits: [B, V]. Returns [B] int64. Uses its own Philox stream, so reusing (seed, offset) with ``verify`` never
-    reuses random numbers. Unchecked, a row with non-finite logits (raw, or after the division by temperature) comes
-    back as -1.
+    logits: [B, V]. Returns [B] int64. temperature / top_k / top_p: scalars or [B] tensors, as for ``verify``. Uses
+    its own Philox stream, so reusing (seed, offset) with ``verify`` never reuses random numbers. Unchecked, a row
+    with non-finite logits (raw, or after the division by temperature) or an invalid per-row parameter comes back
+    as -1.
     """
     check_logits("logits", logits, 2)
-    sampling = Sampling(*check_sampling_params(temperature, top_k, top_p))
+    sampling = check_sampling(temperature, top_k, top_p, logits.shape[0], logits.device)
     impl = backends.implementation(backend, logits.device.type)
     randomness = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
     tokens = impl.sample(logits, sampling, randomness)
     if should_check(check):
-        raise_for_invalid_rows(tokens, temperature=sampling.temperature, randomness=randomness, logits=logits)
+        raise_for_invalid_rows(tokens, sampling=sampling, randomness=randomness, logits=logits)
     return tokens

@@ -18,6 +18,14 @@ Philox counters, see ``philox.py``). Leviathan et al. 2023, Algorithm 1:
   sampling, the same test applies to the scaled logits z = float32(logits) / temperature, what the softmax sees:
   a finite logit that overflows float32 when scaled (3e38 at temperature 0.5), or a row that every logit leaves
   for -inf, is invalid too (HF's sampler raises on the NaN probabilities such a row gives).
+* Per-row draft limit n_b (``num_draft_tokens`` [B], 0..K): row b accepts only among its first n_b drafts; all n_b
+  accepted, the next token is drawn from p_{n_b} (q_{n_b} := 0; greedy: argmax z_{n_b}). n_b = 0 is a plain step:
+  one token from p_0 raced with the STREAM_POSITION + 0 noise. The random numbers are those of the unlimited call,
+  so n_b = K is that call bit for bit. Positions past n_b (target j > n_b, drafts i >= n_b) are never read: they
+  cannot invalidate the row. A limit outside 0..K makes the row invalid.
+* Per-row parameters (``Sampling.rows``): row b uses its own temperature / top_k / top_p for every position, exactly
+  as the scalar call with those values would (``warping.row_thresholds``); temperature 0 makes the row greedy
+  (it is then judged on its raw logits). A row with an invalid parameter is invalid.
 """
 
 import torch
@@ -32,7 +40,7 @@ from .philox import (
 )
 from .randomness import Randomness
 from .sampling import Sampling
-from .warping import scale_logits, warp_logits
+from .warping import apply_thresholds, row_thresholds, scale_logits, warp_logits
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -89,47 +97,96 @@ def _count_prefix(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def draft_limit(num_draft_tokens: torch.Tensor | None, batch: int, num_draft: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """num_draft_tokens [B] (or None: K for every row) -> (n_b clamped to 0..K [B] int64, out of range [B] bool)."""
+    if num_draft_tokens is None:
+        return torch.full((batch,), num_draft, dtype=torch.int64, device=device), torch.zeros(
+            batch, dtype=torch.bool, device=device)
+    limit = num_draft_tokens.to(torch.int64)
+    return limit.clamp(0, num_draft), (limit < 0) | (limit > num_draft)
+
+
+def used_positions(limit: torch.Tensor, num_draft: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """limit [B] -> (target positions j <= n_b [B, K+1], draft positions i < n_b [B, K]) as bool masks."""
+    j = torch.arange(num_draft + 1, device=limit.device).unsqueeze(0)
+    return j <= limit.unsqueeze(1), j[:, :num_draft] < limit.unsqueeze(1)
+
+
+def invalid_positions(logits: torch.Tensor) -> torch.Tensor:
+    """[B, J, V] -> [B, J] bool: the position's logits hold NaN / +inf, or are all -inf."""
+    return (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
+
+
+def _greedy(target_logits: torch.Tensor, tokens: torch.Tensor, in_draft: torch.Tensor):
+    """Accept while x_i == argmax z_i (i < n_b), then argmax z_n. Returns (n [B], next token [B])."""
+    best = target_logits.to(torch.float32).argmax(dim=-1)  # [B, K+1]
+    n = _count_prefix((tokens == best[:, :tokens.shape[1]]) & in_draft)
+    return n, best.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
+def _warped_probs(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, J, V] -> (softmax(warp(logits)) [B, J, V], invalid scaled positions [B, J]). Per-row parameters
+    apply to every position of a row; greedy rows use temperature 1 and no cut (their probabilities are unused)."""
+    if sampling.rows is None:
+        z = scale_logits(logits, sampling.temperature)  # validity is judged on what softmax sees
+        return torch.softmax(warp_logits(z, 1.0, sampling.top_k, sampling.top_p), dim=-1), invalid_positions(z)
+    rows = sampling.rows
+    z = logits.to(torch.float32) / rows.safe_temperature().view(-1, 1, 1)
+    warped = z
+    if rows.cut:
+        cut = row_thresholds(z, rows.sampled_top_k().view(-1, 1), rows.sampled_top_p().view(-1, 1))
+        warped = apply_thresholds(z, *cut)
+    return torch.softmax(warped, dim=-1), invalid_positions(z)
+
+
 def verify_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft_tokens: torch.Tensor,
-                     sampling: Sampling, randomness: Randomness) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference verification. target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None; draft_tokens: [B, K].
-    Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+                     sampling: Sampling, randomness: Randomness,
+                     num_draft_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference verification. target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None; draft_tokens: [B, K];
+    num_draft_tokens: [B] int64 in 0..K or None (K). Returns (tokens [B, K+1] int64 with -1 padding,
+    num_accepted [B] int64 in 0..n_b)."""
     batch, num_draft = draft_tokens.shape
     vocab = target_logits.shape[-1]
     tokens = draft_tokens.to(torch.int64)
-    invalid = invalid_rows(target_logits) | ((tokens < 0) | (tokens >= vocab)).any(dim=1)
+    limit, bad_limit = draft_limit(num_draft_tokens, batch, num_draft, target_logits.device)
+    in_target, in_draft = used_positions(limit, num_draft)
+    invalid = bad_limit | (invalid_positions(target_logits) & in_target).any(dim=1)
+    invalid |= (((tokens < 0) | (tokens >= vocab)) & in_draft).any(dim=1)
     if draft_logits is not None:
-        invalid |= invalid_rows(draft_logits)
+        invalid |= (invalid_positions(draft_logits) & in_draft).any(dim=1)
+    if sampling.rows is not None:
+        invalid |= sampling.rows.out_of_range()
     safe_tokens = tokens.clamp(0, vocab - 1).unsqueeze(-1)
 
-    if temperature == 0.0:
-        best = target_logits.to(torch.float32).argmax(dim=-1)  # [B, K+1]
-        n = _count_prefix(tokens == best[:, :num_draft])
-        next_token = best.gather(1, n.unsqueeze(1)).squeeze(1)
-        return _emit(tokens, n, next_token, invalid)
+    if sampling.greedy:
+        return _emit(tokens, *_greedy(target_logits, tokens, in_draft), invalid)
 
-    z = scale_logits(target_logits, temperature)  # [B, K+1, V] float32; validity is judged on what softmax sees
-    invalid |= invalid_rows(z)
-    p = torch.softmax(warp_logits(z, 1.0, top_k, top_p), dim=-1)  # [B, K+1, V]
+    p, invalid_z = _warped_probs(target_logits, sampling)  # [B, K+1, V]
+    invalid |= (invalid_z & in_target).any(dim=1)
     if draft_logits is None:
         q = torch.zeros(batch, num_draft, vocab, dtype=torch.float32, device=p.device)
         q.scatter_(-1, safe_tokens, 1.0)
     else:
-        z_draft = scale_logits(draft_logits, temperature)
-        invalid |= invalid_rows(z_draft)
-        q = torch.softmax(warp_logits(z_draft, 1.0, top_k, top_p), dim=-1)
+        q, invalid_z = _warped_probs(draft_logits, sampling)
+        invalid |= (invalid_z & in_draft).any(dim=1)
     p_x = p[:, :num_draft].gather(-1, safe_tokens).squeeze(-1)
     q_x = q.gather(-1, safe_tokens).squeeze(-1)
     r = accept_uniforms(randomness, num_draft)
-    n = _count_prefix((q_x > 0) & (r * q_x < p_x))
+    n = _count_prefix((q_x > 0) & (r * q_x < p_x) & in_draft)
 
     rows = torch.arange(batch, device=p.device)
     p_n = p[rows, n]  # [B, V]
-    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)  # q_K := 0 makes the bonus draw from p_K
-    residual = torch.clamp(p_n - q_pad[rows, n], min=0.0)
+    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)
+    q_n = torch.where((n < limit).unsqueeze(1), q_pad[rows, n], 0.0)  # q := 0 once all n_b drafts are accepted
+    residual = torch.clamp(p_n - q_n, min=0.0)
     weights = torch.where((residual.amax(dim=-1) > 0).unsqueeze(1), residual, p_n)
     noise = race_noise(randomness, STREAM_POSITION + n, vocab)
     next_token = race(weights, noise)
+    if sampling.rows is not None:
+        greedy = sampling.rows.greedy
+        n_greedy, next_greedy = _greedy(target_logits, tokens, in_draft)
+        n, next_token = torch.where(greedy, n_greedy, n), torch.where(greedy, next_greedy, next_token)
     return _emit(tokens, n, next_token, invalid)
 
 
@@ -137,16 +194,18 @@ def sample_reference(logits: torch.Tensor, sampling: Sampling, randomness: Rando
     """Reference draft sampler: one token per row from softmax(warp(logits)), or argmax when temperature == 0.
 
     logits: [B, V]. Returns [B] int64; -1 for a row with NaN/+inf or all -inf logits
-    (when sampling: scaled logits, see the module docstring). Uses the STREAM_DRAFT counters, so it never reuses
-    numbers that verify draws with the same seed and offset.
+    (when sampling: scaled logits, see the module docstring) or an invalid per-row parameter. Uses the STREAM_DRAFT
+    counters, so it never reuses numbers that verify draws with the same seed and offset.
     """
     invalid = invalid_rows(logits)
+    greedy_token = logits.to(torch.float32).argmax(dim=-1)
     if sampling.greedy:
-        token = logits.to(torch.float32).argmax(dim=-1)
-    else:
-        z = scale_logits(logits, sampling.temperature)
-        invalid |= invalid_rows(z)
-        p = torch.softmax(warp_logits(z, 1.0, sampling.top_k, sampling.top_p), dim=-1)
-        stream = torch.full_like(randomness.seed, STREAM_DRAFT)
-        token = race(p, race_noise(randomness, stream, logits.shape[-1]))
+        return greedy_token.masked_fill(invalid, -1)
+    p, invalid_z = _warped_probs(logits.unsqueeze(1), sampling)
+    invalid |= invalid_z.squeeze(1)
+    stream = torch.full_like(randomness.seed, STREAM_DRAFT)
+    token = race(p.squeeze(1), race_noise(randomness, stream, logits.shape[-1]))
+    if sampling.rows is not None:
+        invalid |= sampling.rows.out_of_range()
+        token = torch.where(sampling.rows.greedy, greedy_token, token)
     return token.masked_fill(invalid, -1)

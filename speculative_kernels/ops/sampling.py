@@ -2,22 +2,78 @@
 
 import dataclasses
 
+import torch
+
+# The kernels divide float32 logits by float32(temperature): below float32's smallest normal number the divisor is
+# subnormal (or zero) and every logit of ordinary size overflows, so such a temperature is refused.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: tensors have no boolean ==
+class RowSampling:
+    """Per-row sampling parameters, on the op's device (validated by ``validation.check_row_sampling``).
+
+    temperature: [B] float32 (0 means greedy for that row); top_k: [B] int64 (0 means off); top_p: [B] float64
+    (1 means off; float64 so that a row's threshold 1 - top_p rounds exactly as the scalar path's python float).
+    ``cut``: whether any row may apply top-k / top-p (False when both were given as scalars that switch them off),
+    a static fact, so no device value is read to decide it.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    cut: bool
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        """[B] bool: rows decoded greedily."""
+        return self.temperature == 0.0
+
+    def safe_temperature(self) -> torch.Tensor:
+        """[B] float32: the temperature, 1 for greedy rows (whose logits are then used as they are)."""
+        return torch.where(self.greedy, torch.ones_like(self.temperature), self.temperature)
+
+    def sampled_top_k(self) -> torch.Tensor:
+        """[B] int64: top_k for sampled rows, 0 (off) for greedy rows (a cut cannot change an argmax)."""
+        return torch.where(self.greedy, torch.zeros_like(self.top_k), self.top_k)
+
+    def sampled_top_p(self) -> torch.Tensor:
+        """[B] float64: top_p for sampled rows, 1 (off) for greedy rows."""
+        return torch.where(self.greedy, torch.ones_like(self.top_p), self.top_p)
+
+    def out_of_range(self) -> torch.Tensor:
+        """[B] bool on the rows' device: True where a parameter is invalid (no host read). Such rows come back
+        flagged (-1) from every backend; ``diagnostics.raise_for_invalid_rows`` names the argument."""
+        t = self.temperature
+        bad_t = ~(t >= 0.0) | (t == float("inf")) | ((t > 0.0) & (t < MIN_TEMPERATURE))
+        return bad_t | (self.top_k < 0) | ~((self.top_p > 0.0) & (self.top_p <= 1.0))
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature 0 means greedy; top_k 0 and top_p 1 mean off (HF's TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper, in that order). Validated by ``validation.check_sampling_params``."""
+    TopPLogitsWarper, in that order). Validated by ``validation.check_sampling_params``.
+
+    ``rows``: per-row parameters (``RowSampling``); when set, they replace the three scalars for every row."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    rows: RowSampling | None = None
+
+    @property
+    def per_row(self) -> bool:
+        return self.rows is not None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Every row greedy (known without reading a device value; False with per-row parameters)."""
+        return self.rows is None and self.temperature == 0.0
 
     def cuts(self, vocab: int) -> bool:
         """Whether top-k / top-p can remove tokens from a vocabulary of ``vocab`` when sampling."""
+        if self.rows is not None:
+            return self.rows.cut
         return not self.greedy and (0 < self.top_k < vocab or self.top_p < 1.0)
 
 

@@ -33,7 +33,7 @@ from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 from . import compaction_triton, triton_backend
 from .randomness import Randomness
-from .sampling import Sampling
+from .sampling import RowSampling, Sampling
 
 # An H100's SM count, so the recorded plans (chunks per row, grid) are the ones that GPU launches.
 H100 = triton_backend.Tuning(num_sms=132)
@@ -126,27 +126,36 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
     draft = torch.zeros(batch, k, vocab, dtype=dtype)
     tokens = torch.zeros(batch, k, dtype=torch.int64)
     seed, offset = _rows(1, batch), _rows(0, batch)
-    modes = {  # mode -> (draft logits or None, temperature, top_k, top_p); the sampler is K = 0 verification
-        "greedy": (draft, 0.0, 0, 1.0),
-        "greedy one-hot": (None, 0.0, 0, 1.0),
-        "sampling": (draft, 0.8, 0, 1.0),
-        "sampling one-hot": (None, 0.8, 0, 1.0),
-        "sampling top-k/top-p": (draft, 0.8, 50, 0.9),
-        "sampling top-k/top-p one-hot": (None, 0.8, 50, 0.9),
-        "sample": ("sample", 0.8, 0, 1.0),
-        "sample top-p": ("sample", 0.8, 0, 0.9),
+    limit = torch.full((batch,), k, dtype=torch.int64)
+    rows = RowSampling(torch.full((batch,), 0.8), torch.full((batch,), 50), torch.full((batch,), 0.9,
+                                                                                    dtype=torch.float64), True)
+    per_row = Sampling(rows=rows)
+    # mode -> (draft logits, "sample" or None, Sampling, num_draft_tokens); the sampler is K = 0 verification
+    modes = {
+        "greedy": (draft, Sampling(0.0, 0, 1.0), None),
+        "greedy one-hot": (None, Sampling(0.0, 0, 1.0), None),
+        "greedy limit": (None, Sampling(0.0, 0, 1.0), limit),
+        "sampling": (draft, Sampling(0.8, 0, 1.0), None),
+        "sampling one-hot": (None, Sampling(0.8, 0, 1.0), None),
+        "sampling top-k/top-p": (draft, Sampling(0.8, 50, 0.9), None),
+        "sampling top-k/top-p one-hot": (None, Sampling(0.8, 50, 0.9), None),
+        "per-row limit": (draft, per_row, limit),
+        "per-row one-hot limit": (None, Sampling(rows=dataclasses.replace(rows, cut=False)), limit),
+        "sample": ("sample", Sampling(0.8, 0, 1.0), None),
+        "sample top-p": ("sample", Sampling(0.8, 0, 0.9), None),
+        "sample per-row": ("sample", per_row, None),
     }
     if quick:
-        modes = {m: modes[m] for m in ("greedy", "sampling top-k/top-p")}
+        modes = {m: modes[m] for m in ("greedy", "sampling top-k/top-p", "per-row limit")}
     out = []
     randomness = Randomness(seed, offset)
-    for mode, (d, temperature, top_k, top_p) in modes.items():
-        sampling = Sampling(temperature, top_k, top_p)
+    for mode, (d, sampling, num_draft_tokens) in modes.items():
         with recording() as launches:
             if isinstance(d, str):
                 triton_backend.launch_sample(target[:, 0], sampling, randomness, tuning)
             else:
-                triton_backend.launch_verify(target, d, tokens, sampling, randomness, tuning)
+                triton_backend.launch_verify(target, d, tokens, sampling, randomness, tuning,
+                                             num_draft_tokens=num_draft_tokens)
         out += [(mode, launch) for launch in launches]
     return out
 

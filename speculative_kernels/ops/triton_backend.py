@@ -1,7 +1,9 @@
 """Triton backend of ``verify``/``sample``: fused split-row kernels, registered as torch custom ops.
 
-Same signature and return contract as ``reference.py`` (``Sampling`` and ``Randomness`` objects; the registered ops
-take them as flat arguments). Launches: sampling 3 (stats, decide + race, finish),
+Same signature and return contract as ``reference.py`` (``Sampling`` and ``Randomness`` objects, ``num_draft_tokens``;
+the registered ops take them as flat arguments). Per-row parameters (``Sampling.rows``) are read from device tensors
+by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a per-row draft limit (``HAS_LIMIT``)
+likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
 ``scale_kernel`` so the cut is computed from the kernels' own z). No host synchronisation, so the ops can be
 captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
@@ -19,10 +21,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from .backends import device_guard
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .randomness import Randomness
-from .sampling import Sampling
+from .sampling import RowSampling, Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
-from .warping import warp_thresholds
+from .warping import row_thresholds, warp_thresholds
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 
@@ -115,23 +117,32 @@ def precise_math(device: torch.device) -> bool:
 def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
     batch, rows, vocab = logits.shape
+    params = sampling.rows
     z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
     grid = (batch * rows, triton.cdiv(vocab, plan.block_v))
     wrap_triton(scale_kernel)[grid](
-        logits, logits.stride(0), logits.stride(1), logits.stride(2), z, rows, vocab, sampling.temperature,
-        SCALE=sampling.temperature != 1.0, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        logits, logits.stride(0), logits.stride(1), logits.stride(2), z,
+        params.temperature if params is not None else z, rows, vocab, sampling.temperature,
+        SCALE=params is not None or sampling.temperature != 1.0, ROW_PARAMS=params is not None,
+        BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )
-    cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
+    if params is None:
+        cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
+    else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
+        per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
+        cut_value, cut_index = row_thresholds(z, per_position(params.sampled_top_k()),
+                                              per_position(params.sampled_top_p()))
     return cut_value.contiguous(), cut_index.contiguous()
 
 
-def _stats(target, draft, cuts, temperature: float, greedy: bool, plan: Plan, precise: bool):
-    """Pass 1 -> (float32 workspace [2, B*NR, C], int32 workspace [2, B*NR, C], plane size)."""
+def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: bool):
+    """Pass 1 -> (float32 workspace [2 (+1 per-row), B*NR, C], int32 workspace [2, B*NR, C], plane size)."""
     batch, num_positions, vocab = target.shape
     num_draft = num_positions - 1
     num_rows = num_positions + (num_draft if draft is not None else 0)
     plane = batch * num_rows * plan.chunks
-    ws_f = torch.empty(2 * plane, dtype=torch.float32, device=target.device)
+    params = sampling.rows
+    ws_f = torch.empty((2 if params is None else 3) * plane, dtype=torch.float32, device=target.device)
     ws_i = torch.empty(2 * plane, dtype=torch.int32, device=target.device)
     d = draft if draft is not None else target
     cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
@@ -139,20 +150,23 @@ def _stats(target, draft, cuts, temperature: float, greedy: bool, plan: Plan, pr
         target, target.stride(0), target.stride(1), target.stride(2),
         d, d.stride(0), d.stride(1), d.stride(2),
         cut_tv, cut_ti, cut_dv, cut_di,
+        params.temperature if params is not None else ws_f, limit if limit is not None else ws_i,
         ws_f, ws_i, plane,
-        vocab, num_draft, plan.chunk_size, temperature,
-        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, GREEDY=greedy, SCALE=temperature != 1.0,
-        PRECISE=precise, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
+        vocab, num_draft, plan.chunk_size, sampling.temperature,
+        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, GREEDY=sampling.greedy,
+        SCALE=params is not None or sampling.temperature != 1.0, ROW_PARAMS=params is not None,
+        HAS_LIMIT=limit is not None, PRECISE=precise, BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )
     return ws_f, ws_i, plane
 
 
 def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stream_base: int, tuning: Tuning,
-         out_shape):
-    """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K].
+         out_shape, limit=None):
+    """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K]; limit: num_draft_tokens [B] or None.
 
     Returns (tokens ``out_shape`` int64 = [B, K+1] or [B] when K = 0, num_accepted [B] int64)."""
     temperature, seed, offset = sampling.temperature, randomness.seed, randomness.offset
+    params = sampling.rows
     batch, num_positions, vocab = target.shape
     num_draft = num_positions - 1
     device = target.device
@@ -168,18 +182,20 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
             cuts = cuts + _cuts(draft, sampling, plan)
         else:
             cuts = cuts + cuts
-    ws_f, ws_i, plane = _stats(target, draft, cuts, temperature, greedy, plan, precise)
+    ws_f, ws_i, plane = _stats(target, draft, cuts, sampling, limit, plan, precise)
     token_args = (tokens, tokens.stride(0), tokens.stride(1))
     out_args = (out, num_positions, num_accepted)
+    limit_arg = limit if limit is not None else ws_i
     if greedy:
         wrap_triton(finish_greedy_kernel)[(batch,)](
-            ws_f, ws_i, plane, *token_args, *out_args, vocab, num_draft, plan.chunks,
-            HAS_DRAFT=draft is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
+            ws_f, ws_i, plane, *token_args, limit_arg, *out_args, vocab, num_draft, plan.chunks,
+            HAS_DRAFT=draft is not None, HAS_LIMIT=limit is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c,
+            num_warps=1,
         )
         return out, num_accepted
     race_plane = batch * plan.race_chunks
     race_f = torch.empty(2 * race_plane, dtype=torch.float32, device=device)
-    race_i = torch.empty(3 * race_plane + 2 * batch, dtype=torch.int32, device=device)
+    race_i = torch.empty(3 * race_plane + (2 if params is None else 4) * batch, dtype=torch.int32, device=device)
     d = draft if draft is not None else target
     cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
     residual = num_draft > 0
@@ -189,27 +205,33 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
         *token_args,
         cut_tv, cut_ti, cut_dv, cut_di,
         seed, seed.stride(0), offset, offset.stride(0),
+        params.temperature if params is not None else ws_f, limit_arg,
         ws_f, ws_i, plane,
         race_f, race_i, batch,
         vocab, num_draft, plan.chunks, plan.race_chunk_size, temperature, int(randomness.seed_per_row), stream_base,
-        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, SCALE=temperature != 1.0, RESIDUAL=residual,
+        HAS_DRAFT=draft is not None, HAS_CUT=cuts is not None, SCALE=params is not None or temperature != 1.0,
+        RESIDUAL=residual, ROW_PARAMS=params is not None, HAS_LIMIT=limit is not None,
         PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.race_block_v,
         num_warps=plan.race_num_warps,
     )
     wrap_triton(finish_sample_kernel)[(batch,)](
         race_f, race_i, batch, *token_args, *out_args, num_draft, plan.race_chunks,
-        RESIDUAL=residual, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
+        RESIDUAL=residual, ROW_PARAMS=params is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
     )
+    if params is not None:  # a row with an invalid parameter is flagged like an invalid input (reference.py)
+        bad = params.out_of_range()
+        out.masked_fill_(bad.view(-1, *([1] * (out.dim() - 1))), -1)
+        num_accepted.masked_fill_(bad, -1)
     return out, num_accepted
 
 
 def launch_verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness,
-                  tuning: Optional[Tuning] = None):
+                  tuning: Optional[Tuning] = None, num_draft_tokens: Optional[torch.Tensor] = None):
     """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
     tuning = tuning or default_tuning(target_logits.device)
     with device_guard(target_logits.device):
         return _run(target_logits, draft_logits, draft_tokens, sampling, randomness, STREAM_POSITION, tuning,
-                    tuple(target_logits.shape[:2]))
+                    tuple(target_logits.shape[:2]), num_draft_tokens)
 
 
 def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Optional[Tuning] = None):
@@ -222,6 +244,23 @@ def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Op
     return out
 
 
+def _sampling(temperature: float, top_k: int, top_p: float, temperature_rows: Optional[torch.Tensor],
+              top_k_rows: Optional[torch.Tensor], top_p_rows: Optional[torch.Tensor], row_cut: bool) -> Sampling:
+    """The ``Sampling`` of the registered ops' flat arguments (the *_rows tensors all given, or none)."""
+    if temperature_rows is None:
+        return Sampling(temperature, top_k, top_p)
+    return Sampling(rows=RowSampling(temperature_rows, top_k_rows, top_p_rows, row_cut))
+
+
+def _flat(sampling: Sampling) -> tuple:
+    """``Sampling`` -> the registered ops' flat arguments (temperature, top_k, top_p, the three [B] tensors or None,
+    row_cut)."""
+    rows = sampling.rows
+    if rows is None:
+        return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), None, None, None, False
+    return 1.0, 0, 1.0, rows.temperature, rows.top_k, rows.top_p, bool(rows.cut)
+
+
 @triton_op("speculative_kernels::verify_triton", mutates_args=())
 def verify_triton(
     target_logits: torch.Tensor,
@@ -230,13 +269,21 @@ def verify_triton(
     temperature: float,
     top_k: int,
     top_p: float,
+    temperature_rows: Optional[torch.Tensor],
+    top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor],
+    row_cut: bool,
     seed: torch.Tensor,
     offset: torch.Tensor,
     seed_per_row: bool,
+    num_draft_tokens: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; seed, offset [B] int64."""
-    return launch_verify(target_logits, draft_logits, draft_tokens, Sampling(temperature, top_k, top_p),
-                         Randomness(seed, offset, seed_per_row))
+    """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; per-row temperature [B]
+    float32, top_k [B] int64, top_p [B] float64 (all or none); seed, offset [B] int64; num_draft_tokens [B] int64
+    or None."""
+    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut)
+    return launch_verify(target_logits, draft_logits, draft_tokens, sampling, Randomness(seed, offset, seed_per_row),
+                         num_draft_tokens=num_draft_tokens)
 
 
 @triton_op("speculative_kernels::sample_triton", mutates_args=())
@@ -245,25 +292,30 @@ def sample_triton(
     temperature: float,
     top_k: int,
     top_p: float,
+    temperature_rows: Optional[torch.Tensor],
+    top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor],
+    row_cut: bool,
     seed: torch.Tensor,
     offset: torch.Tensor,
     seed_per_row: bool,
 ) -> torch.Tensor:
-    """logits [B, V]; seed, offset [B] int64 -> tokens [B] int64."""
-    return launch_sample(logits, Sampling(temperature, top_k, top_p), Randomness(seed, offset, seed_per_row))
+    """logits [B, V]; per-row parameters as ``verify_triton``; seed, offset [B] int64 -> tokens [B] int64."""
+    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut)
+    return launch_sample(logits, sampling, Randomness(seed, offset, seed_per_row))
 
 
-def verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness):
+def verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness,
+           num_draft_tokens: Optional[torch.Tensor] = None):
     """Same contract as ``reference.verify_reference``."""
     return torch.ops.speculative_kernels.verify_triton(
-        target_logits, draft_logits, draft_tokens, float(sampling.temperature), int(sampling.top_k),
-        float(sampling.top_p), randomness.seed, randomness.offset, bool(randomness.seed_per_row),
+        target_logits, draft_logits, draft_tokens, *_flat(sampling), randomness.seed, randomness.offset,
+        bool(randomness.seed_per_row), num_draft_tokens,
     )
 
 
 def sample(logits, sampling: Sampling, randomness: Randomness):
     """Same contract as ``reference.sample_reference``."""
     return torch.ops.speculative_kernels.sample_triton(
-        logits, float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), randomness.seed,
-        randomness.offset, bool(randomness.seed_per_row),
+        logits, *_flat(sampling), randomness.seed, randomness.offset, bool(randomness.seed_per_row),
     )

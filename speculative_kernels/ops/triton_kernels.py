@@ -72,12 +72,13 @@ def _chunk_flags(x):
 @triton.jit
 def _row_chunk_stats(
     x_ptr, stride_v, start, end, temperature, cut_value, cut_index, ws,
-    WS_M_ptr, WS_S_ptr, WS_I_ptr, WS_F_ptr,
-    GREEDY: tl.constexpr, SCALE: tl.constexpr, HAS_CUT: tl.constexpr, PRECISE: tl.constexpr,
+    WS_M_ptr, WS_S_ptr, WS_I_ptr, WS_F_ptr, WS_R_ptr,
+    GREEDY: tl.constexpr, BOTH: tl.constexpr, SCALE: tl.constexpr, HAS_CUT: tl.constexpr, PRECISE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Partials of x[start:end] written at workspace slot ``ws``: (max z, sum exp(z - max)) or, for greedy,
-    (max x, first index of it); plus the OR of the tile flags."""
+    (max x, first index of it); plus the OR of the tile flags. ``BOTH`` (per-row parameters, greedy and sampled rows
+    in one launch): the softmax partials and, in WS_R / WS_I, the greedy ones (max x, first index)."""
     offs = tl.arange(0, BLOCK_V)
     flags = 0
     m = float("-inf")
@@ -87,12 +88,13 @@ def _row_chunk_stats(
     for base in range(start, end, BLOCK_V):
         v = base + offs
         x = tl.load(x_ptr + v.to(tl.int64) * stride_v, mask=v < end, other=float("-inf")).to(tl.float32)
-        if GREEDY:
-            flags = flags | _chunk_flags(x)
+        if GREEDY or BOTH:
+            if GREEDY:
+                flags = flags | _chunk_flags(x)
             better = x > best  # strict: a lane keeps its first (lowest) index on ties
             best = tl.where(better, x, best)
             best_idx = tl.where(better, v, best_idx)
-        else:
+        if not GREEDY:
             z = _scale(x, temperature, SCALE)
             flags = flags | _chunk_flags(z)  # judged after scaling: a logit that overflows invalidates the row
             z = _cut(z, v, cut_value, cut_index, HAS_CUT)
@@ -100,13 +102,42 @@ def _row_chunk_stats(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * precise_exp(m - m_safe, PRECISE) + tl.sum(precise_exp(z - m_safe, PRECISE), 0)
             m = m_new
-    if GREEDY:
-        m = tl.max(best, 0)
-        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == m, best_idx, INT_MAX), 0))
-    else:
+    if GREEDY or BOTH:
+        best_max = tl.max(best, 0)
+        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == best_max, best_idx, INT_MAX), 0))
+        if GREEDY:
+            m = best_max
+        else:
+            tl.store(WS_R_ptr + ws, best_max)
+    if not GREEDY:
         tl.store(WS_S_ptr + ws, s)
     tl.store(WS_M_ptr + ws, m)
     tl.store(WS_F_ptr + ws, flags)
+
+
+@triton.jit
+def row_temperature(TEMP_ptr, b, temperature, ROW_PARAMS: tl.constexpr):
+    """The temperature of batch entry b: the scalar, or TEMP_ptr[b] with 0 (a greedy row) read as 1, so that a
+    greedy row's z is its float32 logits (its validity flags are then the raw logits', as greedy judges them)."""
+    if ROW_PARAMS:
+        t = tl.load(TEMP_ptr + b)
+        t = tl.where(t == 0.0, 1.0, t)
+    else:
+        t = temperature
+    return t
+
+
+@triton.jit
+def draft_limit(NB_ptr, b, K, HAS_LIMIT: tl.constexpr):
+    """(n_b clamped to 0..K, 1 if num_draft_tokens[b] is outside 0..K) for batch entry b; (K, 0) without a limit."""
+    if HAS_LIMIT:
+        raw = tl.load(NB_ptr + b)
+        nb = tl.minimum(tl.maximum(raw, 0), K).to(tl.int32)
+        bad = ((raw < 0) | (raw > K)).to(tl.int32)
+    else:
+        nb = K
+        bad = 0
+    return nb, bad
 
 
 # Arguments that change with the batch size are not specialised (``do_not_specialize``): Triton would otherwise key a
@@ -119,12 +150,14 @@ def stats_kernel(
     D_ptr, stride_db, stride_di, stride_dv,  # draft logits [B, K, V] (HAS_DRAFT)
     CUT_TV_ptr, CUT_TI_ptr,  # target cut (value float32, index int32) [B*(K+1)] (HAS_CUT)
     CUT_DV_ptr, CUT_DI_ptr,  # draft cut [B*K] (HAS_CUT and HAS_DRAFT)
-    WSF_ptr, WSI_ptr, plane,  # partials: float32 [2, B*NR, C] (max, sum exp), int32 [2, B*NR, C] (argmax, flags)
+    TEMP_ptr, NB_ptr,  # temperature [B] float32 (ROW_PARAMS), num_draft_tokens [B] int64 (HAS_LIMIT)
+    WSF_ptr, WSI_ptr, plane,  # float32 [2 (+1 ROW_PARAMS), B*NR, C] (max, sum exp, raw max); int32 [2, B*NR, C]
     V, K, chunk_size, temperature,
     HAS_DRAFT: tl.constexpr, HAS_CUT: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr,
-    PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,
+    ROW_PARAMS: tl.constexpr, HAS_LIMIT: tl.constexpr, PRECISE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Pass 1, grid (B*(K+1), C): target row (b, j) and, with draft logits and j < K, draft row (b, j)."""
+    """Pass 1, grid (B*(K+1), C): target row (b, j) and, with draft logits and j < K, draft row (b, j). With a
+    per-row draft limit n_b, rows a batch entry does not use (target j > n_b, draft j >= n_b) are not read."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -133,6 +166,8 @@ def stats_kernel(
     num_rows = K + 1
     if HAS_DRAFT:
         num_rows += K
+    nb, _ = draft_limit(NB_ptr, b, K, HAS_LIMIT)
+    t = row_temperature(TEMP_ptr, b, temperature, ROW_PARAMS)
     start = chunk * chunk_size
     end = tl.minimum(start + chunk_size, V)
     cut_value = float("-inf")
@@ -142,9 +177,9 @@ def stats_kernel(
         cut_index = tl.load(CUT_TI_ptr + row)
     x_ptr = T_ptr + b.to(tl.int64) * stride_tb + j.to(tl.int64) * stride_tj
     ws = (b * num_rows + j) * num_chunks + chunk
-    _row_chunk_stats(x_ptr, stride_tv, start, end, temperature, cut_value, cut_index, ws,
-                     WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane,
-                     GREEDY, SCALE, HAS_CUT, PRECISE, BLOCK_V)
+    _row_chunk_stats(x_ptr, stride_tv, start, tl.where(j <= nb, end, start), t, cut_value, cut_index, ws,
+                     WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane, WSF_ptr + 2 * plane,
+                     GREEDY, ROW_PARAMS, SCALE, HAS_CUT, PRECISE, BLOCK_V)
     if HAS_DRAFT:
         if j < K:
             d_cut_value = float("-inf")
@@ -154,9 +189,9 @@ def stats_kernel(
                 d_cut_index = tl.load(CUT_DI_ptr + b * K + j)
             d_ptr = D_ptr + b.to(tl.int64) * stride_db + j.to(tl.int64) * stride_di
             d_ws = (b * num_rows + K + 1 + j) * num_chunks + chunk
-            _row_chunk_stats(d_ptr, stride_dv, start, end, temperature, d_cut_value, d_cut_index, d_ws,
-                             WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane,
-                             GREEDY, SCALE, HAS_CUT, PRECISE, BLOCK_V)
+            _row_chunk_stats(d_ptr, stride_dv, start, tl.where(j < nb, end, start), t, d_cut_value, d_cut_index,
+                             d_ws, WSF_ptr, WSF_ptr + plane, WSI_ptr, WSI_ptr + plane, WSF_ptr + 2 * plane,
+                             GREEDY, ROW_PARAMS, SCALE, HAS_CUT, PRECISE, BLOCK_V)
 
 
 @triton.jit
@@ -183,7 +218,7 @@ def combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, rows, row_mask, num_chunks,
 
 
 @triton.jit
-def _combine_argmax(WS_M_ptr, WS_I_ptr, WS_F_ptr, rows, row_mask, num_chunks,
+def combine_argmax(WS_M_ptr, WS_I_ptr, WS_F_ptr, rows, row_mask, num_chunks,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Combine greedy partials of rows [BLOCK_R] -> (max, first index of the max, OR of flags)."""
     best = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -232,7 +267,8 @@ def write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n,
 
 @triton.jit
 def load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
-    """Draft tokens of batch entry b on lanes < K -> (clamped ids int32, 1 if any id is outside [0, V))."""
+    """Draft tokens of batch entry b on lanes < K (the row's draft limit n_b: later lanes are not read) ->
+    (clamped ids int32, 1 if any id read is outside [0, V))."""
     in_k = lanes < K
     x = tl.load(X_ptr + b * stride_xb + lanes * stride_xi, mask=in_k, other=0).to(tl.int64)
     oob = tl.max((in_k & ((x < 0) | (x >= V))).to(tl.int32), 0)
@@ -243,26 +279,28 @@ def load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V):
 def finish_greedy_kernel(
     WSF_ptr, WSI_ptr, plane,  # greedy partials: float32 [B*NR, C] max, int32 [2, B*NR, C] (argmax, flags)
     X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
+    NB_ptr,  # num_draft_tokens [B] int64 (HAS_LIMIT)
     OUT_ptr, stride_ob, NUM_ptr,  # tokens [B, K+1] int64, num_accepted [B] int64
     V, K, num_chunks,
-    HAS_DRAFT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_DRAFT: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Greedy pass 2, grid (B,): accept while x_i == argmax z_i, then emit argmax z_n."""
+    """Greedy pass 2, grid (B,): accept while x_i == argmax z_i (i < n_b), then emit argmax z_n."""
     b = tl.program_id(0)
     lanes = tl.arange(0, BLOCK_K)
     num_rows = K + 1
     if HAS_DRAFT:
         num_rows += K
-    _, best_idx, flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + lanes, lanes <= K,
-                                         num_chunks, BLOCK_K, BLOCK_C)
-    invalid = row_invalid(flags, lanes <= K)
+    nb, bad_nb = draft_limit(NB_ptr, b, K, HAS_LIMIT)
+    _, best_idx, flags = combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + lanes, lanes <= K,
+                                        num_chunks, BLOCK_K, BLOCK_C)
+    invalid = row_invalid(flags, lanes <= nb) | bad_nb
     if HAS_DRAFT:
-        _, _, d_flags = _combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + K + 1 + lanes,
-                                        lanes < K, num_chunks, BLOCK_K, BLOCK_C)
-        invalid = invalid | row_invalid(d_flags, lanes < K)
-    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
-    rejected = (lanes < K) & (x != best_idx)
-    n = tl.min(tl.where(rejected, lanes, K), 0)
+        _, _, d_flags = combine_argmax(WSF_ptr, WSI_ptr, WSI_ptr + plane, b * num_rows + K + 1 + lanes,
+                                       lanes < K, num_chunks, BLOCK_K, BLOCK_C)
+        invalid = invalid | row_invalid(d_flags, lanes < nb)
+    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, nb, V)
+    rejected = (lanes < nb) & (x != best_idx)
+    n = tl.min(tl.where(rejected, lanes, nb), 0)
     next_token = pick_lane(best_idx, lanes, n)
     write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid | oob, K,
                   BLOCK_K)
@@ -272,8 +310,9 @@ def finish_greedy_kernel(
 def scale_kernel(
     X_ptr, stride_xb, stride_xj, stride_xv,  # logits [B, J, V]
     Z_ptr,  # out: z [B*J, V] float32, contiguous
+    TEMP_ptr,  # temperature [B] float32 (ROW_PARAMS)
     J, V, temperature,
-    SCALE: tl.constexpr, BLOCK_V: tl.constexpr,
+    SCALE: tl.constexpr, ROW_PARAMS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """z = float32(x) / temperature, written out for ``warp_thresholds``; grid (B*J, cdiv(V, BLOCK_V)).
 
@@ -287,5 +326,5 @@ def scale_kernel(
     mask = v < V
     x = tl.load(X_ptr + b.to(tl.int64) * stride_xb + j.to(tl.int64) * stride_xj + v.to(tl.int64) * stride_xv,
                 mask=mask, other=0.0).to(tl.float32)
-    z = warp_logit(x, v, temperature, 0.0, 0, SCALE, False)
+    z = warp_logit(x, v, row_temperature(TEMP_ptr, b, temperature, ROW_PARAMS), 0.0, 0, SCALE, False)
     tl.store(Z_ptr + row.to(tl.int64) * V + v, z, mask=mask)

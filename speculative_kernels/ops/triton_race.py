@@ -12,10 +12,13 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT
 from .triton_kernels import (
     INT_MAX,
+    combine_argmax,
     combine_softmax,
+    draft_limit,
     load_draft_tokens,
     pick_lane,
     row_invalid,
+    row_temperature,
     warp_logit,
     write_tokens,
 )
@@ -58,13 +61,17 @@ def race_kernel(
     X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
     CUT_TV_ptr, CUT_TI_ptr, CUT_DV_ptr, CUT_DI_ptr,  # cuts [B*(K+1)], [B*K] (HAS_CUT)
     SEED_ptr, stride_seed, OFFSET_ptr, stride_offset,  # [B] int64
-    WSF_ptr, WSI_ptr, plane,  # pass-1 partials: float32 [2, B*NR, C] (max, sum exp), int32 [2, B*NR, C] (-, flags)
-    RF_ptr, RI_ptr, B,  # race partials: float32 [2, B, C2] (residual, p), int32 [3, B, C2] + [2, B] (see finish)
+    TEMP_ptr, NB_ptr,  # temperature [B] float32 (ROW_PARAMS), num_draft_tokens [B] int64 (HAS_LIMIT)
+    WSF_ptr, WSI_ptr, plane,  # pass-1 partials: float32 [2 (+1), B*NR, C] (max, sum exp, raw max), int32 [2, B*NR, C]
+    RF_ptr, RI_ptr, B,  # race partials: float32 [2, B, C2] (residual, p), int32 [3, B, C2] + [2 (+2), B] (see finish)
     V, K, num_chunks, race_chunk_size, temperature, seed_per_row, stream_base,
     HAS_DRAFT: tl.constexpr, HAS_CUT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+    ROW_PARAMS: tl.constexpr, HAS_LIMIT: tl.constexpr,
     PRECISE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Grid (B, C2). Every program of batch entry b decides n (identically), then races over its chunk."""
+    """Grid (B, C2). Every program of batch entry b decides n (identically), then races over its chunk. A row only
+    uses its first n_b drafts (``draft_limit``); with per-row parameters a greedy row (temperature 0) decides by
+    argmax and skips the race."""
     b = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks2 = tl.num_programs(1)
@@ -72,10 +79,12 @@ def race_kernel(
     WS_S_ptr = WSF_ptr + plane
     WS_F_ptr = WSI_ptr + plane
     lanes = tl.arange(0, BLOCK_K)
-    in_k = lanes < K
+    nb, bad_nb = draft_limit(NB_ptr, b, K, HAS_LIMIT)
+    in_k = lanes < nb
     num_rows = K + 1
     if HAS_DRAFT:
         num_rows += K
+    t = row_temperature(TEMP_ptr, b, temperature, ROW_PARAMS)
     k0, k1 = philox_key(tl.load(SEED_ptr + b * stride_seed))
     c1 = tl.where(seed_per_row != 0, 0, b).to(tl.uint32)
     c2 = (tl.load(OFFSET_ptr + b * stride_offset) & 0xFFFFFFFF).to(tl.uint32)
@@ -83,23 +92,34 @@ def race_kernel(
     # Decision: combine the softmax partials, then p_i(x_i), q_i(x_i) and the accept test (Algorithm 1).
     mt, st, ft = combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + lanes, lanes <= K, num_chunks,
                                   PRECISE, BLOCK_K, BLOCK_C)
-    invalid = row_invalid(ft, lanes <= K)
-    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, K, V)
+    invalid = row_invalid(ft, lanes <= nb) | bad_nb
+    x, oob = load_draft_tokens(X_ptr, stride_xb, stride_xi, b, lanes, nb, V)
     invalid = invalid | oob
     p_x = _probs_at_tokens(T_ptr, stride_tb, stride_tj, stride_tv, CUT_TV_ptr, CUT_TI_ptr, b * (K + 1), b, lanes,
-                           x, in_k, mt, st, temperature, SCALE, HAS_CUT, PRECISE)
+                           x, in_k, mt, st, t, SCALE, HAS_CUT, PRECISE)
     if HAS_DRAFT:
-        md, sd, fd = combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + K + 1 + lanes, in_k,
+        md, sd, fd = combine_softmax(WS_M_ptr, WS_S_ptr, WS_F_ptr, b * num_rows + K + 1 + lanes, lanes < K,
                                       num_chunks, PRECISE, BLOCK_K, BLOCK_C)
         invalid = invalid | row_invalid(fd, in_k)
         q_x = _probs_at_tokens(D_ptr, stride_db, stride_di, stride_dv, CUT_DV_ptr, CUT_DI_ptr, b * K, b, lanes,
-                               x, in_k, md, sd, temperature, SCALE, HAS_CUT, PRECISE)
+                               x, in_k, md, sd, t, SCALE, HAS_CUT, PRECISE)
     else:
         q_x = tl.where(in_k, 1.0, 0.0)
     r = uniform_from_bits(philox_first_word(k0, k1, lanes.to(tl.uint32), c1, c2, _STREAM_ACCEPT))
     accepted = (q_x > 0) & (r * q_x < p_x)
-    n = tl.min(tl.where(in_k & ~accepted, lanes, K), 0)
+    n = tl.min(tl.where(in_k & ~accepted, lanes, nb), 0)
     race_plane = B * num_chunks2
+    start = chunk * race_chunk_size
+    end = tl.minimum(start + race_chunk_size, V)
+    if ROW_PARAMS:  # a greedy row: accept while x_i == argmax, emit the argmax at n; no race
+        greedy = tl.load(TEMP_ptr + b) == 0.0
+        _, best_idx, _ = combine_argmax(WSF_ptr + 2 * plane, WSI_ptr, WS_F_ptr, b * num_rows + lanes, lanes <= K,
+                                        num_chunks, BLOCK_K, BLOCK_C)
+        n_greedy = tl.min(tl.where(in_k & (x != best_idx), lanes, nb), 0)
+        n = tl.where(greedy, n_greedy, n)
+        tl.store(RI_ptr + 3 * race_plane + 2 * B + b, greedy.to(tl.int32), mask=chunk == 0)
+        tl.store(RI_ptr + 3 * race_plane + 3 * B + b, pick_lane(best_idx, lanes, n), mask=chunk == 0)
+        end = tl.where(greedy, start, end)
     tl.store(RI_ptr + 3 * race_plane + b, n, mask=chunk == 0)
     tl.store(RI_ptr + 3 * race_plane + B + b, invalid, mask=chunk == 0)
 
@@ -112,7 +132,7 @@ def race_kernel(
     if HAS_CUT:
         cut_value = tl.load(CUT_TV_ptr + b * (K + 1) + n)
         cut_index = tl.load(CUT_TI_ptr + b * (K + 1) + n)
-    has_q = n < K  # q_K := 0: the bonus position races over p_K
+    has_q = n < nb  # q := 0 once all n_b drafts are accepted: the bonus position races over p_n
     x_q = tl.where(has_q, pick_lane(x, lanes, n), -1)  # one-hot q's token, -1 for none
     if HAS_DRAFT:
         nd = tl.minimum(n, K - 1)
@@ -132,14 +152,12 @@ def race_kernel(
     best_p = tl.full([BLOCK_V], -1.0, tl.float32)
     idx_p = tl.full([BLOCK_V], INT_MAX, tl.int32)
     any_r = tl.zeros([BLOCK_V], tl.int32)
-    start = chunk * race_chunk_size
-    end = tl.minimum(start + race_chunk_size, V)
     q_end = tl.where(has_q, end, 0)  # (a scalar-bool & block mask trips the interpreter; a bound does not)
     for base in range(start, end, BLOCK_V):
         v = base + offs
         mask = v < end
         logit = tl.load(t_row + v.to(tl.int64) * stride_tv, mask=mask, other=float("-inf")).to(tl.float32)
-        p = _prob(warp_logit(logit, v, temperature, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
+        p = _prob(warp_logit(logit, v, t, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
         e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
         w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
         better = w_p > best_p  # strict: a lane keeps its first (lowest) index on ties
@@ -149,7 +167,7 @@ def race_kernel(
             if HAS_DRAFT:
                 d_logit = tl.load(d_row + v.to(tl.int64) * stride_dv, mask=v < q_end,
                                   other=float("-inf")).to(tl.float32)
-                q = _prob(warp_logit(d_logit, v, temperature, d_cut_value, d_cut_index, SCALE, HAS_CUT), md_n, sd_n,
+                q = _prob(warp_logit(d_logit, v, t, d_cut_value, d_cut_index, SCALE, HAS_CUT), md_n, sd_n,
                           PRECISE)
             else:
                 q = tl.where(v == x_q, 1.0, 0.0)
@@ -191,12 +209,14 @@ def _combine_race(W_ptr, I_ptr, row0, num_chunks2, BLOCK_C: tl.constexpr):
 @triton.jit(do_not_specialize=["B", "num_chunks2"])
 def finish_sample_kernel(
     RF_ptr, RI_ptr, B,  # race partials, layout of race_kernel: float32 [2, B, C2]; int32 [3, B, C2] + n [B] + bad [B]
+    #                     (+ greedy [B] + greedy token [B] with ROW_PARAMS)
     X_ptr, stride_xb, stride_xi,  # draft tokens [B, K]
     OUT_ptr, stride_ob, NUM_ptr,  # tokens [B, K+1] int64, num_accepted [B] int64
     K, num_chunks2,
-    RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    RESIDUAL: tl.constexpr, ROW_PARAMS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Pass 3, grid (B,): the race winner (residual, or p_n when the residual is all zero) and the output row."""
+    """Pass 3, grid (B,): the race winner (residual, or p_n when the residual is all zero; a greedy row's argmax
+    with per-row parameters) and the output row."""
     b = tl.program_id(0)
     race_plane = B * num_chunks2
     row0 = b * num_chunks2
@@ -209,6 +229,9 @@ def finish_sample_kernel(
             any_r = any_r | tl.max(flags, 0)
         residual_token = _combine_race(RF_ptr, RI_ptr, row0, num_chunks2, BLOCK_C)
         next_token = tl.where(any_r != 0, residual_token, next_token)
+    if ROW_PARAMS:
+        greedy = tl.load(RI_ptr + 3 * race_plane + 2 * B + b)
+        next_token = tl.where(greedy != 0, tl.load(RI_ptr + 3 * race_plane + 3 * B + b), next_token)
     n = tl.load(RI_ptr + 3 * race_plane + b)
     invalid = tl.load(RI_ptr + 3 * race_plane + B + b)
     write_tokens(OUT_ptr, stride_ob, NUM_ptr, X_ptr, stride_xb, stride_xi, b, n, next_token, invalid, K, BLOCK_K)

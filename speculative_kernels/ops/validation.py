@@ -5,11 +5,12 @@ import numbers
 
 import torch
 
+from .sampling import MIN_TEMPERATURE, RowSampling, Sampling
+
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOKEN_DTYPES = (torch.int64, torch.int32)
-# The kernels divide float32 logits by float32(temperature): below float32's smallest normal number the divisor is
-# subnormal (or zero) and every logit of ordinary size overflows, so such a temperature is refused up front.
-MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+FLOAT_PARAM_DTYPES = (torch.float32, torch.float64)
+INT_PARAM_DTYPES = (torch.int64, torch.int32)
 
 
 def check_sampling_params(temperature, top_k, top_p) -> tuple[float, int, float]:
@@ -66,3 +67,51 @@ def check_same_device(**tensors) -> None:
     for name, t in named[1:]:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; put them on one device")
+
+
+def _check_row_tensor(name: str, value: torch.Tensor, dtypes, batch: int, device: torch.device) -> None:
+    """dtype, shape [B] and device of a per-row tensor argument; its values are checked with the result."""
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} tensor must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                        f"got {value.dtype}")
+    if tuple(value.shape) != (batch,):
+        raise ValueError(f"{name} tensor must have shape [{batch}] (one value per row), got {tuple(value.shape)}")
+    if value.device != torch.device(device):
+        raise ValueError(f"{name} is on {value.device} but the logits are on {device}; put them on one device")
+
+
+def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) -> Sampling:
+    """The ``Sampling`` of a call: python scalars as ``check_sampling_params``; any of the three may instead be a
+    [B] tensor on the logits' device (float32/float64 temperature and top_p, int64/int32 top_k), which makes every
+    parameter per row (``RowSampling``). Tensor values are not read here: a row with an invalid value comes back
+    flagged (-1) and the checked path names the argument (``diagnostics.raise_for_invalid_rows``)."""
+    tensors = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+               if isinstance(value, torch.Tensor)}
+    if not tensors:
+        return Sampling(*check_sampling_params(temperature, top_k, top_p))
+    scalars = check_sampling_params(
+        0.0 if "temperature" in tensors else temperature,
+        0 if "top_k" in tensors else top_k,
+        1.0 if "top_p" in tensors else top_p,
+    )
+    dtypes = {"temperature": FLOAT_PARAM_DTYPES, "top_k": INT_PARAM_DTYPES, "top_p": FLOAT_PARAM_DTYPES}
+    kinds = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float64}
+    rows = {}
+    for index, name in enumerate(("temperature", "top_k", "top_p")):
+        if name in tensors:
+            _check_row_tensor(name, tensors[name], dtypes[name], batch, device)
+            rows[name] = tensors[name].to(kinds[name])
+        else:
+            rows[name] = torch.full((batch,), scalars[index], dtype=kinds[name], device=device)
+    cut = "top_k" in tensors or "top_p" in tensors or scalars[1] > 0 or scalars[2] < 1.0
+    return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut))
+
+
+def check_num_draft_tokens(value, batch: int, device: torch.device) -> None:
+    """num_draft_tokens: None, or a [B] int64 tensor on the logits' device (values 0..K are checked with the
+    result: a row outside that range comes back flagged, -1)."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"num_draft_tokens must be a torch.Tensor or None, got {type(value).__name__}")
+    _check_row_tensor("num_draft_tokens", value, (torch.int64,), batch, device)

@@ -64,3 +64,28 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
         return z
     cut_value, cut_index = warp_thresholds(z, top_k, top_p)
     return apply_thresholds(z, cut_value, cut_index)
+
+
+def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``warp_thresholds`` with a top_k and a top_p per row: z [..., V] float32; top_k int64 and top_p float64,
+    both broadcast to z.shape[:-1]. A row's cut equals ``warp_thresholds`` of that row alone with the scalars
+    (top_k, float(top_p)): the k-th largest value, the same stable sort, softmax and cumulative sum, and the threshold
+    1 - top_p computed in float64 and rounded to float32, as torch rounds the scalar path's python float.
+    top_k <= 0 or >= V, and top_p >= 1 (or NaN), switch the filter off for that row."""
+    lead = z.shape[:-1]
+    vocab = z.shape[-1]
+    top_k, top_p = top_k.expand(lead), top_p.expand(lead)
+    use_k = (top_k > 0) & (top_k < vocab)
+    kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))
+    cut_value = torch.where(use_k, kth.squeeze(-1), NO_CUT)
+    cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
+    masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf"))
+    sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
+    cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+    removed = cumulative <= (1.0 - top_p).to(torch.float32).unsqueeze(-1)
+    removed[..., -1] = False
+    first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
+    use_p = top_p < 1.0
+    cut_value = torch.where(use_p, sorted_z.gather(-1, first_kept).squeeze(-1), cut_value)
+    cut_index = torch.where(use_p, order.gather(-1, first_kept).squeeze(-1).to(torch.int32), cut_index)
+    return cut_value, cut_index

@@ -626,15 +626,21 @@ def emulated_backend():
     for schema in _op_schemas():
         lib.define(schema)
 
-    def verify_impl(target, draft, tokens, temperature, t_src, t_idx, d_src, d_idx, seed, offset, per_row):
-        calls.append(dict(temperature=temperature, target_cut=(t_src, t_idx), draft_cut=(d_src, d_idx)))
-        return verify_reference(target, draft, tokens, Sampling(temperature, state["top_k"], state["top_p"]),
-                                Randomness(seed, offset, per_row))
+    def sampling(temperature, temperature_rows):
+        if temperature_rows is None:
+            return Sampling(temperature, state["top_k"], state["top_p"])
+        return state["sampling"]  # per-row: the Sampling the test passed (the op receives only the temperatures)
 
-    def sample_impl(logits, temperature, src, idx, seed, offset, per_row):
-        calls.append(dict(temperature=temperature, cut=(src, idx)))
-        return sample_reference(logits, Sampling(temperature, state["top_k"], state["top_p"]),
-                                Randomness(seed, offset, per_row))
+    def verify_impl(target, draft, tokens, temperature, t_rows, t_src, t_idx, d_src, d_idx, seed, offset, per_row,
+                    num_draft_tokens):
+        calls.append(dict(temperature=temperature, temperature_rows=t_rows, target_cut=(t_src, t_idx),
+                          draft_cut=(d_src, d_idx), num_draft_tokens=num_draft_tokens))
+        return verify_reference(target, draft, tokens, sampling(temperature, t_rows), Randomness(seed, offset, per_row),
+                                num_draft_tokens)
+
+    def sample_impl(logits, temperature, t_rows, src, idx, seed, offset, per_row):
+        calls.append(dict(temperature=temperature, temperature_rows=t_rows, cut=(src, idx)))
+        return sample_reference(logits, sampling(temperature, t_rows), Randomness(seed, offset, per_row))
 
     lib.impl("verify", verify_impl, "CPU")
     lib.impl("sample", sample_impl, "CPU")
@@ -702,3 +708,294 @@ def test_fake_impls_under_torch_compile_on_cpu(emulated_backend):
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     _assert_same(compiled(target, draft, tokens, seed, offset), step(target, draft, tokens, seed, offset))
+
+
+# ---- per-row draft limits and sampling parameters (issues 15, 16), mirroring test_triton_ops.py ---------------------
+MIXED = [(0.5, 0, 1.0), (1.0, 0, 1.0), (1.5, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.7), (0.0, 0, 1.0)]
+
+
+def _row_sampling(kinds, repeat=1, device=DEVICE) -> Sampling:
+    """Sampling with per-row tensors for ``kinds`` [(temperature, top_k, top_p)], each repeated ``repeat`` times."""
+    from speculative_kernels.ops.validation import check_sampling
+
+    t, k, p = zip(*kinds)
+    rep = (lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(repeat).to(device))
+    return check_sampling(rep(t, torch.float32), rep(k, torch.int64), rep(p, torch.float64), len(kinds) * repeat,
+                          torch.device(device))
+
+
+def _limit_sampling(name, batch) -> Sampling:
+    if name == "greedy":
+        return GREEDY
+    if name == "mixed":
+        return _row_sampling(MIXED * (batch // len(MIXED)) + MIXED[:batch % len(MIXED)])
+    return _sampling(REPLAY_WARPS[int(name)])
+
+
+@gpu
+@pytest.mark.parametrize("name", ["greedy", "0", "3", "mixed"])
+@pytest.mark.parametrize("one_hot", [False, True])
+@pytest.mark.parametrize("vocab", [111, 32000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_draft_limit_replays_reference(backend, dtype, vocab, one_hot, name):
+    """num_draft_tokens 0..K per row against the reference: greedy bit-exact, sampling with the same random numbers;
+    n_b = K for every row is the call without it."""
+    batch, k = 64, 4
+    target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab + 3)
+    tokens[:, :2] = target[:, :2].float().argmax(-1)  # accepted when greedy, so the limits matter
+    limit = torch.arange(batch, device=DEVICE) % (k + 1)
+    d = None if one_hot else draft
+    args = (target, d, tokens, _limit_sampling(name, batch), Randomness(torch.arange(batch, device=DEVICE) + 5,
+                                                                        _rows(3, batch), True))
+    got = backend.verify(*args, limit)
+    _assert_invariants(*got, tokens)
+    assert (got[1] <= limit).all()
+    want = verify_reference(*args, limit)
+    if name == "greedy":
+        _assert_same(got, want)
+    else:
+        assert _agreeing_rows(got, want).float().mean() >= MIN_AGREEMENT
+    _assert_same(backend.verify(*args, _rows(k, batch)), backend.verify(*args))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_constant_logits_per_row_and_limit_bit_exact(backend, dtype):
+    """p = 1/V exactly at every temperature: with per-row temperatures (greedy rows included) and per-row limits the
+    Philox numbers alone decide, so the kernels must reproduce the reference bit for bit."""
+    batch, k, vocab = 60, 4, 1000
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    target = torch.zeros(batch, k + 1, vocab, dtype=dtype, device=DEVICE)
+    tokens = torch.randint(0, vocab, (batch, k), generator=g, device=DEVICE)
+    limit = torch.arange(batch, device=DEVICE) % (k + 1)
+    sampling = _row_sampling([(t, 0, 1.0) for t, _, _ in MIXED], batch // len(MIXED))
+    seed = torch.randint(0, 2**62, (batch,), generator=g, device=DEVICE)
+    randomness = Randomness(seed, _rows(7, batch), True)
+    got = backend.verify(target, None, tokens, sampling, randomness, limit)
+    _assert_same(got, verify_reference(target, None, tokens, sampling, randomness, limit))
+    _assert_same([backend.sample(target[:, 0], sampling, randomness)],
+                 [sample_reference(target[:, 0], sampling, randomness)])
+
+
+@gpu
+def test_draft_limit_rows_past_it_never_read(backend):
+    batch, k, vocab = 4, 3, 1000
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=42)
+    limit = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    randomness = Randomness(_rows(5, batch), _rows(0, batch), False)
+    for sampling in (GREEDY, _sampling(REPLAY_WARPS[3]), _row_sampling(MIXED[2:])):
+        clean = backend.verify(target, draft, tokens, sampling, randomness, limit)
+        j = torch.arange(k + 1, device=DEVICE).unsqueeze(0)
+        dirty_target, dirty_draft, dirty_tokens = target.clone(), draft.clone(), tokens.clone()
+        dirty_target[j > limit.unsqueeze(1)] = float("nan")
+        dirty_draft[j[:, :k] >= limit.unsqueeze(1)] = float("nan")
+        dirty_tokens[j[:, :k] >= limit.unsqueeze(1)] = -1
+        _assert_same(backend.verify(dirty_target, dirty_draft, dirty_tokens, sampling, randomness, limit), clean)
+
+
+@gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_limit_out_of_range_flagged(backend, temperature):
+    batch, k, vocab = 4, 2, 300
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=43)
+    limit = torch.tensor([1, -1, k + 1, 2], device=DEVICE)
+    args = (target, draft, tokens, Sampling(temperature, 0, 1.0), Randomness(_rows(1, batch), _rows(0, batch), False))
+    out, n = backend.verify(*args, limit)
+    assert (n[1:3] == -1).all() and (out[1:3] == -1).all()
+    want = verify_reference(*args, limit)
+    assert torch.equal(n.cpu(), want[1].cpu()) and _agreeing_rows((out[[0, 3]], n[[0, 3]]),
+                                                                   (want[0][[0, 3]], want[1][[0, 3]])).all()
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 2\]"):
+        ops.verify(target, draft, tokens, temperature=temperature, seed=1, num_draft_tokens=limit, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("vocab", [111, 32000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_row_parameters_replay_reference(backend, dtype, vocab):
+    """One launch of greedy rows and rows at three temperatures, with top-k and with top-p: verify (dense and one-hot
+    q) and sample against the reference with the same random numbers; greedy rows bit-exact."""
+    batch, k = 22 * len(MIXED), 3
+    target, draft, tokens = _inputs(batch, k, vocab, dtype, seed=vocab + 44)
+    tokens[::2, 0] = target[::2, 0].float().argmax(-1)
+    sampling = _row_sampling(MIXED, 22)
+    randomness = Randomness(torch.arange(batch, device=DEVICE) + 9, _rows(4, batch), True)
+    greedy = sampling.rows.greedy
+    for d in (draft, None):
+        got = backend.verify(target, d, tokens, sampling, randomness)
+        _assert_invariants(*got, tokens)
+        want = verify_reference(target, d, tokens, sampling, randomness)
+        _assert_same((got[0][greedy], got[1][greedy]), (want[0][greedy], want[1][greedy]))
+        assert _agreeing_rows(got, want).float().mean() >= MIN_AGREEMENT
+    got = backend.sample(target[:, 0], sampling, randomness)
+    want = sample_reference(target[:, 0], sampling, randomness)
+    assert torch.equal(got[greedy].cpu(), want[greedy].cpu()) and (got == want).float().mean() >= MIN_AGREEMENT
+
+
+@gpu
+def test_per_row_row_alone_and_scalar_call_are_identical(backend):
+    """Per-row seeds: a row of a mixed batch equals that row alone ([1] tensors) and the scalar call with its values,
+    bit for bit (same backend); with a draft limit too."""
+    batch, k, vocab = len(MIXED), 2, 8193
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=45)
+    sampling = _row_sampling(MIXED)
+    seed, offset = torch.arange(batch, device=DEVICE) * 13 + 1, torch.arange(batch, device=DEVICE)
+    limit = torch.tensor([2, 1, 0, 2, 1, 2], device=DEVICE)
+    full = backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, True), limit)
+    sampled = backend.sample(target[:, 0], sampling, Randomness(seed, offset, True))
+    for b, kind in enumerate(MIXED):
+        one = slice(b, b + 1)
+        randomness = Randomness(seed[one], offset[one], False)
+        for alone in (_row_sampling([kind]), Sampling(*kind)):
+            got = backend.verify(target[one], draft[one], tokens[one], alone, randomness, limit[one])
+            _assert_same((got[0][0], got[1][0]), (full[0][b], full[1][b]))
+            assert backend.sample(target[one, 0], alone, randomness)[0] == sampled[b]
+
+
+@gpu
+def test_per_row_invalid_values_flagged(backend):
+    batch, k, vocab = 4, 2, 300
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=46)
+    bad = dict(temperature=torch.tensor([0.0, -1.0, 0.8, 0.8], device=DEVICE),
+               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE),
+               top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
+    out, n = ops.verify(target, draft, tokens, **bad, seed=2, backend="cuda", check=False)
+    assert (n[1:3] == -1).all() and (out[1:3] == -1).all() and (n[[0, 3]] >= 0).all()
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0.*batch rows \[1\]"):
+        ops.verify(target, draft, tokens, **bad, seed=2, backend="cuda")
+    sampled = ops.sample(target[:, 0], **bad, seed=2, backend="cuda", check=False)
+    assert (sampled[1:3] == -1).all() and (sampled[[0, 3]] >= 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_per_row_first_token_and_sample_follow_each_rows_target(backend, one_hot):
+    """One mixed batch: each row kind's first emitted token (with a draft drawn with the row's own parameters) and
+    its sampled token follow that row's warped target distribution (chi-square); greedy rows emit the argmax."""
+    vocab, k, rows = 10, 2, STAT_ROWS
+    target, draft = _stat_logits(k + 1, vocab, 47), _stat_logits(k, vocab, 48)
+    t, kk, p = (torch.tensor(v).repeat_interleave(rows).to(DEVICE) for v in zip(*MIXED))
+    params = dict(temperature=t.float(), top_k=kk, top_p=p.double())
+    batch = len(MIXED) * rows
+    target_b, draft_b = target.expand(batch, -1, -1), draft.expand(batch, -1, -1)
+    if one_hot:
+        tokens = torch.randint(0, vocab, (batch, k), device=DEVICE)
+    else:
+        tokens = torch.stack([ops.sample(draft_b[:, i], **params, seed=5, offset=i, backend="cuda")
+                              for i in range(k)], dim=1)
+    out, n = ops.verify(target_b, None if one_hot else draft_b, tokens, **params, seed=5, backend="cuda")
+    _assert_invariants(out, n, tokens)
+    sampled = ops.sample(target_b[:, 0], **params, seed=6, backend="cuda")
+    for index, warp in enumerate(MIXED):
+        part = slice(index * rows, (index + 1) * rows)
+        if warp[0] == 0.0:
+            assert (sampled[part] == target[0].argmax()).all()
+            continue
+        probs = _probs(target[0], dict(zip(("temperature", "top_k", "top_p"), warp))).numpy()
+        assert_matches(np.bincount(out[part, 0].cpu().numpy(), minlength=vocab), probs)
+        assert_matches(np.bincount(sampled[part].cpu().numpy(), minlength=vocab), probs)
+
+
+@gpu
+@pytest.mark.parametrize("limit", [1, 2])
+def test_limited_accept_count_and_bonus_follow_theory(backend, limit):
+    """n is truncated at n_b (P(n = n_b) = prod beta) and the token after n_b acceptances follows p_{n_b}."""
+    vocab, k = 8, 3
+    warp = STAT_WARPS[0]
+    target, draft = _stat_logits(k + 1, vocab, 49), _stat_logits(k, vocab, 50)
+    target_b, draft_b = target.expand(STAT_ROWS, -1, -1), draft.expand(STAT_ROWS, -1, -1)
+    tokens = torch.stack([ops.sample(draft_b[:, i], **warp, seed=1, offset=i, backend="cuda") for i in range(k)], 1)
+    out, n = ops.verify(target_b, draft_b, tokens, **warp, seed=1, backend="cuda",
+                        num_draft_tokens=_rows(limit, STAT_ROWS))
+    out, n = out.cpu(), n.cpu()
+    p, q = _probs(target, warp), _probs(draft, warp)
+    beta = torch.minimum(p[:limit], q[:limit]).sum(-1).double().numpy()
+    survive = np.concatenate([[1.0], np.cumprod(beta)])
+    assert_matches(np.bincount(n.numpy(), minlength=limit + 1), np.append(survive[:-1] * (1 - beta), survive[-1]))
+    assert_matches(np.bincount(out[n == limit, limit].numpy(), minlength=vocab), p[limit].numpy())
+
+
+@gpu
+def test_per_row_and_limit_capture_without_host_sync(backend):
+    """Per-row temperatures/top-k/top-p and num_draft_tokens are read from device tensors at replay time, and neither
+    op synchronises with the host."""
+    batch, k, vocab = 6, 4, 32000
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=48)
+    sampling = _row_sampling(MIXED)
+    randomness = Randomness(_rows(7, batch), _rows(0, batch), False)
+    limit = torch.tensor([4, 3, 2, 1, 0, 4], device=DEVICE)
+    args = (target, draft, tokens, sampling, randomness)
+    eager = backend.verify(*args, limit)
+    backend.sample(target[:, 0], sampling, randomness)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.verify(*args, limit)
+        backend.sample(target[:, 0], sampling, randomness)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.verify(*args, limit)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.verify(*args, limit)
+    graph.replay()
+    _assert_same(captured, eager)
+    limit.copy_(torch.tensor([0, 1, 2, 3, 4, 0], device=DEVICE))
+    sampling.rows.temperature.copy_(torch.tensor([0.0, 0.7, 0.0, 1.2, 1.0, 0.5], device=DEVICE))
+    graph.replay()
+    _assert_same(captured, backend.verify(*args, limit))
+
+
+@gpu
+def test_per_row_and_limit_torch_compile_fullgraph(backend):
+    target, draft, tokens = _inputs(6, 4, 1000, torch.bfloat16, seed=3)
+    seed, offset = _rows(5, 6), _rows(9, 6)
+    limit = torch.tensor([4, 3, 2, 1, 0, 4], device=DEVICE)
+    params = _row_sampling(MIXED)
+
+    def step(t, d, x, s, o, nb):
+        out, n = backend.verify(t, d, x, params, Randomness(s, o, False), nb)
+        return out, n, backend.sample(t[:, 0], params, Randomness(s, o, False))
+
+    eager = step(target, draft, tokens, seed, offset, limit)
+    compiled = torch.compile(step, fullgraph=True)(target, draft, tokens, seed, offset, limit)
+    _assert_same(compiled, eager)
+
+
+def test_per_row_plumbing_and_cut_on_cpu(emulated_backend):
+    """Per-row parameters reach the op as temperature_rows (float32 [B]) and per-row cuts: each row's keep mask is its
+    own warp's (none for greedy rows and rows without top-k/top-p); num_draft_tokens is passed through."""
+    module, calls, state = emulated_backend
+    kinds = [(0.8, 5, 1.0), (0.0, 5, 0.5), (1.0, 0, 0.8), (1.3, 7, 0.6), (0.9, 0, 1.0)]
+    batch, k, vocab = len(kinds), 3, 50
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=1, device="cpu")
+    target = target.round(decimals=1)  # ties at the cut
+    sampling = _row_sampling(kinds, device="cpu")
+    state.update(sampling=sampling)
+    seed, offset = _rows(4, batch, "cpu"), _rows(2, batch, "cpu")
+    limit = torch.tensor([3, 0, 1, 2, 3])
+    got = module.verify(target, draft, tokens, sampling, Randomness(seed, offset, False), limit)
+    _assert_same(got, verify_reference(target, draft, tokens, sampling, Randomness(seed, offset, False), limit))
+    call = calls[-1]
+    assert call["num_draft_tokens"] is limit
+    assert call["temperature_rows"].dtype == torch.float32 and torch.equal(call["temperature_rows"],
+                                                                            sampling.rows.temperature)
+    for logits, cut, shape in ((target, call["target_cut"], (batch, k + 1)), (draft, call["draft_cut"], (batch, k))):
+        assert all(t.dtype == torch.int32 and tuple(t.shape) == shape for t in cut)
+        for b, (temperature, top_k, top_p) in enumerate(kinds):
+            divisor = temperature if temperature > 0 else 1.0
+            keep = _kernel_keep(logits[b], divisor, (cut[0][b], cut[1][b]))
+            if temperature == 0.0:
+                assert keep.all()  # greedy rows: no cut
+            else:
+                assert torch.equal(keep, torch.isfinite(warp_logits(logits[b], temperature, top_k, top_p)))
+    module.sample(target[:, 0], sampling, Randomness(seed, offset, True))
+    call = calls[-1]
+    for b, (temperature, top_k, top_p) in enumerate(kinds):
+        keep = _kernel_keep(target[b, 0], temperature or 1.0, (call["cut"][0][b], call["cut"][1][b]))
+        assert keep.all() if temperature == 0.0 else torch.equal(
+            keep, torch.isfinite(warp_logits(target[b, 0], temperature, top_k, top_p)))

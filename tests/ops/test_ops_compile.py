@@ -63,6 +63,40 @@ def test_backends_compile_on_cuda(backend, warp):
     _check_compiled_equals_eager(backend, "cuda", torch.bfloat16, warp)
 
 
+def _check_per_row_compiled_equals_eager(backend, device, dtype, compiler="inductor"):
+    """Per-row temperature/top_k/top_p tensors (greedy rows included) and num_draft_tokens, compiled == eager."""
+    target, draft, tokens = _inputs(4, 3, 1000, device, dtype)
+    seed, offset = torch.tensor([5, 6, 7, 8], device=device), torch.tensor([1, 1, 2, 0], device=device)
+    params = dict(temperature=torch.tensor([0.0, 0.7, 1.0, 1.3], device=device),
+                  top_k=torch.tensor([0, 20, 0, 5], device=device),
+                  top_p=torch.tensor([1.0, 0.9, 0.8, 1.0], device=device, dtype=torch.float64))
+    limit = torch.tensor([3, 0, 2, 1], device=device)
+
+    def step(t, d, x, s, o, nb, temperature, top_k, top_p):
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=s, offset=o, backend=backend)
+        out, n = ops.verify(t, d, x, num_draft_tokens=nb, **kw)
+        one_hot_out, one_hot_n = ops.verify(t, None, x, num_draft_tokens=nb, **kw)
+        return out, n, one_hot_out, one_hot_n, ops.sample(t[:, 0], **kw)
+
+    args = (target, draft, tokens, seed, offset, limit, *params.values())
+    eager = step(*args)
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)(*args)
+    for got, want in zip(compiled, eager):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_torch_backend_per_row_compiles_on_cpu():
+    torch._dynamo.reset()
+    _check_per_row_compiled_equals_eager("torch", "cpu", torch.float32, compiler="aot_eager")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the Triton and CUDA backends need a CUDA device (CI has none)")
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_backends_per_row_compile_on_cuda(backend):
+    torch._dynamo.reset()
+    _check_per_row_compiled_equals_eager(backend, "cuda", torch.bfloat16)
+
+
 _COMPILE_FIRST = """
 import sys, torch
 from speculative_kernels import ops

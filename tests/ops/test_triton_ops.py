@@ -36,6 +36,7 @@ from speculative_kernels.ops import philox, triton_backend  # noqa: E402
 from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.reference import sample_reference, verify_reference  # noqa: E402
 from speculative_kernels.ops.sampling import GREEDY, Sampling  # noqa: E402
+from speculative_kernels.ops.validation import check_sampling  # noqa: E402
 from speculative_kernels.ops.triton_random import (  # noqa: E402
     exponential_from_bits,
     philox_first_word,
@@ -93,8 +94,8 @@ def _agreement(got, want):
     return same.float().mean().item()
 
 
-def _verify(*args, tuning=None):
-    return triton_backend.launch_verify(*args, tuning=tuning)
+def _verify(*args, tuning=None, num_draft_tokens=None):
+    return triton_backend.launch_verify(*args, tuning=tuning, num_draft_tokens=num_draft_tokens)
 
 
 # ---- Philox and the float conversions, bit for bit --------------------------------------------------------------
@@ -550,3 +551,204 @@ def test_launches_guard_the_tensors_device(monkeypatch):
     _verify(target, draft, tokens, GREEDY, Randomness(_rows(0, 1), _rows(0, 1), False))
     triton_backend.launch_sample(target[:, 0], Sampling(1.0, 0, 1.0), Randomness(_rows(0, 1), _rows(0, 1), False))
     assert seen == [target.device, target.device]
+
+
+# ---- per-row draft limits and sampling parameters (issues 15, 16) -----------------------------------------------
+# One row kind per batch entry: (temperature, top_k, top_p); greedy and sampled rows in one launch.
+MIXED = [(0.5, 0, 1.0), (1.0, 0, 1.0), (1.5, 0, 1.0), (1.0, 3, 1.0), (0.9, 0, 0.7), (0.0, 0, 1.0)]
+
+
+def _row_sampling(kinds, repeat=1, device=DEVICE):
+    """Sampling with per-row tensors for ``kinds``, each repeated ``repeat`` times (as ``ops`` builds it)."""
+    t, k, p = zip(*kinds)
+    rep = (lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(repeat).to(device))
+    return check_sampling(rep(t, torch.float32), rep(k, torch.int64), rep(p, torch.float64), len(kinds) * repeat,
+                          torch.device(device))
+
+
+def _same(got, want):
+    return all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+LIMIT_CASES = [  # (sampling name, one_hot, tuning)
+    ("greedy", False, None), ("greedy", True, SPLIT), ("plain", False, SPLIT), ("both", True, None),
+    ("both", False, SPLIT_WIDE), ("mixed", False, SPLIT), ("mixed", True, None),
+]
+
+
+def _limit_sampling(name, batch):
+    if name == "greedy":
+        return GREEDY
+    if name == "mixed":
+        return _row_sampling(MIXED * (batch // len(MIXED)))
+    return WARPS[name]
+
+
+@pytest.mark.parametrize("name,one_hot,tuning", LIMIT_CASES, ids=str)
+def test_draft_limit_replays_reference(name, one_hot, tuning):
+    """num_draft_tokens 0..K per row (0 and K included), against the reference: greedy bit-exact, sampling with the
+    same random numbers."""
+    batch, k, vocab = 6, 3, 111
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=41)
+    tokens[:, 0] = target[:, 0].argmax(-1)  # accepted when greedy, so limits of 1+ matter
+    limit = torch.tensor([0, 1, 2, 3, 3, 0], device=DEVICE)
+    d = None if one_hot else draft
+    args = (target, d, tokens, _limit_sampling(name, batch), Randomness(torch.arange(batch, device=DEVICE) + 3,
+                                                                        _rows(2, batch), True))
+    got = _verify(*args, tuning=tuning, num_draft_tokens=limit)
+    want = verify_reference(*args, limit)
+    assert (got[1] <= limit).all()
+    if name == "greedy":
+        assert _same(got, want)
+    else:
+        assert _agreement(got, want) >= MIN_AGREEMENT
+    assert _same(_verify(*args, tuning=tuning, num_draft_tokens=_rows(k, batch)), _verify(*args, tuning=tuning))
+
+
+def test_draft_limit_rows_past_it_never_read():
+    """NaN logits and -1 draft tokens past n_b: no flag, and the result of clean inputs."""
+    batch, k, vocab = 4, 3, 50
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=42)
+    limit = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    randomness = Randomness(_rows(5, batch), _rows(0, batch), False)
+    for sampling in (GREEDY, WARPS["both"]):
+        clean = _verify(target, draft, tokens, sampling, randomness, num_draft_tokens=limit)
+        j = torch.arange(k + 1, device=DEVICE).unsqueeze(0)
+        dirty_target, dirty_draft, dirty_tokens = target.clone(), draft.clone(), tokens.clone()
+        dirty_target[j > limit.unsqueeze(1)] = float("nan")
+        dirty_draft[j[:, :k] >= limit.unsqueeze(1)] = float("nan")
+        dirty_tokens[j[:, :k] >= limit.unsqueeze(1)] = -1
+        got = _verify(dirty_target, dirty_draft, dirty_tokens, sampling, randomness, num_draft_tokens=limit)
+        assert _same(got, clean)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_limit_out_of_range_flagged(temperature):
+    batch, k, vocab = 4, 2, 30
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=43)
+    limit = torch.tensor([1, -1, k + 1, 2], device=DEVICE)
+    args = (target, draft, tokens, Sampling(temperature, 0, 1.0), Randomness(_rows(1, batch), _rows(0, batch), False))
+    out, n = _verify(*args, num_draft_tokens=limit)
+    assert (n[1:3] == -1).all() and (out[1:3] == -1).all()
+    want = verify_reference(*args, limit)
+    assert torch.equal(n, want[1]) and torch.equal(out[[0, 3]], want[0][[0, 3]])
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, 2\]"):
+        ops.verify(target, draft, tokens, temperature=temperature, seed=1, num_draft_tokens=limit, backend="triton")
+
+
+@pytest.mark.parametrize("tuning", [None, SPLIT], ids=["default", "split"])
+def test_per_row_parameters_replay_reference(tuning):
+    """One launch of greedy rows and rows at three temperatures, with top-k and with top-p: verify (dense and
+    one-hot q) and sample against the reference with the same random numbers."""
+    batch, k, vocab = 2 * len(MIXED), 3, 111
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=44)
+    tokens[::2, 0] = target[::2, 0].argmax(-1)
+    sampling = _row_sampling(MIXED, 2)
+    randomness = Randomness(_rows(9, batch), _rows(4, batch), False)
+    for d in (draft, None):
+        got = _verify(target, d, tokens, sampling, randomness, tuning=tuning)
+        _check_layout(*got, tokens, vocab)
+        want = verify_reference(target, d, tokens, sampling, randomness)
+        greedy = sampling.rows.greedy
+        assert torch.equal(got[0][greedy], want[0][greedy]) and torch.equal(got[1][greedy], want[1][greedy])
+        assert _agreement(got, want) >= MIN_AGREEMENT
+    got = triton_backend.launch_sample(target[:, 0], sampling, randomness, tuning)
+    assert torch.equal(got, sample_reference(target[:, 0], sampling, randomness))
+
+
+def test_per_row_row_alone_and_scalar_call_are_identical():
+    """Per-row seeds: a row of a mixed batch equals that row alone ([1] tensors) and the scalar call with its values,
+    bit for bit (same backend: the per-row path is the scalar path's arithmetic); with a draft limit too."""
+    batch, k, vocab = len(MIXED), 2, 60
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=45)
+    sampling = _row_sampling(MIXED)
+    seed, offset = torch.arange(batch, device=DEVICE) * 13 + 1, torch.arange(batch, device=DEVICE)
+    limit = torch.tensor([2, 1, 0, 2, 1, 2], device=DEVICE)
+    full = _verify(target, draft, tokens, sampling, Randomness(seed, offset, True), num_draft_tokens=limit)
+    sampled = triton_backend.launch_sample(target[:, 0], sampling, Randomness(seed, offset, True))
+    for b, kind in enumerate(MIXED):
+        one = slice(b, b + 1)
+        randomness = Randomness(seed[one], offset[one], False)
+        for alone in (_row_sampling([kind]), Sampling(*kind)):
+            got = _verify(target[one], draft[one], tokens[one], alone, randomness, num_draft_tokens=limit[one])
+            assert torch.equal(got[0][0], full[0][b]) and got[1][0] == full[1][b], (b, kind, alone)
+            assert triton_backend.launch_sample(target[one, 0], alone, randomness)[0] == sampled[b]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the flagged rows' arithmetic
+def test_per_row_invalid_values_flagged():
+    batch, k, vocab = 4, 2, 30
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=46)
+    bad = dict(temperature=torch.tensor([0.0, -1.0, 0.8, 0.8], device=DEVICE),
+               top_k=torch.tensor([0, 0, -2, 0], device=DEVICE),
+               top_p=torch.tensor([1.0, 1.0, 1.0, 0.5], device=DEVICE))
+    out, n = ops.verify(target, draft, tokens, **bad, seed=2, backend="triton", check=False)
+    assert (n[1:3] == -1).all() and (out[1:3] == -1).all() and (n[[0, 3]] >= 0).all()
+    want = ops.verify(target, draft, tokens, **bad, seed=2, backend="torch", check=False)
+    assert torch.equal(out, want[0]) and torch.equal(n, want[1])
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0.*batch rows \[1\]"):
+        ops.verify(target, draft, tokens, **bad, seed=2, backend="triton")
+    sampled = ops.sample(target[:, 0], **bad, seed=2, backend="triton", check=False)
+    assert (sampled[1:3] == -1).all() and (sampled[[0, 3]] >= 0).all()
+
+
+# ---- per-row features on the GPU: statistics, CUDA graphs ------------------------------------------------------------
+PER_ROW_STAT_ROWS = 40_000
+
+
+@gpu
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_per_row_first_token_and_sample_follow_each_rows_target_on_gpu(one_hot):
+    """One mixed batch: each row kind's first emitted token (with a draft) and its sampled token follow that row's
+    warped target distribution (chi-square); greedy rows emit the argmax."""
+    vocab, k, rows = 10, 2, PER_ROW_STAT_ROWS
+    g = torch.Generator().manual_seed(47)
+    target = (torch.randn(k + 1, vocab, generator=g) * 1.5).to(DEVICE)
+    draft = (torch.randn(k, vocab, generator=g) * 1.5).to(DEVICE)
+    t, kk, p = (torch.tensor(v).repeat_interleave(rows).to(DEVICE) for v in zip(*MIXED))
+    params = dict(temperature=t.float(), top_k=kk, top_p=p.double())
+    batch = len(MIXED) * rows
+    target_b, draft_b = target.expand(batch, -1, -1), draft.expand(batch, -1, -1)
+    if one_hot:
+        tokens = torch.randint(0, vocab, (batch, k), device=DEVICE)
+    else:
+        tokens = torch.stack([ops.sample(draft_b[:, i].contiguous(), **params, seed=5, offset=i, backend="triton")
+                              for i in range(k)], dim=1)
+    out, _ = ops.verify(target_b, None if one_hot else draft_b, tokens, **params, seed=5, backend="triton")
+    sampled = ops.sample(target_b[:, 0].contiguous(), **params, seed=6, backend="triton")
+    for index, (temperature, top_k, top_p) in enumerate(MIXED):
+        part = slice(index * rows, (index + 1) * rows)
+        if temperature == 0.0:
+            assert (sampled[part] == target[0].argmax()).all() and (out[part, 0] >= 0).all()
+            continue
+        probs = torch.softmax(warp_logits(target[0], temperature, top_k, top_p), -1).cpu().numpy()
+        assert_matches(np.bincount(out[part, 0].cpu().numpy(), minlength=vocab), probs)
+        assert_matches(np.bincount(sampled[part].cpu().numpy(), minlength=vocab), probs)
+
+
+@gpu
+def test_per_row_and_limit_capture_without_host_sync():
+    """Per-row temperatures/top-k/top-p and num_draft_tokens are read from device tensors at replay time."""
+    batch, k, vocab = 6, 4, 32000
+    target, draft, tokens = _inputs(batch, k, vocab, torch.bfloat16, seed=48)
+    sampling = _row_sampling(MIXED)
+    randomness = Randomness(_rows(7, batch), _rows(0, batch), False)
+    limit = torch.tensor([4, 3, 2, 1, 0, 4], device=DEVICE)
+    args = (target, draft, tokens, sampling, randomness)
+    eager = triton_backend.verify(*args, limit)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_backend.verify(*args, limit)
+        triton_backend.sample(target[:, 0], sampling, randomness)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_backend.verify(*args, limit)
+    graph.replay()
+    assert _same(captured, eager)
+    limit.copy_(torch.tensor([0, 1, 2, 3, 4, 0], device=DEVICE))
+    sampling.rows.temperature.copy_(torch.tensor([0.0, 0.7, 0.0, 1.2, 1.0, 0.5], device=DEVICE))
+    graph.replay()
+    assert _same(captured, triton_backend.verify(*args, limit))
