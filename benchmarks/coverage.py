@@ -237,6 +237,12 @@ def render(rows, version: str) -> str:
         "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
         "* **Static cache only**: K/V layouts that its per-model `[B, H_kv, C, D]` buffers do not describe (MLA, "
         "Falcon's multi-query K/V, per-layer sizes) are refused there and run on the dynamic cache.",
+        "* **Multimodal models** (Gemma 3, Mllama, Qwen2-Audio, ...) generating from text: checked like the others, "
+        "with every sub-config (text, vision, audio) shrunk the same way.",
+        "* **Classes with a generate() of their own** (MusicGen's codebook delay pattern, SeamlessM4T's target "
+        "language, Granite Speech with PEFT adapters loaded): refused, naming the override, since "
+        "`speculative_kernels.generate` would skip its extra steps. Overrides that only route audio inputs are "
+        "reviewed and accepted (`GENERATE_ROUTES_INPUTS_ONLY`).",
         "",
         "## Summary",
         "",

@@ -78,6 +78,8 @@ def _tiny(config_class, overrides: dict):
     if "kv_lora_rank" in fields or "attention_types" in fields:  # MLA / GPT-Neo: per-family head sizes
         kwargs.pop("partial_rotary_factor", None)
         kwargs.pop("head_dim", None)
+    if "kv_lora_rank" in fields and "num_key_value_heads" in kwargs:  # MLA expands its latent K/V to every head
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if "attention_types" in fields:
         kwargs["attention_types"] = [[["global", "local"], 1]]
     kwargs.update({k: v for k, v in subs.items() if k in fields})
