@@ -12,8 +12,14 @@ from transformers import (
     BertLMHeadModel,
     BloomConfig,
     BloomForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     MusicgenDecoderConfig,
     MusicgenForCausalLM,
+    SiglipVisionConfig,
     FalconConfig,
     FalconForCausalLM,
     FalconMambaConfig,
@@ -174,6 +180,27 @@ def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(
         _check_exact(model, batch=1, noise=None)
         for path in ("dynamic", "static"):
             _check_refused_up_front(model, "only batch size 1 is exact", path=path, monkeypatch=monkeypatch)
+
+
+def test_multimodal_model_generating_from_text_is_exact():
+    """Gemma 3 with its vision tower (text and vision sub-configs; sliding and global layers) generating from text."""
+    text = Gemma3TextConfig(**SIZES, head_dim=8, sliding_window=6)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    model = _build(Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))
+    for path in ("dynamic", "static"):
+        _check_exact(model, batch=2, path=path)
+
+
+def test_latent_attention_is_exact_on_the_dynamic_cache_and_refused_on_the_static_one(monkeypatch):
+    """DeepSeek V3's multi-head latent attention caches K and V of different head sizes: exact on HF's dynamic
+    cache, refused up front by the static cache, whose buffers have one head size."""
+    config = DeepseekV3Config(**{**SIZES, "num_key_value_heads": 4}, moe_intermediate_size=32, kv_lora_rank=16,
+                              q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              first_k_dense_replace=1)
+    model = _build(DeepseekV3ForCausalLM, config)
+    _check_exact(model, batch=2)
+    _check_refused_up_front(model, "multi-head latent attention", path="static", monkeypatch=monkeypatch)
 
 
 def test_models_with_their_own_generate_are_refused(monkeypatch):
