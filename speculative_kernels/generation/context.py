@@ -40,12 +40,16 @@ class ContextBuffer:
         width = self.final_width if full and max_new_tokens is not None else min(self.final_width, initial)
         self.tokens = widen(tokens, width, 0)
 
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` more tokens in every row (doubling the width; host values only)."""
+        if self.end_bound + extra > self.tokens.shape[1]:
+            self.tokens = widen(self.tokens, min(self.final_width, max(self.end_bound + extra,
+                                                                        2 * self.tokens.shape[1])), 0)
+
     def append(self, out: torch.Tensor, count: torch.Tensor) -> None:
         """Append the first count[b] (device [B]) of out [B, T] to row b, on the device."""
         width = out.shape[1]
-        if self.end_bound + width > self.tokens.shape[1]:
-            self.tokens = widen(self.tokens, min(self.final_width, max(self.end_bound + width,
-                                                                        2 * self.tokens.shape[1])), 0)
+        self.reserve(width)
         positions = torch.arange(width, device=out.device).unsqueeze(0)
         index = (self.end.unsqueeze(1) + positions).clamp(max=self.tokens.shape[1] - 1)
         keep = positions < count.unsqueeze(1)
