@@ -1,5 +1,7 @@
 """Prompt-lookup drafting (HF's ``prompt_lookup_num_tokens``): a ``Drafter`` without a model that copies the
-tokens that followed an earlier occurrence of each row's last n-gram (``ops.prompt_lookup``), on the device.
+tokens that followed an earlier occurrence of each row's last n-gram (``ops.prompt_lookup``), on the device: by
+default the most recent occurrence of the longest n-gram (n <= max_matching_ngram_size), continued periodically
+when its continuation reaches the row's end.
 
 Its proposal has no distribution (q is one-hot at each proposed token: ``ops.verify`` with ``draft_logits=None``),
 which is exact because the proposal is a deterministic function of the row's context. Rows propose different
@@ -21,13 +23,16 @@ class PromptLookupDrafter:
     """num_tokens: the most tokens a row proposes (gamma); max_ngram: HF's ``max_matching_ngram_size``; prefix:
     (encoder ids, encoder real) searched too, or None; max_new_tokens sizes the context buffer; compiled: the
     loop's target steps are captured at one width (the buffer is allocated at its final width, every iteration
-    drafts gamma tokens); backend: of ``ops.prompt_lookup``; prefer_latest: the rule (``ops/lookup.py``)."""
+    drafts gamma tokens); backend: of ``ops.prompt_lookup``; prefer_latest, periodic: the rule (``ops/lookup.py``).
+    The default, the most recent match extended periodically, proposed 7-11% more tokens per target forward than
+    HF's rule (both False: the first match, cut at the row's end) on the demo benchmark
+    (``docs/drafting_without_a_model.md``); greedy output is the same with either."""
 
     def __init__(self, num_tokens: int, max_ngram: int, *, prefix=None, max_new_tokens: int | None = None,
-                 compiled: bool = False, backend: str = "auto", prefer_latest: bool = False):
+                 compiled: bool = False, backend: str = "auto", prefer_latest: bool = True, periodic: bool = True):
         self.num_tokens, self.max_ngram, self.prefix = num_tokens, max_ngram, prefix
         self.max_new_tokens, self.compiled = max_new_tokens, compiled
-        self.backend, self.prefer_latest = backend, prefer_latest
+        self.backend, self.prefer_latest, self.periodic = backend, prefer_latest, periodic
         self.context: ContextBuffer | None = None
         self.proposal = self.count = None  # the next proposal: [B, num_tokens], [B] on the device
         self._count_host: list[int] | None = None  # its counts, once read on the host
@@ -36,7 +41,7 @@ class PromptLookupDrafter:
         c = self.context
         self.proposal, self.count = prompt_lookup(c.tokens, c.start, c.end, num_tokens=self.num_tokens,
                                                   max_ngram=self.max_ngram, prefer_latest=self.prefer_latest,
-                                                  backend=self.backend)
+                                                  periodic=self.periodic, backend=self.backend)
 
     def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
         self.context = ContextBuffer(input_ids, real, self.prefix, max_new_tokens=self.max_new_tokens,

@@ -11,7 +11,9 @@ occurrence). With s = j + n the proposal is
 
     count[b] = min(num_tokens, end_b - s),   proposal[b, t] = tokens[b, s + t] for t < count[b]
 
-and 0 tokens where nothing matches. Positions t >= count[b] hold ``tokens[b, end_b - 1]`` (a filler: a deterministic
+and 0 tokens where nothing matches. ``periodic=True`` extends a continuation that reaches the row's end as a
+repetition with period end_b - s (the match says the text repeats with that period), so a match always proposes
+num_tokens tokens: proposal[b, t] = tokens[b, s + t mod (end_b - s)], count[b] = num_tokens. Positions t >= count[b] hold ``tokens[b, end_b - 1]`` (a filler: a deterministic
 function of the row's context, so verifying it against one-hot q is still exact; it is only unlikely to be accepted).
 
 Static shapes and no host read: ``count`` stays on the device. Backends (``backends.implementation(...,
@@ -28,7 +30,8 @@ __all__ = ["prompt_lookup", "prompt_lookup_reference"]
 
 
 def prompt_lookup_reference(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, num_tokens: int,
-                            max_ngram: int, prefer_latest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_ngram: int, prefer_latest: bool = False,
+                            periodic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens: [B, W] int64; start, end: [B] int64 (0 <= start <= end <= W, end >= 1). Returns (proposal [B, K]
     int64, count [B] int64), K = num_tokens. The semantics: the module docstring."""
     batch, width = tokens.shape
@@ -50,9 +53,14 @@ def prompt_lookup_reference(tokens: torch.Tensor, start: torch.Tensor, end: torc
         best_j = torch.where(take, candidate, best_j)
         best_n = torch.where(take, n, best_n)
     s = best_j + best_n
-    count = torch.where(best_n > 0, torch.clamp(end - s, max=num_tokens), 0)
     t = torch.arange(num_tokens, device=tokens.device).unsqueeze(0)
-    copied = tokens.gather(1, (s + t).clamp(max=width - 1))
+    if periodic:
+        count = torch.where(best_n > 0, num_tokens, 0)
+        position = s + t % (end - s).clamp(min=1)
+    else:
+        count = torch.where(best_n > 0, torch.clamp(end - s, max=num_tokens), 0)
+        position = s + t
+    copied = tokens.gather(1, position.clamp(max=width - 1))
     filler = tokens.gather(1, end - 1)
     return torch.where(t < count, copied, filler), count.squeeze(1)
 
@@ -71,7 +79,7 @@ def check_lookup_args(tokens, start, end, num_tokens: int, max_ngram: int) -> No
 
 
 def prompt_lookup(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, *, num_tokens: int,
-                  max_ngram: int = 2, prefer_latest: bool = False,
+                  max_ngram: int = 2, prefer_latest: bool = False, periodic: bool = False,
                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Propose up to ``num_tokens`` tokens per row by n-gram lookup in the row's own tokens (module docstring).
 
@@ -80,4 +88,4 @@ def prompt_lookup(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, 
     [B, num_tokens] int64, count [B] int64 in 0..num_tokens)."""
     check_lookup_args(tokens, start, end, num_tokens, max_ngram)
     impl = backends.implementation(backend, tokens.device.type, family="lookup")
-    return impl.prompt_lookup(tokens, start, end, num_tokens, max_ngram, prefer_latest)
+    return impl.prompt_lookup(tokens, start, end, num_tokens, max_ngram, prefer_latest, periodic)

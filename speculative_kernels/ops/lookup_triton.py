@@ -30,6 +30,7 @@ def prompt_lookup_kernel(
     stride_ob,
     MAX_NGRAM: tl.constexpr,
     PREFER_LATEST: tl.constexpr,
+    PERIODIC: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -64,10 +65,15 @@ def prompt_lookup_kernel(
         best_j = tl.where(take, candidate, best_j)
         best_n = tl.where(take, n, best_n)
     s = best_j + best_n
-    count = tl.where(best_n > 0, tl.minimum(end - s, num_tokens), 0)
     t = tl.arange(0, BLOCK_K).to(tl.int64)
+    if PERIODIC:
+        count = tl.where(best_n > 0, num_tokens, 0)
+        position = s + t % tl.maximum(end - s, 1)
+    else:
+        count = tl.where(best_n > 0, tl.minimum(end - s, num_tokens), 0)
+        position = s + t
     filler = tl.load(row + end - 1)
-    copied = tl.load(row + s + t, mask=t < count, other=0)
+    copied = tl.load(row + position, mask=t < count, other=0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + t, tl.where(t < count, copied, filler), mask=t < num_tokens)
     tl.store(count_ptr + b, count)
 
@@ -79,7 +85,8 @@ def window_tile(device: torch.device) -> int:
 
 @triton_op("speculative_kernels::prompt_lookup_triton", mutates_args=())
 def prompt_lookup_triton(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, num_tokens: int,
-                         max_ngram: int, prefer_latest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         max_ngram: int, prefer_latest: bool,
+                         periodic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, W] int64 (unit stride over W); start, end [B] int64. Returns (proposal [B, K], count [B])."""
     batch, width = tokens.shape
     proposal = torch.empty(batch, num_tokens, dtype=torch.int64, device=tokens.device)
@@ -89,15 +96,16 @@ def prompt_lookup_triton(tokens: torch.Tensor, start: torch.Tensor, end: torch.T
     with device_guard(tokens.device):
         wrap_triton(prompt_lookup_kernel)[(batch,)](
             tokens, start, end, proposal, count, width, num_tokens, tokens.stride(0), proposal.stride(0),
-            MAX_NGRAM=max_ngram, PREFER_LATEST=prefer_latest, BLOCK_W=window_tile(tokens.device),
+            MAX_NGRAM=max_ngram, PREFER_LATEST=prefer_latest, PERIODIC=periodic, BLOCK_W=window_tile(tokens.device),
             BLOCK_K=triton.next_power_of_2(num_tokens),
         )
     return proposal, count
 
 
-def prompt_lookup(tokens, start, end, num_tokens: int, max_ngram: int, prefer_latest: bool = False):
+def prompt_lookup(tokens, start, end, num_tokens: int, max_ngram: int, prefer_latest: bool = False,
+                  periodic: bool = False):
     """As ``lookup.prompt_lookup_reference``."""
     if tokens.stride(1) != 1:
         tokens = tokens.contiguous()
     return torch.ops.speculative_kernels.prompt_lookup_triton(tokens, start.contiguous(), end.contiguous(),
-                                                              num_tokens, max_ngram, prefer_latest)
+                                                              num_tokens, max_ngram, prefer_latest, periodic)

@@ -10,7 +10,7 @@ from speculative_kernels.ops.lookup import prompt_lookup, prompt_lookup_referenc
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _definition(row: list[int], start: int, end: int, k: int, max_ngram: int, latest: bool):
+def _definition(row: list[int], start: int, end: int, k: int, max_ngram: int, latest: bool, periodic=False):
     """Written out from the docstring, one row, plain Python."""
     seq = row[start:end]
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
@@ -19,6 +19,8 @@ def _definition(row: list[int], start: int, end: int, k: int, max_ngram: int, la
         if starts:
             s = (starts[-1] if latest else starts[0]) + n
             copied = seq[s : s + k]
+            while periodic and len(copied) < k:  # the text repeats with period len(seq) - s
+                copied.append(copied[len(copied) - (len(seq) - s)])
             return copied + [seq[-1]] * (k - len(copied)), len(copied)
     return [seq[-1]] * k, 0
 
@@ -37,12 +39,12 @@ CASES = [(1, 1, 5, 0), (3, 7, 3, 1), (4, 40, 6, 2), (5, 111, 20, 3), (2, 600, 9,
 
 @pytest.mark.parametrize("batch,width,vocab,seed", CASES)
 @pytest.mark.parametrize("k,max_ngram", [(1, 1), (4, 2), (10, 3)])
-@pytest.mark.parametrize("latest", [False, True])
-def test_reference_matches_the_definition(batch, width, vocab, seed, k, max_ngram, latest):
+@pytest.mark.parametrize("latest,periodic", [(False, False), (True, False), (True, True), (False, True)])
+def test_reference_matches_the_definition(batch, width, vocab, seed, k, max_ngram, latest, periodic):
     tokens, start, end = _case(batch, width, vocab, seed)
-    proposal, count = prompt_lookup_reference(tokens, start, end, k, max_ngram, latest)
+    proposal, count = prompt_lookup_reference(tokens, start, end, k, max_ngram, latest, periodic)
     for b in range(batch):
-        want, n = _definition(tokens[b].tolist(), int(start[b]), int(end[b]), k, max_ngram, latest)
+        want, n = _definition(tokens[b].tolist(), int(start[b]), int(end[b]), k, max_ngram, latest, periodic)
         assert proposal[b].tolist() == want and int(count[b]) == n, b
 
 
@@ -62,14 +64,13 @@ def test_reference_is_hf_candidate_rule(k, max_ngram):
 
 
 @pytest.mark.parametrize("batch,width,vocab,seed", CASES)
-@pytest.mark.parametrize("latest", [False, True])
-def test_triton_identical_to_reference(batch, width, vocab, seed, latest):
+@pytest.mark.parametrize("latest,periodic", [(False, False), (True, False), (True, True)])
+def test_triton_identical_to_reference(batch, width, vocab, seed, latest, periodic):
     tokens, start, end = (x.to(DEVICE) for x in _case(batch, width, vocab, seed))
     for k, max_ngram in [(4, 2), (10, 3)]:
-        want = prompt_lookup(tokens, start, end, num_tokens=k, max_ngram=max_ngram, prefer_latest=latest,
-                             backend="torch")
-        got = prompt_lookup(tokens, start, end, num_tokens=k, max_ngram=max_ngram, prefer_latest=latest,
-                            backend="triton")
+        rule = dict(num_tokens=k, max_ngram=max_ngram, prefer_latest=latest, periodic=periodic)
+        want = prompt_lookup(tokens, start, end, **rule, backend="torch")
+        got = prompt_lookup(tokens, start, end, **rule, backend="triton")
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
