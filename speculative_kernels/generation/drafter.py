@@ -37,7 +37,9 @@ class Drafter(Protocol):
 
     def proposal_counts(self) -> list[int] | None:
         """Per row, how many tokens the next ``propose`` would propose (host ints from the last host read), or None
-        if unknown; the loop drafts no more than the largest of an unfinished row."""
+        if unknown (always None for a drafter that proposes gamma tokens; None after ``select_rows`` until the next
+        read, as the host list no longer lines up with the rows); the loop drafts no more than the largest of an
+        unfinished row."""
 
     def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
                next_token: torch.Tensor, finished: torch.Tensor) -> None:

@@ -164,7 +164,6 @@ class Plan:
     stopping_criteria: list
     cache_implementation: str | None
     generation_config: object
-    prompt_lookup: "PromptLookup | None" = None
 
     @property
     def max_gamma(self) -> int:
@@ -380,7 +379,6 @@ class Settings:
             stopping_criteria=self.stopping_criteria,
             cache_implementation=config.cache_implementation,
             generation_config=config,
-            prompt_lookup=self.prompt_lookup,
         )
 
 
