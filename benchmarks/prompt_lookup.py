@@ -17,7 +17,8 @@ demo draft model. Per path: tokens/s (total tokens / total median time over the 
 (every target forward counted, the prefill included, for HF too: a forward hook counts them), the speedups over
 plain and over HF's prompt lookup, the acceptance rate (ours: accepted / proposed drafts, fillers not counted),
 alpha for the drafters with a fixed gamma (the ML estimate from the accepted-count histogram; prompt lookup's
-gamma follows the proposals, so it has none) and whether the output is token-identical to plain greedy. A markdown table on stdout and JSON under --out.
+gamma follows the proposals, so it has none) and whether the output is token-identical to plain greedy. Then the edit prompts as one left-padded batch (tok/fwd per row; HF's
+prompt lookup refuses batches). A markdown table on stdout and JSON under --out.
 """
 
 import argparse
@@ -146,17 +147,44 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: i
     return results
 
 
+def run_batched(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: int) -> dict:
+    """The prompts as one left-padded batch, for the paths that take a batch (HF's prompt lookup is batch 1 only)."""
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    results, reference = {}, None
+    for name, run in runs.items():
+        if name.startswith("HF prompt lookup"):
+            continue
+        run(ids, mask, sk.SpeculationStats())  # warm-up
+        times = []
+        for _ in range(repeats):
+            stats = sk.SpeculationStats()
+            counter.calls = 0
+            out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu")
+            times.append(seconds)
+        reference = out if reference is None else reference
+        tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        results[name] = {"seconds": statistics.median(times), "tokens": tokens, "forwards": counter.calls,
+                         "identical": torch.equal(out, reference), "tokens_per_s": tokens / statistics.median(times),
+                         "tokens_per_target_forward": tokens / ids.shape[0] / max(counter.calls, 1),
+                         "accept_rate": stats.accepted_tokens / stats.drafted_tokens if stats.drafted_tokens else None,
+                         "alpha": None}
+    return results
+
+
 def table(all_results: dict, k: int) -> str:
     lines = ["| task | path | tok/s | tok/fwd | accept rate | α | × plain | × HF lookup | same as plain |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for task, results in all_results.items():
         plain = results["plain generate"]["tokens_per_s"]
-        hf = results[f"HF prompt lookup (K={k})"]["tokens_per_s"]
+        hf = results.get(f"HF prompt lookup (K={k})", {}).get("tokens_per_s")
         for name, r in results.items():
             alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
             rate = "" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
             lines.append(f"| {task} | {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_target_forward']:.2f} | "
-                         f"{rate} | {alpha} | {r['tokens_per_s'] / plain:.2f} | {r['tokens_per_s'] / hf:.2f} | "
+                         f"{rate} | {alpha} | {r['tokens_per_s'] / plain:.2f} | "
+                         f"{'n/a' if hf is None else format(r['tokens_per_s'] / hf, '.2f')} | "
                          f"{'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines)
 
@@ -178,8 +206,10 @@ def main(argv=None) -> int:
     runs = paths(target, draft, args.k, args.ngram, args.gamma, args.max_new_tokens)
     load_before = os.getloadavg()
     with torch.inference_mode():
-        results = {task: run_task(prompts, runs, tokenizer, counter, args.repeats)
-                   for task, prompts in tasks(tokenizer, args.quick).items()}
+        prompts = tasks(tokenizer, args.quick)
+        results = {task: run_task(p, runs, tokenizer, counter, args.repeats) for task, p in prompts.items()}
+        results[f"edit, batch {len(prompts['edit'])}"] = run_batched(prompts["edit"], runs, tokenizer, counter,
+                                                                      args.repeats)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
            "torch": torch.__version__, "transformers": transformers.__version__,

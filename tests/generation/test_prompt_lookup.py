@@ -177,3 +177,13 @@ def test_errors(target, kwargs, words):
 def test_decoder_refuses_two_drafting_methods(target):
     with pytest.raises(ValueError, match="pass one of draft, prompt_lookup_num_tokens or drafter"):
         sk.SpeculativeDecoder(target, target, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("latest,periodic", [(False, False), (True, False), (False, True)])
+def test_other_rules_as_drafter_objects(target, latest, periodic):
+    """HF's rule and the other variants, passed as drafter=: the same greedy tokens."""
+    ids = torch.cat([_repeating(1, seed=15), _random(1, length=30, seed=16)])
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    drafter = PromptLookupDrafter(6, 2, max_new_tokens=24, prefer_latest=latest, periodic=periodic)
+    assert torch.equal(sk.generate(target, ids, drafter=drafter, num_speculative_tokens=6, **kwargs), expected)
