@@ -13,7 +13,8 @@ Tasks (the bundled demo target, trained on the Python standard library; prompts 
 Paths, on the same prompts (greedy, batch 1, --max-new-tokens, EOS off so every path generates the same count):
 plain ``model.generate``; HF prompt lookup (``model.generate(prompt_lookup_num_tokens=K)``); ours with prompt
 lookup (our default rule: the most recent match, extended periodically; and HF's rule); ours with the n-gram drafter (the paper's bigram); ours with the
-demo draft model. Per path: tokens/s (total tokens / total median time over the prompts), tokens per target forward
+demo draft model. Per path: tokens/s (total tokens / total of each prompt's median time over --repeats runs, the
+paths interleaved within each repeat, after one warm-up run each), tokens per target forward
 (every target forward counted, the prefill included, for HF too: a forward hook counts them), the speedups over
 plain and over HF's prompt lookup, the acceptance rate (ours: accepted / proposed drafts, fillers not counted),
 alpha for the drafters with a fixed gamma (the ML estimate from the accepted-count histogram; prompt lookup's
@@ -117,19 +118,23 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: i
         encoded = tokenizer(text, return_tensors="pt")
         ids, mask = encoded["input_ids"], encoded["attention_mask"]
         reference = None
-        for name, run in runs.items():
+        for run in runs.values():
             run(ids, mask, sk.SpeculationStats())  # warm-up
-            times = []
-            for _ in range(repeats):
+        times, last = {name: [] for name in runs}, {}
+        for _ in range(repeats):  # the paths interleaved, so a change of the machine's load hits them alike
+            for name, run in runs.items():
                 stats = sk.SpeculationStats()
                 counter.calls = 0
                 out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu")
-                times.append(seconds)
+                times[name].append(seconds)
+                last[name] = (out, stats, counter.calls)
+        for name in runs:
+            out, stats, calls = last[name]
             r = results[name]
             new = out.shape[1] - ids.shape[1]
-            r["seconds"] += statistics.median(times)
+            r["seconds"] += statistics.median(times[name])
             r["tokens"] += new
-            r["forwards"] += counter.calls  # of the last repeat (greedy: every repeat is the same)
+            r["forwards"] += calls  # of the last repeat (greedy: every repeat is the same)
             r["accepted"] = r.get("accepted", 0) + stats.accepted_tokens
             r["drafted"] = r.get("drafted", 0) + stats.drafted_tokens
             if reference is None:
