@@ -187,3 +187,16 @@ def test_other_rules_as_drafter_objects(target, latest, periodic):
     expected = target.generate(ids, **kwargs)
     drafter = PromptLookupDrafter(6, 2, max_new_tokens=24, prefer_latest=latest, periodic=periodic)
     assert torch.equal(sk.generate(target, ids, drafter=drafter, num_speculative_tokens=6, **kwargs), expected)
+
+
+def test_prompt_lookup_from_a_generation_config(target):
+    """HF's precedence: prompt_lookup_num_tokens set in a GenerationConfig (or the model's) turns prompt lookup on."""
+    from transformers import GenerationConfig
+
+    ids = _repeating(1, seed=17)
+    config = GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, max_new_tokens=16,
+                              do_sample=False)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, generation_config=config, eos_token_id=None, speculation_stats=stats)
+    assert torch.equal(got, target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None))
+    assert stats.num_speculative_tokens == 4 and stats.draft_forwards == 0
