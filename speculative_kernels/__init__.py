@@ -14,11 +14,15 @@ _EXPORTS = {
     "SpeculativeEncoderDecoderOutput": ".generation",
     "BatchingOptions": ".generation",
     "CompileOptions": ".generation",
+    "Drafter": ".generation",
+    "NGramDrafter": ".generation",
+    "PromptLookupDrafter": ".generation",
     "SpeculativeDecoder": ".decoder",
     "DecodeSession": ".decoder",
 }
 __all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
-           "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions", "__version__"]
+           "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions", "Drafter", "NGramDrafter",
+           "PromptLookupDrafter", "__version__"]
 
 
 def __getattr__(name: str):

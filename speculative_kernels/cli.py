@@ -62,20 +62,22 @@ def run_generate(args) -> int:
     from transformers.utils import logging as hf_logging
 
     prepare_run(args)
+    drafting = _drafting(args)
     hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr would bury an error line
     target, tokenizer = load_model(args.target, device=args.device, dtype=args.dtype,
                                    trust_remote_code=args.trust_remote_code)
-    draft, draft_tokenizer = load_model(args.draft, device=args.device, dtype=args.dtype,
-                                        trust_remote_code=args.trust_remote_code)
+    if args.draft is not None:
+        draft, draft_tokenizer = load_model(args.draft, device=args.device, dtype=args.dtype,
+                                            trust_remote_code=args.trust_remote_code)
+        drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
+                        assistant_tokenizer=draft_tokenizer)
     input_ids, attention_mask = _encode(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, **sampling_kwargs(args))
     stats = SpeculationStats()
     torch.manual_seed(args.seed)
     output, seconds = timed_generate(
-        lambda: generate(target, input_ids, draft_model=draft, num_speculative_tokens=args.gamma,
-                         tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer, speculation_stats=stats,
-                         backend=args.backend, **kwargs),
+        lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, **drafting, **kwargs),
         args.device,
     )
     new_tokens = _new_tokens(target, input_ids, output)
@@ -98,6 +100,23 @@ def run_generate(args) -> int:
     return 0 if identical or args.temperature > 0 else 1
 
 
+def _drafting(args) -> dict:
+    """generate's drafting arguments without a draft model (--prompt-lookup); a UsageError unless exactly one of
+    --draft and --prompt-lookup is given."""
+    if (args.draft is None) == (args.prompt_lookup is None):
+        raise UsageError("pass exactly one of --draft (a draft model) and --prompt-lookup K (no draft model)")
+    if args.prompt_lookup is None:
+        return {}
+    return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=args.max_ngram)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return value
+
+
 def _new_tokens(model, input_ids, output) -> list[int]:
     """The generated ids of row 0 (decoder-only outputs repeat the prompt; encoder-decoder outputs do not)."""
     if model.config.is_encoder_decoder:
@@ -115,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "print the completion, tokens/s and the acceptance rate; --compare also runs plain "
                     "model.generate and exits with status 1 if greedy outputs differ.")
     gen.add_argument("--target", required=True, help="local HF model folder of the target")
-    gen.add_argument("--draft", required=True, help="local HF model folder of the draft")
+    gen.add_argument("--draft", help="local HF model folder of the draft (or --prompt-lookup)")
+    gen.add_argument("--prompt-lookup", type=_positive, metavar="K",
+                     help="no draft model: draft up to K tokens per iteration by prompt lookup (HF's "
+                          "prompt_lookup_num_tokens; K replaces --gamma)")
+    gen.add_argument("--max-ngram", type=_positive, default=2, metavar="N",
+                     help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size)")
     gen.add_argument("--prompt", required=True, help="the text to complete (empty: start from the BOS token)")
     gen.add_argument("--compare", action="store_true", help="also run plain model.generate and compare")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the folders' own model code")

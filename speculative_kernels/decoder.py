@@ -7,6 +7,9 @@
             send(row, tokens)
     sequences = session.sequences()
 
+Without a draft model: ``SpeculativeDecoder(target, prompt_lookup_num_tokens=10)`` (prompt lookup), or
+``SpeculativeDecoder(target, drafter=lambda: NGramDrafter(...))`` (a new ``Drafter`` per session).
+
 ``start`` takes ``model.generate``'s keyword arguments. Each ``step`` returns the tokens every row emitted in that
 iteration (an empty list for a finished row); they come from the iteration's single device-to-host read.
 """
@@ -52,22 +55,32 @@ class DecodeSession:
 
 
 class SpeculativeDecoder:
-    """A target/draft pair, validated once, that starts decoding sessions.
+    """A target and what drafts for it, validated once, that starts decoding sessions.
 
-    target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``). num_speculative_tokens: an
-    int, or "auto" to calibrate gamma per session over its first iterations (``generation/gamma.py``), or None for
-    ``generate``'s default (num_assistant_tokens where set, else 5).
+    target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``); draft None with
+    ``prompt_lookup_num_tokens`` (and ``max_matching_ngram_size``: prompt lookup, HF's names) or ``drafter`` (a
+    callable returning a fresh ``Drafter`` for each session). num_speculative_tokens: an int, or "auto" to calibrate
+    gamma per session over its first iterations (``generation/gamma.py``), or None for ``generate``'s default
+    (num_assistant_tokens where set, else 5; prompt_lookup_num_tokens with prompt lookup).
     """
 
-    def __init__(self, target, draft, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
-                 tokenizer=None, assistant_tokenizer=None):
-        self.target, self.draft = target, draft
+    def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
+                 tokenizer=None, assistant_tokenizer=None, prompt_lookup_num_tokens: int | None = None,
+                 max_matching_ngram_size: int | None = None, drafter=None):
+        if draft is not None and (prompt_lookup_num_tokens is not None or drafter is not None):
+            raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
+        if drafter is not None and not callable(drafter):
+            raise TypeError("drafter must be a callable returning a new Drafter for each session")
+        self.target, self.draft, self.drafter = target, draft, drafter
+        self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
+                                                       ("max_matching_ngram_size", max_matching_ngram_size))
+                       if value is not None}
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
-        """Prefill both models for input_ids [B, L] and return the session to ``step``."""
+        """Prefill the models for input_ids [B, L] and return the session to ``step``."""
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name):
                 raise ValueError(f"{name} is not available on a session; read the tokens from step()")
@@ -75,6 +88,6 @@ class SpeculativeDecoder:
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,
                 tokenizer=self.tokenizer, assistant_tokenizer=self.assistant_tokenizer, backend=self.backend,
-                **generation_kwargs,
+                drafter=None if self.drafter is None else self.drafter(), **self.lookup, **generation_kwargs,
             )
         return DecodeSession(loop)

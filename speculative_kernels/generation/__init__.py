@@ -2,10 +2,13 @@
 ready loop) -> ``loop.SpeculativeLoop`` (draft, verify, emit, roll back) over a ``drafter.Drafter`` and the
 ``runners`` that drive each model's KV cache. Layers: ``docs/architecture.md``."""
 
+from .drafter import Drafter
 from .generate import generate
+from .lookup_drafter import PromptLookupDrafter
+from .ngram_drafter import NGramDrafter
 from .options import BatchingOptions, CompileOptions
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculationStats
 
-__all__ = ["generate", "BatchingOptions", "CompileOptions", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
-           "SpeculativeEncoderDecoderOutput"]
+__all__ = ["generate", "BatchingOptions", "CompileOptions", "Drafter", "NGramDrafter", "PromptLookupDrafter",
+           "SpeculationStats", "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput"]

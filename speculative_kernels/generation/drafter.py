@@ -1,6 +1,7 @@
 """What proposes the tokens the target verifies (``Drafter``), and the first implementation: a draft model
-(``ModelDrafter``). A drafter without a model (n-gram, prompt lookup) proposes tokens without a distribution; the
-verification then takes q as one-hot at each proposed token, which is exact for a deterministic proposal."""
+(``ModelDrafter``). A drafter without a model (prompt lookup: ``lookup_drafter.py``) proposes tokens without a
+distribution; the verification then takes q as one-hot at each proposed token, which is exact for a deterministic
+proposal. The n-gram drafter (``ngram_drafter.py``) has a distribution; ``python/own_drafter.py`` writes one."""
 
 from collections.abc import Callable
 from typing import Protocol
@@ -22,9 +23,23 @@ class Drafter(Protocol):
         """Condition on the prompts input_ids [B, L] (real [B, L] bool: False at left padding). The last token is not
         consumed: the next ``propose`` starts from it."""
 
-    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                 torch.Tensor | None]:
         """Draft gamma >= 1 tokens per row. Returns (tokens [B, gamma] int64, logits [B, gamma, V] of the
-        distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one)."""
+        distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one,
+        num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
+        num_draft[b] are fillers that must be a deterministic function of the row's context (see the loop's
+        ``_verify``)."""
+
+    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
+        """Right after the iteration's tokens are emitted, before its host read: row b emitted the first count[b]
+        (device [B] int64) of out [B, T]. A drafter may prepare its next proposal here (and have its counts read)."""
+
+    def proposal_counts(self) -> list[int] | None:
+        """Per row, how many tokens the next ``propose`` would propose (host ints from the last host read), or None
+        if unknown (always None for a drafter that proposes gamma tokens; None after ``select_rows`` until the next
+        read, as the host list no longer lines up with the rows); the loop drafts no more than the largest of an
+        unfinished row."""
 
     def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
                next_token: torch.Tensor, finished: torch.Tensor) -> None:
@@ -36,7 +51,7 @@ class Drafter(Protocol):
         """Keep rows ``index`` [B'] (int64 on the device) of every per-row state."""
 
     def lengths_to_read(self) -> torch.Tensor | None:
-        """As ``Runner.lengths_to_read``: [B] int64 wanted from the iteration's host read, or None."""
+        """As ``Runner.lengths_to_read``: [N] int64 (any N) wanted from the iteration's host read, or None."""
 
     def lengths_read(self, lengths: list[int]) -> None:
         """The values of ``lengths_to_read()`` as read on the host."""
@@ -73,7 +88,7 @@ class ModelDrafter:
             self.runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
         self.pending = (input_ids[:, -1:], None)
 
-    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor, None]:
         inputs, real = self.pending
         batch, device = inputs.shape[0], inputs.device
         tokens = torch.empty(batch, gamma, dtype=torch.int64, device=device)
@@ -90,7 +105,13 @@ class ModelDrafter:
             tokens[:, i] = token
             inputs, real = token.clamp(min=0).unsqueeze(1), None
         self._forwards += gamma
-        return tokens, q_logits
+        return tokens, q_logits, None
+
+    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
+        """Nothing: the draft catches up on the emitted tokens in ``accept`` (as pending inputs)."""
+
+    def proposal_counts(self) -> None:
+        return None
 
     def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
                next_token: torch.Tensor, finished: torch.Tensor) -> None:

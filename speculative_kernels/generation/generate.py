@@ -1,4 +1,5 @@
-"""``speculative_kernels.generate``: a drop-in for ``model.generate`` that speculates with a draft model."""
+"""``speculative_kernels.generate``: a drop-in for ``model.generate`` that speculates with a draft model, prompt
+lookup or a drafter of one's own."""
 
 import dataclasses
 
@@ -24,6 +25,7 @@ def generate(
     backend: str = "auto",
     compile=False,
     batching: BatchingOptions | None = None,
+    drafter=None,
     **kwargs,
 ):
     """Speculative decoding with ``model.generate``'s arguments and return values.
@@ -52,6 +54,12 @@ def generate(
     ``CompileOptions``) also captures the draft and verification steps with ``torch.compile`` (CUDA graphs on CUDA);
     its warm-up is reported in ``speculation_stats.warmup_time_s``, apart from ``total_time_s``. ``batching`` (a
     ``BatchingOptions``) tunes hole compaction and the dropping of finished rows (``docs/batching.md``).
+
+    Without a draft model: ``prompt_lookup_num_tokens=k`` (with ``max_matching_ngram_size``, HF's names and default
+    2) drafts up to k tokens per row copied from the row's own context (prompt, for encoder-decoder models the
+    encoder input too, and what it generated; ``lookup_drafter.py``), or ``drafter=`` takes any object implementing
+    the ``Drafter`` protocol (``drafter.py``), e.g. ``NGramDrafter`` (``ngram_drafter.py``); a drafter object serves
+    one call.
     """
     if assistant_model is not None:
         if draft_model is not None and draft_model is not assistant_model:
@@ -64,7 +72,7 @@ def generate(
         loop = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
             assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend,
-            batching=batching, compile_options=compile_options, **kwargs
+            batching=batching, compile_options=compile_options, drafter=drafter, **kwargs
         )
         sequences, stats = loop.run()
     if speculation_stats is not None:

@@ -17,10 +17,11 @@ def model_device(model, name: str = "model") -> torch.device:
 
 
 def check_models(model, draft_model) -> None:
-    """Two HF models on one device, both decoder-only or both encoder-decoders of a supported type."""
-    if draft_model is None:
-        raise ValueError("draft_model (or assistant_model) is required")
+    """Two HF models on one device, both decoder-only or both encoder-decoders of a supported type (or the target
+    alone: draft_model None, for drafting without a model; ``request.build_loop`` checks that something drafts)."""
     for name, m in (("model", model), ("draft_model", draft_model)):
+        if m is None and name == "draft_model":
+            return
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
     check_pair(model, draft_model)

@@ -104,7 +104,11 @@ class SpeculativeLoop:
         to generate, less one (HF caps the same way); 0 when one token is left."""
         left = max((self.plan.max_new_tokens - g for g, f in zip(self._generated_host, self._finished_host)
                     if not f), default=1)
-        return max(0, min(self.chosen_gamma, left - 1))
+        gamma = max(0, min(self.chosen_gamma, left - 1))
+        proposals = self.drafter.proposal_counts()  # a drafter without a model: no longer than its longest proposal
+        if proposals is not None:
+            gamma = min(gamma, max((c for c, f in zip(proposals, self._finished_host) if not f), default=0))
+        return gamma
 
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
@@ -132,7 +136,7 @@ class SpeculativeLoop:
         self.randomness.advance_draft()
         return token
 
-    def _verify(self, draft_tokens, draft_logits):
+    def _verify(self, draft_tokens, draft_logits, num_draft):
         s = self.sampling
         target_in = torch.cat([self.last.unsqueeze(1), draft_tokens.clamp(min=0)], dim=1)
         logits = self.target_runner.forward(target_in)
@@ -146,6 +150,12 @@ class SpeculativeLoop:
                 self.randomness.advance_draft()
             return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
         q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
+        # num_draft [B] (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long match)
+        # carry fillers past num_draft[b], verified like drafts. Exact: a filler is a deterministic function of the
+        # row's context, so one-hot q at it is a valid proposal (and greedy is exact for any drafts); only the
+        # fillers' forward positions are wasted. MERGE: pass num_draft_tokens=num_draft to verify here once the op
+        # takes it (positions >= num_draft[b] then never accepted).
+        del num_draft
         out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify())
         if not s.greedy:
             self.randomness.advance_verify()
@@ -184,12 +194,13 @@ class SpeculativeLoop:
             buffer.scatter_(1, index, torch.where(keep, values.float(), buffer.gather(1, index)))
 
     def _draft(self):
-        """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None)."""
+        """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None,
+        num_draft [B] int64 or None: the drafter's per-row counts)."""
         if self.gamma == 0:
-            return torch.empty(self.batch, 0, dtype=torch.int64, device=self.device), None
-        tokens, logits = self.drafter.propose(self.gamma, self._choose_draft_token)
+            return torch.empty(self.batch, 0, dtype=torch.int64, device=self.device), None, None
+        tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
         self.stats.draft_forwards = self.drafter.forwards
-        return tokens, logits
+        return tokens, logits, num_draft
 
     def _roll_back(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
         """Both caches keep what was accepted; finished rows keep no new slots, so no row outgrows prompt +
@@ -198,7 +209,8 @@ class SpeculativeLoop:
         done = self.finished
         self.target_runner.keep_prefix(self.gamma + 1, (accepted + 1).masked_fill(done, 0), max_n + 1)
         self.last = out.gather(1, accepted.clamp(min=0).unsqueeze(1)).squeeze(1)
-        self.drafter.accept(draft_tokens, accepted, accepted_host, self.last, done)
+        if self.gamma > 0:
+            self.drafter.accept(draft_tokens, accepted, accepted_host, self.last, done)
 
     def step(self) -> bool:
         """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished.
@@ -209,13 +221,15 @@ class SpeculativeLoop:
         self.gamma = self._step_gamma()
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
-        draft_tokens, draft_logits = self._draft()
+        proposals = self.drafter.proposal_counts()
+        draft_tokens, draft_logits, num_draft = self._draft()
         self.timer.stop("draft")
         self.timer.start("verify")
-        out, accepted, processed, raw = self._verify(draft_tokens, draft_logits)
+        out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)
         generated_before = self.generated
         active_before = ~self.finished
         count = self._emit(out, accepted)
+        self.drafter.observe(out, count)
         self.timer.stop("verify")
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count, generated_before)
@@ -232,14 +246,17 @@ class SpeculativeLoop:
         self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
         self._host_width = self.gamma + 1
         self._generated_host = [g + c for g, c in zip(self._generated_host, count_host)]
-        for i, (reader, _) in enumerate(readers):
-            reader.lengths_read(host[tail + i * b : tail + (i + 1) * b])
+        for reader, lengths in readers:
+            reader.lengths_read(host[tail : tail + lengths.numel()])
+            tail += lengths.numel()
         if min(accepted_host) < 0:
             raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
                                    draft_logits=draft_logits, draft_tokens=draft_tokens)
-        if self._after_emit(count_host, accepted_host, active_host, generated_before):
+        if self._after_emit(count_host, accepted_host, active_host, generated_before, proposals):
             finished_host = self._finished_host = [1] * b  # a stopping criterion ended the (batch-1) request
-        if self.gamma > 0:  # gamma 0 is the last iteration (one token left for every row): no rollback needed
+        # gamma 0 with every row finished (one token was left): no rollback needed; otherwise (a drafter without a
+        # model had no proposal) the target keeps its one slot in running rows.
+        if self.gamma > 0 or not all(finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
             self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
@@ -269,11 +286,13 @@ class SpeculativeLoop:
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
-    def _after_emit(self, count_host, accepted_host, active_host, generated_before) -> bool:
+    def _after_emit(self, count_host, accepted_host, active_host, generated_before, proposals) -> bool:
         """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer. Returns True when a
-        stopping criterion fired (the host's finished flags, read before it ran, are then stale)."""
+        stopping criterion fired (the host's finished flags, read before it ran, are then stale). proposals: the
+        drafter's per-row counts of this iteration (host), or None for gamma each."""
         active = [i for i, a in enumerate(active_host) if a]
-        self.stats.drafted_tokens += self.gamma * len(active)
+        self.stats.drafted_tokens += sum(self.gamma if proposals is None else min(proposals[i], self.gamma)
+                                         for i in active)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
         self.stats.new_tokens += sum(count_host)
         stopped = False

@@ -9,15 +9,16 @@ import torch
 
 from ..ops import backends
 from .buffers import initial_slots
-from .capabilities import check_request, request_path
-from .drafter import ModelDrafter
+from .capabilities import check_model, request_path
+from .drafter import Drafter, ModelDrafter
 from .inputs import check_batch, check_helpers, check_models, check_token_type, prepare_prompt, prompt_length
+from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import Plan, resolve_settings
-from .vocab import VocabBridge
+from .vocab import VocabBridge, logit_width
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -25,15 +26,19 @@ SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outp
 def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num_speculative_tokens=None,
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
-               **kwargs) -> SpeculativeLoop:
+               drafter: Drafter | None = None, **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
     input_ids: [B, L] (decoder-only: the prompts, left-padded with ``attention_mask``; encoder-decoder: the encoder
-    input). Everything is checked before anything is allocated; the encoders run once the checks have passed.
+    input). What drafts: ``draft_model``, or prompt lookup (``prompt_lookup_num_tokens``), or ``drafter`` (a
+    ``Drafter`` without a model, e.g. ``NGramDrafter``), exactly one. Everything is checked before anything is
+    allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
     check_models(model, draft_model)
+    if drafter is not None and draft_model is not None:
+        raise ValueError("pass either draft_model (or assistant_model) or drafter, not both")
     attention_mask = kwargs.pop("attention_mask", None)
     if "inputs" in kwargs:
         if input_ids is not None:
@@ -43,6 +48,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     encoder_decoder = model.config.is_encoder_decoder
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
     settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model)
+    if settings.prompt_lookup is not None and drafter is not None:
+        raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
+    if draft_model is None and drafter is None and settings.prompt_lookup is None:
+        raise ValueError("draft_model (or assistant_model) is required, or prompt_lookup_num_tokens= (prompt lookup, "
+                         "no draft model), or drafter= (a Drafter of your own)")
+    encoder_input = (input_ids, attention_mask)  # prompt lookup searches the encoder input too
     if encoder_decoder:  # the loop's prompt is the decoder's
         prompt = prepare_seq2seq(model, draft_model, input_ids, attention_mask, settings.config, **seq2seq_inputs)
         plan = settings.plan(model, prompt.decoder_ids.shape[1])
@@ -53,29 +64,47 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     batch, width = input_ids.shape
     device = input_ids.device
     static = wants_static(plan, compile_options)
-    specs = check_request(model, draft_model, path=request_path(static, compile_options is not None), batch=batch)
+    models = (model,) if draft_model is None else (model, draft_model)
+    path = request_path(static, compile_options is not None)
+    specs = tuple(check_model(m, path=path, batch=batch) for m in models)
     batching = batching or BatchingOptions()
-    runner_plan = plan_runners(model, draft_model, specs, static=static, batch=batch, prompt_width=width,
+    runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
                                device=device)
     check_batch(plan, batch)
-    bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
     impl = backends.implementation(backend, device.type)
     encoded = prompt.encode() if encoder_decoder else {}
     encoder_mask = prompt.encoder_mask if encoder_decoder else None
-    target_runner, draft_runner = (make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask)
-                                   for m, spec in zip((model, draft_model), specs))
+    runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask) for m, spec in zip(models, specs)]
+    target_runner = runners[0]
     dtype = next(model.parameters()).dtype  # verification runs in the target's dtype
-    drafter = ModelDrafter(draft_runner, bridge, dtype)
+    steps = [(target_runner, [(plan.num_speculative_tokens + 1, False)])] if compile_options is not None else []
+    if draft_model is not None:
+        bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
+        drafter = ModelDrafter(runners[1], bridge, dtype)
+        steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
+    elif settings.prompt_lookup is not None:
+        prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None
+        drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens, settings.prompt_lookup.max_ngram,
+                                      prefix=prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
+                                      compiled=compile_options is not None)
+    # else: the caller's drafter (a Drafter without a model), used as given
     warm_up = None
     if compile_options is not None:  # captured after the prefill; fixed shapes, so no row leaves the batch
-        steps = [(target_runner, [(plan.num_speculative_tokens + 1, False)]),
-                 (draft_runner, ModelDrafter.CAPTURED_SHAPES)]
         warm_up = functools.partial(capture_steps, steps, compile_options, device)
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
-    return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=bridge.target_width,
+    return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up)
+
+
+def _encoder_prefix(input_ids, attention_mask, device):
+    """(ids [B, S], real [B, S]) of the encoder input for prompt lookup to search, or None without input_ids."""
+    if input_ids is None:
+        return None
+    ids = input_ids.to(device=device, dtype=torch.int64)
+    real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device) != 0
+    return ids, real
 
 
 def wants_static(plan: Plan, compile_options: CompileOptions | None) -> bool:

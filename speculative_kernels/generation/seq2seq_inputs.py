@@ -107,6 +107,8 @@ def _encode_both(model, draft_model, input_ids, attention_mask, encoder_outputs)
     if encoder_outputs is None:
         encoder_outputs = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
     encoded = {id(model): encoder_outputs}
+    if draft_model is None:  # drafting without a model
+        return encoded
     if draft_model is model or draft_model.get_encoder() is model.get_encoder():
         encoded[id(draft_model)] = encoder_outputs
     elif input_ids is None:

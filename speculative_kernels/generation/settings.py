@@ -28,6 +28,7 @@ from ..ops.validation import check_sampling_params
 from .gamma import MAX_GAMMA
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+DEFAULT_MAX_MATCHING_NGRAM_SIZE = 2  # HF's (``generation_config.max_matching_ngram_size or 2``)
 _TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
                     "forced_eos_token_id")
 
@@ -54,6 +55,8 @@ HONOURED = {
     "cache_implementation": "'dynamic' or 'static'",
     "num_assistant_tokens": "gamma when num_speculative_tokens is not given",
     "num_assistant_tokens_schedule": "'constant' only (gamma fixed, or num_speculative_tokens='auto')",
+    "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
+    "max_matching_ngram_size": "prompt lookup's longest n-gram (HF's default 2)",
 }
 # Ignored by model.generate too in greedy/sampling decoding (num_beams is always 1 here), or metadata.
 NO_EFFECT = {
@@ -100,8 +103,6 @@ REFUSED_UNLESS = {
     "low_memory": (False,),
     "dola_layers": (),
     "use_mtp": (False,),
-    "prompt_lookup_num_tokens": (),
-    "max_matching_ngram_size": (),
     "assistant_early_exit": (),
     "assistant_confidence_threshold": (),
     "assistant_lookbehind": (),
@@ -123,8 +124,6 @@ _REASONS = {
     "output_hidden_states": "hidden states of the speculative forwards do not match per-step ones",
     "token_healing": "it rewrites the prompt",
     "use_mtp": "multi-token prediction is another drafting method",
-    "prompt_lookup_num_tokens": "prompt-lookup drafting is not implemented; pass draft_model=",
-    "max_matching_ngram_size": "prompt-lookup drafting is not implemented; pass draft_model=",
     "assistant_early_exit": "early-exit drafting is not implemented; pass draft_model=",
     "assistant_confidence_threshold": "HF's draft-confidence stopping is not implemented; gamma is fixed, or "
                                       "num_speculative_tokens='auto'",
@@ -138,6 +137,14 @@ _REASONS = {
     "continuous_batching_config": "continuous batching is not implemented; see SpeculativeDecoder",
     "speculation_type": "HF's other speculation methods are not implemented; pass draft_model=",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """Prompt-lookup drafting (HF's ``prompt_lookup_num_tokens``, ``max_matching_ngram_size``)."""
+
+    num_tokens: int
+    max_ngram: int
 
 
 @dataclasses.dataclass
@@ -350,6 +357,7 @@ class Settings:
     streamer: object | None
     stopping_criteria: list
     default_max_length: bool  # max_length set nowhere: HF generates 20 new tokens
+    prompt_lookup: PromptLookup | None = None
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -424,4 +432,29 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else None)
     for name in _TOKEN_ID_FIELDS:
         token_ids(name, getattr(config, name))
-    return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length)
+    lookup = _prompt_lookup(config, draft_model)
+    if lookup is not None:
+        gamma = _lookup_gamma(num_speculative_tokens, gamma, lookup)
+    return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup)
+
+
+def _prompt_lookup(config, draft_model) -> PromptLookup | None:
+    """HF's prompt-lookup settings, checked; None when prompt_lookup_num_tokens is not set."""
+    num_tokens, max_ngram = config.prompt_lookup_num_tokens, config.max_matching_ngram_size
+    if num_tokens is None:  # max_matching_ngram_size alone changes nothing, as in HF
+        return None
+    if draft_model is not None:
+        raise ValueError("pass either draft_model (or assistant_model) or prompt_lookup_num_tokens, not both: "
+                         "prompt lookup drafts without a model")
+    for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return PromptLookup(int(num_tokens), int(max_ngram or DEFAULT_MAX_MATCHING_NGRAM_SIZE))
+
+
+def _lookup_gamma(num_speculative_tokens, gamma, lookup: PromptLookup) -> int:
+    """Prompt lookup's gamma: prompt_lookup_num_tokens (num_speculative_tokens, if given, must agree)."""
+    if num_speculative_tokens is not None and gamma != lookup.num_tokens:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and prompt_lookup_num_tokens="
+                         f"{lookup.num_tokens} disagree; pass prompt_lookup_num_tokens only")
+    return lookup.num_tokens

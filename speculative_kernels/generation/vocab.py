@@ -15,7 +15,7 @@ different ``vocab_size``s are an error, as are tokenizers that disagree.
 import torch
 
 
-def _logit_width(model) -> int:
+def logit_width(model) -> int:
     embeddings = model.get_output_embeddings()
     if embeddings is not None and getattr(embeddings, "weight", None) is not None:
         return int(embeddings.weight.shape[0])
@@ -59,8 +59,8 @@ class VocabBridge:
 
     def __init__(self, target, draft, tokenizer=None, assistant_tokenizer=None):
         check_tokenizers(tokenizer, assistant_tokenizer)
-        self.target_width = _logit_width(target)
-        self.draft_width = _logit_width(draft)
+        self.target_width = logit_width(target)
+        self.draft_width = logit_width(draft)
         target_size = target.config.get_text_config().vocab_size
         draft_size = draft.config.get_text_config().vocab_size
         if (target_size != draft_size or self.target_width != self.draft_width) and (

@@ -32,6 +32,12 @@ _FAMILIES = {
         "triton": "speculative_kernels.ops.compaction_triton",
         "cuda": "speculative_kernels.ops.compaction_cuda",
     },
+    # No CUDA C++ lookup kernel: on a CUDA device the "cuda" backend runs the Triton one.
+    "lookup": {
+        "torch": "speculative_kernels.ops.lookup_torch",
+        "triton": "speculative_kernels.ops.lookup_triton",
+        "cuda": "speculative_kernels.ops.lookup_triton",
+    },
 }
 
 
@@ -84,8 +90,8 @@ def resolve(backend: str, device_type: str) -> str:
 
 
 def implementation(backend: str, device_type: str, family: str = "verify") -> ModuleType:
-    """The module implementing an op family for the resolved backend: ``verify``/``sample`` (family "verify") or
-    ``compact_kv`` (family "compaction")."""
+    """The module implementing an op family for the resolved backend: ``verify``/``sample`` (family "verify"),
+    ``compact_kv`` (family "compaction") or ``prompt_lookup`` (family "lookup")."""
     return sys.modules[_import_backend(family, backend, device_type)]
 
 

@@ -87,3 +87,21 @@ def test_demo_help_is_plain_text_with_defaults(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert "``" not in out and "(default: 96)" in out and "(default: 4)" in out
+
+
+def test_generate_with_prompt_lookup_needs_no_draft(pair, capsys):
+    target, _ = pair
+    code = main(["generate", "--target", str(target), "--prompt-lookup", "4", "--max-ngram", "3",
+                 "--prompt", "def add(a, b): return a + b\ndef add(a, b):", "--max-new-tokens", "12", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "outputs identical" in out
+
+
+@pytest.mark.parametrize("drafting", [[], ["--draft", "DRAFT", "--prompt-lookup", "3"]])
+def test_exactly_one_of_draft_and_prompt_lookup(pair, capsys, drafting):
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    code = main(["generate", "--target", str(target), "--prompt", "x", *drafting])
+    assert code == 2
+    assert "pass exactly one of --draft" in capsys.readouterr().err

@@ -34,21 +34,23 @@ class RunnerPlan:
     device: torch.device
 
 
-def plan_runners(target, draft, specs: tuple[ModelSpec, ModelSpec], *, static: bool, batch: int, prompt_width: int,
+def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
                  device: torch.device) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
-    hold them (``docs/batching.md``: the bound). gamma: the fixed draft length (static); slots: the dynamic slot
-    masks' initial width."""
+    hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
+    specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
+    width."""
     if not static:
         return RunnerPlan(False, batch, slots, 0, 0, batching, device)
     encoder_decoder = specs[0].encoder_decoder
     # Encoder-decoder rows stay hole-free (no compaction, no slack): the longest row plus one iteration.
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else batch, batching.slack)
-    layouts = [CacheLayout.of(model, spec) for model, spec in zip((target, draft), specs)]
+    layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, batch, capacity, gamma)
     what = "the static decoder caches" if encoder_decoder else "the static caches"
-    check_free_memory(required, device, f"{what} ({batch} rows x {capacity} slots, target and draft)")
+    whose = "target and draft" if len(models) > 1 else "target"
+    check_free_memory(required, device, f"{what} ({batch} rows x {capacity} slots, {whose})")
     return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device)
 
 

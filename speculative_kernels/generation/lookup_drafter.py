@@ -1,0 +1,84 @@
+"""Prompt-lookup drafting (HF's ``prompt_lookup_num_tokens``): a ``Drafter`` without a model that copies the
+tokens that followed an earlier occurrence of each row's last n-gram (``ops.prompt_lookup``), on the device: by
+default the most recent occurrence of the longest n-gram (n <= max_matching_ngram_size), continued periodically
+when its continuation reaches the row's end.
+
+Its proposal has no distribution (q is one-hot at each proposed token: ``ops.verify`` with ``draft_logits=None``),
+which is exact because the proposal is a deterministic function of the row's context. Rows propose different
+numbers of tokens (none without a match). The next iteration's proposal is computed as soon as the iteration's
+tokens are emitted (``observe``), so its per-row counts ride along in that iteration's one host read and the loop
+drafts no more tokens than the longest proposal of an unfinished row: with no match anywhere it runs the target
+alone, as HF does. In a compiled loop (captured target steps of one width) every iteration drafts the full gamma,
+rows without a match padded with fillers.
+"""
+
+import torch
+
+from ..ops.lookup import prompt_lookup
+from .context import ContextBuffer
+from .drafter import ChooseToken
+
+
+class PromptLookupDrafter:
+    """num_tokens: the most tokens a row proposes (gamma); max_ngram: HF's ``max_matching_ngram_size``; prefix:
+    (encoder ids, encoder real) searched too, or None; max_new_tokens sizes the context buffer; compiled: the
+    loop's target steps are captured at one width (the buffer is allocated at its final width, every iteration
+    drafts gamma tokens); backend: of ``ops.prompt_lookup``; prefer_latest, periodic: the rule (``ops/lookup.py``).
+    The default, the most recent match extended periodically, proposed 7-11% more tokens per target forward than
+    HF's rule (both False: the first match, cut at the row's end) on the demo benchmark
+    (``docs/drafting_without_a_model.md``); greedy output is the same with either."""
+
+    def __init__(self, num_tokens: int, max_ngram: int, *, prefix=None, max_new_tokens: int | None = None,
+                 compiled: bool = False, backend: str = "auto", prefer_latest: bool = True, periodic: bool = True):
+        self.num_tokens, self.max_ngram, self.prefix = num_tokens, max_ngram, prefix
+        self.max_new_tokens, self.compiled = max_new_tokens, compiled
+        self.backend, self.prefer_latest, self.periodic = backend, prefer_latest, periodic
+        self.context: ContextBuffer | None = None
+        self.proposal = self.count = None  # the next proposal: [B, num_tokens], [B] on the device
+        self._count_host: list[int] | None = None  # its counts, once read on the host
+
+    def _look_up(self) -> None:
+        c = self.context
+        self.proposal, self.count = prompt_lookup(c.tokens, c.start, c.end, num_tokens=self.num_tokens,
+                                                  max_ngram=self.max_ngram, prefer_latest=self.prefer_latest,
+                                                  periodic=self.periodic, backend=self.backend)
+
+    def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
+        self.context = ContextBuffer(input_ids, real, self.prefix, max_new_tokens=self.max_new_tokens,
+                                     max_gamma=self.num_tokens, full=self.compiled)
+        self._look_up()
+
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, None, torch.Tensor]:
+        return self.proposal[:, :gamma], None, self.count.clamp(max=gamma)
+
+    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
+        self.context.append(out, count)
+        self._look_up()
+        self._count_host = None
+
+    def accept(self, draft_tokens, accepted, accepted_host, next_token, finished) -> None:
+        """Nothing to roll back: ``observe`` has appended what was emitted."""
+
+    def proposal_counts(self) -> list[int] | None:
+        return None if self.compiled else self._count_host
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.context.select_rows(index)
+        self.proposal, self.count = self.proposal.index_select(0, index), self.count.index_select(0, index)
+        self._count_host = None  # host rows no longer line up; the next iteration drafts the full gamma
+
+    def lengths_to_read(self) -> torch.Tensor:
+        return torch.cat([self.context.end, self.count])
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        half = len(lengths) // 2
+        self.context.lengths_read(lengths[:half])
+        self._count_host = lengths[half:]
+
+    @property
+    def forwards(self) -> int:
+        return 0
+
+    @property
+    def compactions(self) -> int:
+        return 0

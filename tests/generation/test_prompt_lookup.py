@@ -1,0 +1,202 @@
+"""Prompt lookup (``prompt_lookup_num_tokens``, no draft model): greedy token-identical to ``model.generate`` with
+and without HF's prompt lookup (batch 1, left-padded batches where some rows match and others do not, dynamic and
+static caches, compiled, T5/BART), whole sampled continuations against the target's distribution, one host read per
+iteration, and the errors."""
+
+import numpy as np
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.host_reads import step_reading_once
+from helpers.models import FAMILIES, llama
+from helpers.sampling import NEW, VOCAB, continuation_probs, hf_warpers, peaky
+from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+from helpers.stats import assert_matches
+from speculative_kernels.generation.lookup_drafter import PromptLookupDrafter
+
+
+def _repeating(batch=1, period=9, length=30, seed=0):
+    """Prompts that repeat a random phrase: the lookup finds matches in them."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, 97, (batch, period), generator=g)
+    return phrase.repeat(1, length // period + 1)[:, :length]
+
+
+def _random(batch=1, length=12, seed=1):
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("k,ngram", [(10, None), (3, 1), (5, 3)])
+def test_batch_1_greedy_is_hf_with_and_without_prompt_lookup(family, k, ngram):
+    model = FAMILIES[family]()
+    for ids in (_repeating(), _random()):
+        kwargs = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
+        lookup = dict(prompt_lookup_num_tokens=k) | ({} if ngram is None else dict(max_matching_ngram_size=ngram))
+        plain = model.generate(ids, **kwargs)
+        assert torch.equal(model.generate(ids, **kwargs, **lookup), plain)
+        stats = sk.SpeculationStats()
+        got = sk.generate(model, ids, speculation_stats=stats, **kwargs, **lookup)
+        assert torch.equal(got, plain)
+        assert stats.draft_forwards == 0 and stats.new_tokens == 40
+
+
+def test_lookup_saves_target_forwards_on_repeated_text(target):
+    """A row that re-emits its prompt: the copies are accepted, far fewer target forwards than tokens; text without
+    repeats costs one forward per token (no filler-only iterations: the loop drafts only what a row proposes)."""
+    ids = _repeating(length=60)
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, max_new_tokens=40, do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=10,
+                      speculation_stats=stats)
+    assert torch.equal(got, expected)
+    assert stats.accepted_tokens > 0 and stats.target_forwards < stats.new_tokens
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_left_padded_batch_some_rows_match(target, cache):
+    """Rows of different lengths, some repeating (matches) and some random (none), left-padded: each row is what
+    model.generate gives the same batch."""
+    rows = [_repeating(period=7, length=25, seed=2)[0], _random(length=9, seed=3)[0],
+            _repeating(period=4, length=17, seed=4)[0], _random(length=14, seed=5)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, prompt_lookup_num_tokens=6, cache_implementation=cache, speculation_stats=stats,
+                      **kwargs)
+    assert torch.equal(got, expected)
+    assert stats.accepted_tokens > 0
+
+
+def test_rows_finish_at_different_times_and_leave_the_batch(target):
+    ids = torch.cat([_repeating(2, seed=6), _random(2, length=30, seed=7)])
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = target.generate(ids, **kwargs, eos_token_id=[5, 17, 40])
+    got = sk.generate(target, ids, prompt_lookup_num_tokens=4, eos_token_id=[5, 17, 40],
+                      batching=sk.BatchingOptions(drop_finished_fraction=0.25), **kwargs)
+    assert torch.equal(got, expected[:, : got.shape[1]])
+
+
+def test_compiled_greedy_matches_hf(target):
+    ids = torch.cat([_repeating(1, seed=8), _random(1, length=30, seed=9)])
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, prompt_lookup_num_tokens=4, compile=sk.CompileOptions(backend="aot_eager"),
+                      **kwargs)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_seq2seq_greedy_matches_hf(family, cache):
+    model = SEQ2SEQ_FAMILIES[family]()
+    ids = torch.cat([_repeating(1, period=5, length=20, seed=10), _random(1, length=20, seed=11)])
+    mask = torch.ones_like(ids)
+    mask[1, 14:] = 0  # a right-padded encoder row
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False)
+    expected = model.generate(ids, **kwargs)
+    got = sk.generate(model, ids, prompt_lookup_num_tokens=5, cache_implementation=cache, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_encoder_input_is_searched():
+    """Encoder-decoder: the decoder's last token is looked up in the encoder input (its real tokens) too."""
+    encoder = torch.tensor([[7, 8, 9, 10, 11, 0, 0], [20, 21, 22, 23, 24, 25, 26]])
+    encoder_real = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1] * 7]).bool()
+    drafter = PromptLookupDrafter(3, 2, prefix=(encoder, encoder_real), max_new_tokens=8)
+    decoder = torch.tensor([[0, 8], [0, 30]])
+    drafter.start(decoder, torch.ones_like(decoder, dtype=torch.bool))
+    tokens, q, count = drafter.propose(3, None)
+    assert q is None and count.tolist() == [3, 0]
+    assert tokens[0].tolist() == [9, 10, 11]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 3, 0.9)])
+def test_whole_continuations_match_target_sampling(temperature, top_k, top_p):
+    """One-hot q at the looked-up tokens (and fillers): the continuations follow the target's own distribution."""
+    target = peaky(0, 2)
+    prompt = torch.tensor([[1, 4, 3, 5, 1, 0, 2, 2, 2, 2, 2, 2]])  # the model's greedy path: lookups get accepted
+    seqs, probs = continuation_probs(target, prompt, hf_warpers(temperature, top_k, top_p))
+    torch.manual_seed(4321)
+    stats = sk.SpeculationStats()
+    rows = 6000
+    out = sk.generate(target, prompt.expand(rows, -1), prompt_lookup_num_tokens=2, do_sample=True,
+                      temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=NEW, pad_token_id=0,
+                      speculation_stats=stats)
+    assert stats.accepted_tokens > rows // 10  # the lookup's drafts are verified and often accepted
+    new = out[:, prompt.shape[1]:].numpy()
+    codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def test_one_host_read_per_iteration():
+    target = llama()
+    ids = torch.cat([_repeating(2, seed=12), _random(2, length=30, seed=13)])
+    decoder = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=4)
+    for kwargs in (dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_k=10, min_new_tokens=5)):
+        session = decoder.start(ids, max_new_tokens=20, pad_token_id=0, **kwargs)
+        assert step_reading_once(session) > 1
+
+
+def test_decoder_session_matches_generate(target):
+    ids = _repeating(1, seed=14)
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    session = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=5).start(ids, max_new_tokens=20,
+                                                                               do_sample=False, eos_token_id=None)
+    emitted = []
+    while not session.finished:
+        emitted += session.step()[0]
+    assert emitted == expected[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(draft_model="target", prompt_lookup_num_tokens=3), "pass either draft_model"),
+    (dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens must be an int >= 1"),
+    (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=0), "max_matching_ngram_size must be an int >= 1"),
+    (dict(prompt_lookup_num_tokens=3, num_speculative_tokens=4), "disagree"),
+    (dict(), "draft_model \\(or assistant_model\\) is required, or prompt_lookup_num_tokens"),
+])
+def test_errors(target, kwargs, words):
+    if kwargs.get("draft_model") == "target":
+        kwargs["draft_model"] = target
+    with pytest.raises(ValueError, match=words):
+        sk.generate(target, _random(), max_new_tokens=3, **kwargs)
+
+
+def test_decoder_refuses_two_drafting_methods(target):
+    with pytest.raises(ValueError, match="pass one of draft, prompt_lookup_num_tokens or drafter"):
+        sk.SpeculativeDecoder(target, target, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("latest,periodic", [(False, False), (True, False), (False, True)])
+def test_other_rules_as_drafter_objects(target, latest, periodic):
+    """HF's rule and the other variants, passed as drafter=: the same greedy tokens."""
+    ids = torch.cat([_repeating(1, seed=15), _random(1, length=30, seed=16)])
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    drafter = PromptLookupDrafter(6, 2, max_new_tokens=24, prefer_latest=latest, periodic=periodic)
+    assert torch.equal(sk.generate(target, ids, drafter=drafter, num_speculative_tokens=6, **kwargs), expected)
+
+
+def test_prompt_lookup_from_a_generation_config(target):
+    """HF's precedence: prompt_lookup_num_tokens set in a GenerationConfig (or the model's) turns prompt lookup on."""
+    from transformers import GenerationConfig
+
+    ids = _repeating(1, seed=17)
+    config = GenerationConfig(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, max_new_tokens=16,
+                              do_sample=False)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, generation_config=config, eos_token_id=None, speculation_stats=stats)
+    assert torch.equal(got, target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None))
+    assert stats.num_speculative_tokens == 4 and stats.draft_forwards == 0
