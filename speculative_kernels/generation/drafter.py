@@ -28,8 +28,7 @@ class Drafter(Protocol):
         """Draft gamma >= 1 tokens per row. Returns (tokens [B, gamma] int64, logits [B, gamma, V] of the
         distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one,
         num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
-        num_draft[b] are fillers that must be a deterministic function of the row's context (see the loop's
-        ``_verify``)."""
+        num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``)."""
 
     def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
         """Right after the iteration's tokens are emitted, before its host read: row b emitted the first count[b]

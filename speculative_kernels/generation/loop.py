@@ -150,13 +150,11 @@ class SpeculativeLoop:
                 self.randomness.advance_draft()
             return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
         q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
-        # num_draft [B] (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long match)
-        # carry fillers past num_draft[b], verified like drafts. Exact: a filler is a deterministic function of the
-        # row's context, so one-hot q at it is a valid proposal (and greedy is exact for any drafts); only the
-        # fillers' forward positions are wasted. MERGE: pass num_draft_tokens=num_draft to verify here once the op
-        # takes it (positions >= num_draft[b] then never accepted).
-        del num_draft
-        out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify())
+        # num_draft [B] int64 (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long
+        # match) carry fillers past num_draft[b], which the verification never accepts: such a row emits the
+        # target's own token at num_draft[b] (from p there when it accepted every proposal, else the residual).
+        out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify(),
+                                         num_draft_tokens=num_draft)
         if not s.greedy:
             self.randomness.advance_verify()
         return out, accepted, logits, raw

@@ -60,9 +60,9 @@ def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
         record("sample", randomness.offset)
         return sample(logits, sampling, randomness)
 
-    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness):
+    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
         record("verify", randomness.offset)
-        return verify(target_logits, draft_logits, draft_tokens, sampling, randomness)
+        return verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens)
 
     assert loop.impl is torch_backend
     monkeypatch.setattr(torch_backend, "sample", recording_sample)

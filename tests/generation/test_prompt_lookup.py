@@ -79,6 +79,32 @@ def test_left_padded_batch_some_rows_match(target, cache):
     assert stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_fillers_past_a_rows_proposals_are_never_accepted(target, monkeypatch, do_sample):
+    """Rows that propose fewer tokens than the iteration drafts pass their counts to ops.verify (num_draft_tokens):
+    no row ever accepts more than it proposed, and the statistics count only proposed tokens."""
+    from speculative_kernels.ops import torch_backend
+
+    rows = [_repeating(period=5, length=20, seed=6)[0], _random(length=20, seed=7)[0]]
+    ids = torch.stack(rows)
+    calls = []
+    verify = torch_backend.verify
+
+    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
+        out, accepted = verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens)
+        calls.append((draft_tokens.shape[1], num_draft_tokens, accepted))
+        return out, accepted
+
+    monkeypatch.setattr(torch_backend, "verify", recording_verify)
+    stats = sk.SpeculationStats()
+    sk.generate(target, ids, prompt_lookup_num_tokens=6, max_new_tokens=30, do_sample=do_sample, eos_token_id=None,
+                speculation_stats=stats)
+    assert calls and all(counts is not None for _, counts, _ in calls)
+    assert any(bool((counts < width).any()) for width, counts, _ in calls)  # some row proposed fewer than drafted
+    assert all(bool((accepted <= counts).all()) for _, counts, accepted in calls)
+    assert stats.accepted_tokens <= stats.drafted_tokens
+
+
 def test_rows_finish_at_different_times_and_leave_the_batch(target):
     ids = torch.cat([_repeating(2, seed=6), _random(2, length=30, seed=7)])
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
