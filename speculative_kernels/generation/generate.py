@@ -24,6 +24,7 @@ def generate(
     backend: str = "auto",
     compile=False,
     batching: BatchingOptions | None = None,
+    seed: int | None = None,
     **kwargs,
 ):
     """Speculative decoding with ``model.generate``'s arguments and return values.
@@ -52,6 +53,12 @@ def generate(
     ``CompileOptions``) also captures the draft and verification steps with ``torch.compile`` (CUDA graphs on CUDA);
     its warm-up is reported in ``speculation_stats.warmup_time_s``, apart from ``total_time_s``. ``batching`` (a
     ``BatchingOptions``) tunes hole compaction and the dropping of finished rows (``docs/batching.md``).
+
+    ``seed`` (ours; ``model.generate`` has no such argument): an int in [0, 2**63) that keys every random number of
+    the call (draft sampling and verification), so the same seed gives the same output, without touching torch's
+    global generator. Row b draws with the key ``ops.randomness.row_keys(seed)[b]`` whatever the batch size: a row's
+    numbers do not depend on the other rows, and a batch-1 call is row 0 of a call with the same seed. None (the
+    default): a seed is drawn from torch's default generator, so ``torch.manual_seed`` makes runs repeatable.
     """
     if assistant_model is not None:
         if draft_model is not None and draft_model is not assistant_model:
@@ -64,7 +71,7 @@ def generate(
         loop = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
             assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend,
-            batching=batching, compile_options=compile_options, **kwargs
+            batching=batching, compile_options=compile_options, seed=seed, **kwargs
         )
         sequences, stats = loop.run()
     if speculation_stats is not None:

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from ..ops import backends
+from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import check_request, request_path
 from .drafter import ModelDrafter
@@ -25,7 +26,7 @@ SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outp
 def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num_speculative_tokens=None,
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
-               **kwargs) -> SpeculativeLoop:
+               seed: int | None = None, **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
@@ -33,6 +34,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     input). Everything is checked before anything is allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
+    seed = check_seed(seed)
     check_models(model, draft_model)
     attention_mask = kwargs.pop("attention_mask", None)
     if "inputs" in kwargs:
@@ -75,7 +77,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         warm_up = functools.partial(capture_steps, steps, compile_options, device)
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=bridge.target_width,
-                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up)
+                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed)
 
 
 def wants_static(plan: Plan, compile_options: CompileOptions | None) -> bool:
