@@ -16,9 +16,11 @@ _EXPORTS = {
     "CompileOptions": ".generation",
     "SpeculativeDecoder": ".decoder",
     "DecodeSession": ".decoder",
+    "IncrementalDetokenizer": ".streaming",
 }
-__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
-           "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions", "__version__"]
+__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "IncrementalDetokenizer", "SpeculationStats",
+           "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions",
+           "__version__"]
 
 
 def __getattr__(name: str):
