@@ -128,3 +128,14 @@ def test_bad_seeds_are_refused_by_name(pair, seed, error, message):
 def test_largest_seed_and_numpy_ints_are_accepted(pair):
     assert torch.equal(_generate(pair, seed=np.int64(3), max_new_tokens=5), _generate(pair, seed=3, max_new_tokens=5))
     assert _generate(pair, seed=2**63 - 1, max_new_tokens=5).shape == (1, PROMPT.shape[1] + 5)
+
+
+def test_encoder_decoder_pairs_take_the_seed():
+    from helpers.seq2seq_models import t5
+
+    target, draft = t5(), t5(layers=1, seed=3)
+    source = torch.tensor([[3, 4, 5, 3, 2], [7, 8, 9, 2, 0]])
+    mask = (source != 0).long()
+    runs = [sk.generate(target, source, attention_mask=mask, draft_model=draft, do_sample=True, max_new_tokens=12,
+                        seed=seed) for seed in (8, 8, 9)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
