@@ -73,7 +73,8 @@ class SpeculativeDecoder:
         ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring)."""
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name):
-                raise ValueError(f"{name} is not available on a session; read the tokens from step()")
+                raise ValueError(f"{name} is not available on a session; read the tokens from step() (for text, "
+                                 "give each row an IncrementalDetokenizer)")
         with torch.inference_mode():
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,

@@ -166,3 +166,15 @@ def test_one_detokenizer_per_row_of_a_session():
         texts[row] += detoks[row].flush()
         assert texts[row] == tokenizer.decode(detoks[row].token_ids, skip_special_tokens=True)
         assert detoks[row].token_ids == sequences[row, 5:5 + len(detoks[row].token_ids)].tolist()
+
+
+def test_hf_streamers_need_batch_one_and_say_what_to_use_instead():
+    from transformers import TextStreamer
+
+    tokenizer = tiny_tokenizer()
+    target = llama(vocab=len(tokenizer))
+    ids = torch.randint(4, len(tokenizer), (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="batch size 1 only.*IncrementalDetokenizer"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, streamer=TextStreamer(tokenizer))
+    with pytest.raises(ValueError, match="not available on a session.*IncrementalDetokenizer"):
+        sk.SpeculativeDecoder(target, target).start(ids, max_new_tokens=4, streamer=TextStreamer(tokenizer))
