@@ -19,10 +19,11 @@ _EXPORTS = {
     "PromptLookupDrafter": ".generation",
     "SpeculativeDecoder": ".decoder",
     "DecodeSession": ".decoder",
+    "IncrementalDetokenizer": ".streaming",
 }
-__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "SpeculationStats", "SpeculativeDecoderOnlyOutput",
-           "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions", "Drafter", "NGramDrafter",
-           "PromptLookupDrafter", "__version__"]
+__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "IncrementalDetokenizer", "SpeculationStats",
+           "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions",
+           "Drafter", "NGramDrafter", "PromptLookupDrafter", "__version__"]
 
 
 def __getattr__(name: str):

@@ -75,9 +75,9 @@ def run_generate(args) -> int:
     check_length(target, input_ids, args.max_new_tokens)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, **sampling_kwargs(args))
     stats = SpeculationStats()
-    torch.manual_seed(args.seed)
     output, seconds = timed_generate(
-        lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, **drafting, **kwargs),
+        lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, seed=args.seed,
+                         **drafting, **kwargs),
         args.device,
     )
     new_tokens = _new_tokens(target, input_ids, output)
@@ -89,7 +89,7 @@ def run_generate(args) -> int:
     print(f"({ACCEPTANCE_LEGEND})")
     if not args.compare:
         return 0
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # model.generate has no seed argument
     baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
     base_tokens = _new_tokens(target, input_ids, baseline)
     identical = base_tokens == new_tokens

@@ -43,6 +43,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def seed_arg(text: str) -> int:
+    """--seed: an int in [0, 2**63), the range of ``generate(seed=...)``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
 def gamma_arg(text: str):
     """--gamma: a positive int, or "auto" (calibrated per run, ``generation/gamma.py``)."""
     return "auto" if text == "auto" else positive_int(text)
@@ -100,7 +111,9 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (1 = off)")
     parser.add_argument("--gamma", type=gamma_arg, default=5,
                         help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)")
-    parser.add_argument("--seed", type=int, default=0, help="torch.manual_seed before each run")
+    parser.add_argument("--seed", type=seed_arg, default=0,
+                        help="seed of the speculative run's random numbers (generate(seed=...): the same seed, the "
+                             "same output); model.generate runs after torch.manual_seed(seed)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, float16 or bfloat16")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton", "cuda"],

@@ -1,7 +1,8 @@
 """A decoder object a serving loop drives one iteration at a time.
 
     decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4)
-    session = decoder.start(input_ids, attention_mask=mask, max_new_tokens=128, do_sample=True, temperature=0.7)
+    session = decoder.start(input_ids, attention_mask=mask, max_new_tokens=128, do_sample=True, temperature=0.7,
+                            seed=1234)
     while not session.finished:
         for row, tokens in enumerate(session.step()):   # one draft+verify iteration, one host read
             send(row, tokens)
@@ -10,8 +11,9 @@
 Without a draft model: ``SpeculativeDecoder(target, prompt_lookup_num_tokens=10)`` (prompt lookup), or
 ``SpeculativeDecoder(target, drafter=lambda: NGramDrafter(...))`` (a new ``Drafter`` per session).
 
-``start`` takes ``model.generate``'s keyword arguments. Each ``step`` returns the tokens every row emitted in that
-iteration (an empty list for a finished row); they come from the iteration's single device-to-host read.
+``start`` takes ``generate``'s keyword arguments (``seed=`` included: the same seed, the same tokens). Each ``step``
+returns the tokens every row emitted in that iteration (an empty list for a finished row); they come from the
+iteration's single device-to-host read. For text, give each row a ``streaming.IncrementalDetokenizer``.
 """
 
 import torch
@@ -80,10 +82,12 @@ class SpeculativeDecoder:
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
-        """Prefill the models for input_ids [B, L] and return the session to ``step``."""
+        """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
+        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring)."""
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name):
-                raise ValueError(f"{name} is not available on a session; read the tokens from step()")
+                raise ValueError(f"{name} is not available on a session; read the tokens from step() (for text, "
+                                 "give each row an IncrementalDetokenizer)")
         with torch.inference_mode():
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,

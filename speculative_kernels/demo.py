@@ -135,11 +135,10 @@ def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptR
         baseline, seconds = timed_generate(lambda: target.generate(ids, **kwargs), args.device)
         base_times.append(seconds)
         progress.step(f"prompt {index}/{count}: model.generate")
-        torch.manual_seed(args.seed + repeat)
         output, seconds = timed_generate(
             lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
                              assistant_tokenizer=draft_tokenizer, speculation_stats=stats, backend=args.backend,
-                             **kwargs),
+                             seed=(args.seed + repeat) % 2**63, **kwargs),
             args.device,
         )
         spec_times.append(seconds)

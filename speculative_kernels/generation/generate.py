@@ -26,6 +26,7 @@ def generate(
     compile=False,
     batching: BatchingOptions | None = None,
     drafter=None,
+    seed: int | None = None,
     **kwargs,
 ):
     """Speculative decoding with ``model.generate``'s arguments and return values.
@@ -60,6 +61,12 @@ def generate(
     encoder input too, and what it generated; ``lookup_drafter.py``), or ``drafter=`` takes any object implementing
     the ``Drafter`` protocol (``drafter.py``), e.g. ``NGramDrafter`` (``ngram_drafter.py``); a drafter object serves
     one call.
+
+    ``seed`` (ours; ``model.generate`` has no such argument): an int in [0, 2**63) that keys every random number of
+    the call (draft sampling and verification), so the same seed gives the same output, without touching torch's
+    global generator. Row b draws with the key ``ops.randomness.row_keys(seed)[b]`` whatever the batch size: a row's
+    numbers do not depend on the other rows, and a batch-1 call is row 0 of a call with the same seed. None (the
+    default): a seed is drawn from torch's default generator, so ``torch.manual_seed`` makes runs repeatable.
     """
     if assistant_model is not None:
         if draft_model is not None and draft_model is not assistant_model:
@@ -72,7 +79,7 @@ def generate(
         loop = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
             assistant_tokenizer=assistant_tokenizer, generation_config=generation_config, backend=backend,
-            batching=batching, compile_options=compile_options, drafter=drafter, **kwargs
+            batching=batching, compile_options=compile_options, drafter=drafter, seed=seed, **kwargs
         )
         sequences, stats = loop.run()
     if speculation_stats is not None:

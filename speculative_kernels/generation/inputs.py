@@ -99,7 +99,8 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id) -> tuple[torc
 def check_batch(plan: Plan, batch: int) -> None:
     """What needs batch size 1 (as in transformers), and what a batch needs."""
     if batch > 1 and plan.streamer is not None:
-        raise ValueError("streamer supports batch size 1 only (as in transformers)")
+        raise ValueError("streamer supports batch size 1 only (as in transformers); for text per row of a batch, "
+                         "step a SpeculativeDecoder session and give each row an IncrementalDetokenizer")
     if batch > 1 and plan.stopping_criteria:
         raise ValueError("stopping_criteria are supported for batch size 1 only")
     if batch > 1 and plan.pad_token_id is None:

@@ -29,12 +29,14 @@ class SpeculativeLoop:
     tokens (``drafter.py``); input_ids, attention_mask: [B, L], the (decoder) prompts, left-padded; vocab: V of the
     target's logits; dtype: the verification's dtype (the target's); impl: the module implementing ``verify``/``sample``
     (``ops.backends.implementation``); batching: when finished rows leave the batch in ``run``; warm_up: called after
-    the prefill, returns its seconds (``compile=True``: captures and warms up the steps).
+    the prefill, returns its seconds (``compile=True``: captures and warms up the steps); seed: the run's random
+    numbers (``DecodeRandomness``; None: drawn from torch's default generator).
     """
 
     def __init__(self, target: Runner, drafter: Drafter, plan: Plan, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
-                 batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None):
+                 batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
+                 seed: int | None = None):
         self.target_runner, self.drafter, self.plan = target, drafter, plan
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
@@ -58,7 +60,7 @@ class SpeculativeLoop:
         self._finished_host = [0] * self.batch
         self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
         self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device)
-        self.randomness = DecodeRandomness(self.batch, self.device)
+        self.randomness = DecodeRandomness(self.batch, self.device, seed)
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from ..ops import backends
+from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import check_model, request_path
 from .drafter import Drafter, ModelDrafter
@@ -26,7 +27,7 @@ SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outp
 def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num_speculative_tokens=None,
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
-               drafter: Drafter | None = None, **kwargs) -> SpeculativeLoop:
+               drafter: Drafter | None = None, seed: int | None = None, **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
@@ -36,6 +37,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
+    seed = check_seed(seed)
     check_models(model, draft_model)
     if drafter is not None and draft_model is not None:
         raise ValueError("pass either draft_model (or assistant_model) or drafter, not both")
@@ -95,7 +97,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         warm_up = functools.partial(capture_steps, steps, compile_options, device)
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
-                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up)
+                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed)
 
 
 def _encoder_prefix(input_ids, attention_mask, device):

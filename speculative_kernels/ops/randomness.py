@@ -95,20 +95,33 @@ def row_keys(seed: torch.Tensor) -> torch.Tensor:
     return ((high & 0x7FFFFFFF) << 32) | low
 
 
+def check_seed(seed) -> int | None:
+    """A decoding run's ``seed=`` (``generate``, ``SpeculativeDecoder.start``): None, or an int in [0, 2**63) (not a
+    bool). Returns it as a Python int; TypeError / ValueError naming ``seed`` otherwise."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < MAX_SEED:
+        raise _range_error("seed", seed)
+    return int(seed)
+
+
 class DecodeRandomness:
     """The random numbers of one decoding run: the draft sampler's and the verifier's ``Randomness`` per call.
 
-    One seed per run, drawn on the device (``resolve_randomness``); for batches a key per row (``row_keys``), so that
-    no row's numbers depend on the others (rows may leave the batch). The offsets are device counters advanced in
-    place, the draft sampler's by one per drafted token and the verifier's by one per iteration: no host value enters
-    an iteration's random numbers, so its steps can be captured in a CUDA graph as they are.
+    One seed per run: ``seed`` (an int checked by ``check_seed``), or None to draw one on the device from torch's
+    default generator (``resolve_randomness``), so that ``torch.manual_seed`` makes runs repeatable; a given seed
+    leaves torch's generators untouched. Row b of the run draws with the key ``row_keys(seed)[b]`` for every batch
+    size, so no row's numbers depend on the others (rows may leave the batch) and a batch-1 run is row 0 of any run
+    with the same seed. The offsets are device counters advanced in place, the draft sampler's by one per drafted
+    token and the verifier's by one per iteration: no host value enters an iteration's random numbers, so its steps
+    can be captured in a CUDA graph as they are.
     """
 
-    def __init__(self, batch: int, device: torch.device):
-        drawn = resolve_randomness(None, 0, None, batch, device)
-        self.seed, self.seed_per_row = drawn.seed, drawn.seed_per_row
-        if batch > 1:
-            self.seed, self.seed_per_row = row_keys(self.seed), True
+    def __init__(self, batch: int, device: torch.device, seed: int | None = None):
+        drawn = resolve_randomness(check_seed(seed), 0, None, batch, device)
+        self.seed, self.seed_per_row = row_keys(drawn.seed), True
         self._draft_offset = torch.zeros((), dtype=torch.int64, device=device)
         self._verify_offset = torch.zeros((), dtype=torch.int64, device=device)
 

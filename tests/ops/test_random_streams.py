@@ -64,5 +64,7 @@ def test_decode_randomness_counters_advance_in_place():
     state.select_rows(torch.tensor([2, 0]))
     assert torch.equal(state.draft().seed, keys[[2, 0]])
     torch.manual_seed(0)
-    single = DecodeRandomness(1, torch.device("cpu"))
-    assert not single.draft().seed_per_row
+    drawn = torch.randint(0, 2**62, ())
+    torch.manual_seed(0)
+    single = DecodeRandomness(1, torch.device("cpu"))  # a batch of one is keyed like row 0 of a batch
+    assert single.draft().seed_per_row and torch.equal(single.seed, row_keys(drawn.reshape(1)))

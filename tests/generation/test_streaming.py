@@ -1,0 +1,180 @@
+"""``IncrementalDetokenizer``: every push plus the flush, concatenated, is exactly ``tokenizer.decode`` of all the
+ids, for byte-level BPE with multi-byte UTF-8 characters split across tokens, SentencePiece-style Metaspace
+decoding, and a tokenizer that cleans up spaces; on real text nothing is streamed before it is final (no U+FFFD
+from a half character)."""
+
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import speculative_kernels as sk
+from helpers.checkpoints import tiny_tokenizer
+from helpers.models import llama
+from speculative_kernels.demo_pair import demo_model_paths
+from speculative_kernels.streaming import IncrementalDetokenizer
+
+TEXTS = [
+    "naïve café — déjà vu, señor", "日本語のテキストと中文字符", "emoji 🚀🎉👍🏽 and ünïcödé",
+    "Ελληνικά και русский",
+    "def f(x): return x ** 2  # квадрат", "mixed: a😀b€c𝄞d", "don't stop . ok , fine ! yes ?",
+] * 10
+
+
+def byte_level_bpe(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over all 256 bytes with few merges: most non-ASCII characters span several tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def metaspace_bpe() -> PreTrainedTokenizerFast:
+    """SentencePiece-style: spaces become '▁', and the decoder drops the leading space of a string."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def wordpiece_with_cleanup() -> PreTrainedTokenizerFast:
+    """BERT-style: WordPiece with '##' continuations, and clean_up_tokenization_spaces (" ." -> ".")."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(TEXTS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_():
+    demo = PreTrainedTokenizerFast.from_pretrained(demo_model_paths()[0])
+    flagged = byte_level_bpe()  # the flag set on a BPE model, which recent transformers ignore (GPT-2's configs)
+    flagged.clean_up_tokenization_spaces = True
+    return {"byte_level": byte_level_bpe(), "demo": demo, "metaspace": metaspace_bpe(),
+            "wordpiece_cleanup": wordpiece_with_cleanup(), "byte_level_cleanup_flag": flagged}
+
+
+def stream(tokenizer, ids, chunks, **kwargs):
+    """(the pieces each push and the flush returned, their concatenation), pushing ids in ``chunks`` sizes."""
+    detok = IncrementalDetokenizer(tokenizer, **kwargs)
+    pieces, at = [], 0
+    for size in chunks:
+        pieces.append(detok.push(ids[at:at + size]))
+        at += size
+    pieces.append(detok.flush())
+    return pieces, "".join(pieces)
+
+
+def chunk_sizes(rng, length):
+    sizes = []
+    while sum(sizes) < length:
+        sizes.append(rng.randint(1, 4))  # a speculative iteration emits 1..gamma+1 tokens
+    return sizes
+
+
+@pytest.mark.parametrize("name", ["byte_level", "demo", "metaspace", "wordpiece_cleanup", "byte_level_cleanup_flag"])
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_random_token_sequences_stream_to_the_full_decode(tokenizers_, name, skip_special_tokens):
+    tokenizer = tokenizers_[name]
+    rng = random.Random(len(name) + skip_special_tokens)
+    for _ in range(150):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 40))]
+        _, text = stream(tokenizer, ids, chunk_sizes(rng, len(ids)), skip_special_tokens=skip_special_tokens)
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+@pytest.mark.parametrize("name", ["byte_level", "demo", "metaspace", "wordpiece_cleanup"])
+def test_real_text_streams_only_final_text(tokenizers_, name):
+    """Encoded text pushed one token at a time: the pieces join to the decode, no piece holds a U+FFFD from a split
+    character, and every piece is final (the text so far is a prefix of the decode)."""
+    tokenizer = tokenizers_[name]
+    split_characters = 0
+    for text in TEXTS[:7]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids)
+        pieces, joined = stream(tokenizer, ids, [1] * len(ids))
+        assert joined == full
+        assert not any("\ufffd" in piece for piece in pieces), pieces
+        for i in range(1, len(ids) + 1):
+            split_characters += "\ufffd" in tokenizer.decode(ids[:i])
+    if name in ("byte_level", "demo"):
+        assert split_characters > 5  # the test does meet characters split across tokens
+
+
+def test_text_is_held_back_until_a_character_is_complete(tokenizers_):
+    tokenizer = tokenizers_["byte_level"]
+    ids = tokenizer.encode("🚀", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.push([i]) for i in ids] == [""] * (len(ids) - 1) + ["🚀"]
+    assert detok.flush() == ""
+    truncated = IncrementalDetokenizer(tokenizer)  # a request that ends mid-character ends as decode() does
+    assert truncated.push(ids[:-1]) == "" and truncated.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_skip_special_tokens_and_tensors(tokenizers_):
+    tokenizer = tokenizers_["byte_level"]
+    ids = tokenizer.encode("café", add_special_tokens=False) + [tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+    text = detok.push(torch.tensor([ids[:2]])) + detok.push(torch.tensor(ids[2:])) + detok.flush()
+    assert text == "café" and detok.token_ids == ids
+    kept = IncrementalDetokenizer(tokenizer)
+    assert kept.push(ids) + kept.flush() == "café</s>"
+
+
+def test_bad_inputs_are_refused(tokenizers_):
+    detok = IncrementalDetokenizer(tokenizers_["byte_level"])
+    with pytest.raises(ValueError, match="one request"):
+        detok.push(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="integer tensor"):
+        detok.push(torch.zeros(3))
+    for bad in ("abc", 3, [1, True], [1, -2], [1.0]):
+        with pytest.raises(TypeError, match="token_ids"):
+            detok.push(bad)
+    with pytest.raises(TypeError, match="tokenizer"):
+        IncrementalDetokenizer(object())
+    detok.flush()
+    with pytest.raises(RuntimeError, match="flushed"):
+        detok.push([1])
+
+
+def test_one_detokenizer_per_row_of_a_session():
+    """The serving pattern: one detokenizer per request, fed by DecodeSession.step."""
+    tokenizer = tiny_tokenizer()
+    target, draft = llama(vocab=len(tokenizer)), llama(layers=1, vocab=len(tokenizer), seed=2)
+    ids = torch.randint(4, len(tokenizer), (3, 5), generator=torch.Generator().manual_seed(0))
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, max_new_tokens=16, do_sample=True, temperature=1.0, pad_token_id=0, seed=4)
+    detoks = [IncrementalDetokenizer(tokenizer, skip_special_tokens=True) for _ in range(3)]
+    texts = [""] * 3
+    while not session.finished:
+        for row, tokens in enumerate(session.step()):
+            texts[row] += detoks[row].push(tokens)
+    sequences = session.sequences()
+    for row in range(3):
+        texts[row] += detoks[row].flush()
+        assert texts[row] == tokenizer.decode(detoks[row].token_ids, skip_special_tokens=True)
+        assert detoks[row].token_ids == sequences[row, 5:5 + len(detoks[row].token_ids)].tolist()
+
+
+def test_hf_streamers_need_batch_one_and_say_what_to_use_instead():
+    from transformers import TextStreamer
+
+    tokenizer = tiny_tokenizer()
+    target = llama(vocab=len(tokenizer))
+    ids = torch.randint(4, len(tokenizer), (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="batch size 1 only.*IncrementalDetokenizer"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, streamer=TextStreamer(tokenizer))
+    with pytest.raises(ValueError, match="not available on a session.*IncrementalDetokenizer"):
+        sk.SpeculativeDecoder(target, target).start(ids, max_new_tokens=4, streamer=TextStreamer(tokenizer))
