@@ -143,6 +143,29 @@ def synthetic_pair(alpha: float, target_shape: str, draft_shape: str, device, dt
     return target, draft
 
 
+LAYERED_SHAPE = dict(hidden=256, intermediate=768, layers=12, heads=8, kv_heads=2, vocab=1024, tied=False)
+
+
+def layered_pair(device, dtype, draft_layers: int = 3, scale: float = 0.02, seed: int = 0):
+    """(target, draft): a random-weight 12-layer Llama whose layers past the first ``draft_layers`` write
+    ``scale`` times less into the residual stream (their o_proj and down_proj scaled down), and as its draft its first
+    ``draft_layers`` layers with the same embeddings, final norm and head (an early-exit draft: high acceptance,
+    c about draft_layers / 12 plus the head's share). EOS disabled."""
+    import copy
+
+    target = llama_from_shape(LAYERED_SHAPE, device, dtype, seed)
+    with torch.no_grad():
+        for layer in target.model.layers[draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:draft_layers]
+    draft.config.num_hidden_layers = draft_layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:draft_layers]
+    return target, draft
+
+
 def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (1, length), generator=g).to(device) for _ in range(count)]
@@ -416,7 +439,8 @@ def _parse_gammas(text: str) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--pair", choices=["demo"], help="the bundled demo pair (default when nothing else is given)")
+    src.add_argument("--pair", choices=["demo", "layered"], help="the bundled demo pair (default when nothing else is "
+                     "given), or a random 12-layer target with its first 3 layers as the draft (``layered_pair``)")
     src.add_argument("--target", help="local target folder (with --draft)")
     src.add_argument("--synthetic", action="store_true", help="random-weight pair with controlled acceptance")
     p.add_argument("--draft", help="local draft folder (with --target)")
@@ -457,6 +481,10 @@ def load_case(args, device, dtype):
         target, draft = synthetic_pair(args.alpha, t_shape, d_shape, device, dtype)
         prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
         return f"synthetic α={args.alpha:g} ({t_shape}/{d_shape})", target, draft, prompts, 0
+    if args.pair == "layered":
+        target, draft = layered_pair(device, dtype)
+        prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
+        return "layered pair (12-layer random target, its first 3 layers as the draft)", target, draft, prompts, 0
     from speculative_kernels.demo import BUILTIN_PROMPTS
     from speculative_kernels.model_loading import load_model
 
@@ -486,12 +514,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     case, target, draft, prompts, pad = load_case(args, device, dtype)
     gammas = args.sweep_gamma or [args.gamma if args.gamma == "auto" else int(args.gamma)]
-    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if args.synthetic else "model")
+    random_pair = args.synthetic or args.pair == "layered"
+    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if random_pair else "model")
     rows = gamma_rows(case, target, draft, prompts, gammas, kwargs, repeats=args.repeats,
                       with_assisted=not args.no_assisted)
     env = environment(device, dtype)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    stem = args.out / (args.name or f"e2e-{'synthetic' if args.synthetic else 'user' if args.target else 'demo'}-"
+    kind = 'synthetic' if args.synthetic else 'user' if args.target else args.pair or 'demo'
+    stem = args.out / (args.name or f"e2e-{kind}-"
                                     f"{device.type}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"  # names may hold dots
     result = {"environment": env, "settings": settings, "rows": rows}
