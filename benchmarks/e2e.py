@@ -43,6 +43,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.timing import timed_generate  # noqa: E402
+from speculative_kernels.timing import synchronize  # noqa: E402
 from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
@@ -173,6 +174,21 @@ def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -
 
 # ------------------------------------------------------------------------------------------------ measurements
 @torch.inference_mode()
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_clock = time.perf_counter  # set by --clock
+
+
+def timed_generate(fn, device):
+    """(result, seconds) of fn() with the device synchronised around it, on the --clock: wall (time.perf_counter),
+    or process (time.process_time: the CPU time of this process, the figure that holds on a shared CPU when torch
+    runs one thread; not for a GPU, whose work it does not see)."""
+    synchronize(device)
+    start = _clock()
+    result = fn()
+    synchronize(device)
+    return result, _clock() - start
+
+
 def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3) -> float:
     """Median seconds of one single-token forward with a KV cache holding ``input_ids`` [1, L]."""
     from transformers import DynamicCache
@@ -459,6 +475,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-length", type=int, default=32, help="synthetic: random prompt length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: time.perf_counter; process: the process's CPU time (CPU runs on a loaded machine)")
     p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
     p.add_argument("--batch-sizes", type=lambda t: [int(b) for b in t.split(",")],
                    help="also the batching table (benchmarks/e2e_batching.py), e.g. 1,4,16")
@@ -508,7 +526,11 @@ def load_case(args, device, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     device = torch.device(args.device)
+    if args.clock == "process" and device.type != "cpu":
+        raise SystemExit("--clock process times CPU work only: use it with --device cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if args.threads:
         torch.set_num_threads(args.threads)
