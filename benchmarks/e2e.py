@@ -173,7 +173,6 @@ def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -
 
 
 # ------------------------------------------------------------------------------------------------ measurements
-@torch.inference_mode()
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 _clock = time.perf_counter  # set by --clock
 
@@ -189,6 +188,7 @@ def timed_generate(fn, device):
     return result, _clock() - start
 
 
+@torch.inference_mode()
 def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3) -> float:
     """Median seconds of one single-token forward with a KV cache holding ``input_ids`` [1, L]."""
     from transformers import DynamicCache
