@@ -147,7 +147,7 @@ def synthetic_pair(alpha: float, target_shape: str, draft_shape: str, device, dt
 LAYERED_SHAPE = dict(hidden=256, intermediate=768, layers=12, heads=8, kv_heads=2, vocab=1024, tied=False)
 
 
-def layered_pair(device, dtype, draft_layers: int = 3, scale: float = 0.02, seed: int = 0):
+def layered_pair(device, dtype, draft_layers: int = 3, scale: float = 0.003, seed: int = 0):
     """(target, draft): a random-weight 12-layer Llama whose layers past the first ``draft_layers`` write
     ``scale`` times less into the residual stream (their o_proj and down_proj scaled down), and as its draft its first
     ``draft_layers`` layers with the same embeddings, final norm and head (an early-exit draft: high acceptance,

@@ -26,7 +26,7 @@ class DecoderRunner(SlotMaskRunner):
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
         super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
-        self.cache = RollbackCache(model.config)
+        self.cache: RollbackCache | None = None  # made by the first forward (a draft that never runs costs nothing)
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = next(model.parameters()).dtype
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
@@ -56,7 +56,7 @@ class DecoderRunner(SlotMaskRunner):
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
+            past_key_values=self.cache if self.cache is not None else RollbackCache(self.model.config),
             use_cache=True,
             **kwargs,
         )
@@ -89,7 +89,8 @@ class DecoderRunner(SlotMaskRunner):
 
     def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
         """Every layer's K and V restricted to the first ``num_slots`` slots ([B, H, num_slots, D] views)."""
-        return [t[:, :, :num_slots] for layer in self.cache.layers if layer.keys is not None and layer.keys.numel()
+        layers = self.cache.layers if self.cache is not None else []
+        return [t[:, :, :num_slots] for layer in layers if layer.keys is not None and layer.keys.numel()
                 for t in (layer.keys, layer.values)]
 
     def truncate(self, num_slots: int) -> None:
@@ -100,4 +101,5 @@ class DecoderRunner(SlotMaskRunner):
             self.num_slots = num_slots
 
     def _select_cache_rows(self, index: torch.Tensor) -> None:
-        self.cache.batch_select_indices(index)
+        if self.cache is not None:
+            self.cache.batch_select_indices(index)

@@ -36,6 +36,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         self._dtype = next(model.parameters()).dtype
         self._compiled = {}  # (width, last_only) -> compiled step
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T]
+        self._ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> ones
         self._init_additive(spec, self._dtype)
 
     # ------------------------------------------------------------------------------------------ forward
@@ -49,7 +50,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         if compiled is None and real is None and self._additive is not None:
             logits = self._real_step(tokens, last_only)
         else:
-            real_i = torch.ones_like(tokens) if real is None else real.to(torch.int64)
+            real_i = self._all_real(tokens.shape) if real is None else real.to(torch.int64)
             if compiled is not None:
                 logits = call_captured(compiled, tokens, real_i)
             else:
@@ -75,6 +76,13 @@ class StaticDecoderRunner(SlotMaskRunner):
         self.cache.position.add_(width)
         logits = out.logits
         return logits[:, -1:] if last_only else logits
+
+    def _all_real(self, shape: torch.Size) -> torch.Tensor:
+        """ones [B, T] int64 (the real flags of a forward of real tokens), made once per shape (read-only)."""
+        ones = self._ones.get(shape)
+        if ones is None:
+            ones = self._ones[shape] = torch.ones(shape, dtype=torch.int64, device=self.slot_mask.device)
+        return ones
 
     def _step_offsets(self, width: int) -> torch.Tensor:
         """arange(width) [1, T] on the runner's device, built once per width."""
