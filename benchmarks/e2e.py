@@ -16,7 +16,8 @@ HF's other assisted-generation defaults unchanged), the speedup predicted by Lev
 * alpha: maximum-likelihood acceptance probability from the accepted-count histogram of our runs
   (``generation/gamma.py``; a row that stopped at n < gamma made n + 1 tests); ``accept_rate`` is accepted/drafted.
 * c: the paper's cost coefficient, measured directly: median time of one single-token forward of the draft over
-  that of the target, both with a KV cache after the first prompt (``step_time``). The in-loop phase times are in
+  that of the target, both with a KV cache after the first prompt, the two models' steps alternating
+  (``measure_c``). The in-loop phase times (wall clock) are in
   the JSON too (``draft_ms_per_forward``, ``verify_ms_per_iteration``).
 * times: the paths run interleaved per prompt, ``--repeats`` times after a warm-up; a path's time is the median
   over repeats of its total over the prompts; tokens/s = new tokens / that time.
@@ -207,9 +208,29 @@ def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3)
     return statistics.median(times)
 
 
-def measure_c(target, draft, prompt: torch.Tensor, steps: int = 16, repeats: int = 3) -> dict:
-    """c = draft step time / target step time (single-token forwards, medians), with both times in ms."""
-    draft_s, target_s = step_time(draft, prompt, steps, repeats), step_time(target, prompt, steps, repeats)
+def measure_c(target, draft, prompt: torch.Tensor, steps: int = 32, repeats: int = 3) -> dict:
+    """c = draft step time / target step time (single-token forwards with a KV cache holding ``prompt`` [1, L],
+    medians), with both times in ms. The two models' steps alternate, so drift on a shared machine hits both alike."""
+    from transformers import DynamicCache
+
+    device = prompt.device
+    times = {"draft": [], "target": []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            state = {}
+            for name, model in (("draft", draft), ("target", target)):
+                out = model(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True,
+                            logits_to_keep=1)
+                state[name] = (model, out)
+            for _ in range(steps):
+                for name in ("draft", "target"):
+                    model, out = state[name]
+                    token = out.logits[:, -1:].argmax(-1)
+                    out, seconds = timed_generate(
+                        lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True), device)
+                    state[name] = (model, out)
+                    times[name].append(seconds)
+    draft_s, target_s = statistics.median(times["draft"]), statistics.median(times["target"])
     return {"c": draft_s / target_s, "draft_step_ms": draft_s * 1e3, "target_step_ms": target_s * 1e3}
 
 
