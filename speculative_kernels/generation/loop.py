@@ -310,6 +310,8 @@ class SpeculativeLoop:
         self._write(out, count_host)
         self._set_generated([g + c for g, c in zip(generated_before, count_host)])
         self._set_finished(finished_host)
+        if self.masks.active:  # the draft's masks read it: made now, while the device is idle, not mid-draft
+            self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
         self._host_tokens, self._host_counts, self._host_width = host[:tail], count_host, self.gamma + 1
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count_host, generated_before)
