@@ -13,8 +13,9 @@ How "outside the models' forwards" is counted (``OpCounter``):
 * captured steps (``compile=True``): the compiled callables are called with the dispatch modes disabled, so the
   whole captured step (mask and position bookkeeping included: on CUDA one graph replay) counts as a forward.
 * kernels (``--kernels``, CUDA): ``torch.profiler`` with record_function ranges around each model forward, each
-  iteration and each ``propose``; a launch (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``, memcpy /
-  memset) is the loop's when it starts inside an iteration and outside every forward range.
+  iteration and each ``propose`` (a captured step is a forward range); a launch (``cudaLaunchKernel``,
+  ``cuLaunchKernel``, ``cudaGraphLaunch``, memcpy / memset) is the loop's when it starts inside an iteration and
+  outside every forward range.
 
 A verification iteration is ``step()`` less ``propose``; a draft step is ``propose`` / gamma. Only the iterations
 that draft the full gamma are counted (the last ones, capped by the tokens left, are reported apart).
@@ -183,8 +184,10 @@ class KernelCounter:
     def __init__(self):
         self._ranges = []
         self._handles = []
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                           torch.profiler.ProfilerActivity.CUDA])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
 
     def watch(self, *models) -> "KernelCounter":
         def enter(module, args):
@@ -223,6 +226,14 @@ class KernelCounter:
         return out
 
 
+def in_range(name: str, fn):
+    """``fn`` called inside a profiler range ``name``."""
+    def call(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+    return call
+
+
 def count_kernels(target, draft, prompts, *, path="dynamic", mode="greedy", gamma=4, max_new_tokens=64,
                   pad=0) -> dict:
     """CUDA kernel launches outside the models per draft step and per verification iteration."""
@@ -230,6 +241,9 @@ def count_kernels(target, draft, prompts, *, path="dynamic", mode="greedy", gamm
     try:
         session = session_for(target, draft, prompts, path, mode, gamma, max_new_tokens, pad)
         loop = session.loop
+        for runner in (loop.target_runner, loop.drafter.runner):  # a captured step (a graph replay) is a forward
+            for key, fn in list(getattr(runner, "_compiled", {}).items()):
+                runner._compiled[key] = in_range(KernelCounter.FORWARD, fn)
         propose = loop.drafter.propose
 
         def ranged_propose(g, choose):
@@ -238,13 +252,14 @@ def count_kernels(target, draft, prompts, *, path="dynamic", mode="greedy", gamm
 
         loop.drafter.propose = ranged_propose
         gammas = []
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if prompts.device.type == "cuda" else (lambda: None)
+        sync()
         with torch.inference_mode(), counter.profiler:
             while not session.finished:
                 with torch.profiler.record_function(KernelCounter.ITERATION):
                     session.step()
                 gammas.append(loop.gamma)
-            torch.cuda.synchronize()
+            sync()
     finally:
         counter.unwatch()
     records = [(g, p, s) for g, (p, s) in zip(gammas, counter.launches_per_range())]
