@@ -16,7 +16,8 @@ HF's other assisted-generation defaults unchanged), the speedup predicted by Lev
 * alpha: maximum-likelihood acceptance probability from the accepted-count histogram of our runs
   (``generation/gamma.py``; a row that stopped at n < gamma made n + 1 tests); ``accept_rate`` is accepted/drafted.
 * c: the paper's cost coefficient, measured directly: median time of one single-token forward of the draft over
-  that of the target, both with a KV cache after the first prompt (``step_time``). The in-loop phase times are in
+  that of the target, both with a KV cache after the first prompt, the two models' steps alternating
+  (``measure_c``). The in-loop phase times (wall clock) are in
   the JSON too (``draft_ms_per_forward``, ``verify_ms_per_iteration``).
 * times: the paths run interleaved per prompt, ``--repeats`` times after a warm-up; a path's time is the median
   over repeats of its total over the prompts; tokens/s = new tokens / that time.
@@ -43,6 +44,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.timing import timed_generate  # noqa: E402
+from speculative_kernels.timing import synchronize  # noqa: E402
 from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
@@ -143,12 +145,50 @@ def synthetic_pair(alpha: float, target_shape: str, draft_shape: str, device, dt
     return target, draft
 
 
+LAYERED_SHAPE = dict(hidden=256, intermediate=768, layers=12, heads=8, kv_heads=2, vocab=1024, tied=False)
+
+
+def layered_pair(device, dtype, draft_layers: int = 3, scale: float = 0.003, seed: int = 0):
+    """(target, draft): a random-weight 12-layer Llama whose layers past the first ``draft_layers`` write
+    ``scale`` times less into the residual stream (their o_proj and down_proj scaled down), and as its draft its first
+    ``draft_layers`` layers with the same embeddings, final norm and head (an early-exit draft: high acceptance,
+    c about draft_layers / 12 plus the head's share). EOS disabled."""
+    import copy
+
+    target = llama_from_shape(LAYERED_SHAPE, device, dtype, seed)
+    with torch.no_grad():
+        for layer in target.model.layers[draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    draft = copy.deepcopy(target)
+    draft.model.layers = draft.model.layers[:draft_layers]
+    draft.config.num_hidden_layers = draft_layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:draft_layers]
+    return target, draft
+
+
 def random_prompts(count: int, length: int, vocab: int, device, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (1, length), generator=g).to(device) for _ in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------ measurements
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+_clock = time.perf_counter  # set by --clock
+
+
+def timed_generate(fn, device):
+    """(result, seconds) of fn() with the device synchronised around it, on the --clock: wall (time.perf_counter),
+    or process (time.process_time: the CPU time of this process, the figure that holds on a shared CPU when torch
+    runs one thread; not for a GPU, whose work it does not see)."""
+    synchronize(device)
+    start = _clock()
+    result = fn()
+    synchronize(device)
+    return result, _clock() - start
+
+
 @torch.inference_mode()
 def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3) -> float:
     """Median seconds of one single-token forward with a KV cache holding ``input_ids`` [1, L]."""
@@ -168,9 +208,29 @@ def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3)
     return statistics.median(times)
 
 
-def measure_c(target, draft, prompt: torch.Tensor, steps: int = 16, repeats: int = 3) -> dict:
-    """c = draft step time / target step time (single-token forwards, medians), with both times in ms."""
-    draft_s, target_s = step_time(draft, prompt, steps, repeats), step_time(target, prompt, steps, repeats)
+def measure_c(target, draft, prompt: torch.Tensor, steps: int = 32, repeats: int = 3) -> dict:
+    """c = draft step time / target step time (single-token forwards with a KV cache holding ``prompt`` [1, L],
+    medians), with both times in ms. The two models' steps alternate, so drift on a shared machine hits both alike."""
+    from transformers import DynamicCache
+
+    device = prompt.device
+    times = {"draft": [], "target": []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            state = {}
+            for name, model in (("draft", draft), ("target", target)):
+                out = model(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True,
+                            logits_to_keep=1)
+                state[name] = (model, out)
+            for _ in range(steps):
+                for name in ("draft", "target"):
+                    model, out = state[name]
+                    token = out.logits[:, -1:].argmax(-1)
+                    out, seconds = timed_generate(
+                        lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True), device)
+                    state[name] = (model, out)
+                    times[name].append(seconds)
+    draft_s, target_s = statistics.median(times["draft"]), statistics.median(times["target"])
     return {"c": draft_s / target_s, "draft_step_ms": draft_s * 1e3, "target_step_ms": target_s * 1e3}
 
 
@@ -416,7 +476,8 @@ def _parse_gammas(text: str) -> list:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--pair", choices=["demo"], help="the bundled demo pair (default when nothing else is given)")
+    src.add_argument("--pair", choices=["demo", "layered"], help="the bundled demo pair (default when nothing else is "
+                     "given), or a random 12-layer target with its first 3 layers as the draft (``layered_pair``)")
     src.add_argument("--target", help="local target folder (with --draft)")
     src.add_argument("--synthetic", action="store_true", help="random-weight pair with controlled acceptance")
     p.add_argument("--draft", help="local draft folder (with --target)")
@@ -435,6 +496,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-length", type=int, default=32, help="synthetic: random prompt length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: time.perf_counter; process: the process's CPU time (CPU runs on a loaded machine)")
     p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
     p.add_argument("--batch-sizes", type=lambda t: [int(b) for b in t.split(",")],
                    help="also the batching table (benchmarks/e2e_batching.py), e.g. 1,4,16")
@@ -457,6 +520,10 @@ def load_case(args, device, dtype):
         target, draft = synthetic_pair(args.alpha, t_shape, d_shape, device, dtype)
         prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
         return f"synthetic α={args.alpha:g} ({t_shape}/{d_shape})", target, draft, prompts, 0
+    if args.pair == "layered":
+        target, draft = layered_pair(device, dtype)
+        prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
+        return "layered pair (12-layer random target, its first 3 layers as the draft)", target, draft, prompts, 0
     from speculative_kernels.demo import BUILTIN_PROMPTS
     from speculative_kernels.model_loading import load_model
 
@@ -480,18 +547,24 @@ def load_case(args, device, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
     device = torch.device(args.device)
+    if args.clock == "process" and device.type != "cpu":
+        raise SystemExit("--clock process times CPU work only: use it with --device cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if args.threads:
         torch.set_num_threads(args.threads)
     case, target, draft, prompts, pad = load_case(args, device, dtype)
     gammas = args.sweep_gamma or [args.gamma if args.gamma == "auto" else int(args.gamma)]
-    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if args.synthetic else "model")
+    random_pair = args.synthetic or args.pair == "layered"
+    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if random_pair else "model")
     rows = gamma_rows(case, target, draft, prompts, gammas, kwargs, repeats=args.repeats,
                       with_assisted=not args.no_assisted)
     env = environment(device, dtype)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    stem = args.out / (args.name or f"e2e-{'synthetic' if args.synthetic else 'user' if args.target else 'demo'}-"
+    kind = 'synthetic' if args.synthetic else 'user' if args.target else args.pair or 'demo'
+    stem = args.out / (args.name or f"e2e-{kind}-"
                                     f"{device.type}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"  # names may hold dots
     result = {"environment": env, "settings": settings, "rows": rows}

@@ -40,7 +40,8 @@ class CachedAnswerDrafter:
                                         max_ngram=self.max_ngram)
         return proposal, None, count  # no distribution (one-hot q); count: each row's real proposals
 
-    def observe(self, out, count):
+    def observe(self, out, accepted, finished):
+        count = sk.emitted_counts(accepted, finished)  # [B]: how many of out each row emitted
         width = out.shape[1]
         if self.used + width > self.tokens.shape[1]:  # double the buffer (host values only)
             self.tokens = torch.cat([self.tokens, torch.zeros_like(self.tokens)], dim=1)

@@ -15,6 +15,7 @@ _EXPORTS = {
     "BatchingOptions": ".generation",
     "CompileOptions": ".generation",
     "Drafter": ".generation",
+    "emitted_counts": ".generation",
     "NGramDrafter": ".generation",
     "PromptLookupDrafter": ".generation",
     "SpeculativeDecoder": ".decoder",
@@ -23,7 +24,7 @@ _EXPORTS = {
 }
 __all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "IncrementalDetokenizer", "SpeculationStats",
            "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions",
-           "Drafter", "NGramDrafter", "PromptLookupDrafter", "__version__"]
+           "Drafter", "emitted_counts", "NGramDrafter", "PromptLookupDrafter", "__version__"]
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 ready loop) -> ``loop.SpeculativeLoop`` (draft, verify, emit, roll back) over a ``drafter.Drafter`` and the
 ``runners`` that drive each model's KV cache. Layers: ``docs/architecture.md``."""
 
-from .drafter import Drafter
+from .drafter import Drafter, emitted_counts
 from .generate import generate
 from .lookup_drafter import PromptLookupDrafter
 from .ngram_drafter import NGramDrafter
@@ -10,5 +10,5 @@ from .options import BatchingOptions, CompileOptions
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculationStats
 
-__all__ = ["generate", "BatchingOptions", "CompileOptions", "Drafter", "NGramDrafter", "PromptLookupDrafter",
-           "SpeculationStats", "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput"]
+__all__ = ["generate", "BatchingOptions", "CompileOptions", "Drafter", "emitted_counts", "NGramDrafter",
+           "PromptLookupDrafter", "SpeculationStats", "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput"]

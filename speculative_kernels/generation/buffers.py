@@ -19,12 +19,12 @@ def widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=1)
 
 
-def grow_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """mask [B, M] with at least ``width`` columns: doubled (zeros appended) when too narrow, so growing to any
+def grow_columns(mask: torch.Tensor, width: int, fill=0) -> torch.Tensor:
+    """mask [B, M] with at least ``width`` columns: doubled (``fill`` appended) when too narrow, so growing to any
     length costs amortised O(1) per slot. (Runners captured by torch.compile size theirs up front.)"""
     if width <= mask.shape[1]:
         return mask
-    return widen(mask, max(width, 2 * mask.shape[1]), 0)
+    return widen(mask, max(width, 2 * mask.shape[1]), fill)
 
 
 def initial_slots(prompt_length: int, max_gamma: int, max_new_tokens: int) -> int:

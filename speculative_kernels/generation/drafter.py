@@ -11,9 +11,16 @@ import torch
 from .runners import Runner
 from .vocab import VocabBridge
 
-# choose(logits [B, V], i) -> token [B]: processes the draft logits of draft position i in place as the verifier
-# processes the target's (forced tokens, EOS before min_new_tokens), then draws the token from them.
+# choose(logits [B, V], i) -> token [B] in [0, V): processes the draft logits of draft position i in place as the
+# verifier processes the target's (forced tokens, EOS before min_new_tokens), then draws the token from them.
 ChooseToken = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def emitted_counts(accepted: torch.Tensor | None, finished: torch.Tensor) -> torch.Tensor:
+    """[B] int64: the tokens each row emitted in an iteration (accepted + 1; 1 when nothing was drafted; 0 for a
+    row finished before it), from ``Drafter.observe``'s arguments."""
+    count = torch.ones_like(finished, dtype=torch.int64) if accepted is None else accepted.clamp(min=-1) + 1
+    return count.masked_fill(finished, 0)
 
 
 class Drafter(Protocol):
@@ -30,9 +37,13 @@ class Drafter(Protocol):
         num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
         num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``)."""
 
-    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
-        """Right after the iteration's tokens are emitted, before its host read: row b emitted the first count[b]
-        (device [B] int64) of out [B, T]. A drafter may prepare its next proposal here (and have its counts read)."""
+    def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
+        """Right after verification, before the iteration's host read: out [B, T] holds each row's new tokens then
+        -1; accepted [B] int64 (device) the drafts each row accepted (None when nothing was drafted: one token
+        each); finished [B] bool rows that had finished before this iteration (they emit nothing).
+        ``emitted_counts(accepted, finished)`` gives how many of out each row emitted (a row that finishes in this
+        iteration may count tokens past its EOS or length cut: it proposes nothing after). A drafter may prepare
+        its next proposal here (and have its counts read)."""
 
     def proposal_counts(self) -> list[int] | None:
         """Per row, how many tokens the next ``propose`` would propose (host ints from the last host read), or None
@@ -92,7 +103,7 @@ class ModelDrafter:
         batch, device = inputs.shape[0], inputs.device
         tokens = torch.empty(batch, gamma, dtype=torch.int64, device=device)
         q_logits = None
-        for i in range(gamma):
+        for i in range(gamma):  # per step: the forward, the choice, its two writes (and the runner's position)
             logits = self.runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
             logits = self.bridge.draft_logits(logits)[:, 0]
             if logits.dtype != self.dtype:
@@ -102,11 +113,11 @@ class ModelDrafter:
                 q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=self.dtype, device=device)
             q_logits[:, i] = logits
             tokens[:, i] = token
-            inputs, real = token.clamp(min=0).unsqueeze(1), None
+            inputs, real = tokens[:, i : i + 1], None  # (choose gives ids in [0, V): fed as they are)
         self._forwards += gamma
         return tokens, q_logits, None
 
-    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
+    def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         """Nothing: the draft catches up on the emitted tokens in ``accept`` (as pending inputs)."""
 
     def proposal_counts(self) -> None:
@@ -118,16 +129,24 @@ class ModelDrafter:
         max_n = max(accepted_host)
         # The draft's cache holds the pending tokens and the first gamma - 1 drafts (the last was never fed).
         pending_width = self.pending[0].shape[1]
-        kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(finished, 0)
-        self.runner.keep_prefix(pending_width + gamma - 1, kept, pending_width + min(max_n, gamma - 1))
+        width, max_kept = pending_width + gamma - 1, pending_width + min(max_n, gamma - 1)
+        if len(accepted_host) == 1:  # one row: the loop rolls back only an unfinished one; kept is a host value
+            kept_host = [max_kept]
+            kept = torch.tensor(kept_host, dtype=torch.int64, device=accepted.device)
+            self.runner.keep_prefix(width, kept, max_kept, kept_host)
+        else:
+            kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(finished, 0)
+            self.runner.keep_prefix(width, kept, max_kept)
         if max_n < gamma:
             self.pending = (next_token.unsqueeze(1), None)
+            return
+        if all(a == gamma for a in accepted_host):  # every row still has to feed its last draft
+            self.pending = (torch.stack([draft_tokens[:, -1], next_token], dim=1), None)
             return
         all_in = accepted == gamma  # these rows still have to feed their last draft
         first = torch.where(all_in, draft_tokens[:, -1], torch.zeros_like(next_token))
         real = torch.stack([all_in, torch.ones_like(all_in)], dim=1)
-        every_row = all(a == gamma for a in accepted_host)
-        self.pending = (torch.stack([first, next_token], dim=1), None if every_row else real)
+        self.pending = (torch.stack([first, next_token], dim=1), real)
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.runner.select_rows(index)

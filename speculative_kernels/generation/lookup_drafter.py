@@ -16,7 +16,7 @@ import torch
 
 from ..ops.lookup import prompt_lookup
 from .context import ContextBuffer
-from .drafter import ChooseToken
+from .drafter import ChooseToken, emitted_counts
 
 
 class PromptLookupDrafter:
@@ -51,8 +51,8 @@ class PromptLookupDrafter:
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, None, torch.Tensor]:
         return self.proposal[:, :gamma], None, self.count.clamp(max=gamma)
 
-    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
-        self.context.append(out, count)
+    def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
+        self.context.append(out, emitted_counts(accepted, finished))
         self._look_up()
         self._count_host = None
 

@@ -54,22 +54,63 @@ class SpeculativeLoop:
         self._check_memory(width)
         self.sequences = torch.full((self.batch, width), self.sequences_fill, dtype=torch.int64, device=self.device)
         self.sequences[:, : self.prompt_length] = input_ids
-        self.generated = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
-        self.finished = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
-        self._generated_host = [0] * self.batch  # host copies from the iterations' reads (for capacity and gamma)
+        # Each row's new tokens so far and whether it finished live on the host, updated from the iterations' reads
+        # (the EOS and length cuts are host work on the tokens read); the device copies (``generated``,
+        # ``finished``) are made when something needs them.
+        self._generated_host = [0] * self.batch
         self._finished_host = [0] * self.batch
-        self.eos = torch.tensor(plan.eos_token_ids or [-1], dtype=torch.int64, device=self.device)
+        self._generated_device: torch.Tensor | None = None
+        self._finished_device: torch.Tensor | None = None
+        self.eos = frozenset(plan.eos_token_ids or ())
         self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device)
         self.randomness = DecodeRandomness(self.batch, self.device, seed)
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
-        self._histogram = torch.zeros(self.max_gamma + 1, dtype=torch.int64, device=self.device)
+        self._histogram = [0] * (self.max_gamma + 1)
+        self._offsets: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T] on the device
         self.timer = PhaseTimer(self.device)
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
         self._prefill(input_ids, attention_mask)
         if warm_up is not None:
             self.stats.warmup_time_s = warm_up()
+
+    # ----------------------------------------------------------------------------------------------- state
+    @property
+    def generated(self) -> torch.Tensor:
+        """[B] int64 on the device: new tokens per row so far (made from the host counts when asked for)."""
+        if self._generated_device is None:
+            self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
+        return self._generated_device
+
+    @generated.setter
+    def generated(self, value: torch.Tensor) -> None:
+        self._set_generated(value.tolist())
+
+    def _set_generated(self, counts: list[int]) -> None:
+        self._generated_host, self._generated_device = list(counts), None
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """[B] bool on the device: rows that finished (made from the host flags when they change)."""
+        if self._finished_device is None:
+            self._finished_device = torch.tensor(self._finished_host, dtype=torch.bool, device=self.device)
+        return self._finished_device
+
+    @finished.setter
+    def finished(self, value: torch.Tensor) -> None:
+        self._set_finished([int(f) for f in value.tolist()])
+
+    def _set_finished(self, flags: list[int]) -> None:
+        if flags != self._finished_host:
+            self._finished_host, self._finished_device = list(flags), None
+
+    def _positions(self, width: int) -> torch.Tensor:
+        """arange(width) [1, width] on the device, made once per width."""
+        offsets = self._offsets.get(width)
+        if offsets is None:
+            offsets = self._offsets[width] = torch.arange(width, device=self.device).unsqueeze(0)
+        return offsets
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _buffer_width(self, length: int) -> int:
@@ -114,6 +155,11 @@ class SpeculativeLoop:
 
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
+        self._prompt = None
+        if self.plan.max_new_tokens == 1:  # nothing will be drafted: the one step runs the target on the prompt
+            self._prompt = (input_ids, real)
+            self.last = input_ids[:, -1:]
+            return
         if self.prompt_length > 1:
             self.timer.start("prefill")
             self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
@@ -122,7 +168,7 @@ class SpeculativeLoop:
             self.stats.prefill_forwards += 1
         else:
             self.drafter.start(input_ids, real)
-        self.last = input_ids[:, -1]
+        self.last = input_ids[:, -1:]  # [B, 1]: each row's last token, the target's next input
 
     # ----------------------------------------------------------------------------------------------- steps
     def _choose_draft_token(self, logits: torch.Tensor, i: int) -> torch.Tensor:
@@ -136,21 +182,29 @@ class SpeculativeLoop:
             return logits.float().argmax(dim=-1)
         token = self.impl.sample(logits, self.sampling, self.randomness.draft())
         self.randomness.advance_draft()
-        return token
+        # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
+        return token.clamp_(min=0)
 
     def _verify(self, draft_tokens, draft_logits, num_draft):
+        """The target's forward over [last, drafts] and ``verify``. num_draft: [B] int64, each row's proposals (the
+        rest are fillers, never accepted), or None (all gamma). Returns (out [B, gamma + 1]: the emitted tokens then
+        -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
         s = self.sampling
-        target_in = torch.cat([self.last.unsqueeze(1), draft_tokens.clamp(min=0)], dim=1)
-        logits = self.target_runner.forward(target_in)
+        if self._prompt is not None:  # max_new_tokens=1: one forward over the whole prompt, as model.generate
+            (prompt, real), self._prompt = self._prompt, None
+            logits = self.target_runner.forward(prompt, real, last_only=True)
+        else:
+            target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last
+            logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
         if self.masks.active:
-            self.masks.apply(logits, self.generated.unsqueeze(1) + torch.arange(self.gamma + 1, device=self.device))
+            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
             token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
             if not s.greedy:
                 self.randomness.advance_draft()
-            return token.unsqueeze(1), torch.where(token < 0, -1, 0), logits, raw
+            return token.unsqueeze(1), None, logits, raw
         q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
         # num_draft [B] int64 (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long
         # match) carry fillers past num_draft[b], which the verification never accepts: such a row emits the
@@ -161,30 +215,48 @@ class SpeculativeLoop:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
 
-    def _emit(self, out: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-        """Write each row's new tokens (cut at EOS / max_new_tokens) into the output; returns counts [B]."""
-        positions = torch.arange(self.gamma + 1, device=self.device).unsqueeze(0)
-        count = accepted.clamp(min=0) + 1
-        is_eos = torch.isin(out, self.eos) & (positions < count.unsqueeze(1))
-        has_eos = is_eos.any(dim=1)
-        count = torch.where(has_eos, is_eos.to(torch.int64).argmax(dim=1) + 1, count)
-        count = torch.minimum(count, self.plan.max_new_tokens - self.generated)
-        count = count.masked_fill(self.finished, 0)
-        index = self.prompt_length + self.generated.unsqueeze(1) + positions
-        keep = positions < count.unsqueeze(1)
-        self.sequences.scatter_(1, index, torch.where(keep, out, self.sequences.gather(1, index)))
-        # Scatter-add, not bincount over a boolean selection (that would read the selection's size on the host).
-        # Iterations shortened at the end (gamma below the chosen one) stay out: their counts would bias alpha.
-        if self.gamma == self.chosen_gamma:
-            self._histogram.index_add_(0, accepted.clamp(min=0), (~self.finished).to(torch.int64))
-        self.finished = self.finished | (has_eos & keep.any(dim=1)) | (self.generated + count >= self.plan.max_new_tokens)
-        self.generated = self.generated + count
-        return count
+    def _cut(self, tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Host side of emitting: tokens [B * (gamma + 1)] as read (each row's emitted tokens, then -1). Returns
+        (accepted n per row, -1 for an invalid row; count per row after the EOS and max_new_tokens cuts, 0 for a
+        finished row; the finished flags after this iteration)."""
+        width, max_new = self.gamma + 1, self.plan.max_new_tokens
+        accepted, counts, finished = [], [], []
+        for b in range(self.batch):
+            row = tokens[b * width : (b + 1) * width]
+            emitted = row.index(-1) if -1 in row else width
+            accepted.append(emitted - 1)
+            if self._finished_host[b]:
+                counts.append(0)
+                finished.append(1)
+                continue
+            count = min(emitted, max_new - self._generated_host[b])
+            hit = next((j for j in range(count) if row[j] in self.eos), None)
+            if hit is not None:
+                count = hit + 1
+            counts.append(count)
+            finished.append(int(hit is not None or self._generated_host[b] + count >= max_new))
+        return accepted, counts, finished
 
-    def _store_scores(self, processed, raw, count, generated_before) -> None:
+    def _write(self, out: torch.Tensor, counts: list[int]) -> None:
+        """Write each row's first counts[b] tokens of out [B, gamma + 1] after its tokens so far."""
+        if self.batch == 1:
+            if counts[0]:
+                start = self.prompt_length + self._generated_host[0]
+                self.sequences[:, start : start + counts[0]] = out[:, : counts[0]]
+            return
+        width = out.shape[1]
+        index = [[self.prompt_length + g + j for j in range(width)] for g in self._generated_host]
+        keep = [[int(j < c) for j in range(width)] for c in counts]
+        index, keep = torch.tensor([index, keep], dtype=torch.int64, device=self.device)
+        current = self.sequences.gather(1, index)
+        self.sequences.scatter_(1, index, torch.where(keep.bool(), out, current))
+
+    def _store_scores(self, processed, raw, counts: list[int], generated_before: list[int]) -> None:
         """Per emitted token: HF's ``scores`` (warped target logits) and ``logits`` (raw)."""
-        positions = torch.arange(self.gamma + 1, device=self.device).unsqueeze(0)
-        index = (generated_before.unsqueeze(1) + positions).unsqueeze(-1).expand(-1, -1, processed.shape[-1])
+        positions = self._positions(self.gamma + 1)
+        count = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        before = torch.tensor(generated_before, dtype=torch.int64, device=self.device)
+        index = (before.unsqueeze(1) + positions).unsqueeze(-1).expand(-1, -1, processed.shape[-1])
         keep = (positions < count.unsqueeze(1)).unsqueeze(-1)
         for buffer, values in ((self.scores, processed), (self.raw_logits, raw)):
             if buffer is None:
@@ -197,7 +269,7 @@ class SpeculativeLoop:
         """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None,
         num_draft [B] int64 or None: the drafter's per-row counts)."""
         if self.gamma == 0:
-            return torch.empty(self.batch, 0, dtype=torch.int64, device=self.device), None, None
+            return None, None, None
         tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
         self.stats.draft_forwards = self.drafter.forwards
         return tokens, logits, num_draft
@@ -205,12 +277,15 @@ class SpeculativeLoop:
     def _roll_back(self, out, accepted, draft_tokens, accepted_host: list[int]) -> None:
         """Both caches keep what was accepted; finished rows keep no new slots, so no row outgrows prompt +
         max_new_tokens. out [B, gamma + 1]: the emitted tokens; accepted [B]."""
-        max_n = max(accepted_host)
-        done = self.finished
-        self.target_runner.keep_prefix(self.gamma + 1, (accepted + 1).masked_fill(done, 0), max_n + 1)
-        self.last = out.gather(1, accepted.clamp(min=0).unsqueeze(1)).squeeze(1)
-        if self.gamma > 0:
-            self.drafter.accept(draft_tokens, accepted, accepted_host, self.last, done)
+        kept_host = [0 if f else n + 1 for n, f in zip(accepted_host, self._finished_host)]
+        kept = torch.tensor(kept_host, dtype=torch.int64, device=self.device)
+        self.target_runner.keep_prefix(self.gamma + 1, kept, max(kept_host), kept_host)
+        if min(accepted_host) == max(accepted_host):  # every row's next input is at the same column: a view
+            self.last = out[:, accepted_host[0] : accepted_host[0] + 1]
+        else:
+            self.last = out.gather(1, accepted.unsqueeze(1))
+        if self.gamma > 0:  # gamma 0 (a drafter without a model proposed nothing): the drafter has nothing to undo
+            self.drafter.accept(draft_tokens, accepted, accepted_host, self.last[:, 0], self.finished)
 
     def step(self) -> bool:
         """One draft + verify iteration for every unfinished row. Returns True while any row is unfinished.
@@ -226,43 +301,53 @@ class SpeculativeLoop:
         self.timer.stop("draft")
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)
-        generated_before = self.generated
-        active_before = ~self.finished
-        count = self._emit(out, accepted)
-        self.drafter.observe(out, count)
-        self.timer.stop("verify")
-        if self.scores is not None or self.raw_logits is not None:
-            self._store_scores(processed, raw, count, generated_before)
-        # The one device-to-host read of the iteration; the runners' lengths (hole compaction, capacity bounds) ride
-        # along.
-        flags = [accepted, count, self.finished.to(torch.int64), active_before.to(torch.int64)]
+        # A drafter may prepare its next proposal now, so that its counts ride along in the read below.
+        self.drafter.observe(out, accepted, self.finished)
+        # The one device-to-host read of the iteration: the emitted tokens (the accepted counts are where the -1
+        # padding starts); the runners' and the drafter's lengths (hole compaction, capacity bounds, proposal
+        # counts) ride along.
         readers = [(r, r.lengths_to_read()) for r in (self.target_runner, self.drafter)]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
-        host = torch.cat([*flags, out.flatten(), *(lengths for _, lengths in readers)]).tolist()
-        b = self.batch
-        accepted_host, count_host = host[:b], host[b : 2 * b]
-        finished_host, active_host = host[2 * b : 3 * b], host[3 * b : 4 * b]
-        tail = 4 * b + out.numel()
-        self._host_tokens, self._host_counts, self._finished_host = host[4 * b : tail], count_host, finished_host
-        self._host_width = self.gamma + 1
-        self._generated_host = [g + c for g, c in zip(self._generated_host, count_host)]
+        if readers:
+            host = torch.cat([out.flatten(), *(lengths for _, lengths in readers)]).tolist()
+        else:
+            host = out.flatten().tolist()
+        self.timer.stop("verify")
+        b, tail = self.batch, out.numel()
+        tokens_host = host[:tail]
+        accepted_host, count_host, finished_host = self._cut(tokens_host)
+        if min(accepted_host) < 0:
+            if accepted is None:
+                accepted = torch.tensor(accepted_host, dtype=torch.int64, device=self.device)
+            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
+                                   draft_logits=draft_logits, draft_tokens=draft_tokens)
         for reader, lengths in readers:
             reader.lengths_read(host[tail : tail + lengths.numel()])
             tail += lengths.numel()
-        if min(accepted_host) < 0:
-            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
-                                   draft_logits=draft_logits, draft_tokens=draft_tokens)
+        active_host = [1 - f for f in self._finished_host]
+        generated_before = self._generated_host
+        self._write(out, count_host)
+        self._set_generated([g + c for g, c in zip(generated_before, count_host)])
+        self._set_finished(finished_host)
+        if self.masks.active:  # the draft's masks read it: made now, while the device is idle, not mid-draft
+            self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
+        self._host_tokens, self._host_counts, self._host_width = tokens_host, count_host, self.gamma + 1
+        if self.scores is not None or self.raw_logits is not None:
+            self._store_scores(processed, raw, count_host, generated_before)
+        if self.gamma == self.chosen_gamma:  # shortened iterations stay out: their counts would bias alpha
+            for n, a in zip(accepted_host, active_host):
+                self._histogram[n] += a
         if self._after_emit(count_host, accepted_host, active_host, generated_before, proposals):
-            finished_host = self._finished_host = [1] * b  # a stopping criterion ended the (batch-1) request
-        # gamma 0 with every row finished (one token was left): no rollback needed; otherwise (a drafter without a
-        # model had no proposal) the target keeps its one slot in running rows.
-        if self.gamma > 0 or not all(finished_host):
+            self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request
+        # No rollback when nothing runs after; gamma 0 mid-run (a drafter without a model proposed nothing) still
+        # moves each row's next input to its new token.
+        if not all(self._finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
             self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
         self.iteration += 1
         self.timer.stop("step")
-        return not all(finished_host)
+        return not all(self._finished_host)
 
     def _calibrate(self, accepted_counts: list[int]) -> None:
         """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.
@@ -278,7 +363,7 @@ class SpeculativeLoop:
 
     def histogram(self) -> list[int]:
         """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
-        return self._histogram[: self._largest_gamma_used + 1].tolist()
+        return self._histogram[: self._largest_gamma_used + 1]
 
     def emitted(self) -> list[list[int]]:
         """Token ids each row emitted in the last ``step()`` (after EOS / length / stopping-criteria cuts)."""
@@ -300,21 +385,21 @@ class SpeculativeLoop:
             stopped = self._apply_stopping_criteria(count_host, generated_before)
             count_host = self._host_counts
         if self.plan.streamer is not None and count_host[0] > 0:
-            start = self.prompt_length + int(generated_before[0])
+            start = self.prompt_length + generated_before[0]
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
         return stopped
 
     def _apply_stopping_criteria(self, count_host, generated_before) -> bool:
         """User stopping criteria, evaluated after every emitted token as HF does (batch 1). Returns whether one
         fired; then the tokens after it are cut and every row is finished."""
-        start = self.prompt_length + int(generated_before[0])
+        start = self.prompt_length + generated_before[0]
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
             if any(bool(torch.as_tensor(c(ids, None)).any()) for c in self.plan.stopping_criteria):
                 self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
-                self.generated = generated_before + (j + 1)
+                self._set_generated([generated_before[0] + j + 1])
                 self._host_counts = [j + 1]
-                self.finished = torch.ones_like(self.finished)
+                self._set_finished([1] * self.batch)
                 return True
         return False
 
@@ -331,14 +416,14 @@ class SpeculativeLoop:
                 self._drop_finished_rows(dropper)
         full = dropper.finish(self._outputs())
         if full is not None:  # every row back, in its original place
-            self._set_outputs(full)
             self.batch = full.generated.shape[0]
-            self.finished = torch.ones(self.batch, dtype=torch.bool, device=self.device)
+            self._set_outputs(full)
+            self._set_finished([1] * self.batch)
         self.stats.dropped_rows = dropper.dropped
         self.timer.stop("total")
         if self.plan.streamer is not None:
             self.plan.streamer.end()
-        longest = int(self.generated.max()) if self.batch else 0
+        longest = max(self._generated_host, default=0)
         self.update_stats()
         self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
         return self.sequences[:, : self.prompt_length + longest], self.stats
@@ -347,21 +432,23 @@ class SpeculativeLoop:
         """Keep only the unfinished rows in every per-row state: outputs, flags, keys, runners (the row choice is
         made on the device from the finished flags; the host flags say how many remain)."""
         remaining = [i for i, f in enumerate(self._finished_host) if not f]
-        keep = torch.argsort(self.finished.to(torch.int8), stable=True)[: len(remaining)]  # unfinished rows, in order
-        self._set_outputs(dropper.drop(self._outputs(), keep))
-        self.finished = self.finished.index_select(0, keep)
+        keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)  # unfinished rows, in order
+        generated = [self._generated_host[i] for i in remaining]
+        outputs = dropper.drop(self._outputs(), keep)
+        self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
+        self._set_generated(generated)
+        self._set_finished([0] * len(remaining))
         self.last = self.last.index_select(0, keep)
         self.randomness.select_rows(keep)
         self.target_runner.select_rows(keep)
         self.drafter.select_rows(keep)
-        self._generated_host = [self._generated_host[i] for i in remaining]
-        self._finished_host = [self._finished_host[i] for i in remaining]
         self.batch = len(remaining)
 
     def _outputs(self) -> Outputs:
         return Outputs(self.sequences, self.generated, self.scores, self.raw_logits)
 
     def _set_outputs(self, outputs: Outputs) -> None:
+        """Take the outputs back from the row dropper (reads their counts: not for inside an iteration)."""
         self.sequences, self.generated = outputs.sequences, outputs.generated
         self.scores, self.raw_logits = outputs.scores, outputs.raw_logits
 

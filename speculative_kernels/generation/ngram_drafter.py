@@ -16,7 +16,7 @@ scatter-add of the following tokens into [B, V].
 import torch
 
 from .context import ContextBuffer
-from .drafter import ChooseToken
+from .drafter import ChooseToken, emitted_counts
 
 
 def ngram_distribution(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, order: int,
@@ -94,8 +94,8 @@ class NGramDrafter:
             end = end + 1
         return tokens, q_logits, None
 
-    def observe(self, out: torch.Tensor, count: torch.Tensor) -> None:
-        self.context.append(out, count)
+    def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
+        self.context.append(out, emitted_counts(accepted, finished))
 
     def accept(self, draft_tokens, accepted, accepted_host, next_token, finished) -> None:
         """Nothing to roll back: the drafts past the context's end are overwritten by ``observe``."""

@@ -26,31 +26,37 @@ class DecoderRunner(SlotMaskRunner):
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
         super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
-        self.cache = RollbackCache(model.config)
+        self.cache: RollbackCache | None = None  # made by the first forward (a draft that never runs costs nothing)
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = next(model.parameters()).dtype
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
+        self._init_additive(spec, self._dtype)
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
         Returns logits [B, T, V] (or [B, 1, V] with last_only)."""
         width = tokens.shape[1]
         start, end = self.num_slots, self.num_slots + width
-        self.slot_mask = grow_columns(self.slot_mask, end)
-        if real is None:  # the common case, kept cheap: no cumsum, no per-row count
-            self.slot_mask[:, start:end] = 1
-            positions = self.next_position.unsqueeze(1) + self._step_offsets(width)
+        self._grow(end)
+        if real is None:  # the common case (every draft and verification step): no mask write, no cumsum
+            # (slots past num_slots are 1 already; the position ids are read before next_position moves on)
+            positions = self.next_position.unsqueeze(1)
+            if width > 1:
+                positions = positions + self._step_offsets(width)
+            mask = self._real_mask(start, end)
         else:
             real_i = real.to(torch.int64)
             self.slot_mask[:, start:end] = real_i
+            self._mask_written(start, end)
             positions = (self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1).clamp(min=0)
+            query_slots = torch.arange(start, end, device=self.slot_mask.device)
+            mask = decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
-        query_slots = torch.arange(start, end, device=self.slot_mask.device)
         out = self.model(
             input_ids=tokens,
-            attention_mask=decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype),
+            attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache,
+            past_key_values=self.cache if self.cache is not None else RollbackCache(self.model.config),
             use_cache=True,
             **kwargs,
         )
@@ -59,6 +65,20 @@ class DecoderRunner(SlotMaskRunner):
         self.next_position += width if real is None else real_i.sum(dim=1)
         logits = out.logits
         return logits[:, -1:] if last_only else logits
+
+    def _real_mask(self, start: int, end: int):
+        """The attention mask of a forward of real tokens at slots [start, end) (``masks.decoder_mask``'s value)."""
+        if self._additive is None:
+            return decoder_mask(self.slot_mask[:, :end], torch.arange(start, end, device=self.slot_mask.device),
+                                self.spec, self._dtype)
+        if end - start == 1:  # one query sees every slot so far: the mirror itself
+            return self._additive[:, None, None, :end]
+        return self._additive_mask(start, end)
+
+    def _grow(self, end: int) -> None:
+        self.slot_mask = grow_columns(self.slot_mask, end, fill=1)
+        if self._additive is not None:
+            self._additive = grow_columns(self._additive, end, fill=0.0)
 
     def _step_offsets(self, width: int) -> torch.Tensor:
         """arange(width) [1, T] on the runner's device, built once per width."""
@@ -69,15 +89,17 @@ class DecoderRunner(SlotMaskRunner):
 
     def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
         """Every layer's K and V restricted to the first ``num_slots`` slots ([B, H, num_slots, D] views)."""
-        return [t[:, :, :num_slots] for layer in self.cache.layers if layer.keys is not None and layer.keys.numel()
+        layers = self.cache.layers if self.cache is not None else []
+        return [t[:, :, :num_slots] for layer in layers if layer.keys is not None and layer.keys.numel()
                 for t in (layer.keys, layer.values)]
 
     def truncate(self, num_slots: int) -> None:
         """Drop every slot at index >= num_slots (no row may still need them)."""
         if num_slots < self.num_slots:
             crop_cache(self.cache, num_slots)
-            self.slot_mask[:, num_slots : self.num_slots] = 0
+            self._reset_tail(num_slots)
             self.num_slots = num_slots
 
     def _select_cache_rows(self, index: torch.Tensor) -> None:
-        self.cache.batch_select_indices(index)
+        if self.cache is not None:
+            self.cache.batch_select_indices(index)

@@ -25,9 +25,11 @@ class Runner(Protocol):
         left pad of the prompt, a filler); None: every token is real. Returns logits [B, T, V], or [B, 1, V] (the
         last position) with last_only."""
 
-    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int,
+                    kept_host: list[int] | None = None) -> None:
         """Roll back: of the last ``width`` slots, row b keeps its first kept[b] ([B] int64 on the device) and drops
-        the rest. max_kept: max(kept), a host int from the iteration's host read."""
+        the rest. max_kept: max(kept), a host int from the iteration's host read; kept_host: kept as host ints, when
+        the caller has them (a runner may then skip device work, e.g. when every row keeps as many)."""
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` ([B'] int64 on the device, in order) of every per-row state: finished rows leave."""

@@ -144,7 +144,8 @@ class Seq2SeqRunner:
         return torch.nn.functional.embedding(positions, module.weight).to(output.dtype)
 
     # ------------------------------------------------------------------------------------------- rollback
-    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int,
+                    kept_host: list[int] | None = None) -> None:
         """Of the loop's last ``width`` slots, row b keeps the first kept[b]; the real tokens among the rest go."""
         start = self.num_slots - width
         offsets = torch.arange(width, device=kept.device).unsqueeze(0)

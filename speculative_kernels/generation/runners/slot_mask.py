@@ -5,7 +5,9 @@ import inspect
 
 import torch
 
+from ..capabilities import ModelSpec
 from .compaction import SlotCompactor
+from .masks import additive_mask
 
 
 def accepts(model, name: str) -> bool:
@@ -30,28 +32,82 @@ def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, nu
 class SlotMaskRunner:
     """Base of the decoder-only runners: ``slot_mask`` [B, S] int64 (1 real, 0 hole), ``next_position`` [B] (each
     row's real slots: its next position), ``num_slots`` (host int) and a ``SlotCompactor``. Subclasses own the cache:
-    ``truncate``, ``kv_tensors``, ``_select_cache_rows``; ``reserve``/``capacity`` bound a preallocated cache."""
+    ``truncate``, ``kv_tensors``, ``_select_cache_rows``; ``reserve``/``capacity`` bound a preallocated cache.
+
+    Slots no forward has written yet are 1 in ``slot_mask``, so a forward of real tokens (``real=None``, every draft
+    and verification step) writes no mask. ``real_from`` (host int) keeps that cheap: every slot at index >= real_from
+    is 1; writes of holes raise it, and ``_reset_tail`` sets the slots a rollback cuts back to 1.
+    """
 
     reserve: int = 0
     capacity: int | None = None
 
     def __init__(self, batch: int, slots: int, device: torch.device, compaction_threshold: float,
                  compaction_backend: str):
-        self.slot_mask = torch.zeros(batch, slots, dtype=torch.int64, device=device)
+        self.slot_mask = torch.ones(batch, slots, dtype=torch.int64, device=device)
         self.next_position = torch.zeros(batch, dtype=torch.int64, device=device)
         self.num_slots = 0
+        self.real_from = 0
         self.compactor = SlotCompactor(batch, compaction_threshold, compaction_backend)
+        self._additive = None
 
-    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int) -> None:
+    def _init_additive(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        """Keep the additive mask of the slots beside slot_mask (0 real, dtype's minimum a hole) for models that take
+        a plain 4-D mask: a forward of real tokens then joins its slice to a cached causal block (``_additive_mask``)
+        instead of building the mask from slot_mask. Slots past num_slots are 0 in it, as they are 1 in slot_mask."""
+        if spec.mask == "2d" or spec.sliding_window is not None:
+            return
+        self._additive = torch.zeros(self.slot_mask.shape, dtype=dtype, device=self.slot_mask.device)
+        self._causal: dict[int, torch.Tensor] = {}  # T -> [1, 1, T, T + S] additive: causal, then blocked
+
+    def _additive_mask(self, start: int, end: int, width: int | None = None) -> torch.Tensor:
+        """[B, 1, T, width] additive mask of T = end - start real queries at slots [start, end) over ``width`` key
+        slots (default: end): the mirror for the slots before start, causal among the queries, blocked after end."""
+        queries, tail = end - start, (end if width is None else width) - end
+        block = self._causal.get(queries)
+        if block is None or block.shape[-1] < queries + tail:
+            allowed = torch.ones(queries, queries + self.slot_mask.shape[1], dtype=torch.bool,
+                                 device=self.slot_mask.device).tril()
+            block = self._causal[queries] = additive_mask(allowed.unsqueeze(0), self._additive.dtype)
+        block = block[..., : queries + tail]
+        batch = self.slot_mask.shape[0]
+        prefix = self._additive[:, None, None, :start].expand(batch, 1, queries, start)
+        return torch.cat([prefix, block.expand(batch, 1, queries, queries + tail)], dim=-1)
+
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int, kept_host: list[int] | None = None) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes and the
         trailing slots no row keeps are cut. Then compacts when the holes pass the threshold, or when the next
-        iteration (``reserve`` slots) would not fit in ``capacity``."""
-        start = hole_rejected_slots(self.slot_mask, self.next_position, self.num_slots, width, kept)
-        self.truncate(start + max_kept)
+        iteration (``reserve`` slots) would not fit in ``capacity``. kept_host: kept on the host, when the caller
+        has it: when every row keeps the same count of slots that are all real, the rollback is a cut (no holes)."""
+        start = self.num_slots - width
+        cut = start + max_kept
+        if kept_host is not None and min(kept_host) == max_kept and self.real_from <= cut:
+            if cut < self.num_slots:  # every dropped slot is real: each row's position moves back by as many
+                self.next_position -= self.num_slots - cut
+        else:
+            hole_rejected_slots(self.slot_mask, self.next_position, self.num_slots, width, kept)
+            self._mask_written(start, self.num_slots)
+        self.truncate(cut)
         target = self.compactor.due(self.num_slots, self.reserve, self.capacity)
         if target is not None:
             self.compactor.compact(self.kv_tensors(self.num_slots), self.slot_mask[:, : self.num_slots])
+            self._mask_written(0, self.num_slots)
             self.truncate(target)
+
+    def _mask_written(self, start: int, end: int) -> None:
+        """slot_mask[:, start:end] was written (holes possible): keep ``real_from`` and the additive mirror."""
+        self.real_from = max(self.real_from, end)
+        if self._additive is not None:  # 0 where real, the dtype's minimum at holes: (m - 1) * max
+            window = self._additive[:, start:end]
+            window.copy_(self.slot_mask[:, start:end]).sub_(1).mul_(torch.finfo(window.dtype).max)
+
+    def _reset_tail(self, num_slots: int) -> None:
+        """Slots at index >= num_slots are no longer used: set them back to 1 (see the class docstring)."""
+        if self.real_from > num_slots:
+            self.slot_mask[:, num_slots : self.real_from] = 1
+            if self._additive is not None:
+                self._additive[:, num_slots : self.real_from] = 0
+            self.real_from = num_slots
 
     def truncate(self, num_slots: int) -> None:
         raise NotImplementedError
@@ -66,6 +122,8 @@ class SlotMaskRunner:
     def select_rows(self, index: torch.Tensor) -> None:
         self._select_cache_rows(index)
         self.slot_mask = self.slot_mask.index_select(0, index)
+        if self._additive is not None:
+            self._additive = self._additive.index_select(0, index)
         self.next_position = self.next_position.index_select(0, index)
         self.compactor.select_rows(index.shape[0])
 

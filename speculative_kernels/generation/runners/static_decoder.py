@@ -35,6 +35,9 @@ class StaticDecoderRunner(SlotMaskRunner):
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = next(model.parameters()).dtype
         self._compiled = {}  # (width, last_only) -> compiled step
+        self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T]
+        self._ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> ones
+        self._init_additive(spec, self._dtype)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
@@ -43,14 +46,50 @@ class StaticDecoderRunner(SlotMaskRunner):
         width = tokens.shape[1]
         if self.num_slots + width > self.capacity:
             raise RuntimeError(f"static cache exhausted ({self.num_slots + width} > {self.capacity} slots)")
-        real_i = torch.ones_like(tokens) if real is None else real.to(torch.int64)
         compiled = self._compiled.get((width, last_only))
-        if compiled is not None:
-            logits = call_captured(compiled, tokens, real_i)
+        if compiled is None and real is None and self._additive is not None:
+            logits = self._real_step(tokens, last_only)
         else:
-            logits = self._step(tokens, real_i, last_only)
+            real_i = self._all_real(tokens.shape) if real is None else real.to(torch.int64)
+            if compiled is not None:
+                logits = call_captured(compiled, tokens, real_i)
+            else:
+                logits = self._step(tokens, real_i, last_only)
+            if real is not None:
+                self._mask_written(self.num_slots, self.num_slots + width)
         self.num_slots += width
         return logits
+
+    def _real_step(self, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """Eager ``_step`` for real tokens only, with host slot numbers: no mask write (the slots past num_slots are
+        1), the positions next_position + [0, T), the mask from the additive mirror (``_additive_mask``)."""
+        width = tokens.shape[1]
+        start = self.num_slots
+        positions = self.next_position.unsqueeze(1)
+        if width > 1:
+            positions = positions + self._step_offsets(width)
+        mask = self._additive_mask(start, start + width, self.capacity)
+        kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                         use_cache=True, **kwargs)
+        self.next_position.add_(width)
+        self.cache.position.add_(width)
+        logits = out.logits
+        return logits[:, -1:] if last_only else logits
+
+    def _all_real(self, shape: torch.Size) -> torch.Tensor:
+        """ones [B, T] int64 (the real flags of a forward of real tokens), made once per shape (read-only)."""
+        ones = self._ones.get(shape)
+        if ones is None:
+            ones = self._ones[shape] = torch.ones(shape, dtype=torch.int64, device=self.slot_mask.device)
+        return ones
+
+    def _step_offsets(self, width: int) -> torch.Tensor:
+        """arange(width) [1, T] on the runner's device, built once per width."""
+        offsets = self._steps.get(width)
+        if offsets is None:
+            offsets = self._steps[width] = torch.arange(width, device=self.slot_mask.device).unsqueeze(0)
+        return offsets
 
     def _step(self, tokens: torch.Tensor, real_i: torch.Tensor, last_only: bool) -> torch.Tensor:
         """The captured part: mask/position bookkeeping with device indices, the model forward, pointer advance."""
@@ -93,7 +132,7 @@ class StaticDecoderRunner(SlotMaskRunner):
     def truncate(self, num_slots: int) -> None:
         """Drop every slot at index >= num_slots (no row may still need them): a mask write and a pointer move."""
         if num_slots < self.num_slots:
-            self.slot_mask[:, num_slots : self.num_slots] = 0
+            self._reset_tail(num_slots)
             self.num_slots = num_slots
             self.cache.position.fill_(num_slots)
 
