@@ -176,8 +176,42 @@ def sweep(types, out, timeout: int) -> None:
                         for c in COLUMNS if c not in row})
         finally:
             signal.alarm(0)
+        if "architecture" not in row:  # no tiny model: does generate's up-front check refuse the default config?
+            for column in COLUMNS:
+                refusal = _refused_by_default_config(model_type, kind, column)
+                if refusal is not None:
+                    row[column] = refusal
         row["seconds"] = round(time.time() - start, 1)
         print(json.dumps(row), file=out, flush=True)
+
+
+def _refused_by_default_config(model_type: str, kind: str, column: str) -> str | None:
+    """For an architecture whose tiny model cannot be built: the capability check (which reads only the config, the
+    forward's signature and source) run on the default config's model built on the meta device. Returns the
+    "refused: ..." cell, or None (accepted, or the default model cannot be built either: stays "not checked")."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from speculative_kernels.generation.capabilities import check_request, request_path
+
+    try:
+        auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSeq2SeqLM
+        with torch.device("meta"):
+            model = auto.from_config(CONFIG_MAPPING[model_type]())
+    except Exception:  # noqa: BLE001 -- stays "not checked" with the tiny model's reason
+        return None
+    batch = 2 if column.startswith("batch2") else 1
+    path = request_path(column in ("static", "compile", "batch2_static"), column == "compile")
+    try:
+        check_request(model, model, path=path, batch=batch)
+    except ValueError as error:
+        text = str(error)
+        reason = text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text
+        return f"refused: {reason} (checked on the default config: the tiny model cannot be built)"
+    except Exception:  # noqa: BLE001
+        return None
+    return None
 
 
 def all_types():
@@ -214,7 +248,11 @@ def render(rows, version: str) -> str:
         "that causes rejections;",
         "* **refused**: `generate` raises a `ValueError` naming the architecture and the reason before allocating "
         "anything (`speculative_kernels/generation/capabilities.py`);",
-        "* **not checked**: the tiny model or HF's own `generate` cannot be built or run generically (reason given).",
+        "* **refused ... (checked on the default config)**: the tiny model cannot be built, but the same up-front "
+        "check refuses the architecture's default config (a model built on the meta device: the check reads only "
+        "the config and the forward);",
+        "* **not checked**: the tiny model or HF's own `generate` cannot be built or run generically, and the "
+        "check does not refuse the default config (reason given).",
         "",
         "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens.",
         "",

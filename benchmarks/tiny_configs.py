@@ -80,6 +80,10 @@ def _tiny(config_class, overrides: dict):
         kwargs.pop("head_dim", None)
     if "kv_lora_rank" in fields and "num_key_value_heads" in kwargs:  # MLA expands its latent K/V to every head
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    if "kv_lora_rank" in fields and "head_dim" in fields:  # (LongCat's rotary size follows head_dim)
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    if "num_kv_shared_layers" in fields:  # Gemma 3n: the last layer reads the K/V of an earlier one
+        kwargs["num_kv_shared_layers"] = 1
     if "attention_types" in fields:
         kwargs["attention_types"] = [[["global", "local"], 1]]
     kwargs.update({k: v for k, v in subs.items() if k in fields})

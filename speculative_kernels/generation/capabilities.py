@@ -80,9 +80,10 @@ def _parameters(model) -> set:
     return set(inspect.signature(model.forward).parameters)
 
 
-def layer_types(config) -> tuple[list[str], list[int | None]]:
+def layer_types(config) -> tuple[list[str], list[int | None]] | None:
     """(layer type per cache layer, sliding window per layer) as HF's ``DynamicCache(config=...)`` reads them, in
-    every transformers 5.x (5.17 returns one kwargs dict, later versions one per layer)."""
+    every transformers 5.x (5.17 returns one kwargs dict, later versions one per layer); None for a config that
+    states neither (e.g. BLT's, whose layers live in sub-configs)."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:  # older layouts: read the config
@@ -98,7 +99,10 @@ def layer_types(config) -> tuple[list[str], list[int | None]]:
     types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if types is None:
-        types = ["sliding_attention" if window is not None else "full_attention"] * (config.num_hidden_layers or 0)
+        layers = getattr(config, "num_hidden_layers", None)
+        if layers is None:
+            return None
+        types = ["sliding_attention" if window is not None else "full_attention"] * layers
     return list(types), [window if t == "sliding_attention" else None for t in types]
 
 
@@ -127,7 +131,11 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if not getattr(config, "is_decoder", True) and _source_matches(model, _DECODER_ONLY_CACHE):
         _refuse(name, path, "config.is_decoder is False, so it runs as a bidirectional encoder without a KV cache; "
                             "set is_decoder=True to generate with it")
-    types, windows = layer_types(config)
+    layout = layer_types(config)
+    if layout is None:
+        _refuse(name, path, f"its config ({type(config).__name__}) states neither layer_types nor "
+                            "num_hidden_layers, so its cache layout cannot be checked")
+    types, windows = layout
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
     if unknown:
         recurrent = sorted(set(unknown) & RECURRENT_LAYERS)

@@ -203,6 +203,21 @@ def test_latent_attention_is_exact_on_the_dynamic_cache_and_refused_on_the_stati
     _check_refused_up_front(model, "multi-head latent attention", path="static", monkeypatch=monkeypatch)
 
 
+def test_config_without_a_layer_layout_is_refused():
+    """BLT keeps its layers in sub-configs (patcher, encoder, global transformer, decoder): nothing states its cache
+    layout, so the check refuses it by name instead of failing with an AttributeError. (Built on the meta device:
+    the check reads only the config and the forward's signature.)"""
+    try:
+        from transformers import BltConfig, BltForCausalLM
+    except ImportError:
+        pytest.skip("this transformers has no BLT")
+    with torch.device("meta"):
+        model = BltForCausalLM(BltConfig())
+    for path in ("dynamic", "static"):
+        with pytest.raises(ValueError, match="BltForCausalLM.*states neither layer_types nor num_hidden_layers"):
+            check_model(model, path=path, batch=1)
+
+
 def test_models_with_their_own_generate_are_refused(monkeypatch):
     """MusicGen's generate() adds its codebook delay pattern to HF's loop: speculative_kernels would silently skip it,
     so it refuses the model up front, on every path, naming the override."""
