@@ -226,3 +226,16 @@ def test_release_of_a_running_request_and_bad_batch_sizes(pair):
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
             sk.SpeculativeDecoder(*pair, max_batch_size=bad)
+
+
+@pytest.mark.parametrize("options", [dict(prompt_lookup_num_tokens=3), dict(num_speculative_tokens="auto")])
+def test_prompt_lookup_and_auto_gamma_requests_match_generate(pair, options):
+    """Without a draft model (prompt lookup: per-row proposal counts, combined with the per-row limits) and with
+    gamma calibrated per rebuilt batch ("auto"), greedy requests joining at different steps are model.generate."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, None if "prompt_lookup_num_tokens" in options else draft, **options)
+    arrivals = {i: [(prompt, dict(max_new_tokens=10 + 3 * i, do_sample=False))]
+                for i, prompt in enumerate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [3, 4]])}
+    requests, streamed = _run(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        assert streamed[request_id] == _alone(pair, prompt, settings)
