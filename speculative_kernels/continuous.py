@@ -39,9 +39,9 @@ from .generation.row_settings import RowSettings
 from .generation.settings import resolve_settings
 from .ops.randomness import check_seed, request_key
 
-REQUEST_KEYWORDS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "eos_token_id")
+REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
+                    "eos_token_id")
 NOT_YET = {  # keyword -> why add_request refuses it in this version
-    "min_new_tokens": "EOS masking before a minimum length is not wired per row yet",
     "stop_strings": "stop strings are not matched per row yet",
 }
 
@@ -73,6 +73,7 @@ class _Request:
     temperature: float  # 0: greedy
     top_k: int
     top_p: float
+    min_new_tokens: int
     key: int
     offsets: tuple[int, int] = (0, 0)  # (draft, verify) random-number offsets so far
 
@@ -106,9 +107,6 @@ class ContinuousBatcher:
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft)
         plan = settings.plan(target, len(prompt))
-        if plan.min_new_tokens > 0:
-            raise ValueError(f"min_new_tokens={plan.min_new_tokens} (from the model's generation config) is not "
-                             "supported by add_request yet")
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:
@@ -127,7 +125,7 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            s.top_k, s.top_p, request_key(seed))
+            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed))
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:
@@ -255,7 +253,9 @@ class ContinuousBatcher:
         left = [r.max_new_tokens - len(r.result.token_ids) for r in requests]
         rows = RowSettings(max_new_tokens=left, eos=[r.eos for r in requests],
                            temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
-                           top_p=[r.top_p for r in requests], keys=[r.key for r in requests],
+                           top_p=[r.top_p for r in requests],
+                           min_new_tokens=[max(0, r.min_new_tokens - len(r.result.token_ids)) for r in requests],
+                           keys=[r.key for r in requests],
                            draft_offsets=[r.offsets[0] for r in requests],
                            verify_offsets=[r.offsets[1] for r in requests])
         d = self.decoder

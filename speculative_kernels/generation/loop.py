@@ -75,7 +75,7 @@ class SpeculativeLoop:
         self._finished_device: torch.Tensor | None = None
         self.eos = frozenset(plan.eos_token_ids or ())
         self._eos = [self.eos] * self.batch if rows is None else [frozenset(e) for e in rows.eos]
-        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device)
+        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows)
         if rows is None:
             self.randomness = DecodeRandomness(self.batch, self.device, seed)
         else:
@@ -509,6 +509,7 @@ class SpeculativeLoop:
         self._set_finished([self._finished_host[i] for i in remaining])
         self._max_new = [self._max_new[i] for i in remaining]
         self._eos = [self._eos[i] for i in remaining]
+        self.masks.select_rows(keep)
         if self.sampling.per_row:
             r = self.sampling.rows
             self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(

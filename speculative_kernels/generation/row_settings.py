@@ -13,7 +13,8 @@ from ..ops.validation import check_sampling
 @dataclasses.dataclass(frozen=True)
 class RowSettings:
     """One entry per row. max_new_tokens: tokens the row may still generate (>= 1); eos: the row's EOS ids;
-    temperature (0: greedy), top_k (0: off), top_p (1: off): validated by the caller; keys: the rows' Philox keys
+    temperature (0: greedy), top_k (0: off), top_p (1: off): validated by the caller; min_new_tokens: tokens the row
+    must still generate before its EOS may come (EOS masked until then, as HF's MinNewTokensLength); keys: the rows' Philox keys
     (``randomness.request_key``); draft_offsets, verify_offsets: the rows' random-number counters so far (0 for a
     new request; carried over when a running request moves to a rebuilt batch)."""
 
@@ -22,6 +23,7 @@ class RowSettings:
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]
+    min_new_tokens: list[int]
     keys: list[int]
     draft_offsets: list[int]
     verify_offsets: list[int]

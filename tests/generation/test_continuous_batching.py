@@ -114,6 +114,30 @@ def test_requests_with_their_own_eos_finish_with_eos(pair):
     assert decoder.result(other).token_ids == free and decoder.result(other).finish_reason == "length"
 
 
+def test_min_new_tokens_per_request(pair):
+    """min_new_tokens per request: EOS is masked for that row only until its own minimum (as HF's
+    MinNewTokensLength), also across the rebuild when another request joins in its masked window; greedy requests
+    are model.generate, seeded sampled ones generate with their seed."""
+    target, _ = pair
+    prompt = [5, 6, 7, 8]
+    free = _alone(pair, prompt, dict(max_new_tokens=12, do_sample=False))
+    eos = free[1]  # the free run would stop at its second token
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    arrivals = {0: [(prompt, dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, min_new_tokens=6)),
+                    (prompt, dict(max_new_tokens=12, do_sample=False, eos_token_id=eos)),
+                    ([9, 10], dict(max_new_tokens=14, do_sample=True, eos_token_id=[eos, 7], min_new_tokens=9,
+                                   seed=2))],
+                1: [([11, 12, 13], dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, eos_token_id=eos))]}
+    requests, streamed = _run(decoder, arrivals)
+    outputs = []
+    for request_id, (prompt_ids, settings) in requests.items():
+        expected = _alone(pair, prompt_ids, settings)
+        assert streamed[request_id] == expected, settings
+        outputs.append(expected)
+    assert len(outputs[0]) > 2 and eos not in outputs[0][:6]
+    assert outputs[1] == free[:2]
+
+
 def test_mixed_sampling_settings_follow_each_rows_distribution():
     """One batch of many requests, each row with its own temperature / top-k / top-p / seed: the first token of the
     requests of each setting follows the target's warped distribution for that setting (chi-square), so no row
@@ -197,7 +221,7 @@ def test_cancel_of_a_queued_request_and_the_queue_bound(pair):
 @pytest.mark.parametrize("call, error, message", [
     (lambda d: d.result(99), ValueError, "unknown request_id 99"),
     (lambda d: d.cancel("x"), ValueError, "unknown request_id 'x'"),
-    (lambda d: d.add_request([1, 2], min_new_tokens=3), ValueError, "min_new_tokens is not supported by add_request"),
+    (lambda d: d.add_request([1, 2], min_new_tokens=2.5), TypeError, "min_new_tokens"),
     (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings is not supported by add_request"),
     (lambda d: d.add_request([1, 2], num_beams=2), ValueError, "num_beams is not a keyword add_request takes"),
     (lambda d: d.add_request([1, 2], cache_implementation="static"), ValueError, "cache_implementation is not a"),
