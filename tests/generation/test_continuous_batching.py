@@ -138,6 +138,21 @@ def test_min_new_tokens_per_request(pair):
     assert outputs[1] == free[:2]
 
 
+def test_min_new_tokens_left_is_carried_across_a_rebuild(pair):
+    """A request whose EOS comes exactly at its minimum: when another request joins (the batch is rebuilt) after it
+    has generated some tokens, only what is left of its minimum stays masked, so it still stops there."""
+    target, _ = pair
+    prompt = [5, 6, 7, 8]
+    free = _alone(pair, prompt, dict(max_new_tokens=16, do_sample=False))
+    at = next(i for i in range(4, 16) if free[i] not in free[:i])
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=free[at], min_new_tokens=at)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    requests, streamed = _run(decoder, {0: [(prompt, settings)], 1: [([9, 10], dict(max_new_tokens=4))]})
+    first = next(iter(requests))
+    assert streamed[first] == _alone(pair, prompt, settings) == free[: at + 1]
+    assert decoder.result(first).finish_reason == "eos"
+
+
 def test_mixed_sampling_settings_follow_each_rows_distribution():
     """One batch of many requests, each row with its own temperature / top-k / top-p / seed: the first token of the
     requests of each setting follows the target's warped distribution for that setting (chi-square), so no row
