@@ -40,16 +40,14 @@ from .generation.settings import resolve_settings
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "eos_token_id")
-NOT_YET = {  # keyword -> why add_request refuses it in this version
-    "stop_strings": "stop strings are not matched per row yet",
-}
+                    "eos_token_id", "stop_strings")
+NOT_YET: dict[str, str] = {}  # keyword -> why add_request refuses it in this version
 
 
 @dataclasses.dataclass
 class RequestResult:
     """What ``SpeculativeDecoder.result`` returns. token_ids: the generated ids so far (the prompt excluded);
-    finish_reason: "eos", "length", "stop" (reserved for stop strings), "cancelled", or None while queued or running;
+    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", or None while queued or running;
     iterations: the steps it took part in; drafted_tokens / accepted_tokens: drafts proposed for it / accepted."""
 
     request_id: int
@@ -75,6 +73,7 @@ class _Request:
     top_p: float
     min_new_tokens: int
     key: int
+    stop: object | None = None  # HF's StopStringCriteria of the request's stop_strings
     offsets: tuple[int, int] = (0, 0)  # (draft, verify) random-number offsets so far
 
 
@@ -104,6 +103,7 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
         prompt = self._check_prompt(prompt_ids)
         seed = check_seed(kwargs.pop("seed", None))
+        stop = self._stop_criterion(kwargs.pop("stop_strings", None))
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft)
         plan = settings.plan(target, len(prompt))
@@ -125,7 +125,7 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed))
+            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:
@@ -152,6 +152,32 @@ class ContinuousBatcher:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
         return prompt
+
+    def _stop_criterion(self, stop_strings):
+        """stop_strings (a string or a list of them) -> HF's StopStringCriteria on the decoder's tokenizer, or None."""
+        if stop_strings is None:
+            return None
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        if not isinstance(stop_strings, (list, tuple)) or not stop_strings or \
+                not all(isinstance(x, str) and x for x in stop_strings):
+            raise TypeError("stop_strings must be a non-empty string or a list of non-empty strings")
+        if self.decoder.tokenizer is None:
+            raise ValueError("stop_strings needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        return StopStringCriteria(tokenizer=self.decoder.tokenizer, stop_strings=list(stop_strings))
+
+    def _stopped_at(self, request: _Request, new: list[int]) -> int | None:
+        """With stop strings: the index in ``new`` (the tokens just emitted, already in the result) of the first
+        token that completes one, checked after every token as HF does; else None."""
+        result = request.result
+        ids = result.prompt_ids + result.token_ids
+        start = len(ids) - len(new)
+        for j in range(len(new)):
+            if bool(request.stop(torch.tensor([ids[: start + j + 1]]), None).any()):
+                return j
+        return None
 
     def _request(self, request_id) -> _Request:
         request = self._requests.get(request_id) if isinstance(request_id, int) else None
@@ -210,10 +236,17 @@ class ContinuousBatcher:
             result.iterations += 1
             result.drafted_tokens += loop.last_drafted[row]
             result.accepted_tokens += max(0, min(loop.last_accepted[row], len(emitted[row]) - 1))
-            if emitted[row]:
-                result.token_ids.extend(emitted[row])
-                new[request_id] = list(emitted[row])
-            if finished[row]:
+            tokens = emitted[row]
+            if tokens:
+                result.token_ids.extend(tokens)
+                stopped = None if request.stop is None else self._stopped_at(request, tokens)
+                if stopped is not None:  # the tokens after the one completing a stop string are dropped
+                    del result.token_ids[len(result.token_ids) - len(tokens) + stopped + 1:]
+                    tokens = tokens[: stopped + 1]
+                    result.finish_reason = "stop"
+                    done.append(request_id)
+                new[request_id] = list(tokens)
+            if finished[row] and result.finish_reason is None:
                 hit_eos = bool(result.token_ids) and result.token_ids[-1] in request.eos
                 result.finish_reason = "eos" if hit_eos else "length"
                 done.append(request_id)

@@ -21,7 +21,7 @@ Continuous batching (requests joining and leaving between steps, each with its o
     while decoder.has_work():
         for request_id, tokens in decoder.step().items():
             send(request_id, tokens)
-    decoder.result(a)            # token_ids, finish_reason ("eos", "length", "cancelled"), statistics
+    decoder.result(a)            # token_ids, finish_reason ("eos", "length", "stop", "cancelled"), statistics
 
 The design, its cost and its admission bound: ``continuous.py``.
 """
@@ -114,7 +114,8 @@ class SpeculativeDecoder:
         """Queue a request; it joins the running batch at the next ``step`` (prefilled within it). prompt_ids: a
         1-D integer tensor or a list of ints. kwargs (the target's generation config gives the defaults, as in
         ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p, seed (None: one drawn from torch's
-        default generator), eos_token_id. Anything else is refused by name. Returns its request id."""
+        default generator), eos_token_id, min_new_tokens, stop_strings (needs ``tokenizer=`` on the decoder; matched
+        after every token as HF's StopStringCriteria). Anything else is refused by name. Returns its request id."""
         return self._batcher.add_request(prompt_ids, **kwargs)
 
     def step(self) -> dict[int, list[int]]:

@@ -237,7 +237,7 @@ def test_cancel_of_a_queued_request_and_the_queue_bound(pair):
     (lambda d: d.result(99), ValueError, "unknown request_id 99"),
     (lambda d: d.cancel("x"), ValueError, "unknown request_id 'x'"),
     (lambda d: d.add_request([1, 2], min_new_tokens=2.5), TypeError, "min_new_tokens"),
-    (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings is not supported by add_request"),
+    (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings needs the decoder.s tokenizer"),
     (lambda d: d.add_request([1, 2], num_beams=2), ValueError, "num_beams is not a keyword add_request takes"),
     (lambda d: d.add_request([1, 2], cache_implementation="static"), ValueError, "cache_implementation is not a"),
     (lambda d: d.add_request(torch.ones(1, 3, dtype=torch.int64)), ValueError, "1-D integer tensor"),
