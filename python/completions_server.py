@@ -6,8 +6,10 @@
     curl -N localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "stream": true}'
 
 Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
-``top_p``, ``top_k`` (an extension), ``seed``, ``stream``. Anything else (``stop``, ``n`` > 1, ``logprobs``, ...) is
-answered 400 naming the field. ``finish_reason`` is ``"stop"`` (EOS) or ``"length"``.
+``top_p``, ``top_k`` (an extension), ``seed``, ``stream``, ``stop`` (a string or a list: the decoder's
+``stop_strings``, so the decoder needs ``tokenizer=``). Anything else (``n``, ``logprobs``, ...) is answered 400
+naming the field. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``; as with HF's
+``stop_strings``, the text includes the stop string.
 
 One event loop does everything: between two decoder steps (one draft + verify iteration each, run in the loop's
 thread) it reads new requests and writes the tokens of the last step; a step's tokens go to each request's queue and
@@ -23,7 +25,7 @@ import time
 
 from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
 
-FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "model"}
+FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model"}
 MAX_BODY = 1 << 20
 
 
@@ -72,6 +74,8 @@ class CompletionsServer:
             raise HTTPError(400, "prompt must be a non-empty string")
         temperature = body.get("temperature", 1.0)
         kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed")}
+        if body.get("stop") is not None:
+            kwargs["stop_strings"] = body["stop"]
         if temperature == 0:
             kwargs["do_sample"] = False
         else:
@@ -190,12 +194,13 @@ class CompletionsServer:
 
     def stop(self) -> None:
         """Stop a server started with ``start_in_thread``."""
-        def shutdown():
+        async def shutdown():
             self._engine_task.cancel()
+            await asyncio.gather(self._engine_task, return_exceptions=True)
             self._server.close()
-            self._loop.stop()
 
-        self._loop.call_soon_threadsafe(shutdown)
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
 
 
@@ -256,7 +261,8 @@ def main() -> None:
     target_dir, draft_dir = (args.target, args.draft) if args.target else demo_model_paths()
     target, tokenizer = load_model(target_dir, dtype="float32")
     draft, _ = load_model(draft_dir, dtype="float32")
-    decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=args.max_batch_size)
+    decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=args.max_batch_size,
+                                 tokenizer=tokenizer)
     server = CompletionsServer(decoder, tokenizer)
 
     async def run():

@@ -28,7 +28,7 @@ def _module():
 @pytest.fixture(scope="module")
 def served():
     target, draft, tokenizer = load_demo_pair()
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
     server = _module().CompletionsServer(decoder, tokenizer)
     port = server.start_in_thread()
     yield server, port, (target, draft, tokenizer)
@@ -50,11 +50,12 @@ def _events(data):
     return [json.loads(line) for line in lines[:-1]]
 
 
-def _expected(models, prompt, max_tokens, seed=None, **sampling):
+def _expected(models, prompt, max_tokens, seed=None, stop=None, **sampling):
     target, draft, tokenizer = models
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     if seed is None:
-        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        stops = {} if stop is None else dict(stop_strings=stop, tokenizer=tokenizer)
+        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False, **stops)
     else:
         out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=max_tokens,
                           do_sample=True, seed=seed, **sampling)
@@ -68,6 +69,7 @@ def test_concurrent_requests_get_their_own_completions(served):
         dict(prompt="import os\n\nclass Config:", max_tokens=24, temperature=0, stream=True),
         dict(prompt="for line in", max_tokens=16, temperature=0.8, top_k=0, seed=5, stream=True),
         dict(prompt="    return", max_tokens=12, temperature=1.2, top_p=0.9, top_k=0, seed=9),
+        dict(prompt="def add(a, b):\n    return", max_tokens=40, temperature=0, stop=["\n"], stream=True),
     ]
     replies = [None] * len(requests)
 
@@ -82,13 +84,17 @@ def test_concurrent_requests_get_their_own_completions(served):
     for body, (status, data) in zip(requests, replies):
         assert status == 200, data
         sampling = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body and body.get("seed")}
-        expected = _expected(models, body["prompt"], body["max_tokens"], body.get("seed"), **sampling)
+        expected = _expected(models, body["prompt"], body["max_tokens"], body.get("seed"), body.get("stop"),
+                             **sampling)
         if body.get("stream"):
             events = _events(data)
             text = "".join(e["choices"][0]["text"] for e in events)
             assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
             assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
-            assert len(events) > 2  # streamed in pieces, not in one
+            if "stop" in body:  # the token completing the stop string is the last (it may run past the string)
+                assert events[-1]["choices"][0]["finish_reason"] == "stop" and "\n" in text
+            else:
+                assert len(events) > 2  # streamed in pieces, not in one
         else:
             reply = json.loads(data)
             text = reply["choices"][0]["text"]
@@ -117,7 +123,8 @@ def test_a_client_that_disconnects_has_its_request_cancelled(served):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    (dict(prompt="x", stop=["\n"]), 400, "stop is not supported by this server"),
+    (dict(prompt="x", logprobs=2), 400, "logprobs is not supported by this server"),
+    (dict(prompt="x", stop=[""]), 400, "stop_strings must be"),
     (dict(prompt="x", n=2), 400, "n is not supported"),
     (dict(prompt=""), 400, "prompt must be a non-empty string"),
     (dict(prompt="x", max_tokens=-1), 400, "max_new_tokens"),
