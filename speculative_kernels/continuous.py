@@ -227,7 +227,7 @@ class ContinuousBatcher:
         loop = self._loop
         with torch.inference_mode():
             loop.step()
-        emitted, finished = loop.emitted(), list(loop._finished_host)
+        emitted, finished = loop.emitted(), loop.finished_host
         new: dict[int, list[int]] = {}
         done = []
         for row, request_id in enumerate(self._rows):

@@ -123,6 +123,11 @@ class SpeculativeLoop:
     def finished(self, value: torch.Tensor) -> None:
         self._set_finished([int(f) for f in value.tolist()])
 
+    @property
+    def finished_host(self) -> list[int]:
+        """[B] host flags (1: finished), as of the last iteration's read."""
+        return list(self._finished_host)
+
     def _set_finished(self, flags: list[int]) -> None:
         if flags != self._finished_host:
             self._finished_host, self._finished_device = list(flags), None
