@@ -14,10 +14,21 @@ Without a draft model: ``SpeculativeDecoder(target, prompt_lookup_num_tokens=10)
 ``start`` takes ``generate``'s keyword arguments (``seed=`` included: the same seed, the same tokens). Each ``step``
 returns the tokens every row emitted in that iteration (an empty list for a finished row); they come from the
 iteration's single device-to-host read. For text, give each row a ``streaming.IncrementalDetokenizer``.
+
+Continuous batching (requests joining and leaving between steps, each with its own settings and seed):
+
+    a = decoder.add_request(prompt_ids, max_new_tokens=64, do_sample=True, temperature=0.7, seed=1)
+    while decoder.has_work():
+        for request_id, tokens in decoder.step().items():
+            send(request_id, tokens)
+    decoder.result(a)            # token_ids, finish_reason ("eos", "length", "stop", "cancelled"), statistics
+
+The design, its cost and its admission bound: ``continuous.py``.
 """
 
 import torch
 
+from .continuous import ContinuousBatcher, RequestResult
 from .generation.loop import SpeculativeLoop
 from .generation.request import build_loop
 from .generation.stats import SpeculationStats
@@ -63,12 +74,13 @@ class SpeculativeDecoder:
     ``prompt_lookup_num_tokens`` (and ``max_matching_ngram_size``: prompt lookup, HF's names) or ``drafter`` (a
     callable returning a fresh ``Drafter`` for each session). num_speculative_tokens: an int, or "auto" to calibrate
     gamma per session over its first iterations (``generation/gamma.py``), or None for ``generate``'s default
-    (num_assistant_tokens where set, else 5; prompt_lookup_num_tokens with prompt lookup).
+    (num_assistant_tokens where set, else 5; prompt_lookup_num_tokens with prompt lookup). max_batch_size: the most
+    requests ``add_request`` runs at once (the others wait in a queue).
     """
 
     def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
                  tokenizer=None, assistant_tokenizer=None, prompt_lookup_num_tokens: int | None = None,
-                 max_matching_ngram_size: int | None = None, drafter=None):
+                 max_matching_ngram_size: int | None = None, drafter=None, max_batch_size: int = 16):
         if draft is not None and (prompt_lookup_num_tokens is not None or drafter is not None):
             raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
         if drafter is not None and not callable(drafter):
@@ -80,6 +92,7 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
+        self._batcher = ContinuousBatcher(self, max_batch_size)
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
@@ -95,3 +108,43 @@ class SpeculativeDecoder:
                 drafter=None if self.drafter is None else self.drafter(), **self.lookup, **generation_kwargs,
             )
         return DecodeSession(loop)
+
+    # ------------------------------------------------------------------------------- continuous batching
+    def add_request(self, prompt_ids, **kwargs) -> int:
+        """Queue a request; it joins the running batch at the next ``step`` (prefilled within it). prompt_ids: a
+        1-D integer tensor or a list of ints. kwargs (the target's generation config gives the defaults, as in
+        ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p, seed (None: one drawn from torch's
+        default generator), eos_token_id, min_new_tokens, stop_strings (needs ``tokenizer=`` on the decoder; matched
+        after every token as HF's StopStringCriteria). Anything else is refused by name. Returns its request id."""
+        return self._batcher.add_request(prompt_ids, **kwargs)
+
+    def step(self) -> dict[int, list[int]]:
+        """Admit queued requests (up to max_batch_size running), run one iteration; returns {request_id: new token
+        ids} for every request that produced tokens. Finished requests leave the batch at once."""
+        return self._batcher.step()
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a queued or running request, freeing its row; False if it had already finished."""
+        return self._batcher.cancel(request_id)
+
+    def result(self, request_id: int) -> RequestResult:
+        """A snapshot of a request: its generated token ids, finish_reason (None while running) and statistics."""
+        return self._batcher.result(request_id)
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's result."""
+        self._batcher.release(request_id)
+
+    def has_work(self) -> bool:
+        """Whether any request is queued or running."""
+        return self._batcher.has_work()
+
+    @property
+    def running(self) -> list[int]:
+        """Ids of the running requests, in row order."""
+        return self._batcher.running
+
+    @property
+    def queued(self) -> list[int]:
+        """Ids of the requests waiting to join."""
+        return self._batcher.queued

@@ -9,23 +9,45 @@ from .settings import Plan
 
 
 class LogitMasks:
-    """plan: the request's; prompt_length: the (decoder) prompt's width; vocab: V."""
+    """plan: the request's; prompt_length: the (decoder) prompt's width; vocab: V. rows: per-row minimums and EOS
+    ids (``RowSettings``: a batch of separate requests), which replace the plan's."""
 
-    def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device):
+    def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device, rows=None):
         self.min_new_tokens = plan.min_new_tokens if plan.eos_token_ids else 0
         self.eos_columns = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]: True at EOS ids
         self.eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
         self.forced = self._forced_columns(plan, prompt_length, vocab, device)
+        # Per row (None unless some row of a RowSettings batch has a minimum and EOS ids): min_new [B, 1] int64,
+        # the row's EOS columns [B, 1, V] bool.
+        self.row_min_new = self.row_eos_columns = None
+        if rows is not None:
+            self.min_new_tokens = 0
+            minimums = [m if eos else 0 for m, eos in zip(rows.min_new_tokens, rows.eos)]
+            if max(minimums, default=0) > 0:
+                self.row_min_new = torch.tensor(minimums, dtype=torch.int64, device=device).unsqueeze(1)
+                columns = torch.zeros(rows.batch, 1, vocab, dtype=torch.bool, device=device)
+                for row, eos in enumerate(rows.eos):
+                    columns[row, 0, [e for e in eos if 0 <= e < vocab]] = True
+                self.row_eos_columns = columns
 
     @property
     def active(self) -> bool:
-        return bool(self.forced) or self.min_new_tokens > 0
+        return bool(self.forced) or self.min_new_tokens > 0 or self.row_min_new is not None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the per-row masks of rows ``index`` [B'] (rows leaving the batch)."""
+        if self.row_min_new is not None:
+            self.row_min_new = self.row_min_new.index_select(0, index)
+            self.row_eos_columns = self.row_eos_columns.index_select(0, index)
 
     def apply(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
         """In place on logits [B, T, V] whose positions follow generated_before [B, T] new tokens."""
         if self.min_new_tokens > 0:  # EOS gets -inf where fewer than min_new_tokens have been generated
             too_early = (generated_before < self.min_new_tokens).unsqueeze(-1)
             logits.masked_fill_(too_early & self.eos_columns, float("-inf"))
+        if self.row_min_new is not None:  # the same, with each row's own minimum and EOS ids
+            too_early = (generated_before < self.row_min_new).unsqueeze(-1)
+            logits.masked_fill_(too_early & self.row_eos_columns, float("-inf"))
         for at, columns in self.forced:  # every logit -inf but the forced token's, which is 0 (as HF sets it)
             hit = (generated_before == at).unsqueeze(-1)
             logits.masked_fill_(hit & ~columns, float("-inf")).masked_fill_(hit & columns, 0.0)

@@ -2,6 +2,7 @@
 rolls back for every row at once, with one device-to-host read (the iteration's flags, tokens and the lengths the
 runners asked for). The walk-through of an iteration is in ``docs/architecture.md``."""
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
@@ -9,6 +10,7 @@ import torch
 
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.randomness import DecodeRandomness
+from ..ops.sampling import RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .drafter import Drafter
@@ -16,6 +18,7 @@ from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
 from .options import BatchingOptions
+from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
 from .settings import Plan
@@ -30,13 +33,18 @@ class SpeculativeLoop:
     target's logits; dtype: the verification's dtype (the target's); impl: the module implementing ``verify``/``sample``
     (``ops.backends.implementation``); batching: when finished rows leave the batch in ``run``; warm_up: called after
     the prefill, returns its seconds (``compile=True``: captures and warms up the steps); seed: the run's random
-    numbers (``DecodeRandomness``; None: drawn from torch's default generator).
+    numbers (``DecodeRandomness``; None: drawn from torch's default generator); rows: per-row settings of a batch
+    of separate requests (``row_settings.py``: each row's length limit, EOS ids, sampling parameters, key and
+    offsets), replacing the plan's for every row; the plan's ``max_new_tokens`` must be their largest.
+
+    Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
+    random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
     """
 
     def __init__(self, target: Runner, drafter: Drafter, plan: Plan, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, rows: RowSettings | None = None):
         self.target_runner, self.drafter, self.plan = target, drafter, plan
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
@@ -48,7 +56,11 @@ class SpeculativeLoop:
         self.gamma = self.chosen_gamma  # this iteration's: chosen_gamma, capped by the tokens left (_step_gamma)
         self.max_gamma = plan.max_gamma
         self._largest_gamma_used = self.gamma
-        self.sampling = plan.sampling
+        if rows is not None and (rows.batch != self.batch or max(rows.max_new_tokens) != plan.max_new_tokens):
+            raise ValueError(f"rows must have {self.batch} entries whose largest max_new_tokens is the plan's "
+                             f"({plan.max_new_tokens})")
+        self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
+        self._max_new = [plan.max_new_tokens] * self.batch if rows is None else list(rows.max_new_tokens)
         self.sequences_fill = plan.pad_token_id if plan.pad_token_id is not None else 0
         width = self._buffer_width(self.prompt_length + initial_new_tokens(plan.max_new_tokens))
         self._check_memory(width)
@@ -62,8 +74,18 @@ class SpeculativeLoop:
         self._generated_device: torch.Tensor | None = None
         self._finished_device: torch.Tensor | None = None
         self.eos = frozenset(plan.eos_token_ids or ())
-        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device)
-        self.randomness = DecodeRandomness(self.batch, self.device, seed)
+        self._eos = [self.eos] * self.batch if rows is None else [frozenset(e) for e in rows.eos]
+        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows)
+        if rows is None:
+            self.randomness = DecodeRandomness(self.batch, self.device, seed)
+        else:
+            keys = torch.tensor(rows.keys, dtype=torch.int64, device=self.device)
+            self.randomness = DecodeRandomness(self.batch, self.device, keys=keys,
+                                               offsets=(rows.draft_offsets, rows.verify_offsets))
+        self._draft_advances = 0  # draft offsets advanced in this iteration (a drafter with a model: gamma)
+        self._limits_host: list[int] | None = None  # this iteration's per-row draft limits, None: gamma for all
+        self.last_accepted: list[int] = []  # per row, the drafts it accepted in the last step (-1: finished)
+        self.last_drafted: list[int] = []  # per row, the tokens it was drafted in the last step (0: finished)
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = [0] * (self.max_gamma + 1)
@@ -100,6 +122,11 @@ class SpeculativeLoop:
     @finished.setter
     def finished(self, value: torch.Tensor) -> None:
         self._set_finished([int(f) for f in value.tolist()])
+
+    @property
+    def finished_host(self) -> list[int]:
+        """[B] host flags (1: finished), as of the last iteration's read."""
+        return list(self._finished_host)
 
     def _set_finished(self, flags: list[int]) -> None:
         if flags != self._finished_host:
@@ -145,13 +172,29 @@ class SpeculativeLoop:
     def _step_gamma(self) -> int:
         """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has
         to generate, less one (HF caps the same way); 0 when one token is left."""
-        left = max((self.plan.max_new_tokens - g for g, f in zip(self._generated_host, self._finished_host)
+        left = max((m - g for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)
                     if not f), default=1)
         gamma = max(0, min(self.chosen_gamma, left - 1))
         proposals = self.drafter.proposal_counts()  # a drafter without a model: no longer than its longest proposal
         if proposals is not None:
             gamma = min(gamma, max((c for c, f in zip(proposals, self._finished_host) if not f), default=0))
         return gamma
+
+    def _draft_limits(self) -> torch.Tensor | None:
+        """Each row's draft limit this iteration: gamma, but never more than its own tokens left less one, so a row
+        is drafted as many tokens as it would be alone. Returns [B] int64 on the device, or None when every
+        unfinished row takes all gamma (the common case: no tensor, no op), and when every row is greedy (a draft
+        past a row's end cannot change its tokens, which the host cuts at its length). Kept in ``_limits_host``."""
+        if self.sampling.greedy:
+            self._limits_host = None
+            return None
+        limits = [self.gamma if f else max(0, min(self.gamma, m - g - 1))
+                  for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)]
+        if self.gamma == 0 or min(limits) == self.gamma:
+            self._limits_host = None
+            return None
+        self._limits_host = limits
+        return torch.tensor(limits, dtype=torch.int64, device=self.device)
 
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
@@ -182,6 +225,7 @@ class SpeculativeLoop:
             return logits.float().argmax(dim=-1)
         token = self.impl.sample(logits, self.sampling, self.randomness.draft())
         self.randomness.advance_draft()
+        self._draft_advances += 1
         # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
         return token.clamp_(min=0)
 
@@ -200,11 +244,17 @@ class SpeculativeLoop:
         if self.masks.active:
             self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
         self.stats.target_forwards += 1
-        if self.gamma == 0:  # nothing drafted: one token from the target alone, on an unused draft-stream offset
-            token = self.impl.sample(logits[:, 0], s, self.randomness.draft())
-            if not s.greedy:
-                self.randomness.advance_draft()
-            return token.unsqueeze(1), None, logits, raw
+        if self.gamma == 0:  # nothing drafted: one token from the target alone
+            if s.greedy:
+                return self.impl.sample(logits[:, 0], s, self.randomness.draft()).unsqueeze(1), None, logits, raw
+            # Sampled: verify with no proposal (num_draft_tokens 0), so the token is drawn exactly as a row of a
+            # batch with no tokens of its own to draft draws it (ops.verify's n_b = 0 stream, at the row's verify
+            # offset): a request's last token does not depend on whether it has batch-mates.
+            none = torch.zeros(self.batch, 1, dtype=torch.int64, device=self.device)
+            out, _ = self.impl.verify(torch.cat([logits, logits], dim=1), None, none, s, self.randomness.verify(),
+                                      num_draft_tokens=none[:, 0])
+            self.randomness.advance_verify()
+            return out[:, :1], None, logits, raw
         q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
         # num_draft [B] int64 (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long
         # match) carry fillers past num_draft[b], which the verification never accepts: such a row emits the
@@ -219,9 +269,10 @@ class SpeculativeLoop:
         """Host side of emitting: tokens [B * (gamma + 1)] as read (each row's emitted tokens, then -1). Returns
         (accepted n per row, -1 for an invalid row; count per row after the EOS and max_new_tokens cuts, 0 for a
         finished row; the finished flags after this iteration)."""
-        width, max_new = self.gamma + 1, self.plan.max_new_tokens
+        width = self.gamma + 1
         accepted, counts, finished = [], [], []
         for b in range(self.batch):
+            max_new, eos = self._max_new[b], self._eos[b]
             row = tokens[b * width : (b + 1) * width]
             emitted = row.index(-1) if -1 in row else width
             accepted.append(emitted - 1)
@@ -230,7 +281,7 @@ class SpeculativeLoop:
                 finished.append(1)
                 continue
             count = min(emitted, max_new - self._generated_host[b])
-            hit = next((j for j in range(count) if row[j] in self.eos), None)
+            hit = next((j for j in range(count) if row[j] in eos), None)
             if hit is not None:
                 count = hit + 1
             counts.append(count)
@@ -297,7 +348,13 @@ class SpeculativeLoop:
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
         proposals = self.drafter.proposal_counts()
+        limits = self._draft_limits()
+        self._draft_advances = 0
         draft_tokens, draft_logits, num_draft = self._draft()
+        if limits is not None:  # rows near their end verify only their own drafts and keep their draft offsets
+            num_draft = limits if num_draft is None else torch.minimum(num_draft, limits)
+            if self._draft_advances == self.gamma:
+                self.randomness.give_back_draft(self.gamma - limits)
         self.timer.stop("draft")
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)
@@ -319,7 +376,8 @@ class SpeculativeLoop:
         if min(accepted_host) < 0:
             if accepted is None:
                 accepted = torch.tensor(accepted_host, dtype=torch.int64, device=self.device)
-            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, target_logits=processed,
+            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature,
+                                   sampling=self.sampling if self.sampling.per_row else None, target_logits=processed,
                                    draft_logits=draft_logits, draft_tokens=draft_tokens)
         for reader, lengths in readers:
             reader.lengths_read(host[tail : tail + lengths.numel()])
@@ -332,6 +390,7 @@ class SpeculativeLoop:
         if self.masks.active:  # the draft's masks read it: made now, while the device is idle, not mid-draft
             self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
         self._host_tokens, self._host_counts, self._host_width = tokens_host, count_host, self.gamma + 1
+        self.last_accepted = [n if a else -1 for n, a in zip(accepted_host, active_host)]
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count_host, generated_before)
         if self.gamma == self.chosen_gamma:  # shortened iterations stay out: their counts would bias alpha
@@ -376,8 +435,10 @@ class SpeculativeLoop:
         stopping criterion fired (the host's finished flags, read before it ran, are then stale). proposals: the
         drafter's per-row counts of this iteration (host), or None for gamma each."""
         active = [i for i, a in enumerate(active_host) if a]
-        self.stats.drafted_tokens += sum(self.gamma if proposals is None else min(proposals[i], self.gamma)
-                                         for i in active)
+        limits = self._limits_host or [self.gamma] * len(active_host)
+        self.last_drafted = [(limits[i] if proposals is None else min(proposals[i], limits[i])) * a
+                             for i, a in enumerate(active_host)]
+        self.stats.drafted_tokens += sum(self.last_drafted)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
         self.stats.new_tokens += sum(count_host)
         stopped = False
@@ -433,11 +494,32 @@ class SpeculativeLoop:
         made on the device from the finished flags; the host flags say how many remain)."""
         remaining = [i for i, f in enumerate(self._finished_host) if not f]
         keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)  # unfinished rows, in order
-        generated = [self._generated_host[i] for i in remaining]
         outputs = dropper.drop(self._outputs(), keep)
         self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
-        self._set_generated(generated)
-        self._set_finished([0] * len(remaining))
+        self._select_row_state(remaining, keep)
+
+    def keep_rows(self, remaining: list[int]) -> None:
+        """Between steps: only rows ``remaining`` (host indices, in order, at least one) stay in the batch; the
+        others' cache rows and outputs are freed (``SpeculativeDecoder``: finished and cancelled requests leave)."""
+        if not remaining or sorted(set(remaining)) != list(remaining) or remaining[-1] >= self.batch:
+            raise ValueError(f"remaining must be increasing row indices in [0, {self.batch}), got {remaining}")
+        keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)
+        outputs = self._outputs().select(keep)
+        self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
+        self._select_row_state(remaining, keep)
+
+    def _select_row_state(self, remaining: list[int], keep: torch.Tensor) -> None:
+        """Everything per row but the outputs: counts, flags, limits, EOS ids, sampling, keys, runners, drafter."""
+        self._set_generated([self._generated_host[i] for i in remaining])
+        self._set_finished([self._finished_host[i] for i in remaining])
+        self._max_new = [self._max_new[i] for i in remaining]
+        self._eos = [self._eos[i] for i in remaining]
+        self.masks.select_rows(keep)
+        if self.sampling.per_row:
+            r = self.sampling.rows
+            self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(
+                r.temperature.index_select(0, keep), r.top_k.index_select(0, keep), r.top_p.index_select(0, keep),
+                r.cut))
         self.last = self.last.index_select(0, keep)
         self.randomness.select_rows(keep)
         self.target_runner.select_rows(keep)

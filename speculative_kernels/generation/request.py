@@ -16,6 +16,7 @@ from .inputs import check_batch, check_helpers, check_models, check_token_type, 
 from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions
+from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import Plan, resolve_settings
@@ -27,13 +28,15 @@ SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outp
 def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num_speculative_tokens=None,
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
-               drafter: Drafter | None = None, seed: int | None = None, **kwargs) -> SpeculativeLoop:
+               drafter: Drafter | None = None, seed: int | None = None, rows: RowSettings | None = None,
+               **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
     input_ids: [B, L] (decoder-only: the prompts, left-padded with ``attention_mask``; encoder-decoder: the encoder
     input). What drafts: ``draft_model``, or prompt lookup (``prompt_lookup_num_tokens``), or ``drafter`` (a
-    ``Drafter`` without a model, e.g. ``NGramDrafter``), exactly one. Everything is checked before anything is
+    ``Drafter`` without a model, e.g. ``NGramDrafter``), exactly one. rows: per-row settings of a batch of separate
+    requests (``SpeculativeDecoder.add_request``; ``max_new_tokens`` must then be their largest). Everything is checked before anything is
     allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
@@ -97,7 +100,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         warm_up = functools.partial(capture_steps, steps, compile_options, device)
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
-                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed)
+                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows)
 
 
 def _encoder_prefix(input_ids, attention_mask, device):

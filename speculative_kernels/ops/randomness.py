@@ -114,24 +114,32 @@ class DecodeRandomness:
     default generator (``resolve_randomness``), so that ``torch.manual_seed`` makes runs repeatable; a given seed
     leaves torch's generators untouched. Row b of the run draws with the key ``row_keys(seed)[b]`` for every batch
     size, so no row's numbers depend on the others (rows may leave the batch) and a batch-1 run is row 0 of any run
-    with the same seed. The offsets are device counters advanced in place, the draft sampler's by one per drafted
-    token and the verifier's by one per iteration: no host value enters an iteration's random numbers, so its steps
+    with the same seed. The offsets are per-row device counters advanced in place, the draft sampler's by one per
+    token the row drafted and the verifier's by one per iteration: no host value enters an iteration's random numbers, so its steps
     can be captured in a CUDA graph as they are.
     """
 
-    def __init__(self, batch: int, device: torch.device, seed: int | None = None):
-        drawn = resolve_randomness(check_seed(seed), 0, None, batch, device)
-        self.seed, self.seed_per_row = row_keys(drawn.seed), True
-        self._draft_offset = torch.zeros((), dtype=torch.int64, device=device)
-        self._verify_offset = torch.zeros((), dtype=torch.int64, device=device)
+    def __init__(self, batch: int, device: torch.device, seed: int | None = None, *,
+                 keys: torch.Tensor | None = None, offsets: tuple[list[int], list[int]] | None = None):
+        if keys is None:
+            drawn = resolve_randomness(check_seed(seed), 0, None, batch, device)
+            keys = row_keys(drawn.seed)
+        elif seed is not None:
+            raise ValueError("pass either seed or keys, not both")
+        self.seed, self.seed_per_row = keys.to(device=device, dtype=torch.int64), True
+        # [B] counters, one per row: a row's offsets count its own draws, so a row joining a running batch (or
+        # drafting fewer tokens than its batch-mates) sees the offsets it would see alone.
+        draft, verify = offsets if offsets is not None else ([0] * batch, [0] * batch)
+        self._draft_offset = torch.tensor(draft, dtype=torch.int64, device=device)
+        self._verify_offset = torch.tensor(verify, dtype=torch.int64, device=device)
 
     def draft(self) -> Randomness:
         """For the next draft sample (advance with ``advance_draft`` after it)."""
-        return Randomness(self.seed, self._draft_offset.expand(self.seed.shape[0]), self.seed_per_row)
+        return Randomness(self.seed, self._draft_offset, self.seed_per_row)
 
     def verify(self) -> Randomness:
         """For the next verification (advance with ``advance_verify`` after it)."""
-        return Randomness(self.seed, self._verify_offset.expand(self.seed.shape[0]), self.seed_per_row)
+        return Randomness(self.seed, self._verify_offset, self.seed_per_row)
 
     def advance_draft(self) -> None:
         self._draft_offset.add_(1)
@@ -139,6 +147,23 @@ class DecodeRandomness:
     def advance_verify(self) -> None:
         self._verify_offset.add_(1)
 
+    def give_back_draft(self, unused: torch.Tensor) -> None:
+        """Rows that drafted fewer tokens than the iteration's gamma (their per-row limit) give back the offsets of
+        their fillers: unused [B] int64, so a row's draft offset counts only the tokens it drafted for itself."""
+        self._draft_offset.sub_(unused)
+
+    def offsets(self) -> tuple[list[int], list[int]]:
+        """(draft, verify) offsets of every row, on the host (a device read: between iterations only)."""
+        return self._draft_offset.tolist(), self._verify_offset.tolist()
+
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep the keys of rows ``index`` [B'] (finished rows leaving the batch)."""
+        """Keep the keys and offsets of rows ``index`` [B'] (finished rows leaving the batch)."""
         self.seed = self.seed.index_select(0, index)
+        self._draft_offset = self._draft_offset.index_select(0, index)
+        self._verify_offset = self._verify_offset.index_select(0, index)
+
+
+def request_key(seed: int) -> int:
+    """The Philox key of a request decoded alone with ``seed`` (row 0 of ``row_keys``): its key in any batch, so a
+    request's random numbers do not depend on its batch-mates."""
+    return int(row_keys(torch.tensor([check_seed(seed)], dtype=torch.int64))[0])

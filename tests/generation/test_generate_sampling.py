@@ -42,7 +42,7 @@ def test_sampling_is_repeatable_with_manual_seed():
 def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
     """Capture-safe randomness: every draft sample and every verification reads its Philox offset from one device
     storage that the loop advances in place (what a captured CUDA graph replays), never from a tensor built from a
-    host value per call; the values are 0, 1, 2, ... per drafted token and per iteration, as before."""
+    host value per call; per row, the values count the tokens drafted for it and the iterations."""
     from speculative_kernels.generation.request import build_loop
     from speculative_kernels.ops import torch_backend  # what the loop calls on the CPU
 
@@ -73,8 +73,14 @@ def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
     assert iterations > 1
     for name, found in offsets.items():
         assert len({o.untyped_storage().data_ptr() for o in found}) == 1, name
-    # gamma is capped by the tokens left, so iterations draft 3 tokens or fewer (none in a last, target-only one).
-    target_only = loop.stats.target_forwards - iterations
-    assert len(values["sample"]) == loop.stats.draft_forwards + target_only > 2 * iterations
-    assert values["sample"] == [[i, i] for i in range(len(values["sample"]))]
+    # Every iteration verifies (a last, target-only one too: ops.verify with no proposal), advancing each row's
+    # verify offset by one; each row's draft offset counts the tokens drafted for it: 0, 1, 2, ... within and
+    # across iterations, except that a row drafted fewer than gamma tokens near its end gives its fillers'
+    # offsets back (its next draw is then at most one past its previous one, never further).
+    assert iterations == loop.stats.target_forwards
     assert values["verify"] == [[i, i] for i in range(iterations)]
+    assert len(values["sample"]) == loop.stats.draft_forwards > 2 * iterations
+    for row in range(2):
+        drawn = [v[row] for v in values["sample"]]
+        assert drawn[:3] == [0, 1, 2]
+        assert all(b <= a + 1 for a, b in zip(drawn, drawn[1:]))

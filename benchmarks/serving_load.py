@@ -1,0 +1,217 @@
+"""Serving load test: Poisson arrivals served by ``SpeculativeDecoder``'s continuous batching (``add_request`` /
+``step``) against fixed ``start()`` batches, with HF's continuous batching (``generate_batch``) as an offline
+reference where the installed transformers has it.
+
+    python benchmarks/serving_load.py --tiny --requests 24 --rate 4          # tiny random pair, CPU or first GPU
+    python benchmarks/serving_load.py --target DIR --draft DIR2 --requests 200 --rate 20 --dtype bfloat16
+
+Every request is greedy with its own prompt and ``max_new_tokens`` (uniform in [min, max]), so every method produces
+the same tokens (greedy identity) and the comparison is of scheduling only. Arrival times are drawn once (Poisson
+process of ``--rate`` requests/s, seeded) and replayed in wall-clock time for each method:
+
+* ``continuous``: requests join the running batch at the first step after they arrive (``add_request``) and leave
+  when done; at most ``--max-batch-size`` run, the rest queue;
+* ``static``: when the engine is idle, every arrived request (up to ``--max-batch-size``) starts one ``start()``
+  batch that runs to its end; later arrivals wait for the next batch;
+* ``hf_generate_batch``: ``model.generate_batch`` over all requests at once (no arrivals: an offline throughput
+  reference only, no latencies), without a draft model; "unavailable" with the reason when it cannot run here.
+
+Reported per method: throughput (new tokens / makespan), TTFT (first token time - arrival) and inter-token latency
+p50/p99. A step emits several tokens at once; each of its k tokens is counted with latency gap / k (the gap since
+the request's previous emission), as token-level ITL is reported for multi-token steps. Times include the device
+synchronisation of each step's host read. Output: one JSON object on stdout.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speculative_kernels as sk  # noqa: E402
+
+
+def workload(count: int, rate: float, min_new: int, max_new: int, vocab: int, seed: int = 0):
+    """[(arrival_s, prompt ids, max_new_tokens)] sorted by arrival: Poisson arrivals, prompts of 8..32 ids."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=count))
+    arrivals -= arrivals[0]
+    return [(float(t), rng.integers(3, vocab, size=int(rng.integers(8, 33))).tolist(),
+             int(rng.integers(min_new, max_new + 1))) for t in arrivals]
+
+
+class Recorder:
+    """Per request: arrival time, emission times and token counts."""
+
+    def __init__(self, requests):
+        self.arrival = {i: t for i, (t, _, _) in enumerate(requests)}
+        self.emissions = {i: [] for i in self.arrival}
+
+    def emit(self, index: int, now: float, count: int) -> None:
+        if count:
+            self.emissions[index].append((now, count))
+
+    def summary(self, start: float, end: float) -> dict:
+        ttft, itl, tokens = [], [], 0
+        for index, emissions in self.emissions.items():
+            if not emissions:
+                continue
+            ttft.append(emissions[0][0] - start - self.arrival[index])
+            previous = emissions[0][0]
+            tokens += sum(count for _, count in emissions)
+            for now, count in emissions[1:]:
+                itl.extend([(now - previous) / count] * count)
+                previous = now
+
+        def pct(values, q):
+            return round(float(np.percentile(values, q)) * 1e3, 3) if values else None
+
+        return {"new_tokens": tokens, "makespan_s": round(end - start, 3),
+                "throughput_tok_s": round(tokens / (end - start), 2),
+                "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+                "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
+
+
+def _wait_until(start: float, at: float) -> None:
+    delay = start + at - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_continuous(target, draft, requests, gamma: int, max_batch_size: int) -> dict:
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size)
+    recorder, ids, nxt = Recorder(requests), {}, 0
+    start = time.perf_counter()
+    while nxt < len(requests) or decoder.has_work():
+        now = time.perf_counter() - start
+        while nxt < len(requests) and requests[nxt][0] <= now:
+            _, prompt, new = requests[nxt]
+            ids[decoder.add_request(prompt, max_new_tokens=new, do_sample=False)] = nxt
+            nxt += 1
+        if not decoder.has_work():
+            _wait_until(start, requests[nxt][0])
+            continue
+        emitted = decoder.step()
+        now = time.perf_counter()
+        for request_id, tokens in emitted.items():
+            recorder.emit(ids[request_id], now, len(tokens))
+    return recorder.summary(start, time.perf_counter())
+
+
+def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: int) -> dict:
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma)
+    recorder, nxt = Recorder(requests), 0
+    start = time.perf_counter()
+    while nxt < len(requests):
+        _wait_until(start, requests[nxt][0])
+        now = time.perf_counter() - start
+        batch = []
+        while nxt < len(requests) and requests[nxt][0] <= now and len(batch) < max_batch_size:
+            batch.append(nxt)
+            nxt += 1
+        prompts = [requests[i][1] for i in batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(batch), width), pad, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        # one setting per batch: each row stops at its own length by EOS-free truncation of the longest
+        longest = max(requests[i][2] for i in batch)
+        device = target.device
+        session = decoder.start(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                                do_sample=False, pad_token_id=pad)
+        done = [0] * len(batch)
+        while not session.finished:
+            emitted = session.step()
+            stamp = time.perf_counter()
+            for row, tokens in enumerate(emitted):
+                want = requests[batch[row]][2] - done[row]
+                count = min(len(tokens), max(want, 0))
+                done[row] += count
+                recorder.emit(batch[row], stamp, count)
+    return recorder.summary(start, time.perf_counter())
+
+
+def run_hf_generate_batch(target, requests) -> dict:
+    if not hasattr(target, "generate_batch"):
+        return {"unavailable": "the installed transformers has no generate_batch"}
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig(max_new_tokens=max(r[2] for r in requests), do_sample=False,
+                                  eos_token_id=target.generation_config.eos_token_id,
+                                  pad_token_id=target.generation_config.pad_token_id or 0)
+        start = time.perf_counter()
+        outputs = target.generate_batch([r[1] for r in requests], generation_config=config, progress_bar=False)
+        seconds = time.perf_counter() - start
+    except Exception as error:  # noqa: BLE001 - reported, not hidden: this reference is optional
+        return {"unavailable": f"{type(error).__name__}: {error}"[:300]}
+    tokens = sum(len(out.generated_tokens) for out in outputs.values())
+    if tokens == 0:
+        return {"unavailable": "generate_batch returned no tokens (its requests failed: see its log)"}
+    return {"new_tokens": tokens, "makespan_s": round(seconds, 3), "throughput_tok_s": round(tokens / seconds, 2),
+            "note": "offline: all requests at t=0, max_new_tokens the largest, no draft model"}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny random Llama pair (benchmarks/e2e_batching.py)")
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    parser.add_argument("--min-new", type=int, default=8)
+    parser.add_argument("--max-new", type=int, default=48)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip the untimed warm-up run of two short requests before each method")
+    parser.add_argument("--methods", nargs="+", default=["continuous", "static", "hf_generate_batch"],
+                        choices=["continuous", "static", "hf_generate_batch"])
+    args = parser.parse_args(argv)
+    if args.tiny == bool(args.target or args.draft):
+        parser.error("pass --tiny, or --target and --draft")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        from e2e_batching import tiny_pair
+
+        target, draft = tiny_pair()
+        target.generation_config.eos_token_id = None
+    else:
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, args.dtype)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
+    target, draft = target.to(device), draft.to(device)
+    pad = target.generation_config.pad_token_id
+    pad = 0 if pad is None else int(pad)
+    requests = workload(args.requests, args.rate, args.min_new, args.max_new, target.config.vocab_size)
+    results = {"device": str(device), "requests": args.requests, "rate": args.rate, "gamma": args.gamma,
+               "max_batch_size": args.max_batch_size, "methods": {}}
+    for method in args.methods:
+        with torch.inference_mode(method != "hf_generate_batch"):  # HF's manager updates its tensors in place
+            if args.warm_up and method in ("continuous", "static"):  # first-call costs out of the timed run
+                run = run_continuous if method == "continuous" else run_static
+                run(target, draft, [(0.0, r[1], 4) for r in requests[:2]], args.gamma, args.max_batch_size,
+                    *(() if method == "continuous" else (pad,)))
+            if method == "continuous":
+                results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size)
+            elif method == "static":
+                results["methods"][method] = run_static(target, draft, requests, args.gamma, args.max_batch_size,
+                                                        pad)
+            else:
+                results["methods"][method] = run_hf_generate_batch(target, requests)
+    print(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""An OpenAI-style ``/v1/completions`` server over the standard library's asyncio, driving one
+``SpeculativeDecoder`` with continuous batching: requests join the running batch as they arrive, stream their text
+(``"stream": true``, server-sent events) and leave when they finish or their client disconnects (cancel).
+
+    python python/completions_server.py [--target DIR --draft DIR] [--port 8000]
+    curl -N localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "stream": true}'
+
+Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
+``top_p``, ``top_k`` (an extension), ``seed``, ``stream``, ``stop`` (a string or a list: the decoder's
+``stop_strings``, so the decoder needs ``tokenizer=``). Anything else (``n``, ``logprobs``, ...) is answered 400
+naming the field. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``; as with HF's
+``stop_strings``, the text includes the stop string.
+
+One event loop does everything: between two decoder steps (one draft + verify iteration each, run in the loop's
+thread) it reads new requests and writes the tokens of the last step; a step's tokens go to each request's queue and
+its handler detokenizes them incrementally (``IncrementalDetokenizer``). A client that disconnects (its connection
+reaches EOF, or a write fails) has its request cancelled, which frees its row at once.
+"""
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+
+from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
+
+FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model"}
+MAX_BODY = 1 << 20
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class CompletionsServer:
+    """decoder: a ``SpeculativeDecoder`` (continuous batching: ``add_request``/``step``); tokenizer: its HF
+    tokenizer. ``serve`` runs it in the current event loop; ``start_in_thread`` in a thread of its own."""
+
+    def __init__(self, decoder: SpeculativeDecoder, tokenizer, model_name: str = "speculative-kernels"):
+        self.decoder, self.tokenizer, self.model_name = decoder, tokenizer, model_name
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._wake: asyncio.Event | None = None
+        self.cancelled: list[int] = []  # request ids cancelled because their client went away
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    # ------------------------------------------------------------------------------------------- engine
+    async def _engine(self) -> None:
+        while True:
+            if not self.decoder.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            new = self.decoder.step()
+            for request_id, tokens in new.items():
+                if request_id in self._queues:
+                    self._queues[request_id].put_nowait(tokens)
+            live = set(self.decoder.running) | set(self.decoder.queued)
+            for request_id, queue in list(self._queues.items()):
+                if request_id not in live:
+                    queue.put_nowait(None)  # finished: after its last tokens
+                    del self._queues[request_id]
+            await asyncio.sleep(0)  # let handlers read requests and write tokens between steps
+
+    def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
+        unknown = sorted(set(body) - FIELDS)
+        if unknown:
+            raise HTTPError(400, f"{unknown[0]} is not supported by this server")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise HTTPError(400, "prompt must be a non-empty string")
+        temperature = body.get("temperature", 1.0)
+        kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed")}
+        if body.get("stop") is not None:
+            kwargs["stop_strings"] = body["stop"]
+        if temperature == 0:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=body.get("top_p", 1.0),
+                          top_k=body.get("top_k", 0))
+        ids = self.tokenizer(prompt)["input_ids"]
+        try:
+            request_id = self.decoder.add_request(ids, **kwargs)
+        except (TypeError, ValueError) as error:
+            raise HTTPError(400, str(error)) from None
+        queue = asyncio.Queue()
+        if self.decoder.result(request_id).finished:  # max_tokens 0
+            queue.put_nowait(None)
+        else:
+            self._queues[request_id] = queue
+        self._wake.set()
+        return request_id, queue
+
+    def _cancel(self, request_id: int) -> None:
+        if self.decoder.cancel(request_id):
+            self.cancelled.append(request_id)
+        self._queues.pop(request_id, None)
+
+    # ------------------------------------------------------------------------------------------- HTTP
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path, body = await _read_request(reader)
+            if path != "/v1/completions":
+                raise HTTPError(404, f"no route {path}")
+            if method != "POST":
+                raise HTTPError(405, "use POST")
+            request_id, queue = self._submit(body)
+        except HTTPError as error:
+            await _respond(writer, error.status, {"error": {"message": str(error)}})
+            return
+        try:
+            if body.get("stream"):
+                await self._stream(request_id, queue, reader, writer)
+            else:
+                await self._complete(request_id, queue, writer)
+        except (ConnectionError, asyncio.CancelledError):
+            self._cancel(request_id)
+        finally:
+            writer.close()
+            if self.decoder.result(request_id).finished:
+                self.decoder.release(request_id)
+
+    async def _complete(self, request_id, queue, writer) -> None:
+        while await queue.get() is not None:
+            pass
+        result = self.decoder.result(request_id)
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        await _respond(writer, 200, self._body(request_id, text, _reason(result.finish_reason), result))
+
+    async def _stream(self, request_id, queue, reader, writer) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                     b"Connection: close\r\n\r\n")
+        await writer.drain()
+        gone = asyncio.ensure_future(reader.read(1))  # the client sends nothing more: b"" means it disconnected
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        try:
+            while True:
+                next_tokens = asyncio.ensure_future(queue.get())
+                await asyncio.wait([next_tokens, gone], return_when=asyncio.FIRST_COMPLETED)
+                if not next_tokens.done():  # disconnected while waiting
+                    next_tokens.cancel()
+                    self._cancel(request_id)
+                    return
+                tokens = next_tokens.result()
+                if tokens is None:
+                    break
+                piece = detokenizer.push(tokens)
+                if piece:
+                    await _event(writer, self._body(request_id, piece, None))
+            result = self.decoder.result(request_id)
+            await _event(writer, self._body(request_id, detokenizer.flush(), _reason(result.finish_reason), result))
+            writer.write(b"data: [DONE]\n\n")
+            await writer.drain()
+        finally:
+            gone.cancel()
+
+    def _body(self, request_id, text, finish_reason, result=None) -> dict:
+        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+        if result is not None:
+            body["usage"] = {"prompt_tokens": len(result.prompt_ids), "completion_tokens": len(result.token_ids),
+                             "total_tokens": len(result.prompt_ids) + len(result.token_ids)}
+        return body
+
+    # ------------------------------------------------------------------------------------------- running
+    async def serve(self, host: str = "127.0.0.1", port: int = 8000) -> asyncio.AbstractServer:
+        """Start listening and the engine in the running event loop; returns the asyncio server."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._engine_task = asyncio.ensure_future(self._engine())
+        self._server = await asyncio.start_server(self._handle, host, port)
+        return self._server
+
+    def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Run the server in a daemon thread with its own event loop; returns the bound port (port 0: any free)."""
+        started = threading.Event()
+        bound = []
+
+        def run():
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            server = loop.run_until_complete(self.serve(host, port))
+            bound.append(server.sockets[0].getsockname()[1])
+            started.set()
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        started.wait()
+        return bound[0]
+
+    def stop(self) -> None:
+        """Stop a server started with ``start_in_thread``."""
+        async def shutdown():
+            self._engine_task.cancel()
+            await asyncio.gather(self._engine_task, return_exceptions=True)
+            self._server.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+
+def _reason(finish_reason: str | None) -> str | None:
+    return {"eos": "stop", "stop": "stop", "length": "length"}.get(finish_reason, finish_reason)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        method, path, _ = lines[0].split(" ", 2)
+    except ValueError:
+        raise HTTPError(400, "malformed request line") from None
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    length = int(headers.get("content-length", "0") or 0)
+    if length > MAX_BODY:
+        raise HTTPError(413, "body too large")
+    raw = await reader.readexactly(length) if length else b""
+    if method != "POST":
+        return method, path, {}
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as error:
+        raise HTTPError(400, f"body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "body must be a JSON object")
+    return method, path, body
+
+
+async def _respond(writer, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Too Large"}
+    writer.write(f"HTTP/1.1 {status} {reason.get(status, '')}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    await writer.drain()
+    writer.close()
+
+
+async def _event(writer, body: dict) -> None:
+    writer.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    await writer.drain()
+
+
+def main() -> None:
+    from speculative_kernels.demo_pair import demo_model_paths
+    from speculative_kernels.model_loading import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="local HF folder with a tokenizer (default: the bundled demo target)")
+    parser.add_argument("--draft", help="local HF folder (default: the bundled demo draft)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    args = parser.parse_args()
+    if bool(args.target) != bool(args.draft):
+        parser.error("give both --target and --draft, or neither")
+    target_dir, draft_dir = (args.target, args.draft) if args.target else demo_model_paths()
+    target, tokenizer = load_model(target_dir, dtype="float32")
+    draft, _ = load_model(draft_dir, dtype="float32")
+    decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=args.max_batch_size,
+                                 tokenizer=tokenizer)
+    server = CompletionsServer(decoder, tokenizer)
+
+    async def run():
+        listening = await server.serve(args.host, args.port)
+        print(f"listening on http://{args.host}:{listening.sockets[0].getsockname()[1]}/v1/completions")
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Continuous batching for ``SpeculativeDecoder``: requests join and leave a running batch between steps.
+
+    decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=16)
+    a = decoder.add_request([1, 4, 3], max_new_tokens=64, do_sample=True, temperature=0.7, seed=1)
+    b = decoder.add_request(torch.tensor([5, 9]), max_new_tokens=32)          # greedy (the model's defaults)
+    while decoder.has_work():
+        for request_id, tokens in decoder.step().items():                     # new tokens of each request
+            send(request_id, tokens)
+    decoder.result(a).finish_reason                                           # "eos", "length", "stop", "cancelled"
+
+Exactness: a request's output depends only on its own prompt, settings and seed, never on its batch-mates or on
+when it joined. Each row carries its own length limit, EOS ids, sampling parameters (per-row ``ops`` tensors), its
+Philox key (``randomness.request_key(seed)``: the key of the request decoded alone) and its own random-number
+offsets; it is drafted at most its own tokens left less one. A greedy request is token-identical to
+``model.generate`` on it alone, a seeded sampled one to ``speculative_kernels.generate`` on it alone with that seed.
+
+Design (first version): **the batch is rebuilt when requests join.** A step that admits queued requests builds a new
+loop (``request.build_loop`` with per-row ``RowSettings``) over every running request's prompt plus the tokens it
+has generated, left-padded, and the new prompts, carrying each running request's key and offsets over; both models
+re-prefill all of it. Cost: one prefill of every running request's whole context per step that admits requests
+(requests arriving together are admitted in one rebuild). Leaving is cheap: a finished or cancelled request's row is
+removed from the caches and buffers at once (``SpeculativeLoop.keep_rows`` -> the runners' ``select_rows``), and a
+rebuild sizes the caches for the rows present, so the caches never grow with the number of requests served.
+
+Admission: at most ``max_batch_size`` requests run at once; the others wait in a FIFO queue and are admitted as rows
+free up. Each rebuild goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
+fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
+``max_batch_size`` or cancel requests). Only the dynamic cache is supported: ``cache_implementation`` and
+``compile`` are refused (a captured, fixed-size batch would have to admit rows into its fixed shapes).
+"""
+
+import dataclasses
+
+import torch
+
+from .generation.loop import SpeculativeLoop
+from .generation.request import build_loop
+from .generation.row_settings import RowSettings
+from .generation.settings import resolve_settings
+from .ops.randomness import check_seed, request_key
+
+REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
+                    "eos_token_id", "stop_strings")
+NOT_YET: dict[str, str] = {}  # keyword -> why add_request refuses it in this version
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What ``SpeculativeDecoder.result`` returns. token_ids: the generated ids so far (the prompt excluded);
+    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", or None while queued or running;
+    iterations: the steps it took part in; drafted_tokens / accepted_tokens: drafts proposed for it / accepted."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    iterations: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _Request:
+    result: RequestResult
+    max_new_tokens: int
+    eos: frozenset
+    temperature: float  # 0: greedy
+    top_k: int
+    top_p: float
+    min_new_tokens: int
+    key: int
+    stop: object | None = None  # HF's StopStringCriteria of the request's stop_strings
+    offsets: tuple[int, int] = (0, 0)  # (draft, verify) random-number offsets so far
+
+
+class ContinuousBatcher:
+    """The continuous-batching state of one ``SpeculativeDecoder`` (see the module docstring)."""
+
+    def __init__(self, decoder, max_batch_size: int):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        self.decoder = decoder
+        self.max_batch_size = max_batch_size
+        self._requests: dict[int, _Request] = {}
+        self._queue: list[int] = []  # waiting to join, in arrival order
+        self._rows: list[int] = []  # request id of each row of the running loop
+        self._loop: SpeculativeLoop | None = None
+        self._next_id = 0
+
+    # ------------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt_ids, **kwargs) -> int:
+        target = self.decoder.target
+        if target.config.is_encoder_decoder:
+            raise ValueError("add_request supports decoder-only targets; use start() for encoder-decoder models")
+        for name in kwargs:
+            if name in NOT_YET:
+                raise ValueError(f"{name} is not supported by add_request yet ({NOT_YET[name]})")
+            if name not in REQUEST_KEYWORDS:
+                raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
+        prompt = self._check_prompt(prompt_ids)
+        seed = check_seed(kwargs.pop("seed", None))
+        stop = self._stop_criterion(kwargs.pop("stop_strings", None))
+        settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
+                                    self.decoder.draft)
+        plan = settings.plan(target, len(prompt))
+        if plan.stopping_criteria:
+            raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
+        if plan.cache_implementation is not None:
+            raise ValueError(f"cache_implementation={plan.cache_implementation!r} is not supported by add_request "
+                             "(continuous batching runs on the dynamic cache)")
+        config = plan.generation_config
+        forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
+                  if getattr(config, name, None) is not None]
+        if forced:
+            raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
+        if seed is None:  # an unseeded request draws its seed from torch's default generator
+            seed = int(torch.randint(0, 2**62, ()).item())
+        s = plan.sampling
+        request_id = self._next_id
+        self._next_id += 1
+        result = RequestResult(request_id, prompt, [], None)
+        self._requests[request_id] = _Request(
+            result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
+            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop)
+        if plan.max_new_tokens == 0:
+            result.finish_reason = "length"
+        else:
+            self._queue.append(request_id)
+        return request_id
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() \
+                    or prompt_ids.dtype == torch.bool:
+                raise ValueError(f"prompt_ids must be a 1-D integer tensor or a list of ints, got a tensor of shape "
+                                 f"{tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}")
+            prompt = prompt_ids.tolist()
+        elif isinstance(prompt_ids, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+                raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints")
+            prompt = list(prompt_ids)
+        else:
+            raise TypeError(f"prompt_ids must be a 1-D integer tensor or a list of ints, got "
+                            f"{type(prompt_ids).__name__}")
+        vocab = self.decoder.target.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        return prompt
+
+    def _stop_criterion(self, stop_strings):
+        """stop_strings (a string or a list of them) -> HF's StopStringCriteria on the decoder's tokenizer, or None."""
+        if stop_strings is None:
+            return None
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        if not isinstance(stop_strings, (list, tuple)) or not stop_strings or \
+                not all(isinstance(x, str) and x for x in stop_strings):
+            raise TypeError("stop_strings must be a non-empty string or a list of non-empty strings")
+        if self.decoder.tokenizer is None:
+            raise ValueError("stop_strings needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        return StopStringCriteria(tokenizer=self.decoder.tokenizer, stop_strings=list(stop_strings))
+
+    def _stopped_at(self, request: _Request, new: list[int]) -> int | None:
+        """With stop strings: the index in ``new`` (the tokens just emitted, already in the result) of the first
+        token that completes one, checked after every token as HF does; else None."""
+        result = request.result
+        ids = result.prompt_ids + result.token_ids
+        start = len(ids) - len(new)
+        for j in range(len(new)):
+            if bool(request.stop(torch.tensor([ids[: start + j + 1]]), None).any()):
+                return j
+        return None
+
+    def _request(self, request_id) -> _Request:
+        request = self._requests.get(request_id) if isinstance(request_id, int) else None
+        if request is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        return request
+
+    def result(self, request_id) -> RequestResult:
+        result = self._request(request_id).result
+        return dataclasses.replace(result, prompt_ids=list(result.prompt_ids), token_ids=list(result.token_ids))
+
+    def cancel(self, request_id) -> bool:
+        """Stop a request (its row and cache slots are freed now). Returns False if it had already finished."""
+        request = self._request(request_id)
+        if request.result.finished:
+            return False
+        request.result.finish_reason = "cancelled"
+        if request_id in self._queue:
+            self._queue.remove(request_id)
+        else:
+            self._leave([request_id])
+        return True
+
+    def release(self, request_id) -> None:
+        """Forget a finished request (its result can no longer be read); a server calls it once it has replied."""
+        if not self._request(request_id).result.finished:
+            raise ValueError(f"request {request_id} is still running; cancel it first")
+        del self._requests[request_id]
+
+    @property
+    def running(self) -> list[int]:
+        return list(self._rows)
+
+    @property
+    def queued(self) -> list[int]:
+        return list(self._queue)
+
+    def has_work(self) -> bool:
+        return bool(self._rows or self._queue)
+
+    # ------------------------------------------------------------------------------------------- steps
+    def step(self) -> dict[int, list[int]]:
+        if len(self._rows) < self.max_batch_size and self._queue:
+            self._admit()
+        if self._loop is None:
+            return {}
+        loop = self._loop
+        with torch.inference_mode():
+            loop.step()
+        emitted, finished = loop.emitted(), loop.finished_host
+        new: dict[int, list[int]] = {}
+        done = []
+        for row, request_id in enumerate(self._rows):
+            request = self._requests[request_id]
+            result = request.result
+            result.iterations += 1
+            result.drafted_tokens += loop.last_drafted[row]
+            result.accepted_tokens += max(0, min(loop.last_accepted[row], len(emitted[row]) - 1))
+            tokens = emitted[row]
+            if tokens:
+                result.token_ids.extend(tokens)
+                stopped = None if request.stop is None else self._stopped_at(request, tokens)
+                if stopped is not None:  # the tokens after the one completing a stop string are dropped
+                    del result.token_ids[len(result.token_ids) - len(tokens) + stopped + 1:]
+                    tokens = tokens[: stopped + 1]
+                    result.finish_reason = "stop"
+                    done.append(request_id)
+                new[request_id] = list(tokens)
+            if finished[row] and result.finish_reason is None:
+                hit_eos = bool(result.token_ids) and result.token_ids[-1] in request.eos
+                result.finish_reason = "eos" if hit_eos else "length"
+                done.append(request_id)
+        if done:
+            self._leave(done)
+        return new
+
+    def _leave(self, request_ids: list[int]) -> None:
+        """Remove these running requests' rows from the loop (all rows: drop the loop)."""
+        remaining = [row for row, r in enumerate(self._rows) if r not in request_ids]
+        if not remaining:
+            self._loop, self._rows = None, []
+            return
+        with torch.inference_mode():
+            self._loop.keep_rows(remaining)
+        self._rows = [self._rows[row] for row in remaining]
+
+    def _admit(self) -> None:
+        """Rebuild the batch: the running requests (prompt + tokens so far, their keys and offsets carried over)
+        and the queued ones that fit. On failure (e.g. MemoryError) nothing changes."""
+        joining = self._queue[: self.max_batch_size - len(self._rows)]
+        if self._loop is not None:
+            draft, verify = self._loop.randomness.offsets()
+            for row, request_id in enumerate(self._rows):
+                self._requests[request_id].offsets = (draft[row], verify[row])
+        ids = self._rows + joining
+        requests = [self._requests[r] for r in ids]
+        contexts = [r.result.prompt_ids + r.result.token_ids for r in requests]
+        width = max(len(c) for c in contexts)
+        pad = self._pad_id()
+        device = self.decoder.target.device
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.int64)
+        mask = torch.zeros_like(input_ids)
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.int64)
+            mask[row, width - len(context):] = 1
+        left = [r.max_new_tokens - len(r.result.token_ids) for r in requests]
+        rows = RowSettings(max_new_tokens=left, eos=[r.eos for r in requests],
+                           temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
+                           top_p=[r.top_p for r in requests],
+                           min_new_tokens=[max(0, r.min_new_tokens - len(r.result.token_ids)) for r in requests],
+                           keys=[r.key for r in requests],
+                           draft_offsets=[r.offsets[0] for r in requests],
+                           verify_offsets=[r.offsets[1] for r in requests])
+        d = self.decoder
+        with torch.inference_mode():
+            loop = build_loop(
+                d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),
+                num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
+                assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
+                drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(left), do_sample=False,
+                pad_token_id=pad, rows=rows, **d.lookup)
+        self._loop, self._rows = loop, ids
+        del self._queue[: len(joining)]
+
+    def _pad_id(self) -> int:
+        config = self.decoder.target.generation_config
+        for value in (config.pad_token_id, config.eos_token_id, 0):
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+        return 0

@@ -1,0 +1,44 @@
+"""Per-row settings of a batch whose rows are separate requests (``SpeculativeDecoder.add_request``): each row's
+length limit, EOS ids, sampling parameters and random-number key and offsets. With them a row's output depends only
+on its own settings and seed, never on its batch-mates."""
+
+import dataclasses
+
+import torch
+
+from ..ops.sampling import Sampling
+from ..ops.validation import check_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """One entry per row. max_new_tokens: tokens the row may still generate (>= 1); eos: the row's EOS ids;
+    temperature (0: greedy), top_k (0: off), top_p (1: off): validated by the caller; min_new_tokens: tokens the row
+    must still generate before its EOS may come (EOS masked until then, as HF's MinNewTokensLength); keys: the rows' Philox keys
+    (``randomness.request_key``); draft_offsets, verify_offsets: the rows' random-number counters so far (0 for a
+    new request; carried over when a running request moves to a rebuilt batch)."""
+
+    max_new_tokens: list[int]
+    eos: list[frozenset]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_new_tokens: list[int]
+    keys: list[int]
+    draft_offsets: list[int]
+    verify_offsets: list[int]
+
+    def __post_init__(self):
+        sizes = {len(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        if len(sizes) != 1:
+            raise ValueError(f"RowSettings fields must have one entry per row, got lengths {sorted(sizes)}")
+
+    @property
+    def batch(self) -> int:
+        return len(self.max_new_tokens)
+
+    def sampling(self, device: torch.device) -> Sampling:
+        """The rows' ``Sampling`` (``RowSampling``: [B] tensors on device)."""
+        return check_sampling(torch.tensor(self.temperature, dtype=torch.float32, device=device),
+                              torch.tensor(self.top_k, dtype=torch.int64, device=device),
+                              torch.tensor(self.top_p, dtype=torch.float64, device=device), self.batch, device)

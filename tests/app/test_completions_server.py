@@ -1,0 +1,144 @@
+"""``python/completions_server.py`` on loopback: concurrent /v1/completions requests (streamed and not, greedy and
+seeded sampling) each get the text of their request decoded alone; a client that disconnects mid-stream has its
+request cancelled; bad requests are answered 400/404 naming what is wrong."""
+
+import http.client
+import importlib.util
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from speculative_kernels.demo_pair import load_demo_pair
+
+SERVER_PATH = Path(__file__).resolve().parents[2] / "python" / "completions_server.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("completions_server", SERVER_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def served():
+    target, draft, tokenizer = load_demo_pair()
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
+    server = _module().CompletionsServer(decoder, tokenizer)
+    port = server.start_in_thread()
+    yield server, port, (target, draft, tokenizer)
+    server.stop()
+
+
+def _post(port, body):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    data = response.read().decode()
+    connection.close()
+    return response.status, data
+
+
+def _events(data):
+    lines = [line[len("data: "):] for line in data.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _expected(models, prompt, max_tokens, seed=None, stop=None, **sampling):
+    target, draft, tokenizer = models
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    if seed is None:
+        stops = {} if stop is None else dict(stop_strings=stop, tokenizer=tokenizer)
+        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False, **stops)
+    else:
+        out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=max_tokens,
+                          do_sample=True, seed=seed, **sampling)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_concurrent_requests_get_their_own_completions(served):
+    server, port, models = served
+    requests = [
+        dict(prompt="def fibonacci(n):", max_tokens=20, temperature=0),
+        dict(prompt="import os\n\nclass Config:", max_tokens=24, temperature=0, stream=True),
+        dict(prompt="for line in", max_tokens=16, temperature=0.8, top_k=0, seed=5, stream=True),
+        dict(prompt="    return", max_tokens=12, temperature=1.2, top_p=0.9, top_k=0, seed=9),
+        dict(prompt="def add(a, b):\n    return", max_tokens=40, temperature=0, stop=["\n"], stream=True),
+    ]
+    replies = [None] * len(requests)
+
+    def call(index):
+        replies[index] = _post(port, requests[index])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for body, (status, data) in zip(requests, replies):
+        assert status == 200, data
+        sampling = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body and body.get("seed")}
+        expected = _expected(models, body["prompt"], body["max_tokens"], body.get("seed"), body.get("stop"),
+                             **sampling)
+        if body.get("stream"):
+            events = _events(data)
+            text = "".join(e["choices"][0]["text"] for e in events)
+            assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+            assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+            if "stop" in body:  # the token completing the stop string is the last (it may run past the string)
+                assert events[-1]["choices"][0]["finish_reason"] == "stop" and "\n" in text
+            else:
+                assert len(events) > 2  # streamed in pieces, not in one
+        else:
+            reply = json.loads(data)
+            text = reply["choices"][0]["text"]
+            assert reply["usage"]["completion_tokens"] <= body["max_tokens"]
+        assert text == expected, body
+
+
+def test_a_client_that_disconnects_has_its_request_cancelled(served):
+    server, port, _ = served
+    before = len(server.cancelled)
+    body = json.dumps(dict(prompt="class Parser:", max_tokens=400, temperature=0.7, seed=1, stream=True)).encode()
+    client = socket.create_connection(("127.0.0.1", port), timeout=300)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while b"data: " not in received:  # the first streamed piece
+        received += client.recv(4096)
+    client.close()
+    status, _ = _post(port, dict(prompt="x = 1", max_tokens=40, temperature=0))  # the server goes on stepping
+    assert status == 200
+    assert len(server.cancelled) == before + 1
+    request_id = server.cancelled[-1]
+    with pytest.raises(ValueError, match="unknown request_id"):  # cancelled, then released by the server
+        server.decoder.result(request_id)
+    assert request_id not in server.decoder.running
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (dict(prompt="x", logprobs=2), 400, "logprobs is not supported by this server"),
+    (dict(prompt="x", stop=[""]), 400, "stop_strings must be"),
+    (dict(prompt="x", n=2), 400, "n is not supported"),
+    (dict(prompt=""), 400, "prompt must be a non-empty string"),
+    (dict(prompt="x", max_tokens=-1), 400, "max_new_tokens"),
+    (dict(prompt="x", seed=-3), 400, "seed must be in"),
+])
+def test_bad_requests_are_refused_by_name(served, body, status, message):
+    _, port, _ = served
+    got, data = _post(port, body)
+    assert got == status and message in json.loads(data)["error"]["message"]
+
+
+def test_unknown_route(served):
+    _, port, _ = served
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/v1/chat", "{}")
+    response = connection.getresponse()
+    assert response.status == 404 and "no route /v1/chat" in response.read().decode()

@@ -1,0 +1,48 @@
+"""stop_strings per request in continuous batching, on the demo pair (which has a tokenizer): each request stops
+where model.generate(stop_strings=..., tokenizer=...) stops it alone, with finish_reason "stop"; a batch-mate without
+stop strings runs on."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from speculative_kernels.demo_pair import load_demo_pair
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_demo_pair()
+
+
+def test_stop_strings_per_request(demo):
+    target, draft, tokenizer = demo
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
+    cases = [("def add(a, b):", dict(max_new_tokens=40, stop_strings=["\n"])),
+             ("import os\nimport", dict(max_new_tokens=40, stop_strings=["sys", "\n\n"])),
+             ("for i in range(", dict(max_new_tokens=12))]
+    ids = {}
+    for prompt, settings in cases:
+        ids[decoder.add_request(tokenizer(prompt)["input_ids"], do_sample=False, **settings)] = (prompt, settings)
+        decoder.step()
+    while decoder.has_work():
+        decoder.step()
+    reasons = []
+    for request_id, (prompt, settings) in ids.items():
+        prompt_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        extra = {"tokenizer": tokenizer} if "stop_strings" in settings else {}
+        expected = target.generate(prompt_ids, do_sample=False, **settings, **extra)[0, prompt_ids.shape[1]:]
+        expected = expected[expected != tokenizer.pad_token_id].tolist()
+        result = decoder.result(request_id)
+        assert result.token_ids == expected, prompt
+        reasons.append(result.finish_reason)
+    assert reasons[0] == "stop" and reasons[2] in ("length", "eos")
+
+
+def test_stop_strings_are_checked(demo):
+    target, draft, tokenizer = demo
+    with pytest.raises(ValueError, match="stop_strings needs the decoder's tokenizer"):
+        sk.SpeculativeDecoder(target, draft).add_request([1, 2], stop_strings=["x"])
+    decoder = sk.SpeculativeDecoder(target, draft, tokenizer=tokenizer)
+    for bad in ([], [""], [3], 5):
+        with pytest.raises(TypeError, match="stop_strings must be"):
+            decoder.add_request([1, 2], stop_strings=bad)

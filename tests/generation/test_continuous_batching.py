@@ -1,0 +1,280 @@
+"""Continuous batching on ``SpeculativeDecoder`` (``add_request`` / ``step`` / ``cancel`` / ``result``): requests
+with their own settings and seeds join and leave a running batch, and each one's output is what it would be alone:
+greedy ones token-identical to ``model.generate``, seeded sampled ones to ``speculative_kernels.generate`` with the
+same seed (whole output); per-row sampling follows each row's warped target distribution (chi-square)."""
+
+import numpy as np
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.models import llama
+from helpers.sampling import hf_warpers
+from helpers.stats import assert_matches
+
+GAMMA = 3
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=2)
+
+
+def spread(seed: int, layers: int, vocab: int = 8):
+    """A Llama over a small vocabulary with spread-out next-token distributions and no EOS (sampled outputs of
+    different settings and seeds differ; first-token distributions are easy to test)."""
+    model = llama(layers=layers, vocab=vocab, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _alone(pair, prompt, settings):
+    """The request decoded alone: model.generate when greedy, else speculative_kernels.generate with its seed."""
+    target, draft = pair
+    ids = torch.tensor([prompt])
+    if not settings.get("do_sample"):
+        out = target.generate(ids, pad_token_id=0, **settings)
+    else:
+        out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=GAMMA, pad_token_id=0, **settings)
+    return out[0, len(prompt):].tolist()
+
+
+def _run(decoder, arrivals):
+    """arrivals: {step index: [(prompt, settings), ...]} added before that step. Returns ({id: (prompt, settings)},
+    {id: streamed tokens}), stepping until no work is left."""
+    requests, streamed, step = {}, {}, 0
+    while step <= max(arrivals) or decoder.has_work():
+        for prompt, settings in arrivals.get(step, []):
+            requests[decoder.add_request(prompt, **settings)] = (prompt, settings)
+        for request_id, tokens in decoder.step().items():
+            streamed.setdefault(request_id, []).extend(tokens)
+        step += 1
+    return requests, streamed
+
+
+def test_requests_joining_at_different_steps_match_each_request_alone(pair):
+    """Greedy and seeded sampled requests of different lengths and settings, arriving at different steps (some
+    while others run, one after the batch emptied): each one's streamed and final tokens are its output alone."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    arrivals = {
+        0: [([5, 6, 7, 8], dict(max_new_tokens=13, do_sample=False)),
+            ([9, 10], dict(max_new_tokens=11, do_sample=True, temperature=0.8, seed=3))],
+        2: [([11, 12, 13, 14, 15, 16], dict(max_new_tokens=9, do_sample=True, top_k=5, seed=4)),
+            ([17], dict(max_new_tokens=7, do_sample=False))],
+        5: [([20, 21, 22], dict(max_new_tokens=10, do_sample=True, temperature=1.3, top_p=0.8, seed=5))],
+        6: [([30, 31], dict(max_new_tokens=1, do_sample=True, seed=6)),
+            ([32, 33, 34], dict(max_new_tokens=2, do_sample=False))],
+        40: [([40, 41, 42], dict(max_new_tokens=8, do_sample=True, temperature=0.7, seed=7))],
+    }
+    requests, streamed = _run(decoder, arrivals)
+    assert len(requests) == 8
+    for request_id, (prompt, settings) in requests.items():
+        expected = _alone(pair, prompt, settings)
+        result = decoder.result(request_id)
+        assert result.token_ids == expected, (prompt, settings)
+        assert streamed[request_id] == expected
+        assert result.finish_reason == "length" and result.prompt_ids == prompt
+        assert result.iterations >= 1 and 0 <= result.accepted_tokens <= result.drafted_tokens
+    assert decoder.running == [] and decoder.queued == []
+
+
+def test_sampled_requests_near_their_end_match_each_request_alone():
+    """Models that accept some drafts and reject others, many seeded requests of different lengths in one batch:
+    rows near their end are drafted fewer tokens than their batch-mates (their own tokens left, less one), give
+    the unused draft offsets back and go on drawing what they would draw alone, up to their last token."""
+    target, draft = spread(0, 2), spread(7, 1)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    arrivals = {0: [([1, 4, 3, 5], dict(max_new_tokens=5 + 3 * i, do_sample=True, temperature=0.8, seed=100 + i))
+                    for i in range(8)],
+                3: [([2, 6], dict(max_new_tokens=4 + 5 * i, do_sample=True, top_k=4, seed=200 + i)) for i in range(4)]}
+    requests, streamed = _run(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        assert streamed[request_id] == _alone((target, draft), prompt, settings), (prompt, settings)
+
+
+def test_requests_with_their_own_eos_finish_with_eos(pair):
+    """eos_token_id per request: the greedy request stops at its own EOS as model.generate does; a batch-mate
+    with another EOS (or none) is not cut by it."""
+    target, draft = pair
+    prompt = [5, 6, 7, 8]
+    free = _alone(pair, prompt, dict(max_new_tokens=12, do_sample=False))
+    eos = free[4]
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    stopped = decoder.add_request(prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    other = decoder.add_request(prompt, max_new_tokens=12, do_sample=False, eos_token_id=[96])
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(stopped).token_ids == _alone(pair, prompt, dict(max_new_tokens=12, do_sample=False,
+                                                                          eos_token_id=eos))
+    assert decoder.result(stopped).token_ids == free[: free.index(eos) + 1]
+    assert decoder.result(stopped).finish_reason == "eos"
+    assert decoder.result(other).token_ids == free and decoder.result(other).finish_reason == "length"
+
+
+def test_min_new_tokens_per_request(pair):
+    """min_new_tokens per request: EOS is masked for that row only until its own minimum (as HF's
+    MinNewTokensLength), also across the rebuild when another request joins in its masked window; greedy requests
+    are model.generate, seeded sampled ones generate with their seed."""
+    target, _ = pair
+    prompt = [5, 6, 7, 8]
+    free = _alone(pair, prompt, dict(max_new_tokens=12, do_sample=False))
+    eos = free[1]  # the free run would stop at its second token
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    arrivals = {0: [(prompt, dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, min_new_tokens=6)),
+                    (prompt, dict(max_new_tokens=12, do_sample=False, eos_token_id=eos)),
+                    ([9, 10], dict(max_new_tokens=14, do_sample=True, eos_token_id=[eos, 7], min_new_tokens=9,
+                                   seed=2))],
+                1: [([11, 12, 13], dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, eos_token_id=eos))]}
+    requests, streamed = _run(decoder, arrivals)
+    outputs = []
+    for request_id, (prompt_ids, settings) in requests.items():
+        expected = _alone(pair, prompt_ids, settings)
+        assert streamed[request_id] == expected, settings
+        outputs.append(expected)
+    assert len(outputs[0]) > 2 and eos not in outputs[0][:6]
+    assert outputs[1] == free[:2]
+
+
+def test_min_new_tokens_left_is_carried_across_a_rebuild(pair):
+    """A request whose EOS comes exactly at its minimum: when another request joins (the batch is rebuilt) after it
+    has generated some tokens, only what is left of its minimum stays masked, so it still stops there."""
+    target, _ = pair
+    prompt = [5, 6, 7, 8]
+    free = _alone(pair, prompt, dict(max_new_tokens=16, do_sample=False))
+    at = next(i for i in range(4, 16) if free[i] not in free[:i])
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=free[at], min_new_tokens=at)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    requests, streamed = _run(decoder, {0: [(prompt, settings)], 1: [([9, 10], dict(max_new_tokens=4))]})
+    first = next(iter(requests))
+    assert streamed[first] == _alone(pair, prompt, settings) == free[: at + 1]
+    assert decoder.result(first).finish_reason == "eos"
+
+
+def test_mixed_sampling_settings_follow_each_rows_distribution():
+    """One batch of many requests, each row with its own temperature / top-k / top-p / seed: the first token of the
+    requests of each setting follows the target's warped distribution for that setting (chi-square), so no row
+    samples with a batch-mate's settings."""
+    target, draft = spread(0, 2), spread(7, 1)
+    prompt = [1, 4, 3, 5]
+    settings = [dict(temperature=0.5), dict(temperature=1.0), dict(temperature=1.5), dict(temperature=1.0, top_k=3),
+                dict(temperature=1.0, top_p=0.6)]
+    per_setting = 300
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA,
+                                    max_batch_size=per_setting * len(settings))
+    ids = {}
+    for trial in range(per_setting):
+        for index, setting in enumerate(settings):
+            ids[decoder.add_request(prompt, max_new_tokens=2, do_sample=True, seed=trial * 10 + index,
+                                    **({"top_k": 0} | setting))] = index
+    while decoder.has_work():
+        decoder.step()
+    firsts = [[] for _ in settings]
+    for request_id, index in ids.items():
+        firsts[index].append(decoder.result(request_id).token_ids[0])
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt])).logits[:, -1].double()
+    for index, setting in enumerate(settings):
+        warp = hf_warpers(setting["temperature"], setting.get("top_k", 0), setting.get("top_p", 1.0))
+        probs = warp(torch.tensor([prompt]), logits.clone()).softmax(-1)[0].numpy()
+        assert_matches(np.bincount(firsts[index], minlength=8), probs)
+
+
+def test_cancel_frees_the_row_and_the_caches_stay_bounded(pair):
+    """A long request runs while 20 others join, run two steps and are cancelled: each cancel removes the row at
+    once, and the caches stay sized for what is running (no growth with the number of requests served)."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    long = decoder.add_request([5, 6, 7], max_new_tokens=120, do_sample=False)
+    widths = []
+    for cycle in range(20):
+        short = decoder.add_request([8 + cycle, 9, 10, 11, 12], max_new_tokens=50, do_sample=True, seed=cycle)
+        decoder.step()
+        decoder.step()
+        assert decoder.running == [long, short]
+        assert decoder.cancel(short)
+        assert decoder.running == [long]
+        loop = decoder._batcher._loop
+        assert loop.batch == 1 and loop.target_runner.slot_mask.shape[0] == 1
+        assert loop.sequences.shape[0] == 1
+        context = 3 + len(decoder.result(long).token_ids)
+        widths.append(loop.target_runner.num_slots)
+        assert loop.target_runner.num_slots <= context + 5 + GAMMA + 1  # the longest row's context: no leftovers
+        result = decoder.result(short)
+        assert result.finish_reason == "cancelled" and 2 <= len(result.token_ids) <= 2 * (GAMMA + 1)
+        assert not decoder.cancel(short)  # already finished
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(long).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=120, do_sample=False))
+
+
+def test_cancel_of_a_queued_request_and_the_queue_bound(pair):
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=2)
+    a, b, c, d = (decoder.add_request([5, 6 + i], max_new_tokens=4, do_sample=False) for i in range(4))
+    assert decoder.queued == [a, b, c, d] and decoder.result(a).finish_reason is None
+    decoder.step()
+    assert decoder.running == [a, b] and decoder.queued == [c, d]
+    assert decoder.cancel(c)
+    assert decoder.queued == [d] and decoder.result(c).finish_reason == "cancelled"
+    assert decoder.result(c).token_ids == []
+    while decoder.has_work():
+        decoder.step()
+    for request_id in (a, b, d):
+        assert decoder.result(request_id).token_ids == _alone(pair, decoder.result(request_id).prompt_ids,
+                                                               dict(max_new_tokens=4, do_sample=False))
+    zero = decoder.add_request([5], max_new_tokens=0)
+    assert decoder.result(zero).finish_reason == "length" and not decoder.has_work()
+    assert decoder.step() == {}
+    decoder.release(a)
+    with pytest.raises(ValueError, match="unknown request_id 0"):
+        decoder.result(a)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda d: d.result(99), ValueError, "unknown request_id 99"),
+    (lambda d: d.cancel("x"), ValueError, "unknown request_id 'x'"),
+    (lambda d: d.add_request([1, 2], min_new_tokens=2.5), TypeError, "min_new_tokens"),
+    (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings needs the decoder.s tokenizer"),
+    (lambda d: d.add_request([1, 2], num_beams=2), ValueError, "num_beams is not a keyword add_request takes"),
+    (lambda d: d.add_request([1, 2], cache_implementation="static"), ValueError, "cache_implementation is not a"),
+    (lambda d: d.add_request(torch.ones(1, 3, dtype=torch.int64)), ValueError, "1-D integer tensor"),
+    (lambda d: d.add_request(torch.ones(3)), ValueError, "dtype torch.float32"),
+    (lambda d: d.add_request([]), ValueError, "at least one token"),
+    (lambda d: d.add_request([1, 2.0]), TypeError, "list of ints"),
+    (lambda d: d.add_request("hello"), TypeError, "got str"),
+    (lambda d: d.add_request([1, 500]), ValueError, r"prompt_ids must be in \[0, 97\)"),
+    (lambda d: d.add_request([1, 2], seed=-1), ValueError, "seed must be in"),
+    (lambda d: d.add_request([1, 2], do_sample=True, temperature=-1.0), ValueError, "temperature"),
+    (lambda d: d.add_request([1, 2], max_new_tokens=-1), ValueError, "max_new_tokens"),
+])
+def test_bad_ids_and_arguments_are_refused_by_name(pair, call, error, message):
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    with pytest.raises(error, match=message):
+        call(decoder)
+    assert not decoder.has_work()
+
+
+def test_release_of_a_running_request_and_bad_batch_sizes(pair):
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    request_id = decoder.add_request([1, 2], max_new_tokens=5)
+    with pytest.raises(ValueError, match="still running"):
+        decoder.release(request_id)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
+            sk.SpeculativeDecoder(*pair, max_batch_size=bad)
+
+
+@pytest.mark.parametrize("options", [dict(prompt_lookup_num_tokens=3), dict(num_speculative_tokens="auto")])
+def test_prompt_lookup_and_auto_gamma_requests_match_generate(pair, options):
+    """Without a draft model (prompt lookup: per-row proposal counts, combined with the per-row limits) and with
+    gamma calibrated per rebuilt batch ("auto"), greedy requests joining at different steps are model.generate."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, None if "prompt_lookup_num_tokens" in options else draft, **options)
+    arrivals = {i: [(prompt, dict(max_new_tokens=10 + 3 * i, do_sample=False))]
+                for i, prompt in enumerate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [3, 4]])}
+    requests, streamed = _run(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        assert streamed[request_id] == _alone(pair, prompt, settings)
