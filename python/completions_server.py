@@ -35,6 +35,10 @@ class HTTPError(Exception):
         self.status = status
 
 
+class StepFailed(Exception):
+    """What a request's queue receives when the decoder's step raised (its client gets the message)."""
+
+
 class CompletionsServer:
     """decoder: a ``SpeculativeDecoder`` (continuous batching: ``add_request``/``step``); tokenizer: its HF
     tokenizer. ``serve`` runs it in the current event loop; ``start_in_thread`` in a thread of its own."""
@@ -54,7 +58,11 @@ class CompletionsServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            new = self.decoder.step()
+            try:
+                new = self.decoder.step()
+            except Exception as error:  # noqa: BLE001 -- every waiting client is told; the engine keeps serving
+                self._fail_all(error)
+                continue
             for request_id, tokens in new.items():
                 if request_id in self._queues:
                     self._queues[request_id].put_nowait(tokens)
@@ -64,6 +72,15 @@ class CompletionsServer:
                     queue.put_nowait(None)  # finished: after its last tokens
                     del self._queues[request_id]
             await asyncio.sleep(0)  # let handlers read requests and write tokens between steps
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step raised: every request in flight is cancelled and its client gets the error (500), instead of
+        waiting for tokens that will never come."""
+        failure = StepFailed(f"{type(error).__name__}: {error}")
+        for request_id, queue in list(self._queues.items()):
+            self.decoder.cancel(request_id)
+            queue.put_nowait(failure)
+        self._queues.clear()
 
     def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
         unknown = sorted(set(body) - FIELDS)
@@ -124,8 +141,10 @@ class CompletionsServer:
                 self.decoder.release(request_id)
 
     async def _complete(self, request_id, queue, writer) -> None:
-        while await queue.get() is not None:
-            pass
+        while (item := await queue.get()) is not None:
+            if isinstance(item, StepFailed):
+                await _respond(writer, 500, {"error": {"message": str(item)}})
+                return
         result = self.decoder.result(request_id)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         await _respond(writer, 200, self._body(request_id, text, _reason(result.finish_reason), result))
@@ -147,6 +166,11 @@ class CompletionsServer:
                 tokens = next_tokens.result()
                 if tokens is None:
                     break
+                if isinstance(tokens, StepFailed):  # headers are out: the error goes as an event, then [DONE]
+                    await _event(writer, {"error": {"message": str(tokens)}})
+                    writer.write(b"data: [DONE]\n\n")
+                    await writer.drain()
+                    return
                 piece = detokenizer.push(tokens)
                 if piece:
                     await _event(writer, self._body(request_id, piece, None))

@@ -142,3 +142,30 @@ def test_unknown_route(served):
     connection.request("POST", "/v1/chat", "{}")
     response = connection.getresponse()
     assert response.status == 404 and "no route /v1/chat" in response.read().decode()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_step_answers_its_clients_and_the_server_goes_on(served, monkeypatch, stream):
+    """A step that raises reaches every waiting client (500, or an error event on a stream) instead of leaving them
+    waiting, and the next request is served."""
+    server, port, models = served
+    step = server.decoder.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the device fell over")
+        return step()
+
+    monkeypatch.setattr(server.decoder, "step", failing_step)
+    status, data = _post(port, dict(prompt="def f(x):", max_tokens=8, temperature=0, stream=stream))
+    if stream:
+        assert status == 200
+        lines = [line[len("data: "):] for line in data.split("\n\n") if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and "the device fell over" in json.loads(lines[0])["error"]["message"]
+    else:
+        assert status == 500 and "RuntimeError: the device fell over" in json.loads(data)["error"]["message"]
+    status, data = _post(port, dict(prompt="def fibonacci(n):", max_tokens=6, temperature=0))
+    assert status == 200
+    assert json.loads(data)["choices"][0]["text"] == _expected(models, "def fibonacci(n):", 6)
