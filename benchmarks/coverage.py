@@ -84,6 +84,12 @@ def _inputs(batch: int):
     return ids, mask
 
 
+def _reason(refusal: ValueError) -> str:
+    """The reason of a capability refusal, without the "<Model> cannot be driven exactly ...:" preamble."""
+    text = str(refusal)
+    return text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text
+
+
 def _run(target, drafts, kind: str, column: str) -> str:
     """The first draft that causes rejections decides the cell."""
     for draft in drafts:
@@ -107,8 +113,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     try:
         check_request(target, draft, path=path, batch=batch)
     except ValueError as error:
-        text = str(error)
-        return "refused: " + (text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text)
+        return "refused: " + _reason(error)
     ids, mask = _inputs(batch)
     if getattr(target.config, "is_encoder_decoder", False):  # encoder input: right padding (the seq2seq mapping
         # also lists decoder-only audio/speech-to-text models, whose prompts are left-padded)
@@ -206,9 +211,7 @@ def _refused_by_default_config(model_type: str, kind: str, column: str) -> str |
     try:
         check_request(model, model, path=path, batch=batch)
     except ValueError as error:
-        text = str(error)
-        reason = text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text
-        return f"refused: {reason} (checked on the default config: the tiny model cannot be built)"
+        return f"refused: {_reason(error)} (checked on the default config: the tiny model cannot be built)"
     except Exception:  # noqa: BLE001
         return None
     return None

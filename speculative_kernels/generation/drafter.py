@@ -19,7 +19,7 @@ ChooseToken = Callable[[torch.Tensor, int], torch.Tensor]
 def emitted_counts(accepted: torch.Tensor | None, finished: torch.Tensor) -> torch.Tensor:
     """[B] int64: the tokens each row emitted in an iteration (accepted + 1; 1 when nothing was drafted; 0 for a
     row finished before it), from ``Drafter.observe``'s arguments."""
-    count = torch.ones_like(finished, dtype=torch.int64) if accepted is None else accepted.clamp(min=-1) + 1
+    count = torch.ones_like(finished, dtype=torch.int64) if accepted is None else accepted + 1
     return count.masked_fill(finished, 0)
 
 

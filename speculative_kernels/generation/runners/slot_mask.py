@@ -1,6 +1,7 @@
 """What the two decoder-only runners share: each row's real slots marked in a slot mask (holes at 0), rollback by
 mask writes, per-row positions, and hole compaction fed by the loop's host read."""
 
+import abc
 import inspect
 
 import torch
@@ -29,7 +30,7 @@ def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, nu
     return start
 
 
-class SlotMaskRunner:
+class SlotMaskRunner(abc.ABC):
     """Base of the decoder-only runners: ``slot_mask`` [B, S] int64 (1 real, 0 hole), ``next_position`` [B] (each
     row's real slots: its next position), ``num_slots`` (host int) and a ``SlotCompactor``. Subclasses own the cache:
     ``truncate``, ``kv_tensors``, ``_select_cache_rows``; ``reserve``/``capacity`` bound a preallocated cache.
@@ -109,15 +110,17 @@ class SlotMaskRunner:
                 self._additive[:, num_slots : self.real_from] = 0
             self.real_from = num_slots
 
+    @abc.abstractmethod
     def truncate(self, num_slots: int) -> None:
-        raise NotImplementedError
+        """Drop every cache slot at index >= num_slots."""
 
+    @abc.abstractmethod
     def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
         """Every K and V tensor restricted to the first ``num_slots`` slots ([B, H, num_slots, D] views)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _select_cache_rows(self, index: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Keep rows ``index`` [B'] of the cache."""
 
     def select_rows(self, index: torch.Tensor) -> None:
         self._select_cache_rows(index)
