@@ -71,9 +71,26 @@ def prompt_length(input_ids) -> int:
     return max(0 if input_ids is None or input_ids.dim() < 2 else input_ids.shape[1], 1)
 
 
-def prepare_prompt(model, input_ids, attention_mask, bos_token_id) -> tuple[torch.Tensor, torch.Tensor]:
+def inferred_attention_mask(input_ids, pad_token_id: int | None, eos_token_ids) -> torch.Tensor | None:
+    """HF's ``_prepare_attention_mask_for_generation``: with no attention_mask given, a pad_token_id that is not one
+    of the EOS ids and occurs in input_ids [B, L] marks padding, mask = (input_ids != pad_token_id) as int64 [B, L].
+    Returns None where HF's mask is all ones (no pad id, pad id among the EOS ids, no pad token in the input)."""
+    if pad_token_id is None or pad_token_id in tuple(eos_token_ids or ()):
+        return None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32,
+                                                                                                  torch.int64):
+        return None  # as HF: only integer [B, L] ids carry padding
+    mask = input_ids != pad_token_id
+    if bool(mask.all()):
+        return None
+    return mask.long()
+
+
+def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
+                   inferred_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder-only prompt: (input_ids [B, L] int64, attention_mask [B, L]) on the model's device, left-padded,
-    every row with a real token and every id in the vocabulary. An empty or missing prompt starts from BOS."""
+    every row with a real token and every id in the vocabulary. An empty or missing prompt starts from BOS.
+    inferred_from: the pad_token_id attention_mask was inferred from (``inferred_attention_mask``), for errors."""
     device = model_device(model)
     if input_ids is None or input_ids.numel() == 0:
         if bos_token_id is None:
@@ -92,6 +109,12 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id) -> tuple[torc
         raise ValueError(f"attention_mask is all zeros in batch rows {empty}: every prompt needs at least one real "
                          "token (pass the row's BOS token to start from nothing)")
     if not bool(real[:, -1].all()):
+        if inferred_from is not None:
+            rows = (~real[:, -1]).nonzero().flatten().tolist()
+            raise ValueError(f"input_ids ends with pad_token_id={inferred_from} in batch rows {rows} and no "
+                             "attention_mask was given: as in transformers, the mask is inferred from pad_token_id, "
+                             "which makes those rows right-padded; pass attention_mask (left padding) or another "
+                             "pad_token_id")
         raise ValueError("attention_mask shows right padding; decoder-only generation needs left padding")
     return input_ids, attention_mask
 

@@ -12,7 +12,8 @@ from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import check_model, request_path
 from .drafter import Drafter, ModelDrafter
-from .inputs import check_batch, check_helpers, check_models, check_token_type, prepare_prompt, prompt_length
+from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
+                     prepare_prompt, prompt_length)
 from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions
@@ -58,6 +59,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
         raise ValueError("draft_model (or assistant_model) is required, or prompt_lookup_num_tokens= (prompt lookup, "
                          "no draft model), or drafter= (a Drafter of your own)")
+    inferred_from = None
+    if attention_mask is None and not encoder_decoder and (inferred := inferred_attention_mask(input_ids, settings.pad_token_id,
+                                                                       settings.eos_token_ids)) is not None:
+        attention_mask, inferred_from = inferred, settings.pad_token_id  # as HF (decoder-only): padding marked by pad_token_id
     encoder_input = (input_ids, attention_mask)  # prompt lookup searches the encoder input too
     if encoder_decoder:  # the loop's prompt is the decoder's
         prompt = prepare_seq2seq(model, draft_model, input_ids, attention_mask, settings.config, **seq2seq_inputs)
@@ -65,7 +70,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         input_ids, attention_mask = prompt.decoder_ids, prompt.decoder_mask
     else:
         plan = settings.plan(model, prompt_length(input_ids))
-        input_ids, attention_mask = prepare_prompt(model, input_ids, attention_mask, settings.config.bos_token_id)
+        input_ids, attention_mask = prepare_prompt(model, input_ids, attention_mask, settings.config.bos_token_id,
+                                                   inferred_from)
     batch, width = input_ids.shape
     device = input_ids.device
     static = wants_static(plan, compile_options)

@@ -65,7 +65,8 @@ def test_whole_continuations_match_target_sampling(temperature, top_k, top_p, or
     torch.manual_seed(2468)
     stats = sk.SpeculationStats()
     rows = 6000
-    out = sk.generate(target, prompt.expand(rows, -1), drafter=sk.NGramDrafter(VOCAB, order=order),
+    ids = prompt.expand(rows, -1)  # the mask is given: pad id 0 occurs in the prompt (HF would mask it)
+    out = sk.generate(target, ids, attention_mask=torch.ones_like(ids), drafter=sk.NGramDrafter(VOCAB, order=order),
                       num_speculative_tokens=2, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
                       max_new_tokens=NEW, pad_token_id=0, speculation_stats=stats)
     assert stats.accepted_tokens > rows // 10
