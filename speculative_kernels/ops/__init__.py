@@ -1,4 +1,4 @@
-"""Public ops: the fused verification step and the draft-side sampler.
+"""Public ops: the fused verification step, the draft-side sampler, KV compaction and prompt lookup.
 
 Both take raw logits (float32, float16 or bfloat16) and apply HF's warping (temperature, top_k, top_p) inside the
 op, so the draft's q is by construction the distribution its token was drawn from. Randomness is explicit: a
@@ -12,10 +12,11 @@ import torch
 from . import backends
 from .compaction import compact_kv
 from .diagnostics import raise_for_invalid_rows, should_check
+from .lookup import prompt_lookup
 from .randomness import resolve_randomness
 from .validation import check_logits, check_num_draft_tokens, check_same_device, check_sampling, check_tokens
 
-__all__ = ["verify", "sample", "compact_kv"]
+__all__ = ["verify", "sample", "compact_kv", "prompt_lookup"]
 
 
 def verify(

@@ -99,3 +99,9 @@ def test_bad_arguments(bad):
         prompt_lookup(tokens, torch.tensor([0]), torch.tensor([4]), **kwargs)
     with pytest.raises(ValueError):
         prompt_lookup(tokens.int(), torch.tensor([0]), torch.tensor([4]), num_tokens=2)
+
+
+def test_public_name():
+    from speculative_kernels import ops
+
+    assert ops.prompt_lookup is prompt_lookup  # the name the docs use
