@@ -3,6 +3,11 @@ prompt of L, bare (HF's own DynamicCache, HF's own mask) and through our runners
 position ids and cache bookkeeping), each rolled back after the call.
 
     OMP_NUM_THREADS=1 python benchmarks/verify_forward.py --widths 1 5 --reps 200
+    OMP_NUM_THREADS=1 python benchmarks/verify_forward.py --shapes --widths 1 5 --reps 20   # by model width
+
+``--shapes`` measures the bare forward instead on random Llamas of growing width (two layers each, the
+``e2e.py`` layered pair's shape first): the width cost of a verification is the model's and the machine's, and the
+paper's formula (a verification costs one step) holds only where a forward is bound by reading the weights.
 
 The calls are interleaved (one of each kind per round, in rotating order) so drift on a shared machine hits every
 kind alike; each time is the median over the rounds. On CPU each call is timed by the process's CPU time
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
 from speculative_kernels.generation.capabilities import check_model  # noqa: E402
@@ -78,6 +84,30 @@ def measure(calls: dict, widths, reps: int, vocab: int, device) -> dict:
     return {f"{name} T={t}": 1e3 * statistics.median(v) for (name, t), v in times.items()}
 
 
+SHAPES = [dict(hidden=256, intermediate=768, heads=8, kv_heads=2, vocab=1024),  # e2e.py's layered pair
+          dict(hidden=512, intermediate=1536, heads=8, kv_heads=2, vocab=4096),
+          dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=8192),
+          dict(hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=8192)]
+
+
+def shape_sweep(widths, reps: int, prompt_length: int, device) -> dict:
+    """{shape name: {"bare T=t": ms}} for two-layer random Llamas of the ``SHAPES``."""
+    from e2e import llama_from_shape
+
+    out = {}
+    for shape in SHAPES:
+        model = llama_from_shape(dict(shape, layers=2, tied=False), device, torch.float32)
+        prompt = torch.randint(3, shape["vocab"], (1, prompt_length),
+                               generator=torch.Generator().manual_seed(1)).to(device)
+        with torch.inference_mode():
+            ms = measure({"bare": bare(model, prompt)}, widths, reps, shape["vocab"], device)
+        name = f"hidden {shape['hidden']}, ffn {shape['intermediate']}, vocab {shape['vocab']}"
+        ms[f"T={max(widths)} / T=1"] = ms[f"bare T={max(widths)}"] / ms["bare T=1"]
+        out[name] = ms
+        print(name, " ".join(f"{k}: {v:.3f}" for k, v in ms.items()))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", nargs="+", type=int, default=[1, 5])
@@ -85,9 +115,17 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path)
+    p.add_argument("--shapes", action="store_true", help="the bare forward on random Llamas of growing width")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
+    if args.shapes:
+        results = shape_sweep(args.widths, args.reps, args.prompt_length, device)
+        if args.json:
+            args.json.write_text(json.dumps({"torch": torch.__version__, "prompt_length": args.prompt_length,
+                                             "reps": args.reps, "device": str(device), "shapes": results},
+                                            indent=1) + "\n")
+        return 0
     target, _, _ = load_demo_pair(device=device)
     vocab = target.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt_length), generator=torch.Generator().manual_seed(1)).to(device)
