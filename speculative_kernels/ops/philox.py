@@ -51,13 +51,70 @@ U_MIN = 2.0**-33
 
 
 def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of the 64-bit product a * b, for a in [0, 2**32) held in int64."""
+    """(hi, lo) 32-bit words of the 64-bit product a * b, for a in [0, 2**32) held in int64, from 16-bit partial
+    products that never overflow."""
     b_lo, b_hi = b & 0xFFFF, b >> 16
     t = a * b_lo  # < 2**48
     u = a * b_hi + (t >> 16)  # < 2**49
     hi = u >> 16
     lo = ((u & 0xFFFF) << 16) | (t & 0xFFFF)
     return hi & MASK32, lo & MASK32
+
+
+def _rounds_split(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
+    """The ten rounds with ``_mulhilo``: the definition, and the path wherever int64 products may not wrap."""
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & MASK32
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0
+
+
+def _rounds_wrapping(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
+    """The same rounds where an int64 product wraps modulo 2**64 (two's complement, as CPUs and CUDA multiply):
+    the product p of two 32-bit words is then exact in its 64 bits, hi = (p >> 32) & mask, lo = p & mask. A third
+    of the split path's ops, in place once every word has its broadcast shape (after two rounds)."""
+    for r in range(PHILOX_ROUNDS):
+        p0 = c0 * PHILOX_M0
+        p1 = c2 * PHILOX_M1
+        if r < 2:
+            c0 = ((p1 >> 32) & MASK32) ^ c1 ^ k0
+            c2 = ((p0 >> 32) & MASK32) ^ c3 ^ k1
+        else:
+            c0 = p1 >> 32
+            c0 &= MASK32
+            c0 ^= c1
+            c0 ^= k0
+            c2 = p0 >> 32
+            c2 &= MASK32
+            c2 ^= c3
+            c2 ^= k1
+        c1, c3 = p1.bitwise_and_(MASK32), p0.bitwise_and_(MASK32)
+        k0 = (k0 + PHILOX_W0) & MASK32
+        k1 = (k1 + PHILOX_W1) & MASK32
+    return c0
+
+
+def _int64_products_wrap(device_type: str) -> bool:
+    """Whether int64 products on this device type keep the low 64 bits past 2**63: checked on the CPU (vectorised
+    and scalar kernels) against Python's integers; CUDA's 64-bit multiply (mul.lo.s64) does by definition; any
+    other device takes the split path."""
+    if device_type == "cuda":
+        return True
+    if device_type != "cpu":
+        return False
+    words = [0xFFFFFFFF, 0xFFFFFFFE, 0x80000001, 0xD2511F53, 0x12345678, 1, 0]
+    for values in (words * 5, words[:1]):
+        for m in (PHILOX_M0, PHILOX_M1):
+            got = (torch.tensor(values, dtype=torch.int64) * m).tolist()
+            if got != [(v * m + 2**63) % 2**64 - 2**63 for v in values]:
+                return False
+    return True
+
+
+INT64_PRODUCTS_WRAP = {"cpu": _int64_products_wrap("cpu"), "cuda": True}
 
 
 def philox_first_word(
@@ -69,14 +126,8 @@ def philox_first_word(
     k0 = seed & MASK32
     k1 = (seed >> 32) & MASK32
     c0, c1, c2, c3 = (c.to(device=seed.device, dtype=torch.int64) & MASK32 for c in (c0, c1, c2, c3))
-    c0, c1, c2, c3, k0, k1 = torch.broadcast_tensors(c0, c1, c2, c3, k0, k1)
-    for _ in range(PHILOX_ROUNDS):
-        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
-        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = (k0 + PHILOX_W0) & MASK32
-        k1 = (k1 + PHILOX_W1) & MASK32
-    return c0
+    wraps = INT64_PRODUCTS_WRAP.get(seed.device.type, False)
+    return (_rounds_wrapping if wraps else _rounds_split)(k0, k1, c0, c1, c2, c3)
 
 
 def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""Philox4x32-10 in torch (``ops/philox.py``): Random123's known answers, and the fast path (int64 products that
+wrap) bit-identical to the split path (16-bit partial products, no overflow) that defines it."""
+
+import pytest
+import torch
+
+from speculative_kernels.ops import philox
+
+# Random123 kat_vectors, philox4x32 10: (counter c0..c3, key k0 k1) -> first output word.
+KAT = [
+    ((0, 0, 0, 0), (0, 0), 0x6627E8D5),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), 0x408F276D),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), 0xD16CFE09),
+]
+
+
+def _seed(k0: int, k1: int) -> int:
+    seed = k0 | (k1 << 32)
+    return seed - 2**64 if seed >= 2**63 else seed  # as the int64 a caller holds
+
+
+@pytest.mark.parametrize("counter,key,want", KAT)
+def test_known_answers(counter, key, want):
+    got = philox.philox_first_word(torch.tensor(_seed(*key)), *(torch.tensor(c) for c in counter))
+    assert int(got) == want
+
+
+def test_cpu_int64_products_wrap():
+    assert philox.INT64_PRODUCTS_WRAP["cpu"]  # else every CPU call takes the slower split path
+
+
+@pytest.mark.parametrize("batch,vocab", [(1, 1), (1, 4099), (5, 777)])
+def test_wrapping_rounds_equal_the_split_rounds(batch, vocab):
+    g = torch.Generator().manual_seed(batch * vocab)
+    seed = torch.randint(-2**63, 2**63 - 1, (batch, 1), generator=g)
+    counters = [torch.arange(vocab).unsqueeze(0), torch.arange(batch).unsqueeze(1),
+                torch.randint(0, 2**32, (batch, 1), generator=g), torch.full((batch, 1), 0x40000000)]
+    k0, k1 = seed & philox.MASK32, (seed >> 32) & philox.MASK32
+    counters = [c & philox.MASK32 for c in counters]
+    split = philox._rounds_split(k0, k1, *torch.broadcast_tensors(*counters))
+    wrapping = philox._rounds_wrapping(k0, k1, *counters)  # words broadcast within the rounds
+    assert torch.equal(split, wrapping)
+    assert torch.equal(philox.philox_first_word(seed, *counters), split)
