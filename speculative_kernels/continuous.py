@@ -24,8 +24,8 @@ fewer slots is padded on the left with holes (masked slots; positions stay each 
 running rows are not forwarded again: admission costs the joining prompts' prefill and a copy of the caches (one
 layer at a time). Requests arriving together are admitted in one merge. Leaving is cheap too: a finished or
 cancelled request's row is removed from the caches and buffers at once (``SpeculativeLoop.keep_rows`` -> the runners'
-``select_rows``); the holes a merge leaves are squeezed out by the runners' hole compaction like any others (while
-two or more rows run).
+``select_rows``); the holes a merge leaves are squeezed out by the runners' hole compaction like any others (also for
+a row left alone).
 
 Admission: at most ``max_batch_size`` requests run at once; the others wait in a FIFO queue and are admitted as rows
 free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it

@@ -387,3 +387,25 @@ def test_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
                 4: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_p=0.8, seed=2))]}
     _run(decoder, arrivals)
     assert len(reads) > 5 and all(r == ["tolist"] for r in reads), reads
+
+
+def test_a_row_left_alone_has_its_holes_compacted(pair):
+    """A long request joins a short running one (which gets the difference as holes on the left) and is cancelled:
+    the row left alone has its holes squeezed out (the compactor stays on for a batch of one that had company), so
+    it no longer attends over the other's slots; its tokens are still model.generate's."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    short = decoder.add_request([5, 6, 7], max_new_tokens=40, do_sample=False)
+    decoder.step()
+    long = decoder.add_request([(3 * i) % 90 + 3 for i in range(120)], max_new_tokens=40, do_sample=False)
+    decoder.step()
+    runner = decoder._batcher._loop.target_runner
+    assert runner.num_slots >= 120
+    decoder.cancel(long)
+    decoder.step()
+    decoder.step()
+    assert runner.compactions >= 1
+    assert runner.num_slots <= 3 + len(decoder.result(short).token_ids) + 2 * (GAMMA + 1)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(short).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=40, do_sample=False))

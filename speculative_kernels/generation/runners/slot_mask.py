@@ -139,7 +139,7 @@ class SlotMaskRunner(abc.ABC):
         if self._additive is not None:
             self._additive = self._additive.index_select(0, index)
         self.next_position = self.next_position.index_select(0, index)
-        self.compactor.select_rows(index.shape[0])
+        self.compactor.select_rows(index.shape[0], holes=self.real_from > 0)
 
     def add_rows(self, other: "SlotMaskRunner") -> None:
         """Append the rows of ``other`` (a runner of the same model and kind over its own rows, e.g. requests just
@@ -164,7 +164,7 @@ class SlotMaskRunner(abc.ABC):
         self.next_position = torch.cat([self.next_position, other.next_position])
         self.real_from = max(r.real_from + pad for r, pad in ((self, pads[0]), (other, pads[1])))
         self.num_slots = slots
-        self.compactor.select_rows(self.slot_mask.shape[0])
+        self.compactor.select_rows(self.slot_mask.shape[0], holes=self.real_from > 0)
 
     @abc.abstractmethod
     def _add_cache_rows(self, other: "SlotMaskRunner", pad: int, other_pad: int) -> None:
