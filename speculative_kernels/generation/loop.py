@@ -558,8 +558,8 @@ class SpeculativeLoop:
         sampling = dataclasses.replace(self.sampling, rows=RowSampling(
             torch.cat([r.temperature, o.temperature]), torch.cat([r.top_k, o.top_k]), torch.cat([r.top_p, o.top_p]),
             r.cut or o.cut))
+        self.drafter.add_rows(other.drafter)  # first: it checks its own settings (the target's are checked above)
         self.target_runner.add_rows(other.target_runner)
-        self.drafter.add_rows(other.drafter)
         self.randomness.add_rows(other.randomness)
         self.sampling, self.last = sampling, torch.cat([self.last, other.last])
         self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
@@ -594,6 +594,8 @@ class SpeculativeLoop:
             why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
         elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
             why = "stopping criteria and streamers belong to a single request"
+        elif self.masks.forced or other.masks.forced:
+            why = "forced tokens (forced_bos/eos_token_id) are set per batch, not per row"
         elif type(self.target_runner) is not type(other.target_runner) or \
                 self.target_runner.model is not other.target_runner.model or \
                 type(self.drafter) is not type(other.drafter):

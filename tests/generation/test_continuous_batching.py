@@ -409,3 +409,36 @@ def test_a_row_left_alone_has_its_holes_compacted(pair):
     while decoder.has_work():
         decoder.step()
     assert decoder.result(short).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=40, do_sample=False))
+
+
+def _row_loop(pair, prompt, **kwargs):
+    """A loop over one request with per-row settings, as ``add_request`` builds them."""
+    from speculative_kernels.generation.request import build_loop
+    from speculative_kernels.generation.row_settings import RowSettings
+    from speculative_kernels.ops.randomness import request_key
+
+    rows = RowSettings(max_new_tokens=[8], eos=[frozenset()], temperature=[0.0], top_k=[0], top_p=[1.0],
+                       min_new_tokens=[0], keys=[request_key(1)], draft_offsets=[0], verify_offsets=[0])
+    return build_loop(pair[0], pair[1], torch.tensor([prompt]), num_speculative_tokens=GAMMA, max_new_tokens=8,
+                      do_sample=False, pad_token_id=0, rows=rows, **kwargs)
+
+
+def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
+    """append_rows refuses by name what cannot merge, before changing anything: a loop without per-row settings (a
+    start() batch) and the static cache (allocated for a fixed batch); the running loop then steps on."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    with torch.inference_mode():
+        running = _row_loop(pair, [5, 6, 7])
+        session = decoder.start(torch.tensor([[9, 10]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with pytest.raises(ValueError, match="per-row settings"):
+            running.append_rows(session.loop)
+        static = _row_loop(pair, [5, 6, 7], cache_implementation="static")
+        with pytest.raises(NotImplementedError, match="fixed batch"):
+            static.append_rows(_row_loop(pair, [9, 10], cache_implementation="static"))
+        for loop in (running, static):
+            assert loop.batch == 1 and loop.target_runner.slot_mask.shape[0] == 1
+            while loop.step():
+                pass
+            expected = _alone(pair, [5, 6, 7], dict(max_new_tokens=8, do_sample=False))
+            assert loop.sequences[0, 3:11].tolist() == expected
