@@ -31,8 +31,8 @@ Admission: at most ``max_batch_size`` requests run at once; the others wait in a
 free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
 fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
 ``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
-layer's extra copy at a time); an allocation failure there propagates from ``step`` and leaves the running batch
-unusable (cancel its requests). Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
+layer's extra copy at a time); should that fail, the running batch cannot go on: its requests are cancelled (their
+tokens so far kept), the error propagates from ``step``, and the joining requests stay queued. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
 refused (a preallocated, captured batch would have to admit rows into its fixed shapes; the static runner's
 ``add_rows`` raises NotImplementedError), and so are encoder-decoder targets.
 """
@@ -281,9 +281,21 @@ class ContinuousBatcher:
             if self._loop is None:
                 self._loop = loop
             else:
-                self._loop.append_rows(loop)
+                try:
+                    self._loop.append_rows(loop)
+                except (ValueError, NotImplementedError):  # refused before anything changed
+                    raise
+                except Exception:  # failed mid-merge (e.g. out of memory): the running loop is unusable
+                    self._drop_running()
+                    raise
         self._rows = self._rows + joining
         del self._queue[: len(joining)]
+
+    def _drop_running(self) -> None:
+        """Cancel every running request (their tokens so far stay in their results) and drop the loop."""
+        for request_id in self._rows:
+            self._requests[request_id].result.finish_reason = "cancelled"
+        self._loop, self._rows = None, []
 
     def _build(self, ids: list[int]) -> SpeculativeLoop:
         """A loop over the new requests ``ids`` (their prompts left-padded, their own settings and keys),

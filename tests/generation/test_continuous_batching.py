@@ -442,3 +442,31 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
                 pass
             expected = _alone(pair, [5, 6, 7], dict(max_new_tokens=8, do_sample=False))
             assert loop.sequences[0, 3:11].tolist() == expected
+
+
+def test_a_merge_that_fails_midway_cancels_the_running_requests_and_keeps_the_queue(pair, monkeypatch):
+    """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
+    step raises it, the running request is cancelled with its tokens so far, the joining one stays queued and is
+    then served, identical to itself alone."""
+    from speculative_kernels.generation.runners import decoder as decoder_runner
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    running = decoder.add_request([5, 6, 7], max_new_tokens=30, do_sample=False)
+    decoder.step()
+    joining = decoder.add_request([9, 10, 11, 12], max_new_tokens=6, do_sample=True, seed=4)
+
+    def out_of_memory(*args):
+        raise MemoryError("no room for the joined cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder_runner, "append_cache_rows", out_of_memory)
+        with pytest.raises(MemoryError, match="no room"):
+            decoder.step()
+    result = decoder.result(running)
+    assert result.finish_reason == "cancelled" and result.token_ids
+    assert decoder.running == [] and decoder.queued == [joining]
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12],
+                                                         dict(max_new_tokens=6, do_sample=True, seed=4))
