@@ -11,15 +11,20 @@ Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperatur
 naming the field. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``; as with HF's
 ``stop_strings``, the text includes the stop string.
 
-One event loop does everything: between two decoder steps (one draft + verify iteration each, run in the loop's
-thread) it reads new requests and writes the tokens of the last step; a step's tokens go to each request's queue and
-its handler detokenizes them incrementally (``IncrementalDetokenizer``). A client that disconnects (its connection
-reaches EOF, or a write fails) has its request cancelled, which frees its row at once.
+Two threads: the asyncio event loop accepts connections, parses and answers requests and streams text; one engine
+thread owns the decoder and runs its steps (one draft + verify iteration each), so a step never stalls accepting or
+streaming. They talk through a thread-safe command queue (event loop -> engine: add a request, cancel one; the engine
+runs the commands between two steps) and ``loop.call_soon_threadsafe`` (engine -> event loop: a request's id or its
+refusal, each step's tokens into the request's ``asyncio.Queue``, and its final result). Handlers detokenize
+incrementally (``IncrementalDetokenizer``). A client that disconnects (its connection reaches EOF, or a write fails)
+has its request cancelled at the next step boundary, which frees its row.
 """
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import queue
 import threading
 import time
 
@@ -39,24 +44,35 @@ class StepFailed(Exception):
     """What a request's queue receives when the decoder's step raised (its client gets the message)."""
 
 
+@dataclasses.dataclass
+class Finished:
+    """The last item of a request's queue: its final ``RequestResult`` (the engine has released it)."""
+
+    result: object
+
+
 class CompletionsServer:
     """decoder: a ``SpeculativeDecoder`` (continuous batching: ``add_request``/``step``); tokenizer: its HF
-    tokenizer. ``serve`` runs it in the current event loop; ``start_in_thread`` in a thread of its own."""
+    tokenizer. ``serve`` runs it in the current event loop (and starts the engine thread); ``start_in_thread`` runs
+    the event loop in a thread of its own too. Only the engine thread touches the decoder once serving."""
 
     def __init__(self, decoder: SpeculativeDecoder, tokenizer, model_name: str = "speculative-kernels"):
         self.decoder, self.tokenizer, self.model_name = decoder, tokenizer, model_name
-        self._queues: dict[int, asyncio.Queue] = {}
-        self._wake: asyncio.Event | None = None
+        self._queues: dict[int, asyncio.Queue] = {}  # engine thread only: request id -> its handler's queue
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # callables the engine runs between steps
+        self._stopping = False
         self.cancelled: list[int] = []  # request ids cancelled because their client went away
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._engine: threading.Thread | None = None
 
-    # ------------------------------------------------------------------------------------------- engine
-    async def _engine(self) -> None:
+    # ------------------------------------------------------------------------------------------- engine thread
+    def _run_engine(self) -> None:
         while True:
+            self._run_commands(wait=not self.decoder.has_work())
+            if self._stopping:
+                return
             if not self.decoder.has_work():
-                self._wake.clear()
-                await self._wake.wait()
                 continue
             try:
                 new = self.decoder.step()
@@ -65,24 +81,66 @@ class CompletionsServer:
                 continue
             for request_id, tokens in new.items():
                 if request_id in self._queues:
-                    self._queues[request_id].put_nowait(tokens)
+                    self._post(self._queues[request_id], tokens)
             live = set(self.decoder.running) | set(self.decoder.queued)
-            for request_id, queue in list(self._queues.items()):
-                if request_id not in live:
-                    queue.put_nowait(None)  # finished: after its last tokens
-                    del self._queues[request_id]
-            await asyncio.sleep(0)  # let handlers read requests and write tokens between steps
+            for request_id in [r for r in self._queues if r not in live]:
+                self._finish(request_id)  # after its last tokens
+
+    def _run_commands(self, wait: bool) -> None:
+        """Run the queued commands (blocking for the first one when ``wait``: nothing to step)."""
+        try:
+            command = self._commands.get(block=wait)
+            while True:
+                command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _post(self, handler_queue: asyncio.Queue, item) -> None:
+        self._loop.call_soon_threadsafe(handler_queue.put_nowait, item)
+
+    def _finish(self, request_id: int) -> None:
+        """Send a finished request's result to its handler and forget it."""
+        self._post(self._queues.pop(request_id), Finished(self.decoder.result(request_id)))
+        self.decoder.release(request_id)
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: every request in flight is cancelled and its client gets the error (500), instead of
         waiting for tokens that will never come."""
         failure = StepFailed(f"{type(error).__name__}: {error}")
-        for request_id, queue in list(self._queues.items()):
+        for request_id, handler_queue in list(self._queues.items()):
             self.decoder.cancel(request_id)
-            queue.put_nowait(failure)
+            self.decoder.release(request_id)
+            self._post(handler_queue, failure)
         self._queues.clear()
 
-    def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
+    def _add(self, ids: list[int], kwargs: dict, handler_queue: asyncio.Queue, future: asyncio.Future) -> None:
+        """Command: add a request; its id (or the refusal) goes to ``future``."""
+        try:
+            request_id = self.decoder.add_request(ids, **kwargs)
+        except (TypeError, ValueError) as error:
+            self._loop.call_soon_threadsafe(_settle, future, None, HTTPError(400, str(error)))
+            return
+        except Exception as error:  # noqa: BLE001 -- the client is told; the engine keeps serving
+            self._loop.call_soon_threadsafe(_settle, future, None,
+                                            HTTPError(500, f"{type(error).__name__}: {error}"))
+            return
+        self._queues[request_id] = handler_queue
+        self._loop.call_soon_threadsafe(_settle, future, request_id, None)
+        if self.decoder.result(request_id).finished:  # max_tokens 0
+            self._finish(request_id)
+
+    def _cancel_now(self, request_id: int) -> None:
+        """Command: the client went away; cancel its request (if still running) and forget it."""
+        if request_id not in self._queues:  # finished meanwhile (its result was sent and released)
+            return
+        del self._queues[request_id]
+        if self.decoder.cancel(request_id):
+            self.cancelled.append(request_id)
+        self.decoder.release(request_id)
+
+    # ------------------------------------------------------------------------------------------- event loop
+    async def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
         unknown = sorted(set(body) - FIELDS)
         if unknown:
             raise HTTPError(400, f"{unknown[0]} is not supported by this server")
@@ -99,22 +157,12 @@ class CompletionsServer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=body.get("top_p", 1.0),
                           top_k=body.get("top_k", 0))
         ids = self.tokenizer(prompt)["input_ids"]
-        try:
-            request_id = self.decoder.add_request(ids, **kwargs)
-        except (TypeError, ValueError) as error:
-            raise HTTPError(400, str(error)) from None
-        queue = asyncio.Queue()
-        if self.decoder.result(request_id).finished:  # max_tokens 0
-            queue.put_nowait(None)
-        else:
-            self._queues[request_id] = queue
-        self._wake.set()
-        return request_id, queue
+        handler_queue, future = asyncio.Queue(), self._loop.create_future()
+        self._commands.put(lambda: self._add(ids, kwargs, handler_queue, future))
+        return await future, handler_queue
 
     def _cancel(self, request_id: int) -> None:
-        if self.decoder.cancel(request_id):
-            self.cancelled.append(request_id)
-        self._queues.pop(request_id, None)
+        self._commands.put(lambda: self._cancel_now(request_id))
 
     # ------------------------------------------------------------------------------------------- HTTP
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -124,32 +172,30 @@ class CompletionsServer:
                 raise HTTPError(404, f"no route {path}")
             if method != "POST":
                 raise HTTPError(405, "use POST")
-            request_id, queue = self._submit(body)
+            request_id, handler_queue = await self._submit(body)
         except HTTPError as error:
             await _respond(writer, error.status, {"error": {"message": str(error)}})
             return
         try:
             if body.get("stream"):
-                await self._stream(request_id, queue, reader, writer)
+                await self._stream(request_id, handler_queue, reader, writer)
             else:
-                await self._complete(request_id, queue, writer)
+                await self._complete(request_id, handler_queue, writer)
         except (ConnectionError, asyncio.CancelledError):
             self._cancel(request_id)
         finally:
             writer.close()
-            if self.decoder.result(request_id).finished:
-                self.decoder.release(request_id)
 
-    async def _complete(self, request_id, queue, writer) -> None:
-        while (item := await queue.get()) is not None:
+    async def _complete(self, request_id, handler_queue, writer) -> None:
+        while not isinstance(item := await handler_queue.get(), Finished):
             if isinstance(item, StepFailed):
                 await _respond(writer, 500, {"error": {"message": str(item)}})
                 return
-        result = self.decoder.result(request_id)
+        result = item.result
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         await _respond(writer, 200, self._body(request_id, text, _reason(result.finish_reason), result))
 
-    async def _stream(self, request_id, queue, reader, writer) -> None:
+    async def _stream(self, request_id, handler_queue, reader, writer) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                      b"Connection: close\r\n\r\n")
         await writer.drain()
@@ -157,14 +203,14 @@ class CompletionsServer:
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         try:
             while True:
-                next_tokens = asyncio.ensure_future(queue.get())
+                next_tokens = asyncio.ensure_future(handler_queue.get())
                 await asyncio.wait([next_tokens, gone], return_when=asyncio.FIRST_COMPLETED)
                 if not next_tokens.done():  # disconnected while waiting
                     next_tokens.cancel()
                     self._cancel(request_id)
                     return
                 tokens = next_tokens.result()
-                if tokens is None:
+                if isinstance(tokens, Finished):
                     break
                 if isinstance(tokens, StepFailed):  # headers are out: the error goes as an event, then [DONE]
                     await _event(writer, {"error": {"message": str(tokens)}})
@@ -174,7 +220,7 @@ class CompletionsServer:
                 piece = detokenizer.push(tokens)
                 if piece:
                     await _event(writer, self._body(request_id, piece, None))
-            result = self.decoder.result(request_id)
+            result = tokens.result
             await _event(writer, self._body(request_id, detokenizer.flush(), _reason(result.finish_reason), result))
             writer.write(b"data: [DONE]\n\n")
             await writer.drain()
@@ -191,10 +237,10 @@ class CompletionsServer:
 
     # ------------------------------------------------------------------------------------------- running
     async def serve(self, host: str = "127.0.0.1", port: int = 8000) -> asyncio.AbstractServer:
-        """Start listening and the engine in the running event loop; returns the asyncio server."""
+        """Start listening in the running event loop and the engine thread; returns the asyncio server."""
         self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self._engine_task = asyncio.ensure_future(self._engine())
+        self._engine = threading.Thread(target=self._run_engine, name="completions-engine", daemon=True)
+        self._engine.start()
         self._server = await asyncio.start_server(self._handle, host, port)
         return self._server
 
@@ -219,13 +265,24 @@ class CompletionsServer:
     def stop(self) -> None:
         """Stop a server started with ``start_in_thread``."""
         async def shutdown():
-            self._engine_task.cancel()
-            await asyncio.gather(self._engine_task, return_exceptions=True)
             self._server.close()
 
+        self._stopping = True
+        self._commands.put(lambda: None)  # wakes an idle engine; a busy one stops after its step
+        self._engine.join()
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+
+
+def _settle(future: asyncio.Future, value, error: Exception | None) -> None:
+    """In the event loop: resolve ``future`` (unless its handler has gone)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _reason(finish_reason: str | None) -> str | None:

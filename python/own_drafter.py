@@ -6,9 +6,10 @@ cache), passed to ``generate(drafter=...)``. No draft model; output exactly the 
 A drafter implements ``speculative_kernels.Drafter`` (``generation/drafter.py``): ``start`` (the prompts), ``propose``
 (gamma tokens per row; q's logits or None for a proposal without a distribution; per-row counts or None),
 ``observe`` (the tokens emitted, before the iteration's one host read), ``accept``, ``proposal_counts``,
-``select_rows``, ``lengths_to_read``/``lengths_read``, ``forwards``, ``compactions``. A proposal without a
-distribution must be a deterministic function of the row's context (here: the context and the cache), which makes
-the one-hot q exact. Everything stays on the device: no ``.item()``/``.tolist()`` in ``propose`` or ``observe``.
+``select_rows``, ``add_rows`` (rows joining a running batch), ``lengths_to_read``/``lengths_read``, ``forwards``,
+``compactions``. A proposal without a distribution must be a deterministic function of the row's context (here: the
+context and the cache), which makes the one-hot q exact. Everything stays on the device: no ``.item()``/``.tolist()``
+in ``propose`` or ``observe``.
 """
 
 import torch
@@ -61,6 +62,13 @@ class CachedAnswerDrafter:
     def select_rows(self, index):
         self.tokens, self.start_at, self.end = (t.index_select(0, index) for t in (self.tokens, self.start_at,
                                                                                    self.end))
+
+    def add_rows(self, other):  # rows joining a running batch (SpeculativeDecoder.add_request): other's after ours
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+        tokens = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)]
+        self.tokens = torch.cat(tokens)
+        self.start_at, self.end = torch.cat([self.start_at, other.start_at]), torch.cat([self.end, other.end])
+        self.used = max(self.used, other.used)
 
     def lengths_to_read(self):
         return None

@@ -14,19 +14,27 @@ Philox key (``randomness.request_key(seed)``: the key of the request decoded alo
 offsets; it is drafted at most its own tokens left less one. A greedy request is token-identical to
 ``model.generate`` on it alone, a seeded sampled one to ``speculative_kernels.generate`` on it alone with that seed.
 
-Design (first version): **the batch is rebuilt when requests join.** A step that admits queued requests builds a new
-loop (``request.build_loop`` with per-row ``RowSettings``) over every running request's prompt plus the tokens it
-has generated, left-padded, and the new prompts, carrying each running request's key and offsets over; both models
-re-prefill all of it. Cost: one prefill of every running request's whole context per step that admits requests
-(requests arriving together are admitted in one rebuild). Leaving is cheap: a finished or cancelled request's row is
-removed from the caches and buffers at once (``SpeculativeLoop.keep_rows`` -> the runners' ``select_rows``), and a
-rebuild sizes the caches for the rows present, so the caches never grow with the number of requests served.
+Design: **joining rows are prefilled alone and merged into the running batch.** A step that admits queued requests
+builds a loop over the joining requests only (``request.build_loop`` with their ``RowSettings``: their prompts,
+left-padded among themselves, keys, zero offsets), which prefills just them in both models, and appends its rows to
+the running loop (``SpeculativeLoop.append_rows``, the counterpart of ``keep_rows``): every per-row state (output
+buffers, counts, limits, EOS ids, sampling tensors, keys and offsets, the logit masks) is concatenated, and the
+runners and the drafter join their rows (``Runner.add_rows``, ``Drafter.add_rows``): the side whose KV cache has
+fewer slots is padded on the left with holes (masked slots; positions stay each row's own), as left padding is. The
+running rows are not forwarded again: admission costs the joining prompts' prefill and a copy of the caches (one
+layer at a time). Requests arriving together are admitted in one merge. Leaving is cheap too: a finished or
+cancelled request's row is removed from the caches and buffers at once (``SpeculativeLoop.keep_rows`` -> the runners'
+``select_rows``); the holes a merge leaves are squeezed out by the runners' hole compaction like any others (also for
+a row left alone).
 
 Admission: at most ``max_batch_size`` requests run at once; the others wait in a FIFO queue and are admitted as rows
-free up. Each rebuild goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
+free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
 fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
-``max_batch_size`` or cancel requests). Only the dynamic cache is supported: ``cache_implementation`` and
-``compile`` are refused (a captured, fixed-size batch would have to admit rows into its fixed shapes).
+``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
+layer's extra copy at a time); should that fail, the running batch cannot go on: its requests are cancelled (their
+tokens so far kept), the error propagates from ``step``, and the joining requests stay queued. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
+refused (a preallocated, captured batch would have to admit rows into its fixed shapes; the static runner's
+``add_rows`` raises NotImplementedError), and so are encoder-decoder targets.
 """
 
 import dataclasses
@@ -74,7 +82,6 @@ class _Request:
     min_new_tokens: int
     key: int
     stop: object | None = None  # HF's StopStringCriteria of the request's stop_strings
-    offsets: tuple[int, int] = (0, 0)  # (draft, verify) random-number offsets so far
 
 
 class ContinuousBatcher:
@@ -265,42 +272,56 @@ class ContinuousBatcher:
         self._rows = [self._rows[row] for row in remaining]
 
     def _admit(self) -> None:
-        """Rebuild the batch: the running requests (prompt + tokens so far, their keys and offsets carried over)
-        and the queued ones that fit. On failure (e.g. MemoryError) nothing changes."""
+        """Prefill the queued requests that fit on their own (a loop over their rows only) and append their rows to
+        the running loop (``SpeculativeLoop.append_rows``): the running rows are not forwarded again. A failure while
+        building (e.g. the MemoryError of ``build_loop``'s free-memory check) changes nothing."""
         joining = self._queue[: self.max_batch_size - len(self._rows)]
-        if self._loop is not None:
-            draft, verify = self._loop.randomness.offsets()
-            for row, request_id in enumerate(self._rows):
-                self._requests[request_id].offsets = (draft[row], verify[row])
-        ids = self._rows + joining
+        loop = self._build(joining)
+        with torch.inference_mode():
+            if self._loop is None:
+                self._loop = loop
+            else:
+                try:
+                    self._loop.append_rows(loop)
+                except (ValueError, NotImplementedError):  # refused before anything changed
+                    raise
+                except Exception:  # failed mid-merge (e.g. out of memory): the running loop is unusable
+                    self._drop_running()
+                    raise
+        self._rows = self._rows + joining
+        del self._queue[: len(joining)]
+
+    def _drop_running(self) -> None:
+        """Cancel every running request (their tokens so far stay in their results) and drop the loop."""
+        for request_id in self._rows:
+            self._requests[request_id].result.finish_reason = "cancelled"
+        self._loop, self._rows = None, []
+
+    def _build(self, ids: list[int]) -> SpeculativeLoop:
+        """A loop over the new requests ``ids`` (their prompts left-padded, their own settings and keys),
+        prefilled."""
         requests = [self._requests[r] for r in ids]
-        contexts = [r.result.prompt_ids + r.result.token_ids for r in requests]
-        width = max(len(c) for c in contexts)
+        prompts = [r.result.prompt_ids for r in requests]
+        width = max(len(p) for p in prompts)
         pad = self._pad_id()
         device = self.decoder.target.device
         input_ids = torch.full((len(ids), width), pad, dtype=torch.int64)
         mask = torch.zeros_like(input_ids)
-        for row, context in enumerate(contexts):
-            input_ids[row, width - len(context):] = torch.tensor(context, dtype=torch.int64)
-            mask[row, width - len(context):] = 1
-        left = [r.max_new_tokens - len(r.result.token_ids) for r in requests]
-        rows = RowSettings(max_new_tokens=left, eos=[r.eos for r in requests],
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+            mask[row, width - len(prompt):] = 1
+        rows = RowSettings(max_new_tokens=[r.max_new_tokens for r in requests], eos=[r.eos for r in requests],
                            temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
-                           top_p=[r.top_p for r in requests],
-                           min_new_tokens=[max(0, r.min_new_tokens - len(r.result.token_ids)) for r in requests],
-                           keys=[r.key for r in requests],
-                           draft_offsets=[r.offsets[0] for r in requests],
-                           verify_offsets=[r.offsets[1] for r in requests])
+                           top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],
+                           keys=[r.key for r in requests], draft_offsets=[0] * len(ids), verify_offsets=[0] * len(ids))
         d = self.decoder
         with torch.inference_mode():
-            loop = build_loop(
+            return build_loop(
                 d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
-                drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(left), do_sample=False,
-                pad_token_id=pad, rows=rows, **d.lookup)
-        self._loop, self._rows = loop, ids
-        del self._queue[: len(joining)]
+                drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
+                do_sample=False, pad_token_id=pad, rows=rows, **d.lookup)
 
     def _pad_id(self) -> int:
         config = self.decoder.target.generation_config

@@ -37,7 +37,8 @@ class ContextBuffer:
         unbounded = 1 << 62
         self.final_width = unbounded if max_new_tokens is None else tokens.shape[1] + max_new_tokens + max_gamma + 1
         initial = tokens.shape[1] + INITIAL_NEW_TOKENS + max_gamma + 1
-        width = self.final_width if full and max_new_tokens is not None else min(self.final_width, initial)
+        self.full = full and max_new_tokens is not None
+        width = self.final_width if self.full else min(self.final_width, initial)
         self.tokens = widen(tokens, width, 0)
 
     def reserve(self, extra: int) -> None:
@@ -63,3 +64,14 @@ class ContextBuffer:
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.tokens, self.start, self.end = (t.index_select(0, index) for t in (self.tokens, self.start, self.end))
+
+    def add_rows(self, other: "ContextBuffer") -> None:
+        """Append ``other``'s rows (each keeps its own start and end; the narrower buffer is widened on the right)."""
+        if self.full or other.full:
+            raise ValueError("rows cannot join a context buffer allocated at its final width (compiled loop)")
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+        tokens = torch.cat([widen(self.tokens, width, 0), widen(other.tokens, width, 0)])
+        self.tokens = tokens
+        self.start, self.end = torch.cat([self.start, other.start]), torch.cat([self.end, other.end])
+        self.end_bound = max(self.end_bound, other.end_bound)
+        self.final_width = max(self.final_width, other.final_width)

@@ -60,6 +60,11 @@ class Drafter(Protocol):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] (int64 on the device) of every per-row state."""
 
+    def add_rows(self, other: "Drafter") -> None:
+        """Append the rows of ``other`` (a drafter of the same kind, started on its own rows, e.g. requests joining
+        a running batch) after this drafter's rows, in every per-row state; ``other`` is consumed. The counterpart
+        of ``select_rows``. As after ``select_rows``, ``proposal_counts`` may be None until the next host read."""
+
     def lengths_to_read(self) -> torch.Tensor | None:
         """As ``Runner.lengths_to_read``: [N] int64 (any N) wanted from the iteration's host read, or None."""
 
@@ -153,6 +158,16 @@ class ModelDrafter:
         tokens, real = self.pending
         self.pending = (tokens.index_select(0, index), None if real is None else real.index_select(0, index))
 
+    def add_rows(self, other: "ModelDrafter") -> None:
+        """Append ``other``'s rows: its runner's rows, and its pending inputs (when the two sides' pending widths
+        differ, the narrower side gets a filler column on the left, marked not real)."""
+        if not isinstance(other, ModelDrafter) or self.pending is None or other.pending is None:
+            raise ValueError("add_rows needs another started ModelDrafter")
+        pending = _joined_pending(self.pending, other.pending)
+        self.runner.add_rows(other.runner)
+        self.pending = pending
+        self._forwards += other._forwards
+
     def lengths_to_read(self) -> torch.Tensor | None:
         return self.runner.lengths_to_read()
 
@@ -166,3 +181,18 @@ class ModelDrafter:
     @property
     def compactions(self) -> int:
         return self.runner.compactions
+
+
+def _joined_pending(first, second):
+    """Two ``ModelDrafter.pending`` pairs (tokens [B, P], real [B, P] bool or None) -> one over both sides' rows; a
+    side with fewer pending tokens is padded on the left with filler tokens (0) that are not real."""
+    width = max(first[0].shape[1], second[0].shape[1])
+    if first[0].shape[1] == second[0].shape[1] and first[1] is None and second[1] is None:
+        return torch.cat([first[0], second[0]]), None
+    tokens, reals = [], []
+    for side_tokens, side_real in (first, second):
+        pad = width - side_tokens.shape[1]
+        real = torch.ones_like(side_tokens, dtype=torch.bool) if side_real is None else side_real
+        tokens.append(torch.nn.functional.pad(side_tokens, (pad, 0), value=0))
+        reals.append(torch.nn.functional.pad(real, (pad, 0), value=False))
+    return torch.cat(tokens), torch.cat(reals)

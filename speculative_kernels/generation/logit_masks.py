@@ -40,6 +40,21 @@ class LogitMasks:
             self.row_min_new = self.row_min_new.index_select(0, index)
             self.row_eos_columns = self.row_eos_columns.index_select(0, index)
 
+    def add_rows(self, other: "LogitMasks", batch: int, other_batch: int) -> None:
+        """Append the per-row masks of ``other`` (``batch`` / ``other_batch``: each side's B) after these: rows
+        joining the batch. Both sides must hold per-row settings only (no plan-wide minimum, no forced tokens)."""
+        if self.forced or other.forced or self.min_new_tokens or other.min_new_tokens:
+            raise ValueError("add_rows needs masks of per-row settings (no forced tokens, no plan-wide minimum)")
+        if self.row_min_new is None and other.row_min_new is None:
+            return
+        vocab = (self.row_eos_columns if self.row_min_new is not None else other.row_eos_columns).shape[-1]
+        sides, device = ((self, batch), (other, other_batch)), self.eos_columns.device
+        min_new = torch.cat([m.row_min_new if m.row_min_new is not None else
+                             torch.zeros(b, 1, dtype=torch.int64, device=device) for m, b in sides])
+        columns = torch.cat([m.row_eos_columns if m.row_eos_columns is not None else
+                             torch.zeros(b, 1, vocab, dtype=torch.bool, device=device) for m, b in sides])
+        self.row_min_new, self.row_eos_columns = min_new, columns
+
     def apply(self, logits: torch.Tensor, generated_before: torch.Tensor) -> None:
         """In place on logits [B, T, V] whose positions follow generated_before [B, T] new tokens."""
         if self.min_new_tokens > 0:  # EOS gets -inf where fewer than min_new_tokens have been generated

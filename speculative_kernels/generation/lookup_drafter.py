@@ -82,3 +82,15 @@ class PromptLookupDrafter:
     @property
     def compactions(self) -> int:
         return 0
+
+    def add_rows(self, other: "PromptLookupDrafter") -> None:
+        """Append ``other``'s rows (a prompt-lookup drafter with the same rule, started on them): their contexts
+        and next proposals. The host counts no longer line up (None until the next read, as after
+        ``select_rows``)."""
+        if not isinstance(other, PromptLookupDrafter) or other.context is None or self.context is None or \
+                (other.num_tokens, other.max_ngram, other.prefer_latest, other.periodic, other.compiled) != \
+                (self.num_tokens, self.max_ngram, self.prefer_latest, self.periodic, self.compiled):
+            raise ValueError("add_rows needs another started PromptLookupDrafter with the same settings")
+        proposal, count = torch.cat([self.proposal, other.proposal]), torch.cat([self.count, other.count])
+        self.context.add_rows(other.context)
+        self.proposal, self.count, self._count_host = proposal, count, None

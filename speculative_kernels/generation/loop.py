@@ -59,6 +59,8 @@ class SpeculativeLoop:
         if rows is not None and (rows.batch != self.batch or max(rows.max_new_tokens) != plan.max_new_tokens):
             raise ValueError(f"rows must have {self.batch} entries whose largest max_new_tokens is the plan's "
                              f"({plan.max_new_tokens})")
+        self.per_row = rows is not None  # a batch of separate requests: rows may join (``append_rows``)
+        self._captured = warm_up is not None
         self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
         self._max_new = [plan.max_new_tokens] * self.batch if rows is None else list(rows.max_new_tokens)
         self.sequences_fill = plan.pad_token_id if plan.pad_token_id is not None else 0
@@ -199,10 +201,16 @@ class SpeculativeLoop:
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
         self._prompt = None
+        self._drafter_started = False
         if self.plan.max_new_tokens == 1:  # nothing will be drafted: the one step runs the target on the prompt
             self._prompt = (input_ids, real)
             self.last = input_ids[:, -1:]
             return
+        self._prefill_models(input_ids, real)
+
+    def _prefill_models(self, input_ids, real) -> None:
+        """Both models condition on the prompts [B, L] but their last tokens (real [B, L] bool)."""
+        self._drafter_started = True
         if self.prompt_length > 1:
             self.timer.start("prefill")
             self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
@@ -359,11 +367,14 @@ class SpeculativeLoop:
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)
         # A drafter may prepare its next proposal now, so that its counts ride along in the read below.
-        self.drafter.observe(out, accepted, self.finished)
+        # (max_new_tokens=1: the drafter was never started, and nothing follows this iteration)
+        drafting = (self.target_runner, self.drafter) if self._drafter_started else (self.target_runner,)
+        if self._drafter_started:
+            self.drafter.observe(out, accepted, self.finished)
         # The one device-to-host read of the iteration: the emitted tokens (the accepted counts are where the -1
         # padding starts); the runners' and the drafter's lengths (hole compaction, capacity bounds, proposal
         # counts) ride along.
-        readers = [(r, r.lengths_to_read()) for r in (self.target_runner, self.drafter)]
+        readers = [(r, r.lengths_to_read()) for r in drafting]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
         if readers:
             host = torch.cat([out.flatten(), *(lengths for _, lengths in readers)]).tolist()
@@ -525,6 +536,86 @@ class SpeculativeLoop:
         self.target_runner.select_rows(keep)
         self.drafter.select_rows(keep)
         self.batch = len(remaining)
+
+    def append_rows(self, other: "SpeculativeLoop") -> None:
+        """Between steps: append the rows of ``other`` after this loop's rows, the counterpart of ``keep_rows``.
+
+        ``other``: a loop over the same models and drafter kind, built by ``request.build_loop`` with per-row settings
+        (``RowSettings``) and prefilled on its own rows only (requests joining a running batch); it is consumed.
+        Every row keeps its prompt, tokens so far, length limit, EOS ids, sampling parameters, key, offsets and
+        cache slots (``Runner.add_rows``, ``Drafter.add_rows``: the side with fewer slots gets holes on the left),
+        so no row is forwarded again and each computes what it would alone. Raises ValueError, with nothing
+        changed, when the two loops cannot share a batch."""
+        self._check_joinable(other)
+        for loop in (self, other):  # max_new_tokens=1 loops deferred their prefill: a shared step needs it done
+            if loop._prompt is not None:
+                (prompt, real), loop._prompt = loop._prompt, None
+                loop._prefill_models(prompt, real)
+        prompt_length = max(self.prompt_length, other.prompt_length)
+        outputs = self._joined_outputs(other, prompt_length)
+        self.masks.add_rows(other.masks, self.batch, other.batch)
+        r, o = self.sampling.rows, other.sampling.rows
+        sampling = dataclasses.replace(self.sampling, rows=RowSampling(
+            torch.cat([r.temperature, o.temperature]), torch.cat([r.top_k, o.top_k]), torch.cat([r.top_p, o.top_p]),
+            r.cut or o.cut))
+        self.drafter.add_rows(other.drafter)  # first: it checks its own settings (the target's are checked above)
+        self.target_runner.add_rows(other.target_runner)
+        self.randomness.add_rows(other.randomness)
+        self.sampling, self.last = sampling, torch.cat([self.last, other.last])
+        self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
+        self.prompt_length = prompt_length
+        self.plan = dataclasses.replace(self.plan, max_new_tokens=max(self.plan.max_new_tokens,
+                                                                      other.plan.max_new_tokens))
+        self._set_generated(self._generated_host + other._generated_host)
+        self._set_finished(self._finished_host + other._finished_host)
+        self._max_new, self._eos = self._max_new + other._max_new, self._eos + other._eos
+        self.last_accepted = self.last_accepted + [-1] * other.batch if self.last_accepted else []
+        self.last_drafted = self.last_drafted + [0] * other.batch if self.last_drafted else []
+        self._histogram = [a + b for a, b in zip(self._histogram, other._histogram)]
+        self.stats.prefill_forwards += other.stats.prefill_forwards
+        self.timer.spans.setdefault("prefill", []).extend(other.timer.spans.get("prefill", []))
+        self.batch += other.batch
+        self._host_tokens, self._host_counts, self._host_width = [-1] * self.batch, [0] * self.batch, 1
+
+    def _check_joinable(self, other: "SpeculativeLoop") -> None:
+        """ValueError unless ``other``'s rows can join this loop's batch (see ``append_rows``)."""
+        if not isinstance(other, SpeculativeLoop) or other is self:
+            raise ValueError("append_rows takes another SpeculativeLoop")
+        why = None
+        if not (self.per_row and other.per_row):
+            why = "both loops must be built with per-row settings (rows=RowSettings)"
+        elif self._captured or other._captured:
+            why = "a loop with captured steps (compile=True) has fixed shapes"
+        elif (self.device, self.vocab, self._dtype, self.impl) != (other.device, other.vocab, other._dtype,
+                                                                    other.impl):
+            why = "the loops differ in device, vocabulary, dtype or backend"
+        elif (self.plan.num_speculative_tokens, self.plan.output_scores, self.plan.output_logits) != \
+                (other.plan.num_speculative_tokens, other.plan.output_scores, other.plan.output_logits):
+            why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
+        elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
+            why = "stopping criteria and streamers belong to a single request"
+        elif self.masks.forced or other.masks.forced:
+            why = "forced tokens (forced_bos/eos_token_id) are set per batch, not per row"
+        elif type(self.target_runner) is not type(other.target_runner) or \
+                self.target_runner.model is not other.target_runner.model or \
+                type(self.drafter) is not type(other.drafter):
+            why = "the loops must run the same target model and the same kind of drafter"
+        if why is not None:
+            raise ValueError(f"cannot append these rows: {why}")
+
+    def _joined_outputs(self, other: "SpeculativeLoop", prompt_length: int) -> Outputs:
+        """The output buffers of this loop's rows then ``other``'s, each side's prompts left-padded to
+        ``prompt_length`` (sequences [B + B2, W], scores / raw logits [B + B2, W - prompt_length, V])."""
+        new = max(loop.sequences.shape[1] - loop.prompt_length for loop in (self, other))
+        sequences = []
+        for loop in (self, other):
+            pad = prompt_length - loop.prompt_length
+            padded = torch.nn.functional.pad(loop.sequences, (pad, 0), value=self.sequences_fill)
+            sequences.append(widen(padded, prompt_length + new, self.sequences_fill))
+        scores = [None if self.scores is None else torch.cat([widen(loop.scores, new, 0.0) for loop in (self, other)]),
+                  None if self.raw_logits is None else
+                  torch.cat([widen(loop.raw_logits, new, 0.0) for loop in (self, other)])]
+        return Outputs(torch.cat(sequences), None, *scores)
 
     def _outputs(self) -> Outputs:
         return Outputs(self.sequences, self.generated, self.scores, self.raw_logits)

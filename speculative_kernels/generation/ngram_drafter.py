@@ -106,6 +106,13 @@ class NGramDrafter:
     def select_rows(self, index: torch.Tensor) -> None:
         self.context.select_rows(index)
 
+    def add_rows(self, other: "NGramDrafter") -> None:
+        """Append ``other``'s rows (an n-gram drafter of the same order, vocabulary and corpus, started on them)."""
+        if not isinstance(other, NGramDrafter) or (other.vocab, other.order) != (self.vocab, self.order) \
+                or (other.corpus is None) != (self.corpus is None) or other.context is None:
+            raise ValueError("add_rows needs another started NGramDrafter of the same order, vocabulary and corpus")
+        self.context.add_rows(other.context)
+
     def lengths_to_read(self) -> torch.Tensor:
         return self.context.end
 

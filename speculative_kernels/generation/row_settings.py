@@ -16,7 +16,7 @@ class RowSettings:
     temperature (0: greedy), top_k (0: off), top_p (1: off): validated by the caller; min_new_tokens: tokens the row
     must still generate before its EOS may come (EOS masked until then, as HF's MinNewTokensLength); keys: the rows' Philox keys
     (``randomness.request_key``); draft_offsets, verify_offsets: the rows' random-number counters so far (0 for a
-    new request; carried over when a running request moves to a rebuilt batch)."""
+    new request)."""
 
     max_new_tokens: list[int]
     eos: list[frozenset]

@@ -162,6 +162,14 @@ class DecodeRandomness:
         self._draft_offset = self._draft_offset.index_select(0, index)
         self._verify_offset = self._verify_offset.index_select(0, index)
 
+    def add_rows(self, other: "DecodeRandomness") -> None:
+        """Append ``other``'s rows (their keys and offsets) after these: rows joining the batch keep their own."""
+        if not (self.seed_per_row and other.seed_per_row):
+            raise ValueError("add_rows needs per-row keys on both sides")
+        self.seed = torch.cat([self.seed, other.seed])
+        self._draft_offset = torch.cat([self._draft_offset, other._draft_offset])
+        self._verify_offset = torch.cat([self._verify_offset, other._verify_offset])
+
 
 def request_key(seed: int) -> int:
     """The Philox key of a request decoded alone with ``seed`` (row 0 of ``row_keys``): its key in any batch, so a

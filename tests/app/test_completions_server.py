@@ -169,3 +169,35 @@ def test_a_failing_step_answers_its_clients_and_the_server_goes_on(served, monke
     status, data = _post(port, dict(prompt="def fibonacci(n):", max_tokens=6, temperature=0))
     assert status == 200
     assert json.loads(data)["choices"][0]["text"] == _expected(models, "def fibonacci(n):", 6)
+
+
+def test_a_running_step_does_not_stall_the_server(served, monkeypatch):
+    """Steps run in the engine thread: while one is in progress (held here), the event loop still answers other
+    clients (a bad request, an unknown route); the held request completes once the step is let go. With the steps in
+    the event-loop thread the answers below would wait for the step and time out."""
+    server, port, models = served
+    step, started, release = server.decoder.step, threading.Event(), threading.Event()
+
+    def held_step():
+        started.set()
+        assert release.wait(120)
+        return step()
+
+    monkeypatch.setattr(server.decoder, "step", held_step)
+    reply = []
+    worker = threading.Thread(target=lambda: reply.append(_post(port, dict(prompt="def f(x):", max_tokens=6,
+                                                                            temperature=0))))
+    worker.start()
+    try:
+        assert started.wait(60)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("POST", "/v1/completions", json.dumps(dict(prompt="x", n=2)))
+        response = connection.getresponse()
+        assert response.status == 400 and "n is not supported" in response.read().decode()
+        connection.close()
+        assert not release.is_set() and worker.is_alive()  # the step is still held
+    finally:
+        release.set()
+        worker.join()
+    status, data = reply[0]
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == _expected(models, "def f(x):", 6)

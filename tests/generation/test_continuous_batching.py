@@ -116,7 +116,7 @@ def test_requests_with_their_own_eos_finish_with_eos(pair):
 
 def test_min_new_tokens_per_request(pair):
     """min_new_tokens per request: EOS is masked for that row only until its own minimum (as HF's
-    MinNewTokensLength), also across the rebuild when another request joins in its masked window; greedy requests
+    MinNewTokensLength), also across the merge when another request joins in its masked window; greedy requests
     are model.generate, seeded sampled ones generate with their seed."""
     target, _ = pair
     prompt = [5, 6, 7, 8]
@@ -138,9 +138,9 @@ def test_min_new_tokens_per_request(pair):
     assert outputs[1] == free[:2]
 
 
-def test_min_new_tokens_left_is_carried_across_a_rebuild(pair):
-    """A request whose EOS comes exactly at its minimum: when another request joins (the batch is rebuilt) after it
-    has generated some tokens, only what is left of its minimum stays masked, so it still stops there."""
+def test_min_new_tokens_left_is_carried_across_a_merge(pair):
+    """A request whose EOS comes exactly at its minimum: when another request joins (its rows are merged in) after it
+    has generated some tokens, its minimum still counts its own tokens, so it still stops there."""
     target, _ = pair
     prompt = [5, 6, 7, 8]
     free = _alone(pair, prompt, dict(max_new_tokens=16, do_sample=False))
@@ -270,7 +270,8 @@ def test_release_of_a_running_request_and_bad_batch_sizes(pair):
 @pytest.mark.parametrize("options", [dict(prompt_lookup_num_tokens=3), dict(num_speculative_tokens="auto")])
 def test_prompt_lookup_and_auto_gamma_requests_match_generate(pair, options):
     """Without a draft model (prompt lookup: per-row proposal counts, combined with the per-row limits) and with
-    gamma calibrated per rebuilt batch ("auto"), greedy requests joining at different steps are model.generate."""
+    gamma calibrated on the first batch and kept as requests join ("auto"), greedy requests joining at different
+    steps are model.generate."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, None if "prompt_lookup_num_tokens" in options else draft, **options)
     arrivals = {i: [(prompt, dict(max_new_tokens=10 + 3 * i, do_sample=False))]
@@ -278,3 +279,194 @@ def test_prompt_lookup_and_auto_gamma_requests_match_generate(pair, options):
     requests, streamed = _run(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
         assert streamed[request_id] == _alone(pair, prompt, settings)
+
+
+def _forward_shapes(model):
+    """Record [B, T] of every forward of ``model`` (a pre-hook); returns (shapes list, hook handle)."""
+    shapes = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        shapes.append(tuple(ids.shape))
+
+    return shapes, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_joining_requests_are_prefilled_alone_and_running_rows_are_not_forwarded_again(pair):
+    """A request joining a running batch is prefilled on its own rows only (its prompt but the last token, in both
+    models); the running request's context is not forwarded again: the step that admits it runs, besides that
+    prefill, only the batch's draft and verification steps (one or two tokens per draft forward, gamma + 1 per
+    verification). The rebuild of the first version forwarded both rows' whole contexts here."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    running = decoder.add_request([5, 6, 7, 8, 9, 10], max_new_tokens=40, do_sample=False)
+    for _ in range(4):
+        decoder.step()
+    joining_prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+    joining = decoder.add_request(joining_prompt, max_new_tokens=12, do_sample=True, seed=9)
+    (target_shapes, target_hook), (draft_shapes, draft_hook) = _forward_shapes(target), _forward_shapes(draft)
+    try:
+        decoder.step()
+    finally:
+        target_hook.remove()
+        draft_hook.remove()
+    prefill = (1, len(joining_prompt) - 1)
+    assert target_shapes[0] == prefill and draft_shapes[0] == prefill  # the joining row alone
+    assert target_shapes[1:] == [(2, GAMMA + 1)]  # then one verification of both rows
+    assert all(shape[0] == 2 and shape[1] <= 2 for shape in draft_shapes[1:])
+    assert decoder.running == [running, joining]
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(running).token_ids == _alone(pair, [5, 6, 7, 8, 9, 10],
+                                                         dict(max_new_tokens=40, do_sample=False))
+    assert decoder.result(joining).token_ids == _alone(pair, joining_prompt,
+                                                         dict(max_new_tokens=12, do_sample=True, seed=9))
+
+
+def _drafting(kind, target, draft):
+    """(SpeculativeDecoder keywords, sk.generate keywords) of each way of drafting."""
+    if kind == "draft model":
+        return dict(draft=draft, num_speculative_tokens=GAMMA), dict(draft_model=draft, num_speculative_tokens=GAMMA)
+    if kind == "prompt lookup":
+        return dict(prompt_lookup_num_tokens=GAMMA), dict(prompt_lookup_num_tokens=GAMMA)
+    return (dict(drafter=lambda: sk.NGramDrafter.for_model(target), num_speculative_tokens=GAMMA),
+            dict(drafter=sk.NGramDrafter.for_model(target), num_speculative_tokens=GAMMA))
+
+
+@pytest.mark.parametrize("kind", ["draft model", "prompt lookup", "n-gram"])
+def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(pair, kind):
+    """The merge path with every drafter kind: a request with a longer context than the running rows joins (the
+    running rows' caches get holes on the left), then, after a row has left, shorter ones (the joining rows get
+    them), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
+    model.generate, seeded sampled ones generate alone with their seed."""
+    target, draft = pair
+    decoder_kwargs, alone_kwargs = _drafting(kind, target, draft)
+    decoder = sk.SpeculativeDecoder(target, **decoder_kwargs)
+    long_prompt = [(7 * i) % 90 + 3 for i in range(28)]
+    arrivals = {
+        0: [([5, 6, 7], dict(max_new_tokens=30, do_sample=False)),
+            ([8, 9, 8, 9], dict(max_new_tokens=5, do_sample=True, temperature=0.9, seed=11))],
+        2: [(long_prompt, dict(max_new_tokens=14, do_sample=False)),
+            (long_prompt[:20], dict(max_new_tokens=9, do_sample=True, top_k=6, seed=12))],
+        7: [([4, 2], dict(max_new_tokens=8, do_sample=True, temperature=1.2, seed=13)),
+            ([3], dict(max_new_tokens=6, do_sample=False))],
+        8: [([10, 11, 12], dict(max_new_tokens=1, do_sample=True, seed=14)),
+            ([13, 14], dict(max_new_tokens=1, do_sample=False)),
+            ([15, 16, 17], dict(max_new_tokens=2, do_sample=False))],
+    }
+    requests, streamed = _run(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        ids = torch.tensor([prompt])
+        if settings.get("do_sample"):
+            expected = sk.generate(target, ids, pad_token_id=0, **alone_kwargs, **settings)[0, len(prompt):].tolist()
+        else:
+            expected = _alone(pair, prompt, settings)
+        assert streamed[request_id] == expected, (prompt, settings)
+        assert decoder.result(request_id).token_ids == expected
+
+
+def test_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
+    """Iterations of a batch that rows have joined (with holes on either side) still read the device once."""
+    from helpers.host_reads import CountHostReads
+
+    from speculative_kernels.generation.loop import SpeculativeLoop
+
+    reads = []
+    step = SpeculativeLoop.step
+
+    def counted(loop):
+        with CountHostReads() as counter:
+            running = step(loop)
+        reads.append(counter.reads)
+        return running
+
+    monkeypatch.setattr(SpeculativeLoop, "step", counted)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=20, do_sample=False))],
+                2: [(list(range(3, 25)), dict(max_new_tokens=10, do_sample=True, min_new_tokens=4, seed=1))],
+                4: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_p=0.8, seed=2))]}
+    _run(decoder, arrivals)
+    assert len(reads) > 5 and all(r == ["tolist"] for r in reads), reads
+
+
+def test_a_row_left_alone_has_its_holes_compacted(pair):
+    """A long request joins a short running one (which gets the difference as holes on the left) and is cancelled:
+    the row left alone has its holes squeezed out (the compactor stays on for a batch of one that had company), so
+    it no longer attends over the other's slots; its tokens are still model.generate's."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    short = decoder.add_request([5, 6, 7], max_new_tokens=40, do_sample=False)
+    decoder.step()
+    long = decoder.add_request([(3 * i) % 90 + 3 for i in range(120)], max_new_tokens=40, do_sample=False)
+    decoder.step()
+    runner = decoder._batcher._loop.target_runner
+    assert runner.num_slots >= 120
+    decoder.cancel(long)
+    decoder.step()
+    decoder.step()
+    assert runner.compactions >= 1
+    assert runner.num_slots <= 3 + len(decoder.result(short).token_ids) + 2 * (GAMMA + 1)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(short).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=40, do_sample=False))
+
+
+def _row_loop(pair, prompt, **kwargs):
+    """A loop over one request with per-row settings, as ``add_request`` builds them."""
+    from speculative_kernels.generation.request import build_loop
+    from speculative_kernels.generation.row_settings import RowSettings
+    from speculative_kernels.ops.randomness import request_key
+
+    rows = RowSettings(max_new_tokens=[8], eos=[frozenset()], temperature=[0.0], top_k=[0], top_p=[1.0],
+                       min_new_tokens=[0], keys=[request_key(1)], draft_offsets=[0], verify_offsets=[0])
+    return build_loop(pair[0], pair[1], torch.tensor([prompt]), num_speculative_tokens=GAMMA, max_new_tokens=8,
+                      do_sample=False, pad_token_id=0, rows=rows, **kwargs)
+
+
+def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
+    """append_rows refuses by name what cannot merge, before changing anything: a loop without per-row settings (a
+    start() batch) and the static cache (allocated for a fixed batch); the running loop then steps on."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    with torch.inference_mode():
+        running = _row_loop(pair, [5, 6, 7])
+        session = decoder.start(torch.tensor([[9, 10]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        with pytest.raises(ValueError, match="per-row settings"):
+            running.append_rows(session.loop)
+        static = _row_loop(pair, [5, 6, 7], cache_implementation="static")
+        with pytest.raises(NotImplementedError, match="fixed batch"):
+            static.append_rows(_row_loop(pair, [9, 10], cache_implementation="static"))
+        for loop in (running, static):
+            assert loop.batch == 1 and loop.target_runner.slot_mask.shape[0] == 1
+            while loop.step():
+                pass
+            expected = _alone(pair, [5, 6, 7], dict(max_new_tokens=8, do_sample=False))
+            assert loop.sequences[0, 3:11].tolist() == expected
+
+
+def test_a_merge_that_fails_midway_cancels_the_running_requests_and_keeps_the_queue(pair, monkeypatch):
+    """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
+    step raises it, the running request is cancelled with its tokens so far, the joining one stays queued and is
+    then served, identical to itself alone."""
+    from speculative_kernels.generation.runners import decoder as decoder_runner
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    running = decoder.add_request([5, 6, 7], max_new_tokens=30, do_sample=False)
+    decoder.step()
+    joining = decoder.add_request([9, 10, 11, 12], max_new_tokens=6, do_sample=True, seed=4)
+
+    def out_of_memory(*args):
+        raise MemoryError("no room for the joined cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder_runner, "append_cache_rows", out_of_memory)
+        with pytest.raises(MemoryError, match="no room"):
+            decoder.step()
+    result = decoder.result(running)
+    assert result.finish_reason == "cancelled" and result.token_ids
+    assert decoder.running == [] and decoder.queued == [joining]
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12],
+                                                         dict(max_new_tokens=6, do_sample=True, seed=4))

@@ -108,3 +108,18 @@ def test_bad_arguments():
     target = llama()
     with pytest.raises(ValueError, match="pass either draft_model"):
         sk.generate(target, torch.tensor([[5, 6]]), draft_model=target, drafter=sk.NGramDrafter(97))
+
+
+@pytest.mark.parametrize("drafting", ["prompt lookup", "n-gram"])
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, seed=3)])
+def test_one_new_token_without_a_draft_model(drafting, sampling):
+    """max_new_tokens=1 runs the target once over the prompt and never starts the drafter (nothing is drafted):
+    a drafter without a model is then left alone (it used to be handed the emitted token unstarted)."""
+    target = llama()
+    ids = torch.tensor([[5, 6, 7, 5, 6]])
+    kwargs = (dict(prompt_lookup_num_tokens=3) if drafting == "prompt lookup"
+              else dict(drafter=sk.NGramDrafter.for_model(target)))
+    out = sk.generate(target, ids, max_new_tokens=1, pad_token_id=0, **kwargs, **sampling)
+    assert out.shape == (1, 6)
+    if not sampling["do_sample"]:
+        assert torch.equal(out, target.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0))

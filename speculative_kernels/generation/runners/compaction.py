@@ -13,8 +13,8 @@ from ...ops.compaction import compact_kv
 class SlotCompactor:
     """Decides when a runner's cache is compacted (``due``) and moves the slots (``compact``).
 
-    batch: B (one row has no holes: never compacts); threshold: compact when holes exceed this fraction of the used
-    slots; backend: of ``ops.compact_kv``.
+    batch: B (one row has no holes of its own: never compacts, unless rows have left or joined: ``select_rows``);
+    threshold: compact when holes exceed this fraction of the used slots; backend: of ``ops.compact_kv``.
     """
 
     def __init__(self, batch: int, threshold: float = 0.25, backend: str = "auto"):
@@ -28,9 +28,10 @@ class SlotCompactor:
         """Each row's real slots as the iteration's host read saw them (before its rollback: upper bounds)."""
         self._counts = counts
 
-    def select_rows(self, batch: int) -> None:
-        """Rows left the batch: ``batch`` remain, and earlier counts no longer apply."""
-        self.enabled, self._counts = batch > 1, None
+    def select_rows(self, batch: int, holes: bool = False) -> None:
+        """Rows left or joined the batch: it has ``batch`` rows now, and earlier counts no longer apply. holes: the
+        cache may hold holes (a row left alone after others left or joined keeps its holes otherwise)."""
+        self.enabled, self._counts = batch > 1 or holes, None
 
     def due(self, used: int, reserve: int = 0, capacity: int | None = None) -> int | None:
         """The width to compact ``used`` slots to, or None: when the holes pass the threshold, or when ``reserve``

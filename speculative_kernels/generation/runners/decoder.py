@@ -10,7 +10,7 @@ import torch
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
-from .dynamic_cache import RollbackCache, crop_cache
+from .dynamic_cache import RollbackCache, append_cache_rows, crop_cache
 from .masks import decoder_mask
 from .slot_mask import SlotMaskRunner, accepts
 
@@ -103,3 +103,7 @@ class DecoderRunner(SlotMaskRunner):
     def _select_cache_rows(self, index: torch.Tensor) -> None:
         if self.cache is not None:
             self.cache.batch_select_indices(index)
+
+    def _add_cache_rows(self, other: "DecoderRunner", pad: int, other_pad: int) -> None:
+        self.cache = append_cache_rows(self.cache, self.slot_mask.shape[0], pad, other.cache,
+                                       other.slot_mask.shape[0], other_pad)

@@ -1,6 +1,8 @@
 """HF's dynamic KV cache as the runners use it: every slot kept (``RollbackCache``), the tail cut by a view
-(``crop_cache``; transformers' own ``crop`` changed meaning across 5.x)."""
+(``crop_cache``; transformers' own ``crop`` changed meaning across 5.x), the rows of two batches joined
+(``append_cache_rows``: requests joining a running batch)."""
 
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -39,3 +41,47 @@ def crop_cache(cache, num_slots: int) -> None:
             continue
         layer.keys = layer.keys[..., :num_slots, :]
         layer.values = layer.values[..., :num_slots, :]
+
+
+def _kv(layer):
+    """(keys, values) [B, H, S, D] of a filled dynamic layer, else None (a layer with no cache of its own, or one
+    no forward has written)."""
+    keys = getattr(layer, "keys", None)
+    if type(layer).__name__ == "DummyLayer" or keys is None or keys.dim() != 4:
+        return None
+    return keys, layer.values
+
+
+def _left_padded(tensor, rows: int, pad: int, like):
+    """tensor [rows, H, S, D] (None: no slots) with ``pad`` zero slots prepended; ``like`` gives H, D, dtype, device."""
+    if tensor is None:
+        return like.new_zeros(rows, like.shape[1], pad, like.shape[3])
+    if pad == 0:
+        return tensor
+    return torch.cat([tensor.new_zeros(rows, tensor.shape[1], pad, tensor.shape[3]), tensor], dim=2)
+
+
+def append_cache_rows(cache, rows: int, pad: int, other, other_rows: int, other_pad: int):
+    """The dynamic cache of ``cache``'s rows then ``other``'s (the rows of a second batch of the same model), each
+    side's slots first padded on the left with ``pad`` / ``other_pad`` zero slots so both have as many (the caller
+    masks those slots as holes). cache, other: ``RollbackCache`` or None (no forward yet: no slots). rows /
+    other_rows: each side's B. Returns the merged cache (one of the two objects, its layers replaced one at a time,
+    so the merge holds at most one layer's extra copy), or None when neither side has one."""
+    if cache is None and other is None:
+        return None
+    base = cache if cache is not None else other
+    firsts = cache.layers if cache is not None else [None] * len(other.layers)
+    seconds = other.layers if other is not None else [None] * len(cache.layers)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"cannot merge caches of {len(firsts)} and {len(seconds)} layers (not the same model)")
+    for layer, first, second in zip(base.layers, firsts, seconds):
+        a, b = _kv(first), _kv(second)
+        if a is None and b is None:
+            continue
+        like = a if a is not None else b
+        kv = [torch.cat([_left_padded(None if a is None else a[i], rows, pad, like[i]),
+                         _left_padded(None if b is None else b[i], other_rows, other_pad, like[i])]) for i in (0, 1)]
+        if _kv(layer) is None:  # only the other side had written this layer: take its dtype and device
+            layer.dtype, layer.device, layer.is_initialized = kv[0].dtype, kv[0].device, True
+        layer.keys, layer.values = kv
+    return base

@@ -34,6 +34,12 @@ class Runner(Protocol):
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` ([B'] int64 on the device, in order) of every per-row state: finished rows leave."""
 
+    def add_rows(self, other: "Runner") -> None:
+        """Append the B2 rows of ``other`` (a runner of the same kind over the same model, e.g. requests just
+        prefilled on their own) after this runner's B rows: every per-row state becomes [B + B2]; each row keeps its
+        positions, the side with fewer slots getting holes on the left. ``other`` is consumed. The counterpart of
+        ``select_rows``; runners that cannot (a cache allocated for a fixed batch) raise NotImplementedError."""
+
     def lengths_to_read(self) -> torch.Tensor | None:
         """[B] int64 on the device that this runner wants on the host, read with the loop's one host read of the
         iteration (each row's real slots: hole compaction, a capacity bound); None when it needs nothing."""

@@ -205,6 +205,13 @@ class Seq2SeqRunner:
         self.next_position = self.next_position.index_select(0, index)
         self.batch = index.shape[0]
 
+    def add_rows(self, other: "Seq2SeqRunner") -> None:
+        """Not supported: encoder-decoder rows are right-aligned in a rectangular cache with their encoder outputs;
+        joining two batches would need both realigned (``SpeculativeDecoder.add_request`` takes decoder-only
+        targets)."""
+        raise NotImplementedError("rows cannot join an encoder-decoder runner's batch (continuous batching supports "
+                                  "decoder-only targets)")
+
     def _select_cache(self, index: torch.Tensor) -> None:
         self.cache.batch_select_indices(index)
         self.attend = self.attend.index_select(0, index)

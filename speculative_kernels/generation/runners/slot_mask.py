@@ -1,5 +1,6 @@
 """What the two decoder-only runners share: each row's real slots marked in a slot mask (holes at 0), rollback by
-mask writes, per-row positions, and hole compaction fed by the loop's host read."""
+mask writes, per-row positions, hole compaction fed by the loop's host read, and rows leaving (``select_rows``) or
+joining (``add_rows``: the shorter side's slots padded on the left with holes)."""
 
 import abc
 import inspect
@@ -30,10 +31,20 @@ def hole_rejected_slots(slot_mask: torch.Tensor, next_position: torch.Tensor, nu
     return start
 
 
+def _left_padded(mask: torch.Tensor, used: int, pad: int, width: int, fill, pad_fill) -> torch.Tensor:
+    """mask [B, M]'s first ``used`` columns moved right by ``pad`` (``pad_fill`` before them, ``fill`` after), in a
+    new [B, width] tensor."""
+    out = mask.new_full((mask.shape[0], width), fill)
+    out[:, :pad] = pad_fill
+    out[:, pad : pad + used] = mask[:, :used]
+    return out
+
+
 class SlotMaskRunner(abc.ABC):
     """Base of the decoder-only runners: ``slot_mask`` [B, S] int64 (1 real, 0 hole), ``next_position`` [B] (each
     row's real slots: its next position), ``num_slots`` (host int) and a ``SlotCompactor``. Subclasses own the cache:
-    ``truncate``, ``kv_tensors``, ``_select_cache_rows``; ``reserve``/``capacity`` bound a preallocated cache.
+    ``truncate``, ``kv_tensors``, ``_select_cache_rows``, ``_add_cache_rows``; ``reserve``/``capacity`` bound a
+    preallocated cache.
 
     Slots no forward has written yet are 1 in ``slot_mask``, so a forward of real tokens (``real=None``, every draft
     and verification step) writes no mask. ``real_from`` (host int) keeps that cheap: every slot at index >= real_from
@@ -128,7 +139,37 @@ class SlotMaskRunner(abc.ABC):
         if self._additive is not None:
             self._additive = self._additive.index_select(0, index)
         self.next_position = self.next_position.index_select(0, index)
-        self.compactor.select_rows(index.shape[0])
+        self.compactor.select_rows(index.shape[0], holes=self.real_from > 0)
+
+    def add_rows(self, other: "SlotMaskRunner") -> None:
+        """Append the rows of ``other`` (a runner of the same model and kind over its own rows, e.g. requests just
+        prefilled) after this runner's rows; ``other`` must not be used afterwards. The side with fewer slots is
+        padded on the left with holes, so every row keeps its slots, positions (``next_position`` [B]) and masks."""
+        if type(other) is not type(self) or other.model is not self.model:
+            raise ValueError("add_rows needs a runner of the same kind over the same model")
+        if (self._additive is None) != (other._additive is None):
+            raise ValueError("add_rows needs runners built with the same attention-mask kind")
+        slots = max(self.num_slots, other.num_slots)
+        pads = (slots - self.num_slots, slots - other.num_slots)
+        spare = max(r.slot_mask.shape[1] - r.num_slots for r in (self, other))
+        slot_mask = torch.cat([_left_padded(r.slot_mask, r.num_slots, pad, slots + spare, 1, 0)
+                               for r, pad in ((self, pads[0]), (other, pads[1]))])
+        additive = None
+        if self._additive is not None:
+            hole = -torch.finfo(self._additive.dtype).max  # as ``_mask_written`` writes a hole
+            additive = torch.cat([_left_padded(r._additive, r.num_slots, pad, slots + spare, 0.0, hole)
+                                  for r, pad in ((self, pads[0]), (other, pads[1]))])
+        self._add_cache_rows(other, *pads)  # the last step that can fail: allocates the merged cache
+        self.slot_mask, self._additive = slot_mask, additive
+        self.next_position = torch.cat([self.next_position, other.next_position])
+        self.real_from = max(r.real_from + pad for r, pad in ((self, pads[0]), (other, pads[1])))
+        self.num_slots = slots
+        self.compactor.select_rows(self.slot_mask.shape[0], holes=self.real_from > 0)
+
+    @abc.abstractmethod
+    def _add_cache_rows(self, other: "SlotMaskRunner", pad: int, other_pad: int) -> None:
+        """Append ``other``'s cache rows after this cache's, each side's slots left-padded with ``pad`` /
+        ``other_pad`` slots first (masked as holes by ``add_rows``)."""
 
     def lengths_to_read(self) -> torch.Tensor | None:
         return self.next_position if self.compactor.enabled else None

@@ -141,3 +141,7 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     def _select_cache_rows(self, index: torch.Tensor) -> None:
         self.cache.select_rows(index)
+
+    def _add_cache_rows(self, other: "StaticDecoderRunner", pad: int, other_pad: int) -> None:
+        raise NotImplementedError("rows cannot join a StaticDecoderRunner: its SlotCache is allocated for a fixed "
+                                  "batch (continuous batching runs on the dynamic cache)")
