@@ -37,7 +37,7 @@ HONOURED = {
     "max_length": "length (HF's default of 20 new tokens when unset, capped at max_position_embeddings)",
     "max_new_tokens": "length",
     "min_length": "EOS masked before it",
-    "min_new_tokens": "EOS masked before it",
+    "min_new_tokens": "EOS masked before it; when set, min_length is ignored (HF overwrites it)",
     "do_sample": "greedy or sampling",
     "temperature": "warping",
     "top_k": "warping",
@@ -363,8 +363,10 @@ class Settings:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
         config = self.config
         max_new = _max_new_tokens(model, config, prompt_length, self.default_max_length)
-        min_new = max(_int_setting("min_new_tokens", config.min_new_tokens),
-                      _int_setting("min_length", config.min_length) - prompt_length, 0)
+        if config.min_new_tokens is not None:  # HF: min_new_tokens takes precedence, min_length is then overwritten
+            min_new = _int_setting("min_new_tokens", config.min_new_tokens)  # (``_prepare_generated_length``)
+        else:
+            min_new = max(_int_setting("min_length", config.min_length) - prompt_length, 0)
         return Plan(
             sampling=self.sampling,
             num_speculative_tokens=self.num_speculative_tokens,
