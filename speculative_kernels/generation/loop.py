@@ -199,8 +199,9 @@ class SpeculativeLoop:
     def _prefill(self, input_ids, attention_mask) -> None:
         real = attention_mask.to(torch.bool)
         self._prompt = None
-        if self.plan.max_new_tokens == 1:  # nothing will be drafted: the one step runs the target on the prompt
-            self._prompt = (input_ids, real)
+        self._drafter_started = self.plan.max_new_tokens != 1
+        if not self._drafter_started:  # nothing will be drafted: the one step runs the target on the prompt, and
+            self._prompt = (input_ids, real)  # the drafter, never started, is left alone (observe, lengths)
             self.last = input_ids[:, -1:]
             return
         if self.prompt_length > 1:
@@ -359,11 +360,13 @@ class SpeculativeLoop:
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)
         # A drafter may prepare its next proposal now, so that its counts ride along in the read below.
-        self.drafter.observe(out, accepted, self.finished)
+        if self._drafter_started:
+            self.drafter.observe(out, accepted, self.finished)
         # The one device-to-host read of the iteration: the emitted tokens (the accepted counts are where the -1
         # padding starts); the runners' and the drafter's lengths (hole compaction, capacity bounds, proposal
         # counts) ride along.
-        readers = [(r, r.lengths_to_read()) for r in (self.target_runner, self.drafter)]
+        drafter = (self.drafter,) if self._drafter_started else ()
+        readers = [(r, r.lengths_to_read()) for r in (self.target_runner, *drafter)]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
         if readers:
             host = torch.cat([out.flatten(), *(lengths for _, lengths in readers)]).tolist()
