@@ -1,0 +1,80 @@
+"""Differences from ``model.generate`` found by the differential harness (``helpers/differential.py``), each pinned
+by a test that fails on the code before its fix, and a fixed-seed sweep of the harness itself (greedy: ours must
+equal HF's token for token, or refuse by name)."""
+
+import warnings
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.differential import Mismatch, check_case, describe, random_case
+from helpers.models import VOCAB, llama
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=3)
+
+
+def _hf(model, ids, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, **kwargs)
+
+
+def _eos_after(model, ids, steps: int) -> int:
+    """A token HF's plain greedy run emits as its ``steps``-th new token (0-based): an EOS id that stops it there."""
+    plain = _hf(model, ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return int(plain[0, ids.shape[1] + steps])
+
+
+def test_min_new_tokens_takes_precedence_over_min_length(pair):
+    """HF (``_prepare_generated_length``): when min_new_tokens is set, min_length is overwritten with
+    min_new_tokens + prompt length, so a larger min_length changes nothing; we took the larger of the two."""
+    target, draft = pair
+    ids = torch.tensor([[84, 39, 64, 30, 63]])
+    eos = _eos_after(target, ids, 3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=3)
+    expected = _hf(target, ids, min_length=15, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + 4  # stops at the EOS, min_length ignored
+    assert not torch.equal(expected, _hf(target, ids, **{**kwargs, "min_new_tokens": 10}))  # the test can fail
+    for extra in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, ids, min_length=15, **kwargs, **extra), expected)
+    # min_new_tokens=0 set: still takes precedence (no minimum), as in HF
+    zero = dict(kwargs, min_new_tokens=0)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, min_length=15, **zero),
+                       _hf(target, ids, min_length=15, **zero))
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=1), dict(max_length=6)])
+@pytest.mark.parametrize("drafting", ["prompt_lookup", "ngram"])
+def test_one_new_token_without_a_draft_model(pair, length, drafting):
+    """One new token: the loop runs the target on the prompt and never starts the drafter; a drafter without a
+    model was still asked to observe the step and failed (AttributeError on its missing context)."""
+    target, _ = pair
+    ids = torch.tensor([[86, 9, 12, 71, 15]])
+    extra = dict(prompt_lookup_num_tokens=3) if drafting == "prompt_lookup" else dict(
+        drafter=sk.NGramDrafter(VOCAB))
+    kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **length)
+    expected = _hf(target, ids, **kwargs)
+    got = sk.generate(target, ids, **kwargs, **extra)
+    assert torch.equal(got.sequences, expected.sequences) and len(got.scores) == 1
+
+
+SWEEP = range(0, 60)
+
+
+def test_differential_sweep(pair):
+    """Random seeded cases (inputs, settings, how they are passed) against HF; any outcome but "same" or a refusal
+    naming a setting fails, with the case to reproduce it (``python tests/helpers/differential.py``)."""
+    target, draft = pair
+    verdicts, failures = [], []
+    for seed in SWEEP:
+        case = random_case(seed)
+        try:
+            verdicts += check_case(case, target, draft).values()
+        except Mismatch as error:
+            failures.append(f"{describe(case)}\n  {error}")
+    assert not failures, "\n\n".join(failures)
+    assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4  # the sweep does compare outputs
