@@ -78,3 +78,30 @@ def test_differential_sweep(pair):
             failures.append(f"{describe(case)}\n  {error}")
     assert not failures, "\n\n".join(failures)
     assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4  # the sweep does compare outputs
+
+
+def test_a_builtin_stopping_criterion_replaces_hf_own(pair):
+    """HF's ``_merge_criteria_processor_list``: a MaxLengthCriteria / EosTokenCriteria in stopping_criteria replaces
+    generate's own, so HF ran past max_length (or ignored eos_token_id) where we stopped: silently fewer tokens.
+    Same outcome where it stops no later; refused by name where it would not."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation import EosTokenCriteria, MaxLengthCriteria
+
+    target, draft = pair
+    ids = torch.tensor([[16, 38, 45, 85, 72, 93]])
+    kwargs = dict(do_sample=False, max_length=7)
+    longer = StoppingCriteriaList([MaxLengthCriteria(max_length=9)])
+    assert _hf(target, ids, stopping_criteria=longer, **kwargs).shape[1] == 9  # HF goes past max_length=7
+    with pytest.raises(ValueError, match=r"stopping_criteria holds a MaxLengthCriteria\(max_length=9\)"):
+        sk.generate(target, ids, draft_model=draft, stopping_criteria=longer, **kwargs)
+    shorter = dict(do_sample=False, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(9)]))
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **shorter), _hf(target, ids, **shorter))
+
+    eos = _eos_after(target, ids, 2)
+    other = StoppingCriteriaList([EosTokenCriteria(eos_token_id=eos)])
+    kwargs = dict(do_sample=False, max_new_tokens=8, eos_token_id=[97 - 1])
+    assert _hf(target, ids, stopping_criteria=other, **kwargs).shape[1] == ids.shape[1] + 3  # stops at its ids
+    with pytest.raises(ValueError, match="stopping_criteria holds an EosTokenCriteria"):
+        sk.generate(target, ids, draft_model=draft, stopping_criteria=other, **kwargs)
+    same = dict(kwargs, eos_token_id=eos, stopping_criteria=other)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), _hf(target, ids, **same))
