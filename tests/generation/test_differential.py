@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from helpers.differential import Mismatch, check_case, describe, random_case
+from helpers.differential import Mismatch, check_case, describe, models, random_case, random_seq2seq_case
 from helpers.models import VOCAB, llama
 
 
@@ -105,3 +105,19 @@ def test_a_builtin_stopping_criterion_replaces_hf_own(pair):
         sk.generate(target, ids, draft_model=draft, stopping_criteria=other, **kwargs)
     same = dict(kwargs, eos_token_id=eos, stopping_criteria=other)
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), _hf(target, ids, **same))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_differential_sweep_seq2seq(family):
+    """The same for encoder-decoder pairs: decoder_input_ids with and without the start token, encoder_outputs
+    (with and without input_ids), forced BOS/EOS, decoder_start_token_id, as keywords or configs."""
+    target, draft = models(family)
+    verdicts, failures = [], []
+    for seed in range(30):
+        case = random_seq2seq_case(seed, family)
+        try:
+            verdicts += check_case(case, target, draft).values()
+        except Mismatch as error:
+            failures.append(f"{describe(case)}\n  {error}")
+    assert not failures, "\n\n".join(failures)
+    assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4

@@ -15,6 +15,7 @@ machine); ``tests/generation/test_differential.py`` runs a few fixed seeds.
 
 import contextlib
 import copy
+import functools
 import logging
 import random
 import sys
@@ -79,7 +80,10 @@ EXTRAS = [
     {"max_time": 100.0}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.5},
     {"logits_processor": "repetition"}, {"logits_processor": "empty"}, {"stopping_criteria": "max_length"},
     {"stopping_criteria": "empty"}, {"remove_invalid_values": True}, {"exponential_decay_length_penalty": (2, 1.5)},
-    {"encoder_repetition_penalty": 1.2}, {"encoder_no_repeat_ngram_size": 2},
+    {"encoder_repetition_penalty": 1.2}, {"encoder_no_repeat_ngram_size": 2}, {"bos_token_id": 7},
+    {"forced_bos_token_id": 9, "bos_token_id": 7}, {"num_assistant_tokens": 2}, {"max_matching_ngram_size": 1},
+    {"cache_implementation": "static"}, {"cache_implementation": "dynamic"}, {"do_sample": None},
+    {"guidance_scale": 1.0}, {"decoder_start_token_id": 5}, {"token_healing": False}, {"stop_strings": "ab"},
 ]
 
 
@@ -130,6 +134,69 @@ def random_case(seed: int) -> dict:
     case["how"] = rng.choice(["kwargs", "kwargs", "config", "model_config"])
     if rng.random() < 0.1:
         case["ending"] = rng.choice(["eos", "none", "empty"])
+    case["pass_ids"] = rng.choice(["positional", "positional", "inputs", "input_ids", "int32"])
+    return case
+
+
+SEQ2SEQ_EXTRAS = EXTRAS + [{"forced_bos_token_id": None}, {"forced_bos_token_id": 9}, {"decoder_start_token_id": 5},
+                           {"bos_token_id": 7}]
+
+
+def random_seq2seq_case(seed: int, family: str) -> dict:
+    """A seeded random encoder-decoder case for ``family`` ("t5": pad 0, eos 1, start 0; "bart": bos 0, pad 1,
+    eos 2, start 2, forced_bos 0): right-padded sources, with or without a mask, decoder_input_ids (with or
+    without the start token), encoder_outputs, and the decoder-only case's settings."""
+    rng = random.Random(seed)
+    pad, eos = (0, 1) if family == "t5" else (1, 2)
+    batch = rng.choice([1, 1, 3])
+    lengths = [rng.randint(2, 8) for _ in range(batch)]
+    ids = torch.full((batch, max(lengths)), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.tensor([rng.randrange(3, VOCAB) for _ in range(length)])
+        mask[row, :length] = 1
+    case = {"seed": seed, "family": family, "ids": ids, "mask": mask if rng.random() < 0.7 else None,
+            "settings": {"do_sample": False}, "how": rng.choice(["kwargs", "kwargs", "config", "model_config"])}
+    s = case["settings"]
+    decoder = rng.choice([None, None, None, "with_start", "without_start", "encoder_outputs"])
+    if decoder in ("with_start", "without_start"):
+        start = 0 if family == "t5" else 2
+        tokens = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 3))]] * batch)
+        if decoder == "with_start":
+            tokens = torch.cat([torch.full((batch, 1), start), tokens], dim=1)
+        case["decoder_input_ids"] = tokens
+    elif decoder == "encoder_outputs":
+        case["encoder_outputs"] = True
+    eos_choice = rng.choice(["config", "int", "list", "none", "frequent"])
+    if eos_choice == "int":
+        s["eos_token_id"] = eos
+    elif eos_choice == "list":
+        s["eos_token_id"] = [eos, rng.randrange(3, VOCAB)]
+    elif eos_choice == "none":
+        s["eos_token_id"] = None
+    elif eos_choice == "frequent":
+        s["eos_token_id"] = "frequent"
+    pad_choice = rng.choice(["config", "config", "other", "none"])
+    if pad_choice == "other":
+        s["pad_token_id"] = 4
+    elif pad_choice == "none":
+        s["pad_token_id"] = None
+    length = rng.choice(["new", "new", "max_length", "both", "default"])
+    if length in ("new", "both"):
+        s["max_new_tokens"] = rng.randint(1, 10)
+    if length in ("max_length", "both"):
+        s["max_length"] = rng.randint(3, 12)
+    minimum = rng.choice([None, None, "min_new_tokens", "min_length", "both"])
+    if minimum in ("min_new_tokens", "both"):
+        s["min_new_tokens"] = rng.randint(0, 6)
+    if minimum in ("min_length", "both"):
+        s["min_length"] = rng.randint(0, 10)
+    output = rng.choice(["tensor", "tensor", "dict", "scores", "logits", "both"])
+    if output != "tensor":
+        s["return_dict_in_generate"] = True
+        s["output_scores"] = output in ("scores", "both")
+        s["output_logits"] = output in ("logits", "both")
+    s.update(rng.choice(SEQ2SEQ_EXTRAS))
     return case
 
 
@@ -149,7 +216,8 @@ def _materialise(case: dict, target) -> tuple[torch.Tensor | None, dict]:
         with quiet():
             plain = target.generate(probe, attention_mask=probe_mask, max_new_tokens=8, do_sample=False,
                                     eos_token_id=None, pad_token_id=PAD)
-        new = plain[0, probe.shape[1]:].tolist()
+        width = 1 if target.config.is_encoder_decoder else probe.shape[1]
+        new = plain[0, width:].tolist()
         token = new[min(3, len(new) - 1)]
         value = settings["eos_token_id"]
         settings["eos_token_id"] = token if value == "frequent" else [token, EOS]
@@ -165,31 +233,44 @@ def _materialise(case: dict, target) -> tuple[torch.Tensor | None, dict]:
         settings["stopping_criteria"] = StoppingCriteriaList(
             [MaxLengthCriteria(max_length=(0 if ids is None else ids.shape[1]) + 3)] if criteria == "max_length"
             else [])
+    if case.get("decoder_input_ids") is not None:
+        settings["decoder_input_ids"] = case["decoder_input_ids"]
+    if case.get("encoder_outputs"):
+        with torch.no_grad():
+            settings["encoder_outputs"] = target.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True)
+        if case["seed"] % 2:  # encoder_outputs alone, as HF allows
+            ids = None
     return ids, mask, settings
 
 
-CALL_ONLY = ("logits_processor", "stopping_criteria")  # generate arguments, not GenerationConfig fields
+CALL_ONLY = ("logits_processor", "stopping_criteria", "decoder_input_ids", "encoder_outputs")  # not config fields
 
 
-def _call(generate, target, ids, mask, settings, how, **extra):
+def _call(generate, target, ids, mask, settings, how, pass_ids="positional", **extra):
     """Call ``generate`` with the settings passed as keywords, in a GenerationConfig, or by mutating
     target.generation_config (restored afterwards)."""
     kwargs = {k: v for k, v in settings.items() if k in CALL_ONLY}
     fields = {k: v for k, v in settings.items() if k not in CALL_ONLY}
     if mask is not None:
         kwargs["attention_mask"] = mask
+    if pass_ids == "int32" and ids is not None:
+        ids = ids.to(torch.int32)
+    if pass_ids in ("inputs", "input_ids"):
+        kwargs[pass_ids] = ids
+    else:
+        generate = functools.partial(generate, ids)
     if how == "kwargs":
-        return generate(ids, **kwargs, **fields, **extra)
+        return generate(**kwargs, **fields, **extra)
     if how == "config":
         config = copy.deepcopy(target.generation_config)
         for name, value in fields.items():
             setattr(config, name, value)
-        return generate(ids, generation_config=config, **kwargs, **extra)
+        return generate(generation_config=config, **kwargs, **extra)
     saved = copy.deepcopy(target.generation_config)
     try:
         for name, value in fields.items():
             setattr(target.generation_config, name, value)
-        return generate(ids, **kwargs, **extra)
+        return generate(**kwargs, **extra)
     finally:
         target.generation_config = saved
 
@@ -245,13 +326,18 @@ def _compare_outputs(target, got, expected, ids, mask, resolved, reference):
     mine.scores, mine.sequences = got.scores, got.sequences
     theirs.logits, theirs.sequences = reference.logits, reference.sequences
     theirs.scores = reference.scores if got.scores is not None else None
-    if mask is None and ids is not None:  # HF's inferred mask (``_prepare_attention_mask_for_generation``)
+    if target.config.is_encoder_decoder:
+        if ids is None:  # encoder_outputs alone: no float64 reference to derive a tolerance from; shapes only
+            return
+        inputs = {"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask}
+    elif mask is None and ids is not None:  # HF's inferred mask (``_prepare_attention_mask_for_generation``)
         eos = resolved.eos_token_id
         eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
         pad = resolved.pad_token_id if resolved.pad_token_id is not None else next(iter(eos), None)
         if pad is not None and pad not in eos and bool((ids == pad).any()):
             mask = (ids != pad).long()
-    inputs = {} if mask is None else {"attention_mask": mask}
+    if not target.config.is_encoder_decoder:
+        inputs = {} if mask is None else {"attention_mask": mask}
     try:
         assert_logits_as_accurate_as_hf(target, mine, theirs, live=live, **inputs)
     except AssertionError as error:
@@ -266,17 +352,17 @@ def _named(error: Exception, settings: dict) -> bool:
 def check_case(case: dict, target, draft) -> dict:
     """{drafting: verdict} for drafting in ("draft_model", "prompt_lookup"); raises Mismatch on a defect."""
     ids, mask, settings = _materialise(case, target)
-    how = case["how"]
+    how, pass_ids = case["how"], case.get("pass_ids", "positional")
     verdicts = {}
     hf_error = None
     with quiet():
         try:
             torch.manual_seed(0)
-            expected = _call(target.generate, target, ids, mask, settings, how)
+            expected = _call(target.generate, target, ids, mask, settings, how, pass_ids)
         except Exception as error:  # noqa: BLE001 - HF refusing is an outcome
             hf_error = error
-    def resolve(input_ids, generation_config=None, **kwargs):  # the merged config HF's generate works from
-        for name in ("attention_mask", *CALL_ONLY):
+    def resolve(input_ids=None, generation_config=None, **kwargs):  # the merged config HF's generate works from
+        for name in ("attention_mask", "inputs", "input_ids", *CALL_ONLY):
             kwargs.pop(name, None)
         return target._prepare_generation_config(generation_config, **kwargs)[0]
 
@@ -293,11 +379,11 @@ def check_case(case: dict, target, draft) -> dict:
                               {**settings, "output_scores": True, "output_logits": True}, how)
     for drafting, extra in (("draft_model", {"draft_model": draft, "num_speculative_tokens": 3}),
                             ("prompt_lookup", {"prompt_lookup_num_tokens": 3})):
-        def ours(input_ids, **kwargs):
-            return sk.generate(target, input_ids, **kwargs)
+        def ours(*args, **kwargs):
+            return sk.generate(target, *args, **kwargs)
         try:
             with quiet():
-                got = _call(ours, target, ids, mask, settings, how, **extra)
+                got = _call(ours, target, ids, mask, settings, how, pass_ids, **extra)
         except (ValueError, TypeError) as error:
             if hf_error is not None:
                 verdicts[drafting] = "both-raise"
@@ -324,26 +410,40 @@ def check_case(case: dict, target, draft) -> dict:
 def describe(case: dict) -> str:
     ids = case["ids"].tolist()
     mask = None if case["mask"] is None else case["mask"].tolist()
-    return (f"seed={case['seed']} how={case['how']} ending={case.get('ending')} ids={ids} mask={mask} "
+    return (f"family={case.get('family', 'llama')} seed={case['seed']} how={case['how']} "
+            f"decoder_input_ids={case.get('decoder_input_ids')} encoder_outputs={case.get('encoder_outputs')} "
+            f" ending={case.get('ending')} pass_ids={case.get('pass_ids')} ids={ids} mask={mask} "
             f"settings={case['settings']}")
+
+
+def models(family: str):
+    """(target, draft) of the harness for ``family``: llama, t5 or bart (tiny, random, built here)."""
+    from helpers.models import FAMILIES
+
+    if family in FAMILIES:
+        return FAMILIES[family](), FAMILIES[family](layers=1, seed=3)
+    from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+
+    make = SEQ2SEQ_FAMILIES[family]
+    return make(), make(layers=1, seed=3)
 
 
 def main(argv=None) -> int:
     import argparse
     import collections
 
-    from helpers.models import llama
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=50)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--family", choices=["llama", "gpt2", "qwen2", "t5", "bart", "mbart"],
+                        default="llama")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    target, draft = llama(), llama(layers=1, seed=3)
+    target, draft = models(args.family)
     tally, failures = collections.Counter(), []
     for seed in range(args.start, args.start + args.cases):
-        case = random_case(seed)
+        case = random_case(seed) if args.family in ("llama", "gpt2", "qwen2") else random_seq2seq_case(seed, args.family)
         try:
             verdicts = check_case(case, target, draft)
         except Mismatch as error:
