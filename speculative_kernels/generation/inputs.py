@@ -96,6 +96,8 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
         if bos_token_id is None:
             raise ValueError("input_ids is empty and the model has no bos_token_id to start from")
         batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
+        if input_ids is None and attention_mask is not None:  # HF takes the batch size from the mask
+            batch = _bos_batch(attention_mask)
         input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
         attention_mask = None
     input_ids = token_tensor("input_ids", input_ids, device)
@@ -117,6 +119,17 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
                              "pad_token_id")
         raise ValueError("attention_mask shows right padding; decoder-only generation needs left padding")
     return input_ids, attention_mask
+
+
+def _bos_batch(attention_mask) -> int:
+    """No input_ids but an attention_mask: HF's ``_maybe_initialize_input_ids_for_generation`` starts one BOS per
+    row of the mask (its batch size) and keeps the mask, which fits a [B, 1] mask of ones only; anything else is
+    refused by name."""
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[1] != 1
+            or not bool((attention_mask != 0).all())):
+        raise ValueError(f"attention_mask without input_ids must be [batch, 1] ones (one BOS token per row, as in "
+                         f"transformers), got {getattr(attention_mask, 'shape', attention_mask)}; pass input_ids")
+    return attention_mask.shape[0]
 
 
 def check_batch(plan: Plan, batch: int) -> None:

@@ -121,3 +121,17 @@ def test_differential_sweep_seq2seq(family):
             failures.append(f"{describe(case)}\n  {error}")
     assert not failures, "\n\n".join(failures)
     assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4
+
+
+def test_no_input_ids_takes_the_batch_size_from_the_attention_mask(pair):
+    """HF (``_maybe_initialize_input_ids_for_generation``): without input_ids, one BOS per row of the first tensor
+    keyword (the attention_mask); we started a single row."""
+    target, draft = pair
+    mask = torch.ones(2, 1, dtype=torch.long)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    expected = _hf(target, None, **kwargs)
+    assert expected.shape == (2, 5)
+    for extra in (dict(draft_model=draft), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, **kwargs, **extra), expected)
+    with pytest.raises(ValueError, match=r"attention_mask without input_ids must be \[batch, 1\] ones"):
+        sk.generate(target, draft_model=draft, attention_mask=torch.ones(2, 3, dtype=torch.long), max_new_tokens=4)
