@@ -132,12 +132,15 @@ def _bos_batch(attention_mask) -> int:
     return attention_mask.shape[0]
 
 
-def check_batch(plan: Plan, batch: int) -> None:
-    """What needs batch size 1 (as in transformers), and what a batch needs."""
+def check_batch(plan: Plan, batch: int, rows=None) -> None:
+    """What needs batch size 1 (as in transformers), and what a batch needs. rows: the per-row settings of a batch
+    of separate requests (``RowSettings``), or None."""
     if batch > 1 and plan.streamer is not None:
         raise ValueError("streamer supports batch size 1 only (as in transformers); for text per row of a batch, "
                          "step a SpeculativeDecoder session and give each row an IncrementalDetokenizer")
     if batch > 1 and plan.stopping_criteria:
         raise ValueError("stopping_criteria are supported for batch size 1 only")
-    if batch > 1 and plan.pad_token_id is None:
+    # Without pad_token_id there is no EOS either (pad falls back to eos_token_id): every row of one call runs to
+    # max_new_tokens, none is padded, and HF generates such a batch. Separate requests end at their own lengths.
+    if batch > 1 and plan.pad_token_id is None and rows is not None:
         raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")

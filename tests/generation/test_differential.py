@@ -135,3 +135,24 @@ def test_no_input_ids_takes_the_batch_size_from_the_attention_mask(pair):
         assert torch.equal(sk.generate(target, **kwargs, **extra), expected)
     with pytest.raises(ValueError, match=r"attention_mask without input_ids must be \[batch, 1\] ones"):
         sk.generate(target, draft_model=draft, attention_mask=torch.ones(2, 3, dtype=torch.long), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_a_batch_without_pad_or_eos_runs_as_in_hf(pair, drafting):
+    """No eos_token_id and no pad_token_id: no row can finish early, nothing is padded, and HF generates the batch;
+    we refused it (pad_token_id needed)."""
+    target, draft = pair
+    ids = torch.tensor([[0, 0, 5, 17, 42], [3, 9, 17, 42, 70]])
+    kwargs = dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), max_new_tokens=7,
+                  do_sample=False, eos_token_id=None, pad_token_id=None)
+    extra = dict(draft_model=draft, num_speculative_tokens=3) if drafting == "draft_model" else dict(
+        prompt_lookup_num_tokens=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target.generation_config.eos_token_id, saved = None, target.generation_config.eos_token_id
+        try:
+            expected = _hf(target, ids, **kwargs)
+            got = sk.generate(target, ids, **kwargs, **extra)
+        finally:
+            target.generation_config.eos_token_id = saved
+    assert torch.equal(got, expected)
