@@ -156,3 +156,18 @@ def test_a_batch_without_pad_or_eos_runs_as_in_hf(pair, drafting):
         finally:
             target.generation_config.eos_token_id = saved
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=5.5), dict(max_length=10.5)])
+def test_forced_eos_with_a_fractional_length(pair, length):
+    """HF's ForcedEOSTokenLogitsProcessor forces at length == max_length - 1, never true for a fractional max_length
+    (max_new_tokens=5.5 generates 6 tokens, none forced); we forced the last one."""
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    kwargs = dict(do_sample=False, forced_eos_token_id=11, **length)
+    expected = _hf(target, ids, **kwargs)
+    assert expected.shape[1] == 11 and expected[0, -1] != 11  # 6 new tokens, the last not forced
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **{**kwargs, **{k: 6 if k == "max_new_tokens"
+                                                                                  else 11 for k in length}}),
+                       _hf(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))
