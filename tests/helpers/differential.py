@@ -103,6 +103,8 @@ def random_case(seed: int) -> dict:
         s["eos_token_id"] = EOS
     elif eos_choice == "list":
         s["eos_token_id"] = [EOS, rng.randrange(3, VOCAB)]
+        if rng.random() < 0.3:
+            s["eos_token_id"] = torch.tensor(s["eos_token_id"])
     elif eos_choice == "none":
         s["eos_token_id"] = None
     elif eos_choice.startswith("frequent"):
@@ -119,6 +121,10 @@ def random_case(seed: int) -> dict:
         s["max_new_tokens"] = rng.randint(1, 12)
     if length in ("max_length", "both"):
         s["max_length"] = ids.shape[1] + rng.randint(1, 12)
+    if rng.random() < 0.15:  # fractional lengths, as model.generate takes them
+        for name in ("max_new_tokens", "max_length"):
+            if name in s:
+                s[name] += 0.5
     minimum = rng.choice([None, None, "min_new_tokens", "min_length", "both"])
     if minimum in ("min_new_tokens", "both"):
         s["min_new_tokens"] = rng.randint(0, 8)
@@ -131,7 +137,7 @@ def random_case(seed: int) -> dict:
         s["output_logits"] = output in ("logits", "both")
     extra = rng.choice(EXTRAS)
     s.update(extra)
-    case["how"] = rng.choice(["kwargs", "kwargs", "config", "model_config"])
+    case["how"] = rng.choice(["kwargs", "kwargs", "config", "model_config", "split"])
     if rng.random() < 0.1:
         case["ending"] = rng.choice(["eos", "none", "empty"])
     case["pass_ids"] = rng.choice(["positional", "positional", "inputs", "input_ids", "int32"])
@@ -156,7 +162,8 @@ def random_seq2seq_case(seed: int, family: str) -> dict:
         ids[row, :length] = torch.tensor([rng.randrange(3, VOCAB) for _ in range(length)])
         mask[row, :length] = 1
     case = {"seed": seed, "family": family, "ids": ids, "mask": mask if rng.random() < 0.7 else None,
-            "settings": {"do_sample": False}, "how": rng.choice(["kwargs", "kwargs", "config", "model_config"])}
+            "settings": {"do_sample": False},
+            "how": rng.choice(["kwargs", "kwargs", "config", "model_config", "split"])}
     s = case["settings"]
     decoder = rng.choice([None, None, None, "with_start", "without_start", "encoder_outputs"])
     if decoder in ("with_start", "without_start"):
@@ -223,7 +230,7 @@ def _materialise(case: dict, target) -> tuple[torch.Tensor | None, dict]:
         settings["eos_token_id"] = token if value == "frequent" else [token, EOS]
     if settings.get("pad_token_id") == "eos":
         eos = settings.get("eos_token_id", EOS)
-        settings["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) if eos is not None else EOS
+        settings["pad_token_id"] = int(torch.as_tensor(eos).flatten()[0]) if eos is not None else EOS
     processor = settings.pop("logits_processor", None)
     if processor is not None:
         settings["logits_processor"] = LogitsProcessorList(
@@ -266,6 +273,11 @@ def _call(generate, target, ids, mask, settings, how, pass_ids="positional", **e
         for name, value in fields.items():
             setattr(config, name, value)
         return generate(generation_config=config, **kwargs, **extra)
+    if how == "split":  # every other field in a fresh GenerationConfig, the rest as keywords (which win)
+        names = sorted(fields)
+        config = GenerationConfig(**{name: fields[name] for name in names[::2]})
+        return generate(generation_config=config, **kwargs, **{name: fields[name] for name in names[1::2]},
+                        **extra)
     saved = copy.deepcopy(target.generation_config)
     try:
         for name, value in fields.items():
@@ -277,7 +289,7 @@ def _call(generate, target, ids, mask, settings, how, pass_ids="positional", **e
 
 def _live(sequences, prompt_width: int, steps: int, eos) -> torch.Tensor:
     """[B, steps] bool: the steps at which a row had not yet emitted an EOS id (HF computes finished rows on)."""
-    eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    eos = set([] if eos is None else [eos] if isinstance(eos, int) else torch.as_tensor(eos).flatten().tolist())
     new = sequences[:, prompt_width:prompt_width + steps]
     ended = torch.zeros_like(new, dtype=torch.bool)
     for e in eos:
@@ -332,7 +344,7 @@ def _compare_outputs(target, got, expected, ids, mask, resolved, reference):
         inputs = {"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask}
     elif mask is None and ids is not None:  # HF's inferred mask (``_prepare_attention_mask_for_generation``)
         eos = resolved.eos_token_id
-        eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        eos = set([] if eos is None else [eos] if isinstance(eos, int) else torch.as_tensor(eos).flatten().tolist())
         pad = resolved.pad_token_id if resolved.pad_token_id is not None else next(iter(eos), None)
         if pad is not None and pad not in eos and bool((ids == pad).any()):
             mask = (ids != pad).long()
@@ -369,8 +381,8 @@ def check_case(case: dict, target, draft) -> dict:
     try:
         with quiet():
             resolved = _call(resolve, target, ids, mask, settings, how)
-    except (ValueError, TypeError):
-        resolved = None  # HF refuses the settings themselves (HF's run below raises too)
+    except Exception:  # noqa: BLE001 - HF refuses the settings themselves (HF's run below raises too)
+        resolved = None
     reference = None
     if hf_error is None and not isinstance(expected, torch.Tensor) and (settings.get("output_scores")
                                                                          or settings.get("output_logits")):
