@@ -96,6 +96,8 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
         if bos_token_id is None:
             raise ValueError("input_ids is empty and the model has no bos_token_id to start from")
         batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
+        if input_ids is None and attention_mask is not None:  # HF takes the batch size from the mask
+            batch = _bos_batch(attention_mask)
         input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
         attention_mask = None
     input_ids = token_tensor("input_ids", input_ids, device)
@@ -119,12 +121,26 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
     return input_ids, attention_mask
 
 
-def check_batch(plan: Plan, batch: int) -> None:
-    """What needs batch size 1 (as in transformers), and what a batch needs."""
+def _bos_batch(attention_mask) -> int:
+    """No input_ids but an attention_mask: HF's ``_maybe_initialize_input_ids_for_generation`` starts one BOS per
+    row of the mask (its batch size) and keeps the mask, which fits a [B, 1] mask of ones only; anything else is
+    refused by name."""
+    if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[1] != 1
+            or not bool((attention_mask != 0).all())):
+        raise ValueError(f"attention_mask without input_ids must be [batch, 1] ones (one BOS token per row, as in "
+                         f"transformers), got {getattr(attention_mask, 'shape', attention_mask)}; pass input_ids")
+    return attention_mask.shape[0]
+
+
+def check_batch(plan: Plan, batch: int, rows=None) -> None:
+    """What needs batch size 1 (as in transformers), and what a batch needs. rows: the per-row settings of a batch
+    of separate requests (``RowSettings``), or None."""
     if batch > 1 and plan.streamer is not None:
         raise ValueError("streamer supports batch size 1 only (as in transformers); for text per row of a batch, "
                          "step a SpeculativeDecoder session and give each row an IncrementalDetokenizer")
     if batch > 1 and plan.stopping_criteria:
         raise ValueError("stopping_criteria are supported for batch size 1 only")
-    if batch > 1 and plan.pad_token_id is None:
+    # Without pad_token_id there is no EOS either (pad falls back to eos_token_id): every row of one call runs to
+    # max_new_tokens, none is padded, and HF generates such a batch. Separate requests end at their own lengths.
+    if batch > 1 and plan.pad_token_id is None and rows is not None:
         raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")

@@ -72,8 +72,12 @@ class LogitMasks:
         """(generated index, [V] bool columns kept) pairs: forced_bos at decoder length 1 (only when the prompt is a
         single token), forced_eos at max_length - 1."""
         config, forced = plan.generation_config, []
+        # HF forces EOS where the length equals max_length - 1: never when a fractional max_new_tokens/max_length
+        # (5.5: generation stops at 6 new tokens) makes max_length fractional.
+        length = config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+        eos_at = plan.max_new_tokens - 1 if length is None or float(length).is_integer() else -1
         for token_ids, at in ((config.forced_bos_token_id, 1 - prompt_length),
-                              (config.forced_eos_token_id, plan.max_new_tokens - 1)):
+                              (config.forced_eos_token_id, eos_at)):
             ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
             if not ids or at < 0:
                 continue

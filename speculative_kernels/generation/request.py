@@ -83,7 +83,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
                                device=device)
-    check_batch(plan, batch)
+    check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
     encoded = prompt.encode() if encoder_decoder else {}
     encoder_mask = prompt.encoder_mask if encoder_decoder else None

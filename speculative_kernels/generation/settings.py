@@ -37,7 +37,7 @@ HONOURED = {
     "max_length": "length (HF's default of 20 new tokens when unset, capped at max_position_embeddings)",
     "max_new_tokens": "length",
     "min_length": "EOS masked before it",
-    "min_new_tokens": "EOS masked before it",
+    "min_new_tokens": "EOS masked before it; when set, min_length is ignored (HF overwrites it)",
     "do_sample": "greedy or sampling",
     "temperature": "warping",
     "top_k": "warping",
@@ -344,6 +344,29 @@ def _check_callables(streamer, stopping_criteria) -> list:
     return list(stopping_criteria)
 
 
+def _check_builtin_criteria(criteria, eos_token_ids, max_length: int) -> None:
+    """HF's ``_merge_criteria_processor_list``: a stopping criterion of the very type ``generate`` builds itself
+    *replaces* that one. A ``MaxLengthCriteria`` replaces the max_length criterion (so HF generates up to its length,
+    even past max_length/max_new_tokens), an ``EosTokenCriteria`` the EOS criterion (the row stops at its ids, not
+    at eos_token_id's). Ours run besides the built-in stops, which is the same only where the given one stops no
+    later (a shorter MaxLengthCriteria) or stops at the same ids; anything else is refused by name."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    for criterion in criteria:
+        if type(criterion) is MaxLengthCriteria and criterion.max_length > max_length:
+            raise ValueError(
+                f"stopping_criteria holds a MaxLengthCriteria(max_length={criterion.max_length}), which transformers' "
+                f"generate uses in place of its own max_length ({max_length}) criterion, generating past "
+                "max_length/max_new_tokens; speculative_kernels cannot; pass max_length= or max_new_tokens= instead")
+        if type(criterion) is EosTokenCriteria and eos_token_ids:
+            ids = set(token_ids("EosTokenCriteria.eos_token_id", criterion.eos_token_id))
+            if ids != set(eos_token_ids):
+                raise ValueError(
+                    f"stopping_criteria holds an EosTokenCriteria with ids {sorted(ids)}, which transformers' "
+                    f"generate uses in place of eos_token_id={list(eos_token_ids)} for stopping rows; "
+                    "speculative_kernels cannot; pass eos_token_id= instead")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """A call's generation settings, validated, before the (decoder) prompt's length is known
@@ -363,8 +386,11 @@ class Settings:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
         config = self.config
         max_new = _max_new_tokens(model, config, prompt_length, self.default_max_length)
-        min_new = max(_int_setting("min_new_tokens", config.min_new_tokens),
-                      _int_setting("min_length", config.min_length) - prompt_length, 0)
+        if config.min_new_tokens is not None:  # HF: min_new_tokens takes precedence, min_length is then overwritten
+            min_new = _int_setting("min_new_tokens", config.min_new_tokens)  # (``_prepare_generated_length``)
+        else:
+            min_new = max(_int_setting("min_length", config.min_length) - prompt_length, 0)
+        _check_builtin_criteria(self.stopping_criteria, self.eos_token_ids, prompt_length + int(max_new))
         return Plan(
             sampling=self.sampling,
             num_speculative_tokens=self.num_speculative_tokens,

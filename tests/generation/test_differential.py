@@ -1,0 +1,173 @@
+"""Differences from ``model.generate`` found by the differential harness (``helpers/differential.py``), each pinned
+by a test that fails on the code before its fix, and a fixed-seed sweep of the harness itself (greedy: ours must
+equal HF's token for token, or refuse by name)."""
+
+import warnings
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.differential import Mismatch, check_case, describe, models, random_case, random_seq2seq_case
+from helpers.models import VOCAB, llama
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=3)
+
+
+def _hf(model, ids, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, **kwargs)
+
+
+def _eos_after(model, ids, steps: int) -> int:
+    """A token HF's plain greedy run emits as its ``steps``-th new token (0-based): an EOS id that stops it there."""
+    plain = _hf(model, ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return int(plain[0, ids.shape[1] + steps])
+
+
+def test_min_new_tokens_takes_precedence_over_min_length(pair):
+    """HF (``_prepare_generated_length``): when min_new_tokens is set, min_length is overwritten with
+    min_new_tokens + prompt length, so a larger min_length changes nothing; we took the larger of the two."""
+    target, draft = pair
+    ids = torch.tensor([[84, 39, 64, 30, 63]])
+    eos = _eos_after(target, ids, 3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=3)
+    expected = _hf(target, ids, min_length=15, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + 4  # stops at the EOS, min_length ignored
+    assert not torch.equal(expected, _hf(target, ids, **{**kwargs, "min_new_tokens": 10}))  # the test can fail
+    for extra in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, ids, min_length=15, **kwargs, **extra), expected)
+    # min_new_tokens=0 set: still takes precedence (no minimum), as in HF
+    zero = dict(kwargs, min_new_tokens=0)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, min_length=15, **zero),
+                       _hf(target, ids, min_length=15, **zero))
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=1), dict(max_length=6)])
+@pytest.mark.parametrize("drafting", ["prompt_lookup", "ngram"])
+def test_one_new_token_without_a_draft_model(pair, length, drafting):
+    """One new token: the loop runs the target on the prompt and never starts the drafter; a drafter without a
+    model was still asked to observe the step and failed (AttributeError on its missing context)."""
+    target, _ = pair
+    ids = torch.tensor([[86, 9, 12, 71, 15]])
+    extra = dict(prompt_lookup_num_tokens=3) if drafting == "prompt_lookup" else dict(
+        drafter=sk.NGramDrafter(VOCAB))
+    kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **length)
+    expected = _hf(target, ids, **kwargs)
+    got = sk.generate(target, ids, **kwargs, **extra)
+    assert torch.equal(got.sequences, expected.sequences) and len(got.scores) == 1
+
+
+SWEEP = range(0, 60)
+
+
+def test_differential_sweep(pair):
+    """Random seeded cases (inputs, settings, how they are passed) against HF; any outcome but "same" or a refusal
+    naming a setting fails, with the case to reproduce it (``python tests/helpers/differential.py``)."""
+    target, draft = pair
+    verdicts, failures = [], []
+    for seed in SWEEP:
+        case = random_case(seed)
+        try:
+            verdicts += check_case(case, target, draft).values()
+        except Mismatch as error:
+            failures.append(f"{describe(case)}\n  {error}")
+    assert not failures, "\n\n".join(failures)
+    assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4  # the sweep does compare outputs
+
+
+def test_a_builtin_stopping_criterion_replaces_hf_own(pair):
+    """HF's ``_merge_criteria_processor_list``: a MaxLengthCriteria / EosTokenCriteria in stopping_criteria replaces
+    generate's own, so HF ran past max_length (or ignored eos_token_id) where we stopped: silently fewer tokens.
+    Same outcome where it stops no later; refused by name where it would not."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation import EosTokenCriteria, MaxLengthCriteria
+
+    target, draft = pair
+    ids = torch.tensor([[16, 38, 45, 85, 72, 93]])
+    kwargs = dict(do_sample=False, max_length=7)
+    longer = StoppingCriteriaList([MaxLengthCriteria(max_length=9)])
+    assert _hf(target, ids, stopping_criteria=longer, **kwargs).shape[1] == 9  # HF goes past max_length=7
+    with pytest.raises(ValueError, match=r"stopping_criteria holds a MaxLengthCriteria\(max_length=9\)"):
+        sk.generate(target, ids, draft_model=draft, stopping_criteria=longer, **kwargs)
+    shorter = dict(do_sample=False, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(9)]))
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **shorter), _hf(target, ids, **shorter))
+
+    eos = _eos_after(target, ids, 2)
+    other = StoppingCriteriaList([EosTokenCriteria(eos_token_id=eos)])
+    kwargs = dict(do_sample=False, max_new_tokens=8, eos_token_id=[97 - 1])
+    assert _hf(target, ids, stopping_criteria=other, **kwargs).shape[1] == ids.shape[1] + 3  # stops at its ids
+    with pytest.raises(ValueError, match="stopping_criteria holds an EosTokenCriteria"):
+        sk.generate(target, ids, draft_model=draft, stopping_criteria=other, **kwargs)
+    same = dict(kwargs, eos_token_id=eos, stopping_criteria=other)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), _hf(target, ids, **same))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_differential_sweep_seq2seq(family):
+    """The same for encoder-decoder pairs: decoder_input_ids with and without the start token, encoder_outputs
+    (with and without input_ids), forced BOS/EOS, decoder_start_token_id, as keywords or configs."""
+    target, draft = models(family)
+    verdicts, failures = [], []
+    for seed in range(30):
+        case = random_seq2seq_case(seed, family)
+        try:
+            verdicts += check_case(case, target, draft).values()
+        except Mismatch as error:
+            failures.append(f"{describe(case)}\n  {error}")
+    assert not failures, "\n\n".join(failures)
+    assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4
+
+
+def test_no_input_ids_takes_the_batch_size_from_the_attention_mask(pair):
+    """HF (``_maybe_initialize_input_ids_for_generation``): without input_ids, one BOS per row of the first tensor
+    keyword (the attention_mask); we started a single row."""
+    target, draft = pair
+    mask = torch.ones(2, 1, dtype=torch.long)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    expected = _hf(target, None, **kwargs)
+    assert expected.shape == (2, 5)
+    for extra in (dict(draft_model=draft), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, **kwargs, **extra), expected)
+    with pytest.raises(ValueError, match=r"attention_mask without input_ids must be \[batch, 1\] ones"):
+        sk.generate(target, draft_model=draft, attention_mask=torch.ones(2, 3, dtype=torch.long), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_a_batch_without_pad_or_eos_runs_as_in_hf(pair, drafting):
+    """No eos_token_id and no pad_token_id: no row can finish early, nothing is padded, and HF generates the batch;
+    we refused it (pad_token_id needed)."""
+    target, draft = pair
+    ids = torch.tensor([[0, 0, 5, 17, 42], [3, 9, 17, 42, 70]])
+    kwargs = dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), max_new_tokens=7,
+                  do_sample=False, eos_token_id=None, pad_token_id=None)
+    extra = dict(draft_model=draft, num_speculative_tokens=3) if drafting == "draft_model" else dict(
+        prompt_lookup_num_tokens=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        target.generation_config.eos_token_id, saved = None, target.generation_config.eos_token_id
+        try:
+            expected = _hf(target, ids, **kwargs)
+            got = sk.generate(target, ids, **kwargs, **extra)
+        finally:
+            target.generation_config.eos_token_id = saved
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=5.5), dict(max_length=10.5)])
+def test_forced_eos_with_a_fractional_length(pair, length):
+    """HF's ForcedEOSTokenLogitsProcessor forces at length == max_length - 1, never true for a fractional max_length
+    (max_new_tokens=5.5 generates 6 tokens, none forced); we forced the last one."""
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    kwargs = dict(do_sample=False, forced_eos_token_id=11, **length)
+    expected = _hf(target, ids, **kwargs)
+    assert expected.shape[1] == 11 and expected[0, -1] != 11  # 6 new tokens, the last not forced
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **{**kwargs, **{k: 6 if k == "max_new_tokens"
+                                                                                  else 11 for k in length}}),
+                       _hf(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))
