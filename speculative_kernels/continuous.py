@@ -41,6 +41,7 @@ import dataclasses
 
 import torch
 
+from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
@@ -82,6 +83,7 @@ class _Request:
     min_new_tokens: int
     key: int
     stop: object | None = None  # HF's StopStringCriteria of the request's stop_strings
+    mask: list[int] | None = None  # the prompt's attention mask where HF infers one from pad_token_id, else None
 
 
 class ContinuousBatcher:
@@ -114,6 +116,7 @@ class ContinuousBatcher:
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft)
         plan = settings.plan(target, len(prompt))
+        mask = self._inferred_mask(prompt, settings)
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:
@@ -132,7 +135,7 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop)
+            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:
@@ -159,6 +162,20 @@ class ContinuousBatcher:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
         return prompt
+
+    @staticmethod
+    def _inferred_mask(prompt: list[int], settings) -> list[int] | None:
+        """What ``model.generate`` on this prompt alone would mask (``inputs.inferred_attention_mask``: the pad id,
+        when it is not an EOS id); None for none. A prompt ending with the pad id is refused, as in ``generate``."""
+        inferred = inferred_attention_mask(torch.tensor([prompt]), settings.pad_token_id, settings.eos_token_ids)
+        if inferred is None:
+            return None
+        mask = inferred[0].tolist()
+        if not mask[-1]:
+            raise ValueError(f"prompt_ids ends with pad_token_id={settings.pad_token_id}: as model.generate would, "
+                             "the prompt's mask is inferred from pad_token_id, which makes it right-padded; remove "
+                             "the trailing pad ids")
+        return mask
 
     def _stop_criterion(self, stop_strings):
         """stop_strings (a string or a list of them) -> HF's StopStringCriteria on the decoder's tokenizer, or None."""
@@ -307,9 +324,9 @@ class ContinuousBatcher:
         device = self.decoder.target.device
         input_ids = torch.full((len(ids), width), pad, dtype=torch.int64)
         mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(prompts):
+        for row, (prompt, request) in enumerate(zip(prompts, requests)):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-            mask[row, width - len(prompt):] = 1
+            mask[row, width - len(prompt):] = 1 if request.mask is None else torch.tensor(request.mask)
         rows = RowSettings(max_new_tokens=[r.max_new_tokens for r in requests], eos=[r.eos for r in requests],
                            temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
                            top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],

@@ -470,3 +470,24 @@ def test_a_merge_that_fails_midway_cancels_the_running_requests_and_keeps_the_qu
         decoder.step()
     assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12],
                                                          dict(max_new_tokens=6, do_sample=True, seed=4))
+
+
+def test_prompts_holding_the_pad_id_are_masked_as_model_generate_masks_them(pair):
+    """model.generate on a prompt alone infers its mask from pad_token_id (0 here); a request is decoded as that,
+    joining a running batch or not, and a prompt ending with the pad id is refused as generate refuses it."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    prompts = {0: [[0, 0, 17, 42, 70, 7], [5, 9, 13]], 2: [[5, 17, 0, 70, 7, 9]]}
+    for step_prompts in prompts.values():
+        for prompt in step_prompts:
+            ids = torch.tensor([prompt])
+            unmasked = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+            assert 0 not in prompt or not torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
+                                                      unmasked)  # the inferred mask matters: the test can fail
+    arrivals = {step: [(p, dict(max_new_tokens=10, do_sample=False)) for p in ps] for step, ps in prompts.items()}
+    requests, streamed = _run(decoder, arrivals)
+    for request_id, (prompt, _) in requests.items():
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
+        assert decoder.result(request_id).token_ids == expected.tolist(), prompt
+    with pytest.raises(ValueError, match="ends with pad_token_id=0"):
+        decoder.add_request([5, 6, 0], max_new_tokens=4)
