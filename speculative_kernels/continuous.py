@@ -127,9 +127,11 @@ class ContinuousBatcher:
                   if getattr(config, name, None) is not None]
         if forced:
             raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
-        if seed is None:  # an unseeded request draws its seed from torch's default generator
-            seed = int(torch.randint(0, 2**62, ()).item())
         s = plan.sampling
+        if seed is None and s.greedy:  # nothing is random: no draw (torch's generator untouched, as in generate)
+            seed = 0
+        elif seed is None:  # an unseeded sampled request draws its seed from torch's default generator
+            seed = int(torch.randint(0, 2**62, ()).item())
         request_id = self._next_id
         self._next_id += 1
         result = RequestResult(request_id, prompt, [], None)

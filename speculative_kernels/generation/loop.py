@@ -78,7 +78,10 @@ class SpeculativeLoop:
         self.eos = frozenset(plan.eos_token_ids or ())
         self._eos = [self.eos] * self.batch if rows is None else [frozenset(e) for e in rows.eos]
         self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows)
-        if rows is None:
+        if rows is None and self.sampling.greedy:  # nothing is random: draw no seed (torch's generator untouched,
+            keys = torch.zeros(self.batch, dtype=torch.int64, device=self.device)  # as in model.generate)
+            self.randomness = DecodeRandomness(self.batch, self.device, keys=keys)
+        elif rows is None:
             self.randomness = DecodeRandomness(self.batch, self.device, seed)
         else:
             keys = torch.tensor(rows.keys, dtype=torch.int64, device=self.device)

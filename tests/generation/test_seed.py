@@ -64,6 +64,20 @@ def test_unseeded_calls_draw_from_torch_generator(pair):
     assert torch.equal(_generate(pair, seed=None), first)
 
 
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_greedy_calls_leave_the_global_generator_alone_as_hf_does(pair, drafting):
+    """Nothing is random in greedy decoding: like model.generate, no seed is drawn, so the numbers a script draws
+    after the call are the ones it would draw after model.generate."""
+    target, draft = pair
+    extra = dict(draft_model=draft) if drafting == "draft_model" else dict(prompt_lookup_num_tokens=3)
+    torch.manual_seed(7)
+    target.generate(PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    after_hf = torch.get_rng_state()
+    torch.manual_seed(7)
+    sk.generate(target, PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0, **extra)
+    assert torch.equal(torch.get_rng_state(), after_hf)
+
+
 def test_row_keys_are_used_for_every_batch_size():
     for batch in (1, 3):
         randomness = DecodeRandomness(batch, torch.device("cpu"), seed=77)
@@ -138,3 +152,14 @@ def test_encoder_decoder_pairs_take_the_seed():
     runs = [sk.generate(target, source, attention_mask=mask, draft_model=draft, do_sample=True, max_new_tokens=12,
                         seed=seed) for seed in (8, 8, 9)]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_greedy_requests_leave_the_global_generator_alone(pair):
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    decoder.add_request([1, 4, 3], max_new_tokens=5, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert torch.equal(torch.get_rng_state(), state)
