@@ -5,6 +5,7 @@
     b = decoder.add_request(torch.tensor([5, 9]), max_new_tokens=32)          # greedy (the model's defaults)
     while decoder.has_work():
         for request_id, tokens in decoder.step().items():                     # new tokens of each request
+            # (a step that admits requests returns their first tokens; the running rows emit at the next one)
             send(request_id, tokens)
     decoder.result(a).finish_reason                                           # "eos", "length", "stop", "cancelled"
 
@@ -16,7 +17,10 @@ offsets; it is drafted at most its own tokens left less one. A greedy request is
 
 Design: **joining rows are prefilled alone and merged into the running batch.** A step that admits queued requests
 builds a loop over the joining requests only (``request.build_loop`` with their ``RowSettings``: their prompts,
-left-padded among themselves, keys, zero offsets), which prefills just them in both models, and appends its rows to
+left-padded among themselves, keys, zero offsets), which prefills just them in both models and runs its first
+iteration on their rows alone, so that their first tokens come from the admitting step (time to first token: their
+own prefill and iteration, not an iteration of the whole batch; the running rows emit again at the next step). Its
+rows still running (not finished by that iteration: max_new_tokens=1, an EOS, a stop string) are then appended to
 the running loop (``SpeculativeLoop.append_rows``, the counterpart of ``keep_rows``): every per-row state (output
 buffers, counts, limits, EOS ids, sampling tensors, keys and offsets, the logit masks) is concatenated, and the
 runners and the drafter join their rows (``Runner.add_rows``, ``Drafter.add_rows``): the side whose KV cache has
@@ -31,8 +35,8 @@ Admission: at most ``max_batch_size`` requests run at once; the others wait in a
 free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
 fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
 ``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
-layer's extra copy at a time); should that fail, the running batch cannot go on: its requests are cancelled (their
-tokens so far kept), the error propagates from ``step``, and the joining requests stay queued. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
+layer's extra copy at a time); should that fail, neither loop can go on: the running and the joining requests are
+cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
 refused (a preallocated, captured batch would have to admit rows into its fixed shapes; the static runner's
 ``add_rows`` raises NotImplementedError), and so are encoder-decoder targets.
 """
@@ -244,17 +248,35 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------------------------------- steps
     def step(self) -> dict[int, list[int]]:
+        """Admit queued requests, or else run one iteration of the running batch; {request_id: new token ids}.
+
+        A step that admits requests while others run is theirs alone: their loop is prefilled and runs its first
+        iteration on their rows only, so their first tokens come from this step at the cost of their own prefill
+        and iteration (not one of the whole batch); its rows still running then join the running loop
+        (``SpeculativeLoop.append_rows``), whose rows emit again at the next step."""
         if len(self._rows) < self.max_batch_size and self._queue:
-            self._admit()
+            joining = self._queue[: self.max_batch_size - len(self._rows)]
+            loop = self._build(joining)  # may raise (e.g. build_loop's MemoryError): nothing has changed
+            if self._loop is not None:
+                return self._first_step(loop, joining)
+            self._loop, self._rows = loop, list(joining)
+            del self._queue[: len(joining)]
         if self._loop is None:
             return {}
-        loop = self._loop
         with torch.inference_mode():
-            loop.step()
+            self._loop.step()
+        new, done = self._collect(self._loop, self._rows)
+        if done:
+            self._leave(done)
+        return new
+
+    def _collect(self, loop: SpeculativeLoop, rows: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """After ``loop.step()``: the tokens row b emitted go to request ``rows[b]`` (stop strings cut them).
+        Returns ({request_id: new tokens}, the requests that finished in this iteration)."""
         emitted, finished = loop.emitted(), loop.finished_host
         new: dict[int, list[int]] = {}
         done = []
-        for row, request_id in enumerate(self._rows):
+        for row, request_id in enumerate(rows):
             request = self._requests[request_id]
             result = request.result
             result.iterations += 1
@@ -274,8 +296,34 @@ class ContinuousBatcher:
                 hit_eos = bool(result.token_ids) and result.token_ids[-1] in request.eos
                 result.finish_reason = "eos" if hit_eos else "length"
                 done.append(request_id)
-        if done:
-            self._leave(done)
+        return new, done
+
+    def _first_step(self, loop: SpeculativeLoop, joining: list[int]) -> dict[int, list[int]]:
+        """The joining requests' first iteration on their own loop (prefilled), then its unfinished rows join the
+        running loop; requests that finished in it (max_new_tokens=1, EOS, a stop string) never join. Should the
+        merge fail midway (an allocation inside ``append_rows``), neither loop can go on: every running and
+        joining request is cancelled with its tokens so far (in ``result``) and the error propagates; a merge
+        refused before anything changed (ValueError) cancels the joining requests only."""
+        with torch.inference_mode():
+            loop.step()  # raises before any result changed: the requests stay queued
+        del self._queue[: len(joining)]
+        new, done = self._collect(loop, joining)
+        remaining = [row for row, request_id in enumerate(joining) if request_id not in done]
+        if not remaining:
+            return new
+        try:
+            with torch.inference_mode():
+                if len(remaining) < len(joining):
+                    loop.keep_rows(remaining)
+                self._loop.append_rows(loop)
+        except (ValueError, NotImplementedError):  # refused before anything changed: the running loop goes on
+            for row in remaining:
+                self._requests[joining[row]].result.finish_reason = "cancelled"
+            raise
+        except Exception:  # failed mid-merge (e.g. out of memory): neither loop can go on
+            self._drop_running(extra=[joining[row] for row in remaining])
+            raise
+        self._rows = self._rows + [joining[row] for row in remaining]
         return new
 
     def _leave(self, request_ids: list[int]) -> None:
@@ -288,29 +336,10 @@ class ContinuousBatcher:
             self._loop.keep_rows(remaining)
         self._rows = [self._rows[row] for row in remaining]
 
-    def _admit(self) -> None:
-        """Prefill the queued requests that fit on their own (a loop over their rows only) and append their rows to
-        the running loop (``SpeculativeLoop.append_rows``): the running rows are not forwarded again. A failure while
-        building (e.g. the MemoryError of ``build_loop``'s free-memory check) changes nothing."""
-        joining = self._queue[: self.max_batch_size - len(self._rows)]
-        loop = self._build(joining)
-        with torch.inference_mode():
-            if self._loop is None:
-                self._loop = loop
-            else:
-                try:
-                    self._loop.append_rows(loop)
-                except (ValueError, NotImplementedError):  # refused before anything changed
-                    raise
-                except Exception:  # failed mid-merge (e.g. out of memory): the running loop is unusable
-                    self._drop_running()
-                    raise
-        self._rows = self._rows + joining
-        del self._queue[: len(joining)]
-
-    def _drop_running(self) -> None:
-        """Cancel every running request (their tokens so far stay in their results) and drop the loop."""
-        for request_id in self._rows:
+    def _drop_running(self, extra: list[int] = ()) -> None:
+        """Cancel every running request and those of ``extra`` (their tokens so far stay in their results) and drop
+        the loop."""
+        for request_id in [*self._rows, *extra]:
             self._requests[request_id].result.finish_reason = "cancelled"
         self._loop, self._rows = None, []
 

@@ -119,8 +119,10 @@ class SpeculativeDecoder:
         return self._batcher.add_request(prompt_ids, **kwargs)
 
     def step(self) -> dict[int, list[int]]:
-        """Admit queued requests (up to max_batch_size running), run one iteration; returns {request_id: new token
-        ids} for every request that produced tokens. Finished requests leave the batch at once."""
+        """Admit queued requests (up to max_batch_size running) and return their first tokens (their prefill and
+        first iteration on their rows alone; the running rows emit at the next step), or else run one iteration of
+        the running batch; returns {request_id: new token ids} for every request that produced tokens. Finished
+        requests leave the batch at once."""
         return self._batcher.step()
 
     def cancel(self, request_id: int) -> bool:

@@ -569,11 +569,15 @@ class SpeculativeLoop:
         self._set_generated(self._generated_host + other._generated_host)
         self._set_finished(self._finished_host + other._finished_host)
         self._max_new, self._eos = self._max_new + other._max_new, self._eos + other._eos
-        self.last_accepted = self.last_accepted + [-1] * other.batch if self.last_accepted else []
-        self.last_drafted = self.last_drafted + [0] * other.batch if self.last_drafted else []
+        # ``other`` may have run iterations of its own (a joining request's first one): its rows keep their values
+        self.last_accepted = (self.last_accepted or [-1] * self.batch) + (other.last_accepted or [-1] * other.batch)
+        self.last_drafted = (self.last_drafted or [0] * self.batch) + (other.last_drafted or [0] * other.batch)
         self._histogram = [a + b for a, b in zip(self._histogram, other._histogram)]
-        self.stats.prefill_forwards += other.stats.prefill_forwards
-        self.timer.spans.setdefault("prefill", []).extend(other.timer.spans.get("prefill", []))
+        for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(other.stats, name))
+        self._largest_gamma_used = max(self._largest_gamma_used, other._largest_gamma_used)
+        for phase, spans in other.timer.spans.items():
+            self.timer.spans.setdefault(phase, []).extend(spans)
         self.batch += other.batch
         self._host_tokens, self._host_counts, self._host_width = [-1] * self.batch, [0] * self.batch, 1
 
