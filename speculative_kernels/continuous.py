@@ -8,6 +8,8 @@
             # (a step that admits requests returns their first tokens; the running rows emit at the next one)
             send(request_id, tokens)
     decoder.result(a).finish_reason                                           # "eos", "length", "stop", "cancelled"
+    static = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=16,
+                                cache_implementation="static", max_context=2048)  # K/V for 16 x 2048 (+ slack)
 
 Exactness: a request's output depends only on its own prompt, settings and seed, never on its batch-mates or on
 when it joined. Each row carries its own length limit, EOS ids, sampling parameters (per-row ``ops`` tensors), its
@@ -36,9 +38,20 @@ free up. The joining loop goes through ``build_loop``'s free-memory check of the
 fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
 ``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
 layer's extra copy at a time); should that fail, neither loop can go on: the running and the joining requests are
-cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
-refused (a preallocated, captured batch would have to admit rows into its fixed shapes; the static runner's
-``add_rows`` raises NotImplementedError), and so are encoder-decoder targets.
+cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``.
+
+Static cache (``SpeculativeDecoder(..., cache_implementation="static", max_context=N)``): the running loop's
+runners allocate K/V, slot masks and positions for ``max_batch_size`` rows of ``static_capacity(N, 0, gamma,
+max_batch_size, slack)`` slots once (``StaticRows``; the free-memory check of ``build_loop`` runs first, so a
+``MemoryError`` leaves the request queued), and the batch uses their first B rows (views). ``add_request`` refuses a
+prompt plus ``max_new_tokens`` longer than N by name. A joining loop is prefilled and stepped on static caches of its
+own size, then its rows are copied into the free rows at the shared write pointer (``StaticDecoderRunner.add_rows``:
+holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
+their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
+as long as the batch has rows: a decoder left idle frees it and allocates it again (checked again) for its next
+request. ``compile`` is refused (``NOT_YET``): captured steps would need every step to run all ``max_batch_size``
+rows, the empty ones as finished dummies, with every per-row tensor written in place. Encoder-decoder targets are
+refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
 """
 
 import dataclasses
@@ -47,6 +60,7 @@ import torch
 
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
+from .generation.options import StaticRows
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
 from .generation.settings import resolve_settings
@@ -54,7 +68,11 @@ from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "eos_token_id", "stop_strings")
-NOT_YET: dict[str, str] = {}  # keyword -> why add_request refuses it in this version
+NOT_YET = {  # keyword -> why add_request refuses it in this version
+    "compile": "captured steps would need every step to run all max_batch_size rows (the empty ones as finished "
+               "dummies) with every per-row tensor written in place; SpeculativeDecoder(cache_implementation='static', "
+               "max_context=N) runs the static cache eagerly",
+}
 
 
 @dataclasses.dataclass
@@ -93,9 +111,23 @@ class _Request:
 class ContinuousBatcher:
     """The continuous-batching state of one ``SpeculativeDecoder`` (see the module docstring)."""
 
-    def __init__(self, decoder, max_batch_size: int):
+    def __init__(self, decoder, max_batch_size: int, cache_implementation: str | None = None,
+                 max_context: int | None = None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if cache_implementation not in (None, "dynamic", "static"):
+            raise ValueError(f"cache_implementation must be None, 'dynamic' or 'static', got {cache_implementation!r}")
+        self.static_rows = None  # the static caches' rows and context (StaticRows), None on the dynamic cache
+        if cache_implementation == "static":
+            if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+                raise ValueError("cache_implementation='static' needs max_context, an int >= 2 (the most tokens, "
+                                 f"prompt plus max_new_tokens, of any request), got {max_context!r}")
+            if not isinstance(decoder.num_speculative_tokens, int) and decoder.num_speculative_tokens is not None:
+                raise ValueError("cache_implementation='static' needs a fixed num_speculative_tokens (the caches are "
+                                 f"sized for it), got {decoder.num_speculative_tokens!r}")
+            self.static_rows = StaticRows(max_batch_size, max_context)
+        elif max_context is not None:
+            raise ValueError("max_context sizes the static cache: pass it with cache_implementation='static'")
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self._requests: dict[int, _Request] = {}
@@ -124,8 +156,12 @@ class ContinuousBatcher:
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:
-            raise ValueError(f"cache_implementation={plan.cache_implementation!r} is not supported by add_request "
-                             "(continuous batching runs on the dynamic cache)")
+            raise ValueError(f"cache_implementation={plan.cache_implementation!r} (from the model's generation config) "
+                             "is not supported by add_request: the decoder's caches are chosen once, "
+                             "SpeculativeDecoder(..., cache_implementation='static', max_context=N)")
+        if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
+            raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
+                             f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
         config = plan.generation_config
         forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
                   if getattr(config, name, None) is not None]
@@ -361,13 +397,17 @@ class ContinuousBatcher:
                            top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],
                            keys=[r.key for r in requests], draft_offsets=[0] * len(ids), verify_offsets=[0] * len(ids))
         d = self.decoder
+        static = {}
+        if self.static_rows is not None:  # the running loop's caches hold every row; a joining loop's, its own
+            static = dict(cache_implementation="static",
+                          static_rows=self.static_rows if self._loop is None else None)
         with torch.inference_mode():
             return build_loop(
                 d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
                 drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
-                do_sample=False, pad_token_id=pad, rows=rows, **d.lookup)
+                do_sample=False, pad_token_id=pad, rows=rows, **static, **d.lookup)
 
     def _pad_id(self) -> int:
         config = self.decoder.target.generation_config

@@ -438,7 +438,8 @@ def _row_loop(pair, prompt, **kwargs):
 
 def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
     """append_rows refuses by name what cannot merge, before changing anything: a loop without per-row settings (a
-    start() batch) and the static cache (allocated for a fixed batch); the running loop then steps on."""
+    start() batch) and rows beyond what a static cache was allocated for (here one row: continuous batching on the
+    static cache allocates max_batch_size rows, ``test_continuous_static.py``); the running loop then steps on."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     with torch.inference_mode():
@@ -447,7 +448,7 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
         with pytest.raises(ValueError, match="per-row settings"):
             running.append_rows(session.loop)
         static = _row_loop(pair, [5, 6, 7], cache_implementation="static")
-        with pytest.raises(NotImplementedError, match="fixed batch"):
+        with pytest.raises(ValueError, match="cannot add 1 rows to a static cache of 1 rows allocated for 1"):
             static.append_rows(_row_loop(pair, [9, 10], cache_implementation="static"))
         for loop in (running, static):
             assert loop.batch == 1 and loop.target_runner.slot_mask.shape[0] == 1
