@@ -21,7 +21,10 @@ Design: **joining rows are prefilled alone and merged into the running batch.** 
 builds a loop over the joining requests only (``request.build_loop`` with their ``RowSettings``: their prompts,
 left-padded among themselves, keys, zero offsets), which prefills just them in both models and runs its first
 iteration on their rows alone, so that their first tokens come from the admitting step (time to first token: their
-own prefill and iteration, not an iteration of the whole batch; the running rows emit again at the next step). Its
+own prefill and iteration, not an iteration of the whole batch; the running rows emit again at the next step). When
+every joining request is greedy, that first iteration drafts nothing: the first token comes from the target's
+forward over the whole prompts, as in ``model.generate``, so the admitting step costs just the two prefills (sampled
+requests keep their drafted first iteration: their random numbers must be those of the request alone). Its
 rows still running (not finished by that iteration: max_new_tokens=1, an EOS, a stop string) are then appended to
 the running loop (``SpeculativeLoop.append_rows``, the counterpart of ``keep_rows``): every per-row state (output
 buffers, counts, limits, EOS ids, sampling tensors, keys and offsets, the logit masks) is concatenated, and the

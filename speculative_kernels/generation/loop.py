@@ -60,6 +60,7 @@ class SpeculativeLoop:
             raise ValueError(f"rows must have {self.batch} entries whose largest max_new_tokens is the plan's "
                              f"({plan.max_new_tokens})")
         self.per_row = rows is not None  # a batch of separate requests: rows may join (``append_rows``)
+        self._all_greedy_rows = rows is not None and all(t == 0.0 for t in rows.temperature)  # (host values)
         self._captured = warm_up is not None
         self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
         self._max_new = [plan.max_new_tokens] * self.batch if rows is None else list(rows.max_new_tokens)
@@ -174,6 +175,8 @@ class SpeculativeLoop:
     def _step_gamma(self) -> int:
         """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has
         to generate, less one (HF caps the same way); 0 when one token is left."""
+        if self._prompt is not None:  # the first token comes from the target's forward over the prompts
+            return 0
         left = max((m - g for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)
                     if not f), default=1)
         gamma = max(0, min(self.chosen_gamma, left - 1))
@@ -199,25 +202,38 @@ class SpeculativeLoop:
         return torch.tensor(limits, dtype=torch.int64, device=self.device)
 
     def _prefill(self, input_ids, attention_mask) -> None:
+        """max_new_tokens=1: nothing will be drafted, the one step runs the target on the prompts. A greedy batch of
+        separate requests (``rows``; ``SpeculativeDecoder.add_request``) takes its first token from the target's
+        forward over the whole prompts too (a step with nothing drafted), so a joining request's first token comes
+        from its prefill, as in ``model.generate``; only the draft is prefilled here. (Sampled rows keep the
+        drafted first iteration: their random numbers are those of the request alone.)"""
         real = attention_mask.to(torch.bool)
         self._prompt = None
         self._drafter_started = False
-        if self.plan.max_new_tokens == 1:  # nothing will be drafted: the one step runs the target on the prompt
+        first_from_prompt = self._all_greedy_rows and not self._captured
+        if self.plan.max_new_tokens == 1 or first_from_prompt:
             self._prompt = (input_ids, real)
             self.last = input_ids[:, -1:]
+            if self.plan.max_new_tokens > 1:
+                self.timer.start("prefill")
+                self.drafter.start(input_ids, real)
+                self.timer.stop("prefill")
+                self._drafter_started = True
             return
         self._prefill_models(input_ids, real)
 
     def _prefill_models(self, input_ids, real) -> None:
-        """Both models condition on the prompts [B, L] but their last tokens (real [B, L] bool)."""
-        self._drafter_started = True
+        """The target (and the drafter, unless already started) condition on the prompts [B, L] but their last
+        tokens (real [B, L] bool)."""
+        start_drafter, self._drafter_started = not self._drafter_started, True
         if self.prompt_length > 1:
             self.timer.start("prefill")
             self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
-            self.drafter.start(input_ids, real)
+            if start_drafter:
+                self.drafter.start(input_ids, real)
             self.timer.stop("prefill")
             self.stats.prefill_forwards += 1
-        else:
+        elif start_drafter:
             self.drafter.start(input_ids, real)
         self.last = input_ids[:, -1:]  # [B, 1]: each row's last token, the target's next input
 
@@ -242,7 +258,7 @@ class SpeculativeLoop:
         rest are fillers, never accepted), or None (all gamma). Returns (out [B, gamma + 1]: the emitted tokens then
         -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
         s = self.sampling
-        if self._prompt is not None:  # max_new_tokens=1: one forward over the whole prompt, as model.generate
+        if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None
             logits = self.target_runner.forward(prompt, real, last_only=True)
         else:

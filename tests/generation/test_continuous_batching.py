@@ -296,9 +296,10 @@ def test_a_joining_request_gets_its_first_tokens_from_the_admitting_step_on_its_
     """Time to first token: the step that admits a request while another runs prefills it on its own row (its
     prompt but the last token, in both models) and runs its first iteration on that row alone, so it returns the
     joining request's first tokens after its own prefill and iteration, not one of the whole batch (the merge of the
-    previous version ran the batch's step of both rows here). The running row emits again at the next step, where
-    the two rows share one verification and the running context is not forwarded again. A request that finishes in
-    its first iteration (max_new_tokens=1) never joins. Outputs are each request's alone."""
+    previous version ran the batch's step of both rows here); a greedy request's first token comes from the target's
+    forward over its whole prompt (its prefill). The running row emits again at the next step, where the two rows
+    share one verification and the running context is not forwarded again. A request that finishes in its first
+    iteration (max_new_tokens=1) never joins. Outputs are each request's alone."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     running = decoder.add_request([5, 6, 7, 8, 9, 10], max_new_tokens=40, do_sample=False)
@@ -324,6 +325,15 @@ def test_a_joining_request_gets_its_first_tokens_from_the_admitting_step_on_its_
         assert set(decoder.step()) == {one}
         assert target_shapes == [(1, 2)]  # max_new_tokens=1: one forward over its prompt, as model.generate
         assert decoder.result(one).finish_reason == "length" and decoder.running == [running, joining]
+        # a greedy request takes its first token from the target's forward over its whole prompt (nothing drafted),
+        # as model.generate does: the admitting step is its prefill (the draft's without the last token)
+        greedy_prompt = [31, 32, 33, 34, 35, 36, 37]
+        greedy = decoder.add_request(greedy_prompt, max_new_tokens=9, do_sample=False)
+        del target_shapes[:], draft_shapes[:]
+        admitted = decoder.step()
+        assert set(admitted) == {greedy} and len(admitted[greedy]) == 1
+        assert target_shapes == [(1, len(greedy_prompt))] and draft_shapes == [(1, len(greedy_prompt) - 1)]
+        assert decoder.running == [running, joining, greedy]
     finally:
         target_hook.remove()
         draft_hook.remove()
@@ -334,6 +344,7 @@ def test_a_joining_request_gets_its_first_tokens_from_the_admitting_step_on_its_
     assert decoder.result(joining).token_ids == _alone(pair, joining_prompt,
                                                          dict(max_new_tokens=12, do_sample=True, seed=9))
     assert decoder.result(one).token_ids == _alone(pair, [3, 4], dict(max_new_tokens=1, do_sample=False))
+    assert decoder.result(greedy).token_ids == _alone(pair, greedy_prompt, dict(max_new_tokens=9, do_sample=False))
 
 
 def _drafting(kind, target, draft):
