@@ -51,8 +51,8 @@ prompt plus ``max_new_tokens`` longer than N by name. A joining loop is prefille
 own size, then its rows are copied into the free rows at the shared write pointer (``StaticDecoderRunner.add_rows``:
 holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
 their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
-as long as the batch has rows: a decoder left idle frees it and allocates it again (checked again) for its next
-request. ``compile`` is refused (``NOT_YET``): captured steps would need every step to run all ``max_batch_size``
+until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
+with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. ``compile`` is refused (``NOT_YET``): captured steps would need every step to run all ``max_batch_size``
 rows, the empty ones as finished dummies, with every per-row tensor written in place. Encoder-decoder targets are
 refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
 """
@@ -300,7 +300,7 @@ class ContinuousBatcher:
                 return self._first_step(loop, joining)
             self._loop, self._rows = loop, list(joining)
             del self._queue[: len(joining)]
-        if self._loop is None:
+        if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
         with torch.inference_mode():
             self._loop.step()
@@ -366,9 +366,10 @@ class ContinuousBatcher:
         return new
 
     def _leave(self, request_ids: list[int]) -> None:
-        """Remove these running requests' rows from the loop (all rows: drop the loop)."""
+        """Remove these running requests' rows from the loop (all rows: drop the loop, except on the static cache,
+        whose loop keeps its allocation with no rows until requests join it)."""
         remaining = [row for row, r in enumerate(self._rows) if r not in request_ids]
-        if not remaining:
+        if not remaining and self.static_rows is None:
             self._loop, self._rows = None, []
             return
         with torch.inference_mode():

@@ -526,9 +526,11 @@ class SpeculativeLoop:
         self._select_row_state(remaining, keep)
 
     def keep_rows(self, remaining: list[int]) -> None:
-        """Between steps: only rows ``remaining`` (host indices, in order, at least one) stay in the batch; the
-        others' cache rows and outputs are freed (``SpeculativeDecoder``: finished and cancelled requests leave)."""
-        if not remaining or sorted(set(remaining)) != list(remaining) or remaining[-1] >= self.batch:
+        """Between steps: only rows ``remaining`` (host indices, in order) stay in the batch; the others' cache rows
+        and outputs are freed (``SpeculativeDecoder``: finished and cancelled requests leave). With none left the
+        loop keeps its allocations and waits for rows to join (``append_rows``; a static batch that falls idle);
+        it cannot step before."""
+        if sorted(set(remaining)) != list(remaining) or (remaining and remaining[-1] >= self.batch):
             raise ValueError(f"remaining must be increasing row indices in [0, {self.batch}), got {remaining}")
         keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)
         outputs = self._outputs().select(keep)

@@ -211,3 +211,30 @@ def test_a_request_longer_than_max_context_and_compile_are_refused_by_name(pair)
     while decoder.has_work():
         decoder.step()
     assert decoder.result(request).token_ids == _alone(pair[0], list(range(3, 13)), dict(max_new_tokens=6))
+
+
+def test_a_static_batch_that_empties_keeps_its_caches_for_the_next_requests(pair):
+    """When every request has left, the loop keeps its static caches with no rows (write pointer back to 0); the
+    next requests join them, the same storage, and are still their own outputs alone."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=2,
+                                    cache_implementation="static", max_context=40)
+    first = decoder.add_request(LONG[:10], max_new_tokens=12, do_sample=False)
+    decoder.step()
+    runners = _runners(decoder)
+    pointers = [[t.data_ptr() for t in runner.cache.buffers()] for runner in runners]
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.step() == {} and decoder.running == []
+    assert all(runner.num_slots == 0 and runner.slot_mask.shape[0] == 0 for runner in runners)
+    second = decoder.add_request([4, 5], max_new_tokens=8, do_sample=True, seed=3)
+    third = decoder.add_request(LONG[:6], max_new_tokens=9, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+        assert _runners(decoder) == runners
+    assert [[t.data_ptr() for t in runner.cache.buffers()] for runner in runners] == pointers
+    assert decoder.result(first).token_ids == _alone(target, LONG[:10], dict(max_new_tokens=12))
+    assert decoder.result(second).token_ids == _alone(
+        target, [4, 5], dict(max_new_tokens=8, do_sample=True, seed=3), draft_model=draft,
+        num_speculative_tokens=GAMMA)
+    assert decoder.result(third).token_ids == _alone(target, LONG[:6], dict(max_new_tokens=9))

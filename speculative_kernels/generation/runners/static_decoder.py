@@ -171,12 +171,15 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` ([B'] int64, increasing, < B): they move to the front of every allocated buffer, in
-        place (one transient copy of B' rows of one buffer at a time); the buffers keep their size."""
+        place (one transient copy of B' rows of one buffer at a time); the buffers keep their size. With no rows
+        left, the write pointer goes back to 0."""
         batch = index.shape[0]
         for full in (*self.cache.buffers(), *self._rows):
             if full is not None:
                 full[:batch].copy_(full.index_select(0, index))
         self._use_rows(batch)
+        if batch == 0:  # no rows left: every slot is free again
+            self.truncate(0)
         self.compactor.select_rows(batch, holes=self.real_from > 0)
 
     def add_rows(self, other: "StaticDecoderRunner") -> None:
@@ -226,6 +229,6 @@ class StaticDecoderRunner(SlotMaskRunner):
         if self._additive is not None:
             self._additive[:, shift:end] = self._additive[:, :used].clone()
             self._additive[:, :shift] = -torch.finfo(self._additive.dtype).max
-        self.real_from += shift
+        self.real_from = self.real_from + shift if self.slot_mask.shape[0] else 0  # (no rows: no holes)
         self.num_slots = end
         self.cache.position.fill_(end)
