@@ -52,9 +52,10 @@ own size, then its rows are copied into the free rows at the shared write pointe
 holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
 their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
 until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
-with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. ``compile`` is refused (``NOT_YET``): captured steps would need every step to run all ``max_batch_size``
-rows, the empty ones as finished dummies, with every per-row tensor written in place. Encoder-decoder targets are
-refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
+with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. ``compile`` is refused
+(``NOT_YET``): captured steps would need every step to run all ``max_batch_size`` rows, the empty ones as finished
+dummies, with every per-row tensor written in place. Encoder-decoder targets are refused (their rows are kept
+right-aligned and hole-free, which a merge would have to realign).
 """
 
 import dataclasses
