@@ -361,7 +361,7 @@ def _drafting(kind, target, draft):
 def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(pair, kind):
     """The merge path with every drafter kind: a request with a longer context than the running rows joins (the
     running rows' caches get holes on the left), then, after a row has left, shorter ones (the joining rows get
-    them), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
+    them), a group of greedy requests only (first token from their prefill), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
     model.generate, seeded sampled ones generate alone with their seed."""
     target, draft = pair
     decoder_kwargs, alone_kwargs = _drafting(kind, target, draft)
@@ -372,6 +372,9 @@ def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(
             ([8, 9, 8, 9], dict(max_new_tokens=5, do_sample=True, temperature=0.9, seed=11))],
         2: [(long_prompt, dict(max_new_tokens=14, do_sample=False)),
             (long_prompt[:20], dict(max_new_tokens=9, do_sample=True, top_k=6, seed=12))],
+        # greedy only: their first token comes from the target's forward over the prompts (nothing drafted)
+        4: [([6, 7, 6, 7, 6, 7, 6], dict(max_new_tokens=9, do_sample=False)),
+            (long_prompt[3:15], dict(max_new_tokens=7, do_sample=False))],
         7: [([4, 2], dict(max_new_tokens=8, do_sample=True, temperature=1.2, seed=13)),
             ([3], dict(max_new_tokens=6, do_sample=False))],
         8: [([10, 11, 12], dict(max_new_tokens=1, do_sample=True, seed=14)),

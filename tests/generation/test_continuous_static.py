@@ -65,6 +65,8 @@ ARRIVALS = {
     # longer than the running rows' slots: the running rows move right (holes on their left)
     2: [(LONG, dict(max_new_tokens=14, do_sample=False)),
         (LONG[:20], dict(max_new_tokens=9, do_sample=True, top_k=6, seed=12))],
+    # greedy only: their first token comes from the target's forward over the prompts (nothing drafted)
+    4: [([6, 7, 6, 7, 6, 7, 6], dict(max_new_tokens=9, do_sample=False))],
     # shorter: the joining rows get holes on their left
     7: [([4, 2], dict(max_new_tokens=8, do_sample=True, temperature=1.2, seed=13)),
         ([3], dict(max_new_tokens=6, do_sample=False))],
