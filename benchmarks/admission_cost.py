@@ -6,8 +6,11 @@ takes than a step that admits none, as the running requests' contexts grow.
 ``--running`` greedy requests with random prompts of each context length run (400 new tokens allowed, so none
 finishes); then, ``--repeats`` times: one plain step (timed), a step in which a new 20-token request with
 ``max_new_tokens=2`` joins (timed), and one untimed step in which it finishes. Reported: the medians, in ms, and
-their difference (the admission's own cost). Admission that re-prefilled the running rows grows with their context;
-one that prefills the joining rows alone does not. Output: one JSON object on stdout.
+their difference. Admission that re-prefilled the running rows grows with their context; one that prefills the
+joining rows alone does not. Since a33c610 an admitting step runs only the joining request's prefill and first
+iteration (greedy: its first token from the prefill) and the merge, not an iteration of the running rows, so the
+admitting step is itself the admission's cost (the difference may be negative). ``--cache-implementation static``:
+continuous batching on the static cache (``max_context`` = the longest context + 400). Output: one JSON object.
 """
 
 import argparse
@@ -54,6 +57,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--running", type=int, default=8)
     parser.add_argument("--contexts", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -61,9 +65,13 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval().to(device)
     draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval().to(device)
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=args.gamma, max_batch_size=args.running + 1)
+    static = {} if args.cache_implementation == "dynamic" else dict(cache_implementation="static",
+                                                                    max_context=max(args.contexts) + 400)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=args.gamma, max_batch_size=args.running + 1,
+                                    **static)
     generator = torch.Generator().manual_seed(0)
-    results = {"device": str(device), "running": args.running, "gamma": args.gamma, "contexts": {}}
+    results = {"device": str(device), "running": args.running, "gamma": args.gamma,
+               "cache_implementation": args.cache_implementation, "contexts": {}}
     for context in args.contexts:
         results["contexts"][context] = measure(decoder, context, args.running, args.repeats,
                                                target.config.vocab_size, generator)

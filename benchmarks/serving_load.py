@@ -10,7 +10,8 @@ the same tokens (greedy identity) and the comparison is of scheduling only. Arri
 process of ``--rate`` requests/s, seeded) and replayed in wall-clock time for each method:
 
 * ``continuous``: requests join the running batch at the first step after they arrive (``add_request``) and leave
-  when done; at most ``--max-batch-size`` run, the rest queue;
+  when done; at most ``--max-batch-size`` run, the rest queue; ``continuous_static``: the same on the static cache
+  (``cache_implementation="static"``, ``max_context`` = the longest prompt plus ``--max-new``);
 * ``static``: when the engine is idle, every arrived request (up to ``--max-batch-size``) starts one ``start()``
   batch that runs to its end; later arrivals wait for the next batch;
 * ``hf_generate_batch``: ``model.generate_batch`` over all requests at once (no arrivals: an offline throughput
@@ -86,8 +87,11 @@ def _wait_until(start: float, at: float) -> None:
         time.sleep(delay)
 
 
-def run_continuous(target, draft, requests, gamma: int, max_batch_size: int) -> dict:
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size)
+def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, static_context: int | None = None) -> dict:
+    """static_context: run on the static cache (``cache_implementation="static"``, ``max_context``), else dynamic."""
+    static = {} if static_context is None else dict(cache_implementation="static", max_context=static_context)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size,
+                                    **static)
     recorder, ids, nxt = Recorder(requests), {}, 0
     start = time.perf_counter()
     while nxt < len(requests) or decoder.has_work():
@@ -221,7 +225,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the untimed warm-up run of two short requests before each method")
     parser.add_argument("--methods", nargs="+", default=["continuous", "static", "hf_generate_batch"],
-                        choices=["continuous", "static", "hf_generate_batch", "hf_continuous"])
+                        choices=["continuous", "continuous_static", "static", "hf_generate_batch",
+                                 "hf_continuous"])
     args = parser.parse_args(argv)
     if args.tiny == bool(args.target or args.draft):
         parser.error("pass --tiny, or --target and --draft")
@@ -243,14 +248,21 @@ def main(argv=None) -> dict:
     requests = workload(args.requests, args.rate, args.min_new, args.max_new, target.config.vocab_size)
     results = {"device": str(device), "requests": args.requests, "rate": args.rate, "gamma": args.gamma,
                "max_batch_size": args.max_batch_size, "methods": {}}
+    static_context = max(len(r[1]) for r in requests) + args.max_new
     for method in args.methods:
         with torch.inference_mode(not method.startswith("hf_")):  # HF's manager updates its tensors in place
-            if args.warm_up and method in ("continuous", "static"):  # first-call costs out of the timed run
-                run = run_continuous if method == "continuous" else run_static
-                run(target, draft, [(0.0, r[1], 4) for r in requests[:2]], args.gamma, args.max_batch_size,
-                    *(() if method == "continuous" else (pad,)))
+            if args.warm_up and method in ("continuous", "continuous_static", "static"):  # first-call costs untimed
+                warm_up = [(0.0, r[1], 4) for r in requests[:2]]
+                if method == "static":
+                    run_static(target, draft, warm_up, args.gamma, args.max_batch_size, pad)
+                else:
+                    run_continuous(target, draft, warm_up, args.gamma, args.max_batch_size,
+                                   static_context if method == "continuous_static" else None)
             if method == "continuous":
                 results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size)
+            elif method == "continuous_static":
+                results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size,
+                                                            static_context)
             elif method == "static":
                 results["methods"][method] = run_static(target, draft, requests, args.gamma, args.max_batch_size,
                                                         pad)

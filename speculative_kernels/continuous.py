@@ -5,8 +5,11 @@
     b = decoder.add_request(torch.tensor([5, 9]), max_new_tokens=32)          # greedy (the model's defaults)
     while decoder.has_work():
         for request_id, tokens in decoder.step().items():                     # new tokens of each request
+            # (a step that admits requests returns their first tokens; the running rows emit at the next one)
             send(request_id, tokens)
     decoder.result(a).finish_reason                                           # "eos", "length", "stop", "cancelled"
+    static = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=16,
+                                cache_implementation="static", max_context=2048)  # K/V for 16 x 2048 (+ slack)
 
 Exactness: a request's output depends only on its own prompt, settings and seed, never on its batch-mates or on
 when it joined. Each row carries its own length limit, EOS ids, sampling parameters (per-row ``ops`` tensors), its
@@ -16,7 +19,13 @@ offsets; it is drafted at most its own tokens left less one. A greedy request is
 
 Design: **joining rows are prefilled alone and merged into the running batch.** A step that admits queued requests
 builds a loop over the joining requests only (``request.build_loop`` with their ``RowSettings``: their prompts,
-left-padded among themselves, keys, zero offsets), which prefills just them in both models, and appends its rows to
+left-padded among themselves, keys, zero offsets), which prefills just them in both models and runs its first
+iteration on their rows alone, so that their first tokens come from the admitting step (time to first token: their
+own prefill and iteration, not an iteration of the whole batch; the running rows emit again at the next step). When
+every joining request is greedy, that first iteration drafts nothing: the first token comes from the target's
+forward over the whole prompts, as in ``model.generate``, so the admitting step costs just the two prefills (sampled
+requests keep their drafted first iteration: their random numbers must be those of the request alone). Its
+rows still running (not finished by that iteration: max_new_tokens=1, an EOS, a stop string) are then appended to
 the running loop (``SpeculativeLoop.append_rows``, the counterpart of ``keep_rows``): every per-row state (output
 buffers, counts, limits, EOS ids, sampling tensors, keys and offsets, the logit masks) is concatenated, and the
 runners and the drafter join their rows (``Runner.add_rows``, ``Drafter.add_rows``): the side whose KV cache has
@@ -31,10 +40,22 @@ Admission: at most ``max_batch_size`` requests run at once; the others wait in a
 free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
 fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
 ``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
-layer's extra copy at a time); should that fail, the running batch cannot go on: its requests are cancelled (their
-tokens so far kept), the error propagates from ``step``, and the joining requests stay queued. Only the dynamic cache is supported: ``cache_implementation`` and ``compile`` are
-refused (a preallocated, captured batch would have to admit rows into its fixed shapes; the static runner's
-``add_rows`` raises NotImplementedError), and so are encoder-decoder targets.
+layer's extra copy at a time); should that fail, neither loop can go on: the running and the joining requests are
+cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``.
+
+Static cache (``SpeculativeDecoder(..., cache_implementation="static", max_context=N)``): the running loop's
+runners allocate K/V, slot masks and positions for ``max_batch_size`` rows of ``static_capacity(N, 0, gamma,
+max_batch_size, slack)`` slots once (``StaticRows``; the free-memory check of ``build_loop`` runs first, so a
+``MemoryError`` leaves the request queued), and the batch uses their first B rows (views). ``add_request`` refuses a
+prompt plus ``max_new_tokens`` longer than N by name. A joining loop is prefilled and stepped on static caches of its
+own size, then its rows are copied into the free rows at the shared write pointer (``StaticDecoderRunner.add_rows``:
+holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
+their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
+until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
+with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. ``compile`` is refused
+(``NOT_YET``): captured steps would need every step to run all ``max_batch_size`` rows, the empty ones as finished
+dummies, with every per-row tensor written in place. Encoder-decoder targets are refused (their rows are kept
+right-aligned and hole-free, which a merge would have to realign).
 """
 
 import dataclasses
@@ -43,6 +64,7 @@ import torch
 
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
+from .generation.options import StaticRows
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
 from .generation.settings import resolve_settings
@@ -50,7 +72,11 @@ from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "eos_token_id", "stop_strings")
-NOT_YET: dict[str, str] = {}  # keyword -> why add_request refuses it in this version
+NOT_YET = {  # keyword -> why add_request refuses it in this version
+    "compile": "captured steps would need every step to run all max_batch_size rows (the empty ones as finished "
+               "dummies) with every per-row tensor written in place; SpeculativeDecoder(cache_implementation='static', "
+               "max_context=N) runs the static cache eagerly",
+}
 
 
 @dataclasses.dataclass
@@ -89,9 +115,23 @@ class _Request:
 class ContinuousBatcher:
     """The continuous-batching state of one ``SpeculativeDecoder`` (see the module docstring)."""
 
-    def __init__(self, decoder, max_batch_size: int):
+    def __init__(self, decoder, max_batch_size: int, cache_implementation: str | None = None,
+                 max_context: int | None = None):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if cache_implementation not in (None, "dynamic", "static"):
+            raise ValueError(f"cache_implementation must be None, 'dynamic' or 'static', got {cache_implementation!r}")
+        self.static_rows = None  # the static caches' rows and context (StaticRows), None on the dynamic cache
+        if cache_implementation == "static":
+            if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+                raise ValueError("cache_implementation='static' needs max_context, an int >= 2 (the most tokens, "
+                                 f"prompt plus max_new_tokens, of any request), got {max_context!r}")
+            if not isinstance(decoder.num_speculative_tokens, int) and decoder.num_speculative_tokens is not None:
+                raise ValueError("cache_implementation='static' needs a fixed num_speculative_tokens (the caches are "
+                                 f"sized for it), got {decoder.num_speculative_tokens!r}")
+            self.static_rows = StaticRows(max_batch_size, max_context)
+        elif max_context is not None:
+            raise ValueError("max_context sizes the static cache: pass it with cache_implementation='static'")
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self._requests: dict[int, _Request] = {}
@@ -120,8 +160,12 @@ class ContinuousBatcher:
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:
-            raise ValueError(f"cache_implementation={plan.cache_implementation!r} is not supported by add_request "
-                             "(continuous batching runs on the dynamic cache)")
+            raise ValueError(f"cache_implementation={plan.cache_implementation!r} (from the model's generation config) "
+                             "is not supported by add_request: the decoder's caches are chosen once, "
+                             "SpeculativeDecoder(..., cache_implementation='static', max_context=N)")
+        if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
+            raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
+                             f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
         config = plan.generation_config
         forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
                   if getattr(config, name, None) is not None]
@@ -246,17 +290,35 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------------------------------- steps
     def step(self) -> dict[int, list[int]]:
+        """Admit queued requests, or else run one iteration of the running batch; {request_id: new token ids}.
+
+        A step that admits requests while others run is theirs alone: their loop is prefilled and runs its first
+        iteration on their rows only, so their first tokens come from this step at the cost of their own prefill
+        and iteration (not one of the whole batch); its rows still running then join the running loop
+        (``SpeculativeLoop.append_rows``), whose rows emit again at the next step."""
         if len(self._rows) < self.max_batch_size and self._queue:
-            self._admit()
-        if self._loop is None:
+            joining = self._queue[: self.max_batch_size - len(self._rows)]
+            loop = self._build(joining)  # may raise (e.g. build_loop's MemoryError): nothing has changed
+            if self._loop is not None:
+                return self._first_step(loop, joining)
+            self._loop, self._rows = loop, list(joining)
+            del self._queue[: len(joining)]
+        if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
-        loop = self._loop
         with torch.inference_mode():
-            loop.step()
+            self._loop.step()
+        new, done = self._collect(self._loop, self._rows)
+        if done:
+            self._leave(done)
+        return new
+
+    def _collect(self, loop: SpeculativeLoop, rows: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+        """After ``loop.step()``: the tokens row b emitted go to request ``rows[b]`` (stop strings cut them).
+        Returns ({request_id: new tokens}, the requests that finished in this iteration)."""
         emitted, finished = loop.emitted(), loop.finished_host
         new: dict[int, list[int]] = {}
         done = []
-        for row, request_id in enumerate(self._rows):
+        for row, request_id in enumerate(rows):
             request = self._requests[request_id]
             result = request.result
             result.iterations += 1
@@ -276,43 +338,51 @@ class ContinuousBatcher:
                 hit_eos = bool(result.token_ids) and result.token_ids[-1] in request.eos
                 result.finish_reason = "eos" if hit_eos else "length"
                 done.append(request_id)
-        if done:
-            self._leave(done)
+        return new, done
+
+    def _first_step(self, loop: SpeculativeLoop, joining: list[int]) -> dict[int, list[int]]:
+        """The joining requests' first iteration on their own loop (prefilled), then its unfinished rows join the
+        running loop; requests that finished in it (max_new_tokens=1, EOS, a stop string) never join. Should the
+        merge fail midway (an allocation inside ``append_rows``), neither loop can go on: every running and
+        joining request is cancelled with its tokens so far (in ``result``) and the error propagates; a merge
+        refused before anything changed (ValueError) cancels the joining requests only."""
+        with torch.inference_mode():
+            loop.step()  # raises before any result changed: the requests stay queued
+        del self._queue[: len(joining)]
+        new, done = self._collect(loop, joining)
+        remaining = [row for row, request_id in enumerate(joining) if request_id not in done]
+        if not remaining:
+            return new
+        try:
+            with torch.inference_mode():
+                if len(remaining) < len(joining):
+                    loop.keep_rows(remaining)
+                self._loop.append_rows(loop)
+        except (ValueError, NotImplementedError):  # refused before anything changed: the running loop goes on
+            for row in remaining:
+                self._requests[joining[row]].result.finish_reason = "cancelled"
+            raise
+        except Exception:  # failed mid-merge (e.g. out of memory): neither loop can go on
+            self._drop_running(extra=[joining[row] for row in remaining])
+            raise
+        self._rows = self._rows + [joining[row] for row in remaining]
         return new
 
     def _leave(self, request_ids: list[int]) -> None:
-        """Remove these running requests' rows from the loop (all rows: drop the loop)."""
+        """Remove these running requests' rows from the loop (all rows: drop the loop, except on the static cache,
+        whose loop keeps its allocation with no rows until requests join it)."""
         remaining = [row for row, r in enumerate(self._rows) if r not in request_ids]
-        if not remaining:
+        if not remaining and self.static_rows is None:
             self._loop, self._rows = None, []
             return
         with torch.inference_mode():
             self._loop.keep_rows(remaining)
         self._rows = [self._rows[row] for row in remaining]
 
-    def _admit(self) -> None:
-        """Prefill the queued requests that fit on their own (a loop over their rows only) and append their rows to
-        the running loop (``SpeculativeLoop.append_rows``): the running rows are not forwarded again. A failure while
-        building (e.g. the MemoryError of ``build_loop``'s free-memory check) changes nothing."""
-        joining = self._queue[: self.max_batch_size - len(self._rows)]
-        loop = self._build(joining)
-        with torch.inference_mode():
-            if self._loop is None:
-                self._loop = loop
-            else:
-                try:
-                    self._loop.append_rows(loop)
-                except (ValueError, NotImplementedError):  # refused before anything changed
-                    raise
-                except Exception:  # failed mid-merge (e.g. out of memory): the running loop is unusable
-                    self._drop_running()
-                    raise
-        self._rows = self._rows + joining
-        del self._queue[: len(joining)]
-
-    def _drop_running(self) -> None:
-        """Cancel every running request (their tokens so far stay in their results) and drop the loop."""
-        for request_id in self._rows:
+    def _drop_running(self, extra: list[int] = ()) -> None:
+        """Cancel every running request and those of ``extra`` (their tokens so far stay in their results) and drop
+        the loop."""
+        for request_id in [*self._rows, *extra]:
             self._requests[request_id].result.finish_reason = "cancelled"
         self._loop, self._rows = None, []
 
@@ -334,13 +404,17 @@ class ContinuousBatcher:
                            top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],
                            keys=[r.key for r in requests], draft_offsets=[0] * len(ids), verify_offsets=[0] * len(ids))
         d = self.decoder
+        static = {}
+        if self.static_rows is not None:  # the running loop's caches hold every row; a joining loop's, its own
+            static = dict(cache_implementation="static",
+                          static_rows=self.static_rows if self._loop is None else None)
         with torch.inference_mode():
             return build_loop(
                 d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
                 drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
-                do_sample=False, pad_token_id=pad, rows=rows, **d.lookup)
+                do_sample=False, pad_token_id=pad, rows=rows, **static, **d.lookup)
 
     def _pad_id(self) -> int:
         config = self.decoder.target.generation_config

@@ -75,12 +75,16 @@ class SpeculativeDecoder:
     callable returning a fresh ``Drafter`` for each session). num_speculative_tokens: an int, or "auto" to calibrate
     gamma per session over its first iterations (``generation/gamma.py``), or None for ``generate``'s default
     (num_assistant_tokens where set, else 5; prompt_lookup_num_tokens with prompt lookup). max_batch_size: the most
-    requests ``add_request`` runs at once (the others wait in a queue).
+    requests ``add_request`` runs at once (the others wait in a queue). cache_implementation: the caches of
+    ``add_request``'s batch (``start()`` takes its own): None / "dynamic", or "static" with max_context (the most
+    tokens, prompt plus max_new_tokens, of any request): K/V for max_batch_size rows of max_context (plus the
+    documented slack) allocated, after a free-memory check, when the batch starts (``docs/batching.md``).
     """
 
     def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
                  tokenizer=None, assistant_tokenizer=None, prompt_lookup_num_tokens: int | None = None,
-                 max_matching_ngram_size: int | None = None, drafter=None, max_batch_size: int = 16):
+                 max_matching_ngram_size: int | None = None, drafter=None, max_batch_size: int = 16,
+                 cache_implementation: str | None = None, max_context: int | None = None):
         if draft is not None and (prompt_lookup_num_tokens is not None or drafter is not None):
             raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
         if drafter is not None and not callable(drafter):
@@ -92,7 +96,7 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
-        self._batcher = ContinuousBatcher(self, max_batch_size)
+        self._batcher = ContinuousBatcher(self, max_batch_size, cache_implementation, max_context)
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
@@ -119,8 +123,10 @@ class SpeculativeDecoder:
         return self._batcher.add_request(prompt_ids, **kwargs)
 
     def step(self) -> dict[int, list[int]]:
-        """Admit queued requests (up to max_batch_size running), run one iteration; returns {request_id: new token
-        ids} for every request that produced tokens. Finished requests leave the batch at once."""
+        """Admit queued requests (up to max_batch_size running) and return their first tokens (their prefill and
+        first iteration on their rows alone; the running rows emit at the next step), or else run one iteration of
+        the running batch; returns {request_id: new token ids} for every request that produced tokens. Finished
+        requests leave the batch at once."""
         return self._batcher.step()
 
     def cancel(self, request_id: int) -> bool:

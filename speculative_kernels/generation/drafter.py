@@ -123,7 +123,14 @@ class ModelDrafter:
         return tokens, q_logits, None
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
-        """Nothing: the draft catches up on the emitted tokens in ``accept`` (as pending inputs)."""
+        """The draft catches up on the emitted tokens in ``accept`` (as pending inputs), except after an iteration
+        with nothing drafted (accepted None: a first token taken from the prompts' forward, or a last one), which
+        has no ``accept``: its token out [B, 1] joins the pending inputs here."""
+        if accepted is None:
+            tokens, real = self.pending
+            if real is not None:
+                real = torch.cat([real, torch.ones_like(real[:, :1])], dim=1)
+            self.pending = (torch.cat([tokens, out[:, :1]], dim=1), real)
 
     def proposal_counts(self) -> None:
         return None

@@ -60,6 +60,7 @@ class SpeculativeLoop:
             raise ValueError(f"rows must have {self.batch} entries whose largest max_new_tokens is the plan's "
                              f"({plan.max_new_tokens})")
         self.per_row = rows is not None  # a batch of separate requests: rows may join (``append_rows``)
+        self._all_greedy_rows = rows is not None and all(t == 0.0 for t in rows.temperature)  # (host values)
         self._captured = warm_up is not None
         self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
         self._max_new = [plan.max_new_tokens] * self.batch if rows is None else list(rows.max_new_tokens)
@@ -177,6 +178,8 @@ class SpeculativeLoop:
     def _step_gamma(self) -> int:
         """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has
         to generate, less one (HF caps the same way); 0 when one token is left."""
+        if self._prompt is not None:  # the first token comes from the target's forward over the prompts
+            return 0
         left = max((m - g for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)
                     if not f), default=1)
         gamma = max(0, min(self.chosen_gamma, left - 1))
@@ -202,25 +205,38 @@ class SpeculativeLoop:
         return torch.tensor(limits, dtype=torch.int64, device=self.device)
 
     def _prefill(self, input_ids, attention_mask) -> None:
+        """max_new_tokens=1: nothing will be drafted, the one step runs the target on the prompts. A greedy batch of
+        separate requests (``rows``; ``SpeculativeDecoder.add_request``) takes its first token from the target's
+        forward over the whole prompts too (a step with nothing drafted), so a joining request's first token comes
+        from its prefill, as in ``model.generate``; only the draft is prefilled here. (Sampled rows keep the
+        drafted first iteration: their random numbers are those of the request alone.)"""
         real = attention_mask.to(torch.bool)
         self._prompt = None
         self._drafter_started = False
-        if self.plan.max_new_tokens == 1:  # nothing will be drafted: the one step runs the target on the prompt
+        first_from_prompt = self._all_greedy_rows and not self._captured
+        if self.plan.max_new_tokens == 1 or first_from_prompt:
             self._prompt = (input_ids, real)
             self.last = input_ids[:, -1:]
+            if self.plan.max_new_tokens > 1:
+                self.timer.start("prefill")
+                self.drafter.start(input_ids, real)
+                self.timer.stop("prefill")
+                self._drafter_started = True
             return
         self._prefill_models(input_ids, real)
 
     def _prefill_models(self, input_ids, real) -> None:
-        """Both models condition on the prompts [B, L] but their last tokens (real [B, L] bool)."""
-        self._drafter_started = True
+        """The target (and the drafter, unless already started) condition on the prompts [B, L] but their last
+        tokens (real [B, L] bool)."""
+        start_drafter, self._drafter_started = not self._drafter_started, True
         if self.prompt_length > 1:
             self.timer.start("prefill")
             self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
-            self.drafter.start(input_ids, real)
+            if start_drafter:
+                self.drafter.start(input_ids, real)
             self.timer.stop("prefill")
             self.stats.prefill_forwards += 1
-        else:
+        elif start_drafter:
             self.drafter.start(input_ids, real)
         self.last = input_ids[:, -1:]  # [B, 1]: each row's last token, the target's next input
 
@@ -245,7 +261,7 @@ class SpeculativeLoop:
         rest are fillers, never accepted), or None (all gamma). Returns (out [B, gamma + 1]: the emitted tokens then
         -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
         s = self.sampling
-        if self._prompt is not None:  # max_new_tokens=1: one forward over the whole prompt, as model.generate
+        if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None
             logits = self.target_runner.forward(prompt, real, last_only=True)
         else:
@@ -513,9 +529,11 @@ class SpeculativeLoop:
         self._select_row_state(remaining, keep)
 
     def keep_rows(self, remaining: list[int]) -> None:
-        """Between steps: only rows ``remaining`` (host indices, in order, at least one) stay in the batch; the
-        others' cache rows and outputs are freed (``SpeculativeDecoder``: finished and cancelled requests leave)."""
-        if not remaining or sorted(set(remaining)) != list(remaining) or remaining[-1] >= self.batch:
+        """Between steps: only rows ``remaining`` (host indices, in order) stay in the batch; the others' cache rows
+        and outputs are freed (``SpeculativeDecoder``: finished and cancelled requests leave). With none left the
+        loop keeps its allocations and waits for rows to join (``append_rows``; a static batch that falls idle);
+        it cannot step before."""
+        if sorted(set(remaining)) != list(remaining) or (remaining and remaining[-1] >= self.batch):
             raise ValueError(f"remaining must be increasing row indices in [0, {self.batch}), got {remaining}")
         keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)
         outputs = self._outputs().select(keep)
@@ -572,11 +590,15 @@ class SpeculativeLoop:
         self._set_generated(self._generated_host + other._generated_host)
         self._set_finished(self._finished_host + other._finished_host)
         self._max_new, self._eos = self._max_new + other._max_new, self._eos + other._eos
-        self.last_accepted = self.last_accepted + [-1] * other.batch if self.last_accepted else []
-        self.last_drafted = self.last_drafted + [0] * other.batch if self.last_drafted else []
+        # ``other`` may have run iterations of its own (a joining request's first one): its rows keep their values
+        self.last_accepted = (self.last_accepted or [-1] * self.batch) + (other.last_accepted or [-1] * other.batch)
+        self.last_drafted = (self.last_drafted or [0] * self.batch) + (other.last_drafted or [0] * other.batch)
         self._histogram = [a + b for a, b in zip(self._histogram, other._histogram)]
-        self.stats.prefill_forwards += other.stats.prefill_forwards
-        self.timer.spans.setdefault("prefill", []).extend(other.timer.spans.get("prefill", []))
+        for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(other.stats, name))
+        self._largest_gamma_used = max(self._largest_gamma_used, other._largest_gamma_used)
+        for phase, spans in other.timer.spans.items():
+            self.timer.spans.setdefault(phase, []).extend(spans)
         self.batch += other.batch
         self._host_tokens, self._host_counts, self._host_width = [-1] * self.batch, [0] * self.batch, 1
 

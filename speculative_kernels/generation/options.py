@@ -1,5 +1,5 @@
 """The knobs of ``generate`` beyond HF's: batched decoding (``BatchingOptions``) and compiled steps
-(``CompileOptions``)."""
+(``CompileOptions``); the static caches of continuous batching (``StaticRows``)."""
 
 import dataclasses
 import math
@@ -71,3 +71,20 @@ class CompileOptions:
         if isinstance(compile, CompileOptions):
             return compile
         raise TypeError(f"compile must be a bool or a CompileOptions, got {type(compile).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRows:
+    """Static caches allocated for more rows than a loop starts with, so that rows can join it in place
+    (``SpeculativeDecoder(cache_implementation="static", max_context=...)``): ``rows`` rows of
+    ``sizing.static_capacity(max_context, 0, gamma, rows, slack)`` slots each, of which the batch uses the first B.
+    rows: the most rows the batch can hold (>= 1); max_context: the most tokens (prompt plus new) of any row."""
+
+    rows: int
+    max_context: int
+
+    def __post_init__(self):
+        for name in ("rows", "max_context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -16,7 +16,7 @@ from .inputs import (check_batch, check_helpers, check_models, check_token_type,
                      prepare_prompt, prompt_length)
 from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
-from .options import BatchingOptions, CompileOptions
+from .options import BatchingOptions, CompileOptions, StaticRows
 from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
@@ -30,15 +30,17 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
                drafter: Drafter | None = None, seed: int | None = None, rows: RowSettings | None = None,
-               **kwargs) -> SpeculativeLoop:
+               static_rows: StaticRows | None = None, **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
     input_ids: [B, L] (decoder-only: the prompts, left-padded with ``attention_mask``; encoder-decoder: the encoder
     input). What drafts: ``draft_model``, or prompt lookup (``prompt_lookup_num_tokens``), or ``drafter`` (a
     ``Drafter`` without a model, e.g. ``NGramDrafter``), exactly one. rows: per-row settings of a batch of separate
-    requests (``SpeculativeDecoder.add_request``; ``max_new_tokens`` must then be their largest). Everything is checked before anything is
-    allocated; the encoders run once the checks have passed.
+    requests (``SpeculativeDecoder.add_request``; ``max_new_tokens`` must then be their largest). static_rows: with
+    ``cache_implementation="static"``, allocate the static caches for that many rows of that context, so that rows
+    can join the loop in place (``SpeculativeLoop.append_rows``; continuous batching). Everything is checked before
+    anything is allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
     seed = check_seed(seed)
@@ -75,6 +77,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     batch, width = input_ids.shape
     device = input_ids.device
     static = wants_static(plan, compile_options)
+    if static_rows is not None and (not static or compile_options is not None or rows is None):
+        raise ValueError("static_rows needs cache_implementation='static', per-row settings (rows=) and no compile")
     models = (model,) if draft_model is None else (model, draft_model)
     path = request_path(static, compile_options is not None)
     specs = tuple(check_model(m, path=path, batch=batch) for m in models)
@@ -82,7 +86,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
-                               device=device)
+                               device=device, static_rows=static_rows)
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
     encoded = prompt.encode() if encoder_decoder else {}

@@ -1,5 +1,5 @@
 """Smoke test of benchmarks/serving_load.py on the tiny pair: the Poisson workload, and both our methods serve every
-request its full length (greedy, so they produce the same tokens); no timing is asserted."""
+request its full length (greedy, so they produce the same tokens; continuous batching on both caches); no timing is asserted."""
 
 import importlib.util
 from pathlib import Path
@@ -33,12 +33,12 @@ def test_methods_serve_every_token(load, capsys):
     torch.set_num_threads(1)
     try:
         results = load.main(["--tiny", "--requests", "6", "--rate", "50", "--min-new", "3", "--max-new", "9",
-                             "--methods", "continuous", "static", "--no-warm-up"])
+                             "--methods", "continuous", "continuous_static", "static", "--no-warm-up"])
     finally:
         torch.set_num_threads(threads)
     requests = load.workload(6, 50.0, 3, 9, 512)
     expected = sum(n for _, _, n in requests)
-    for method in ("continuous", "static"):
+    for method in ("continuous", "continuous_static", "static"):
         summary = results["methods"][method]
         assert summary["new_tokens"] == expected, method
         assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p99"] is not None

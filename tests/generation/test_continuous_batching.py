@@ -292,11 +292,14 @@ def _forward_shapes(model):
     return shapes, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def test_joining_requests_are_prefilled_alone_and_running_rows_are_not_forwarded_again(pair):
-    """A request joining a running batch is prefilled on its own rows only (its prompt but the last token, in both
-    models); the running request's context is not forwarded again: the step that admits it runs, besides that
-    prefill, only the batch's draft and verification steps (one or two tokens per draft forward, gamma + 1 per
-    verification). The rebuild of the first version forwarded both rows' whole contexts here."""
+def test_a_joining_request_gets_its_first_tokens_from_the_admitting_step_on_its_own_rows(pair):
+    """Time to first token: the step that admits a request while another runs prefills it on its own row (its
+    prompt but the last token, in both models) and runs its first iteration on that row alone, so it returns the
+    joining request's first tokens after its own prefill and iteration, not one of the whole batch (the merge of the
+    previous version ran the batch's step of both rows here); a greedy request's first token comes from the target's
+    forward over its whole prompt (its prefill). The running row emits again at the next step, where the two rows
+    share one verification and the running context is not forwarded again. A request that finishes in its first
+    iteration (max_new_tokens=1) never joins. Outputs are each request's alone."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     running = decoder.add_request([5, 6, 7, 8, 9, 10], max_new_tokens=40, do_sample=False)
@@ -306,21 +309,42 @@ def test_joining_requests_are_prefilled_alone_and_running_rows_are_not_forwarded
     joining = decoder.add_request(joining_prompt, max_new_tokens=12, do_sample=True, seed=9)
     (target_shapes, target_hook), (draft_shapes, draft_hook) = _forward_shapes(target), _forward_shapes(draft)
     try:
-        decoder.step()
+        admitted = decoder.step()
+        assert set(admitted) == {joining} and admitted[joining]  # its first tokens, from the admitting step
+        prefill = (1, len(joining_prompt) - 1)
+        assert target_shapes == [prefill, (1, GAMMA + 1)]  # the joining row alone: prefill, one verification
+        assert draft_shapes[0] == prefill and all(shape[0] == 1 for shape in draft_shapes)
+        assert decoder.running == [running, joining]
+        del target_shapes[:], draft_shapes[:]
+        after = decoder.step()
+        assert set(after) == {running, joining}
+        assert target_shapes == [(2, GAMMA + 1)]  # then one verification of both rows
+        assert all(shape[0] == 2 and shape[1] <= 2 for shape in draft_shapes)
+        one = decoder.add_request([3, 4], max_new_tokens=1, do_sample=False)
+        del target_shapes[:]
+        assert set(decoder.step()) == {one}
+        assert target_shapes == [(1, 2)]  # max_new_tokens=1: one forward over its prompt, as model.generate
+        assert decoder.result(one).finish_reason == "length" and decoder.running == [running, joining]
+        # a greedy request takes its first token from the target's forward over its whole prompt (nothing drafted),
+        # as model.generate does: the admitting step is its prefill (the draft's without the last token)
+        greedy_prompt = [31, 32, 33, 34, 35, 36, 37]
+        greedy = decoder.add_request(greedy_prompt, max_new_tokens=9, do_sample=False)
+        del target_shapes[:], draft_shapes[:]
+        admitted = decoder.step()
+        assert set(admitted) == {greedy} and len(admitted[greedy]) == 1
+        assert target_shapes == [(1, len(greedy_prompt))] and draft_shapes == [(1, len(greedy_prompt) - 1)]
+        assert decoder.running == [running, joining, greedy]
     finally:
         target_hook.remove()
         draft_hook.remove()
-    prefill = (1, len(joining_prompt) - 1)
-    assert target_shapes[0] == prefill and draft_shapes[0] == prefill  # the joining row alone
-    assert target_shapes[1:] == [(2, GAMMA + 1)]  # then one verification of both rows
-    assert all(shape[0] == 2 and shape[1] <= 2 for shape in draft_shapes[1:])
-    assert decoder.running == [running, joining]
     while decoder.has_work():
         decoder.step()
     assert decoder.result(running).token_ids == _alone(pair, [5, 6, 7, 8, 9, 10],
                                                          dict(max_new_tokens=40, do_sample=False))
     assert decoder.result(joining).token_ids == _alone(pair, joining_prompt,
                                                          dict(max_new_tokens=12, do_sample=True, seed=9))
+    assert decoder.result(one).token_ids == _alone(pair, [3, 4], dict(max_new_tokens=1, do_sample=False))
+    assert decoder.result(greedy).token_ids == _alone(pair, greedy_prompt, dict(max_new_tokens=9, do_sample=False))
 
 
 def _drafting(kind, target, draft):
@@ -337,7 +361,7 @@ def _drafting(kind, target, draft):
 def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(pair, kind):
     """The merge path with every drafter kind: a request with a longer context than the running rows joins (the
     running rows' caches get holes on the left), then, after a row has left, shorter ones (the joining rows get
-    them), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
+    them), a group of greedy requests only (first token from their prefill), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
     model.generate, seeded sampled ones generate alone with their seed."""
     target, draft = pair
     decoder_kwargs, alone_kwargs = _drafting(kind, target, draft)
@@ -348,6 +372,9 @@ def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(
             ([8, 9, 8, 9], dict(max_new_tokens=5, do_sample=True, temperature=0.9, seed=11))],
         2: [(long_prompt, dict(max_new_tokens=14, do_sample=False)),
             (long_prompt[:20], dict(max_new_tokens=9, do_sample=True, top_k=6, seed=12))],
+        # greedy only: their first token comes from the target's forward over the prompts (nothing drafted)
+        4: [([6, 7, 6, 7, 6, 7, 6], dict(max_new_tokens=9, do_sample=False)),
+            (long_prompt[3:15], dict(max_new_tokens=7, do_sample=False))],
         7: [([4, 2], dict(max_new_tokens=8, do_sample=True, temperature=1.2, seed=13)),
             ([3], dict(max_new_tokens=6, do_sample=False))],
         8: [([10, 11, 12], dict(max_new_tokens=1, do_sample=True, seed=14)),
@@ -425,7 +452,8 @@ def _row_loop(pair, prompt, **kwargs):
 
 def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
     """append_rows refuses by name what cannot merge, before changing anything: a loop without per-row settings (a
-    start() batch) and the static cache (allocated for a fixed batch); the running loop then steps on."""
+    start() batch) and rows beyond what a static cache was allocated for (here one row: continuous batching on the
+    static cache allocates max_batch_size rows, ``test_continuous_static.py``); the running loop then steps on."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     with torch.inference_mode():
@@ -434,7 +462,7 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
         with pytest.raises(ValueError, match="per-row settings"):
             running.append_rows(session.loop)
         static = _row_loop(pair, [5, 6, 7], cache_implementation="static")
-        with pytest.raises(NotImplementedError, match="fixed batch"):
+        with pytest.raises(ValueError, match="cannot add 1 rows to a static cache of 1 rows allocated for 1"):
             static.append_rows(_row_loop(pair, [9, 10], cache_implementation="static"))
         for loop in (running, static):
             assert loop.batch == 1 and loop.target_runner.slot_mask.shape[0] == 1
@@ -444,10 +472,10 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
             assert loop.sequences[0, 3:11].tolist() == expected
 
 
-def test_a_merge_that_fails_midway_cancels_the_running_requests_and_keeps_the_queue(pair, monkeypatch):
+def test_a_merge_that_fails_midway_cancels_the_running_and_joining_requests(pair, monkeypatch):
     """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
-    step raises it, the running request is cancelled with its tokens so far, the joining one stays queued and is
-    then served, identical to itself alone."""
+    step raises it, and the running request and the joining one (which has emitted its first tokens already) are
+    cancelled with their tokens so far; a request queued afterwards is then served, identical to itself alone."""
     from speculative_kernels.generation.runners import decoder as decoder_runner
 
     target, draft = pair
@@ -463,13 +491,17 @@ def test_a_merge_that_fails_midway_cancels_the_running_requests_and_keeps_the_qu
         patch.setattr(decoder_runner, "append_cache_rows", out_of_memory)
         with pytest.raises(MemoryError, match="no room"):
             decoder.step()
-    result = decoder.result(running)
-    assert result.finish_reason == "cancelled" and result.token_ids
-    assert decoder.running == [] and decoder.queued == [joining]
+    for request_id in (running, joining):
+        result = decoder.result(request_id)
+        assert result.finish_reason == "cancelled" and result.token_ids
+    assert decoder.running == [] and decoder.queued == [] and not decoder.has_work()
+    alone = dict(max_new_tokens=6, do_sample=True, seed=4)
+    assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12], alone)[: len(
+        decoder.result(joining).token_ids)]
+    later = decoder.add_request([9, 10, 11, 12], **alone)
     while decoder.has_work():
         decoder.step()
-    assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12],
-                                                         dict(max_new_tokens=6, do_sample=True, seed=4))
+    assert decoder.result(later).token_ids == _alone(pair, [9, 10, 11, 12], alone)
 
 
 def test_prompts_holding_the_pad_id_are_masked_as_model_generate_masks_them(pair):

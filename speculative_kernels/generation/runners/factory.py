@@ -7,7 +7,7 @@ import torch
 
 from ..capabilities import ModelSpec
 from ..memory import check_free_memory
-from ..options import BatchingOptions
+from ..options import BatchingOptions, StaticRows
 from .decoder import DecoderRunner
 from .protocol import Runner
 from .seq2seq import Seq2SeqRunner
@@ -22,7 +22,8 @@ class RunnerPlan:
     """How the two runners of a request are built (``plan_runners``).
 
     static: preallocated caches; batch: B; slots: the slot masks' initial width (they grow); capacity: slots per row
-    of a static cache (0 on the dynamic cache); reserve: the most slots one iteration writes (gamma + 1).
+    of a static cache (0 on the dynamic cache); reserve: the most slots one iteration writes (gamma + 1); rows: rows
+    allocated by a decoder-only static cache (None: B; ``StaticRows``).
     """
 
     static: bool
@@ -32,26 +33,34 @@ class RunnerPlan:
     reserve: int
     batching: BatchingOptions
     device: torch.device
+    rows: int | None = None
 
 
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
-                 device: torch.device) -> RunnerPlan:
+                 device: torch.device, static_rows: StaticRows | None = None) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
     hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
     specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
-    width."""
+    width; static_rows: allocate the static caches for that many rows of that context (rows joining in place)."""
     if not static:
         return RunnerPlan(False, batch, slots, 0, 0, batching, device)
     encoder_decoder = specs[0].encoder_decoder
+    rows = batch
+    if static_rows is not None:
+        # (each row's prompt plus max_new_tokens is at most max_context: the caller's check, per row)
+        if encoder_decoder or static_rows.rows < batch or prompt_width > static_rows.max_context:
+            raise ValueError(f"static_rows={static_rows} cannot hold this batch of {batch} decoder-only rows of "
+                             f"prompts {prompt_width} wide")
+        rows, prompt_width, max_new_tokens = static_rows.rows, static_rows.max_context, 0
     # Encoder-decoder rows stay hole-free (no compaction, no slack): the longest row plus one iteration.
-    capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else batch, batching.slack)
+    capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else rows, batching.slack)
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
-    required = static_memory_bytes(layouts, batch, capacity, gamma)
+    required = static_memory_bytes(layouts, rows, capacity, gamma)
     what = "the static decoder caches" if encoder_decoder else "the static caches"
     whose = "target and draft" if len(models) > 1 else "target"
-    check_free_memory(required, device, f"{what} ({batch} rows x {capacity} slots, {whose})")
-    return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device)
+    check_free_memory(required, device, f"{what} ({rows} rows x {capacity} slots, {whose})")
+    return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device, rows)
 
 
 def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None) -> Runner:
@@ -65,5 +74,5 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
                       compaction_backend=plan.batching.compaction_backend)
     if plan.static:
         return StaticDecoderRunner(model, spec, plan.batch, plan.capacity, plan.device, reserve=plan.reserve,
-                                   **compaction)
+                                   rows=plan.rows, **compaction)
     return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, **compaction)

@@ -38,7 +38,8 @@ class Runner(Protocol):
         """Append the B2 rows of ``other`` (a runner of the same kind over the same model, e.g. requests just
         prefilled on their own) after this runner's B rows: every per-row state becomes [B + B2]; each row keeps its
         positions, the side with fewer slots getting holes on the left. ``other`` is consumed. The counterpart of
-        ``select_rows``; runners that cannot (a cache allocated for a fixed batch) raise NotImplementedError."""
+        ``select_rows``. Raises ValueError, with nothing changed, when the rows cannot join (e.g. more rows than a
+        static cache was allocated for); runners that never take rows (encoder-decoder) raise NotImplementedError."""
 
     def lengths_to_read(self) -> torch.Tensor | None:
         """[B] int64 on the device that this runner wants on the host, read with the loop's one host read of the

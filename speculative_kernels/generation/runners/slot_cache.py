@@ -88,25 +88,34 @@ class SlotCacheLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """Preallocated K/V for every layer of one model, with one write pointer shared by all layers.
 
-    batch: B; capacity: C slots. ``position`` is an int64 device tensor (a static address, so captured graphs read it
-    at replay time): 0-dim, or [B] with ``per_row`` (``point_at`` replaces it).
+    batch: B; capacity: C slots; rows: rows allocated (default B; more for a batch that rows join in place, whose
+    layers then use the first B rows of the buffers, ``use_rows``). ``position`` is an int64 device tensor (a static
+    address, so captured graphs read it at replay time): 0-dim, or [B] with ``per_row`` (``point_at`` replaces it).
     """
 
     def __init__(self, layout: CacheLayout, batch: int, capacity: int, device: torch.device, *,
-                 per_row: bool = False):
+                 per_row: bool = False, rows: int | None = None):
         self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
-        shape = (batch, layout.kv_heads, capacity, layout.head_dim)
-        layers = [
-            SlotCacheLayer(torch.zeros(shape, dtype=layout.dtype, device=device),
-                           torch.zeros(shape, dtype=layout.dtype, device=device), self.position, layout.architecture)
-            for _ in range(layout.num_layers)
-        ]
+        shape = (batch if rows is None else rows, layout.kv_heads, capacity, layout.head_dim)
+        self._buffers = [(torch.zeros(shape, dtype=layout.dtype, device=device),
+                          torch.zeros(shape, dtype=layout.dtype, device=device)) for _ in range(layout.num_layers)]
+        layers = [SlotCacheLayer(keys[:batch], values[:batch], self.position, layout.architecture)
+                  for keys, values in self._buffers]
         super().__init__(layers=layers)
         self.capacity = capacity
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every K and V buffer [B, H_kv, C, D]."""
+        """Every K and V buffer [B, H_kv, C, D] (the rows in use)."""
         return [t for layer in self.layers for t in (layer.keys, layer.values)]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every K and V buffer as allocated, [rows, H_kv, C, D]."""
+        return [t for pair in self._buffers for t in pair]
+
+    def use_rows(self, batch: int) -> None:
+        """The layers use the first ``batch`` rows of the allocated buffers (views: no copy)."""
+        for layer, (keys, values) in zip(self.layers, self._buffers):
+            layer.keys, layer.values = keys[:batch], values[:batch]
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] of the K/V buffers (a copy into smaller buffers; a per-row pointer is the
@@ -114,6 +123,7 @@ class SlotCache(Cache):
         for layer in self.layers:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
+        self._buffers = [(layer.keys, layer.values) for layer in self.layers]
 
     def point_at(self, position: torch.Tensor) -> None:
         """Use ``position`` [B] as every layer's per-row write pointer (after rows were selected)."""

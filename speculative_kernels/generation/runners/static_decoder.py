@@ -1,4 +1,5 @@
 """``StaticDecoderRunner``: a decoder-only model over a preallocated ``SlotCache``, with steps that can be captured.
+Its buffers may hold more rows than the batch (continuous batching: rows join and leave in place).
 
 As on the dynamic cache, every row writes the same slots and ``slot_mask`` [B, C] marks the real ones. A rollback is
 a mask write and a move of the cache's write pointer (stale K/V past it is masked, then overwritten). The forward
@@ -13,6 +14,7 @@ import torch
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
 from .captured import call_captured, compile_step
+from .compaction import SlotCompactor
 from .masks import decoder_mask
 from .slot_cache import CacheLayout, SlotCache
 from .slot_mask import SlotMaskRunner, accepts
@@ -23,14 +25,22 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     spec: its static-path spec (``capabilities.check_model``); batch: B; capacity: C cache slots
     (``sizing.static_capacity``); reserve: the most slots one iteration writes (gamma + 1), kept free by compacting
-    early; compaction_threshold / compaction_backend: see ``options.BatchingOptions``.
+    early; compaction_threshold / compaction_backend: see ``options.BatchingOptions``; rows: rows allocated (default
+    B). Every per-row buffer (K/V ``[rows, H_kv, C, D]``, ``slot_mask`` / its additive mirror ``[rows, C]``,
+    ``next_position`` ``[rows]``) is allocated once, and the batch's rows are its first B (views): rows leaving are
+    moved to the front in place (``select_rows``), rows joining are copied into the free rows (``add_rows``, up to
+    ``rows``: continuous batching on the static cache).
     """
 
     def __init__(self, model, spec: ModelSpec, batch: int, capacity: int, device: torch.device, *, reserve: int = 0,
-                 compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
-        super().__init__(batch, capacity, device, compaction_threshold, compaction_backend)  # slot_mask [B, C]
+                 compaction_threshold: float = 0.25, compaction_backend: str = "auto", rows: int | None = None):
+        rows = batch if rows is None else rows
+        if rows < batch:
+            raise ValueError(f"rows ({rows}) must be at least the batch ({batch})")
+        super().__init__(rows, capacity, device, compaction_threshold, compaction_backend)  # slot_mask [rows, C]
+        self.compactor = SlotCompactor(batch, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
-        self.cache = SlotCache(CacheLayout.of(model, spec), batch, capacity, device)
+        self.cache = SlotCache(CacheLayout.of(model, spec), batch, capacity, device, rows=rows)
         self.capacity, self.reserve = capacity, reserve  # (num_slots: the host copy of the write pointer)
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = next(model.parameters()).dtype
@@ -38,6 +48,20 @@ class StaticDecoderRunner(SlotMaskRunner):
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T]
         self._ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> ones
         self._init_additive(spec, self._dtype)
+        self._rows = (self.slot_mask, self._additive, self.next_position)  # as allocated: [rows, C], [rows, C], [rows]
+        self._use_rows(batch)
+
+    @property
+    def rows(self) -> int:
+        """Rows allocated: the most the batch can hold."""
+        return self._rows[0].shape[0]
+
+    def _use_rows(self, batch: int) -> None:
+        """The batch is the first ``batch`` allocated rows: every per-row state becomes a view of them."""
+        mask, additive, positions = self._rows
+        self.slot_mask, self.next_position = mask[:batch], positions[:batch]
+        self._additive = None if additive is None else additive[:batch]
+        self.cache.use_rows(batch)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
@@ -139,9 +163,72 @@ class StaticDecoderRunner(SlotMaskRunner):
     def kv_tensors(self, num_slots: int) -> list[torch.Tensor]:
         return [t[:, :, :num_slots] for t in self.cache.tensors()]
 
-    def _select_cache_rows(self, index: torch.Tensor) -> None:
-        self.cache.select_rows(index)
+    def _select_cache_rows(self, index: torch.Tensor) -> None:  # the base class's paths, replaced here
+        raise AssertionError("select_rows moves the rows in place")
 
     def _add_cache_rows(self, other: "StaticDecoderRunner", pad: int, other_pad: int) -> None:
-        raise NotImplementedError("rows cannot join a StaticDecoderRunner: its SlotCache is allocated for a fixed "
-                                  "batch (continuous batching runs on the dynamic cache)")
+        raise AssertionError("add_rows copies the rows in place")
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` ([B'] int64, increasing, < B): they move to the front of every allocated buffer, in
+        place (one transient copy of B' rows of one buffer at a time); the buffers keep their size. With no rows
+        left, the write pointer goes back to 0."""
+        batch = index.shape[0]
+        for full in (*self.cache.buffers(), *self._rows):
+            if full is not None:
+                full[:batch].copy_(full.index_select(0, index))
+        self._use_rows(batch)
+        if batch == 0:  # no rows left: every slot is free again
+            self.truncate(0)
+        self.compactor.select_rows(batch, holes=self.real_from > 0)
+
+    def add_rows(self, other: "StaticDecoderRunner") -> None:
+        """Append the rows of ``other`` (a static runner of the same model over its own rows, e.g. requests prefilled
+        and stepped on their own; consumed) after this runner's B rows: its K/V, slot mask and positions are copied
+        into the free allocated rows [B, B + B2), aligned at the shared write pointer. The side with fewer slots gets
+        holes on the left: the joining rows' slots are written after masked slots, or, when they hold more, the
+        running rows are first moved right within their rows (one transient copy of one buffer at a time).
+        Raises ValueError, with nothing changed, when the rows or the slots do not fit."""
+        if type(other) is not type(self) or other.model is not self.model:
+            raise ValueError("add_rows needs a runner of the same kind over the same model")
+        if (self._additive is None) != (other._additive is None):
+            raise ValueError("add_rows needs runners built with the same attention-mask kind")
+        batch, joining = self.slot_mask.shape[0], other.slot_mask.shape[0]
+        if batch + joining > self.rows:
+            raise ValueError(f"cannot add {joining} rows to a static cache of {batch} rows allocated for {self.rows}")
+        slots = max(self.num_slots, other.num_slots)
+        if slots + self.reserve > self.capacity:
+            raise ValueError(f"cannot add rows holding {other.num_slots} slots to a static cache of {self.capacity} "
+                             f"slots ({self.num_slots} in use, {self.reserve} kept free for an iteration)")
+        self._shift_right(slots - self.num_slots)
+        pad, end = slots - other.num_slots, batch + joining
+        for mine, theirs in zip(self.cache.buffers(), other.cache.tensors()):
+            mine[batch:end, :, pad:slots].copy_(theirs[:, :, : other.num_slots])
+        mask, additive, positions = self._rows
+        mask[batch:end, :pad] = 0
+        mask[batch:end, pad:slots] = other.slot_mask[:, : other.num_slots]
+        mask[batch:end, slots:] = 1
+        if additive is not None:
+            additive[batch:end, :pad] = -torch.finfo(additive.dtype).max  # as ``_mask_written`` writes a hole
+            additive[batch:end, pad:slots] = other._additive[:, : other.num_slots]
+            additive[batch:end, slots:] = 0
+        positions[batch:end] = other.next_position
+        self.real_from = max(self.real_from, other.real_from + pad)  # slots from there on are 1 in every row
+        self._use_rows(end)
+        self.compactor.select_rows(end, holes=self.real_from > 0)
+
+    def _shift_right(self, shift: int) -> None:
+        """Move the B rows' ``num_slots`` used slots right by ``shift`` (holes before them); the pointer follows."""
+        if shift == 0:
+            return
+        used, end = self.num_slots, self.num_slots + shift
+        for t in self.cache.tensors():
+            t[:, :, shift:end].copy_(t[:, :, :used].clone())
+        self.slot_mask[:, shift:end] = self.slot_mask[:, :used].clone()
+        self.slot_mask[:, :shift] = 0
+        if self._additive is not None:
+            self._additive[:, shift:end] = self._additive[:, :used].clone()
+            self._additive[:, :shift] = -torch.finfo(self._additive.dtype).max
+        self.real_from = self.real_from + shift if self.slot_mask.shape[0] else 0  # (no rows: no holes)
+        self.num_slots = end
+        self.cache.position.fill_(end)

@@ -1,0 +1,242 @@
+"""Continuous batching on the static cache: ``SpeculativeDecoder(..., cache_implementation="static",
+max_context=N)`` allocates K/V for ``max_batch_size`` rows of ``max_context`` (plus slack) once; rows leave by moving
+to the front in place and join by being copied into the free rows at the shared write pointer (holes on the left of
+the shorter side). Each request's output is still its own alone: greedy ones ``model.generate``, seeded sampled ones
+``speculative_kernels.generate`` with the same seed."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.host_reads import CountHostReads
+from helpers.models import gpt2, llama
+from speculative_kernels.generation.loop import SpeculativeLoop
+from speculative_kernels.generation.runners.static_decoder import StaticDecoderRunner
+
+GAMMA = 3
+LONG = [(7 * i) % 90 + 3 for i in range(28)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=2)
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair():
+    """GPT-2's learned absolute positions make a row's tokens depend on its positions far more than a small random
+    Llama's rotary ones do: a row given another row's positions changes its tokens."""
+    return gpt2(), gpt2(layers=1, seed=2)
+
+
+def _alone(target, prompt, settings, **drafting):
+    """The request decoded alone: model.generate when greedy, else speculative_kernels.generate with its seed."""
+    ids = torch.tensor([prompt])
+    if not settings.get("do_sample"):
+        return target.generate(ids, pad_token_id=0, **settings)[0, len(prompt):].tolist()
+    return sk.generate(target, ids, pad_token_id=0, **drafting, **settings)[0, len(prompt):].tolist()
+
+
+def _run(decoder, arrivals, each_step=None):
+    """arrivals: {step: [(prompt, settings)]} added before that step; each_step(decoder) after every step."""
+    requests, streamed, step = {}, {}, 0
+    while step <= max(arrivals) or decoder.has_work():
+        for prompt, settings in arrivals.get(step, []):
+            requests[decoder.add_request(prompt, **settings)] = (prompt, settings)
+        for request_id, tokens in decoder.step().items():
+            streamed.setdefault(request_id, []).extend(tokens)
+        if each_step is not None:
+            each_step(decoder)
+        step += 1
+    return requests, streamed
+
+
+def _runners(decoder):
+    loop = decoder._batcher._loop
+    if loop is None:
+        return []
+    drafter_runner = getattr(loop.drafter, "runner", None)
+    return [loop.target_runner] + ([drafter_runner] if drafter_runner is not None else [])
+
+
+ARRIVALS = {
+    0: [([5, 6, 7], dict(max_new_tokens=30, do_sample=False)),
+        ([8, 9, 8, 9], dict(max_new_tokens=5, do_sample=True, temperature=0.9, seed=11))],
+    # longer than the running rows' slots: the running rows move right (holes on their left)
+    2: [(LONG, dict(max_new_tokens=14, do_sample=False)),
+        (LONG[:20], dict(max_new_tokens=9, do_sample=True, top_k=6, seed=12))],
+    # greedy only: their first token comes from the target's forward over the prompts (nothing drafted)
+    4: [([6, 7, 6, 7, 6, 7, 6], dict(max_new_tokens=9, do_sample=False))],
+    # shorter: the joining rows get holes on their left
+    7: [([4, 2], dict(max_new_tokens=8, do_sample=True, temperature=1.2, seed=13)),
+        ([3], dict(max_new_tokens=6, do_sample=False))],
+    # finished by their first iteration (never join), and one that joins with one token left
+    8: [([10, 11, 12], dict(max_new_tokens=1, do_sample=True, seed=14)),
+        ([13, 14], dict(max_new_tokens=1, do_sample=False)),
+        ([15, 16, 17], dict(max_new_tokens=2, do_sample=False))],
+}
+
+
+@pytest.mark.parametrize("family, kind", [("llama", "draft model"), ("llama", "prompt lookup"),
+                                          ("gpt2", "draft model")])
+def test_static_requests_joining_and_leaving_match_each_request_alone(request, family, kind, monkeypatch):
+    """Requests with their own settings join (longer and shorter than the running rows, both merge paths are
+    exercised) and leave (from the middle of the batch too) a static batch of at most 4 rows: each one's streamed
+    tokens are its output alone; the K/V buffers are allocated once for 4 rows (the same storage at every step) and
+    the batch uses their first rows."""
+    target, draft = request.getfixturevalue("pair" if family == "llama" else "gpt2_pair")
+    if kind == "draft model":
+        decoder_kwargs = dict(draft=draft, num_speculative_tokens=GAMMA)
+        alone_kwargs = dict(draft_model=draft, num_speculative_tokens=GAMMA)
+    else:
+        decoder_kwargs = alone_kwargs = dict(prompt_lookup_num_tokens=GAMMA)
+    shifts = []
+    shift_right = StaticDecoderRunner._shift_right
+
+    def spied(runner, shift):
+        shifts.append(shift)
+        return shift_right(runner, shift)
+
+    monkeypatch.setattr(StaticDecoderRunner, "_shift_right", spied)
+    decoder = sk.SpeculativeDecoder(target, max_batch_size=4, cache_implementation="static", max_context=64,
+                                    **decoder_kwargs)
+    storage = {}
+
+    def check(decoder):
+        for runner in _runners(decoder):
+            buffers = runner.cache.buffers()
+            assert all(t.shape[0] == 4 for t in buffers) and runner.rows == 4
+            assert runner.cache.layers[0].keys.shape[0] == runner.slot_mask.shape[0] == decoder._batcher._loop.batch
+            pointers = [t.data_ptr() for t in buffers]
+            assert storage.setdefault(id(runner), pointers) == pointers  # allocated once
+            assert runner.num_slots + runner.reserve <= runner.capacity
+
+    requests, streamed = _run(decoder, ARRIVALS, check)
+    assert any(s > 0 for s in shifts) and any(s == 0 for s in shifts)  # both merge paths ran
+    for request_id, (prompt, settings) in requests.items():
+        expected = _alone(target, prompt, settings, **alone_kwargs)
+        assert streamed[request_id] == expected, (prompt, settings)
+        assert decoder.result(request_id).token_ids == expected
+
+
+def test_static_memory_stays_bounded_over_many_admissions_and_cancellations(pair):
+    """Sixty requests admitted and cancelled, while a long-running request is replaced before it ends (so the batch
+    never empties): the caches keep their allocation and their write pointer within capacity (holes squeezed out),
+    the loop's output buffers do not grow with the number of requests served, and a request served at the end is
+    still model.generate's."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=3,
+                                    cache_implementation="static", max_context=48)
+    anchor = decoder.add_request([5, 6, 7], max_new_tokens=40, do_sample=False)
+    decoder.step()
+    runner = decoder._batcher._loop.target_runner
+    pointers = [t.data_ptr() for t in runner.cache.buffers()]
+    widths, replaced = [], 0
+    for i in range(60):
+        other = decoder.add_request([(3 * i + j) % 90 + 3 for j in range(2 + i % 20)], max_new_tokens=20,
+                                    do_sample=bool(i % 2), seed=i)
+        decoder.step()
+        decoder.step()
+        decoder.cancel(other)
+        if len(decoder.result(anchor).token_ids) >= 25:  # at most 3 steps of 4 tokens before the next check
+            new = decoder.add_request([5, 6, 7], max_new_tokens=40, do_sample=False)
+            decoder.step()
+            decoder.cancel(anchor)
+            anchor, replaced = new, replaced + 1
+        loop = decoder._batcher._loop
+        assert loop.target_runner is runner and [t.data_ptr() for t in runner.cache.buffers()] == pointers
+        assert runner.num_slots <= runner.capacity
+        widths.append(loop.sequences.shape[1])
+    assert replaced >= 2
+    # the longest prompt (21) + the most new tokens (40) + one iteration's scatter slack
+    assert max(widths) <= 21 + 40 + GAMMA + 1
+    last = decoder.add_request(LONG[:12], max_new_tokens=10, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(last).token_ids == _alone(target, LONG[:12], dict(max_new_tokens=10))
+
+
+def test_static_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
+    """Iterations of a static batch that rows have joined and left still read the device once."""
+    reads = []
+    step = SpeculativeLoop.step
+
+    def counted(loop):
+        with CountHostReads() as counter:
+            running = step(loop)
+        reads.append(counter.reads)
+        return running
+
+    monkeypatch.setattr(SpeculativeLoop, "step", counted)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, max_batch_size=4,
+                                    cache_implementation="static", max_context=40)
+    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=20, do_sample=False))],
+                2: [(list(range(3, 25)), dict(max_new_tokens=10, do_sample=True, min_new_tokens=4, seed=1))],
+                4: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_p=0.8, seed=2))]}
+    _run(decoder, arrivals)
+    assert len(reads) > 5 and all(r == ["tolist"] for r in reads), reads
+
+
+def test_static_caches_are_checked_against_free_memory_before_admission(pair):
+    """Caches the device cannot hold are refused with MemoryError naming their size before anything is
+    allocated; the request stays queued."""
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, max_batch_size=16,
+                                    cache_implementation="static", max_context=10**9)
+    request = decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    with pytest.raises(MemoryError, match="16 rows"):
+        decoder.step()
+    assert decoder.queued == [request] and decoder.running == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cache_implementation="static"), "max_context"),
+    (dict(cache_implementation="static", max_context=1), "max_context"),
+    (dict(cache_implementation="static", max_context=True), "max_context"),
+    (dict(max_context=64), "max_context sizes the static cache"),
+    (dict(cache_implementation="paged"), "cache_implementation"),
+    (dict(cache_implementation="static", max_context=64, num_speculative_tokens="auto"), "fixed num_speculative"),
+])
+def test_bad_static_settings_are_refused_by_name(pair, kwargs, message):
+    kwargs = {"num_speculative_tokens": GAMMA, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        sk.SpeculativeDecoder(*pair, **kwargs)
+
+
+def test_a_request_longer_than_max_context_and_compile_are_refused_by_name(pair):
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, cache_implementation="static",
+                                    max_context=16)
+    with pytest.raises(ValueError, match="max_context=16"):
+        decoder.add_request(list(range(3, 13)), max_new_tokens=7)
+    with pytest.raises(ValueError, match="compile is not supported by add_request yet"):
+        decoder.add_request(list(range(3, 13)), max_new_tokens=6, compile=True)
+    request = decoder.add_request(list(range(3, 13)), max_new_tokens=6, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).token_ids == _alone(pair[0], list(range(3, 13)), dict(max_new_tokens=6))
+
+
+def test_a_static_batch_that_empties_keeps_its_caches_for_the_next_requests(pair):
+    """When every request has left, the loop keeps its static caches with no rows (write pointer back to 0); the
+    next requests join them, the same storage, and are still their own outputs alone."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=2,
+                                    cache_implementation="static", max_context=40)
+    first = decoder.add_request(LONG[:10], max_new_tokens=12, do_sample=False)
+    decoder.step()
+    runners = _runners(decoder)
+    pointers = [[t.data_ptr() for t in runner.cache.buffers()] for runner in runners]
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.step() == {} and decoder.running == []
+    assert all(runner.num_slots == 0 and runner.slot_mask.shape[0] == 0 for runner in runners)
+    second = decoder.add_request([4, 5], max_new_tokens=8, do_sample=True, seed=3)
+    third = decoder.add_request(LONG[:6], max_new_tokens=9, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+        assert _runners(decoder) == runners
+    assert [[t.data_ptr() for t in runner.cache.buffers()] for runner in runners] == pointers
+    assert decoder.result(first).token_ids == _alone(target, LONG[:10], dict(max_new_tokens=12))
+    assert decoder.result(second).token_ids == _alone(
+        target, [4, 5], dict(max_new_tokens=8, do_sample=True, seed=3), draft_model=draft,
+        num_speculative_tokens=GAMMA)
+    assert decoder.result(third).token_ids == _alone(target, LONG[:6], dict(max_new_tokens=9))
