@@ -16,7 +16,7 @@ import torch
 
 from . import backends
 
-__all__ = ["compact_kv", "compact_kv_reference", "compaction_lengths"]
+__all__ = ["compact_kv", "compact_kv_reference", "compaction_lengths", "compaction_sources"]
 
 
 def compaction_lengths(slot_mask: torch.Tensor) -> torch.Tensor:
@@ -24,14 +24,21 @@ def compaction_lengths(slot_mask: torch.Tensor) -> torch.Tensor:
     return (slot_mask != 0).sum(dim=1)
 
 
-def compact_kv_reference(kv: torch.Tensor, slot_mask: torch.Tensor) -> None:
-    """In place on kv [B, H, S, D] (any strides), slot_mask [B, S] (any dtype, nonzero = real)."""
+def compaction_sources(slot_mask: torch.Tensor) -> torch.Tensor:
+    """source [B, S] int64: the slot each slot j of a row takes its value from (the j-th real slot for j < n_b,
+    itself after), for slot_mask [B, S] (any dtype, nonzero = real)."""
     real = slot_mask != 0
-    slots = kv.shape[2]
     lengths = real.sum(dim=1, keepdim=True)
     order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)  # real slots first, in slot order
-    j = torch.arange(slots, device=kv.device).unsqueeze(0)
-    source = torch.where(j < lengths, order, j)  # [B, S]
+    j = torch.arange(slot_mask.shape[1], device=slot_mask.device).unsqueeze(0)
+    return torch.where(j < lengths, order, j)
+
+
+def compact_kv_reference(kv: torch.Tensor, slot_mask: torch.Tensor, source: torch.Tensor | None = None) -> None:
+    """In place on kv [B, H, S, D] (any strides), slot_mask [B, S] (any dtype, nonzero = real); source: the
+    mask's ``compaction_sources`` when the caller has them (every layer's K and V share one mask)."""
+    if source is None:
+        source = compaction_sources(slot_mask)
     index = source[:, None, :, None].expand(kv.shape)
     kv.copy_(kv.gather(2, index))
 
