@@ -370,9 +370,10 @@ class ContinuousBatcher:
 
     def _leave(self, request_ids: list[int]) -> None:
         """Remove these running requests' rows from the loop (all rows: drop the loop, except on the static cache,
-        whose loop keeps its allocation with no rows until requests join it)."""
+        whose loop keeps its allocation with no rows until requests join it, unless its drafter never started:
+        rows could not join it)."""
         remaining = [row for row, r in enumerate(self._rows) if r not in request_ids]
-        if not remaining and self.static_rows is None:
+        if not remaining and (self.static_rows is None or not self._loop.drafter_started):
             self._loop, self._rows = None, []
             return
         with torch.inference_mode():

@@ -555,8 +555,15 @@ class SpeculativeLoop:
         self.last = self.last.index_select(0, keep)
         self.randomness.select_rows(keep)
         self.target_runner.select_rows(keep)
-        self.drafter.select_rows(keep)
+        if self._drafter_started:  # (a loop whose rows all had one token to make never started its drafter)
+            self.drafter.select_rows(keep)
         self.batch = len(remaining)
+
+    @property
+    def drafter_started(self) -> bool:
+        """Whether the drafter has been started (it is not in a loop whose rows had one token each to make);
+        ``append_rows`` needs it started on both sides."""
+        return self._drafter_started
 
     def append_rows(self, other: "SpeculativeLoop") -> None:
         """Between steps: append the rows of ``other`` after this loop's rows, the counterpart of ``keep_rows``.

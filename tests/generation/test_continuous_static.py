@@ -240,3 +240,23 @@ def test_a_static_batch_that_empties_keeps_its_caches_for_the_next_requests(pair
         target, [4, 5], dict(max_new_tokens=8, do_sample=True, seed=3), draft_model=draft,
         num_speculative_tokens=GAMMA)
     assert decoder.result(third).token_ids == _alone(target, LONG[:6], dict(max_new_tokens=9))
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_a_first_batch_of_one_token_requests_then_more(pair, drafting):
+    """Requests that each make one token run the target alone (the drafter never starts); once they leave, the
+    static batch is empty and later requests must still join (this crashed in the drafter's select_rows)."""
+    target, draft = pair
+    models = (target, draft) if drafting == "draft_model" else (target,)
+    extra = {} if drafting == "draft_model" else dict(prompt_lookup_num_tokens=GAMMA)
+    decoder = sk.SpeculativeDecoder(*models, num_speculative_tokens=GAMMA, cache_implementation="static",
+                                    max_context=48, **extra)
+    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=1, do_sample=False)),
+                    ([9, 9, 9, 9], dict(max_new_tokens=1, do_sample=True, seed=3))],
+                3: [([5, 6, 7, 5, 6], dict(max_new_tokens=12, do_sample=False)),
+                    ([8, 9, 8], dict(max_new_tokens=7, do_sample=True, temperature=0.8, seed=4))]}
+    requests, streamed = _run(decoder, arrivals)
+    drafting_kwargs = dict(draft_model=draft, num_speculative_tokens=GAMMA) if drafting == "draft_model" else extra
+    for request_id, (prompt, settings) in requests.items():
+        expected = _alone(target, prompt, settings, **drafting_kwargs)
+        assert decoder.result(request_id).token_ids == expected == streamed[request_id], (prompt, settings)
