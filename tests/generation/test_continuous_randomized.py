@@ -4,8 +4,13 @@ random steps, some are cancelled; on Llama and GPT-2, with a draft model and wit
 the static cache. Every finished request must equal itself decoded alone (greedy: ``model.generate``; sampled:
 ``speculative_kernels.generate`` with its seed), streamed and final, and a cancelled one a prefix of that.
 
-A wider sweep of the same generator (seeds 0-55 of each of the 8 configurations) found one crash (fixed: a first
-static batch of one-token requests); the seeds below include it."""
+A wider sweep of the same generator (seeds 0-55 of each of the 8 configurations, with top-k and top-p applied) found
+one crash (fixed: a first static batch of one-token requests; the seeds below include it) and one sampled request
+that differed from itself alone, for a reason this library does not control: the draft's logits of a row in a batch
+and alone differ in the last bits (4e-8 here: the model's matmuls and attention reduce in another order), and two
+logits at the top-k boundary were equal to 7 digits, so the row's top-10 set, and its token, differed. A top-k or
+top-p cut turns such noise into a different token far more often than the race or the accept test do, so this test
+samples without them (kept to fixed cases elsewhere) and stays deterministic on every CPU."""
 
 import random
 import warnings
@@ -34,10 +39,10 @@ def _traffic(rng: random.Random) -> list[tuple[int, list[int], dict]]:
             settings = dict(max_new_tokens=rng.randint(1, 25))
             if rng.random() < 0.5:
                 settings.update(do_sample=True, temperature=rng.choice([0.7, 1.0, 1.3]), seed=rng.randrange(1000))
-                if rng.random() < 0.5:
-                    settings["top_k"] = rng.choice([3, 10])
-                if rng.random() < 0.3:
-                    settings["top_p"] = 0.9
+                # top-k / top-p are drawn (the seeds stay comparable with the sweep) but not applied: see the
+                # module docstring; their per-request handling is tested on fixed cases in the other files
+                rng.random() < 0.5 and rng.choice([3, 10])
+                rng.random() < 0.3
             else:
                 settings["do_sample"] = False
             if rng.random() < 0.3:
