@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import speculative_kernels as sk
+from helpers.continuous import run_arrivals
+from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import llama
 from helpers.sampling import hf_warpers
 from helpers.stats import assert_matches
@@ -41,19 +43,6 @@ def _alone(pair, prompt, settings):
     return out[0, len(prompt):].tolist()
 
 
-def _run(decoder, arrivals):
-    """arrivals: {step index: [(prompt, settings), ...]} added before that step. Returns ({id: (prompt, settings)},
-    {id: streamed tokens}), stepping until no work is left."""
-    requests, streamed, step = {}, {}, 0
-    while step <= max(arrivals) or decoder.has_work():
-        for prompt, settings in arrivals.get(step, []):
-            requests[decoder.add_request(prompt, **settings)] = (prompt, settings)
-        for request_id, tokens in decoder.step().items():
-            streamed.setdefault(request_id, []).extend(tokens)
-        step += 1
-    return requests, streamed
-
-
 def test_requests_joining_at_different_steps_match_each_request_alone(pair):
     """Greedy and seeded sampled requests of different lengths and settings, arriving at different steps (some
     while others run, one after the batch emptied): each one's streamed and final tokens are its output alone."""
@@ -69,7 +58,7 @@ def test_requests_joining_at_different_steps_match_each_request_alone(pair):
             ([32, 33, 34], dict(max_new_tokens=2, do_sample=False))],
         40: [([40, 41, 42], dict(max_new_tokens=8, do_sample=True, temperature=0.7, seed=7))],
     }
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     assert len(requests) == 8
     for request_id, (prompt, settings) in requests.items():
         expected = _alone(pair, prompt, settings)
@@ -90,7 +79,7 @@ def test_sampled_requests_near_their_end_match_each_request_alone():
     arrivals = {0: [([1, 4, 3, 5], dict(max_new_tokens=5 + 3 * i, do_sample=True, temperature=0.8, seed=100 + i))
                     for i in range(8)],
                 3: [([2, 6], dict(max_new_tokens=4 + 5 * i, do_sample=True, top_k=4, seed=200 + i)) for i in range(4)]}
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
         assert streamed[request_id] == _alone((target, draft), prompt, settings), (prompt, settings)
 
@@ -128,7 +117,7 @@ def test_min_new_tokens_per_request(pair):
                     ([9, 10], dict(max_new_tokens=14, do_sample=True, eos_token_id=[eos, 7], min_new_tokens=9,
                                    seed=2))],
                 1: [([11, 12, 13], dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, eos_token_id=eos))]}
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     outputs = []
     for request_id, (prompt_ids, settings) in requests.items():
         expected = _alone(pair, prompt_ids, settings)
@@ -147,7 +136,7 @@ def test_min_new_tokens_left_is_carried_across_a_merge(pair):
     at = next(i for i in range(4, 16) if free[i] not in free[:i])
     settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=free[at], min_new_tokens=at)
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
-    requests, streamed = _run(decoder, {0: [(prompt, settings)], 1: [([9, 10], dict(max_new_tokens=4))]})
+    requests, streamed = run_arrivals(decoder, {0: [(prompt, settings)], 1: [([9, 10], dict(max_new_tokens=4))]})
     first = next(iter(requests))
     assert streamed[first] == _alone(pair, prompt, settings) == free[: at + 1]
     assert decoder.result(first).finish_reason == "eos"
@@ -276,7 +265,7 @@ def test_prompt_lookup_and_auto_gamma_requests_match_generate(pair, options):
     decoder = sk.SpeculativeDecoder(target, None if "prompt_lookup_num_tokens" in options else draft, **options)
     arrivals = {i: [(prompt, dict(max_new_tokens=10 + 3 * i, do_sample=False))]
                 for i, prompt in enumerate([[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [3, 4]])}
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
         assert streamed[request_id] == _alone(pair, prompt, settings)
 
@@ -381,7 +370,7 @@ def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(
             ([13, 14], dict(max_new_tokens=1, do_sample=False)),
             ([15, 16, 17], dict(max_new_tokens=2, do_sample=False))],
     }
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
         ids = torch.tensor([prompt])
         if settings.get("do_sample"):
@@ -394,25 +383,12 @@ def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(
 
 def test_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
     """Iterations of a batch that rows have joined (with holes on either side) still read the device once."""
-    from helpers.host_reads import CountHostReads
-
-    from speculative_kernels.generation.loop import SpeculativeLoop
-
-    reads = []
-    step = SpeculativeLoop.step
-
-    def counted(loop):
-        with CountHostReads() as counter:
-            running = step(loop)
-        reads.append(counter.reads)
-        return running
-
-    monkeypatch.setattr(SpeculativeLoop, "step", counted)
+    reads = count_reads_per_loop_step(monkeypatch)
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
     arrivals = {0: [([5, 6, 7], dict(max_new_tokens=20, do_sample=False))],
                 2: [(list(range(3, 25)), dict(max_new_tokens=10, do_sample=True, min_new_tokens=4, seed=1))],
                 4: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_p=0.8, seed=2))]}
-    _run(decoder, arrivals)
+    run_arrivals(decoder, arrivals)
     assert len(reads) > 5 and all(r == ["tolist"] for r in reads), reads
 
 
@@ -517,7 +493,7 @@ def test_prompts_holding_the_pad_id_are_masked_as_model_generate_masks_them(pair
             assert 0 not in prompt or not torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
                                                       unmasked)  # the inferred mask matters: the test can fail
     arrivals = {step: [(p, dict(max_new_tokens=10, do_sample=False)) for p in ps] for step, ps in prompts.items()}
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, _) in requests.items():
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
         assert decoder.result(request_id).token_ids == expected.tolist(), prompt

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from helpers.host_reads import CountHostReads
+from helpers.continuous import run_arrivals
+from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import gpt2, llama
-from speculative_kernels.generation.loop import SpeculativeLoop
 from speculative_kernels.generation.runners.static_decoder import StaticDecoderRunner
 
 GAMMA = 3
@@ -35,20 +35,6 @@ def _alone(target, prompt, settings, **drafting):
     if not settings.get("do_sample"):
         return target.generate(ids, pad_token_id=0, **settings)[0, len(prompt):].tolist()
     return sk.generate(target, ids, pad_token_id=0, **drafting, **settings)[0, len(prompt):].tolist()
-
-
-def _run(decoder, arrivals, each_step=None):
-    """arrivals: {step: [(prompt, settings)]} added before that step; each_step(decoder) after every step."""
-    requests, streamed, step = {}, {}, 0
-    while step <= max(arrivals) or decoder.has_work():
-        for prompt, settings in arrivals.get(step, []):
-            requests[decoder.add_request(prompt, **settings)] = (prompt, settings)
-        for request_id, tokens in decoder.step().items():
-            streamed.setdefault(request_id, []).extend(tokens)
-        if each_step is not None:
-            each_step(decoder)
-        step += 1
-    return requests, streamed
 
 
 def _runners(decoder):
@@ -111,7 +97,7 @@ def test_static_requests_joining_and_leaving_match_each_request_alone(request, f
             assert storage.setdefault(id(runner), pointers) == pointers  # allocated once
             assert runner.num_slots + runner.reserve <= runner.capacity
 
-    requests, streamed = _run(decoder, ARRIVALS, check)
+    requests, streamed = run_arrivals(decoder, ARRIVALS, check)
     assert any(s > 0 for s in shifts) and any(s == 0 for s in shifts)  # both merge paths ran
     for request_id, (prompt, settings) in requests.items():
         expected = _alone(target, prompt, settings, **alone_kwargs)
@@ -158,22 +144,13 @@ def test_static_memory_stays_bounded_over_many_admissions_and_cancellations(pair
 
 def test_static_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
     """Iterations of a static batch that rows have joined and left still read the device once."""
-    reads = []
-    step = SpeculativeLoop.step
-
-    def counted(loop):
-        with CountHostReads() as counter:
-            running = step(loop)
-        reads.append(counter.reads)
-        return running
-
-    monkeypatch.setattr(SpeculativeLoop, "step", counted)
+    reads = count_reads_per_loop_step(monkeypatch)
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, max_batch_size=4,
                                     cache_implementation="static", max_context=40)
     arrivals = {0: [([5, 6, 7], dict(max_new_tokens=20, do_sample=False))],
                 2: [(list(range(3, 25)), dict(max_new_tokens=10, do_sample=True, min_new_tokens=4, seed=1))],
                 4: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_p=0.8, seed=2))]}
-    _run(decoder, arrivals)
+    run_arrivals(decoder, arrivals)
     assert len(reads) > 5 and all(r == ["tolist"] for r in reads), reads
 
 
@@ -255,7 +232,7 @@ def test_a_first_batch_of_one_token_requests_then_more(pair, drafting):
                     ([9, 9, 9, 9], dict(max_new_tokens=1, do_sample=True, seed=3))],
                 3: [([5, 6, 7, 5, 6], dict(max_new_tokens=12, do_sample=False)),
                     ([8, 9, 8], dict(max_new_tokens=7, do_sample=True, temperature=0.8, seed=4))]}
-    requests, streamed = _run(decoder, arrivals)
+    requests, streamed = run_arrivals(decoder, arrivals)
     drafting_kwargs = dict(draft_model=draft, num_speculative_tokens=GAMMA) if drafting == "draft_model" else extra
     for request_id, (prompt, settings) in requests.items():
         expected = _alone(target, prompt, settings, **drafting_kwargs)

@@ -4,14 +4,12 @@ One test per reproduction of the issue, and a table of bad inputs across the pub
 ops, ``SpeculativeDecoder``, the CLI): each row names the input, the error class and the words the error must say.
 """
 
-import warnings
-
 import pytest
 import torch
 from transformers import GenerationConfig
 
 import speculative_kernels as sk
-from helpers.models import llama
+from helpers.models import hf_generate, llama
 from speculative_kernels import ops
 from speculative_kernels.cli import main
 from speculative_kernels.generation import buffers
@@ -23,12 +21,6 @@ P = torch.tensor([[1, 17, 42, 70, 7]])
 @pytest.fixture(scope="module")
 def pair():
     return llama(), llama(layers=1, seed=3)
-
-
-def _hf(target, ids, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return target.generate(ids, **kwargs)
 
 
 # ---- 1. a non-finite value after temperature scaling is never a token --------------------------------------------
@@ -60,31 +52,31 @@ def test_target_logits_that_overflow_when_scaled_raise(pair):
 def test_default_length_matches_model_generate(pair):
     target, draft = pair
     for ids in (P, torch.randint(3, 97, (1, 25), generator=torch.Generator().manual_seed(0))):
-        expected = _hf(target, ids)
+        expected = hf_generate(target, ids)
         with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
             got = sk.generate(target, ids, draft_model=draft)
         assert torch.equal(got, expected) and got.shape[1] == ids.shape[1] + 20
 
 
-def test_default_length_is_capped_by_the_context_like_hf():
+def test_default_length_is_capped_by_the_context_likehf_generate():
     target, draft = llama(), llama(layers=1, seed=3)
     for model in (target, draft):
         model.config.max_position_embeddings = 30
     ids = torch.randint(3, 97, (1, 25), generator=torch.Generator().manual_seed(1))
-    expected = _hf(target, ids)
+    expected = hf_generate(target, ids)
     with pytest.warns(UserWarning):
         got = sk.generate(target, ids, draft_model=draft)
     assert torch.equal(got, expected) and got.shape[1] == 30
 
 
-def test_explicit_max_length_counts_the_prompt_like_hf(pair):
+def test_explicit_max_length_counts_the_prompt_likehf_generate(pair):
     target, draft = pair
-    assert torch.equal(sk.generate(target, P, draft_model=draft, max_length=12), _hf(target, P, max_length=12))
+    assert torch.equal(sk.generate(target, P, draft_model=draft, max_length=12), hf_generate(target, P, max_length=12))
     with pytest.raises(ValueError, match="Input length of input_ids is 5, but `max_length` is set to 5"):
         sk.generate(target, P, draft_model=draft, max_length=5)
     target.generation_config.max_length = 9  # a checkpoint's own max_length is a total length, as in HF
     try:
-        assert torch.equal(sk.generate(target, P, draft_model=draft), _hf(target, P))
+        assert torch.equal(sk.generate(target, P, draft_model=draft), hf_generate(target, P))
         assert sk.generate(target, P, draft_model=draft).shape[1] == 9
     finally:
         target.generation_config.max_length = None
@@ -149,7 +141,7 @@ def test_honoured_fields_refuse_what_they_cannot_do(pair, name):
 
 def test_num_assistant_tokens_is_gamma(pair):
     target, draft = pair
-    expected = _hf(target, P, max_new_tokens=12)
+    expected = hf_generate(target, P, max_new_tokens=12)
     for source in ("kwarg", "generation_config", "draft_config"):
         stats = sk.SpeculationStats()
         if source == "kwarg":
@@ -183,21 +175,21 @@ def test_no_effect_fields_change_nothing(pair):
 
 
 # ---- 4. token ids and lengths of odd types -------------------------------------------------------------------------
-def test_eos_token_id_types_as_hf(pair):
+def test_eos_token_id_types_ashf_generate(pair):
     target, draft = pair
-    first = int(_hf(target, P, max_new_tokens=1)[0, -1])
+    first = int(hf_generate(target, P, max_new_tokens=1)[0, -1])
     for eos in (first, float(first), [float(first)], torch.tensor([first])):
         got = sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=eos)
-        assert torch.equal(got, _hf(target, P, max_new_tokens=5, eos_token_id=first)) and got.shape[1] == 6, eos
+        assert torch.equal(got, hf_generate(target, P, max_new_tokens=5, eos_token_id=first)) and got.shape[1] == 6, eos
     with pytest.raises(TypeError, match="eos_token_id must be a token id"):
         sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=str(first))
     with pytest.raises(TypeError, match="eos_token_id must be a token id"):
         sk.generate(target, P, draft_model=draft, max_new_tokens=5, eos_token_id=65.5)
 
 
-def test_fractional_max_new_tokens_as_hf(pair):
+def test_fractional_max_new_tokens_ashf_generate(pair):
     target, draft = pair
-    expected = _hf(target, P, max_new_tokens=5.5)
+    expected = hf_generate(target, P, max_new_tokens=5.5)
     got = sk.generate(target, P, draft_model=draft, max_new_tokens=5.5)
     assert torch.equal(got, expected) and got.shape[1] == 5 + 6
     with pytest.raises(TypeError, match="max_new_tokens must be an int, got str"):
@@ -232,7 +224,7 @@ def test_buffers_grow_and_output_is_unchanged(pair, monkeypatch):
     ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(2))
     kwargs = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                   output_scores=True, eos_token_id=[2, 11, 30])
-    expected = _hf(target, ids, **kwargs)
+    expected = hf_generate(target, ids, **kwargs)
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     assert len(got.scores) == len(expected.scores)
@@ -243,7 +235,7 @@ def test_gamma_is_capped_by_the_tokens_left(pair):
     stats = sk.SpeculationStats()
     got = sk.generate(target, P, draft_model=draft, num_speculative_tokens=1000, max_new_tokens=6,
                       speculation_stats=stats)
-    assert torch.equal(got, _hf(target, P, max_new_tokens=6))
+    assert torch.equal(got, hf_generate(target, P, max_new_tokens=6))
     assert stats.draft_forwards <= 5 + 4 + 3 + 2 + 1  # each iteration drafts at most the tokens left, less one
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=1000).start(P, max_new_tokens=6)
     while not session.finished:
@@ -252,7 +244,7 @@ def test_gamma_is_capped_by_the_tokens_left(pair):
         assert session.loop.gamma == left - 1
     stats = sk.SpeculationStats()
     got = sk.generate(target, P, draft_model=draft, max_new_tokens=1, speculation_stats=stats)
-    assert torch.equal(got, _hf(target, P, max_new_tokens=1))
+    assert torch.equal(got, hf_generate(target, P, max_new_tokens=1))
     assert (stats.draft_forwards, stats.target_forwards) == (0, 1)  # one token left: no drafting
     torch.manual_seed(0)
     sampled = sk.generate(target, P, draft_model=draft, max_new_tokens=1, do_sample=True, temperature=0.8)
@@ -393,7 +385,7 @@ def test_default_length_matches_model_generate_encoder_decoder(family):
     target, draft = make(), make(layers=1, seed=5)
     ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(3))
     target.generation_config.eos_token_id = draft.generation_config.eos_token_id = None  # run to the limit
-    expected = _hf(target, ids)
+    expected = hf_generate(target, ids)
     with pytest.warns(UserWarning, match="model-agnostic default"):
         got = sk.generate(target, ids, draft_model=draft)
     assert torch.equal(got, expected) and got.shape[1] == 21

@@ -9,7 +9,7 @@ import torch
 
 import speculative_kernels as sk
 from helpers.differential import Mismatch, check_case, describe, models, random_case, random_seq2seq_case
-from helpers.models import VOCAB, llama
+from helpers.models import VOCAB, hf_generate, llama
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +17,9 @@ def pair():
     return llama(), llama(layers=1, seed=3)
 
 
-def _hf(model, ids, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(ids, **kwargs)
-
-
 def _eos_after(model, ids, steps: int) -> int:
     """A token HF's plain greedy run emits as its ``steps``-th new token (0-based): an EOS id that stops it there."""
-    plain = _hf(model, ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    plain = hf_generate(model, ids, max_new_tokens=steps + 1, do_sample=False, eos_token_id=None, pad_token_id=0)
     return int(plain[0, ids.shape[1] + steps])
 
 
@@ -36,15 +30,15 @@ def test_min_new_tokens_takes_precedence_over_min_length(pair):
     ids = torch.tensor([[84, 39, 64, 30, 63]])
     eos = _eos_after(target, ids, 3)
     kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0, min_new_tokens=3)
-    expected = _hf(target, ids, min_length=15, **kwargs)
+    expected = hf_generate(target, ids, min_length=15, **kwargs)
     assert expected.shape[1] == ids.shape[1] + 4  # stops at the EOS, min_length ignored
-    assert not torch.equal(expected, _hf(target, ids, **{**kwargs, "min_new_tokens": 10}))  # the test can fail
+    assert not torch.equal(expected, hf_generate(target, ids, **{**kwargs, "min_new_tokens": 10}))  # the test can fail
     for extra in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
         assert torch.equal(sk.generate(target, ids, min_length=15, **kwargs, **extra), expected)
     # min_new_tokens=0 set: still takes precedence (no minimum), as in HF
     zero = dict(kwargs, min_new_tokens=0)
     assert torch.equal(sk.generate(target, ids, draft_model=draft, min_length=15, **zero),
-                       _hf(target, ids, min_length=15, **zero))
+                       hf_generate(target, ids, min_length=15, **zero))
 
 
 @pytest.mark.parametrize("length", [dict(max_new_tokens=1), dict(max_length=6)])
@@ -57,7 +51,7 @@ def test_one_new_token_without_a_draft_model(pair, length, drafting):
     extra = dict(prompt_lookup_num_tokens=3) if drafting == "prompt_lookup" else dict(
         drafter=sk.NGramDrafter(VOCAB))
     kwargs = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **length)
-    expected = _hf(target, ids, **kwargs)
+    expected = hf_generate(target, ids, **kwargs)
     got = sk.generate(target, ids, **kwargs, **extra)
     assert torch.equal(got.sequences, expected.sequences) and len(got.scores) == 1
 
@@ -91,20 +85,20 @@ def test_a_builtin_stopping_criterion_replaces_hf_own(pair):
     ids = torch.tensor([[16, 38, 45, 85, 72, 93]])
     kwargs = dict(do_sample=False, max_length=7)
     longer = StoppingCriteriaList([MaxLengthCriteria(max_length=9)])
-    assert _hf(target, ids, stopping_criteria=longer, **kwargs).shape[1] == 9  # HF goes past max_length=7
+    assert hf_generate(target, ids, stopping_criteria=longer, **kwargs).shape[1] == 9  # HF goes past max_length=7
     with pytest.raises(ValueError, match=r"stopping_criteria holds a MaxLengthCriteria\(max_length=9\)"):
         sk.generate(target, ids, draft_model=draft, stopping_criteria=longer, **kwargs)
     shorter = dict(do_sample=False, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(9)]))
-    assert torch.equal(sk.generate(target, ids, draft_model=draft, **shorter), _hf(target, ids, **shorter))
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **shorter), hf_generate(target, ids, **shorter))
 
     eos = _eos_after(target, ids, 2)
     other = StoppingCriteriaList([EosTokenCriteria(eos_token_id=eos)])
     kwargs = dict(do_sample=False, max_new_tokens=8, eos_token_id=[97 - 1])
-    assert _hf(target, ids, stopping_criteria=other, **kwargs).shape[1] == ids.shape[1] + 3  # stops at its ids
+    assert hf_generate(target, ids, stopping_criteria=other, **kwargs).shape[1] == ids.shape[1] + 3  # stops at its ids
     with pytest.raises(ValueError, match="stopping_criteria holds an EosTokenCriteria"):
         sk.generate(target, ids, draft_model=draft, stopping_criteria=other, **kwargs)
     same = dict(kwargs, eos_token_id=eos, stopping_criteria=other)
-    assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), _hf(target, ids, **same))
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), hf_generate(target, ids, **same))
 
 
 @pytest.mark.parametrize("family", ["t5", "bart"])
@@ -129,7 +123,7 @@ def test_no_input_ids_takes_the_batch_size_from_the_attention_mask(pair):
     target, draft = pair
     mask = torch.ones(2, 1, dtype=torch.long)
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
-    expected = _hf(target, None, **kwargs)
+    expected = hf_generate(target, None, **kwargs)
     assert expected.shape == (2, 5)
     for extra in (dict(draft_model=draft), dict(prompt_lookup_num_tokens=3)):
         assert torch.equal(sk.generate(target, **kwargs, **extra), expected)
@@ -138,7 +132,7 @@ def test_no_input_ids_takes_the_batch_size_from_the_attention_mask(pair):
 
 
 @pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
-def test_a_batch_without_pad_or_eos_runs_as_in_hf(pair, drafting):
+def test_a_batch_without_pad_or_eos_runs_as_inhf_generate(pair, drafting):
     """No eos_token_id and no pad_token_id: no row can finish early, nothing is padded, and HF generates the batch;
     we refused it (pad_token_id needed)."""
     target, draft = pair
@@ -151,7 +145,7 @@ def test_a_batch_without_pad_or_eos_runs_as_in_hf(pair, drafting):
         warnings.simplefilter("ignore")
         target.generation_config.eos_token_id, saved = None, target.generation_config.eos_token_id
         try:
-            expected = _hf(target, ids, **kwargs)
+            expected = hf_generate(target, ids, **kwargs)
             got = sk.generate(target, ids, **kwargs, **extra)
         finally:
             target.generation_config.eos_token_id = saved
@@ -165,9 +159,9 @@ def test_forced_eos_with_a_fractional_length(pair, length):
     target, draft = pair
     ids = torch.tensor([[5, 17, 42, 70, 7]])
     kwargs = dict(do_sample=False, forced_eos_token_id=11, **length)
-    expected = _hf(target, ids, **kwargs)
+    expected = hf_generate(target, ids, **kwargs)
     assert expected.shape[1] == 11 and expected[0, -1] != 11  # 6 new tokens, the last not forced
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **{**kwargs, **{k: 6 if k == "max_new_tokens"
                                                                                   else 11 for k in length}}),
-                       _hf(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))
+                       hf_generate(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))

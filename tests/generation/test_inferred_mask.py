@@ -3,13 +3,11 @@
 positions are masked (encoder-decoder inputs are not, as in HF). Every path of ours sees the
 same mask HF's ``generate`` would build, or refuses by name where that mask is right padding."""
 
-import warnings
-
 import pytest
 import torch
 
 import speculative_kernels as sk
-from helpers.models import llama
+from helpers.models import hf_generate, llama
 from helpers.seq2seq_models import source_batch, t5
 
 
@@ -18,23 +16,17 @@ def pair():
     return llama(), llama(layers=1, seed=3)
 
 
-def _hf(model, ids, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(ids, **kwargs)
-
-
 @pytest.mark.parametrize("ids", [
     [[0, 17, 42, 70, 7]],                      # a leading pad id (e.g. a tokenizer whose BOS is its pad)
     [[5, 17, 0, 70, 7, 9]],                    # a pad id inside the prompt
     [[0, 0, 17, 42, 70, 7], [3, 8, 17, 0, 70, 7]],  # left padding without a mask, and a hole
 ])
 @pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
-def test_mask_inferred_from_pad_token_as_in_hf(pair, ids, drafting):
+def test_mask_inferred_from_pad_token_as_inhf_generate(pair, ids, drafting):
     target, draft = pair
     ids = torch.tensor(ids)
-    expected = _hf(target, ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    plain = _hf(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+    expected = hf_generate(target, ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    plain = hf_generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                 pad_token_id=0)
     assert not torch.equal(expected, plain)  # the inferred mask changes HF's output: the test can fail
     extra = dict(draft_model=draft, num_speculative_tokens=3) if drafting == "draft_model" else dict(
@@ -46,7 +38,7 @@ def test_mask_inferred_from_pad_token_as_in_hf(pair, ids, drafting):
 def test_no_inference_when_pad_is_an_eos_id(pair):
     target, draft = pair
     ids = torch.tensor([[2, 17, 42, 70, 7]])  # eos_token_id is 2
-    expected = _hf(target, ids, max_new_tokens=10, do_sample=False, pad_token_id=2, eos_token_id=2)
+    expected = hf_generate(target, ids, max_new_tokens=10, do_sample=False, pad_token_id=2, eos_token_id=2)
     got = sk.generate(target, ids, draft_model=draft, max_new_tokens=10, do_sample=False, pad_token_id=2,
                       eos_token_id=2)
     assert torch.equal(got, expected)
@@ -58,13 +50,13 @@ def test_a_trailing_pad_id_is_refused_by_name(pair):
         sk.generate(target, torch.tensor([[5, 17, 42, 0]]), draft_model=draft, max_new_tokens=4, pad_token_id=0)
 
 
-def test_encoder_decoder_input_is_not_masked_by_pad_id_as_in_hf():
+def test_encoder_decoder_input_is_not_masked_by_pad_id_as_inhf_generate():
     """transformers (5.17-5.23) infers the mask for decoder-only models only: a T5 input holding pad ids without a
     mask runs unmasked there, and so here."""
     target, draft = t5(), t5(layers=1, seed=3)
     ids, mask = source_batch([12, 3, 5], seed=0)  # right-padded with pad id 0, no mask passed
-    expected = _hf(target, ids, max_new_tokens=8, do_sample=False)
-    masked = _hf(target, ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    expected = hf_generate(target, ids, max_new_tokens=8, do_sample=False)
+    masked = hf_generate(target, ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert not torch.equal(expected, masked)  # inferring the mask here would change the output: the test can fail
     got = sk.generate(target, ids, draft_model=draft, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected)

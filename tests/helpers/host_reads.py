@@ -30,3 +30,21 @@ def step_reading_once(session) -> int:
         assert counter.reads == ["tolist"], f"iteration {steps}: host reads {counter.reads}"
         steps += 1
     return steps
+
+
+def count_reads_per_loop_step(monkeypatch) -> list:
+    """Patch ``SpeculativeLoop.step`` to record each call's host reads; returns the list they are appended to
+    (one list of read names per step)."""
+    from speculative_kernels.generation.loop import SpeculativeLoop
+
+    reads = []
+    step = SpeculativeLoop.step
+
+    def counted(loop):
+        with CountHostReads() as counter:
+            running = step(loop)
+        reads.append(counter.reads)
+        return running
+
+    monkeypatch.setattr(SpeculativeLoop, "step", counted)
+    return reads

@@ -61,3 +61,12 @@ def drafts_for(family: str, target):
         "perturbed": perturbed(target),
         "unrelated": make(layers=1, hidden=16, seed=123),
     }
+
+
+def hf_generate(model, ids, **kwargs):
+    """``model.generate(ids, **kwargs)`` with HF's warnings silenced (the reference side of a comparison)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, **kwargs)
