@@ -40,8 +40,7 @@ def prompt_lookup_kernel(
     end = tl.load(end_ptr + b)
     best_j = tl.zeros((), dtype=tl.int64)
     best_n = tl.zeros((), dtype=tl.int64)
-    for k in tl.static_range(MAX_NGRAM):
-        n: tl.constexpr = MAX_NGRAM - k
+    for n in tl.static_range(MAX_NGRAM, 0, -1):  # largest n first (a constexpr per unrolled copy)
         if PREFER_LATEST:
             candidate = tl.full((), -1, dtype=tl.int64)
         else:

@@ -75,7 +75,7 @@ def test_triton_identical_to_reference(batch, width, vocab, seed, latest, period
 
 
 def test_strided_view_of_a_longer_buffer():
-    tokens, start, end = _case(3, 50, 4, 7)
+    tokens, start, end = (t.to(DEVICE) for t in _case(3, 50, 4, 7))
     buffer = torch.cat([tokens, tokens], dim=1)[:, :50]
     want = prompt_lookup(tokens, start, end, num_tokens=5, backend="torch")
     got = prompt_lookup(buffer, start, end, num_tokens=5, backend="triton")
