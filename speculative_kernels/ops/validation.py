@@ -76,8 +76,17 @@ def _check_row_tensor(name: str, value: torch.Tensor, dtypes, batch: int, device
                         f"got {value.dtype}")
     if tuple(value.shape) != (batch,):
         raise ValueError(f"{name} tensor must have shape [{batch}] (one value per row), got {tuple(value.shape)}")
-    if value.device != torch.device(device):
+    if value.device != indexed_device(device):
         raise ValueError(f"{name} is on {value.device} but the logits are on {device}; put them on one device")
+
+
+def indexed_device(device) -> torch.device:
+    """``device`` with its index: ``"cuda"`` names the current CUDA device, as a tensor created there reports it
+    (``cuda:0`` when 0 is current), so ``"cuda"`` and ``cuda:0`` compare equal when they are the same device."""
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) -> Sampling:

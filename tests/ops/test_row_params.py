@@ -328,3 +328,15 @@ def test_scaled_overflow_named_with_per_row_temperature():
     with pytest.raises(ValueError, match=r"target_logits divided by its row's temperature.*batch rows \[1\]"):
         ops.verify(target, draft, tokens, temperature=temperature, seed=0)
     ops.verify(target, draft, tokens, temperature=torch.tensor([0.5, 0.0]), seed=0)  # greedy: 3e38 is finite
+
+
+def test_device_named_without_index_is_the_current_one(monkeypatch):
+    """``"cuda"`` names the current CUDA device: a per-row tensor made there (``cuda:N``) is on the logits' device.
+    (Seen on the GPU: every per-row call from code naming ``device="cuda"`` was refused as "on cuda:0 but the logits
+    are on cuda".)"""
+    from speculative_kernels.ops.validation import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed_device("cuda") == torch.device("cuda", 1)
+    assert indexed_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert indexed_device("cpu") == torch.device("cpu")
