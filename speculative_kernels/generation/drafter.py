@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from .runners import Runner
+from .transfer import host_to_device
 from .vocab import VocabBridge
 
 # choose(logits [B, V], i) -> token [B] in [0, V): processes the draft logits of draft position i in place as the
@@ -144,7 +145,7 @@ class ModelDrafter:
         width, max_kept = pending_width + gamma - 1, pending_width + min(max_n, gamma - 1)
         if len(accepted_host) == 1:  # one row: the loop rolls back only an unfinished one; kept is a host value
             kept_host = [max_kept]
-            kept = torch.tensor(kept_host, dtype=torch.int64, device=accepted.device)
+            kept = host_to_device(kept_host, torch.int64, accepted.device)
             self.runner.keep_prefix(width, kept, max_kept, kept_host)
         else:
             kept = (pending_width + accepted.clamp(max=gamma - 1)).masked_fill(finished, 0)

@@ -23,6 +23,7 @@ from .rows import Outputs, RowDropper
 from .runners import Runner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
+from .transfer import host_to_device
 
 
 class SpeculativeLoop:
@@ -85,7 +86,7 @@ class SpeculativeLoop:
         elif rows is None:
             self.randomness = DecodeRandomness(self.batch, self.device, seed)
         else:
-            keys = torch.tensor(rows.keys, dtype=torch.int64, device=self.device)
+            keys = host_to_device(rows.keys, torch.int64, self.device)
             self.randomness = DecodeRandomness(self.batch, self.device, keys=keys,
                                                offsets=(rows.draft_offsets, rows.verify_offsets))
         self._draft_advances = 0  # draft offsets advanced in this iteration (a drafter with a model: gamma)
@@ -108,7 +109,7 @@ class SpeculativeLoop:
     def generated(self) -> torch.Tensor:
         """[B] int64 on the device: new tokens per row so far (made from the host counts when asked for)."""
         if self._generated_device is None:
-            self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
+            self._generated_device = host_to_device(self._generated_host, torch.int64, self.device)
         return self._generated_device
 
     @generated.setter
@@ -122,7 +123,7 @@ class SpeculativeLoop:
     def finished(self) -> torch.Tensor:
         """[B] bool on the device: rows that finished (made from the host flags when they change)."""
         if self._finished_device is None:
-            self._finished_device = torch.tensor(self._finished_host, dtype=torch.bool, device=self.device)
+            self._finished_device = host_to_device(self._finished_host, torch.bool, self.device)
         return self._finished_device
 
     @finished.setter
@@ -202,7 +203,7 @@ class SpeculativeLoop:
             self._limits_host = None
             return None
         self._limits_host = limits
-        return torch.tensor(limits, dtype=torch.int64, device=self.device)
+        return host_to_device(limits, torch.int64, self.device)
 
     def _prefill(self, input_ids, attention_mask) -> None:
         """max_new_tokens=1: nothing will be drafted, the one step runs the target on the prompts. A greedy batch of
@@ -325,15 +326,15 @@ class SpeculativeLoop:
         width = out.shape[1]
         index = [[self.prompt_length + g + j for j in range(width)] for g in self._generated_host]
         keep = [[int(j < c) for j in range(width)] for c in counts]
-        index, keep = torch.tensor([index, keep], dtype=torch.int64, device=self.device)
+        index, keep = host_to_device([index, keep], torch.int64, self.device)
         current = self.sequences.gather(1, index)
         self.sequences.scatter_(1, index, torch.where(keep.bool(), out, current))
 
     def _store_scores(self, processed, raw, counts: list[int], generated_before: list[int]) -> None:
         """Per emitted token: HF's ``scores`` (warped target logits) and ``logits`` (raw)."""
         positions = self._positions(self.gamma + 1)
-        count = torch.tensor(counts, dtype=torch.int64, device=self.device)
-        before = torch.tensor(generated_before, dtype=torch.int64, device=self.device)
+        count = host_to_device(counts, torch.int64, self.device)
+        before = host_to_device(generated_before, torch.int64, self.device)
         index = (before.unsqueeze(1) + positions).unsqueeze(-1).expand(-1, -1, processed.shape[-1])
         keep = (positions < count.unsqueeze(1)).unsqueeze(-1)
         for buffer, values in ((self.scores, processed), (self.raw_logits, raw)):
@@ -356,7 +357,7 @@ class SpeculativeLoop:
         """Both caches keep what was accepted; finished rows keep no new slots, so no row outgrows prompt +
         max_new_tokens. out [B, gamma + 1]: the emitted tokens; accepted [B]."""
         kept_host = [0 if f else n + 1 for n, f in zip(accepted_host, self._finished_host)]
-        kept = torch.tensor(kept_host, dtype=torch.int64, device=self.device)
+        kept = host_to_device(kept_host, torch.int64, self.device)
         self.target_runner.keep_prefix(self.gamma + 1, kept, max(kept_host), kept_host)
         if min(accepted_host) == max(accepted_host):  # every row's next input is at the same column: a view
             self.last = out[:, accepted_host[0] : accepted_host[0] + 1]
@@ -405,7 +406,7 @@ class SpeculativeLoop:
         accepted_host, count_host, finished_host = self._cut(tokens_host)
         if min(accepted_host) < 0:
             if accepted is None:
-                accepted = torch.tensor(accepted_host, dtype=torch.int64, device=self.device)
+                accepted = host_to_device(accepted_host, torch.int64, self.device)
             raise_for_invalid_rows(accepted, temperature=self.sampling.temperature,
                                    sampling=self.sampling if self.sampling.per_row else None, target_logits=processed,
                                    draft_logits=draft_logits, draft_tokens=draft_tokens)
@@ -418,7 +419,7 @@ class SpeculativeLoop:
         self._set_generated([g + c for g, c in zip(generated_before, count_host)])
         self._set_finished(finished_host)
         if self.masks.active:  # the draft's masks read it: made now, while the device is idle, not mid-draft
-            self._generated_device = torch.tensor(self._generated_host, dtype=torch.int64, device=self.device)
+            self._generated_device = host_to_device(self._generated_host, torch.int64, self.device)
         self._host_tokens, self._host_counts, self._host_width = tokens_host, count_host, self.gamma + 1
         self.last_accepted = [n if a else -1 for n, a in zip(accepted_host, active_host)]
         if self.scores is not None or self.raw_logits is not None:
@@ -523,7 +524,7 @@ class SpeculativeLoop:
         """Keep only the unfinished rows in every per-row state: outputs, flags, keys, runners (the row choice is
         made on the device from the finished flags; the host flags say how many remain)."""
         remaining = [i for i, f in enumerate(self._finished_host) if not f]
-        keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)  # unfinished rows, in order
+        keep = host_to_device(remaining, torch.int64, self.device)  # unfinished rows, in order
         outputs = dropper.drop(self._outputs(), keep)
         self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
         self._select_row_state(remaining, keep)
@@ -535,7 +536,7 @@ class SpeculativeLoop:
         it cannot step before."""
         if sorted(set(remaining)) != list(remaining) or (remaining and remaining[-1] >= self.batch):
             raise ValueError(f"remaining must be increasing row indices in [0, {self.batch}), got {remaining}")
-        keep = torch.tensor(remaining, dtype=torch.int64, device=self.device)
+        keep = host_to_device(remaining, torch.int64, self.device)
         outputs = self._outputs().select(keep)
         self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
         self._select_row_state(remaining, keep)

@@ -5,8 +5,6 @@ mode (what ``compile=True`` picks on CPU). CUDA (skipped elsewhere, with the rea
 records CUDA graphs without skips, and the steady-state loop synchronises with the host once per iteration.
 """
 
-import warnings
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -14,6 +12,7 @@ from torch._dynamo.utils import counters
 import speculative_kernels as sk
 from speculative_kernels import CompileOptions
 from speculative_kernels.generation.request import build_loop
+from helpers.host_reads import CudaSyncSites
 from helpers.models import FAMILIES, drafts_for, llama
 
 ON_CUDA = torch.cuda.is_available()
@@ -113,15 +112,8 @@ def test_one_host_sync_per_iteration_when_captured(llama_pair):
         loop = build_loop(target, draft, _prompt(seed=3), num_speculative_tokens=3, max_new_tokens=30,
                           do_sample=True, compile_options=CompileOptions())  # captured and warmed up
         steps, running = 0, True
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                while running:
-                    running = loop.step()
-                    steps += 1
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    # torch also warns once that the debug mode "does not yet detect all synchronizing operations": not a sync.
-    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-    assert steps > 1 and len(syncs) <= steps, [str(w.message) for w in syncs[:5]]
+        with CudaSyncSites() as syncs:
+            while running:
+                running = loop.step()
+                steps += 1
+    assert steps > 1 and len(syncs.sites) <= steps, "\n".join(syncs.summary())

@@ -48,3 +48,51 @@ def count_reads_per_loop_step(monkeypatch) -> list:
 
     monkeypatch.setattr(SpeculativeLoop, "step", counted)
     return reads
+
+
+class CudaSyncSites:
+    """Under CUDA's sync debug mode ("warn"), records each synchronising call with the innermost frames of this
+    package that led to it (``file:line function``), so a failing count names where the syncs come from.
+
+        with CudaSyncSites() as syncs:
+            ...
+        syncs.sites  # one tuple of frames per synchronising call
+    """
+
+    def __init__(self, package: str = "speculative_kernels", frames: int = 3):
+        self.package, self.frames, self.sites = package, frames, []
+
+    def __enter__(self):
+        import warnings
+
+        import torch
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(*exc)
+        return False
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
+        if "called a synchronizing" not in str(message):
+            return  # torch's one-time note that the mode "does not yet detect all synchronizing operations"
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if f"/{self.package}/" in f.filename.replace("\\", "/")]
+        chosen = ours[-self.frames:] + ([stack[-1]] if stack and stack[-1] not in ours else [])
+        self.sites.append(tuple(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in chosen))
+
+    def summary(self) -> list[str]:
+        """Distinct sites, most frequent first, each with its count."""
+        from collections import Counter
+
+        return [f"{n}x {' <- '.join(reversed(site))}" for site, n in Counter(self.sites).most_common()]
