@@ -447,16 +447,24 @@ def optional_module(name: str):
     return importlib.import_module(name)
 
 
-def batching_table(target, draft, prompts, batch_sizes, args, device) -> list | None:
+def batching_table(target, draft, prompts, batch_sizes, args, device, on_row=None) -> list | None:
     module = optional_module("e2e_batching")
     if module is None:
         print("benchmarks/e2e_batching.py is not there: no batching table")
         return None
+    # On CUDA the compiled rows (the GPU issue's end-to-end targets) come right after the baseline, so a run cut
+    # short by a time limit still has them.
     compiled = ["hf_static", "draft_static", "compiled"] if device.type == "cuda" else []
-    methods = ["hf", "hf_assisted", "dynamic", "static"] + compiled
+    methods = ["hf", *compiled, "hf_assisted", "dynamic", "static"]
+
+    def print_row(row):
+        print("[e2e] batching row " + json.dumps(row, default=str), flush=True)
+        if on_row is not None:
+            on_row(row)
+
     return module.batching_cases(target, draft, [p[0].tolist() for p in prompts], batch_sizes, methods=methods,
                                  max_new_tokens=args.max_new_tokens, gamma=args.batch_gamma,
-                                 do_sample=args.temperature > 0, repeats=args.repeats)
+                                 do_sample=args.temperature > 0, repeats=args.repeats, on_row=print_row)
 
 
 def seq2seq_result(args, device, dtype) -> dict | None:
@@ -568,21 +576,29 @@ def main(argv=None) -> int:
                                     f"{device.type}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"  # names may hold dots
     result = {"environment": env, "settings": settings, "rows": rows}
+
+    def save():  # after each section, so a run stopped at a time limit keeps what it measured
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1, default=str))
+
+    save()
     print(json.dumps(env))
     print(markdown_table(rows))
     if args.sweep_gamma:
         plot = plot_sweep(rows, png_path, f"{case}, {env['device']}")
         result["plot"] = str(plot) if plot else None
     if args.batch_sizes:
-        result["batching"] = batching_table(target, draft, prompts, args.batch_sizes, args, device)
+        result["batching"] = []  # filled row by row, saved after each
+        batching = batching_table(target, draft, prompts, args.batch_sizes, args, device,
+                                  on_row=lambda row: (result["batching"].append(row), save()))
+        result["batching"] = batching
         if result["batching"]:
             print(f"\nbatching ({case}):\n" + optional_module("e2e_batching").format_table(result["batching"]))
     if args.seq2seq:
         result["seq2seq"] = seq2seq_result(args, device, dtype)
         if result["seq2seq"]:
             print("\nencoder-decoder:\n" + json.dumps(result["seq2seq"]))
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1, default=str))
+    save()
     print(f"wrote {json_path}" + (f" and {result['plot']}" if result.get("plot") else ""))
     return 0 if all(r["identical"] is not False for r in rows) else 1
 

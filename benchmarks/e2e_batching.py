@@ -90,8 +90,11 @@ def _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile
 
 def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, methods=METHODS, max_new_tokens: int = 64,
                    gamma: int = 4, do_sample: bool = False, eos_token_id=None, compiled_batch_sizes=(1,),
-                   compile_options: CompileOptions | None = None, repeats: int = 3, seed: int = 0) -> list[dict]:
-    """Rows of the table: one dict per (method, batch size) that applies.
+                   compile_options: CompileOptions | None = None, repeats: int = 3, seed: int = 0,
+                   on_row=None) -> list[dict]:
+    """Rows of the table: one dict per (method, batch size) that applies, in the order of ``methods`` within each
+    batch size; ``on_row(row)``, if given, is called with each row as soon as it is measured (a run stopped at a time
+    limit keeps what it printed).
 
     target, draft: HF causal LMs on one device; prompts: token-id lists (cycled to fill a batch). HF assisted
     generation runs at batch 1 only (as transformers allows); the compiled path at ``compiled_batch_sizes``.
@@ -110,6 +113,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             batch_one_only = method in ("hf_assisted", "draft_static")
             if (batch_one_only and batch != 1) or (method in ("compiled", "hf_static") and batch not in compiled_batch_sizes):
                 continue
+            row_start = time.perf_counter()
             stats = sk.SpeculationStats()
             call = _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options)
 
@@ -142,7 +146,10 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
                 "dropped_rows": stats.dropped_rows if ours else None,
                 "identical_to_hf": (None if do_sample or expected is None or method in ("hf", "draft_static")
                                     else bool(torch.equal(out, expected))),
+                "wall_s": time.perf_counter() - row_start,  # the row's whole cost: warm-up, compiles, repeats
             })
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 

@@ -47,7 +47,7 @@ LIMITS = {"env": 60, "build": 200, "tests": 180, "verify": 200, "e2e": 540}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
-    "tests/ops/test_lookup.py", "tests/generation/test_compile.py", "tests/generation/test_static_cache.py",
+    "tests/ops/test_lookup.py", "tests/ops/test_backends.py", "tests/generation/test_compile.py", "tests/generation/test_static_cache.py",
     "tests/generation/test_seq2seq_static.py", "tests/generation/test_host_sync.py",
     "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
 ]
