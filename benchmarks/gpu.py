@@ -1,9 +1,9 @@
 """One command for a GPU run: environment, extension build, GPU tests, kernel benchmark, end-to-end benchmarks.
 
     python benchmarks/gpu.py --out DIR                                  # every phase
-    python benchmarks/gpu.py --out DIR --phases env build tests verify  # lease command 1 (about 9 minutes)
-    python benchmarks/gpu.py --out DIR --phases env e2e --e2e-cases synthetic   # lease command 2 (about 8 minutes)
-    python benchmarks/gpu.py --out DIR --phases env e2e --e2e-cases demo        # lease command 3
+    python benchmarks/gpu.py --out DIR --phases env build tests counts  # lease command 1 (about 8 minutes)
+    python benchmarks/gpu.py --out DIR --phases verify e2e --e2e-cases demo --limit e2e=340  # command 2 (9 minutes)
+    python benchmarks/gpu.py --out DIR --phases e2e --e2e-cases synthetic   # lease command 3 (9 minutes)
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
 
 Phases (each a subprocess with its own time limit, so one that hangs or fails leaves the others' results):
@@ -15,6 +15,8 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
   with ``cuobjdump --dump-resource-usage`` of it (registers, shared memory, stack per kernel).
 * ``tests``: the GPU tests (CUDA ops, Triton ops, compile/CUDA graphs, compaction, static caches, seq2seq static,
   host syncs) with junit XML.
+* ``counts``: ``op_counts.py``: ops outside the models per iteration and per draft step and, on CUDA, kernel launches
+  (dynamic, static, compiled; batch 1 and 8; greedy and sampling).
 * ``verify``: ``bench_verify.py``: B 1..256, K 1/4/8, V 32000/128256/151936, greedy and sampling, bf16, eager and
   CUDA-graph timing, backends cuda/triton/torch and ``torch.compile`` of the reference (at K=4, V=128256: it compiles
   once per shape).
@@ -41,15 +43,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the package, when it is not installed
-PHASES = ("env", "build", "tests", "verify", "e2e")
+PHASES = ("env", "build", "tests", "counts", "verify", "e2e")
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
-LIMITS = {"env": 60, "build": 200, "tests": 180, "verify": 200, "e2e": 540}
+LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "verify": 200, "e2e": 540}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
     "tests/ops/test_lookup.py", "tests/ops/test_backends.py", "tests/generation/test_compile.py", "tests/generation/test_static_cache.py",
     "tests/generation/test_seq2seq_static.py", "tests/generation/test_host_sync.py",
     "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
+    "tests/generation/test_continuous_batching.py", "tests/generation/test_continuous_static.py",
+    "tests/generation/test_continuous_randomized.py",
 ]
 
 
@@ -159,6 +163,17 @@ def tests_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     return cmd, {}
 
 
+def counts_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
+    """``op_counts.py``: the loop's ops outside the models per iteration and draft step and, on CUDA, its kernel
+    launches (the loop-cost issue's GPU report), dynamic/static/compiled, batch 1 and 8, greedy and sampling."""
+    cmd = [sys.executable, str(HERE / "op_counts.py"), "--json", str(out / "op-counts.json")]
+    if dry_run:
+        return cmd + ["--device", "cpu", "--paths", "dynamic", "--batch-sizes", "1", "--modes", "greedy",
+                      "--max-new-tokens", "8"], {}
+    return cmd + ["--device", "cuda", "--kernels", "--paths", "dynamic", "static", "compiled", "--batch-sizes", "1",
+                  "8", "--modes", "greedy", "sampling"], {}
+
+
 def verify_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     cmd = [sys.executable, str(HERE / "bench_verify.py"), "--out", str(out)]
     if dry_run:
@@ -246,6 +261,12 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CA
         cmd, extra = tests_command(phase_dir, dry_run)
         result = run_logged(cmd, log, timeout, extra)
         result["junit"] = junit_counts(phase_dir / "junit.xml")
+        return result
+    if phase == "counts":
+        cmd, extra = counts_command(phase_dir, dry_run)
+        result = run_logged(cmd, log, timeout, extra)
+        counts = phase_dir / "op-counts.json"
+        result["counts"] = json.loads(counts.read_text()) if counts.exists() else None
         return result
     if phase == "verify":
         cmd, extra = verify_command(phase_dir, dry_run)

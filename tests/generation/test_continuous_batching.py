@@ -14,18 +14,20 @@ from helpers.models import llama
 from helpers.sampling import hf_warpers
 from helpers.stats import assert_matches
 
+# CUDA when there is one (gpu.py runs these files there: continuous batching on the GPU), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GAMMA = 3
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return llama(), llama(layers=1, seed=2)
+    return llama().to(DEVICE), llama(layers=1, seed=2).to(DEVICE)
 
 
 def spread(seed: int, layers: int, vocab: int = 8):
     """A Llama over a small vocabulary with spread-out next-token distributions and no EOS (sampled outputs of
     different settings and seeds differ; first-token distributions are easy to test)."""
-    model = llama(layers=layers, vocab=vocab, seed=seed)
+    model = llama(layers=layers, vocab=vocab, seed=seed).to(DEVICE)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     model.generation_config.eos_token_id = None
@@ -35,7 +37,7 @@ def spread(seed: int, layers: int, vocab: int = 8):
 def _alone(pair, prompt, settings):
     """The request decoded alone: model.generate when greedy, else speculative_kernels.generate with its seed."""
     target, draft = pair
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     if not settings.get("do_sample"):
         out = target.generate(ids, pad_token_id=0, **settings)
     else:
@@ -164,10 +166,10 @@ def test_mixed_sampling_settings_follow_each_rows_distribution():
     for request_id, index in ids.items():
         firsts[index].append(decoder.result(request_id).token_ids[0])
     with torch.no_grad():
-        logits = target(torch.tensor([prompt])).logits[:, -1].double()
+        logits = target(torch.tensor([prompt], device=DEVICE)).logits[:, -1].double()
     for index, setting in enumerate(settings):
         warp = hf_warpers(setting["temperature"], setting.get("top_k", 0), setting.get("top_p", 1.0))
-        probs = warp(torch.tensor([prompt]), logits.clone()).softmax(-1)[0].numpy()
+        probs = warp(torch.tensor([prompt], device=DEVICE), logits.clone()).softmax(-1)[0].cpu().numpy()
         assert_matches(np.bincount(firsts[index], minlength=8), probs)
 
 
@@ -350,8 +352,9 @@ def _drafting(kind, target, draft):
 def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(pair, kind):
     """The merge path with every drafter kind: a request with a longer context than the running rows joins (the
     running rows' caches get holes on the left), then, after a row has left, shorter ones (the joining rows get
-    them), a group of greedy requests only (first token from their prefill), and requests of one and two tokens (a one-token loop defers its prefill); greedy requests are
-    model.generate, seeded sampled ones generate alone with their seed."""
+    them), a group of greedy requests only (first token from their prefill), and requests of one and two tokens (a
+    one-token loop defers its prefill); greedy requests are model.generate, seeded sampled ones generate alone with
+    their seed."""
     target, draft = pair
     decoder_kwargs, alone_kwargs = _drafting(kind, target, draft)
     decoder = sk.SpeculativeDecoder(target, **decoder_kwargs)
@@ -372,7 +375,7 @@ def test_rows_joining_with_longer_and_shorter_contexts_match_each_request_alone(
     }
     requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=DEVICE)
         if settings.get("do_sample"):
             expected = sk.generate(target, ids, pad_token_id=0, **alone_kwargs, **settings)[0, len(prompt):].tolist()
         else:
@@ -422,8 +425,8 @@ def _row_loop(pair, prompt, **kwargs):
 
     rows = RowSettings(max_new_tokens=[8], eos=[frozenset()], temperature=[0.0], top_k=[0], top_p=[1.0],
                        min_new_tokens=[0], keys=[request_key(1)], draft_offsets=[0], verify_offsets=[0])
-    return build_loop(pair[0], pair[1], torch.tensor([prompt]), num_speculative_tokens=GAMMA, max_new_tokens=8,
-                      do_sample=False, pad_token_id=0, rows=rows, **kwargs)
+    return build_loop(pair[0], pair[1], torch.tensor([prompt], device=DEVICE), num_speculative_tokens=GAMMA,
+                      max_new_tokens=8, do_sample=False, pad_token_id=0, rows=rows, **kwargs)
 
 
 def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
@@ -434,7 +437,8 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     with torch.inference_mode():
         running = _row_loop(pair, [5, 6, 7])
-        session = decoder.start(torch.tensor([[9, 10]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        session = decoder.start(torch.tensor([[9, 10]], device=DEVICE), max_new_tokens=4, do_sample=False,
+                                pad_token_id=0)
         with pytest.raises(ValueError, match="per-row settings"):
             running.append_rows(session.loop)
         static = _row_loop(pair, [5, 6, 7], cache_implementation="static")
@@ -488,14 +492,15 @@ def test_prompts_holding_the_pad_id_are_masked_as_model_generate_masks_them(pair
     prompts = {0: [[0, 0, 17, 42, 70, 7], [5, 9, 13]], 2: [[5, 17, 0, 70, 7, 9]]}
     for step_prompts in prompts.values():
         for prompt in step_prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=DEVICE)
             unmasked = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
             assert 0 not in prompt or not torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False),
                                                       unmasked)  # the inferred mask matters: the test can fail
     arrivals = {step: [(p, dict(max_new_tokens=10, do_sample=False)) for p in ps] for step, ps in prompts.items()}
     requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, _) in requests.items():
-        expected = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt):]
+        ids = torch.tensor([prompt], device=DEVICE)
+        expected = target.generate(ids, max_new_tokens=10, do_sample=False)[0, len(prompt):]
         assert decoder.result(request_id).token_ids == expected.tolist(), prompt
     with pytest.raises(ValueError, match="ends with pad_token_id=0"):
         decoder.add_request([5, 6, 0], max_new_tokens=4)

@@ -21,6 +21,8 @@ import torch
 import speculative_kernels as sk
 from helpers.models import gpt2, llama
 
+# CUDA when there is one (gpu.py runs these files there: continuous batching on the GPU), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GAMMA = 3
 SEEDS = (0, 13, 19)
 
@@ -54,7 +56,7 @@ def _traffic(rng: random.Random) -> list[tuple[int, list[int], dict]]:
 
 
 def _alone(target, draft, prompt, settings, drafting):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     if not settings.get("do_sample"):
         return target.generate(ids, **settings)[0, len(prompt):].tolist()
     extra = dict(draft_model=draft, num_speculative_tokens=GAMMA) if drafting == "draft_model" else dict(
@@ -69,7 +71,7 @@ def _alone(target, draft, prompt, settings, drafting):
 def test_random_traffic_each_request_is_its_own(seed, family, drafting, cache):
     rng = random.Random(seed)
     make = llama if family == "llama" else gpt2
-    target, draft = make(seed=seed % 3), make(layers=1, seed=seed % 3 + 7)
+    target, draft = make(seed=seed % 3).to(DEVICE), make(layers=1, seed=seed % 3 + 7).to(DEVICE)
     options = dict(num_speculative_tokens=GAMMA, max_batch_size=rng.choice([2, 3, 8]))
     if cache == "static":
         options.update(cache_implementation="static", max_context=64)

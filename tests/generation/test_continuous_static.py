@@ -13,25 +13,27 @@ from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import gpt2, llama
 from speculative_kernels.generation.runners.static_decoder import StaticDecoderRunner
 
+# CUDA when there is one (gpu.py runs these files there: continuous batching on the GPU), else the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GAMMA = 3
 LONG = [(7 * i) % 90 + 3 for i in range(28)]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return llama(), llama(layers=1, seed=2)
+    return llama().to(DEVICE), llama(layers=1, seed=2).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
 def gpt2_pair():
     """GPT-2's learned absolute positions make a row's tokens depend on its positions far more than a small random
     Llama's rotary ones do: a row given another row's positions changes its tokens."""
-    return gpt2(), gpt2(layers=1, seed=2)
+    return gpt2().to(DEVICE), gpt2(layers=1, seed=2).to(DEVICE)
 
 
 def _alone(target, prompt, settings, **drafting):
     """The request decoded alone: model.generate when greedy, else speculative_kernels.generate with its seed."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     if not settings.get("do_sample"):
         return target.generate(ids, pad_token_id=0, **settings)[0, len(prompt):].tolist()
     return sk.generate(target, ids, pad_token_id=0, **drafting, **settings)[0, len(prompt):].tolist()
