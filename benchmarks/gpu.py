@@ -49,11 +49,12 @@ LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "verify": 200, "
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
-    "tests/ops/test_lookup.py", "tests/ops/test_backends.py", "tests/generation/test_compile.py", "tests/generation/test_static_cache.py",
-    "tests/generation/test_seq2seq_static.py", "tests/generation/test_host_sync.py",
+    "tests/ops/test_lookup.py", "tests/ops/test_backends.py", "tests/generation/test_compile.py",
+    "tests/generation/test_static_cache.py", "tests/generation/test_seq2seq_static.py",
+    "tests/generation/test_host_sync.py",
     "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
     "tests/generation/test_continuous_batching.py", "tests/generation/test_continuous_static.py",
-    "tests/generation/test_continuous_randomized.py",
+    "tests/generation/test_continuous_randomized.py", "tests/generation/test_continuous_compiled.py",
 ]
 
 

@@ -52,10 +52,10 @@ own size, then its rows are copied into the free rows at the shared write pointe
 holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
 their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
 until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
-with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. ``compile`` is refused
-(``NOT_YET``): captured steps would need every step to run all ``max_batch_size`` rows, the empty ones as finished
-dummies, with every per-row tensor written in place. Encoder-decoder targets are refused (their rows are kept
-right-aligned and hole-free, which a merge would have to realign).
+with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. With ``compile`` (a setting of
+the decoder, with the static cache only) the running loop's steps are captured and compile once per batch size;
+joining loops are built for it (``build_loop(joins_captured=True)``) but run eagerly. Encoder-decoder targets are
+refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
 """
 
 import dataclasses
@@ -64,7 +64,7 @@ import torch
 
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
-from .generation.options import StaticRows
+from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
 from .generation.settings import resolve_settings
@@ -72,10 +72,9 @@ from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "eos_token_id", "stop_strings")
-NOT_YET = {  # keyword -> why add_request refuses it in this version
-    "compile": "captured steps would need every step to run all max_batch_size rows (the empty ones as finished "
-               "dummies) with every per-row tensor written in place; SpeculativeDecoder(cache_implementation='static', "
-               "max_context=N) runs the static cache eagerly",
+DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
+    "compile": "the batch's steps are captured or not for every request: pass compile=True to SpeculativeDecoder "
+               "(with cache_implementation='static' and max_context)",
 }
 
 
@@ -116,7 +115,7 @@ class ContinuousBatcher:
     """The continuous-batching state of one ``SpeculativeDecoder`` (see the module docstring)."""
 
     def __init__(self, decoder, max_batch_size: int, cache_implementation: str | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, compile=False):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if cache_implementation not in (None, "dynamic", "static"):
@@ -132,6 +131,10 @@ class ContinuousBatcher:
             self.static_rows = StaticRows(max_batch_size, max_context)
         elif max_context is not None:
             raise ValueError("max_context sizes the static cache: pass it with cache_implementation='static'")
+        self.compile_options = CompileOptions.from_argument(compile)
+        if self.compile_options is not None and self.static_rows is None:
+            raise ValueError("compile=True captures the steps of a batch whose rows join and leave in place: pass "
+                             "cache_implementation='static' and max_context with it")
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self._requests: dict[int, _Request] = {}
@@ -146,8 +149,8 @@ class ContinuousBatcher:
         if target.config.is_encoder_decoder:
             raise ValueError("add_request supports decoder-only targets; use start() for encoder-decoder models")
         for name in kwargs:
-            if name in NOT_YET:
-                raise ValueError(f"{name} is not supported by add_request yet ({NOT_YET[name]})")
+            if name in DECODER_SETTINGS:
+                raise ValueError(f"{name} is a setting of the decoder, not of a request ({DECODER_SETTINGS[name]})")
             if name not in REQUEST_KEYWORDS:
                 raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
         prompt = self._check_prompt(prompt_ids)
@@ -407,8 +410,12 @@ class ContinuousBatcher:
         d = self.decoder
         static = {}
         if self.static_rows is not None:  # the running loop's caches hold every row; a joining loop's, its own
-            static = dict(cache_implementation="static",
-                          static_rows=self.static_rows if self._loop is None else None)
+            running = self._loop is None
+            static = dict(cache_implementation="static", static_rows=self.static_rows if running else None)
+            if self.compile_options is not None and running:  # the running loop's steps are captured
+                static["compile_options"] = self.compile_options
+            elif self.compile_options is not None:  # a joining loop runs its own rows eagerly
+                static["joins_captured"] = True
         with torch.inference_mode():
             return build_loop(
                 d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),

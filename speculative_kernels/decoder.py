@@ -78,13 +78,16 @@ class SpeculativeDecoder:
     requests ``add_request`` runs at once (the others wait in a queue). cache_implementation: the caches of
     ``add_request``'s batch (``start()`` takes its own): None / "dynamic", or "static" with max_context (the most
     tokens, prompt plus max_new_tokens, of any request): K/V for max_batch_size rows of max_context (plus the
-    documented slack) allocated, after a free-memory check, when the batch starts (``docs/batching.md``).
+    documented slack) allocated, after a free-memory check, when the batch starts (``docs/batching.md``). compile:
+    False, True or a ``CompileOptions`` (as ``generate``'s): with the static cache, the running batch's target and
+    draft steps are captured (CUDA graphs on a GPU), compiled once per batch size at its first step; joining
+    requests are prefilled and take their first step eagerly, on their own rows.
     """
 
     def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
                  tokenizer=None, assistant_tokenizer=None, prompt_lookup_num_tokens: int | None = None,
                  max_matching_ngram_size: int | None = None, drafter=None, max_batch_size: int = 16,
-                 cache_implementation: str | None = None, max_context: int | None = None):
+                 cache_implementation: str | None = None, max_context: int | None = None, compile=False):
         if draft is not None and (prompt_lookup_num_tokens is not None or drafter is not None):
             raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
         if drafter is not None and not callable(drafter):
@@ -96,7 +99,7 @@ class SpeculativeDecoder:
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
-        self._batcher = ContinuousBatcher(self, max_batch_size, cache_implementation, max_context)
+        self._batcher = ContinuousBatcher(self, max_batch_size, cache_implementation, max_context, compile)
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:

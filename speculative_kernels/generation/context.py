@@ -66,9 +66,10 @@ class ContextBuffer:
         self.tokens, self.start, self.end = (t.index_select(0, index) for t in (self.tokens, self.start, self.end))
 
     def add_rows(self, other: "ContextBuffer") -> None:
-        """Append ``other``'s rows (each keeps its own start and end; the narrower buffer is widened on the right)."""
-        if self.full or other.full:
-            raise ValueError("rows cannot join a context buffer allocated at its final width (compiled loop)")
+        """Append ``other``'s rows (each keeps its own start and end; the narrower buffer is widened on the right:
+        buffers allocated at their final width (``full``) stay at the larger final width)."""
+        if self.full != other.full:
+            raise ValueError("add_rows needs two context buffers allocated the same way (full or growing)")
         width = max(self.tokens.shape[1], other.tokens.shape[1])
         tokens = torch.cat([widen(self.tokens, width, 0), widen(other.tokens, width, 0)])
         self.tokens = tokens

@@ -617,8 +617,8 @@ class SpeculativeLoop:
         why = None
         if not (self.per_row and other.per_row):
             why = "both loops must be built with per-row settings (rows=RowSettings)"
-        elif self._captured or other._captured:
-            why = "a loop with captured steps (compile=True) has fixed shapes"
+        elif other._captured:
+            why = "the rows of a loop with captured steps (compile=True) cannot move to another loop"
         elif (self.device, self.vocab, self._dtype, self.impl) != (other.device, other.vocab, other._dtype,
                                                                     other.impl):
             why = "the loops differ in device, vocabulary, dtype or backend"

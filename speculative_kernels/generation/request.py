@@ -30,7 +30,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
                drafter: Drafter | None = None, seed: int | None = None, rows: RowSettings | None = None,
-               static_rows: StaticRows | None = None, **kwargs) -> SpeculativeLoop:
+               static_rows: StaticRows | None = None, joins_captured: bool = False, **kwargs) -> SpeculativeLoop:
     """Validate a call of ``generate`` (same arguments; ``compile_options`` for ``compile``) and build its loop,
     prefilled.
 
@@ -39,8 +39,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     ``Drafter`` without a model, e.g. ``NGramDrafter``), exactly one. rows: per-row settings of a batch of separate
     requests (``SpeculativeDecoder.add_request``; ``max_new_tokens`` must then be their largest). static_rows: with
     ``cache_implementation="static"``, allocate the static caches for that many rows of that context, so that rows
-    can join the loop in place (``SpeculativeLoop.append_rows``; continuous batching). Everything is checked before
-    anything is allocated; the encoders run once the checks have passed.
+    can join the loop in place (``SpeculativeLoop.append_rows``; continuous batching), also with ``compile_options``
+    (the captured steps then compile once per batch size). joins_captured: this loop's rows will join a loop with
+    captured steps (the static cache; built as such a loop is, e.g. prompt lookup at its full width, but run eagerly).
+    Everything is checked before anything is allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
     seed = check_seed(seed)
@@ -77,10 +79,13 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     batch, width = input_ids.shape
     device = input_ids.device
     static = wants_static(plan, compile_options)
-    if static_rows is not None and (not static or compile_options is not None or rows is None):
-        raise ValueError("static_rows needs cache_implementation='static', per-row settings (rows=) and no compile")
+    if static_rows is not None and (not static or rows is None):
+        raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")
+    if joins_captured and (compile_options is not None or not static or rows is None):
+        raise ValueError("joins_captured is for an eager loop on the static cache with per-row settings (rows=)")
+    captured_layout = compile_options is not None or joins_captured
     models = (model,) if draft_model is None else (model, draft_model)
-    path = request_path(static, compile_options is not None)
+    path = request_path(static, captured_layout)
     specs = tuple(check_model(m, path=path, batch=batch) for m in models)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
@@ -103,7 +108,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None
         drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens, settings.prompt_lookup.max_ngram,
                                       prefix=prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
-                                      compiled=compile_options is not None)
+                                      compiled=captured_layout)
     # else: the caller's drafter (a Drafter without a model), used as given
     warm_up = None
     if compile_options is not None:  # captured after the prefill; fixed shapes, so no row leaves the batch

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
+from speculative_kernels import CompileOptions
 from helpers.models import gpt2, llama
 
 # CUDA when there is one (gpu.py runs these files there: continuous batching on the GPU), else the CPU.
@@ -64,17 +65,23 @@ def _alone(target, draft, prompt, settings, drafting):
     return sk.generate(target, ids, **extra, **settings)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("seed", SEEDS)
+# The captured static batch (compile) on the first seed only: each case compiles its steps once per batch size.
+CASES = [(seed, family, drafting, cache) for seed in SEEDS for family in ("llama", "gpt2")
+         for drafting in ("draft_model", "prompt_lookup") for cache in ("dynamic", "static", "compiled")
+         if cache != "compiled" or seed == SEEDS[0]]
+COMPILE = CompileOptions() if torch.cuda.is_available() else CompileOptions(backend="aot_eager")
+
+
+@pytest.mark.parametrize("seed, family, drafting, cache", CASES)
 def test_random_traffic_each_request_is_its_own(seed, family, drafting, cache):
     rng = random.Random(seed)
     make = llama if family == "llama" else gpt2
     target, draft = make(seed=seed % 3).to(DEVICE), make(layers=1, seed=seed % 3 + 7).to(DEVICE)
     options = dict(num_speculative_tokens=GAMMA, max_batch_size=rng.choice([2, 3, 8]))
-    if cache == "static":
+    if cache in ("static", "compiled"):
         options.update(cache_implementation="static", max_context=64)
+    if cache == "compiled":
+        options["compile"] = COMPILE
     models = (target, draft) if drafting == "draft_model" else (target,)
     if drafting == "prompt_lookup":
         options["prompt_lookup_num_tokens"] = GAMMA

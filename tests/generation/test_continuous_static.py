@@ -186,7 +186,7 @@ def test_a_request_longer_than_max_context_and_compile_are_refused_by_name(pair)
                                     max_context=16)
     with pytest.raises(ValueError, match="max_context=16"):
         decoder.add_request(list(range(3, 13)), max_new_tokens=7)
-    with pytest.raises(ValueError, match="compile is not supported by add_request yet"):
+    with pytest.raises(ValueError, match="compile is a setting of the decoder"):
         decoder.add_request(list(range(3, 13)), max_new_tokens=6, compile=True)
     request = decoder.add_request(list(range(3, 13)), max_new_tokens=6, do_sample=False)
     while decoder.has_work():

@@ -21,12 +21,18 @@ def dynamo_limits():
     return config.patch(**{k: v for k, v in _DYNAMO_LIMITS.items() if hasattr(config, k)})
 
 
+def mark_static(tensors: Sequence[torch.Tensor]) -> None:
+    """Mark the tensors a captured step reads and writes in place (the cache, masks, pointers) as static addresses,
+    so that a captured graph reads and writes them where they are at replay time instead of copying them in (an
+    input written in place that is not static makes inductor skip the CUDA graph)."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
+
+
 def compile_step(step: Callable, options: CompileOptions, device: torch.device,
                  static: Sequence[torch.Tensor]) -> Callable:
-    """``torch.compile`` of ``step``; ``static`` are the tensors it reads and writes in place (the cache, masks,
-    pointers), marked as static addresses so that a captured graph reads them at replay time."""
-    for tensor in static:
-        torch._dynamo.mark_static_address(tensor)
+    """``torch.compile`` of ``step``; ``static``: see ``mark_static``."""
+    mark_static(static)
     return torch.compile(step, **options.torch_compile_kwargs(device))
 
 

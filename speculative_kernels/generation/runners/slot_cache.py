@@ -103,6 +103,7 @@ class SlotCache(Cache):
                   for keys, values in self._buffers]
         super().__init__(layers=layers)
         self.capacity = capacity
+        self._row_views = {batch: [(layer.keys, layer.values) for layer in layers]}  # B -> views (use_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every K and V buffer [B, H_kv, C, D] (the rows in use)."""
@@ -113,9 +114,13 @@ class SlotCache(Cache):
         return [t for pair in self._buffers for t in pair]
 
     def use_rows(self, batch: int) -> None:
-        """The layers use the first ``batch`` rows of the allocated buffers (views: no copy)."""
-        for layer, (keys, values) in zip(self.layers, self._buffers):
-            layer.keys, layer.values = keys[:batch], values[:batch]
+        """The layers use the first ``batch`` rows of the allocated buffers (views: no copy; made once per batch
+        size and reused)."""
+        views = self._row_views.get(batch)
+        if views is None:
+            views = self._row_views[batch] = [(keys[:batch], values[:batch]) for keys, values in self._buffers]
+        for layer, (keys, values) in zip(self.layers, views):
+            layer.keys, layer.values = keys, values
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] of the K/V buffers (a copy into smaller buffers; a per-row pointer is the
@@ -124,6 +129,7 @@ class SlotCache(Cache):
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
         self._buffers = [(layer.keys, layer.values) for layer in self.layers]
+        self._row_views = {index.shape[0]: list(self._buffers)}
 
     def point_at(self, position: torch.Tensor) -> None:
         """Use ``position`` [B] as every layer's per-row write pointer (after rows were selected)."""

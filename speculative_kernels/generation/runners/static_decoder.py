@@ -13,7 +13,7 @@ import torch
 
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
-from .captured import call_captured, compile_step
+from .captured import call_captured, compile_step, mark_static
 from .compaction import SlotCompactor
 from .masks import decoder_mask
 from .slot_cache import CacheLayout, SlotCache
@@ -49,6 +49,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         self._ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> ones
         self._init_additive(spec, self._dtype)
         self._rows = (self.slot_mask, self._additive, self.next_position)  # as allocated: [rows, C], [rows, C], [rows]
+        self._views: dict[int, tuple] = {}  # B -> the views of the first B rows (one set per B: see _use_rows)
         self._use_rows(batch)
 
     @property
@@ -57,11 +58,23 @@ class StaticDecoderRunner(SlotMaskRunner):
         return self._rows[0].shape[0]
 
     def _use_rows(self, batch: int) -> None:
-        """The batch is the first ``batch`` allocated rows: every per-row state becomes a view of them."""
-        mask, additive, positions = self._rows
-        self.slot_mask, self.next_position = mask[:batch], positions[:batch]
-        self._additive = None if additive is None else additive[:batch]
+        """The batch is the first ``batch`` allocated rows: every per-row state becomes a view of them (made once
+        per batch size). With captured steps the views are marked as static addresses: the steps write them in place,
+        and a CUDA graph records no copy of them (an input written in place that is not static makes inductor skip
+        the CUDA graph). A view of B rows starts where the buffer does, so each batch size has one address."""
+        views = self._views.get(batch)
+        if views is None:
+            mask, additive, positions = self._rows
+            views = self._views[batch] = (mask[:batch], None if additive is None else additive[:batch],
+                                          positions[:batch])
+        self.slot_mask, self._additive, self.next_position = views
         self.cache.use_rows(batch)
+        if self._compiled:
+            mark_static(self._static_tensors())
+
+    def _static_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the captured step reads and writes in place: the mask, positions, write pointer and K/V in use."""
+        return (self.slot_mask, self.next_position, self.cache.position, *self.cache.tensors())
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
@@ -137,10 +150,11 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     # ------------------------------------------------------------------------------------------ capture
     def capture(self, shapes: Sequence[tuple[int, bool]], options: CompileOptions) -> None:
-        static = (self.slot_mask, self.next_position, self.cache.position, *self.cache.tensors())
+        """Compile the step at each (width, last_only). The batch may change afterwards (rows joining or leaving
+        in place): each new batch size is compiled (and on CUDA recorded) at its first step."""
         for width, last_only in shapes:
             self._compiled[(width, last_only)] = compile_step(functools.partial(self._step, last_only=last_only),
-                                                              options, self.slot_mask.device, static)
+                                                              options, self.slot_mask.device, self._static_tensors())
 
     def warm_up(self, calls: int = 3) -> None:
         start, positions = self.num_slots, self.next_position.clone()

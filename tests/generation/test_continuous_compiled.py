@@ -1,0 +1,120 @@
+"""Continuous batching with captured steps: ``SpeculativeDecoder(..., cache_implementation="static", max_context=N,
+compile=...)``. The running batch's target and draft steps are compiled (CUDA graphs on a GPU) once per batch size;
+joining requests are prefilled and take their first step eagerly on their own rows, then join in place. Each request
+is still its own alone: greedy ones ``model.generate``, seeded sampled ones ``speculative_kernels.generate`` with the
+same seed.
+
+CPU: the steps go through dynamo with the ``aot_eager`` backend (the same numerics as eager, fast to build). CUDA
+(skipped elsewhere): the default ``compile=True`` (inductor, ``mode="reduce-overhead"``) records CUDA graphs without
+skips while rows join and leave."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import speculative_kernels as sk
+from speculative_kernels import CompileOptions
+from speculative_kernels.generation.runners import static_decoder
+from helpers.continuous import run_arrivals
+from helpers.models import llama
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+COMPILE = CompileOptions() if ON_CUDA else CompileOptions(backend="aot_eager")
+GAMMA = 3
+
+ARRIVALS = {
+    0: [([5, 6, 7], dict(max_new_tokens=20, do_sample=False)),
+        ([8, 9, 8, 9], dict(max_new_tokens=6, do_sample=True, temperature=0.9, seed=11))],
+    # longer than the running rows' slots: the running rows move right within their rows
+    3: [(list(range(3, 14)), dict(max_new_tokens=12, do_sample=False)),
+        ([6, 7, 6, 7, 6, 7], dict(max_new_tokens=7, do_sample=True, top_k=6, seed=12))],
+    # after rows have left: shorter ones (holes on their left), one finished by its first step (never joins)
+    7: [([4, 2], dict(max_new_tokens=9, do_sample=True, temperature=1.2, seed=13)),
+        ([3], dict(max_new_tokens=5, do_sample=False)),
+        ([10, 11, 12], dict(max_new_tokens=1, do_sample=False))],
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama().to(DEVICE), llama(layers=1, seed=2).to(DEVICE)
+
+
+def _alone(target, prompt, settings, drafting):
+    ids = torch.tensor([prompt], device=DEVICE)
+    if not settings.get("do_sample"):
+        return target.generate(ids, pad_token_id=0, **settings)[0, len(prompt):].tolist()
+    return sk.generate(target, ids, pad_token_id=0, num_speculative_tokens=GAMMA, **drafting,
+                       **settings)[0, len(prompt):].tolist()
+
+
+def _count_captured_calls(monkeypatch) -> list:
+    calls = []
+    call = static_decoder.call_captured
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return call(*args)
+
+    monkeypatch.setattr(static_decoder, "call_captured", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["draft model", "prompt lookup"])
+def test_compiled_requests_joining_and_leaving_match_each_request_alone(pair, kind, monkeypatch):
+    target, draft = pair
+    models, drafting = (target, draft), {"draft_model": draft}
+    if kind == "prompt lookup":
+        models, drafting = (target,), {"prompt_lookup_num_tokens": GAMMA}
+    decoder = sk.SpeculativeDecoder(*models, num_speculative_tokens=GAMMA, max_batch_size=4,
+                                    cache_implementation="static", max_context=64, compile=COMPILE,
+                                    **({} if kind == "draft model" else {"prompt_lookup_num_tokens": GAMMA}))
+    calls = _count_captured_calls(monkeypatch)
+    counters.clear()
+    requests, streamed = run_arrivals(decoder, ARRIVALS)
+    for request_id, (prompt, settings) in requests.items():
+        result = decoder.result(request_id)
+        assert result.token_ids == _alone(target, prompt, settings, drafting), (prompt, settings)
+        assert streamed.get(request_id, []) == result.token_ids
+    batch_sizes = {shape[0] for shape in calls}
+    assert len(batch_sizes) > 1, batch_sizes  # the captured steps ran while rows joined and left
+    assert decoder._batcher._loop._captured
+    if ON_CUDA:
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def test_each_batch_size_compiles_once(pair):
+    """Rounds of two requests joining an emptied batch and leaving it: the steps compile at the first round's batch
+    sizes and never again (joins and leaves change which rows are in use, not what the steps were compiled for)."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=4,
+                                    cache_implementation="static", max_context=64, compile=COMPILE)
+    torch._dynamo.reset()  # nothing compiled by the other tests: the first round compiles
+    counters.clear()
+    graphs_per_round = []
+    for round_ in range(4):
+        before = counters["stats"]["unique_graphs"]
+        requests = {decoder.add_request(prompt, max_new_tokens=new, do_sample=False): (prompt, new)
+                    for prompt, new in (([5 + round_, 6, 7], 8), ([9, 8, 7, 6 + round_], 4))}
+        while decoder.has_work():
+            decoder.step()
+        graphs_per_round.append(counters["stats"]["unique_graphs"] - before)
+        for request_id, (prompt, new) in requests.items():
+            expected = target.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=new, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):]
+            assert decoder.result(request_id).token_ids == expected.tolist()
+    assert graphs_per_round[0] > 0 and graphs_per_round[1:] == [0, 0, 0], graphs_per_round
+
+
+def test_compile_needs_the_static_cache_and_is_set_on_the_decoder(pair):
+    with pytest.raises(ValueError, match="cache_implementation='static' and max_context"):
+        sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, compile=True)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, cache_implementation="static",
+                                    max_context=32, compile=COMPILE)
+    with pytest.raises(ValueError, match="compile is a setting of the decoder, not of a request .*pass "
+                                         "compile=True to SpeculativeDecoder"):
+        decoder.add_request([3, 4], max_new_tokens=4, compile=True)
+    with pytest.raises(TypeError, match="compile"):
+        sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, cache_implementation="static", max_context=32,
+                              compile="yes")
