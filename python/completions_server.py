@@ -3,6 +3,8 @@
 (``"stream": true``, server-sent events) and leave when they finish or their client disconnects (cancel).
 
     python python/completions_server.py [--target DIR --draft DIR] [--port 8000]
+    python python/completions_server.py --target DIR --draft DIR --device cuda --dtype bfloat16 \
+        --max-context 4096 --compile        # static caches for max-batch-size rows, captured steps (CUDA graphs)
     curl -N localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "stream": true}'
 
 Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
@@ -336,14 +338,23 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="where the models run (e.g. cuda)")
+    parser.add_argument("--dtype", default="float32", help="the models' dtype (e.g. bfloat16 on a GPU)")
+    parser.add_argument("--max-context", type=int, help="run on static caches allocated once for max-batch-size rows "
+                        "of this many tokens (prompt plus max_tokens; longer requests are answered 400)")
+    parser.add_argument("--compile", action="store_true", help="capture the batch's steps (CUDA graphs on a GPU); "
+                        "needs --max-context")
     args = parser.parse_args()
     if bool(args.target) != bool(args.draft):
         parser.error("give both --target and --draft, or neither")
+    if args.compile and args.max_context is None:
+        parser.error("--compile needs --max-context (the captured steps run on static caches)")
     target_dir, draft_dir = (args.target, args.draft) if args.target else demo_model_paths()
-    target, tokenizer = load_model(target_dir, dtype="float32")
-    draft, _ = load_model(draft_dir, dtype="float32")
+    target, tokenizer = load_model(target_dir, device=args.device, dtype=args.dtype)
+    draft, _ = load_model(draft_dir, device=args.device, dtype=args.dtype)
+    static = {} if args.max_context is None else dict(cache_implementation="static", max_context=args.max_context)
     decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=args.max_batch_size,
-                                 tokenizer=tokenizer)
+                                 tokenizer=tokenizer, compile=args.compile, **static)
     server = CompletionsServer(decoder, tokenizer)
 
     async def run():
