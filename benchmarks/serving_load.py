@@ -12,6 +12,8 @@ process of ``--rate`` requests/s, seeded) and replayed in wall-clock time for ea
 * ``continuous``: requests join the running batch at the first step after they arrive (``add_request``) and leave
   when done; at most ``--max-batch-size`` run, the rest queue; ``continuous_static``: the same on the static cache
   (``cache_implementation="static"``, ``max_context`` = the longest prompt plus ``--max-new``);
+  ``continuous_compiled``: that with ``compile=True`` (captured steps), after an untimed warm-up that compiles every
+  batch size (``--max-batch-size`` requests arriving together and finishing one by one);
 * ``static``: when the engine is idle, every arrived request (up to ``--max-batch-size``) starts one ``start()``
   batch that runs to its end; later arrivals wait for the next batch;
 * ``hf_generate_batch``: ``model.generate_batch`` over all requests at once (no arrivals: an offline throughput
@@ -87,11 +89,13 @@ def _wait_until(start: float, at: float) -> None:
         time.sleep(delay)
 
 
-def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, static_context: int | None = None) -> dict:
-    """static_context: run on the static cache (``cache_implementation="static"``, ``max_context``), else dynamic."""
+def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, static_context: int | None = None,
+                   compile: bool = False) -> dict:
+    """static_context: run on the static cache (``cache_implementation="static"``, ``max_context``), else dynamic;
+    compile: capture the batch's steps (``compile=True``; static cache only)."""
     static = {} if static_context is None else dict(cache_implementation="static", max_context=static_context)
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size,
-                                    **static)
+                                    compile=compile, **static)
     recorder, ids, nxt = Recorder(requests), {}, 0
     start = time.perf_counter()
     while nxt < len(requests) or decoder.has_work():
@@ -225,8 +229,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the untimed warm-up run of two short requests before each method")
     parser.add_argument("--methods", nargs="+", default=["continuous", "static", "hf_generate_batch"],
-                        choices=["continuous", "continuous_static", "static", "hf_generate_batch",
-                                 "hf_continuous"])
+                        choices=["continuous", "continuous_static", "continuous_compiled", "static",
+                                 "hf_generate_batch", "hf_continuous"])
     args = parser.parse_args(argv)
     if args.tiny == bool(args.target or args.draft):
         parser.error("pass --tiny, or --target and --draft")
@@ -251,7 +255,12 @@ def main(argv=None) -> dict:
     static_context = max(len(r[1]) for r in requests) + args.max_new
     for method in args.methods:
         with torch.inference_mode(not method.startswith("hf_")):  # HF's manager updates its tensors in place
-            if args.warm_up and method in ("continuous", "continuous_static", "static"):  # first-call costs untimed
+            if args.warm_up and method == "continuous_compiled":  # every batch size compiles once, untimed:
+                # max_batch_size requests arrive together and finish one by one (B = M, M-1, ..., 1)
+                warm_up = [(0.0, requests[i % len(requests)][1], (args.gamma + 2) * (i + 1))
+                           for i in range(args.max_batch_size)]
+                run_continuous(target, draft, warm_up, args.gamma, args.max_batch_size, static_context, compile=True)
+            elif args.warm_up and method in ("continuous", "continuous_static", "static"):  # first-call costs untimed
                 warm_up = [(0.0, r[1], 4) for r in requests[:2]]
                 if method == "static":
                     run_static(target, draft, warm_up, args.gamma, args.max_batch_size, pad)
@@ -260,9 +269,9 @@ def main(argv=None) -> dict:
                                    static_context if method == "continuous_static" else None)
             if method == "continuous":
                 results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size)
-            elif method == "continuous_static":
+            elif method in ("continuous_static", "continuous_compiled"):
                 results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size,
-                                                            static_context)
+                                                            static_context, compile=method == "continuous_compiled")
             elif method == "static":
                 results["methods"][method] = run_static(target, draft, requests, args.gamma, args.max_batch_size,
                                                         pad)
