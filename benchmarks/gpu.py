@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py --out DIR                                  # every phase
     python benchmarks/gpu.py --out DIR --phases env build tests counts  # lease command 1 (about 8 minutes)
-    python benchmarks/gpu.py --out DIR --phases verify e2e --e2e-cases demo --limit e2e=340  # command 2 (9 minutes)
+    python benchmarks/gpu.py --out DIR --phases profile verify e2e --e2e-cases demo --limit e2e=200  # command 2
     python benchmarks/gpu.py --out DIR --phases e2e --e2e-cases synthetic   # lease command 3 (9 minutes)
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
 
@@ -17,6 +17,8 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
   host syncs) with junit XML.
 * ``counts``: ``op_counts.py``: ops outside the models per iteration and per draft step and, on CUDA, kernel launches
   (dynamic, static, compiled; batch 1 and 8; greedy and sampling).
+* ``profile``: ``profile_verify.py --ncu``: the verification kernels' duration, DRAM and SM throughput, instructions
+  and occupancy under Nsight Compute, and a cProfile of eager calls (B 1 and 64, greedy and sampling, cuda and triton).
 * ``verify``: ``bench_verify.py``: B 1..256, K 1/4/8, V 32000/128256/151936, greedy and sampling, bf16, eager and
   CUDA-graph timing, backends cuda/triton/torch and ``torch.compile`` of the reference (at K=4, V=128256: it compiles
   once per shape).
@@ -43,9 +45,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the package, when it is not installed
-PHASES = ("env", "build", "tests", "counts", "verify", "e2e")
+PHASES = ("env", "build", "tests", "counts", "profile", "verify", "e2e")
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
-LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "verify": 200, "e2e": 540}
+LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "profile": 180, "verify": 200, "e2e": 540}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
@@ -175,6 +177,16 @@ def counts_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
                   "8", "--modes", "greedy", "sampling"], {}
 
 
+def profile_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
+    """``profile_verify.py``: per-kernel metrics under ncu (memory- or arithmetic-bound?) and a cProfile of the eager
+    calls (where the Triton backend's host time goes)."""
+    cmd = [sys.executable, str(HERE / "profile_verify.py"), "--out", str(out)]
+    if dry_run:
+        return cmd + ["--device", "cpu", "--dtype", "float32", "--vocab", "1000", "--backends", "torch", "--batch",
+                      "1", "--calls", "5"], {}
+    return cmd + ["--ncu"], {}
+
+
 def verify_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     cmd = [sys.executable, str(HERE / "bench_verify.py"), "--out", str(out)]
     if dry_run:
@@ -198,7 +210,7 @@ def e2e_commands(out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
     return [("synthetic", e2e + ["--synthetic", "--alpha", "0.8", "--gamma", "4", "--prompts", "2",
                                  "--max-new-tokens", "128", "--repeats", "2", "--batch-sizes", "1,4,16,64",
                                  "--name", "e2e-synthetic"]),
-            ("demo", e2e + ["--pair", "demo", "--sweep-gamma", "2,4,6", "--prompts", "4", "--repeats", "2",
+            ("demo", e2e + ["--pair", "demo", "--sweep-gamma", "4", "--prompts", "4", "--repeats", "2",
                             "--batch-sizes", "1,4,16,64", "--seq2seq", "--name", "e2e-demo"])]
 
 
@@ -269,6 +281,9 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CA
         counts = phase_dir / "op-counts.json"
         result["counts"] = json.loads(counts.read_text()) if counts.exists() else None
         return result
+    if phase == "profile":
+        cmd, extra = profile_command(phase_dir, dry_run)
+        return run_logged(cmd, log, timeout, extra)
     if phase == "verify":
         cmd, extra = verify_command(phase_dir, dry_run)
         result = run_logged(cmd, log, timeout, extra)
