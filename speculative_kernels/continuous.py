@@ -53,7 +53,7 @@ holes on the left of the side with fewer slots; when the joining rows hold more,
 their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
 until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
 with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. With ``compile`` (a setting of
-the decoder, with the static cache only) the running loop's steps are captured and compile once per batch size;
+the decoder, with the static cache only) the running loop's steps are captured (automatic dynamic shapes);
 joining loops are built for it (``build_loop(joins_captured=True)``) but run eagerly. Encoder-decoder targets are
 refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
 """

@@ -80,8 +80,9 @@ class SpeculativeDecoder:
     tokens, prompt plus max_new_tokens, of any request): K/V for max_batch_size rows of max_context (plus the
     documented slack) allocated, after a free-memory check, when the batch starts (``docs/batching.md``). compile:
     False, True or a ``CompileOptions`` (as ``generate``'s): with the static cache, the running batch's target and
-    draft steps are captured (CUDA graphs on a GPU), compiled once per batch size at its first step; joining
-    requests are prefilled and take their first step eagerly, on their own rows.
+    draft steps are captured (CUDA graphs on a GPU) with automatic dynamic shapes (about three compilations per
+    step, whatever max_batch_size is), warmed up at each new batch size before its first step; joining requests are
+    prefilled and take their first step eagerly, on their own rows (``docs/batching.md``).
     """
 
     def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",

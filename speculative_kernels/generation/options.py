@@ -49,14 +49,20 @@ class CompileOptions:
 
     mode: ``torch.compile`` mode; None picks "reduce-overhead" (CUDA graphs) on CUDA and "default" elsewhere.
     backend: ``torch.compile`` backend ("inductor"; "aot_eager" traces without code generation, for debugging).
+    dynamic: ``torch.compile``'s; None picks False (one graph per shape) for ``generate``'s fixed batch and None
+    (dynamo's automatic dynamic shapes) for a continuous batch, whose size changes as requests join and leave.
     """
 
     mode: str | None = None
     backend: str = "inductor"
+    dynamic: bool | None = None
 
-    def torch_compile_kwargs(self, device: torch.device) -> dict:
+    def torch_compile_kwargs(self, device: torch.device, batch_changes: bool = False) -> dict:
+        """The ``torch.compile`` keyword arguments on ``device``; batch_changes: the batch size changes between
+        calls (continuous batching)."""
         mode = self.mode or ("reduce-overhead" if device.type == "cuda" else "default")
-        kwargs = {"backend": self.backend, "dynamic": False}
+        dynamic = self.dynamic if self.dynamic is not None else (None if batch_changes else False)
+        kwargs = {"backend": self.backend, "dynamic": dynamic}
         if self.backend == "inductor":
             kwargs["mode"] = mode
         return kwargs

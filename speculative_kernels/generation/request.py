@@ -40,8 +40,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     requests (``SpeculativeDecoder.add_request``; ``max_new_tokens`` must then be their largest). static_rows: with
     ``cache_implementation="static"``, allocate the static caches for that many rows of that context, so that rows
     can join the loop in place (``SpeculativeLoop.append_rows``; continuous batching), also with ``compile_options``
-    (the captured steps then compile once per batch size). joins_captured: this loop's rows will join a loop with
-    captured steps (the static cache; built as such a loop is, e.g. prompt lookup at its full width, but run eagerly).
+    (the captured steps then follow the batch size: ``CompileOptions.dynamic``). joins_captured: this loop's rows
+    will join a loop with captured steps (the static cache; built as such a loop is, e.g. prompt lookup at its full
+    width, but run eagerly).
     Everything is checked before anything is allocated; the encoders run once the checks have passed.
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)

@@ -65,7 +65,7 @@ def _alone(target, draft, prompt, settings, drafting):
     return sk.generate(target, ids, **extra, **settings)[0, len(prompt):].tolist()
 
 
-# The captured static batch (compile) on the first seed only: each case compiles its steps once per batch size.
+# The captured static batch (compile) on the first seed only: each case compiles its steps (a few graphs per step).
 CASES = [(seed, family, drafting, cache) for seed in SEEDS for family in ("llama", "gpt2")
          for drafting in ("draft_model", "prompt_lookup") for cache in ("dynamic", "static", "compiled")
          if cache != "compiled" or seed == SEEDS[0]]

@@ -30,10 +30,11 @@ def mark_static(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def compile_step(step: Callable, options: CompileOptions, device: torch.device,
-                 static: Sequence[torch.Tensor]) -> Callable:
-    """``torch.compile`` of ``step``; ``static``: see ``mark_static``."""
+                 static: Sequence[torch.Tensor], batch_changes: bool = False) -> Callable:
+    """``torch.compile`` of ``step``; ``static``: see ``mark_static``; batch_changes: the batch size changes between
+    calls (``CompileOptions.torch_compile_kwargs``)."""
     mark_static(static)
-    return torch.compile(step, **options.torch_compile_kwargs(device))
+    return torch.compile(step, **options.torch_compile_kwargs(device, batch_changes))
 
 
 def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ class RunnerPlan:
 
     static: preallocated caches; batch: B; slots: the slot masks' initial width (they grow); capacity: slots per row
     of a static cache (0 on the dynamic cache); reserve: the most slots one iteration writes (gamma + 1); rows: rows
-    allocated by a decoder-only static cache (None: B; ``StaticRows``).
+    allocated by a decoder-only static cache whose rows join and leave in place (``StaticRows``; None: B, fixed).
     """
 
     static: bool
@@ -60,7 +60,8 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     what = "the static decoder caches" if encoder_decoder else "the static caches"
     whose = "target and draft" if len(models) > 1 else "target"
     check_free_memory(required, device, f"{what} ({rows} rows x {capacity} slots, {whose})")
-    return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device, rows)
+    return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device,
+                      rows if static_rows is not None else None)
 
 
 def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None) -> Runner:

@@ -34,6 +34,7 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     def __init__(self, model, spec: ModelSpec, batch: int, capacity: int, device: torch.device, *, reserve: int = 0,
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto", rows: int | None = None):
+        self.resizable = rows is not None  # rows join and leave in place: the batch size changes
         rows = batch if rows is None else rows
         if rows < batch:
             raise ValueError(f"rows ({rows}) must be at least the batch ({batch})")
@@ -45,6 +46,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = next(model.parameters()).dtype
         self._compiled = {}  # (width, last_only) -> compiled step
+        self._warm_sizes: set[int] = set()  # batch sizes whose captured steps have all been warmed up
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T]
         self._ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> ones
         self._init_additive(spec, self._dtype)
@@ -83,6 +85,8 @@ class StaticDecoderRunner(SlotMaskRunner):
         width = tokens.shape[1]
         if self.num_slots + width > self.capacity:
             raise RuntimeError(f"static cache exhausted ({self.num_slots + width} > {self.capacity} slots)")
+        if self._compiled and tokens.shape[0] not in self._warm_sizes:  # a batch size new to the captured steps
+            self.warm_up()
         compiled = self._compiled.get((width, last_only))
         if compiled is None and real is None and self._additive is not None:
             logits = self._real_step(tokens, last_only)
@@ -150,15 +154,23 @@ class StaticDecoderRunner(SlotMaskRunner):
 
     # ------------------------------------------------------------------------------------------ capture
     def capture(self, shapes: Sequence[tuple[int, bool]], options: CompileOptions) -> None:
-        """Compile the step at each (width, last_only). The batch may change afterwards (rows joining or leaving
-        in place): each new batch size is compiled (and on CUDA recorded) at its first step."""
+        """Compile the step at each (width, last_only). When the batch size changes (rows joining or leaving in
+        place), the steps are compiled with dynamo's automatic dynamic shapes unless ``options.dynamic`` says
+        otherwise: the second batch size compiles a graph with a symbolic batch that serves every later one (on
+        CUDA a CUDA graph is still recorded per size)."""
         for width, last_only in shapes:
             self._compiled[(width, last_only)] = compile_step(functools.partial(self._step, last_only=last_only),
-                                                              options, self.slot_mask.device, self._static_tensors())
+                                                              options, self.slot_mask.device, self._static_tensors(),
+                                                              batch_changes=self.resizable)
 
     def warm_up(self, calls: int = 3) -> None:
+        """Run every captured step ``calls`` times on filler tokens and roll each back (compiles, records CUDA
+        graphs). Done at capture and again before the first step at each new batch size, so that all of a batch
+        size's compilation happens at once, before its first real step (each step fits: the loop keeps its widest
+        free at every iteration)."""
         start, positions = self.num_slots, self.next_position.clone()
         batch = self.slot_mask.shape[0]
+        self._warm_sizes.add(batch)
         for width, last_only in self._compiled:
             tokens = torch.zeros(batch, width, dtype=torch.int64, device=self.slot_mask.device)
             for _ in range(calls):
