@@ -123,27 +123,22 @@ def test_compile_needs_the_static_cache_and_is_set_on_the_decoder(pair):
 def test_batch_sizes_share_a_dynamic_graph(pair):
     """Six requests arriving together and finishing one by one visit batch sizes 6, 5, ..., 1: with automatic
     dynamic shapes each captured step compiles a graph for the first size, one with a symbolic batch for the sizes
-    after it and one for size 1 (dynamo specialises 0 and 1), not one per size. Fixed shapes (``dynamic=False``, what
-    ``generate`` uses) compile one per size."""
+    after it and one for size 1 (dynamo specialises 0 and 1): at most three per step, where fixed shapes (what
+    ``generate`` uses, ``dynamic=False``) would compile one per size, six."""
     target, draft = pair
-    graphs = {}
-    for dynamic in (None, False):
-        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=6,
-                                        cache_implementation="static", max_context=64,
-                                        compile=CompileOptions(backend=COMPILE.backend, mode=COMPILE.mode,
-                                                               dynamic=dynamic))
-        torch._dynamo.reset()
-        counters.clear()
-        for i in range(6):
-            decoder.add_request([5 + i, 6, 7], max_new_tokens=5 * (i + 1), do_sample=False)
-        sizes = set()
-        while decoder.has_work():
-            decoder.step()
-            sizes.add(decoder._batcher._loop.batch if decoder._batcher._loop else 0)
-        assert sizes >= {1, 2, 3, 4, 5, 6}, sizes
-        graphs[dynamic] = counters["stats"]["unique_graphs"]
-    shapes = 3  # the verification step at gamma + 1, the draft steps at widths 1 and 2
-    assert graphs[None] <= 3 * shapes < graphs[False] <= 6 * shapes, graphs
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=6,
+                                    cache_implementation="static", max_context=64, compile=COMPILE)
+    torch._dynamo.reset()
+    counters.clear()
+    for i in range(6):
+        decoder.add_request([5 + i, 6, 7], max_new_tokens=5 * (i + 1), do_sample=False)
+    sizes = set()
+    while decoder.has_work():
+        decoder.step()
+        sizes.add(decoder._batcher._loop.batch if decoder._batcher._loop else 0)
+    assert sizes >= {1, 2, 3, 4, 5, 6}, sizes
+    steps = 3  # the verification step at gamma + 1, the draft steps at widths 1 and 2
+    assert 0 < counters["stats"]["unique_graphs"] <= 3 * steps, dict(counters["stats"])
 
 
 def test_compile_kwargs_follow_the_batch():
