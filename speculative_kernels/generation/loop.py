@@ -13,6 +13,7 @@ from ..ops.randomness import DecodeRandomness
 from ..ops.sampling import RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
+from .context_processors import RowProcessors
 from .drafter import Drafter
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
@@ -36,7 +37,9 @@ class SpeculativeLoop:
     the prefill, returns its seconds (``compile=True``: captures and warms up the steps); seed: the run's random
     numbers (``DecodeRandomness``; None: drawn from torch's default generator); rows: per-row settings of a batch
     of separate requests (``row_settings.py``: each row's length limit, EOS ids, sampling parameters, key and
-    offsets), replacing the plan's for every row; the plan's ``max_new_tokens`` must be their largest.
+    offsets), replacing the plan's for every row; the plan's ``max_new_tokens`` must be their largest. processors:
+    HF's logits processors per row (``context_processors.py``), which then replace ``LogitMasks`` (HF's list holds
+    the minimum length and the forced tokens, in HF's order); target and draft logits are then processed in float32.
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -45,8 +48,12 @@ class SpeculativeLoop:
     def __init__(self, target: Runner, drafter: Drafter, plan: Plan, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
-                 seed: int | None = None, rows: RowSettings | None = None):
+                 seed: int | None = None, rows: RowSettings | None = None,
+                 processors: RowProcessors | None = None):
+        if processors is not None and rows is not None:
+            raise ValueError("logits processors are set per request, not per row of a batch of requests")
         self.target_runner, self.drafter, self.plan = target, drafter, plan
+        self.processors = processors
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
@@ -79,7 +86,8 @@ class SpeculativeLoop:
         self._finished_device: torch.Tensor | None = None
         self.eos = frozenset(plan.eos_token_ids or ())
         self._eos = [self.eos] * self.batch if rows is None else [frozenset(e) for e in rows.eos]
-        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows)
+        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows, applies_plan=processors is None)
+        self._draft_block: torch.Tensor | None = None  # [B, max_gamma]: this iteration's drafts so far (processors)
         if rows is None and self.sampling.greedy:  # nothing is random: draw no seed (torch's generator untouched,
             keys = torch.zeros(self.batch, dtype=torch.int64, device=self.device)  # as in model.generate)
             self.randomness = DecodeRandomness(self.batch, self.device, keys=keys)
@@ -247,15 +255,47 @@ class SpeculativeLoop:
         (``LogitMasks``), then the token [B] drawn from them."""
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
+        if self.processors is not None:
+            self._process_draft(logits, i)
         if self.sampling.greedy:
             # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
             # -inf) is still caught: verify checks the stored draft logits.
-            return logits.float().argmax(dim=-1)
+            token = logits.float().argmax(dim=-1)
+            if self.processors is not None:
+                self._draft_block[:, i] = token
+            return token
         token = self.impl.sample(logits, self.sampling, self.randomness.draft())
         self.randomness.advance_draft()
         self._draft_advances += 1
         # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
-        return token.clamp_(min=0)
+        token = token.clamp_(min=0)
+        if self.processors is not None:
+            self._draft_block[:, i] = token
+        return token
+
+    def _contexts(self, rows: list[int]) -> list:
+        """Row b's tokens so far, [1, prompt + generated] (None for rows not in ``rows``)."""
+        contexts = [None] * self.batch
+        for b in rows:
+            contexts[b] = self.sequences[b : b + 1, : self.prompt_length + self._generated_host[b]]
+        return contexts
+
+    def _unfinished(self) -> list[int]:
+        return [b for b, f in enumerate(self._finished_host) if not f]
+
+    def _process_draft(self, logits: torch.Tensor, i: int) -> None:
+        """HF's processors on the draft logits [B, V] of draft position i, in place: each row's context is its
+        tokens so far and this iteration's first i drafts."""
+        if self._draft_block is None or self._draft_block.shape[0] != self.batch:
+            self._draft_block = torch.zeros(self.batch, self.max_gamma, dtype=torch.int64, device=self.device)
+        rows = self._unfinished()
+        contexts = self._contexts(rows)
+        if i:
+            for b in rows:
+                contexts[b] = torch.cat([contexts[b], self._draft_block[b : b + 1, :i]], dim=1)
+        processed = logits.float().unsqueeze(1)
+        self.processors.process(processed, contexts, None, rows)
+        logits.copy_(processed[:, 0])
 
     def _verify(self, draft_tokens, draft_logits, num_draft):
         """The target's forward over [last, drafts] and ``verify``. num_draft: [B] int64, each row's proposals (the
@@ -271,6 +311,10 @@ class SpeculativeLoop:
         raw = logits.clone() if self.raw_logits is not None else None
         if self.masks.active:
             self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
+        if self.processors is not None:  # HF processes float32 logits (a copy: the runner's may be a graph's output)
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+            rows = self._unfinished()
+            self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone
             if s.greedy:
@@ -342,6 +386,8 @@ class SpeculativeLoop:
                 continue
             if buffer is self.scores and not self.sampling.greedy:
                 values = warp_logits(values, self.sampling.temperature, self.sampling.top_k, self.sampling.top_p)
+            if buffer is self.scores and self.plan.renormalize_logits:  # HF's LogitNormalization, last
+                values = torch.log_softmax(values.float(), dim=-1)
             buffer.scatter_(1, index, torch.where(keep, values.float(), buffer.gather(1, index)))
 
     def _draft(self):
@@ -548,6 +594,8 @@ class SpeculativeLoop:
         self._max_new = [self._max_new[i] for i in remaining]
         self._eos = [self._eos[i] for i in remaining]
         self.masks.select_rows(keep)
+        if self.processors is not None:
+            self.processors.select_rows(remaining)
         if self.sampling.per_row:
             r = self.sampling.rows
             self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(
@@ -627,6 +675,8 @@ class SpeculativeLoop:
             why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
         elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
             why = "stopping criteria and streamers belong to a single request"
+        elif self.processors is not None or other.processors is not None:
+            why = "logits processors (repetition_penalty=, bad_words_ids=, ...) are set per request, not per row"
         elif self.masks.forced or other.masks.forced:
             why = "forced tokens (forced_bos/eos_token_id) are set per batch, not per row"
         elif type(self.target_runner) is not type(other.target_runner) or \

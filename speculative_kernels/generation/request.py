@@ -11,6 +11,7 @@ from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import check_model, request_path
+from .context_processors import build_row_processors
 from .drafter import Drafter, ModelDrafter
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
                      prepare_prompt, prompt_length)
@@ -79,6 +80,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                                    inferred_from)
     batch, width = input_ids.shape
     device = input_ids.device
+    if plan.context_processing and rows is not None:
+        raise ValueError("logits processors (repetition_penalty=, bad_words_ids=, logits_processor=, ...) are not "
+                         "supported with per-row settings (a batch of separate requests)")
+    processors = build_row_processors(model, plan, input_ids, attention_mask,
+                                      _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
     static = wants_static(plan, compile_options)
     if static_rows is not None and (not static or rows is None):
         raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")
@@ -116,7 +122,13 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         warm_up = functools.partial(capture_steps, steps, compile_options, device)
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
-                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows)
+                           dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
+                           processors=processors)
+
+
+def _encoder_ids(input_ids, device):
+    """The encoder input ids as HF's processors take them ([B, S] int64 on the device), or None."""
+    return None if input_ids is None else input_ids.to(device=device, dtype=torch.int64)
 
 
 def _encoder_prefix(input_ids, attention_mask, device):

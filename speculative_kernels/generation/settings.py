@@ -5,7 +5,8 @@ given ``generation_config`` over the model's ``generation_config`` over HF's glo
 ``GenerationConfig`` is then in exactly one of the tables below (``tests/generation/test_contract.py`` enumerates the
 installed transformers' fields, so a new field cannot slip through unclassified):
 
-* ``HONOURED``: applied exactly as ``model.generate`` applies it;
+* ``HONOURED``: applied exactly as ``model.generate`` applies it; the fields of ``CONTEXT_PROCESSED`` among them by
+  HF's own logits processors, run at every position of a speculative block (``context_processors.py``);
 * ``NO_EFFECT``: fields ``model.generate`` itself ignores in greedy/sampling decoding (beam-search-only settings, the
   config's own metadata), so accepting them changes nothing;
 * ``REFUSED_UNLESS``: settings we cannot honour exactly; any value but "off" (or HF's own default) raises
@@ -58,6 +59,23 @@ HONOURED = {
     "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
     "max_matching_ngram_size": "prompt lookup's longest n-gram (HF's default 2)",
 }
+# Field -> its "off" values. Honoured by HF's own logits processors, which read the tokens so far, run at every
+# position of a speculative block with the tokens before it (``context_processors.py``); part of ``HONOURED``.
+CONTEXT_PROCESSED = {
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "bad_words_ids": (),
+    "sequence_bias": (),
+    "suppress_tokens": (),
+    "begin_suppress_tokens": (),
+    "exponential_decay_length_penalty": (),
+    "remove_invalid_values": (False,),
+}
+HONOURED.update({name: "HF's logits processor, at every position of a speculative block (context_processors.py)"
+                 for name in CONTEXT_PROCESSED})
+HONOURED["renormalize_logits"] = "scores are log-softmax normalised last, as HF's LogitNormalization"
 # Ignored by model.generate too in greedy/sampling decoding (num_beams is always 1 here), or metadata.
 NO_EFFECT = {
     "early_stopping": "beam search only",
@@ -74,14 +92,8 @@ REFUSED_UNLESS = {
     "num_beam_groups": (1,),
     "diversity_penalty": (0.0,),
     "num_return_sequences": (1,),
-    "repetition_penalty": (1.0,),
-    "encoder_repetition_penalty": (1.0,),
-    "no_repeat_ngram_size": (0,),
-    "encoder_no_repeat_ngram_size": (0,),
-    "bad_words_ids": (),
     "force_words_ids": (),
     "constraints": (),
-    "sequence_bias": (),
     "min_p": (),
     "top_h": (),
     "typical_p": (1.0,),
@@ -90,11 +102,6 @@ REFUSED_UNLESS = {
     "penalty_alpha": (),
     "guidance_scale": (1.0,),
     "watermarking_config": (),
-    "suppress_tokens": (),
-    "begin_suppress_tokens": (),
-    "exponential_decay_length_penalty": (),
-    "renormalize_logits": (False,),
-    "remove_invalid_values": (False,),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
     "max_time": (),
@@ -164,6 +171,12 @@ class Plan:
     stopping_criteria: list
     cache_implementation: str | None
     generation_config: object
+    # HF's logits processors that read the tokens so far (``context_processors.py``): the user's list, the
+    # prefix_allowed_tokens_fn, and whether any is to run (one of those, or a field of ``CONTEXT_PROCESSED`` set).
+    logits_processor: tuple = ()
+    prefix_allowed_tokens_fn: object | None = None
+    context_processing: bool = False
+    renormalize_logits: bool = False
 
     @property
     def max_gamma(self) -> int:
@@ -381,6 +394,8 @@ class Settings:
     stopping_criteria: list
     default_max_length: bool  # max_length set nowhere: HF generates 20 new tokens
     prompt_lookup: PromptLookup | None = None
+    logits_processor: tuple = ()  # the user's LogitsProcessors
+    prefix_allowed_tokens_fn: object | None = None
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -391,6 +406,9 @@ class Settings:
         else:
             min_new = max(_int_setting("min_length", config.min_length) - prompt_length, 0)
         _check_builtin_criteria(self.stopping_criteria, self.eos_token_ids, prompt_length + int(max_new))
+        if config.exponential_decay_length_penalty is not None and not self.eos_token_ids:
+            raise ValueError(f"exponential_decay_length_penalty={config.exponential_decay_length_penalty!r} needs "
+                             "eos_token_id (it raises the EOS logits); none is set")
         return Plan(
             sampling=self.sampling,
             num_speculative_tokens=self.num_speculative_tokens,
@@ -405,6 +423,11 @@ class Settings:
             stopping_criteria=self.stopping_criteria,
             cache_implementation=config.cache_implementation,
             generation_config=config,
+            logits_processor=self.logits_processor,
+            prefix_allowed_tokens_fn=self.prefix_allowed_tokens_fn,
+            context_processing=bool(self.logits_processor) or self.prefix_allowed_tokens_fn is not None
+            or context_fields_set(config),
+            renormalize_logits=bool(config.renormalize_logits),
         )
 
 
@@ -415,10 +438,12 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     _check_generation_config(generation_config)
     streamer = kwargs.pop("streamer", None)
     criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
-    logits_processor = kwargs.pop("logits_processor", None)
-    if logits_processor:
-        raise ValueError("logits_processor is not supported: pass temperature/top_k/top_p/min_new_tokens instead")
-    for name in ("prefix_allowed_tokens_fn", "synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
+    logits_processor = _check_processors(kwargs.pop("logits_processor", None))
+    prefix_allowed_tokens_fn = kwargs.pop("prefix_allowed_tokens_fn", None)
+    if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
+        raise TypeError(f"prefix_allowed_tokens_fn must be callable (batch_id, input_ids) -> list of token ids, got "
+                        f"{type(prefix_allowed_tokens_fn).__name__}")
+    for name in ("synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{name} is not supported by speculative_kernels.generate")
     for name in ("max_new_tokens", "max_length"):  # before HF's own checks, which fail on odd types unclearly
@@ -461,7 +486,30 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     lookup = _prompt_lookup(config, draft_model)
     if lookup is not None:
         gamma = _lookup_gamma(num_speculative_tokens, gamma, lookup)
-    return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup)
+    return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
+                    logits_processor, prefix_allowed_tokens_fn)
+
+
+def context_fields_set(config) -> list[str]:
+    """The fields of ``CONTEXT_PROCESSED`` that ``config`` sets (to anything but off or HF's default)."""
+    defaults = _hf_defaults()
+    return [name for name, off in CONTEXT_PROCESSED.items()
+            if not _is_off(getattr(config, name, None), off, defaults.get(name))]
+
+
+def _check_processors(logits_processor) -> tuple:
+    """generate's ``logits_processor``: None or a list (a ``LogitsProcessorList``) of callables
+    (input_ids [B, L], scores [B, V]) -> scores."""
+    if logits_processor is None:
+        return ()
+    if not isinstance(logits_processor, (list, tuple)):
+        raise TypeError(f"logits_processor must be a list of LogitsProcessors (a LogitsProcessorList), got "
+                        f"{type(logits_processor).__name__}")
+    for processor in logits_processor:
+        if not callable(processor):
+            raise TypeError(f"logits_processor must hold callables (input_ids, scores) -> scores, got "
+                            f"{type(processor).__name__} {processor!r}")
+    return tuple(logits_processor)
 
 
 def _prompt_lookup(config, draft_model) -> PromptLookup | None:

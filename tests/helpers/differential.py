@@ -141,6 +141,8 @@ def random_case(seed: int) -> dict:
     if rng.random() < 0.1:
         case["ending"] = rng.choice(["eos", "none", "empty"])
     case["pass_ids"] = rng.choice(["positional", "positional", "inputs", "input_ids", "int32"])
+    if rng.random() < 0.3:  # two settings of EXTRAS together (drawn last: the draws above stay as they were)
+        s.update(rng.choice(EXTRAS))
     return case
 
 
@@ -204,6 +206,8 @@ def random_seq2seq_case(seed: int, family: str) -> dict:
         s["output_scores"] = output in ("scores", "both")
         s["output_logits"] = output in ("logits", "both")
     s.update(rng.choice(SEQ2SEQ_EXTRAS))
+    if rng.random() < 0.3:  # two settings together (drawn last: the draws above stay as they were)
+        s.update(rng.choice(SEQ2SEQ_EXTRAS))
     return case
 
 

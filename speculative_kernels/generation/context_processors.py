@@ -1,0 +1,111 @@
+"""HF's logits processors that read the tokens so far, applied exactly across a speculative block.
+
+``model.generate`` runs its processor list (repetition penalties, n-gram bans, bad words, sequence bias, suppressed
+tokens, the exponential length penalty, inf/NaN removal, the minimum length, forced tokens, a
+``prefix_allowed_tokens_fn``, the caller's ``logits_processor``) once per step on the sequence so far. Here position
+j of a block of T positions is processed with the row's tokens so far plus the block's first j tokens: whenever the
+token at j is emitted, those j tokens were accepted, so every processor saw exactly what ``model.generate`` would
+have shown it (HF's assisted generation does the same, at batch 1). The draft's logits are processed the same way
+(a better proposal; exactness does not depend on it: q is whatever the draft sampled from).
+
+The lists are HF's own (``model._get_logits_processor``), built once per row on that row's inputs, so the
+processors, their order and their details are the installed transformers' (e.g. whether the repetition penalty
+skips left padding). Each row is processed alone, with input_ids [1, L] of that row's own length: rows of a batch
+accept different numbers of tokens, so they are at different steps. HF's processors treat rows independently;
+``prefix_allowed_tokens_fn`` is called with the row's index in the caller's batch, as in ``model.generate``. A
+caller's ``logits_processor`` is taken at batch 1 only (a processor of its own may mix rows, which per-row calls
+would silently change). As in HF's assisted generation, processors are also called at positions whose tokens are
+then rejected: they must be functions of their arguments (no state carried from call to call).
+"""
+
+import copy
+
+import torch
+
+from .settings import Plan, context_fields_set
+
+
+class RowProcessors:
+    """One HF ``LogitsProcessorList`` per row (``build_row_processors``)."""
+
+    def __init__(self, lists: list):
+        self.lists = lists
+
+    def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None, rows: list[int]) -> None:
+        """In place on logits [B, T, V] (float32). contexts[b]: row b's tokens before position 0 ([1, L_b] int64);
+        block [B, >= T - 1] int64: the tokens at positions 0..T-2 (None when T == 1); rows: the rows to process
+        (the others are left as they are)."""
+        for b in rows:
+            processors, context = self.lists[b], contexts[b]
+            for j in range(logits.shape[1]):
+                ids = context if j == 0 else torch.cat([context, block[b : b + 1, :j]], dim=1)
+                scores = logits[b : b + 1, j]
+                logits[b : b + 1, j] = processors(ids, scores)
+
+    def select_rows(self, remaining: list[int]) -> None:
+        """Keep the lists of rows ``remaining`` (host indices, in order)."""
+        self.lists = [self.lists[i] for i in remaining]
+
+
+def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         encoder_input_ids: torch.Tensor | None) -> RowProcessors | None:
+    """The per-row processor lists of a request, or None when it needs none (``plan.context_processing``).
+
+    input_ids, attention_mask: [B, P] the (decoder) prompts as the loop holds them, left-padded; encoder_input_ids:
+    [B, S] what HF passes as ``encoder_input_ids`` (decoder-only: the prompts; encoder-decoder: the encoder's input
+    ids, or None when only ``encoder_outputs`` were given). Raises ValueError for a caller's ``logits_processor``
+    with more than one row."""
+    if not plan.context_processing:
+        return None
+    batch, width = input_ids.shape
+    if plan.logits_processor and batch > 1:
+        raise ValueError(
+            f"logits_processor with a batch of {batch} prompts is not supported: rows accept different numbers of "
+            "tokens, so each row is processed alone, which a processor of your own that mixes rows would not expect; "
+            "run one prompt per call, or use generate's settings (repetition_penalty=, bad_words_ids=, ...), whose "
+            "processors are applied row by row exactly")
+    config = _processor_config(plan, width, input_ids.device)
+    mask_name = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
+    lists = []
+    for b in range(batch):
+        allowed = plan.prefix_allowed_tokens_fn
+        if allowed is not None:  # called with the row's index in the caller's batch, as model.generate does
+            allowed = _RowIndexed(allowed, b)
+        encoder = None if encoder_input_ids is None else encoder_input_ids[b : b + 1]
+        lists.append(model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=width, encoder_input_ids=encoder,
+            prefix_allowed_tokens_fn=allowed, logits_processor=list(plan.logits_processor),
+            device=input_ids.device, model_kwargs={mask_name: attention_mask[b : b + 1]}))
+    return RowProcessors(lists)
+
+
+def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
+    """The request's GenerationConfig as ``model.generate`` holds it when it builds its processors: lengths
+    resolved (``_prepare_generated_length``: max_length = prompt + new tokens, kept fractional when the caller's
+    length was, so that the forced EOS never fires, as in HF; the minimum as min_length), ``_eos_token_tensor`` set;
+    without the warpers (the verification applies temperature/top-k/top-p itself) and without ``LogitNormalization``
+    (applied to the returned scores only, last, as HF does)."""
+    config = copy.deepcopy(plan.generation_config)
+    given = config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    fractional = given is not None and not float(given).is_integer()
+    config.max_length = prompt_width + plan.max_new_tokens - (0.5 if fractional else 0)
+    config.max_new_tokens = None
+    config.min_new_tokens = None
+    config.min_length = prompt_width + plan.min_new_tokens if plan.min_new_tokens else 0
+    config._eos_token_tensor = (torch.tensor(plan.eos_token_ids, device=device) if plan.eos_token_ids else None)
+    config.do_sample = False
+    config.renormalize_logits = False
+    return config
+
+
+class _RowIndexed:
+    """prefix_allowed_tokens_fn called with a fixed row index (the row's place in the caller's batch)."""
+
+    def __init__(self, fn, row: int):
+        self.fn, self.row = fn, row
+
+    def __call__(self, batch_id: int, input_ids: torch.Tensor):
+        return self.fn(self.row, input_ids)
+
+
+__all__ = ["RowProcessors", "build_row_processors", "context_fields_set"]

@@ -1,0 +1,215 @@
+"""HF's logits processors that read the tokens so far (repetition penalties, n-gram bans, bad words, sequence bias,
+suppressed tokens, the exponential length penalty, a prefix_allowed_tokens_fn, a caller's logits_processor), applied
+at every position of a speculative block (``generation/context_processors.py``): greedy token-identical to
+``model.generate`` on every path, sampling distributed as the target's processed-then-warped distribution."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+import speculative_kernels as sk
+from speculative_kernels import CompileOptions
+from helpers.models import hf_generate, llama
+from helpers.sampling import NEW, VOCAB, continuation_probs, peaky
+from helpers.seq2seq_models import bart, t5
+from helpers.stats import assert_matches
+
+ONE = torch.tensor([[84, 39, 64, 30, 63, 11, 12]])
+BATCH = torch.tensor([[0, 0, 84, 39, 64, 30, 63], [5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 3, 4, 5]])
+BATCH_MASK = (BATCH != 0).long()
+GREEDY = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+
+# Each changes the greedy output of the pair below on BATCH (checked: the comparisons can fail).
+SETTINGS = {
+    "repetition_penalty": dict(repetition_penalty=1.3),
+    "repetition_penalty_below_one": dict(repetition_penalty=0.7),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "bad_words_ids": dict(bad_words_ids=[[5], [7, 8], [56]]),
+    "sequence_bias": dict(sequence_bias={(5,): -3.0, (62, 83): 4.0}),
+    "suppress_tokens": dict(suppress_tokens=[62, 83]),
+    "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(2, 1.5), eos_token_id=2),
+    "encoder_repetition_penalty": dict(encoder_repetition_penalty=1.5),
+    "several, with min_new_tokens": dict(repetition_penalty=1.2, no_repeat_ngram_size=3, min_new_tokens=5,
+                                        eos_token_id=2, suppress_tokens=[40]),
+    "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=lambda b, ids: list(range(3, 40)) if b == 0
+                                     else list(range(30, 97))),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return llama(), llama(layers=1, seed=3)
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_greedy_identical_to_model_generate(pair, name, drafting):
+    target, draft = pair
+    settings = SETTINGS[name]
+    extra = dict(draft_model=draft, num_speculative_tokens=3) if drafting == "draft_model" else \
+        dict(prompt_lookup_num_tokens=3)
+    expected = hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings)
+    assert not torch.equal(expected, hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY))
+    got = _quiet(sk.generate, target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings, **extra)
+    assert torch.equal(got, expected)
+    one = _quiet(sk.generate, target, ONE, **GREEDY, **settings, **extra)
+    assert torch.equal(one, hf_generate(target, ONE, **GREEDY, **settings))
+
+
+@pytest.mark.parametrize("path", ["static", "compile"])
+def test_static_cache_and_compiled_loop(pair, path):
+    target, draft = pair
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[56]])
+    way = dict(cache_implementation="static") if path == "static" else dict(compile=CompileOptions(backend="eager"))
+    expected = hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings)
+    got = _quiet(sk.generate, target, BATCH, attention_mask=BATCH_MASK, draft_model=draft, num_speculative_tokens=3,
+                 **GREEDY, **settings, **way)
+    assert torch.equal(got, expected)
+
+
+def test_bfloat16_processed_in_float32_as_hf():
+    """HF casts the logits to float32 before its processors; a penalty applied in bfloat16 rounds otherwise."""
+    target, draft = llama().to(torch.bfloat16), llama(layers=1, seed=3).to(torch.bfloat16)
+    settings = dict(repetition_penalty=1.07, no_repeat_ngram_size=3)
+    expected = hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings)
+    got = _quiet(sk.generate, target, BATCH, attention_mask=BATCH_MASK, draft_model=draft, **GREEDY, **settings)
+    assert torch.equal(got, expected)
+
+
+def test_the_model_generation_config_default_is_honoured(pair):
+    """A checkpoint whose generation_config.json sets repetition_penalty (e.g. the Qwen2.5 instruct models, 1.05):
+    ``sk.generate(model, ids)`` applies it as ``model.generate`` does; it was refused."""
+    target, draft = pair
+    model = copy.deepcopy(target)
+    model.generation_config.repetition_penalty = 1.4
+    expected = hf_generate(model, BATCH, attention_mask=BATCH_MASK, **GREEDY)
+    assert not torch.equal(expected, hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY))
+    got = _quiet(sk.generate, model, BATCH, attention_mask=BATCH_MASK, draft_model=draft, **GREEDY)
+    assert torch.equal(got, expected)
+
+
+def test_scores_processed_and_renormalised_as_hf(pair):
+    """output_scores: the processed logits (log-softmax normalised last with renormalize_logits), per position."""
+    target, draft = pair
+    settings = dict(repetition_penalty=1.3, renormalize_logits=True, return_dict_in_generate=True,
+                    output_scores=True, output_logits=True)
+    expected = hf_generate(target, ONE, **GREEDY, **settings)
+    got = _quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores):  # both log-probabilities: sum(exp) == 1
+        torch.testing.assert_close(mine.exp().sum(-1), torch.ones(1))
+        finite = torch.isfinite(theirs)
+        assert torch.equal(torch.isfinite(mine), finite)
+        # the same processed logits up to the float error of a multi-token forward (a few ulps of the logits)
+        torch.testing.assert_close(mine[finite], theirs[finite], atol=1e-4, rtol=1e-4)
+
+
+class _Ban(LogitsProcessor):
+    """A caller's processor: bans the token that follows the last one in a fixed table (reads the sequence)."""
+
+    def __call__(self, input_ids, scores):
+        banned = (input_ids[:, -1] * 7 + 3) % scores.shape[-1]
+        return scores.scatter(1, banned.unsqueeze(1), float("-inf"))
+
+
+def test_callers_logits_processor_at_batch_one(pair):
+    target, draft = pair
+    processors = LogitsProcessorList([_Ban(), RepetitionPenaltyLogitsProcessor(1.2)])
+    expected = hf_generate(target, ONE, **GREEDY, logits_processor=processors)
+    assert not torch.equal(expected, hf_generate(target, ONE, **GREEDY))
+    for extra in (dict(draft_model=draft), dict(prompt_lookup_num_tokens=4)):
+        assert torch.equal(_quiet(sk.generate, target, ONE, **GREEDY, logits_processor=processors, **extra), expected)
+
+
+def test_a_callers_processor_replaces_hf_own_of_its_type(pair):
+    """HF's ``_merge_criteria_processor_list``: a MinLengthLogitsProcessor in logits_processor replaces the one
+    min_length builds (ours used to apply both)."""
+    target, draft = pair
+    eos = int(hf_generate(target, ONE, max_new_tokens=3, do_sample=False, pad_token_id=0)[0, -1])
+    processors = LogitsProcessorList([MinLengthLogitsProcessor(ONE.shape[1] + 1, eos)])
+    kwargs = dict(GREEDY, eos_token_id=eos, min_length=ONE.shape[1] + 12)
+    expected = hf_generate(target, ONE, **kwargs, logits_processor=processors)
+    assert expected.shape[1] < ONE.shape[1] + 12  # the caller's shorter minimum won
+    assert torch.equal(_quiet(sk.generate, target, ONE, draft_model=draft, **kwargs, logits_processor=processors),
+                       expected)
+
+
+def test_callers_logits_processor_refused_for_a_batch(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="logits_processor with a batch of 3 prompts"):
+        sk.generate(target, BATCH, attention_mask=BATCH_MASK, draft_model=draft, **GREEDY,
+                    logits_processor=LogitsProcessorList([_Ban()]))
+    with pytest.raises(TypeError, match="logits_processor must hold callables"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[3])
+    with pytest.raises(TypeError, match="prefix_allowed_tokens_fn must be callable"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, prefix_allowed_tokens_fn=[3])
+
+
+@pytest.mark.parametrize("make", [t5, bart])
+def test_encoder_decoder(make):
+    target = make()
+    draft = make(layers=1, seed=5)
+    source = torch.tensor([[12, 40, 7, 7, 33, 21, 5], [40, 12, 9, 33, 0, 0, 0]])
+    mask = torch.tensor([[1] * 7, [1, 1, 1, 1, 0, 0, 0]])
+    if make is bart:
+        source = source.masked_fill(mask == 0, 1)  # BART pads with 1
+    settings = dict(repetition_penalty=1.5, encoder_repetition_penalty=1.3, no_repeat_ngram_size=2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    expected = hf_generate(target, source, **kwargs, **settings)
+    assert not torch.equal(expected, hf_generate(target, source, **kwargs))
+    got = _quiet(sk.generate, target, source, draft_model=draft, num_speculative_tokens=3, **kwargs, **settings)
+    assert torch.equal(got, expected)
+
+
+def test_decoder_start_honours_processors_and_add_request_refuses_them(pair):
+    target, draft = pair
+    settings = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)
+    decoder = sk.SpeculativeDecoder(target, draft)
+    session = _quiet(decoder.start, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings))
+    model = copy.deepcopy(target)
+    model.generation_config.no_repeat_ngram_size = 3
+    with pytest.raises(ValueError, match="no_repeat_ngram_size=3 .*not supported by add_request"):
+        sk.SpeculativeDecoder(model, draft).add_request([5, 6, 7], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_sampling_follows_the_processed_distribution(gamma):
+    """Whole continuations (NEW tokens, every one enumerated) under repetition penalty, an n-gram ban, temperature
+    and top-k: chi-square against HF's processors-then-warpers distribution."""
+    target, draft = peaky(0, 2), peaky(7, 1)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0), NoRepeatNGramLogitsProcessor(2),
+                                      TemperatureLogitsWarper(1.3), TopKLogitsWarper(4)])
+    _, probs = continuation_probs(target, prompt, processors)
+    rows = 1500
+    torch.manual_seed(4321)
+    out = _quiet(sk.generate, target, prompt.expand(rows, -1), draft_model=draft, num_speculative_tokens=gamma,
+                 do_sample=True, temperature=1.3, top_k=4, repetition_penalty=3.0, no_repeat_ngram_size=2,
+                 max_new_tokens=NEW, pad_token_id=0)
+    new = out[:, prompt.shape[1]:].numpy()
+    codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    counts = np.bincount(codes, minlength=VOCAB**NEW)
+    plain = continuation_probs(target, prompt, LogitsProcessorList([TemperatureLogitsWarper(1.3),
+                                                                    TopKLogitsWarper(4)]))[1]
+    assert np.abs(probs - plain).sum() > 0.3  # the processors change the distribution: the test can fail
+    assert_matches(counts, probs)
