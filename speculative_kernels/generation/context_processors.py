@@ -5,8 +5,9 @@ tokens, the exponential length penalty, inf/NaN removal, the minimum length, for
 ``prefix_allowed_tokens_fn``, the caller's ``logits_processor``) once per step on the sequence so far. Here position
 j of a block of T positions is processed with the row's tokens so far plus the block's first j tokens: whenever the
 token at j is emitted, those j tokens were accepted, so every processor saw exactly what ``model.generate`` would
-have shown it (HF's assisted generation does the same, at batch 1). The draft's logits are processed the same way
-(a better proposal; exactness does not depend on it: q is whatever the draft sampled from).
+have shown it (HF's assisted generation does the same, at batch 1). The draft's logits are not processed (only
+``logit_masks.py``'s cheap masks): exactness does not depend on q, which is whatever the draft sampled from, and on
+the demo pair processing each draft step cost more time than the acceptance it bought (``benchmarks/processors.py``).
 
 The lists are HF's own (``model._get_logits_processor``), built once per row on that row's inputs, so the
 processors, their order and their details are the installed transformers' (e.g. whether the repetition penalty

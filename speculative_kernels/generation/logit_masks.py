@@ -10,16 +10,13 @@ from .settings import Plan
 
 class LogitMasks:
     """plan: the request's; prompt_length: the (decoder) prompt's width; vocab: V. rows: per-row minimums and EOS
-    ids (``RowSettings``: a batch of separate requests), which replace the plan's. applies_plan False: the plan's
-    minimum and forced tokens are left to HF's processor list (``context_processors.py``)."""
+    ids (``RowSettings``: a batch of separate requests), which replace the plan's."""
 
-    def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device, rows=None,
-                 applies_plan: bool = True):
-        self.min_new_tokens = plan.min_new_tokens if plan.eos_token_ids and applies_plan else 0
+    def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device, rows=None):
+        self.min_new_tokens = plan.min_new_tokens if plan.eos_token_ids else 0
         self.eos_columns = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]: True at EOS ids
         self.eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
-        forced = self._forced_columns(plan, prompt_length, vocab, device)  # (checks the ids either way)
-        self.forced = forced if applies_plan else []
+        self.forced = self._forced_columns(plan, prompt_length, vocab, device)
         # Per row (None unless some row of a RowSettings batch has a minimum and EOS ids): min_new [B, 1] int64,
         # the row's EOS columns [B, 1, V] bool.
         self.row_min_new = self.row_eos_columns = None

@@ -38,8 +38,10 @@ class SpeculativeLoop:
     numbers (``DecodeRandomness``; None: drawn from torch's default generator); rows: per-row settings of a batch
     of separate requests (``row_settings.py``: each row's length limit, EOS ids, sampling parameters, key and
     offsets), replacing the plan's for every row; the plan's ``max_new_tokens`` must be their largest. processors:
-    HF's logits processors per row (``context_processors.py``), which then replace ``LogitMasks`` (HF's list holds
-    the minimum length and the forced tokens, in HF's order); target and draft logits are then processed in float32.
+    HF's logits processors per row (``context_processors.py``), which then replace ``LogitMasks`` on the target's
+    logits (HF's list holds the minimum length and the forced tokens, in HF's order), processed in float32. The
+    draft's logits keep the cheap masks only: exactness does not depend on q, and running HF's processors per draft
+    step cost more time than the acceptance it bought (``benchmarks/processors.py``).
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -86,8 +88,7 @@ class SpeculativeLoop:
         self._finished_device: torch.Tensor | None = None
         self.eos = frozenset(plan.eos_token_ids or ())
         self._eos = [self.eos] * self.batch if rows is None else [frozenset(e) for e in rows.eos]
-        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows, applies_plan=processors is None)
-        self._draft_block: torch.Tensor | None = None  # [B, max_gamma]: this iteration's drafts so far (processors)
+        self.masks = LogitMasks(plan, self.prompt_length, vocab, self.device, rows)
         if rows is None and self.sampling.greedy:  # nothing is random: draw no seed (torch's generator untouched,
             keys = torch.zeros(self.batch, dtype=torch.int64, device=self.device)  # as in model.generate)
             self.randomness = DecodeRandomness(self.batch, self.device, keys=keys)
@@ -255,23 +256,15 @@ class SpeculativeLoop:
         (``LogitMasks``), then the token [B] drawn from them."""
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
-        if self.processors is not None:
-            self._process_draft(logits, i)
         if self.sampling.greedy:
             # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
             # -inf) is still caught: verify checks the stored draft logits.
-            token = logits.float().argmax(dim=-1)
-            if self.processors is not None:
-                self._draft_block[:, i] = token
-            return token
+            return logits.float().argmax(dim=-1)
         token = self.impl.sample(logits, self.sampling, self.randomness.draft())
         self.randomness.advance_draft()
         self._draft_advances += 1
         # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
-        token = token.clamp_(min=0)
-        if self.processors is not None:
-            self._draft_block[:, i] = token
-        return token
+        return token.clamp_(min=0)
 
     def _contexts(self, rows: list[int]) -> list:
         """Row b's tokens so far, [1, prompt + generated] (None for rows not in ``rows``)."""
@@ -282,20 +275,6 @@ class SpeculativeLoop:
 
     def _unfinished(self) -> list[int]:
         return [b for b, f in enumerate(self._finished_host) if not f]
-
-    def _process_draft(self, logits: torch.Tensor, i: int) -> None:
-        """HF's processors on the draft logits [B, V] of draft position i, in place: each row's context is its
-        tokens so far and this iteration's first i drafts."""
-        if self._draft_block is None or self._draft_block.shape[0] != self.batch:
-            self._draft_block = torch.zeros(self.batch, self.max_gamma, dtype=torch.int64, device=self.device)
-        rows = self._unfinished()
-        contexts = self._contexts(rows)
-        if i:
-            for b in rows:
-                contexts[b] = torch.cat([contexts[b], self._draft_block[b : b + 1, :i]], dim=1)
-        processed = logits.float().unsqueeze(1)
-        self.processors.process(processed, contexts, None, rows)
-        logits.copy_(processed[:, 0])
 
     def _verify(self, draft_tokens, draft_logits, num_draft):
         """The target's forward over [last, drafts] and ``verify``. num_draft: [B] int64, each row's proposals (the
@@ -309,12 +288,12 @@ class SpeculativeLoop:
             target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last
             logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
-        if self.masks.active:
-            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
-        if self.processors is not None:  # HF processes float32 logits (a copy: the runner's may be a graph's output)
-            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        if self.processors is not None:  # HF's list (holding the masks' processors too), on float32 logits as HF
+            logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
             self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
+        elif self.masks.active:
+            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone
             if s.greedy:
