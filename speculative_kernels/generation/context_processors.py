@@ -20,6 +20,7 @@ then rejected: they must be functions of their arguments (no state carried from 
 """
 
 import copy
+import inspect
 
 import torch
 
@@ -27,21 +28,32 @@ from .settings import Plan, context_fields_set
 
 
 class RowProcessors:
-    """One HF ``LogitsProcessorList`` per row (``build_row_processors``)."""
+    """One HF ``LogitsProcessorList`` per row (``build_row_processors``), called processor by processor as
+    ``LogitsProcessorList.__call__`` calls them (without its per-call signature inspection: a processor that needs
+    more arguments than (input_ids, scores) is refused here, where HF's list would raise at its first call)."""
 
     def __init__(self, lists: list):
-        self.lists = lists
+        for processors in lists:
+            for processor in processors:
+                if len(inspect.signature(processor.__call__).parameters) > 2:
+                    raise ValueError(f"logits processor {type(processor).__name__} takes more arguments than "
+                                     "(input_ids, scores); generate passes it none, as model.generate would not")
+        self.lists = [list(processors) for processors in lists]
 
     def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None, rows: list[int]) -> None:
         """In place on logits [B, T, V] (float32). contexts[b]: row b's tokens before position 0 ([1, L_b] int64);
         block [B, >= T - 1] int64: the tokens at positions 0..T-2 (None when T == 1); rows: the rows to process
         (the others are left as they are)."""
+        width = logits.shape[1]
         for b in rows:
-            processors, context = self.lists[b], contexts[b]
-            for j in range(logits.shape[1]):
-                ids = context if j == 0 else torch.cat([context, block[b : b + 1, :j]], dim=1)
+            context = contexts[b]
+            tokens = context if width == 1 else torch.cat([context, block[b : b + 1, : width - 1]], dim=1)
+            start = context.shape[1]
+            for j in range(width):
                 scores = logits[b : b + 1, j]
-                logits[b : b + 1, j] = processors(ids, scores)
+                for processor in self.lists[b]:
+                    scores = processor(tokens[:, : start + j], scores)
+                logits[b : b + 1, j] = scores
 
     def select_rows(self, remaining: list[int]) -> None:
         """Keep the lists of rows ``remaining`` (host indices, in order)."""
