@@ -67,7 +67,7 @@ from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
-from .generation.settings import context_fields_set, resolve_settings
+from .generation.settings import context_fields_set, resolve_settings, warper_fields_set
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
@@ -174,7 +174,8 @@ class ContinuousBatcher:
                   if getattr(config, name, None) is not None]
         if forced:
             raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
-        processed = context_fields_set(config) + (["renormalize_logits"] if plan.renormalize_logits else [])
+        processed = context_fields_set(config) + (["renormalize_logits"] if plan.renormalize_logits else []) + \
+            (warper_fields_set(config) if plan.warping else [])
         if processed:
             raise ValueError(f"{processed[0]}={getattr(config, processed[0])!r} (from the model's generation config) "
                              "is not supported by add_request yet: its logits processor is applied per request by "

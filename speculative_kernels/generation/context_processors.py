@@ -35,7 +35,7 @@ class RowProcessors:
     def __init__(self, lists: list):
         for processors in lists:
             for processor in processors:
-                if len(inspect.signature(processor.__call__).parameters) > 2:
+                if len(_parameters(processor)) > 2:
                     raise ValueError(f"logits processor {type(processor).__name__} takes more arguments than "
                                      "(input_ids, scores); generate passes it none, as model.generate would not")
         self.lists = [list(processors) for processors in lists]
@@ -92,6 +92,45 @@ def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_m
     return RowProcessors(lists)
 
 
+def _parameters(processor) -> list:
+    """The parameters a processor is called with (a function's own; a LogitsProcessor's ``__call__``'s)."""
+    try:
+        return list(inspect.signature(processor).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: taken as (input_ids, scores)
+        return ["input_ids", "scores"]
+
+
+class Warpers:
+    """HF's sampling warpers (temperature, top-k, top-p, min-p, typical, epsilon, eta: as the installed transformers
+    builds and orders them), run on the logits before the verification when a warper the verification op lacks is
+    set (``Plan.warping``). They read the scores only, so a whole block is warped at once."""
+
+    def __init__(self, warpers: list):
+        self.warpers = warpers
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] float32 -> the warped logits, a new tensor of the same shape."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        ids = torch.zeros(flat.shape[0], 1, dtype=torch.int64, device=flat.device)  # (unread by the warpers)
+        for warper in self.warpers:
+            flat = warper(ids, flat)
+        return flat.reshape(logits.shape)
+
+
+def build_warpers(model, plan: Plan, prompt_width: int, device: torch.device) -> Warpers | None:
+    """HF's warper chain for the request (``plan.warping``), or None. Built by HF's own ``_get_logits_processor``
+    twice, without and with do_sample: the warpers are what sampling adds, in HF's order."""
+    if not plan.warping:
+        return None
+    config = _processor_config(plan, prompt_width, device)
+    sampled = copy.copy(config)
+    sampled.do_sample = True
+    args = dict(input_ids_seq_length=prompt_width, device=device, model_kwargs={})
+    base = model._get_logits_processor(generation_config=config, **args)
+    full = model._get_logits_processor(generation_config=sampled, **args)
+    return Warpers(list(full)[len(base):])
+
+
 def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     """The request's GenerationConfig as ``model.generate`` holds it when it builds its processors: lengths
     resolved (``_prepare_generated_length``: max_length = prompt + new tokens, kept fractional when the caller's
@@ -121,4 +160,4 @@ class _RowIndexed:
         return self.fn(self.row, input_ids)
 
 
-__all__ = ["RowProcessors", "build_row_processors", "context_fields_set"]
+__all__ = ["RowProcessors", "Warpers", "build_row_processors", "build_warpers", "context_fields_set"]

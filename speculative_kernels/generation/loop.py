@@ -13,7 +13,7 @@ from ..ops.randomness import DecodeRandomness
 from ..ops.sampling import RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
-from .context_processors import RowProcessors
+from .context_processors import RowProcessors, Warpers
 from .drafter import Drafter
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
@@ -41,7 +41,9 @@ class SpeculativeLoop:
     HF's logits processors per row (``context_processors.py``), which then replace ``LogitMasks`` on the target's
     logits (HF's list holds the minimum length and the forced tokens, in HF's order), processed in float32. The
     draft's logits keep the cheap masks only: exactness does not depend on q, and running HF's processors per draft
-    step cost more time than the acceptance it bought (``benchmarks/processors.py``).
+    step cost more time than the acceptance it bought (``benchmarks/processors.py``). warpers: HF's sampling
+    warper chain (``Plan.warping``: a warper the ops lack, e.g. min_p), run on target and draft logits before the ops,
+    whose own warping is then neutral.
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -51,11 +53,11 @@ class SpeculativeLoop:
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
                  seed: int | None = None, rows: RowSettings | None = None,
-                 processors: RowProcessors | None = None):
-        if processors is not None and rows is not None:
+                 processors: RowProcessors | None = None, warpers: Warpers | None = None):
+        if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("logits processors are set per request, not per row of a batch of requests")
         self.target_runner, self.drafter, self.plan = target, drafter, plan
-        self.processors = processors
+        self.processors, self.warpers = processors, warpers
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
@@ -256,6 +258,8 @@ class SpeculativeLoop:
         (``LogitMasks``), then the token [B] drawn from them."""
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
+        if self.warpers is not None:  # q is what the draft samples from: the warped logits, stored in place
+            logits.copy_(self.warpers(logits.float()))
         if self.sampling.greedy:
             # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
             # -inf) is still caught: verify checks the stored draft logits.
@@ -294,6 +298,8 @@ class SpeculativeLoop:
             self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
         elif self.masks.active:
             self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
+        if self.warpers is not None:
+            logits = self.warpers(logits.float())
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone
             if s.greedy:
@@ -654,7 +660,7 @@ class SpeculativeLoop:
             why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
         elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
             why = "stopping criteria and streamers belong to a single request"
-        elif self.processors is not None or other.processors is not None:
+        elif any(loop.processors is not None or loop.warpers is not None for loop in (self, other)):
             why = "logits processors (repetition_penalty=, bad_words_ids=, ...) are set per request, not per row"
         elif self.masks.forced or other.masks.forced:
             why = "forced tokens (forced_bos/eos_token_id) are set per batch, not per row"

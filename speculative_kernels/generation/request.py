@@ -11,7 +11,7 @@ from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import check_model, request_path
-from .context_processors import build_row_processors
+from .context_processors import build_row_processors, build_warpers
 from .drafter import Drafter, ModelDrafter
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
                      prepare_prompt, prompt_length)
@@ -80,11 +80,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                                    inferred_from)
     batch, width = input_ids.shape
     device = input_ids.device
-    if plan.context_processing and rows is not None:
+    if (plan.context_processing or plan.warping) and rows is not None:
         raise ValueError("logits processors (repetition_penalty=, bad_words_ids=, logits_processor=, ...) are not "
                          "supported with per-row settings (a batch of separate requests)")
     processors = build_row_processors(model, plan, input_ids, attention_mask,
                                       _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
+    warpers = build_warpers(model, plan, width, device)
     static = wants_static(plan, compile_options)
     if static_rows is not None and (not static or rows is None):
         raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")
@@ -123,7 +124,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
-                           processors=processors)
+                           processors=processors, warpers=warpers)
 
 
 def _encoder_ids(input_ids, device):

@@ -76,6 +76,18 @@ CONTEXT_PROCESSED = {
 HONOURED.update({name: "HF's logits processor, at every position of a speculative block (context_processors.py)"
                  for name in CONTEXT_PROCESSED})
 HONOURED["renormalize_logits"] = "scores are log-softmax normalised last, as HF's LogitNormalization"
+# Field -> its "off" values. HF's sampling warpers after temperature/top-k/top-p: when one is set and do_sample is
+# True, HF's whole warper chain runs on the logits before the verification (which then warps nothing itself); with
+# do_sample False they change nothing, as in model.generate. Part of ``HONOURED``.
+WARPERS = {
+    "min_p": (),
+    "top_h": (),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+}
+HONOURED.update({name: "HF's sampling warper (sampling only, as in HF), before the verification"
+                 for name in WARPERS})
 # Ignored by model.generate too in greedy/sampling decoding (num_beams is always 1 here), or metadata.
 NO_EFFECT = {
     "early_stopping": "beam search only",
@@ -94,11 +106,6 @@ REFUSED_UNLESS = {
     "num_return_sequences": (1,),
     "force_words_ids": (),
     "constraints": (),
-    "min_p": (),
-    "top_h": (),
-    "typical_p": (1.0,),
-    "epsilon_cutoff": (0.0,),
-    "eta_cutoff": (0.0,),
     "penalty_alpha": (),
     "guidance_scale": (1.0,),
     "watermarking_config": (),
@@ -177,6 +184,9 @@ class Plan:
     prefix_allowed_tokens_fn: object | None = None
     context_processing: bool = False
     renormalize_logits: bool = False
+    # HF's warper chain runs before the verification (a field of ``WARPERS`` set, sampling); ``sampling`` is then
+    # neutral (temperature 1, no top-k/top-p): the chain applies the request's own.
+    warping: bool = False
 
     @property
     def max_gamma(self) -> int:
@@ -195,7 +205,7 @@ def generation_fields() -> set[str]:
     return set(GenerationConfig().to_dict())
 
 
-def classified_fields() -> set[str]:
+def classified_fields() -> set[str]:  # (CONTEXT_PROCESSED and WARPERS are in HONOURED)
     return set(HONOURED) | set(NO_EFFECT) | set(REFUSED_UNLESS)
 
 
@@ -396,6 +406,7 @@ class Settings:
     prompt_lookup: PromptLookup | None = None
     logits_processor: tuple = ()  # the user's LogitsProcessors
     prefix_allowed_tokens_fn: object | None = None
+    warping: bool = False  # see Plan.warping
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -428,6 +439,7 @@ class Settings:
             context_processing=bool(self.logits_processor) or self.prefix_allowed_tokens_fn is not None
             or context_fields_set(config),
             renormalize_logits=bool(config.renormalize_logits),
+            warping=self.warping,
         )
 
 
@@ -470,10 +482,14 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if model_kwargs:
         raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
 
+    warping = False
     if config.do_sample:
         sampling = Sampling(*check_sampling_params(config.temperature, config.top_k or 0, config.top_p))
         if sampling.temperature == 0.0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")
+        warping = bool(warper_fields_set(config))
+        if warping:  # HF's chain (its temperature, top-k and top-p included) runs before the verification
+            sampling = Sampling(1.0, 0, 1.0)
     else:
         sampling = GREEDY
     eos = token_ids("eos_token_id", config.eos_token_id)
@@ -483,11 +499,20 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else None)
     for name in _TOKEN_ID_FIELDS:
         token_ids(name, getattr(config, name))
+    for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):  # HF skips a negative size silently
+        _int_setting(name, getattr(config, name, None))
     lookup = _prompt_lookup(config, draft_model)
     if lookup is not None:
         gamma = _lookup_gamma(num_speculative_tokens, gamma, lookup)
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
-                    logits_processor, prefix_allowed_tokens_fn)
+                    logits_processor, prefix_allowed_tokens_fn, warping)
+
+
+def warper_fields_set(config) -> list[str]:
+    """The fields of ``WARPERS`` that ``config`` sets (to anything but off or HF's default)."""
+    defaults = _hf_defaults()
+    return [name for name, off in WARPERS.items()
+            if not _is_off(getattr(config, name, None), off, defaults.get(name))]
 
 
 def context_fields_set(config) -> list[str]:

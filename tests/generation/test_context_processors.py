@@ -213,3 +213,38 @@ def test_sampling_follows_the_processed_distribution(gamma):
                                                                     TopKLogitsWarper(4)]))[1]
     assert np.abs(probs - plain).sum() > 0.3  # the processors change the distribution: the test can fail
     assert_matches(counts, probs)
+
+
+@pytest.mark.parametrize("warpers", [dict(min_p=0.2), dict(typical_p=0.6, top_k=5), dict(epsilon_cutoff=0.1),
+                                     dict(eta_cutoff=0.1, top_p=0.9)])
+def test_sampling_warpers_the_ops_lack(warpers):
+    """min_p, typical_p, epsilon/eta cutoffs: HF's whole warper chain runs before the verification (chi-square of
+    whole continuations against HF's temperature-then-warpers distribution)."""
+    target, draft = peaky(0, 2), peaky(7, 1)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    settings = dict(temperature=1.4, **warpers)
+    hf = target._get_logits_processor(generation_config=copy.deepcopy(target.generation_config).__class__(
+        do_sample=True, **settings), input_ids_seq_length=prompt.shape[1], device="cpu", model_kwargs={})
+    _, probs = continuation_probs(target, prompt, hf)
+    plain = continuation_probs(target, prompt, LogitsProcessorList(
+        [TemperatureLogitsWarper(1.4)] + ([TopKLogitsWarper(5)] if "top_k" in warpers else [])))[1]
+    assert np.abs(probs - plain).sum() > 0.05  # the warper changes the distribution: the test can fail
+    torch.manual_seed(99)
+    out = _quiet(sk.generate, target, prompt.expand(1500, -1), draft_model=draft, num_speculative_tokens=2,
+                 do_sample=True, max_new_tokens=NEW, pad_token_id=0, **settings)
+    codes = (out[:, prompt.shape[1]:].numpy() * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def test_warpers_change_nothing_when_greedy_as_in_hf(pair):
+    target, draft = pair
+    expected = hf_generate(target, ONE, **GREEDY, min_p=0.3, typical_p=0.5)
+    assert torch.equal(expected, hf_generate(target, ONE, **GREEDY))
+    assert torch.equal(_quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY, min_p=0.3, typical_p=0.5),
+                       expected)
+    model = copy.deepcopy(target)
+    model.generation_config.min_p = 0.1
+    with pytest.raises(ValueError, match="min_p=0.1 .*not supported by add_request"):
+        sk.SpeculativeDecoder(model, draft).add_request([5, 6, 7], max_new_tokens=4, do_sample=True)
+    with pytest.raises(ValueError, match="min_p"):  # HF's own check of the value, by name
+        sk.generate(target, ONE, draft_model=draft, max_new_tokens=4, do_sample=True, min_p=1.5)

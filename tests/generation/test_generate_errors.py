@@ -27,8 +27,9 @@ def _ids():
         (dict(do_sample=True, top_k=-1), ValueError, "top_k"),
         (dict(num_beams=2), ValueError, "num_beams"),
         (dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences"),
-        (dict(repetition_penalty=1.2), ValueError, "repetition_penalty"),
-        (dict(no_repeat_ngram_size=2), ValueError, "no_repeat_ngram_size"),
+        (dict(repetition_penalty=-1.0), ValueError, "penalty"),  # HF's processor's own check
+        (dict(no_repeat_ngram_size=-2), ValueError, "ngram_size"),
+        (dict(logits_processor=[lambda ids, scores, extra: scores]), ValueError, "more arguments"),
         (dict(output_attentions=True, return_dict_in_generate=True), ValueError, "output_attentions"),
         (dict(use_cache=False), ValueError, "use_cache"),
         (dict(some_unknown_flag=3), ValueError, "some_unknown_flag"),
