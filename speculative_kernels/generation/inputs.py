@@ -144,3 +144,17 @@ def check_batch(plan: Plan, batch: int, rows=None) -> None:
     # max_new_tokens, none is padded, and HF generates such a batch. Separate requests end at their own lengths.
     if batch > 1 and plan.pad_token_id is None and rows is not None:
         raise ValueError("batch > 1 needs pad_token_id (or eos_token_id) to pad finished rows")
+
+
+def repeat_rows(value, copies: int):
+    """HF's ``_expand_inputs_for_generation``: every row of value repeated ``copies`` times, each prompt's copies
+    together (tensors [B, ...] -> [B * copies, ...]; a ModelOutput, dict or tuple of them element-wise; None and
+    anything else as given)."""
+    if isinstance(value, torch.Tensor):
+        return value.repeat_interleave(copies, dim=0)
+    if isinstance(value, dict):  # (a ModelOutput is one)
+        repeated = {name: repeat_rows(item, copies) for name, item in value.items()}
+        return type(value)(**repeated) if type(value) is not dict else repeated
+    if isinstance(value, tuple):
+        return tuple(repeat_rows(item, copies) for item in value)
+    return value

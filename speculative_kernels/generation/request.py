@@ -14,7 +14,7 @@ from .capabilities import check_model, request_path
 from .context_processors import build_row_processors, build_warpers
 from .drafter import Drafter, ModelDrafter
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
-                     prepare_prompt, prompt_length)
+                     prepare_prompt, prompt_length, repeat_rows)
 from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions, StaticRows
@@ -65,6 +65,14 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
         raise ValueError("draft_model (or assistant_model) is required, or prompt_lookup_num_tokens= (prompt lookup, "
                          "no draft model), or drafter= (a Drafter of your own)")
+    copies = settings.num_return_sequences
+    if copies > 1 and rows is not None:
+        raise ValueError("num_return_sequences is not supported with per-row settings (a batch of separate requests)")
+    if copies > 1 and encoder_decoder:  # HF repeats every input of the encoder and the decoder
+        if input_ids is None and seq2seq_inputs.get("encoder_outputs") is None:
+            raise ValueError("num_return_sequences > 1 needs input_ids (or encoder_outputs) for an encoder-decoder")
+        input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
+        seq2seq_inputs = {name: repeat_rows(value, copies) for name, value in seq2seq_inputs.items()}
     inferred_from = None
     if attention_mask is None and not encoder_decoder and (inferred := inferred_attention_mask(input_ids, settings.pad_token_id,
                                                                        settings.eos_token_ids)) is not None:
@@ -78,6 +86,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         plan = settings.plan(model, prompt_length(input_ids))
         input_ids, attention_mask = prepare_prompt(model, input_ids, attention_mask, settings.config.bos_token_id,
                                                    inferred_from)
+        if copies > 1:  # (after the prompt is made: an empty one starts from BOS, then is repeated, as in HF)
+            input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
     batch, width = input_ids.shape
     device = input_ids.device
     if (plan.context_processing or plan.warping) and rows is not None:

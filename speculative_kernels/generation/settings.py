@@ -58,6 +58,7 @@ HONOURED = {
     "num_assistant_tokens_schedule": "'constant' only (gamma fixed, or num_speculative_tokens='auto')",
     "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
     "max_matching_ngram_size": "prompt lookup's longest n-gram (HF's default 2)",
+    "num_return_sequences": "sampling: each prompt repeated, its rows together (HF refuses it greedy, and so do we)",
 }
 # Field -> its "off" values. Honoured by HF's own logits processors, which read the tokens so far, run at every
 # position of a speculative block with the tokens before it (``context_processors.py``); part of ``HONOURED``.
@@ -103,7 +104,6 @@ REFUSED_UNLESS = {
     "num_beams": (1,),
     "num_beam_groups": (1,),
     "diversity_penalty": (0.0,),
-    "num_return_sequences": (1,),
     "force_words_ids": (),
     "constraints": (),
     "penalty_alpha": (),
@@ -133,7 +133,6 @@ _REASONS = {
     "num_beams": "beam search is not speculative sampling",
     "num_beam_groups": "group beam search is not speculative sampling",
     "diversity_penalty": "group beam search is not speculative sampling",
-    "num_return_sequences": "repeat the prompt in the batch instead",
     "output_attentions": "attention maps of the speculative forwards do not match per-step ones",
     "output_hidden_states": "hidden states of the speculative forwards do not match per-step ones",
     "token_healing": "it rewrites the prompt",
@@ -407,6 +406,7 @@ class Settings:
     logits_processor: tuple = ()  # the user's LogitsProcessors
     prefix_allowed_tokens_fn: object | None = None
     warping: bool = False  # see Plan.warping
+    num_return_sequences: int = 1  # rows per prompt (sampling)
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -504,8 +504,14 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     lookup = _prompt_lookup(config, draft_model)
     if lookup is not None:
         gamma = _lookup_gamma(num_speculative_tokens, gamma, lookup)
+    copies = config.num_return_sequences
+    if copies is not None and (isinstance(copies, bool) or not isinstance(copies, numbers.Integral) or copies < 1):
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
+    copies = int(copies or 1)
+    if copies > 1 and not config.do_sample:  # (HF's own check says the same, where it runs first)
+        raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
-                    logits_processor, prefix_allowed_tokens_fn, warping)
+                    logits_processor, prefix_allowed_tokens_fn, warping, copies)
 
 
 def warper_fields_set(config) -> list[str]:

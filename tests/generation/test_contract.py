@@ -104,7 +104,7 @@ def test_an_unclassified_field_is_refused_at_run_time(pair, monkeypatch):
 
 # A value that is not "off" for every refused field (a new refused field needs one here).
 REFUSED_SAMPLES = {
-    "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5, "num_return_sequences": 2,
+    "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5,
     "force_words_ids": [[5]], "constraints": ["x"], "penalty_alpha": 0.6, "guidance_scale": 1.5,
     "watermarking_config": {"bias": 2.0}, "output_attentions": True,
     "output_hidden_states": True, "max_time": 10.0, "stop_strings": ["x"], "token_healing": True,

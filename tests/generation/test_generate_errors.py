@@ -26,7 +26,8 @@ def _ids():
         (dict(do_sample=True, top_p=0.0), ValueError, "top_p"),
         (dict(do_sample=True, top_k=-1), ValueError, "top_k"),
         (dict(num_beams=2), ValueError, "num_beams"),
-        (dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences"),
+        (dict(num_return_sequences=2), ValueError, "num_return_sequences"),  # greedy: one sequence (HF's check)
+        (dict(num_return_sequences=0, do_sample=True), ValueError, "num_return_sequences"),
         (dict(repetition_penalty=-1.0), ValueError, "penalty"),  # HF's processor's own check
         (dict(no_repeat_ngram_size=-2), ValueError, "ngram_size"),
         (dict(logits_processor=[lambda ids, scores, extra: scores]), ValueError, "more arguments"),
