@@ -369,6 +369,9 @@ def check_case(case: dict, target, draft) -> dict:
     how, pass_ids = case["how"], case.get("pass_ids", "positional")
     verdicts = {}
     hf_error = None
+    # HF keeps a static cache's size between calls (a float after a fractional length, which then breaks every later
+    # static-cache call of the model): each case starts from a fresh model state.
+    target.__dict__.pop("_previous_max_cache_length", None)
     with quiet():
         try:
             torch.manual_seed(0)
@@ -411,6 +414,10 @@ def check_case(case: dict, target, draft) -> dict:
             raise Mismatch(f"[{drafting}] ours raised {type(error).__name__}: {error} (HF: {hf_error!r})") from None
         if hf_error is not None and not isinstance(hf_error, (ValueError, TypeError)) and case.get("ending") == "empty":
             verdicts[drafting] = f"extension: HF crashed ({hf_error!r}) on an empty prompt, ours starts from BOS"
+            continue
+        if isinstance(hf_error, TypeError) and "but got float" in str(hf_error) and \
+                settings.get("cache_implementation") == "static":
+            verdicts[drafting] = f"extension: HF's static cache cannot be sized for a fractional length ({hf_error!r})"
             continue
         if hf_error is not None:
             raise Mismatch(f"[{drafting}] HF raised {hf_error!r}, ours returned {got if isinstance(got, torch.Tensor) else type(got).__name__}")
