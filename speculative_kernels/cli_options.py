@@ -43,6 +43,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
 def seed_arg(text: str) -> int:
     """--seed: an int in [0, 2**63), the range of ``generate(seed=...)``."""
     try:
@@ -60,9 +71,13 @@ def gamma_arg(text: str):
 
 
 def sampling_kwargs(args) -> dict:
+    """generate's keywords for the sampling and logits-processor options (a processor option left unset: the
+    checkpoint's generation_config decides, as in model.generate)."""
+    processors = {name: getattr(args, name) for name in ("repetition_penalty", "no_repeat_ngram_size", "min_p")
+                  if getattr(args, name, None) is not None}
     if args.temperature == 0.0:
-        return dict(do_sample=False)
-    return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        return dict(do_sample=False, **processors)
+    return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **processors)
 
 
 def check_sampling_options(args) -> None:
@@ -70,9 +85,11 @@ def check_sampling_options(args) -> None:
     values are checked before any model is loaded."""
     from .ops.validation import check_sampling_params
 
-    if args.temperature == 0.0 and (args.top_k != 0 or args.top_p != 1.0):
-        raise UsageError("--top-k/--top-p only apply when sampling (--temperature > 0); greedy decoding "
+    if args.temperature == 0.0 and (args.top_k != 0 or args.top_p != 1.0 or args.min_p is not None):
+        raise UsageError("--top-k/--top-p/--min-p only apply when sampling (--temperature > 0); greedy decoding "
                          "(--temperature 0, the default) would ignore them")
+    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
     check_sampling_params(args.temperature, args.top_k, args.top_p)
 
 
@@ -109,6 +126,13 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
                         help="sampling temperature; 0 = greedy decoding")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (1 = off)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="drop tokens below min_p times the top probability when sampling (HF's min_p)")
+    parser.add_argument("--repetition-penalty", type=positive_float, default=None,
+                        help="HF's repetition_penalty (e.g. 1.1; default: the checkpoint's generation_config)")
+    parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None,
+                        help="never repeat an n-gram of this size (HF's no_repeat_ngram_size; default: the "
+                             "checkpoint's)")
     parser.add_argument("--gamma", type=gamma_arg, default=5,
                         help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)")
     parser.add_argument("--seed", type=seed_arg, default=0,

@@ -35,6 +35,25 @@ def test_generate_sampling_options(pair, capsys):
     assert "acceptance rate" in capsys.readouterr().out
 
 
+def test_logits_processor_options(pair, capsys):
+    """--repetition-penalty/--no-repeat-ngram-size (greedy: identical to model.generate with them), --min-p when
+    sampling; --min-p with greedy decoding is a usage error, as --top-k is."""
+    target, draft = pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "12", "--gamma", "3", "--repetition-penalty", "1.3", "--no-repeat-ngram-size",
+                 "2", "--compare"])
+    assert code == 0 and "outputs identical" in capsys.readouterr().out
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "8", "--temperature", "0.8", "--min-p", "0.05", "--seed", "3"])
+    assert code == 0
+    capsys.readouterr()
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--min-p", "0.1"]) == 2
+    assert "--min-p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
+              "--repetition-penalty", "0"])
+
+
 def test_missing_folder_is_a_clear_error(tmp_path, capsys):
     code = main(["generate", "--target", str(tmp_path / "nope"), "--draft", str(tmp_path), "--prompt", "x"])
     assert code == 2
