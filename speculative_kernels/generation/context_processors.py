@@ -85,8 +85,8 @@ def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_m
         if allowed is not None:  # called with the row's index in the caller's batch, as model.generate does
             allowed = _RowIndexed(allowed, b)
         encoder = None if encoder_input_ids is None else encoder_input_ids[b : b + 1]
-        lists.append(model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=width, encoder_input_ids=encoder,
+        lists.append(_hf_processors(
+            model, generation_config=config, input_ids_seq_length=width, encoder_input_ids=encoder,
             prefix_allowed_tokens_fn=allowed, logits_processor=list(plan.logits_processor),
             device=input_ids.device, model_kwargs={mask_name: attention_mask[b : b + 1]}))
     return RowProcessors(lists)
@@ -126,9 +126,20 @@ def build_warpers(model, plan: Plan, prompt_width: int, device: torch.device) ->
     sampled = copy.copy(config)
     sampled.do_sample = True
     args = dict(input_ids_seq_length=prompt_width, device=device, model_kwargs={})
-    base = model._get_logits_processor(generation_config=config, **args)
-    full = model._get_logits_processor(generation_config=sampled, **args)
+    base = _hf_processors(model, generation_config=config, **args)
+    full = _hf_processors(model, generation_config=sampled, **args)
     return Warpers(list(full)[len(base):])
+
+
+def _hf_processors(model, **kwargs):
+    """HF's ``model._get_logits_processor(**kwargs)``: the list ``model.generate`` builds (a private method, the
+    same from transformers 4.4x to 5.x; a version without it gets an error naming what needs it)."""
+    build = getattr(model, "_get_logits_processor", None)
+    if not callable(build):
+        raise ValueError("logits processors and sampling warpers (repetition_penalty=, min_p=, logits_processor=, ...) "
+                         "are built by transformers' GenerationMixin._get_logits_processor, which this transformers "
+                         "lacks; leave those settings at their defaults")
+    return build(**kwargs)
 
 
 def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
