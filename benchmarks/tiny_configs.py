@@ -92,6 +92,13 @@ def _tiny(config_class, overrides: dict):
     except Exception as error:  # noqa: BLE001 -- the reason goes into the table
         raise NotChecked(f"{config_class.__name__} rejects the generic tiny sizes: "
                          f"{type(error).__name__}: {str(error).splitlines()[0][:150]}") from None
+    kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    if kwargs.get("num_kv_shared_layers") and len(kinds) > 1:
+        # Gemma 4: the shared last layer reads the last earlier layer of its own kind, so every kind must be
+        # produced before it: one layer of each kind, then the shared one (given to the constructor, which derives
+        # the per-layer configs from it)
+        kwargs.update(num_hidden_layers=len(kinds) + 1, layer_types=[*kinds, kinds[-1]])
+        config = config_class(**kwargs)
     _fit_layer_lists(config)
     return config
 
