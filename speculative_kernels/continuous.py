@@ -12,7 +12,8 @@
                                 cache_implementation="static", max_context=2048)  # K/V for 16 x 2048 (+ slack)
 
 Exactness: a request's output depends only on its own prompt, settings and seed, never on its batch-mates or on
-when it joined. Each row carries its own length limit, EOS ids, sampling parameters (per-row ``ops`` tensors), its
+when it joined. Each row carries its own length limit, EOS ids, logits processors and warpers (HF's, built for the
+request alone, reading only its own tokens), sampling parameters (per-row ``ops`` tensors), its
 Philox key (``randomness.request_key(seed)``: the key of the request decoded alone) and its own random-number
 offsets; it is drafted at most its own tokens left less one. A greedy request is token-identical to
 ``model.generate`` on it alone, a seeded sampled one to ``speculative_kernels.generate`` on it alone with that seed.
@@ -67,11 +68,12 @@ from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop
 from .generation.row_settings import RowSettings
-from .generation.settings import context_fields_set, resolve_settings, warper_fields_set
+from .generation.context_processors import build_row_processors, build_warpers
+from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "eos_token_id", "stop_strings")
+                    "eos_token_id", "stop_strings", *CONTEXT_PROCESSED, *WARPERS)
 DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
     "compile": "the batch's steps are captured or not for every request: pass compile=True to SpeculativeDecoder "
                "(with cache_implementation='static' and max_context)",
@@ -109,6 +111,8 @@ class _Request:
     key: int
     stop: object | None = None  # HF's StopStringCriteria of the request's stop_strings
     mask: list[int] | None = None  # the prompt's attention mask where HF infers one from pad_token_id, else None
+    processors: list = dataclasses.field(default_factory=list)  # HF's logits processors of the request alone
+    warpers: object | None = None  # HF's warper chain (Warpers), when a warper the ops lack is set
 
 
 class ContinuousBatcher:
@@ -174,13 +178,11 @@ class ContinuousBatcher:
                   if getattr(config, name, None) is not None]
         if forced:
             raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
-        processed = context_fields_set(config) + (["renormalize_logits"] if plan.renormalize_logits else []) + \
-            (warper_fields_set(config) if plan.warping else [])
-        if processed:
-            raise ValueError(f"{processed[0]}={getattr(config, processed[0])!r} (from the model's generation config) "
-                             "is not supported by add_request yet: its logits processor is applied per request by "
-                             "generate() and start(); set it to its default in the model's generation_config to serve")
-        s = plan.sampling
+        if plan.renormalize_logits:
+            raise ValueError("renormalize_logits=True (from the model's generation config) changes only the scores, "
+                             "which add_request does not return; set it to False in the model's generation_config")
+        processors, warpers = self._processors(plan, prompt, mask)
+        s = plan.sampling  # (neutral when the request's warper chain applies its temperature/top-k/top-p)
         if seed is None and s.greedy:  # nothing is random: no draw (torch's generator untouched, as in generate)
             seed = 0
         elif seed is None:  # an unseeded sampled request draws its seed from torch's default generator
@@ -190,12 +192,22 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask)
+            s.top_k, s.top_p, 0 if processors else plan.min_new_tokens, request_key(seed), stop, mask, processors,
+            warpers)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:
             self._queue.append(request_id)
         return request_id
+
+    def _processors(self, plan, prompt: list[int], mask: list[int] | None):
+        """The request's HF logits processors (a list, [] for none: its minimum length is then among them) and
+        warper chain (or None), built as ``generate`` builds them for this request alone."""
+        device = self.decoder.target.device
+        ids = torch.tensor([prompt], dtype=torch.int64, device=device)
+        real = torch.ones_like(ids) if mask is None else torch.tensor([mask], device=device)
+        row = build_row_processors(self.decoder.target, plan, ids, real, ids)
+        return (row.lists[0] if row is not None else []), build_warpers(self.decoder.target, plan, len(prompt), device)
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -412,7 +424,9 @@ class ContinuousBatcher:
         rows = RowSettings(max_new_tokens=[r.max_new_tokens for r in requests], eos=[r.eos for r in requests],
                            temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
                            top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],
-                           keys=[r.key for r in requests], draft_offsets=[0] * len(ids), verify_offsets=[0] * len(ids))
+                           keys=[r.key for r in requests], draft_offsets=[0] * len(ids), verify_offsets=[0] * len(ids),
+                           processors=[r.processors for r in requests], warpers=[r.warpers for r in requests],
+                           prompt_lengths=[len(p) for p in prompts])
         d = self.decoder
         static = {}
         if self.static_rows is not None:  # the running loop's caches hold every row; a joining loop's, its own

@@ -46,6 +46,8 @@ class RowProcessors:
         (the others are left as they are)."""
         width = logits.shape[1]
         for b in rows:
+            if not self.lists[b]:  # (a row of a batch of requests without processors of its own)
+                continue
             context = contexts[b]
             tokens = context if width == 1 else torch.cat([context, block[b : b + 1, : width - 1]], dim=1)
             start = context.shape[1]
@@ -58,6 +60,31 @@ class RowProcessors:
     def select_rows(self, remaining: list[int]) -> None:
         """Keep the lists of rows ``remaining`` (host indices, in order)."""
         self.lists = [self.lists[i] for i in remaining]
+
+    def add_rows(self, other: "RowProcessors") -> None:
+        """Append ``other``'s rows (rows joining a batch of requests)."""
+        self.lists = self.lists + other.lists
+
+
+class RowWarpers:
+    """Each row's own ``Warpers`` or None (a batch of separate requests: ``RowSettings.warpers``)."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, ..., V] float32 -> a new tensor: each row with a chain warped by it, the others as given."""
+        out = logits.clone()
+        for b, warpers in enumerate(self.rows):
+            if warpers is not None:
+                out[b] = warpers(logits[b])
+        return out
+
+    def select_rows(self, remaining: list[int]) -> None:
+        self.rows = [self.rows[i] for i in remaining]
+
+    def add_rows(self, other: "RowWarpers") -> None:
+        self.rows = self.rows + other.rows
 
 
 def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -171,4 +198,4 @@ class _RowIndexed:
         return self.fn(self.row, input_ids)
 
 
-__all__ = ["RowProcessors", "Warpers", "build_row_processors", "build_warpers", "context_fields_set"]
+__all__ = ["RowProcessors", "RowWarpers", "Warpers", "build_row_processors", "build_warpers", "context_fields_set"]

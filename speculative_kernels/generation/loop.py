@@ -13,7 +13,7 @@ from ..ops.randomness import DecodeRandomness
 from ..ops.sampling import RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
-from .context_processors import RowProcessors, Warpers
+from .context_processors import RowProcessors, RowWarpers, Warpers
 from .drafter import Drafter
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
@@ -55,9 +55,20 @@ class SpeculativeLoop:
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None):
         if (processors is not None or warpers is not None) and rows is not None:
-            raise ValueError("logits processors are set per request, not per row of a batch of requests")
+            raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
+                             "RowSettings")
         self.target_runner, self.drafter, self.plan = target, drafter, plan
         self.processors, self.warpers = processors, warpers
+        # Where each row's own tokens start in ``sequences`` (what its processors read): 0 for one call's batch
+        # (HF's processors see its left padding); for a batch of requests, after the padding of the batch.
+        self._context_start = [0] * input_ids.shape[0]
+        if rows is not None:
+            if rows.processors is not None and any(rows.processors):
+                self.processors = RowProcessors(rows.processors)
+            if rows.warpers is not None and any(w is not None for w in rows.warpers):
+                self.warpers = RowWarpers(rows.warpers)
+            if rows.prompt_lengths is not None:
+                self._context_start = [input_ids.shape[1] - n for n in rows.prompt_lengths]
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
@@ -274,7 +285,7 @@ class SpeculativeLoop:
         """Row b's tokens so far, [1, prompt + generated] (None for rows not in ``rows``)."""
         contexts = [None] * self.batch
         for b in rows:
-            contexts[b] = self.sequences[b : b + 1, : self.prompt_length + self._generated_host[b]]
+            contexts[b] = self.sequences[b : b + 1, self._context_start[b] : self.prompt_length + self._generated_host[b]]
         return contexts
 
     def _unfinished(self) -> list[int]:
@@ -292,12 +303,12 @@ class SpeculativeLoop:
             target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last
             logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
+        if self.masks.active and (self.processors is None or self.per_row):  # (a request's rows with processors
+            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))  # have no mask)
         if self.processors is not None:  # HF's list (holding the masks' processors too), on float32 logits as HF
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
             self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
-        elif self.masks.active:
-            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
         if self.warpers is not None:
             logits = self.warpers(logits.float())
         self.stats.target_forwards += 1
@@ -579,8 +590,10 @@ class SpeculativeLoop:
         self._max_new = [self._max_new[i] for i in remaining]
         self._eos = [self._eos[i] for i in remaining]
         self.masks.select_rows(keep)
-        if self.processors is not None:
-            self.processors.select_rows(remaining)
+        self._context_start = [self._context_start[i] for i in remaining]
+        for per_row in (self.processors, self.warpers):
+            if per_row is not None:
+                per_row.select_rows(remaining)
         if self.sampling.per_row:
             r = self.sampling.rows
             self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(
@@ -616,6 +629,9 @@ class SpeculativeLoop:
         prompt_length = max(self.prompt_length, other.prompt_length)
         outputs = self._joined_outputs(other, prompt_length)
         self.masks.add_rows(other.masks, self.batch, other.batch)
+        self._join_processors(other)
+        self._context_start = ([s + prompt_length - self.prompt_length for s in self._context_start]
+                               + [s + prompt_length - other.prompt_length for s in other._context_start])
         r, o = self.sampling.rows, other.sampling.rows
         sampling = dataclasses.replace(self.sampling, rows=RowSampling(
             torch.cat([r.temperature, o.temperature]), torch.cat([r.top_k, o.top_k]), torch.cat([r.top_p, o.top_p]),
@@ -660,8 +676,6 @@ class SpeculativeLoop:
             why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
         elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
             why = "stopping criteria and streamers belong to a single request"
-        elif any(loop.processors is not None or loop.warpers is not None for loop in (self, other)):
-            why = "logits processors (repetition_penalty=, bad_words_ids=, ...) are set per request, not per row"
         elif self.masks.forced or other.masks.forced:
             why = "forced tokens (forced_bos/eos_token_id) are set per batch, not per row"
         elif type(self.target_runner) is not type(other.target_runner) or \
@@ -670,6 +684,17 @@ class SpeculativeLoop:
             why = "the loops must run the same target model and the same kind of drafter"
         if why is not None:
             raise ValueError(f"cannot append these rows: {why}")
+
+    def _join_processors(self, other: "SpeculativeLoop") -> None:
+        """Each side's per-row processors and warpers, then the other's (a side without: rows with none)."""
+        for name, make in (("processors", lambda n: RowProcessors([[] for _ in range(n)])),
+                           ("warpers", lambda n: RowWarpers([None] * n))):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None and theirs is None:
+                continue
+            joined = mine if mine is not None else make(self.batch)
+            joined.add_rows(theirs if theirs is not None else make(other.batch))
+            setattr(self, name, joined)
 
     def _joined_outputs(self, other: "SpeculativeLoop", prompt_length: int) -> Outputs:
         """The output buffers of this loop's rows then ``other``'s, each side's prompts left-padded to

@@ -90,12 +90,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
     batch, width = input_ids.shape
     device = input_ids.device
-    if (plan.context_processing or plan.warping) and rows is not None:
-        raise ValueError("logits processors (repetition_penalty=, bad_words_ids=, logits_processor=, ...) are not "
-                         "supported with per-row settings (a batch of separate requests)")
-    processors = build_row_processors(model, plan, input_ids, attention_mask,
-                                      _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
-    warpers = build_warpers(model, plan, width, device)
+    if rows is None:  # (a batch of separate requests carries each row's own, built for the request alone)
+        processors = build_row_processors(model, plan, input_ids, attention_mask,
+                                          _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
+        warpers = build_warpers(model, plan, width, device)
+    else:
+        processors = warpers = None
     static = wants_static(plan, compile_options)
     if static_rows is not None and (not static or rows is None):
         raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")

@@ -16,7 +16,10 @@ class RowSettings:
     temperature (0: greedy), top_k (0: off), top_p (1: off): validated by the caller; min_new_tokens: tokens the row
     must still generate before its EOS may come (EOS masked until then, as HF's MinNewTokensLength); keys: the rows' Philox keys
     (``randomness.request_key``); draft_offsets, verify_offsets: the rows' random-number counters so far (0 for a
-    new request)."""
+    new request). Optional (None: none for any row): processors, each row's HF logits-processor list (``[]``: none;
+    ``context_processors.py``), built for the request alone; warpers, each row's HF warper chain (``Warpers``) or
+    None (a row with one samples with neutral temperature/top_k/top_p: the chain applies its own); prompt_lengths,
+    each row's own prompt length (the processors read the row's own tokens, not the batch's left padding)."""
 
     max_new_tokens: list[int]
     eos: list[frozenset]
@@ -27,9 +30,13 @@ class RowSettings:
     keys: list[int]
     draft_offsets: list[int]
     verify_offsets: list[int]
+    processors: list | None = None
+    warpers: list | None = None
+    prompt_lengths: list[int] | None = None
 
     def __post_init__(self):
-        sizes = {len(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        sizes = {len(getattr(self, field.name)) for field in dataclasses.fields(self)
+                 if getattr(self, field.name) is not None}
         if len(sizes) != 1:
             raise ValueError(f"RowSettings fields must have one entry per row, got lengths {sorted(sizes)}")
 
