@@ -8,8 +8,8 @@
     curl -N localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "stream": true}'
 
 Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
-``top_p``, ``top_k`` (an extension), ``seed``, ``stream``, ``stop`` (a string or a list: the decoder's
-``stop_strings``, so the decoder needs ``tokenizer=``). Anything else (``n``, ``logprobs``, ...) is answered 400
+``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` (extensions, as vLLM's server takes them), ``seed``,
+``stream``, ``stop`` (a string or a list: the decoder's ``stop_strings``, so the decoder needs ``tokenizer=``). Anything else (``n``, ``logprobs``, ...) is answered 400
 naming the field. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``; as with HF's
 ``stop_strings``, the text includes the stop string.
 
@@ -32,7 +32,8 @@ import time
 
 from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
 
-FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stop", "model"}
+FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream",
+          "stop", "model"}
 MAX_BODY = 1 << 20
 
 
@@ -153,6 +154,10 @@ class CompletionsServer:
         kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed")}
         if body.get("stop") is not None:
             kwargs["stop_strings"] = body["stop"]
+        if body.get("repetition_penalty") is not None:
+            kwargs["repetition_penalty"] = body["repetition_penalty"]
+        if body.get("min_p") is not None and temperature != 0:  # (greedy: no effect, as in generate)
+            kwargs["min_p"] = body["min_p"]
         if temperature == 0:
             kwargs["do_sample"] = False
         else:

@@ -55,7 +55,7 @@ def _expected(models, prompt, max_tokens, seed=None, stop=None, **sampling):
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     if seed is None:
         stops = {} if stop is None else dict(stop_strings=stop, tokenizer=tokenizer)
-        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False, **stops)
+        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False, **stops, **sampling)
     else:
         out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=max_tokens,
                           do_sample=True, seed=seed, **sampling)
@@ -70,6 +70,9 @@ def test_concurrent_requests_get_their_own_completions(served):
         dict(prompt="for line in", max_tokens=16, temperature=0.8, top_k=0, seed=5, stream=True),
         dict(prompt="    return", max_tokens=12, temperature=1.2, top_p=0.9, top_k=0, seed=9),
         dict(prompt="def add(a, b):\n    return", max_tokens=40, temperature=0, stop=["\n"], stream=True),
+        dict(prompt="class Stack:", max_tokens=24, temperature=0, repetition_penalty=1.3, stream=True),
+        dict(prompt="while True:", max_tokens=16, temperature=0.9, min_p=0.1, repetition_penalty=1.1, top_k=0,
+             seed=4),
     ]
     replies = [None] * len(requests)
 
@@ -83,7 +86,9 @@ def test_concurrent_requests_get_their_own_completions(served):
         thread.join()
     for body, (status, data) in zip(requests, replies):
         assert status == 200, data
-        sampling = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body and body.get("seed")}
+        sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in body and body.get("seed")}
+        if "repetition_penalty" in body:
+            sampling["repetition_penalty"] = body["repetition_penalty"]
         expected = _expected(models, body["prompt"], body["max_tokens"], body.get("seed"), body.get("stop"),
                              **sampling)
         if body.get("stream"):
