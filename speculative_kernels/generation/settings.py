@@ -354,16 +354,20 @@ def _check_callables(streamer, stopping_criteria) -> list:
                                      and callable(getattr(streamer, "end", None))):
         raise TypeError(f"streamer must have put() and end() methods (a transformers BaseStreamer), got "
                         f"{type(streamer).__name__}")
-    if not stopping_criteria:
-        return []
-    if not isinstance(stopping_criteria, (list, tuple)):
-        raise TypeError(f"stopping_criteria must be a list of callables (a StoppingCriteriaList), got "
-                        f"{type(stopping_criteria).__name__}")
-    for criterion in stopping_criteria:
-        if not callable(criterion):
-            raise TypeError(f"stopping_criteria must hold callables (input_ids, scores) -> bool, got "
-                            f"{type(criterion).__name__} {criterion!r}")
-    return list(stopping_criteria)
+    return list(_callables("stopping_criteria", stopping_criteria, "a StoppingCriteriaList", "bool"))
+
+
+def _callables(name: str, value, kind: str, returns: str) -> tuple:
+    """A keyword holding a list (or tuple) of callables (input_ids, scores) -> ``returns``; None or empty: ()."""
+    if not value:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of callables ({kind}), got {type(value).__name__}")
+    for item in value:
+        if not callable(item):
+            raise TypeError(f"{name} must hold callables (input_ids, scores) -> {returns}, got "
+                            f"{type(item).__name__} {item!r}")
+    return tuple(value)
 
 
 def _check_builtin_criteria(criteria, eos_token_ids, max_length: int) -> None:
@@ -531,16 +535,7 @@ def context_fields_set(config) -> list[str]:
 def _check_processors(logits_processor) -> tuple:
     """generate's ``logits_processor``: None or a list (a ``LogitsProcessorList``) of callables
     (input_ids [B, L], scores [B, V]) -> scores."""
-    if logits_processor is None:
-        return ()
-    if not isinstance(logits_processor, (list, tuple)):
-        raise TypeError(f"logits_processor must be a list of LogitsProcessors (a LogitsProcessorList), got "
-                        f"{type(logits_processor).__name__}")
-    for processor in logits_processor:
-        if not callable(processor):
-            raise TypeError(f"logits_processor must hold callables (input_ids, scores) -> scores, got "
-                            f"{type(processor).__name__} {processor!r}")
-    return tuple(logits_processor)
+    return _callables("logits_processor", logits_processor, "a LogitsProcessorList", "scores")
 
 
 def _prompt_lookup(config, draft_model) -> PromptLookup | None:

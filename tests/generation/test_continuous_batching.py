@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from helpers.continuous import run_arrivals
+from helpers.continuous import alone, run_arrivals
 from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import llama
 from helpers.sampling import hf_warpers
@@ -36,13 +36,7 @@ def spread(seed: int, layers: int, vocab: int = 8):
 
 def _alone(pair, prompt, settings):
     """The request decoded alone: model.generate when greedy, else speculative_kernels.generate with its seed."""
-    target, draft = pair
-    ids = torch.tensor([prompt], device=DEVICE)
-    if not settings.get("do_sample"):
-        out = target.generate(ids, pad_token_id=0, **settings)
-    else:
-        out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=GAMMA, pad_token_id=0, **settings)
-    return out[0, len(prompt):].tolist()
+    return alone(*pair, prompt, settings, GAMMA, DEVICE)
 
 
 def test_requests_joining_at_different_steps_match_each_request_alone(pair):

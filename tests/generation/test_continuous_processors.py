@@ -10,7 +10,7 @@ import torch
 
 import speculative_kernels as sk
 from speculative_kernels import CompileOptions
-from helpers.continuous import run_arrivals
+from helpers.continuous import alone, run_arrivals
 from helpers.models import llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,12 +23,7 @@ def pair():
 
 
 def _alone(target, draft, prompt, settings):
-    ids = torch.tensor([prompt], device=DEVICE)
-    if not settings.get("do_sample"):
-        out = target.generate(ids, pad_token_id=0, **settings)
-    else:
-        out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=GAMMA, pad_token_id=0, **settings)
-    return out[0, len(prompt):].tolist()
+    return alone(target, draft, prompt, settings, GAMMA, DEVICE)
 
 
 ARRIVALS = {

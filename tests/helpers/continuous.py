@@ -1,5 +1,20 @@
 """Driving a ``SpeculativeDecoder``'s continuous batching in tests."""
 
+import torch
+
+import speculative_kernels as sk
+
+
+def alone(target, draft, prompt, settings, gamma: int, device):
+    """A request decoded alone: ``model.generate`` when greedy, else ``speculative_kernels.generate`` with its seed
+    (pad id 0). Returns its new token ids."""
+    ids = torch.tensor([prompt], device=device)
+    if not settings.get("do_sample"):
+        out = target.generate(ids, pad_token_id=0, **settings)
+    else:
+        out = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, pad_token_id=0, **settings)
+    return out[0, len(prompt):].tolist()
+
 
 def run_arrivals(decoder, arrivals, each_step=None):
     """arrivals: {step index: [(prompt, settings), ...]} added before that step; each_step(decoder) after every
