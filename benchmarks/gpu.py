@@ -57,6 +57,7 @@ GPU_TESTS = [
     "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
     "tests/generation/test_continuous_batching.py", "tests/generation/test_continuous_static.py",
     "tests/generation/test_continuous_randomized.py", "tests/generation/test_continuous_compiled.py",
+    "tests/generation/test_continuous_processors.py",
 ]
 
 
