@@ -163,6 +163,8 @@ class ContinuousBatcher:
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft)
         plan = settings.plan(target, len(prompt))
+        if stop is None and plan.stop_strings:  # the model's generation_config's, as generate takes them
+            stop = self._stop_criterion(list(plan.stop_strings))
         mask = self._inferred_mask(prompt, settings)
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")

@@ -53,12 +53,16 @@ class SpeculativeLoop:
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
                  seed: int | None = None, rows: RowSettings | None = None,
-                 processors: RowProcessors | None = None, warpers: Warpers | None = None):
+                 processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None):
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
                              "RowSettings")
         self.target_runner, self.drafter, self.plan = target, drafter, plan
         self.processors, self.warpers = processors, warpers
+        # stop: HF's StopStringCriteria (``stop_strings``), checked per row after every emitted token on a host
+        # copy of the row's tokens (prompt rows read once here; the new tokens are the iterations' reads).
+        self.stop = stop
+        self._host_rows = input_ids.tolist() if stop is not None else None
         # Where each row's own tokens start in ``sequences`` (what its processors read): 0 for one call's batch
         # (HF's processors see its left padding); for a batch of requests, after the padding of the batch.
         self._context_start = [0] * input_ids.shape[0]
@@ -513,8 +517,11 @@ class SpeculativeLoop:
                              for i, a in enumerate(active_host)]
         self.stats.drafted_tokens += sum(self.last_drafted)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
-        self.stats.new_tokens += sum(count_host)
         stopped = False
+        if self.stop is not None:
+            self._apply_stop_strings(count_host, generated_before)
+            count_host = self._host_counts
+        self.stats.new_tokens += sum(count_host)
         if self.plan.stopping_criteria:
             stopped = self._apply_stopping_criteria(count_host, generated_before)
             count_host = self._host_counts
@@ -522,6 +529,30 @@ class SpeculativeLoop:
             start = self.prompt_length + generated_before[0]
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
         return stopped
+
+    def _apply_stop_strings(self, count_host, generated_before) -> None:
+        """``stop_strings``, per row, after every emitted token as HF checks them: a row whose new token completes a
+        stop string keeps it, drops the tokens after it and finishes. Runs on the host copies of the rows (no device
+        read: the emitted tokens are this iteration's read)."""
+        counts, finished = list(count_host), list(self._finished_host)
+        width, stopped = self._host_width, False
+        for b, count in enumerate(count_host):
+            row = self._host_rows[b]
+            new = self._host_tokens[b * width : b * width + count]
+            for j, token in enumerate(new):
+                row.append(token)
+                if bool(self.stop(torch.tensor([row]), None).any()):
+                    counts[b], finished[b], stopped = j + 1, 1, True
+                    break
+        if not stopped:
+            return
+        for b, (before, kept) in enumerate(zip(count_host, counts)):
+            if kept < before:  # the tokens after the stop were written: fill them as a finished row's
+                start = self.prompt_length + generated_before[b]
+                self.sequences[b, start + kept : start + before] = self.sequences_fill
+        self._set_generated([g + c for g, c in zip(generated_before, counts)])
+        self._host_counts = counts
+        self._set_finished(finished)
 
     def _apply_stopping_criteria(self, count_host, generated_before) -> bool:
         """User stopping criteria, evaluated after every emitted token as HF does (batch 1). Returns whether one
@@ -590,6 +621,8 @@ class SpeculativeLoop:
         self._max_new = [self._max_new[i] for i in remaining]
         self._eos = [self._eos[i] for i in remaining]
         self.masks.select_rows(keep)
+        if self._host_rows is not None:
+            self._host_rows = [self._host_rows[i] for i in remaining]
         self._context_start = [self._context_start[i] for i in remaining]
         for per_row in (self.processors, self.warpers):
             if per_row is not None:

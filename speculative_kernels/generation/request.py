@@ -90,6 +90,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
     batch, width = input_ids.shape
     device = input_ids.device
+    stop = None
+    if plan.stop_strings and rows is None:  # (a batch of requests: the batcher checks each request's own)
+        stop = stop_string_criterion(plan.stop_strings, tokenizer)
     if rows is None:  # (a batch of separate requests carries each row's own, built for the request alone)
         processors = build_row_processors(model, plan, input_ids, attention_mask,
                                           _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
@@ -134,7 +137,18 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
-                           processors=processors, warpers=warpers)
+                           processors=processors, warpers=warpers, stop=stop)
+
+
+def stop_string_criterion(stop_strings, tokenizer):
+    """HF's ``StopStringCriteria`` for ``stop_strings`` (a tuple of strings) on ``tokenizer``, which
+    ``model.generate`` requires for them too."""
+    if tokenizer is None:
+        raise ValueError(f"stop_strings={list(stop_strings)!r} needs tokenizer= (the target's tokenizer), as "
+                         "model.generate does, to find the strings in the tokens")
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    return StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
 
 
 def _encoder_ids(input_ids, device):

@@ -59,6 +59,8 @@ HONOURED = {
     "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
     "max_matching_ngram_size": "prompt lookup's longest n-gram (HF's default 2)",
     "num_return_sequences": "sampling: each prompt repeated, its rows together (HF refuses it greedy, and so do we)",
+    "stop_strings": "HF's StopStringCriteria on the call's tokenizer=, per row (a row stops after the token that "
+                    "completes one), any batch size",
 }
 # Field -> its "off" values. Honoured by HF's own logits processors, which read the tokens so far, run at every
 # position of a speculative block with the tokens before it (``context_processors.py``); part of ``HONOURED``.
@@ -112,7 +114,6 @@ REFUSED_UNLESS = {
     "output_attentions": (False,),
     "output_hidden_states": (False,),
     "max_time": (),
-    "stop_strings": (),
     "token_healing": (False,),
     "low_memory": (False,),
     "dola_layers": (),
@@ -183,6 +184,7 @@ class Plan:
     prefix_allowed_tokens_fn: object | None = None
     context_processing: bool = False
     renormalize_logits: bool = False
+    stop_strings: tuple = ()  # HF's stop_strings (``StopStringCriteria`` on the call's tokenizer)
     # HF's warper chain runs before the verification (a field of ``WARPERS`` set, sampling); ``sampling`` is then
     # neutral (temperature 1, no top-k/top-p): the chain applies the request's own.
     warping: bool = False
@@ -444,6 +446,7 @@ class Settings:
             or context_fields_set(config),
             renormalize_logits=bool(config.renormalize_logits),
             warping=self.warping,
+            stop_strings=stop_strings(config.stop_strings),
         )
 
 
@@ -516,6 +519,16 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
                     logits_processor, prefix_allowed_tokens_fn, warping, copies)
+
+
+def stop_strings(value) -> tuple:
+    """HF's ``stop_strings``: a non-empty string or a list of them (None: none) -> a tuple of strings."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(x, str) and x for x in items):
+        raise TypeError(f"stop_strings must be a non-empty string or a list of non-empty strings, got {value!r}")
+    return tuple(items)
 
 
 def warper_fields_set(config) -> list[str]:

@@ -46,3 +46,39 @@ def test_stop_strings_are_checked(demo):
     for bad in ([], [""], [3], 5):
         with pytest.raises(TypeError, match="stop_strings must be"):
             decoder.add_request([1, 2], stop_strings=bad)
+
+
+def test_generate_stop_strings_per_row_as_model_generate(demo):
+    """generate(stop_strings=..., tokenizer=...): each row stops after the token completing a stop string (kept),
+    its later positions padded, the other rows run on: token-identical to model.generate, batch 1 and a
+    left-padded batch, draft model and prompt lookup; the model's generation_config default applies too."""
+    target, draft, tokenizer = demo
+    prompts = ["def add(a, b):", "import os\nimport", "for i in range(", "class Stack:\n    def"]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=40, do_sample=False, stop_strings=["\n", "sys"], tokenizer=tokenizer,
+                  pad_token_id=tokenizer.pad_token_id)
+    expected = target.generate(**batch, **kwargs)
+    plain = target.generate(**batch, **{k: v for k, v in kwargs.items() if k not in ("stop_strings", "tokenizer")})
+    assert not torch.equal(expected, plain[:, : expected.shape[1]])  # the stops cut rows: the test can fail
+    for extra in (dict(draft_model=draft, num_speculative_tokens=4), dict(prompt_lookup_num_tokens=4)):
+        assert torch.equal(sk.generate(target, **batch, **kwargs, **extra), expected)
+        one = tokenizer(prompts[:1], return_tensors="pt")
+        assert torch.equal(sk.generate(target, **one, **kwargs, **extra), target.generate(**one, **kwargs))
+    with pytest.raises(ValueError, match="stop_strings=.* needs tokenizer="):
+        sk.generate(target, **batch, draft_model=draft, max_new_tokens=4, stop_strings=["\n"])
+    with pytest.raises(TypeError, match="stop_strings must be"):
+        sk.generate(target, **batch, draft_model=draft, max_new_tokens=4, stop_strings=[3], tokenizer=tokenizer)
+    config_default = dict(kwargs)
+    del config_default["stop_strings"]
+    target.generation_config.stop_strings = ["\n"]
+    try:
+        assert torch.equal(sk.generate(target, **batch, draft_model=draft, **config_default),
+                           target.generate(**batch, **config_default))
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
+        request = decoder.add_request(tokenizer(prompts[0])["input_ids"], max_new_tokens=40, do_sample=False)
+        while decoder.has_work():
+            decoder.step()
+        assert decoder.result(request).finish_reason == "stop"
+    finally:
+        target.generation_config.stop_strings = None
