@@ -180,6 +180,9 @@ class ContinuousBatcher:
                   if getattr(config, name, None) is not None]
         if forced:
             raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
+        if plan.max_time is not None:
+            raise ValueError(f"max_time={plan.max_time} (from the model's generation config) is not supported by "
+                             "add_request: a server bounds a request by max_new_tokens, or cancels it")
         if plan.renormalize_logits:
             raise ValueError("renormalize_logits=True (from the model's generation config) changes only the scores, "
                              "which add_request does not return; set it to False in the model's generation_config")

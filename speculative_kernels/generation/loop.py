@@ -3,6 +3,7 @@ rolls back for every row at once, with one device-to-host read (the iteration's 
 runners asked for). The walk-through of an iteration is in ``docs/architecture.md``."""
 
 import dataclasses
+import time
 from collections.abc import Callable
 from types import ModuleType
 
@@ -126,6 +127,7 @@ class SpeculativeLoop:
         self.timer = PhaseTimer(self.device)
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
+        self._started = time.monotonic()  # (max_time counts from here, as HF's MaxTimeCriteria from its prefill)
         self._prefill(input_ids, attention_mask)
         if warm_up is not None:
             self.stats.warmup_time_s = warm_up()
@@ -473,8 +475,9 @@ class SpeculativeLoop:
         if self.gamma == self.chosen_gamma:  # shortened iterations stay out: their counts would bias alpha
             for n, a in zip(accepted_host, active_host):
                 self._histogram[n] += a
-        if self._after_emit(count_host, accepted_host, active_host, generated_before, proposals):
-            self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request
+        if self._after_emit(count_host, accepted_host, active_host, generated_before, proposals) or \
+                self._out_of_time():
+            self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request, or max_time passed
         # No rollback when nothing runs after; gamma 0 mid-run (a drafter without a model proposed nothing) still
         # moves each row's next input to its new token.
         if not all(self._finished_host):
@@ -484,6 +487,11 @@ class SpeculativeLoop:
         self.iteration += 1
         self.timer.stop("step")
         return not all(self._finished_host)
+
+    def _out_of_time(self) -> bool:
+        """max_time: True once max_time seconds have passed since the prefill began (every row then stops after
+        this iteration, as HF's MaxTimeCriteria stops every row after its step)."""
+        return self.plan.max_time is not None and time.monotonic() - self._started > self.plan.max_time
 
     def _calibrate(self, accepted_counts: list[int]) -> None:
         """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.

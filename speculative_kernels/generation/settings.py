@@ -61,6 +61,8 @@ HONOURED = {
     "num_return_sequences": "sampling: each prompt repeated, its rows together (HF refuses it greedy, and so do we)",
     "stop_strings": "HF's StopStringCriteria on the call's tokenizer=, per row (a row stops after the token that "
                     "completes one), any batch size",
+    "max_time": "every row stops after the iteration in which max_time seconds have passed since the prefill began "
+                "(HF: after the step): a prefix of the output, as HF's",
 }
 # Field -> its "off" values. Honoured by HF's own logits processors, which read the tokens so far, run at every
 # position of a speculative block with the tokens before it (``context_processors.py``); part of ``HONOURED``.
@@ -113,7 +115,6 @@ REFUSED_UNLESS = {
     "watermarking_config": (),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
-    "max_time": (),
     "token_healing": (False,),
     "low_memory": (False,),
     "dola_layers": (),
@@ -185,6 +186,7 @@ class Plan:
     context_processing: bool = False
     renormalize_logits: bool = False
     stop_strings: tuple = ()  # HF's stop_strings (``StopStringCriteria`` on the call's tokenizer)
+    max_time: float | None = None  # seconds: every row stops after the iteration in which they have passed
     # HF's warper chain runs before the verification (a field of ``WARPERS`` set, sampling); ``sampling`` is then
     # neutral (temperature 1, no top-k/top-p): the chain applies the request's own.
     warping: bool = False
@@ -447,6 +449,7 @@ class Settings:
             renormalize_logits=bool(config.renormalize_logits),
             warping=self.warping,
             stop_strings=stop_strings(config.stop_strings),
+            max_time=_max_time(config.max_time),
         )
 
 
@@ -519,6 +522,14 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
                     logits_processor, prefix_allowed_tokens_fn, warping, copies)
+
+
+def _max_time(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"max_time must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def stop_strings(value) -> tuple:

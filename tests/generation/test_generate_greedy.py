@@ -199,3 +199,20 @@ def test_bos_only_when_no_prompt():
     expected = target.generate(max_new_tokens=6, do_sample=False)
     got = sk.generate(target, draft_model=target, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, expected)
+
+
+def test_max_time_stops_every_row_after_the_iteration_it_passes_in():
+    """max_time (HF's MaxTimeCriteria: every row stops after the step in which the time passed): the output is a
+    prefix of the unbounded one, cut after the first iteration when the time is already up; a generous bound changes
+    nothing. Not a timing assertion: 1e-9 s has passed by the end of any iteration."""
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = torch.tensor([[0, 0, 84, 39, 64], [5, 6, 7, 8, 9]])
+    mask = (ids != 0).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    full = target.generate(ids, **kwargs)
+    cut = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_time=1e-9, **kwargs)
+    assert ids.shape[1] < cut.shape[1] <= ids.shape[1] + 4  # one iteration: at most gamma + 1 tokens
+    assert torch.equal(cut, full[:, : cut.shape[1]])
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_time=3600.0, **kwargs), full)
+    with pytest.raises(ValueError, match="max_time"):
+        sk.generate(target, ids, draft_model=draft, max_time=-1.0, **kwargs)
