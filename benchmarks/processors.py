@@ -8,7 +8,8 @@ For each setting (none; ``repetition_penalty=1.05``, the Qwen2.5 instruct checkp
 assisted generation with the demo draft (``assistant_model=``, which runs the same processors per candidate
 position), and ours with the demo draft (gamma --gamma). Per path: tokens/s (total tokens / sum over prompts of each
 prompt's median time over --repeats runs; the paths interleaved within each repeat, after one warm-up run each),
-the speedup over plain ``generate`` with the same setting, and whether the output is token-identical to it.
+the speedup over plain ``generate`` with the same setting, whether the output is token-identical to it, and for
+ours the acceptance rate (accepted / drafted tokens, over the prompts' warm-up runs: greedy, so deterministic).
 A markdown table on stdout, JSON under --out.
 """
 
@@ -37,23 +38,26 @@ SETTINGS = {
 }
 
 
-def paths(target, draft, gamma: int, max_new_tokens: int, settings: dict) -> dict:
-    """name -> fn(ids) -> sequences [1, L + new]; greedy, EOS off (every path generates max_new_tokens)."""
+def paths(target, draft, gamma: int, max_new_tokens: int, settings: dict, stats) -> dict:
+    """name -> fn(ids) -> sequences [1, L + new]; greedy, EOS off (every path generates max_new_tokens). stats: a
+    SpeculationStats ours accumulates into."""
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **settings)
     return {
         "plain generate": lambda ids: target.generate(ids, **common),
         "HF assisted": lambda ids: target.generate(ids, assistant_model=draft, num_assistant_tokens=gamma,
                                                    num_assistant_tokens_schedule="constant", **common),
-        "ours": lambda ids: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, **common),
+        "ours": lambda ids: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma,
+                                        speculation_stats=stats, **common),
     }
 
 
-def run_setting(prompts, runs: dict, repeats: int) -> dict:
-    """Per path: tokens, seconds (sum of per-prompt medians), tok/s, identical to plain."""
+def run_setting(prompts, runs: dict, repeats: int, stats) -> dict:
+    """Per path: tokens, seconds (sum of per-prompt medians), tok/s, identical to plain; ours' acceptance rate."""
     times = {name: [[] for _ in prompts] for name in runs}
     outputs = {}
     for name, fn in runs.items():  # warm-up, and the outputs compared
         outputs[name] = [fn(ids) for ids in prompts]
+    acceptance = stats.accepted_tokens / max(stats.drafted_tokens, 1)
     for _ in range(repeats):
         for p, ids in enumerate(prompts):
             for name, fn in runs.items():
@@ -67,15 +71,18 @@ def run_setting(prompts, runs: dict, repeats: int) -> dict:
         result[name] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "same_as_plain": same}
     for name in runs:
         result[name]["x_plain"] = result[name]["tok_s"] / result["plain generate"]["tok_s"]
+    result["ours"]["acceptance_rate"] = acceptance
     return result
 
 
 def table(results: dict) -> str:
-    lines = ["| setting | path | tok/s | × plain (same setting) | same as plain |", "|---|---|---:|---:|---|"]
+    lines = ["| setting | path | tok/s | × plain (same setting) | same as plain | acceptance |",
+             "|---|---|---:|---:|---|---:|"]
     for setting, rows in results.items():
         for name, r in rows.items():
+            accept = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else ""
             lines.append(f"| {setting} | {name} | {r['tok_s']:.1f} | {r['x_plain']:.2f} | "
-                         f"{'yes' if r['same_as_plain'] else 'NO'} |")
+                         f"{'yes' if r['same_as_plain'] else 'NO'} | {accept} |")
     return "\n".join(lines)
 
 
@@ -97,8 +104,9 @@ def main(argv=None) -> int:
     results = {}
     with torch.inference_mode():
         for setting, settings in SETTINGS.items():
-            results[setting] = run_setting(prompts, paths(target, draft, args.gamma, args.max_new_tokens, settings),
-                                           args.repeats)
+            stats = sk.SpeculationStats()
+            results[setting] = run_setting(
+                prompts, paths(target, draft, args.gamma, args.max_new_tokens, settings, stats), args.repeats, stats)
             print(f"{setting}: done", file=sys.stderr, flush=True)
     print(table(results))
     if args.out:

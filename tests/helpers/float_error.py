@@ -46,10 +46,12 @@ def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tenso
         return model(**inputs).logits[:, -steps:]
 
 
-def assert_logits_as_accurate_as_hf(model, got, expected, live=None, **inputs):
+def assert_logits_as_accurate_as_hf(model, got, expected, live=None, score_gain: float = 1.0, **inputs):
     """``got``/``expected``: outputs of ``sk.generate``/``model.generate`` (float32 ``model``) with equal
     ``sequences``, and ``logits`` (``scores`` too if present). ``live`` [B, steps] bool selects the steps to compare
-    (HF goes on computing finished rows). ``inputs`` as for ``teacher_forced_logits``. Returns (ours, HF's) errors."""
+    (HF goes on computing finished rows). ``score_gain``: how much the logits processors behind ``scores`` can
+    amplify an error in the logits (their Lipschitz constant, ``processor_gain``). ``inputs`` as for
+    ``teacher_forced_logits``. Returns (ours, HF's) errors."""
     steps = len(expected.logits)
     assert len(got.logits) == steps
     live = torch.ones(len(expected.sequences), steps, dtype=torch.bool) if live is None else live
@@ -74,5 +76,23 @@ def assert_logits_as_accurate_as_hf(model, got, expected, live=None, **inputs):
         finite = theirs[torch.isfinite(theirs)]
         largest = float(finite.abs().max()) if finite.numel() else 0.0
         rounding = 2 * torch.finfo(torch.float32).eps * largest if largest > scale else 0.0
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=3 * ref_error + floor + rounding)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=3 * ref_error * score_gain + floor + rounding)
     return our_error, ref_error
+
+
+def processor_gain(config, steps: int) -> float:
+    """How much HF's logits processors set in ``config`` (a resolved GenerationConfig) can multiply an error in the
+    logits, over ``steps`` steps: the repetition penalties scale a logit by their penalty or its inverse, the
+    exponential decay length penalty adds |logit| (factor^k - 1) to EOS's (a gain of up to factor^steps), and the
+    log-softmax of ``renormalize_logits`` adds the error of the log-sum-exp (2). The others add constants or -inf."""
+    gain = 1.0
+    for name in ("repetition_penalty", "encoder_repetition_penalty"):
+        penalty = getattr(config, name, None)
+        if penalty is not None and penalty > 0:
+            gain *= max(penalty, 1 / penalty)
+    decay = getattr(config, "exponential_decay_length_penalty", None)
+    if decay is not None:
+        gain *= max(float(decay[1]), 1.0) ** steps
+    if getattr(config, "renormalize_logits", False):
+        gain *= 2.0
+    return gain
