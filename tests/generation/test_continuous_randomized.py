@@ -1,6 +1,7 @@
 """Continuous batching under random traffic: requests with random prompts (some holding the pad id, some
-repetitive so that lookups match), lengths, EOS ids, min_new_tokens and greedy or seeded sampling settings arrive at
-random steps, some are cancelled; on Llama and GPT-2, with a draft model and with prompt lookup, on the dynamic and
+repetitive so that lookups match), lengths, EOS ids, min_new_tokens, HF logits processors (repetition penalty, n-gram
+bans, suppressed tokens, the exponential length penalty) and greedy or seeded sampling settings arrive at random steps,
+some are cancelled; on Llama and GPT-2, with a draft model and with prompt lookup, on the dynamic and
 the static cache. Every finished request must equal itself decoded alone (greedy: ``model.generate``; sampled:
 ``speculative_kernels.generate`` with its seed), streamed and final, and a cancelled one a prefix of that.
 
@@ -52,8 +53,19 @@ def _traffic(rng: random.Random) -> list[tuple[int, list[int], dict]]:
                 settings["eos_token_id"] = rng.randrange(3, 97)
             if rng.random() < 0.2:
                 settings["min_new_tokens"] = rng.randint(0, 5)
+            settings.update(_processors(random.Random(rng.random())))  # (its own stream: the draws above stay)
             traffic.append((step, prompt, settings))
     return traffic
+
+
+def _processors(rng: random.Random) -> dict:
+    """A request's HF logits processors, for about a third of the requests (no cutting warper such as min_p: a cut
+    turns the models' batched-vs-alone float noise into a different token, see the module docstring)."""
+    if rng.random() >= 0.35:
+        return {}
+    return rng.choice([dict(repetition_penalty=rng.choice([1.3, 0.8])), dict(no_repeat_ngram_size=rng.choice([2, 3])),
+                       dict(repetition_penalty=1.2, suppress_tokens=[rng.randrange(3, 97)]),
+                       dict(exponential_decay_length_penalty=(rng.randint(1, 4), 1.5), eos_token_id=2)])
 
 
 def _alone(target, draft, prompt, settings, drafting):
