@@ -240,3 +240,20 @@ def test_warpers_change_nothing_when_greedy_as_in_hf(pair):
                        expected)
     with pytest.raises(ValueError, match="min_p"):  # HF's own check of the value, by name
         sk.generate(target, ONE, draft_model=draft, max_new_tokens=4, do_sample=True, min_p=1.5)
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_begin_suppress_tokens_acts_at_the_first_position_only(pair, drafting):
+    """HF's SuppressTokensAtBeginLogitsProcessor fires where input_ids.shape[-1] equals the prompt's width: at the
+    first new token only. Suppressing the tokens plain greedy decoding starts with changes the output (the check
+    can fail), and a context one token off at the first position would suppress nothing."""
+    target, draft = pair
+    plain = hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY)
+    first = sorted(set(plain[:, BATCH.shape[1]].tolist()))
+    settings = dict(begin_suppress_tokens=first)
+    expected = hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings)
+    assert not torch.equal(expected, plain)
+    extra = dict(draft_model=draft, num_speculative_tokens=3) if drafting == "draft_model" else \
+        dict(prompt_lookup_num_tokens=3)
+    assert torch.equal(_quiet(sk.generate, target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings, **extra),
+                       expected)
