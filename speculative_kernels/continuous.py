@@ -70,6 +70,8 @@ from .generation.request import build_loop
 from .generation.row_settings import RowSettings
 from .generation.context_processors import build_row_processors, build_warpers
 from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
+from .generation.settings import stop_strings as parse_stop_strings
+from .generation.stop_strings import completes_stop_string, stop_criterion
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
@@ -212,7 +214,7 @@ class ContinuousBatcher:
         ids = torch.tensor([prompt], dtype=torch.int64, device=device)
         real = torch.ones_like(ids) if mask is None else torch.tensor([mask], device=device)
         row = build_row_processors(self.decoder.target, plan, ids, real, ids)
-        return (row.lists[0] if row is not None else []), build_warpers(self.decoder.target, plan, len(prompt), device)
+        return (row.rows[0] if row is not None else []), build_warpers(self.decoder.target, plan, len(prompt), device)
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
@@ -253,16 +255,10 @@ class ContinuousBatcher:
         """stop_strings (a string or a list of them) -> HF's StopStringCriteria on the decoder's tokenizer, or None."""
         if stop_strings is None:
             return None
-        if isinstance(stop_strings, str):
-            stop_strings = [stop_strings]
-        if not isinstance(stop_strings, (list, tuple)) or not stop_strings or \
-                not all(isinstance(x, str) and x for x in stop_strings):
-            raise TypeError("stop_strings must be a non-empty string or a list of non-empty strings")
+        strings = parse_stop_strings(stop_strings)
         if self.decoder.tokenizer is None:
             raise ValueError("stop_strings needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
-        from transformers.generation.stopping_criteria import StopStringCriteria
-
-        return StopStringCriteria(tokenizer=self.decoder.tokenizer, stop_strings=list(stop_strings))
+        return stop_criterion(strings, self.decoder.tokenizer)
 
     def _stopped_at(self, request: _Request, new: list[int]) -> int | None:
         """With stop strings: the index in ``new`` (the tokens just emitted, already in the result) of the first
@@ -271,7 +267,7 @@ class ContinuousBatcher:
         ids = result.prompt_ids + result.token_ids
         start = len(ids) - len(new)
         for j in range(len(new)):
-            if bool(request.stop(torch.tensor([ids[: start + j + 1]]), None).any()):
+            if completes_stop_string(request.stop, ids[: start + j + 1]):
                 return j
         return None
 

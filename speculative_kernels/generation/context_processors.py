@@ -24,10 +24,24 @@ import inspect
 
 import torch
 
-from .settings import Plan, context_fields_set
+from .settings import Plan
 
 
-class RowProcessors:
+class _PerRow:
+    """A per-row list (``rows``) that follows its batch's rows: leaving (``select_rows``), joining (``add_rows``)."""
+
+    rows: list
+
+    def select_rows(self, remaining: list[int]) -> None:
+        """Keep rows ``remaining`` (host indices, in order)."""
+        self.rows = [self.rows[i] for i in remaining]
+
+    def add_rows(self, other: "_PerRow") -> None:
+        """Append ``other``'s rows (rows joining a batch of requests)."""
+        self.rows = self.rows + other.rows
+
+
+class RowProcessors(_PerRow):
     """One HF ``LogitsProcessorList`` per row (``build_row_processors``), called processor by processor as
     ``LogitsProcessorList.__call__`` calls them (without its per-call signature inspection: a processor that needs
     more arguments than (input_ids, scores) is refused here, where HF's list would raise at its first call)."""
@@ -38,7 +52,7 @@ class RowProcessors:
                 if len(_parameters(processor)) > 2:
                     raise ValueError(f"logits processor {type(processor).__name__} takes more arguments than "
                                      "(input_ids, scores); generate passes it none, as model.generate would not")
-        self.lists = [list(processors) for processors in lists]
+        self.rows = [list(processors) for processors in lists]
 
     def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None, rows: list[int]) -> None:
         """In place on logits [B, T, V] (float32). contexts[b]: row b's tokens before position 0 ([1, L_b] int64);
@@ -46,27 +60,19 @@ class RowProcessors:
         (the others are left as they are)."""
         width = logits.shape[1]
         for b in rows:
-            if not self.lists[b]:  # (a row of a batch of requests without processors of its own)
+            if not self.rows[b]:  # (a row of a batch of requests without processors of its own)
                 continue
             context = contexts[b]
             tokens = context if width == 1 else torch.cat([context, block[b : b + 1, : width - 1]], dim=1)
             start = context.shape[1]
             for j in range(width):
                 scores = logits[b : b + 1, j]
-                for processor in self.lists[b]:
+                for processor in self.rows[b]:
                     scores = processor(tokens[:, : start + j], scores)
                 logits[b : b + 1, j] = scores
 
-    def select_rows(self, remaining: list[int]) -> None:
-        """Keep the lists of rows ``remaining`` (host indices, in order)."""
-        self.lists = [self.lists[i] for i in remaining]
 
-    def add_rows(self, other: "RowProcessors") -> None:
-        """Append ``other``'s rows (rows joining a batch of requests)."""
-        self.lists = self.lists + other.lists
-
-
-class RowWarpers:
+class RowWarpers(_PerRow):
     """Each row's own ``Warpers`` or None (a batch of separate requests: ``RowSettings.warpers``)."""
 
     def __init__(self, rows: list):
@@ -79,12 +85,6 @@ class RowWarpers:
             if warpers is not None:
                 out[b] = warpers(logits[b])
         return out
-
-    def select_rows(self, remaining: list[int]) -> None:
-        self.rows = [self.rows[i] for i in remaining]
-
-    def add_rows(self, other: "RowWarpers") -> None:
-        self.rows = self.rows + other.rows
 
 
 def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -198,4 +198,4 @@ class _RowIndexed:
         return self.fn(self.row, input_ids)
 
 
-__all__ = ["RowProcessors", "RowWarpers", "Warpers", "build_row_processors", "build_warpers", "context_fields_set"]
+__all__ = ["RowProcessors", "RowWarpers", "Warpers", "build_row_processors", "build_warpers"]

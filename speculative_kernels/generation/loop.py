@@ -25,6 +25,7 @@ from .rows import Outputs, RowDropper
 from .runners import Runner
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
+from .stop_strings import completes_stop_string
 from .transfer import host_to_device
 
 
@@ -549,7 +550,7 @@ class SpeculativeLoop:
             new = self._host_tokens[b * width : b * width + count]
             for j, token in enumerate(new):
                 row.append(token)
-                if bool(self.stop(torch.tensor([row]), None).any()):
+                if completes_stop_string(self.stop, row):
                     counts[b], finished[b], stopped = j + 1, 1, True
                     break
         if not stopped:

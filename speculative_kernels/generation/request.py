@@ -22,6 +22,7 @@ from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import Plan, resolve_settings
+from .stop_strings import stop_criterion
 from .vocab import VocabBridge, logit_width
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
@@ -146,9 +147,7 @@ def stop_string_criterion(stop_strings, tokenizer):
     if tokenizer is None:
         raise ValueError(f"stop_strings={list(stop_strings)!r} needs tokenizer= (the target's tokenizer), as "
                          "model.generate does, to find the strings in the tokens")
-    from transformers.generation.stopping_criteria import StopStringCriteria
-
-    return StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+    return stop_criterion(stop_strings, tokenizer)
 
 
 def _encoder_ids(input_ids, device):
