@@ -94,9 +94,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     stop = None
     if plan.stop_strings and rows is None:  # (a batch of requests: the batcher checks each request's own)
         stop = stop_string_criterion(plan.stop_strings, tokenizer)
+    # The encoder input on the device (ids [B, S], real [B, S]) or None: prompt lookup searches it, HF's encoder
+    # processors read it.
+    encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None
     if rows is None:  # (a batch of separate requests carries each row's own, built for the request alone)
-        processors = build_row_processors(model, plan, input_ids, attention_mask,
-                                          _encoder_ids(encoder_input[0], device) if encoder_decoder else input_ids)
+        encoder_ids = input_ids if not encoder_decoder else None if encoder_prefix is None else encoder_prefix[0]
+        processors = build_row_processors(model, plan, input_ids, attention_mask, encoder_ids)
         warpers = build_warpers(model, plan, width, device)
     else:
         processors = warpers = None
@@ -127,9 +130,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         drafter = ModelDrafter(runners[1], bridge, dtype)
         steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
     elif settings.prompt_lookup is not None:
-        prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None
         drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens, settings.prompt_lookup.max_ngram,
-                                      prefix=prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
+                                      prefix=encoder_prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
                                       compiled=captured_layout)
     # else: the caller's drafter (a Drafter without a model), used as given
     warm_up = None
@@ -148,11 +150,6 @@ def stop_string_criterion(stop_strings, tokenizer):
         raise ValueError(f"stop_strings={list(stop_strings)!r} needs tokenizer= (the target's tokenizer), as "
                          "model.generate does, to find the strings in the tokens")
     return stop_criterion(stop_strings, tokenizer)
-
-
-def _encoder_ids(input_ids, device):
-    """The encoder input ids as HF's processors take them ([B, S] int64 on the device), or None."""
-    return None if input_ids is None else input_ids.to(device=device, dtype=torch.int64)
 
 
 def _encoder_prefix(input_ids, attention_mask, device):
