@@ -17,6 +17,7 @@ Sliding windows are set to 6 (prompts are 10 tokens), so they bind. ``compile`` 
     python benchmarks/coverage.py --out benchmarks/results/coverage.jsonl   # the sweep (about 10 minutes on 2 cores)
     python benchmarks/coverage.py --render benchmarks/results/coverage.jsonl --doc docs/architectures.md
     python benchmarks/coverage.py --only mistral,bloom                      # a few architectures
+    python benchmarks/coverage.py --dtype bfloat16 --attn eager --out ...   # half precision, width-invariant
 """
 
 import argparse
@@ -43,8 +44,9 @@ def _short(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:220]}"
 
 
-def _models(model_type: str, kind: str):
-    """(target, [drafts]): the tiny target and copies of it with growing noise on every weight."""
+def _models(model_type: str, kind: str, dtype: str = "float32", attn: str | None = None):
+    """(target, [drafts]): the tiny target (weights in ``dtype``; ``attn``: an attention implementation, None:
+    transformers' default) and copies of it with growing noise on every weight."""
     import copy
 
     import torch
@@ -56,7 +58,8 @@ def _models(model_type: str, kind: str):
     config = tiny_config(model_type, sliding_window=6)
     auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSeq2SeqLM
     torch.manual_seed(0)
-    target = auto.from_config(config).eval()
+    target = auto.from_config(config, **({"attn_implementation": attn} if attn else {})).eval()
+    target.to(getattr(torch, dtype))
     for name, off in REFUSED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
         value = getattr(target.generation_config, name, None)
         if value is not None and value not in off:
@@ -144,7 +147,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     return "exact"
 
 
-def sweep(types, out, timeout: int) -> None:
+def sweep(types, out, timeout: int, dtype: str = "float32", attn: str | None = None) -> None:
     import torch
     from transformers.utils import logging
 
@@ -166,7 +169,7 @@ def sweep(types, out, timeout: int) -> None:
         start = time.time()
         signal.alarm(timeout)
         try:
-            target, drafts = _models(model_type, kind)
+            target, drafts = _models(model_type, kind, dtype, attn)
             row["architecture"] = type(target).__name__
             for column in COLUMNS:
                 begin = time.time()
@@ -308,6 +311,9 @@ def main(argv=None):
     parser.add_argument("--only", default=None, help="comma-separated model types")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per architecture")
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th architecture from the i-th (parallel runs)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the models' weights (half precision: see docs/half_precision.md)")
+    parser.add_argument("--attn", default=None, help="attention implementation (e.g. eager; default: transformers')")
     parser.add_argument("--render", default=None, help="render a JSON lines file into a Markdown table")
     parser.add_argument("--doc", default=None, help="write the rendered table here (default stdout)")
     args = parser.parse_args(argv)
@@ -330,7 +336,7 @@ def main(argv=None):
     index, count = (int(x) for x in args.shard.split("/"))
     types = types[index::count]
     out = sys.stdout if args.out == "-" else open(args.out, "w")
-    sweep(types, out, args.timeout)
+    sweep(types, out, args.timeout, args.dtype, args.attn)
 
 
 if __name__ == "__main__":
