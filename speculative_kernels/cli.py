@@ -97,7 +97,46 @@ def run_generate(args) -> int:
           f"{len(base_tokens) / base_seconds:.1f} tokens/s")
     print(f"speedup {base_seconds / seconds * len(new_tokens) / max(len(base_tokens), 1):.2f}x; outputs "
           + ("identical" if identical else "differ" + (" (expected when sampling)" if args.temperature else "")))
+    if not identical and not args.temperature:
+        step = next((i for i, (a, b) in enumerate(zip(new_tokens, base_tokens)) if a != b),
+                    min(len(new_tokens), len(base_tokens)))
+        print(describe_difference(
+            step, lambda **extra: generate(target, input_ids, backend=args.backend, seed=args.seed, **drafting,
+                                           **{**kwargs, **extra}),
+            lambda **extra: target.generate(input_ids, **{**kwargs, **extra}), target.dtype))
     return 0 if identical or args.temperature > 0 else 1
+
+
+def describe_difference(step: int, ours, reference, dtype) -> str:
+    """Where two greedy outputs of one prompt part (new token ``step``), and what the target's logits there say.
+
+    ours / reference: ``fn(**generate_kwargs)`` re-running ``speculative_kernels.generate`` / ``model.generate`` on
+    the prompt; both are run again for ``step + 1`` tokens with ``output_logits=True`` (same prefix up to ``step``).
+    Reports each side's preference for its own token and how far apart the two computations of that position's
+    logits are, in units of ``dtype``'s (the model's) rounding at the logits' scale: a few units is the model's own rounding
+    deciding a near-tie (a multi-token verification forward rounds differently from a one-token step in half
+    precision: docs/half_precision.md); far more is a defect."""
+    import torch
+
+    extra = dict(max_new_tokens=step + 1, output_logits=True, return_dict_in_generate=True)
+    got, expected = ours(**extra), reference(**extra)
+    if len(got.logits) <= step or len(expected.logits) <= step:
+        return f"the outputs differ in length from new token {step} (one side stopped there)"
+    mine, theirs = got.logits[step][0], expected.logits[step][0]
+    token, their_token = int(mine.argmax()), int(theirs.argmax())
+    mine64, theirs64 = mine.double(), theirs.double()
+    spread = (mine64 - theirs64).abs().max().item()
+    scale = theirs64.abs().max().item()
+    roundoff = torch.finfo(dtype).eps / 2 * scale
+    margin = (theirs64[their_token] - theirs64[token]).item()
+    tie = " (an exact tie: argmax takes the lower id)" if margin == 0 else ""
+    return (f"first difference at new token {step}: ours {token}, model.generate {their_token}. There "
+            f"model.generate's logits prefer its token by {margin:.4g}{tie}, "
+            f"ours prefer ours by {(mine64[token] - mine64[their_token]).item():.4g}; the two computations of those "
+            f"logits differ by up to {spread:.4g} = {spread / roundoff:.1f} x {dtype}'s rounding at the "
+            f"logits' scale ({scale:.4g}). A few roundings: a near-tie the model's own rounding decides (a "
+            "multi-token forward rounds differently from a one-token step; docs/half_precision.md). Far more: "
+            "a defect, please report it.")
 
 
 def _drafting(args) -> dict:

@@ -150,3 +150,32 @@ def test_bad_seed_is_an_argument_error(pair, capsys):
         main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--seed", "-1"])
     assert exit_info.value.code == 2
     assert "--seed: must be in [0, 2**63), got -1" in capsys.readouterr().err
+
+
+def test_describe_difference_reports_the_near_tie():
+    """--compare's report where greedy outputs part: each side's margin for its token and how far apart the two
+    computations of those logits are, in the dtype's rounding at their scale."""
+    import types
+
+    import torch
+
+    from speculative_kernels.cli import describe_difference
+
+    def run(last):
+        def fn(max_new_tokens, output_logits, return_dict_in_generate):
+            assert output_logits and return_dict_in_generate and max_new_tokens == 3
+            return types.SimpleNamespace(logits=[torch.zeros(1, 4, dtype=torch.bfloat16)] * 2 + [last[None]])
+        return fn
+
+    ours = torch.tensor([8.0, 1.0, 8.0625, 0.0], dtype=torch.bfloat16)  # prefers token 2 by one bf16 step
+    theirs = torch.tensor([8.0625, 1.0, 8.0, 0.0], dtype=torch.bfloat16)
+    text = describe_difference(2, run(ours), run(theirs), torch.bfloat16)
+    assert "new token 2: ours 2, model.generate 0" in text
+    assert "prefer its token by 0.0625" in text and "ours prefer ours by 0.0625" in text
+    # spread 0.0625 at scale 8.0625: bf16's rounding there is 2**-8 * 8.0625 = 0.0315 -> 2.0 roundings
+    assert "differ by up to 0.0625 = 2.0 x torch.bfloat16's rounding" in text
+
+    def short(max_new_tokens, output_logits, return_dict_in_generate):
+        return types.SimpleNamespace(logits=[torch.zeros(1, 4)])
+
+    assert "differ in length" in describe_difference(2, short, run(theirs), torch.float32)
