@@ -4,6 +4,7 @@
     python benchmarks/gpu.py --out DIR --phases env build tests counts  # lease command 1 (about 8 minutes)
     python benchmarks/gpu.py --out DIR --phases profile verify e2e --e2e-cases demo --limit e2e=200  # command 2
     python benchmarks/gpu.py --out DIR --phases e2e --e2e-cases synthetic   # lease command 3 (9 minutes)
+    python benchmarks/gpu.py --out DIR --phases half                    # command 4 when time is left (~3 minutes)
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
 
 Phases (each a subprocess with its own time limit, so one that hangs or fails leaves the others' results):
@@ -25,6 +26,9 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
 * ``e2e``: ``e2e.py`` on the synthetic Llama-3-8B / 3.2-1B shapes at alpha 0.8 and on the bundled demo pair, each with
   the batching table (batch 1/4/16/64: ``model.generate``, HF assisted at batch 1, ours dynamic/static, compiled at
   batch 1) and the efficiency against the paper's formula; the demo run adds the encoder-decoder case.
+* ``half``: ``half_precision.py`` on the demo pair in bfloat16 and float16: how often greedy output differs from plain
+  ``model.generate`` (ours, HF assisted, HF static cache, HF batched) where GPU kernels round by query length
+  (``docs/half_precision.md``).
 
 Everything lands under ``DIR``: ``logs/<phase>.log``, each phase's JSON/CSV/PNG/XML, and ``summary.md`` /
 ``summary.json`` (rewritten after every phase, so a command stopped at its limit still leaves one), which also checks
@@ -45,9 +49,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the package, when it is not installed
-PHASES = ("env", "build", "tests", "counts", "profile", "verify", "e2e")
+PHASES = ("env", "build", "tests", "counts", "profile", "verify", "e2e", "half")
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
-LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "profile": 180, "verify": 200, "e2e": 540}
+LIMITS = {"env": 60, "build": 200, "tests": 330, "counts": 150, "profile": 180, "verify": 200, "e2e": 540, "half": 240}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
@@ -57,7 +61,7 @@ GPU_TESTS = [
     "tests/generation/test_generate_greedy.py", "tests/generation/test_generate_batch.py",
     "tests/generation/test_continuous_batching.py", "tests/generation/test_continuous_static.py",
     "tests/generation/test_continuous_randomized.py", "tests/generation/test_continuous_compiled.py",
-    "tests/generation/test_continuous_processors.py",
+    "tests/generation/test_continuous_processors.py", "tests/generation/test_half_precision.py",
 ]
 
 
@@ -178,6 +182,14 @@ def counts_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
                   "8", "--modes", "greedy", "sampling"], {}
 
 
+def half_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
+    """``half_precision.py``: greedy differences from ``model.generate`` in bfloat16/float16, ours and HF's paths."""
+    cmd = [sys.executable, str(HERE / "half_precision.py"), "--out", str(out / "half-precision.json")]
+    if dry_run:
+        return cmd + ["--quick", "--dtypes", "bfloat16"], {}
+    return cmd + ["--device", "cuda", "--dtypes", "bfloat16,float16"], {}
+
+
 def profile_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     """``profile_verify.py``: per-kernel metrics under ncu (memory- or arithmetic-bound?) and a cProfile of the eager
     calls (where the Triton backend's host time goes)."""
@@ -285,6 +297,12 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CA
     if phase == "profile":
         cmd, extra = profile_command(phase_dir, dry_run)
         return run_logged(cmd, log, timeout, extra)
+    if phase == "half":
+        cmd, extra = half_command(phase_dir, dry_run)
+        result = run_logged(cmd, log, timeout, extra)
+        table = phase_dir / "half-precision.json"
+        result["half_precision"] = json.loads(table.read_text())["results"] if table.exists() else None
+        return result
     if phase == "verify":
         cmd, extra = verify_command(phase_dir, dry_run)
         result = run_logged(cmd, log, timeout, extra)
@@ -413,6 +431,12 @@ def summarize(out: Path, results: dict, dry_run: bool) -> str:
     if results.get("e2e"):
         synthetic = results["e2e"]["cases"].get("synthetic", {})
         checks += e2e_targets(synthetic.get("result"))
+    half = (results.get("half") or {}).get("half_precision")
+    if half:
+        sys.path.insert(0, str(HERE))
+        from half_precision import table as half_table
+
+        lines += ["", "## Half precision: greedy outputs differing from model.generate", "", half_table(half)]
     if checks:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
         lines += [f"| {c['target']} | {c['value']:.3g} | {c['met']} |" if isinstance(c["value"], float)
