@@ -2,7 +2,7 @@
 
     python benchmarks/half_precision.py                         # the demo pair on CPU: float32, bfloat16, float16
     python benchmarks/half_precision.py --device cuda --dtypes bfloat16,float16
-    python benchmarks/half_precision.py --quick                 # 4 prompts, 16 tokens (a smoke test)
+    python benchmarks/half_precision.py --quick                 # 2 prompts, 8 tokens (a smoke test)
 
 Prompts: the first two lines of the first --prompts functions (``def`` lines) of a fixed list of standard-library
 modules (the demo pair was trained on the standard library). For each dtype, each path runs every prompt greedily
@@ -127,11 +127,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="4 prompts, 16 new tokens")
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 8 new tokens (a smoke test)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
     if args.quick:
-        args.prompts, args.max_new_tokens = 4, 16
+        args.prompts, args.max_new_tokens = 2, 8
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = stdlib_prompts(args.prompts)
