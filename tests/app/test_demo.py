@@ -49,3 +49,12 @@ def test_demo_exits_nonzero_when_greedy_outputs_differ(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "greedy outputs: DIFFER" in out and "(ERROR: greedy)" in out
+
+
+def test_demo_checks_identity_in_float32_unless_told():
+    """The demo's greedy identity check is exact in float32 (half precision: docs/half_precision.md), so 'auto' means
+    float32 on every device; an explicit dtype is kept."""
+    from speculative_kernels.demo import _demo_dtype
+
+    assert _demo_dtype("auto", "cpu") == _demo_dtype("auto", "cuda") == "float32"
+    assert _demo_dtype("bfloat16", "cuda") == "bfloat16"
