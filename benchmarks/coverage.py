@@ -281,6 +281,12 @@ def render(rows, version: str) -> str:
         "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
         "* **Static cache only**: K/V layouts that its per-model `[B, H_kv, C, D]` buffers do not describe (MLA, "
         "Falcon's multi-query K/V, per-layer sizes) are refused there and run on the dynamic cache.",
+        "* **Rotary embeddings that follow the forward's longest position** (`rope_type` \"dynamic\" NTK scaling; "
+        "\"longrope\" as in Phi-3/3.5/4-mini): exact while a request's prompt + max_new_tokens - 1 stays within the "
+        "limit (`original_max_position_embeddings`; for \"dynamic\", `max_position_embeddings`); a request that can "
+        "reach past it is refused by name (`capabilities.check_positions`), since past it the frequencies depend on "
+        "the forward's longest position and a verification forward reaches positions a one-token step has not "
+        "(HF's own Phi-3 `generate` recomputes its whole cache at that point; HF's assisted generation drifts there by 1e-3 on a tiny Phi-3). The sweep's short requests stay within it.",
         "* **Multimodal models** (Gemma 3, Mllama, Qwen2-Audio, ...) generating from text: checked like the others, "
         "with every sub-config (text, vision, audio) shrunk the same way.",
         "* **Classes with a generate() of their own** (MusicGen's codebook delay pattern, SeamlessM4T's target "

@@ -63,6 +63,7 @@ import dataclasses
 
 import torch
 
+from .generation.capabilities import check_positions
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -177,6 +178,7 @@ class ContinuousBatcher:
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
                              f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
+        check_positions(target, (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1)
         config = plan.generation_config
         forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
                   if getattr(config, name, None) is not None]

@@ -325,6 +325,50 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     return _check_decoder_only(model, path, batch)
 
 
+def position_dependent_rope(model) -> list[tuple[str, int]]:
+    """[(rope_type, limit)] of ``model``'s rotary embeddings whose frequencies follow the longest position of each
+    forward (transformers' ``dynamic_rope_update``): "dynamic" NTK scaling recomputes them once a forward's sequence
+    length passes ``limit`` (the module's ``original_max_seq_len``), "longrope" switches to its long factors past
+    ``original_max_position_embeddings``. Empty for the static kinds (default, linear, llama3, yarn, ...).
+
+    Up to ``limit`` every forward uses the same frequencies, whatever its width. Past it they depend on the forward's
+    longest position: a verification forward reaches positions a one-token step of ``model.generate`` has not yet,
+    so its logits would differ (by far more than rounding: measured 5e-5 and 1e-3 on tiny models)."""
+    found = []
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        per_layer = kinds if isinstance(kinds, dict) else {None: kinds}
+        for layer_type, kind in per_layer.items():
+            if not isinstance(kind, str) or not ("dynamic" in kind or kind == "longrope"):
+                continue
+            config = getattr(module, "config", None) or model.config.get_text_config(decoder=True)
+            if "dynamic" in kind:
+                limit = getattr(module, "original_max_seq_len", None)
+            else:
+                params = getattr(config, "rope_parameters", None) or {}
+                params = params.get(layer_type, {}) if layer_type is not None else params
+                limit = params.get("original_max_position_embeddings",
+                                   getattr(config, "original_max_position_embeddings", None))
+            if limit is None:
+                limit = getattr(config, "max_position_embeddings", None)
+            found.append((kind, int(limit) if limit is not None else 0))
+    return found
+
+
+def check_positions(model, longest: int) -> None:
+    """ValueError when a request's longest row reaches ``longest`` sequence length (its prompt's real tokens plus its
+    new tokens, less one: the longest forward ``model.generate`` runs) past the limit of a position-dependent rotary
+    embedding (``position_dependent_rope``), where speculative decoding could not reproduce ``model.generate``."""
+    for kind, limit in position_dependent_rope(model):
+        if longest > limit:
+            raise ValueError(
+                f"{type(model).__name__} uses rope_type={kind!r}, whose rotary frequencies change once a forward's "
+                f"sequence passes {limit} positions and then depend on the forward's longest position; a speculative "
+                "verification forward reaches positions a one-token step has not, so past that point the output "
+                f"would differ from model.generate. This request reaches {longest} (prompt + max_new_tokens - 1): "
+                f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}")
+
+
 def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:
     """Check both models of a request before anything is allocated: (target spec, draft spec), or ValueError naming
     the first refusal."""
