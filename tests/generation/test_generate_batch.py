@@ -78,3 +78,22 @@ def test_compaction_in_generation_gives_identical_tokens(family, cache, backend)
         torch.manual_seed(3)
         sampled.append(sk.generate(target, ids, do_sample=True, top_k=30, batching=options, **kwargs))
     assert torch.equal(*sampled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention needs a GPU here (the CPU build's inductor "
+                                                          "fails to compile it on the development machine)")
+def test_flex_attention_batch_with_holes_matches_hf_on_cuda():
+    """attn_implementation='flex_attention' takes the 2-D slot mask (capabilities: no 4-D masks), from which HF builds
+    its block mask: a left-padded batch whose rows accept different counts (holes) still gives model.generate's
+    tokens (float32)."""
+    target = llama(hidden=64).cuda()
+    draft = drafts_for("llama", target)["perturbed"].cuda()
+    for model in (target, draft):
+        model.set_attn_implementation("flex_attention")
+    ids, mask = (t.cuda() for t in left_padded([5, 9, 3, 7], seed=3))
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    expected = target.generate(ids, **common)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, speculation_stats=stats, **common)
+    assert torch.equal(got, expected)
+    assert stats.acceptance_rate < 1
