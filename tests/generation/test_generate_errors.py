@@ -34,6 +34,7 @@ def _ids():
         (dict(output_attentions=True, return_dict_in_generate=True), ValueError, "output_attentions"),
         (dict(use_cache=False), ValueError, "use_cache"),
         (dict(some_unknown_flag=3), ValueError, "some_unknown_flag"),
+        (dict(past_key_values=__import__("transformers").DynamicCache()), ValueError, "past_key_values .*prompt"),
         (dict(backend="tpu"), ValueError, "backend"),
         (dict(backend="cuda"), RuntimeError, "'cuda' cannot run"),
         (dict(cache_implementation="offloaded"), ValueError, "cache_implementation"),
