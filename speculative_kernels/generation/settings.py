@@ -29,6 +29,9 @@ from ..ops.validation import check_sampling_params
 from .gamma import MAX_GAMMA
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+# transformers' deprecated names of its static cache (``DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS`` less the offloaded
+# ones, whose memory placement we do not do, and "hybrid", which ``_prepare_generation_config`` itself unsets).
+STATIC_ALIASES = ("sliding_window", "hybrid_chunked")
 DEFAULT_MAX_MATCHING_NGRAM_SIZE = 2  # HF's (``generation_config.max_matching_ngram_size or 2``)
 _TOKEN_ID_FIELDS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "forced_bos_token_id",
                     "forced_eos_token_id")
@@ -53,7 +56,8 @@ HONOURED = {
     "return_dict_in_generate": "output class",
     "output_scores": "scores",
     "output_logits": "logits",
-    "cache_implementation": "'dynamic' or 'static'",
+    "cache_implementation": "'dynamic' or 'static' (and transformers' deprecated names of its static cache, "
+                            "'sliding_window' and 'hybrid_chunked', as 'static'; 'hybrid' HF itself unsets)",
     "num_assistant_tokens": "gamma when num_speculative_tokens is not given",
     "num_assistant_tokens_schedule": "'constant' only (gamma fixed, or num_speculative_tokens='auto')",
     "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
@@ -489,6 +493,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         model.generation_config.num_assistant_tokens,
         getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
+        config.cache_implementation = "static"
     if zero_new:
         config.max_new_tokens = 0
     _check_refused(config)

@@ -214,3 +214,23 @@ def test_one_host_read_per_iteration_with_compaction():
         ids, max_new_tokens=24, pad_token_id=0, do_sample=True, temperature=0.8, cache_implementation="static")
     step_reading_once(session)
     assert session.stats.compactions > 0  # of either cache
+
+
+@pytest.mark.parametrize("alias", ["sliding_window", "hybrid_chunked"])
+@pytest.mark.parametrize("where", ["call", "model generation_config"])
+def test_transformers_deprecated_static_names_run_the_static_cache(alias, where):
+    """transformers 5.x builds its static cache for these deprecated names (a checkpoint's generation_config may
+    still carry one); so do we, and the tokens are model.generate's."""
+    from speculative_kernels.generation.request import build_loop
+
+    target = llama()
+    draft = drafts_for("llama", target)["perturbed"]
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = {} if where != "call" else {"cache_implementation": alias}
+    if where != "call":
+        target.generation_config.cache_implementation = alias
+    common = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs)
+    expected = target.generate(ids, **common)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **common), expected)
+    loop = build_loop(target, draft, ids, num_speculative_tokens=3, **common)
+    assert isinstance(loop.target_runner, StaticDecoderRunner)
