@@ -184,6 +184,9 @@ class ContinuousBatcher:
                   if getattr(config, name, None) is not None]
         if forced:
             raise ValueError(f"{forced[0]} (from the model's generation config) is not supported by add_request yet")
+        if plan.watermark:
+            raise ValueError("watermarking_config (from the model's generation config) is not supported by add_request "
+                             "yet; speculative_kernels.generate and start() apply it")
         if plan.max_time is not None:
             raise ValueError(f"max_time={plan.max_time} (from the model's generation config) is not supported by "
                              "add_request: a server bounds a request by max_new_tokens, or cancels it")

@@ -150,6 +150,8 @@ def build_warpers(model, plan: Plan, prompt_width: int, device: torch.device) ->
     if not plan.warping:
         return None
     config = _processor_config(plan, prompt_width, device)
+    config.do_sample = False
+    config.watermarking_config = None  # (the warpers alone: the watermark runs in the rows' lists)
     sampled = copy.copy(config)
     sampled.do_sample = True
     args = dict(input_ids_seq_length=prompt_width, device=device, model_kwargs={})
@@ -183,7 +185,9 @@ def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     config.min_new_tokens = None
     config.min_length = prompt_width + plan.min_new_tokens if plan.min_new_tokens else 0
     config._eos_token_tensor = (torch.tensor(plan.eos_token_ids, device=device) if plan.eos_token_ids else None)
-    config.do_sample = False
+    # Sampling with a watermark: HF's whole chain per row (processors, warpers, then the watermark, which reads the
+    # tokens so far and must come after the warpers); the verification then warps nothing itself.
+    config.do_sample = bool(plan.watermark and plan.generation_config.do_sample)
     config.renormalize_logits = False
     return config
 

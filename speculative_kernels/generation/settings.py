@@ -85,6 +85,9 @@ CONTEXT_PROCESSED = {
 HONOURED.update({name: "HF's logits processor, at every position of a speculative block (context_processors.py)"
                  for name in CONTEXT_PROCESSED})
 HONOURED["renormalize_logits"] = "scores are log-softmax normalised last, as HF's LogitNormalization"
+HONOURED["watermarking_config"] = ("HF's WatermarkLogitsProcessor (Kirchenbauer et al.; a function of the tokens so "
+                                   "far), at every position of a speculative block, after the warpers as in HF; "
+                                   "SynthID's, which keeps state from call to call, is refused")
 # Field -> its "off" values. HF's sampling warpers after temperature/top-k/top-p: when one is set and do_sample is
 # True, HF's whole warper chain runs on the logits before the verification (which then warps nothing itself); with
 # do_sample False they change nothing, as in model.generate. Part of ``HONOURED``.
@@ -116,7 +119,6 @@ REFUSED_UNLESS = {
     "constraints": (),
     "penalty_alpha": (),
     "guidance_scale": (1.0,),
-    "watermarking_config": (),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
     "token_healing": (False,),
@@ -194,6 +196,9 @@ class Plan:
     # HF's warper chain runs before the verification (a field of ``WARPERS`` set, sampling); ``sampling`` is then
     # neutral (temperature 1, no top-k/top-p): the chain applies the request's own.
     warping: bool = False
+    # HF's WatermarkLogitsProcessor runs (``watermarking_config``): last in each row's list, after the warpers when
+    # sampling (the rows' lists then hold HF's whole chain: ``context_processors.build_row_processors``).
+    watermark: bool = False
 
     @property
     def max_gamma(self) -> int:
@@ -235,6 +240,11 @@ def _check_refused(config) -> None:
         if value is not None and value != defaults.get(name):
             raise ValueError(f"{name}={value!r} is a generation setting speculative_kernels does not know yet; "
                              "it cannot promise to honour it exactly, so it refuses it")
+    watermark = getattr(config, "watermarking_config", None)
+    if watermark is not None and type(watermark).__name__ != "WatermarkingConfig":
+        raise ValueError(f"watermarking_config={type(watermark).__name__} is not supported: its logits processor keeps "
+                         "state from call to call, which the calls at rejected positions of a speculative block would "
+                         "advance; WatermarkingConfig (Kirchenbauer et al.) is supported")
     if config.use_cache is False:
         raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache")
     schedule = config.num_assistant_tokens_schedule
@@ -449,9 +459,10 @@ class Settings:
             logits_processor=self.logits_processor,
             prefix_allowed_tokens_fn=self.prefix_allowed_tokens_fn,
             context_processing=bool(self.logits_processor) or self.prefix_allowed_tokens_fn is not None
-            or context_fields_set(config),
+            or bool(context_fields_set(config)) or config.watermarking_config is not None,
             renormalize_logits=bool(config.renormalize_logits),
             warping=self.warping,
+            watermark=config.watermarking_config is not None,
             stop_strings=stop_strings(config.stop_strings),
             max_time=_max_time(config.max_time),
         )
@@ -507,7 +518,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         sampling = Sampling(*check_sampling_params(config.temperature, config.top_k or 0, config.top_p))
         if sampling.temperature == 0.0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")
-        warping = bool(warper_fields_set(config))
+        warping = bool(warper_fields_set(config)) or config.watermarking_config is not None
         if warping:  # HF's chain (its temperature, top-k and top-p included) runs before the verification
             sampling = Sampling(1.0, 0, 1.0)
     else:

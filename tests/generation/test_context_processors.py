@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, WatermarkingConfig
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
@@ -45,6 +45,8 @@ SETTINGS = {
                                         eos_token_id=2, suppress_tokens=[40]),
     "prefix_allowed_tokens_fn": dict(prefix_allowed_tokens_fn=lambda b, ids: list(range(3, 40)) if b == 0
                                      else list(range(30, 97))),
+    "watermarking_config": dict(watermarking_config=WatermarkingConfig(bias=4.0)),
+    "watermarking_config selfhash": dict(watermarking_config=WatermarkingConfig(bias=4.0, seeding_scheme="selfhash")),
 }
 
 
@@ -232,6 +234,38 @@ def test_sampling_warpers_the_ops_lack(warpers):
                  do_sample=True, max_new_tokens=NEW, pad_token_id=0, **settings)
     codes = (out[:, prompt.shape[1]:].numpy() * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
     assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def test_sampling_with_a_watermark_follows_hf_order():
+    """A watermark (Kirchenbauer et al.) reads the tokens so far and comes after temperature and top-k in HF's chain:
+    chi-square of whole continuations against HF's processors-warpers-watermark distribution, which the watermark
+    placed before the warpers would not give (checked: the test can fail on the order)."""
+    from transformers.generation.logits_process import WatermarkLogitsProcessor
+
+    target, draft = peaky(0, 2), peaky(7, 1)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    settings = dict(temperature=1.3, top_k=4, watermarking_config=WatermarkingConfig(bias=6.0))
+    hf = target._get_logits_processor(generation_config=GenerationConfig(do_sample=True, **settings),
+                                      input_ids_seq_length=prompt.shape[1], device="cpu", model_kwargs={})
+    assert isinstance(hf[-1], WatermarkLogitsProcessor)  # HF's order: the watermark last
+    _, probs = continuation_probs(target, prompt, hf)
+    before = continuation_probs(target, prompt, LogitsProcessorList([hf[-1], *hf[:-1]]))[1]
+    assert np.abs(probs - before).sum() > 0.5  # (measured 0.67; HF's processor is per row: 400 rows keep it short)
+    torch.manual_seed(7)
+    out = _quiet(sk.generate, target, prompt.expand(400, -1), draft_model=draft, num_speculative_tokens=2,
+                 do_sample=True, max_new_tokens=NEW, pad_token_id=0, **settings)
+    codes = (out[:, prompt.shape[1]:].numpy() * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def test_stateful_watermark_refused(pair):
+    """SynthID's processor keeps state from call to call, which calls at rejected positions would advance."""
+    from transformers import SynthIDTextWatermarkingConfig
+
+    target, draft = pair
+    config = SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123], ngram_len=3)
+    with pytest.raises(ValueError, match="watermarking_config=SynthIDTextWatermarkingConfig"):
+        sk.generate(target, ONE, draft_model=draft, max_new_tokens=4, watermarking_config=config)
 
 
 def test_warpers_change_nothing_when_greedy_as_in_hf(pair):

@@ -87,3 +87,7 @@ def test_settings_that_only_change_scores_or_are_invalid_are_refused(pair):
         decoder.add_request([5, 6], max_new_tokens=3, repetition_penalty=-1.0)
     with pytest.raises(ValueError, match="logits_processor is not a keyword add_request takes"):
         decoder.add_request([5, 6], max_new_tokens=3, logits_processor=[])
+    with pytest.raises(ValueError, match="watermarking_config .*not supported by add_request"):
+        model = copy.deepcopy(target)
+        model.generation_config.watermarking_config = __import__("transformers").WatermarkingConfig()
+        sk.SpeculativeDecoder(model, draft).add_request([5, 6], max_new_tokens=3)

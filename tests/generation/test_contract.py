@@ -106,7 +106,7 @@ def test_an_unclassified_field_is_refused_at_run_time(pair, monkeypatch):
 REFUSED_SAMPLES = {
     "num_beams": 2, "num_beam_groups": 2, "diversity_penalty": 0.5,
     "force_words_ids": [[5]], "constraints": ["x"], "penalty_alpha": 0.6, "guidance_scale": 1.5,
-    "watermarking_config": {"bias": 2.0}, "output_attentions": True,
+    "output_attentions": True,
     "output_hidden_states": True, "token_healing": True,
     "low_memory": True, "dola_layers": "high", "use_mtp": True, "assistant_early_exit": 1, "assistant_confidence_threshold": 0.2,
     "assistant_lookbehind": 5, "target_lookbehind": 5, "assistant_ensemble_weight": 0.5,
