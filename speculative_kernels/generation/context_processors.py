@@ -2,7 +2,9 @@
 
 ``model.generate`` runs its processor list (repetition penalties, n-gram bans, bad words, sequence bias, suppressed
 tokens, the exponential length penalty, inf/NaN removal, the minimum length, forced tokens, a
-``prefix_allowed_tokens_fn``, the caller's ``logits_processor``) once per step on the sequence so far. Here position
+``prefix_allowed_tokens_fn``, the caller's ``logits_processor``, a watermark) once per step on the sequence so far
+(when sampling with a watermark, which HF applies after its warpers, each row's list is HF's whole chain: processors,
+warpers, watermark; the verification then warps nothing itself). Here position
 j of a block of T positions is processed with the row's tokens so far plus the block's first j tokens: whenever the
 token at j is emitted, those j tokens were accepted, so every processor saw exactly what ``model.generate`` would
 have shown it (HF's assisted generation does the same, at batch 1). The draft's logits are not processed (only
