@@ -104,6 +104,9 @@ HONOURED.update({name: "HF's sampling warper (sampling only, as in HF), before t
 NO_EFFECT = {
     "early_stopping": "beam search only",
     "length_penalty": "beam search only",
+    "num_beam_groups": "group beam search only (num_beams > 1 is refused)",
+    "diversity_penalty": "group beam search only (num_beams > 1 is refused)",
+    "low_memory": "beam search only (HF raises there since its refactor; greedy and sampling ignore it)",
     "is_assistant": "metadata HF sets on an assistant's config",
     "transformers_version": "metadata",
     "_from_model_config": "metadata",
@@ -113,8 +116,6 @@ NO_EFFECT = {
 # accepted too: a value nobody set changes nothing.
 REFUSED_UNLESS = {
     "num_beams": (1,),
-    "num_beam_groups": (1,),
-    "diversity_penalty": (0.0,),
     "force_words_ids": (),
     "constraints": (),
     "penalty_alpha": (),
@@ -122,7 +123,6 @@ REFUSED_UNLESS = {
     "output_attentions": (False,),
     "output_hidden_states": (False,),
     "token_healing": (False,),
-    "low_memory": (False,),
     "dola_layers": (),
     "use_mtp": (False,),
     "assistant_early_exit": (),
@@ -139,8 +139,6 @@ REFUSED_UNLESS = {
 }
 _REASONS = {
     "num_beams": "beam search is not speculative sampling",
-    "num_beam_groups": "group beam search is not speculative sampling",
-    "diversity_penalty": "group beam search is not speculative sampling",
     "output_attentions": "attention maps of the speculative forwards do not match per-step ones",
     "output_hidden_states": "hidden states of the speculative forwards do not match per-step ones",
     "token_healing": "it rewrites the prompt",
