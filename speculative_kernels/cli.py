@@ -113,9 +113,9 @@ def describe_difference(step: int, ours, reference, dtype) -> str:
     ours / reference: ``fn(**generate_kwargs)`` re-running ``speculative_kernels.generate`` / ``model.generate`` on
     the prompt; both are run again for ``step + 1`` tokens with ``output_logits=True`` (same prefix up to ``step``).
     Reports each side's preference for its own token and how far apart the two computations of that position's
-    logits are, in units of ``dtype``'s (the model's) rounding at the logits' scale: a few units is the model's own rounding
-    deciding a near-tie (a multi-token verification forward rounds differently from a one-token step in half
-    precision: docs/half_precision.md); far more is a defect."""
+    logits are, in units of ``dtype``'s (the model's) rounding at the logits' scale: a few units is the model's own
+    rounding deciding a near-tie (a multi-token verification forward rounds differently from a one-token step in
+    half precision: docs/half_precision.md); far more is a defect."""
     import torch
 
     extra = dict(max_new_tokens=step + 1, output_logits=True, return_dict_in_generate=True)
