@@ -330,11 +330,19 @@ def _choose_gamma(num_speculative_tokens, sources) -> int | str:
     return gamma
 
 
-def _check_generation_config(generation_config) -> None:
+def _check_generation_config(generation_config, model_config=None) -> None:
+    """generation_config: the caller's (None or a GenerationConfig); model_config: the model's own. A dict set as a
+    config's ``watermarking_config`` attribute (GenerationConfig converts dicts only in its constructor and as a
+    keyword of generate) would fail inside HF with an AttributeError: a TypeError naming it instead."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         hint = "; build one with GenerationConfig(**settings)" if isinstance(generation_config, dict) else ""
         raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
                         f"{type(generation_config).__name__}{hint}")
+    for config in (generation_config, model_config):
+        watermark = getattr(config, "watermarking_config", None)
+        if watermark is not None and not hasattr(watermark, "construct_processor"):
+            raise TypeError(f"watermarking_config must be a transformers WatermarkingConfig (a dict is converted when "
+                            f"passed to GenerationConfig(...) or as a keyword), got {type(watermark).__name__}")
 
 
 def _has_default_max_length(model, generation_config, kwargs: dict) -> bool:
@@ -470,7 +478,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     """Validate every generation keyword once. kwargs: what ``generate`` received besides the models, the inputs and
     its own arguments; a keyword that is neither a generation setting nor handled is refused here (ValueError).
     num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5)."""
-    _check_generation_config(generation_config)
+    _check_generation_config(generation_config, model.generation_config)
     streamer = kwargs.pop("streamer", None)
     criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
     logits_processor = _check_processors(kwargs.pop("logits_processor", None))

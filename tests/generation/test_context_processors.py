@@ -281,6 +281,19 @@ def test_stateful_watermark_refused(pair):
         sk.generate(target, ONE, draft_model=draft, max_new_tokens=4, watermarking_config=config)
 
 
+def test_watermark_dict_set_on_a_config_is_a_type_error(pair):
+    """GenerationConfig converts a watermarking_config dict in its constructor and as generate's keyword (both
+    accepted here too), not when set as an attribute, where HF fails with an AttributeError deep inside."""
+    target, draft = pair
+    config = GenerationConfig(max_new_tokens=4, do_sample=False)
+    config.watermarking_config = {"bias": 2.0}
+    with pytest.raises(TypeError, match="watermarking_config must be a transformers WatermarkingConfig"):
+        sk.generate(target, ONE, draft_model=draft, generation_config=config)
+    expected = hf_generate(target, ONE, **GREEDY, watermarking_config={"bias": 2.0})
+    assert torch.equal(_quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY,
+                              watermarking_config={"bias": 2.0}), expected)
+
+
 def test_warpers_change_nothing_when_greedy_as_in_hf(pair):
     target, draft = pair
     expected = hf_generate(target, ONE, **GREEDY, min_p=0.3, typical_p=0.5)

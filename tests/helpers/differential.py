@@ -84,6 +84,8 @@ EXTRAS = [
     {"forced_bos_token_id": 9, "bos_token_id": 7}, {"num_assistant_tokens": 2}, {"max_matching_ngram_size": 1},
     {"cache_implementation": "static"}, {"cache_implementation": "dynamic"}, {"do_sample": None},
     {"guidance_scale": 1.0}, {"decoder_start_token_id": 5}, {"token_healing": False}, {"stop_strings": "ab"},
+    {"watermarking_config": {"bias": 3.0}}, {"watermarking_config": {"bias": 3.0, "seeding_scheme": "selfhash"}},
+    {"cache_implementation": "sliding_window"}, {"num_beam_groups": 2, "diversity_penalty": 0.5}, {"low_memory": True},
 ]
 
 
@@ -417,7 +419,7 @@ def check_case(case: dict, target, draft) -> dict:
             verdicts[drafting] = f"extension: HF crashed ({hf_error!r}) on an empty prompt, ours starts from BOS"
             continue
         if isinstance(hf_error, TypeError) and "but got float" in str(hf_error) and \
-                settings.get("cache_implementation") == "static":
+                settings.get("cache_implementation") in ("static", "sliding_window"):  # (HF's static cache both)
             verdicts[drafting] = f"extension: HF's static cache cannot be sized for a fractional length ({hf_error!r})"
             continue
         if hf_error is not None:
