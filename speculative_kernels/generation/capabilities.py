@@ -355,18 +355,28 @@ def position_dependent_rope(model) -> list[tuple[str, int]]:
     return found
 
 
-def check_positions(model, longest: int) -> None:
+def check_positions(model, longest: int, shortest: int | None = None) -> None:
     """ValueError when a request's longest row reaches ``longest`` sequence length (its prompt's real tokens plus its
     new tokens, less one: the longest forward ``model.generate`` runs) past the limit of a position-dependent rotary
-    embedding (``position_dependent_rope``), where speculative decoding could not reproduce ``model.generate``."""
+    embedding (``position_dependent_rope``), where speculative decoding could not reproduce ``model.generate``.
+
+    shortest: the sequence length of the request's first forward (its longest prompt less the token held back for
+    the first verification), or None (a row of a continuous batch, whose batch-mates set the forward's longest
+    position). "longrope" uses one set of factors per forward, so a request whose first forward is already past the
+    limit uses the long factors in every forward, ours and model.generate's alike: exact. "dynamic" recomputes its
+    frequencies at every new length past the limit, so no request may pass it."""
     for kind, limit in position_dependent_rope(model):
+        if kind == "longrope" and shortest is not None and shortest > limit:
+            continue
         if longest > limit:
             raise ValueError(
                 f"{type(model).__name__} uses rope_type={kind!r}, whose rotary frequencies change once a forward's "
                 f"sequence passes {limit} positions and then depend on the forward's longest position; a speculative "
                 "verification forward reaches positions a one-token step has not, so past that point the output "
                 f"would differ from model.generate. This request reaches {longest} (prompt + max_new_tokens - 1): "
-                f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}")
+                f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}"
+                + (f" (or, for one call of generate, give a prompt longer than {limit + 1} tokens: every forward then "
+                   "uses the long factors)" if kind == "longrope" else ""))
 
 
 def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:

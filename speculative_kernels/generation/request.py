@@ -112,7 +112,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     models = (model,) if draft_model is None else (model, draft_model)
     path = request_path(static, captured_layout)
     specs = tuple(check_model(m, path=path, batch=batch) for m in models)
-    check_positions(model, _longest_sequence(attention_mask, width, plan, rows))
+    longest_prompt = width if attention_mask is None else int(attention_mask.sum(dim=1).max())
+    check_positions(model, _longest_sequence(attention_mask, width, plan, rows),
+                    shortest=longest_prompt - 1 if rows is None else None)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,

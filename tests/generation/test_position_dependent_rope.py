@@ -97,3 +97,23 @@ def test_continuous_batching_refuses_a_request_past_the_limit():
     decoder.add_request(list(range(3, 11)), max_new_tokens=9, do_sample=False)  # 8 + 9 - 1 = 16: admitted
     with pytest.raises(ValueError, match="rope_type='dynamic'"):
         decoder.add_request(list(range(3, 12)), max_new_tokens=9, do_sample=False)  # 17
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_longrope_prompt_already_past_the_limit_is_exact(cache):
+    """longrope picks one set of factors per forward: a prompt long enough that the first forward (the prompt less
+    its last token) is past the limit uses the long factors everywhere, in model.generate and here: exact. A prompt
+    of exactly limit + 1 tokens would switch between our first forward and HF's, and is refused."""
+    target = _phi3_longrope()
+    draft = perturbed(target, scale=0.3)
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=12, cache_implementation=cache)
+    ids, mask = left_padded([LIMIT + 2, LIMIT - 3], seed=2)  # the longest row's first forward: LIMIT + 1 positions
+    expected = target.generate(ids, attention_mask=mask, **{k: v for k, v in common.items() if k != "cache_implementation"})
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3, **common)
+    assert torch.equal(got, expected)
+    ids, mask = left_padded([LIMIT + 1], seed=2)
+    with pytest.raises(ValueError, match="give a prompt longer than 17 tokens"):
+        sk.generate(target, ids, attention_mask=mask, draft_model=draft, **common)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)  # batch-mates set a forward's longest
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
+        decoder.add_request(list(range(3, 3 + LIMIT + 2)), max_new_tokens=4, do_sample=False)
