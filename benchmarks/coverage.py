@@ -287,8 +287,8 @@ def render(rows, version: str) -> str:
         "reach past it is refused by name (`capabilities.check_positions`), since past it the frequencies depend on "
         "the forward's longest position and a verification forward reaches positions a one-token step has not "
         "(HF's own Phi-3 `generate` recomputes its whole cache at that point; HF's assisted generation drifts there "
-        "by 1e-3 on a tiny Phi-3). For \"longrope\", a prompt already past the limit in the first forward uses the long "
-        "factors in every forward and is exact. The sweep's short requests stay within it.",
+        "by 1e-3 on a tiny Phi-3). For \"longrope\", a prompt already past the limit in the first forward uses the "
+        "long factors in every forward and is exact. The sweep's short requests stay within it.",
         "* **Multimodal models** (Gemma 3, Mllama, Qwen2-Audio, ...) generating from text: checked like the others, "
         "with every sub-config (text, vision, audio) shrunk the same way.",
         "* **Classes with a generate() of their own** (MusicGen's codebook delay pattern, SeamlessM4T's target "

@@ -108,7 +108,8 @@ def test_longrope_prompt_already_past_the_limit_is_exact(cache):
     draft = perturbed(target, scale=0.3)
     common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=12, cache_implementation=cache)
     ids, mask = left_padded([LIMIT + 2, LIMIT - 3], seed=2)  # the longest row's first forward: LIMIT + 1 positions
-    expected = target.generate(ids, attention_mask=mask, **{k: v for k, v in common.items() if k != "cache_implementation"})
+    hf_common = {k: v for k, v in common.items() if k != "cache_implementation"}
+    expected = target.generate(ids, attention_mask=mask, **hf_common)
     got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3, **common)
     assert torch.equal(got, expected)
     ids, mask = left_padded([LIMIT + 1], seed=2)
