@@ -400,8 +400,9 @@ def e2e_targets(case: dict | None) -> list[dict]:
     if compiled and assisted:
         ratio = assisted["seconds"] / compiled["seconds"]
         checks.append({"target": "compiled B=1 >= 1.5x HF assisted", "value": ratio, "met": ratio >= 1.5})
-    if compiled:
-        checks.append({"target": "compiled B=1 token-identical to model.generate",
+    if compiled:  # (in bf16 a near-tie may differ, as HF's own static-cache generate may: docs/half_precision.md)
+        reference = "" if not hf_static else f"; HF's static-cache generate: {hf_static.get('identical_to_hf')}"
+        checks.append({"target": f"compiled B=1 token-identical to model.generate{reference}",
                        "value": compiled["identical_to_hf"], "met": compiled["identical_to_hf"] is not False})
     return checks
 
