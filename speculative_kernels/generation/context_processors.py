@@ -187,9 +187,7 @@ def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     config.min_new_tokens = None
     config.min_length = prompt_width + plan.min_new_tokens if plan.min_new_tokens else 0
     config._eos_token_tensor = (torch.tensor(plan.eos_token_ids, device=device) if plan.eos_token_ids else None)
-    # Sampling with a watermark: HF's whole chain per row (processors, warpers, then the watermark, which reads the
-    # tokens so far and must come after the warpers); the verification then warps nothing itself.
-    config.do_sample = bool(plan.watermark and plan.generation_config.do_sample)
+    config.do_sample = plan.processors_warp  # (then HF's whole chain per row: its warpers, then the watermark)
     config.renormalize_logits = False
     return config
 

@@ -316,8 +316,8 @@ class SpeculativeLoop:
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
             self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
-        if self.warpers is not None and not (self.plan.watermark and self.plan.generation_config.do_sample):
-            logits = self.warpers(logits.float())  # (with a watermark the rows' lists held the warpers already)
+        if self.warpers is not None and not self.plan.processors_warp:  # (else the rows' lists held the warpers)
+            logits = self.warpers(logits.float())
         self.stats.target_forwards += 1
         if self.gamma == 0:  # nothing drafted: one token from the target alone
             if s.greedy:

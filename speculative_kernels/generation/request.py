@@ -112,9 +112,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     models = (model,) if draft_model is None else (model, draft_model)
     path = request_path(static, captured_layout)
     specs = tuple(check_model(m, path=path, batch=batch) for m in models)
-    longest_prompt = width if attention_mask is None else int(attention_mask.sum(dim=1).max())
-    check_positions(model, _longest_sequence(attention_mask, width, plan, rows),
-                    shortest=longest_prompt - 1 if rows is None else None)
+    real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
+    new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch
+    # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is
+    # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
+    check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
+                    shortest=max(real) - 1 if rows is None else None)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
@@ -144,17 +147,6 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
                            processors=processors, warpers=warpers, stop=stop)
-
-
-def _longest_sequence(attention_mask, width: int, plan: Plan, rows: RowSettings | None) -> int:
-    """The longest sequence length the (decoder) forwards of ``model.generate`` reach on this request: each row's
-    real prompt tokens plus its new tokens, less one (the last token is never forwarded); the largest row's.
-    attention_mask: [B, width] or None (every token real)."""
-    real = [width] if attention_mask is None else attention_mask.sum(dim=1).tolist()
-    new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * len(real)
-    if len(new) != len(real):
-        new = [max(new)] * len(real)
-    return max(r + n - 1 for r, n in zip(real, new))
 
 
 def stop_string_criterion(stop_strings, tokenizer):

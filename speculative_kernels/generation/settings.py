@@ -199,6 +199,12 @@ class Plan:
     watermark: bool = False
 
     @property
+    def processors_warp(self) -> bool:
+        """Sampling with a watermark: each row's processor list is HF's whole chain (its warpers, then the watermark,
+        which reads the tokens so far), so nothing warps the target's logits after it."""
+        return self.watermark and bool(self.generation_config.do_sample)
+
+    @property
     def max_gamma(self) -> int:
         """The largest gamma an iteration may draft (buffers are sized for it): the fixed one, or the calibration's
         upper bound with "auto"."""
