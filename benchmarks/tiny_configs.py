@@ -100,7 +100,33 @@ def _tiny(config_class, overrides: dict):
         kwargs.update(num_hidden_layers=len(kinds) + 1, layer_types=[*kinds, kinds[-1]])
         config = config_class(**kwargs)
     _fit_layer_lists(config)
+    _fit_mrope_sections(config)
     return config
+
+
+def _fit_mrope_sections(config) -> None:
+    """Multimodal rotary embeddings (Qwen2-VL, GLM-4V, ...) split the rotary half-dimension into temporal, height
+    and width sections whose default sizes (``[16, 24, 24]``) sum to the default head's: cut them to the tiny
+    head's (the modeling code reads ``rope_parameters["mrope_section"]``, falling back to its own default)."""
+    import importlib
+
+    parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(parameters, dict) or "mrope_section" in parameters:
+        return
+    try:
+        modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        uses_sections = "mrope_section" in inspect.getsource(modeling)
+    except (ImportError, OSError, TypeError):
+        return
+    if not uses_sections:
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not head_dim:
+        return
+    factor = parameters.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    half = int(head_dim * factor) // 2
+    config.rope_parameters = {**parameters, "mrope_section": [half // 3 + (i < half % 3) for i in range(3)]}
 
 
 def _fit_layer_lists(config) -> None:

@@ -44,6 +44,7 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute"}
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+_DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,12 +313,34 @@ def _own_generate_reason(model) -> str | None:
             "or adapters), which speculative_kernels does not reproduce")
 
 
+def _own_positions_reason(model) -> str | None:
+    """Why the model's own position rule rules it out, or None: a transformers ``prepare_inputs_for_generation`` (of
+    the model or of a submodule it generates through) that removes ``position_ids``, so HF's generate never passes
+    them and the forward derives positions itself (Kosmos-2.5: from the input ids, pad tokens skipped, plus the
+    cache length). Our runners pass position ids, which such a forward reads as table indices of another rule."""
+    seen = set()
+    for module in model.modules():
+        owner = next((k for k in type(module).__mro__ if "prepare_inputs_for_generation" in vars(k)), None)
+        if owner is None or owner in seen or not owner.__module__.startswith("transformers.models."):
+            continue
+        seen.add(owner)
+        try:
+            source = inspect.getsource(vars(owner)["prepare_inputs_for_generation"])
+        except (OSError, TypeError):
+            continue
+        if _DROPS_POSITION_IDS.search(source):
+            return (f"{owner.__name__}.prepare_inputs_for_generation drops position_ids, so its forward derives "
+                    "positions itself (from the input ids and the cache length), which the verification forward's "
+                    "explicit position ids do not reproduce")
+    return None
+
+
 def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
     architecture and the reason."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
-    reason = _own_generate_reason(model)
+    reason = _own_generate_reason(model) or _own_positions_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):

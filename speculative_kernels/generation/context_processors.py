@@ -145,6 +145,9 @@ class Warpers:
             flat = warper(ids, flat)
         return flat.reshape(logits.shape)
 
+    def select_rows(self, remaining: list[int]) -> None:
+        """Rows leaving the batch (finished rows dropped): nothing to do, every row has this same chain."""
+
 
 def build_warpers(model, plan: Plan, prompt_width: int, device: torch.device) -> Warpers | None:
     """HF's warper chain for the request (``plan.warping``), or None. Built by HF's own ``_get_logits_processor``

@@ -191,6 +191,44 @@ def test_multimodal_model_generating_from_text_is_exact():
         _check_exact(model, batch=2, path=path)
 
 
+def test_multimodal_rotary_model_generating_from_text_is_exact():
+    """Qwen2-VL (an image-text-to-text class, in no causal-LM mapping) splits its rotary half-dimension into
+    temporal/height/width sections; from text alone HF gives the three the same positions, as do our position ids."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(SIZES, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2, spatial_merge_size=1)
+    model = _build(Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision))
+    assert model.model.language_model.rotary_emb.mrope_section == [2, 1, 1]
+    for path in ("dynamic", "static"):
+        _check_exact(model, batch=2, path=path)
+
+
+def test_models_deriving_positions_from_input_ids_are_refused(monkeypatch):
+    """Kosmos-2.5's prepare_inputs_for_generation drops position_ids, so in HF's generate its forward numbers the
+    positions itself (from padding_idx + 1, pad tokens skipped); ours passed explicit 0-based position ids, which it
+    reads as other rows of its sinusoid table: different tokens, silently. Refused up front on every path."""
+    try:
+        from transformers.models.kosmos2_5.configuration_kosmos2_5 import Kosmos2_5TextConfig
+        from transformers.models.kosmos2_5.modeling_kosmos2_5 import Kosmos2_5TextForCausalLM
+    except ImportError:
+        pytest.skip("this transformers has no Kosmos-2.5")
+    from speculative_kernels.generation import capabilities
+
+    config = Kosmos2_5TextConfig(vocab_size=97, embed_dim=32, layers=2, ffn_dim=64, attention_heads=4,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = _build(Kosmos2_5TextForCausalLM, config)
+    for path in ("dynamic", "static"):
+        for batch in (1, 2):
+            _check_refused_up_front(model, r"Kosmos2_5TextForCausalLM\.prepare_inputs_for_generation drops "
+                                    "position_ids", batch=batch, path=path, monkeypatch=monkeypatch)
+    # what the refusal prevents: driven with explicit position ids, even the model drafting for itself differs
+    monkeypatch.setattr(capabilities, "_own_positions_reason", lambda model: None)
+    ids, _ = _batch(1)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert not torch.equal(sk.generate(model, ids, draft_model=model, **kwargs), model.generate(ids, **kwargs))
+
+
 def test_latent_attention_is_exact_on_the_dynamic_cache_and_refused_on_the_static_one(monkeypatch):
     """DeepSeek V3's multi-head latent attention caches K and V of different head sizes: exact on HF's dynamic
     cache, refused up front by the static cache, whose buffers have one head size."""

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
 import speculative_kernels as sk
 from speculative_kernels import CompileOptions
 from helpers.float_error import assert_logits_as_accurate_as_hf, processor_gain
-from helpers.models import hf_generate, llama
+from helpers.models import hf_generate, llama, perturbed
 from helpers.sampling import NEW, VOCAB, continuation_probs, peaky
 from helpers.seq2seq_models import bart, t5
 from helpers.stats import assert_matches
@@ -319,3 +319,53 @@ def test_begin_suppress_tokens_acts_at_the_first_position_only(pair, drafting):
         dict(prompt_lookup_num_tokens=3)
     assert torch.equal(_quiet(sk.generate, target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings, **extra),
                        expected)
+
+
+def _hf_chain_probs(model, prompt, mask, config):
+    """Exact probabilities of every NEW-token continuation of one (left-padded) prompt under HF's own processor and
+    warper chain for ``config`` (``_get_logits_processor`` as ``generate`` builds it for that row)."""
+    import itertools
+
+    config = copy.deepcopy(config)
+    model._prepare_special_tokens(config, True, device="cpu")
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+    chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt.shape[1],
+                                        encoder_input_ids=prompt, device="cpu",
+                                        model_kwargs={"attention_mask": mask.expand(len(seqs), -1)})
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    full_mask = torch.cat([mask.expand(len(seqs), -1), torch.ones_like(seqs)], dim=1)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits
+    width, logp = prompt.shape[1], torch.zeros(len(seqs), dtype=torch.float64)
+    for t in range(NEW):
+        step = chain(ids[:, : width + t], logits[:, width + t - 1].float().clone())
+        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
+    return logp.exp().numpy()
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "ngram"])
+def test_sampling_warpers_in_a_batch_whose_rows_finish_apart(drafting):
+    """min_p and typical_p (warpers the ops lack: HF's chain warps the logits first) in a batch of two prompts, one
+    left-padded, with a repetition penalty: rows reach max_new_tokens at different iterations and finished rows
+    leave the batch. The shared warper chain had no select_rows, so the first drop raised AttributeError. Each
+    prompt's continuations: chi-square against HF's own chain for that row (its padding ignored by the penalty
+    where the installed transformers does so)."""
+    target = peaky(0, 2)
+    prompts = [torch.tensor([[1, 4, 3, 5]]), torch.tensor([[0, 4, 4, 2]])]
+    masks = [torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]])]
+    rows = 1000
+    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=4, min_p=0.1, typical_p=0.7,
+                              repetition_penalty=1.5, max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    extra = (dict(draft_model=perturbed(target, 0.1), num_speculative_tokens=2) if drafting == "draft_model"
+             else dict(drafter=sk.NGramDrafter(VOCAB)))
+    stats = sk.SpeculationStats()
+    torch.manual_seed(2024)
+    out = _quiet(sk.generate, target, torch.cat([p.expand(rows, -1) for p in prompts]),
+                 attention_mask=torch.cat([m.expand(rows, -1) for m in masks]),
+                 generation_config=copy.deepcopy(config), speculation_stats=stats,
+                 batching=sk.BatchingOptions(drop_finished_fraction=0.01), **extra)
+    assert stats.dropped_rows > 0  # finished rows did leave the batch
+    for i, (prompt, mask) in enumerate(zip(prompts, masks)):
+        new = out[i * rows : (i + 1) * rows, prompt.shape[1] :].numpy()
+        codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+        assert_matches(np.bincount(codes, minlength=VOCAB**NEW), _hf_chain_probs(target, prompt, mask, config))
