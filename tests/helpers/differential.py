@@ -9,7 +9,7 @@ A *case* is a seeded random combination of inputs and settings (``random_case``)
 * ``"both-raise"``: HF raised, and so did ours;
 * anything else is a defect, reported with the case's arguments (``Mismatch``).
 
-Run as a script for many random cases (``python tests/helpers/differential.py --cases 200``; keep it small on a shared
+Run as a script for many random cases (``cd tests && python -m helpers.differential --cases 200``; keep it small on a shared
 machine); ``tests/generation/test_differential.py`` runs a few fixed seeds.
 """
 
@@ -484,5 +484,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
     sys.exit(main())
