@@ -2,8 +2,8 @@
 
 ``tiny_config(model_type)`` returns a config with the standard size fields shrunk (vocab 128, hidden 32, 2 layers,
 4 heads, 2 KV heads), sub-configs (text, vision, audio, ...) shrunk the same way, or raises ``NotChecked`` with the
-reason a generic construction does not work (a sub-config of any model type, sizes a config rejects, ...). Used by ``benchmarks/coverage.py`` and the
-architecture tests.
+reason a generic construction does not work (a sub-config of any model type, sizes a config rejects, ...). Used by
+``benchmarks/coverage.py`` and the architecture tests.
 """
 
 import copy

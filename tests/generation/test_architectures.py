@@ -171,7 +171,8 @@ def test_decoder_heads_other_than_the_configs_refused_on_the_static_cache(monkey
 def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(monkeypatch):
     """BART's decoder alone and MPT (ALiBi from key slots) take no position_ids: rejected drafts leave holes in a
     batch, so batch > 1 is refused; batch 1 has no holes."""
-    bart = _build(BartForCausalLM, BartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+    bart = _build(BartForCausalLM, BartConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                              encoder_attention_heads=4,
                                               decoder_ffn_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                               decoder_start_token_id=0, forced_eos_token_id=None))
     mpt = _build(MptForCausalLM, MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True,

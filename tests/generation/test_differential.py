@@ -162,9 +162,8 @@ def test_forced_eos_with_a_fractional_length(pair, length):
     expected = hf_generate(target, ids, **kwargs)
     assert expected.shape[1] == 11 and expected[0, -1] != 11  # 6 new tokens, the last not forced
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)
-    assert torch.equal(sk.generate(target, ids, draft_model=draft, **{**kwargs, **{k: 6 if k == "max_new_tokens"
-                                                                                  else 11 for k in length}}),
-                       hf_generate(target, ids, **{**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}))
+    whole = {**kwargs, **{k: 6 if k == "max_new_tokens" else 11 for k in length}}  # the integral lengths
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **whole), hf_generate(target, ids, **whole))
 
 
 def test_sampling_differential_sweep():

@@ -9,8 +9,8 @@ A *case* is a seeded random combination of inputs and settings (``random_case``)
 * ``"both-raise"``: HF raised, and so did ours;
 * anything else is a defect, reported with the case's arguments (``Mismatch``).
 
-Run as a script for many random cases (``cd tests && python -m helpers.differential --cases 200``; keep it small on a shared
-machine); ``tests/generation/test_differential.py`` runs a few fixed seeds.
+Run as a script for many random cases (``cd tests && python -m helpers.differential --cases 200``; keep it small
+on a shared machine); ``tests/generation/test_differential.py`` runs a few fixed seeds.
 """
 
 import contextlib
@@ -423,7 +423,8 @@ def check_case(case: dict, target, draft) -> dict:
             verdicts[drafting] = f"extension: HF's static cache cannot be sized for a fractional length ({hf_error!r})"
             continue
         if hf_error is not None:
-            raise Mismatch(f"[{drafting}] HF raised {hf_error!r}, ours returned {got if isinstance(got, torch.Tensor) else type(got).__name__}")
+            returned = got if isinstance(got, torch.Tensor) else type(got).__name__
+            raise Mismatch(f"[{drafting}] HF raised {hf_error!r}, ours returned {returned}")
         try:
             _compare_outputs(target, got, expected, ids, mask, resolved, reference)
         except Mismatch as error:
@@ -468,7 +469,8 @@ def main(argv=None) -> int:
     target, draft = models(args.family)
     tally, failures = collections.Counter(), []
     for seed in range(args.start, args.start + args.cases):
-        case = random_case(seed) if args.family in ("llama", "gpt2", "qwen2") else random_seq2seq_case(seed, args.family)
+        decoder_only = args.family in ("llama", "gpt2", "qwen2")
+        case = random_case(seed) if decoder_only else random_seq2seq_case(seed, args.family)
         try:
             verdicts = check_case(case, target, draft)
         except Mismatch as error:
