@@ -71,13 +71,14 @@ def gamma_arg(text: str):
 
 
 def sampling_kwargs(args) -> dict:
-    """generate's keywords for the sampling and logits-processor options (a processor option left unset: the
-    checkpoint's generation_config decides, as in model.generate)."""
+    """generate's keywords for the sampling and logits-processor options (an option left unset: the checkpoint's
+    generation_config decides, as in model.generate; e.g. top_k 50 where it says nothing, HF's default)."""
     processors = {name: getattr(args, name) for name in ("repetition_penalty", "no_repeat_ngram_size", "min_p")
                   if getattr(args, name, None) is not None}
     if args.temperature == 0.0:
         return dict(do_sample=False, **processors)
-    return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **processors)
+    warpers = {name: getattr(args, name) for name in ("top_k", "top_p") if getattr(args, name) is not None}
+    return dict(do_sample=True, temperature=args.temperature, **warpers, **processors)
 
 
 def check_sampling_options(args) -> None:
@@ -85,12 +86,12 @@ def check_sampling_options(args) -> None:
     values are checked before any model is loaded."""
     from .ops.validation import check_sampling_params
 
-    if args.temperature == 0.0 and (args.top_k != 0 or args.top_p != 1.0 or args.min_p is not None):
+    if args.temperature == 0.0 and (args.top_k is not None or args.top_p is not None or args.min_p is not None):
         raise UsageError("--top-k/--top-p/--min-p only apply when sampling (--temperature > 0); greedy decoding "
                          "(--temperature 0, the default) would ignore them")
     if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
         raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    check_sampling_params(args.temperature, args.top_k, args.top_p)
+    check_sampling_params(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p)
 
 
 def resolve_device(args) -> None:
@@ -124,10 +125,14 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="sampling temperature; 0 = greedy decoding")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (1 = off)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="keep the k most likely tokens when sampling (0 = off; default: the checkpoint's "
+                             "generation_config, 50 where it says nothing, as in model.generate)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling mass when sampling (1 = off; default: the checkpoint's)")
     parser.add_argument("--min-p", type=float, default=None,
-                        help="drop tokens below min_p times the top probability when sampling (HF's min_p)")
+                        help="drop tokens below min_p times the top probability when sampling (HF's min_p; "
+                             "default: the checkpoint's)")
     parser.add_argument("--repetition-penalty", type=positive_float, default=None,
                         help="HF's repetition_penalty (e.g. 1.1; default: the checkpoint's generation_config)")
     parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None,

@@ -35,6 +35,30 @@ def test_generate_sampling_options(pair, capsys):
     assert "acceptance rate" in capsys.readouterr().out
 
 
+def test_sampling_options_left_unset_follow_the_checkpoint(pair, tmp_path, capsys):
+    """--top-k/--top-p left unset: the checkpoint's generation_config decides, as in model.generate (they forced
+    top-k off and top-p 1, silently overriding it). A target whose generation_config says top_k=1 samples its greedy
+    continuation at any temperature; --top-k 0 given explicitly turns that off."""
+    import transformers
+
+    target, draft = pair
+    narrowed = tmp_path / "target-top-k-1"
+    shutil.copytree(target, narrowed)
+    config = transformers.GenerationConfig.from_pretrained(target)
+    config.do_sample, config.top_k = True, 1  # (a sampling checkpoint; the CLI's default --temperature 0 is greedy)
+    config.save_pretrained(narrowed)
+    args = ["generate", "--target", str(narrowed), "--draft", str(draft), "--prompt", "for i in",
+            "--max-new-tokens", "12", "--gamma", "3"]
+
+    def completion(*extra) -> str:
+        assert main(args + list(extra)) == 0
+        return capsys.readouterr().out.split("\nspeculative:")[0]
+
+    greedy = completion()
+    assert all(completion("--temperature", "1.5", "--seed", str(seed)) == greedy for seed in range(3))
+    assert any(completion("--temperature", "1.5", "--top-k", "0", "--seed", str(seed)) != greedy for seed in range(3))
+
+
 def test_logits_processor_options(pair, capsys):
     """--repetition-penalty/--no-repeat-ngram-size (greedy: identical to model.generate with them), --min-p when
     sampling; --min-p with greedy decoding is a usage error, as --top-k is."""
