@@ -29,6 +29,8 @@ SETTINGS = dict(
     bad_words_ids=[None, None, [[4]], [[2, 5]]], renormalize_logits=[False, True],
     encoder_repetition_penalty=[1.0, 1.0, 1.3],
 )
+if hasattr(GenerationConfig(), "top_h"):  # (transformers >= 5.x's top-H warper)
+    SETTINGS["top_h"] = [None, None, None, 0.6]
 EOS_SETTINGS = dict(min_new_tokens=[None, 1, 2], exponential_decay_length_penalty=[None, (1, 1.5)],
                     forced_eos_token_id=[None, EOS], min_length=[None, 6])
 PROMPTS = (torch.tensor([[1, 4, 3, 5]]), torch.tensor([[0, 4, 4, 2]]))
