@@ -66,8 +66,10 @@ def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
     if config.min_new_tokens is not None:
         config.min_length = config.min_new_tokens + width
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
-    chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width, encoder_input_ids=prompt,
-                                        device="cpu", model_kwargs={"attention_mask": mask.expand(len(seqs), -1)})
+    rows = len(seqs)  # (the chain runs on every continuation at once: its per-row inputs have that batch)
+    chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width,
+                                        encoder_input_ids=prompt.expand(rows, -1), device="cpu",
+                                        model_kwargs={"attention_mask": mask.expand(rows, -1)})
     ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
     full_mask = torch.cat([mask.expand(len(seqs), -1), torch.ones_like(seqs)], dim=1)
     with torch.no_grad():
