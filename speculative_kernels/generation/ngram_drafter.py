@@ -8,7 +8,9 @@ the token that followed each earlier occurrence of c's last m - 1 tokens (P_1: t
     q = sum_m w_m P_m / sum_m w_m,   w_m = 4^m over the orders whose context occurred (else 0)
 
 (an interpolation that trusts longer contexts more). q has a distribution, so verification is the usual
-sum min(p, q) acceptance; tokens never seen in the context have q = 0 and are never drafted. Everything runs on the
+sum min(p, q) acceptance. Tokens never seen in the context get a floor of ``Q_FLOOR`` (1e-30) instead of q = 0: they
+are drafted only where the target's masks (a minimum length banning EOS, suppressed or forced tokens) ban every token
+seen, where an all -inf row would leave nothing to draft. Everything runs on the
 device with static shapes per iteration: per order one comparison of every window with the context's suffix and one
 scatter-add of the following tokens into [B, V].
 """
@@ -17,6 +19,10 @@ import torch
 
 from .context import ContextBuffer
 from .drafter import ChooseToken, emitted_counts
+
+# q of a token never seen after the context: far below any count's share (at least 1 / context length), so it is never
+# drafted while a seen token is allowed, but a row whose seen tokens are all masked still has a distribution.
+Q_FLOOR = 1e-30
 
 
 def ngram_distribution(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, order: int,
@@ -86,7 +92,7 @@ class NGramDrafter:
         q_logits = torch.empty(batch, gamma, self.vocab, dtype=torch.float32, device=c.tokens.device)
         end = c.end
         for i in range(gamma):
-            logits = ngram_distribution(c.tokens, c.start, end, self.order, self.vocab).log()
+            logits = ngram_distribution(c.tokens, c.start, end, self.order, self.vocab).clamp(min=Q_FLOOR).log()
             token = choose(logits, i)  # masks logits in place as the target's are, then draws from them
             q_logits[:, i], tokens[:, i] = logits, token
             # the draft joins the context past its end (``observe`` overwrites it with what is emitted)

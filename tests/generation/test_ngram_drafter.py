@@ -123,3 +123,26 @@ def test_one_new_token_without_a_draft_model(drafting, sampling):
     assert out.shape == (1, 6)
     if not sampling["do_sample"]:
         assert torch.equal(out, target.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_mask_banning_every_token_seen_leaves_the_unseen_ones(do_sample):
+    """BART whose generation_config sets a min_length (as summarisation checkpoints do) and no forced BOS: the
+    first draft's context is the decoder start token alone, which is BART's EOS, and min_length bans EOS there, so q
+    (the context's counts) had no allowed token and verify raised on its all -inf row. Unseen tokens now get a floor
+    far below any count's share: greedy is token-identical to model.generate, sampling keeps the minimum length."""
+    from helpers.seq2seq_models import bart
+
+    model = bart()
+    model.generation_config.min_length, model.generation_config.forced_bos_token_id = 5, None
+    source = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 1, 1]])
+    mask = (source != 1).long()
+    kwargs = dict(attention_mask=mask, max_new_tokens=8)
+    drafter = sk.NGramDrafter.for_model(model)
+    if do_sample:
+        out = sk.generate(model, source, drafter=drafter, do_sample=True, seed=0, **kwargs)
+        eos = (out[:, 1:] == model.config.eos_token_id).int().argmax(dim=1)  # the first EOS after the start token
+        assert ((eos == 0) | (eos >= 4)).all()  # never before min_length (5, the start token included)
+    else:
+        expected = model.generate(source, do_sample=False, **kwargs)
+        assert torch.equal(sk.generate(model, source, drafter=drafter, do_sample=False, **kwargs), expected)
