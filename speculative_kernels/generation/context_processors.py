@@ -70,7 +70,10 @@ class RowProcessors(_PerRow):
             for j in range(width):
                 scores = logits[b : b + 1, j]
                 for processor in self.rows[b]:
-                    scores = processor(tokens[:, : start + j], scores)
+                    if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
+                        scores = warp_valid_rows(lambda s, p=processor, t=tokens[:, : start + j]: p(t, s), scores)
+                    else:
+                        scores = processor(tokens[:, : start + j], scores)
                 logits[b : b + 1, j] = scores
 
 
@@ -129,6 +132,17 @@ def _parameters(processor) -> list:
         return ["input_ids", "scores"]
 
 
+def warp_valid_rows(warp, scores: torch.Tensor) -> torch.Tensor:
+    """``warp(scores)`` for scores [N, V] float32, rows without a valid distribution (no finite logit, a NaN or +inf)
+    passed through as they are: a block holds positions past drafts the target bans, which HF's generate never
+    samples from, and where every token may be banned; some warpers raise on such a row (transformers 5.17's eta and
+    top-H warpers, through torch.distributions' argument checks). Verification flags such a row if it is reached.
+    No host read: the rows are chosen with ``torch.where``."""
+    invalid = ~torch.isfinite(scores).any(dim=-1, keepdim=True) | torch.isnan(scores).any(dim=-1, keepdim=True) \
+        | torch.isposinf(scores).any(dim=-1, keepdim=True)
+    return torch.where(invalid, scores, warp(torch.where(invalid, 0.0, scores)))
+
+
 class Warpers:
     """HF's sampling warpers (temperature, top-k, top-p, min-p, typical, epsilon, eta: as the installed transformers
     builds and orders them), run on the logits before the verification when a warper the verification op lacks is
@@ -141,9 +155,13 @@ class Warpers:
         """logits [..., V] float32 -> the warped logits, a new tensor of the same shape."""
         flat = logits.reshape(-1, logits.shape[-1])
         ids = torch.zeros(flat.shape[0], 1, dtype=torch.int64, device=flat.device)  # (unread by the warpers)
-        for warper in self.warpers:
-            flat = warper(ids, flat)
-        return flat.reshape(logits.shape)
+
+        def chain(scores):
+            for warper in self.warpers:
+                scores = warper(ids, scores)
+            return scores
+
+        return warp_valid_rows(chain, flat).reshape(logits.shape)
 
     def select_rows(self, remaining: list[int]) -> None:
         """Rows leaving the batch (finished rows dropped): nothing to do, every row has this same chain."""

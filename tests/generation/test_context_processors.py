@@ -347,3 +347,37 @@ def test_sampling_warpers_in_a_batch_whose_rows_finish_apart(drafting):
         new = out[i * rows : (i + 1) * rows, prompt.shape[1] :].numpy()
         codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
         assert_matches(np.bincount(codes, minlength=VOCAB**NEW), hf_chain_probs(target, prompt, mask, config))
+
+
+def test_warpers_pass_rows_without_a_distribution_through():
+    """A block holds positions past drafts the target bans, where the processors may ban every token; HF's generate
+    never samples there, but some warpers raise on such a row (transformers 5.17's eta and top-H warpers validate a
+    torch Categorical). The chain warps the valid rows and passes the others through unchanged, for verification to
+    flag if reached."""
+    from speculative_kernels.generation.context_processors import Warpers
+
+    class StrictWarper(LogitsProcessor):  # validates its input, as torch.distributions.Categorical does
+        def __call__(self, input_ids, scores):
+            if not torch.isfinite(scores).any(dim=-1).all():
+                raise ValueError("a row without a finite logit")
+            return scores - 1.0
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[[0.0, 1.0, -inf], [-inf] * 3], [[2.0, 0.0, 0.0], [0.0, nan, 1.0]]])
+    out = Warpers([StrictWarper()])(logits)
+    assert torch.equal(out[0, 0], logits[0, 0] - 1.0) and torch.equal(out[1, 0], logits[1, 0] - 1.0)
+    assert torch.equal(out[0, 1], logits[0, 1]) and torch.isnan(out[1, 1, 1])  # passed through as they were
+
+
+def test_sampling_with_eta_cutoff_past_banned_drafts():
+    """The randomized sampling check's case that failed under transformers 5.17 (its eta warper raised on a block
+    position whose every token the processors banned, past a prompt-lookup draft the target bans): it runs, and each
+    prompt follows HF's chain."""
+    from helpers import sampling_differential as sweep
+
+    target, draft = sweep.models("llama")
+    case = dict(seed=33, family="llama", eos="eos", drafting="prompt_lookup", gamma=3, settings=dict(
+        temperature=1.4, min_p=0.1, epsilon_cutoff=0.05, eta_cutoff=0.05, no_repeat_ngram_size=2, suppress_tokens=[3],
+        begin_suppress_tokens=[1], sequence_bias={(2,): 2.0}, bad_words_ids=[[2, 5]], renormalize_logits=True,
+        min_new_tokens=1, exponential_decay_length_penalty=(1, 1.5), min_length="+2"))
+    sweep.check_case(case, target, draft)

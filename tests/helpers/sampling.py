@@ -54,32 +54,47 @@ def continuation_probs(model, prompt, warpers):
 
 
 def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
-    """Exact probability of every NEW-token continuation of one (left-padded) prompt [1, L] (mask [1, L]) under HF's
-    own processor and warper chain for GenerationConfig ``config`` (``_get_logits_processor``, as ``generate``
-    builds it for that row, lengths set as its ``_prepare_generated_length`` sets them). With ``eos``, a row is
-    padded (token 0) after its first EOS: those continuations end there, and any other tail has probability 0.
+    """Exact probability of every NEW-token continuation of one prompt [1, L] (mask [1, L]: a decoder-only model's
+    left-padded prompt, or an encoder-decoder model's right-padded source, whose decoder then starts from its
+    decoder_start_token_id) under HF's own processor and warper chain for GenerationConfig ``config``
+    (``_get_logits_processor``, as ``generate`` builds it for that row, lengths set as its
+    ``_prepare_generated_length`` sets them). With ``eos``, a row is padded after its first EOS (with
+    ``config.pad_token_id``): those continuations end there, and any other tail has probability 0.
     Returns numpy [VOCAB**NEW], in ``itertools.product`` order (the code of a continuation: its base-VOCAB number)."""
-    config = copy.deepcopy(config)
+    config, _ = model._prepare_generation_config(copy.deepcopy(config))  # (the model's defaults where unset)
     model._prepare_special_tokens(config, True, device="cpu")
-    width = prompt.shape[1]
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+    rows = len(seqs)  # (the chain runs on every continuation at once: its per-row inputs have that batch)
+    source, source_mask = prompt.expand(rows, -1), mask.expand(rows, -1)
+    if model.config.is_encoder_decoder:
+        start = torch.full((rows, 1), model.generation_config.decoder_start_token_id)
+        ids = torch.cat([start, seqs], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=ids).logits
+        model_kwargs = {"attention_mask": source_mask}
+    else:
+        ids = torch.cat([source, seqs], dim=1)
+        full_mask = torch.cat([source_mask, torch.ones_like(seqs)], dim=1)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits
+        model_kwargs = {"attention_mask": source_mask}
+    width = ids.shape[1] - NEW  # the decoder's prompt: what HF's lengths count
     config.max_length = config.max_new_tokens + width
     if config.min_new_tokens is not None:
         config.min_length = config.min_new_tokens + width
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
-    rows = len(seqs)  # (the chain runs on every continuation at once: its per-row inputs have that batch)
-    chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width,
-                                        encoder_input_ids=prompt.expand(rows, -1), device="cpu",
-                                        model_kwargs={"attention_mask": mask.expand(rows, -1)})
-    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
-    full_mask = torch.cat([mask.expand(len(seqs), -1), torch.ones_like(seqs)], dim=1)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=full_mask, position_ids=(full_mask.cumsum(1) - 1).clamp(min=0)).logits
-    logp = torch.zeros(len(seqs), dtype=torch.float64)
+    logp = torch.zeros(rows, dtype=torch.float64)
     for t in range(NEW):
-        step = chain(ids[:, : width + t], logits[:, width + t - 1].float().clone())
-        term = torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
-        if eos is not None:
-            ended = (seqs[:, :t] == eos).any(dim=1)
-            term = torch.where(ended, torch.where(seqs[:, t] == 0, 0.0, float("-inf")).double(), term)
+        ended = (seqs[:, :t] == eos).any(dim=1) if eos is not None else torch.zeros(rows, dtype=torch.bool)
+        # HF's chain runs on the continuations still possible and running only: a prefix it can never generate
+        # (every token banned after it) could make a warper fail (transformers 5.17's top-H on an all -inf row)
+        alive = torch.nonzero((logp > float("-inf")) & ~ended).squeeze(1)
+        chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width,
+                                            encoder_input_ids=source[alive], device="cpu",
+                                            model_kwargs={k: v[alive] for k, v in model_kwargs.items()})
+        step = chain(ids[alive, : width + t], logits[alive, width + t - 1].float().clone())
+        term = torch.full((rows,), float("-inf"), dtype=torch.float64)
+        term[alive] = torch.log_softmax(step.double(), dim=-1).gather(1, seqs[alive, t : t + 1]).squeeze(1)
+        # after its EOS a row is padded: no more factors; any other tail is impossible
+        term[ended & (seqs[:, t] == config.pad_token_id)] = 0.0
         logp += term
     return logp.exp().numpy()
