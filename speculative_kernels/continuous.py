@@ -73,6 +73,7 @@ from .generation.context_processors import build_row_processors, build_warpers
 from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
 from .generation.settings import stop_strings as parse_stop_strings
 from .generation.stop_strings import completes_stop_string, stop_criterion
+from .generation.vocab import vocabulary_size
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
@@ -235,7 +236,7 @@ class ContinuousBatcher:
         else:
             raise TypeError(f"prompt_ids must be a 1-D integer tensor or a list of ints, got "
                             f"{type(prompt_ids).__name__}")
-        vocab = self.decoder.target.config.vocab_size
+        vocab = vocabulary_size(self.decoder.target)  # (a multimodal config keeps it in its text config)
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:

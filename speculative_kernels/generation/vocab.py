@@ -36,7 +36,8 @@ def check_tokenizers(tokenizer, assistant_tokenizer) -> None:
         )
 
 
-def _vocabulary_size(model) -> int:
+def vocabulary_size(model) -> int:
+    """The number of ids the input embedding of ``model`` takes (its text config's vocab_size without one)."""
     embeddings = model.get_input_embeddings()
     size = getattr(embeddings, "num_embeddings", None)
     return int(size) if size is not None else int(model.config.get_text_config().vocab_size)
@@ -47,7 +48,7 @@ def check_ids_in_vocabulary(model, name: str, ids: torch.Tensor) -> None:
     fails on such ids with an IndexError inside the embedding). One host read, before decoding starts."""
     if ids.numel() == 0:
         return
-    vocab = _vocabulary_size(model)
+    vocab = vocabulary_size(model)
     low, high = torch.aminmax(ids)
     if int(low) < 0 or int(high) >= vocab:
         bad = int(low) if int(low) < 0 else int(high)

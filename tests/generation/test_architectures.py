@@ -184,25 +184,53 @@ def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(
 
 
 def test_multimodal_model_generating_from_text_is_exact():
-    """Gemma 3 with its vision tower (text and vision sub-configs; sliding and global layers) generating from text."""
-    text = Gemma3TextConfig(**SIZES, head_dim=8, sliding_window=6)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-    model = _build(Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))
+    """Gemma 3 with its vision tower generating from text."""
+    model = gemma3_multimodal()
     for path in ("dynamic", "static"):
         _check_exact(model, batch=2, path=path)
 
 
-def test_multimodal_rotary_model_generating_from_text_is_exact():
-    """Qwen2-VL (an image-text-to-text class, in no causal-LM mapping) splits its rotary half-dimension into
-    temporal/height/width sections; from text alone HF gives the three the same positions, as do our position ids."""
+def qwen2_vl():
+    """Qwen2-VL (an image-text-to-text class, in no causal-LM mapping): its rotary half-dimension is split into
+    temporal/height/width sections (cut to the tiny head); from text alone HF gives the three the same positions."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     text = dict(SIZES, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
     vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2, spatial_merge_size=1)
     model = _build(Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision))
     assert model.model.language_model.rotary_emb.mrope_section == [2, 1, 1]
+    return model
+
+
+def gemma3_multimodal():
+    """Gemma 3 with its vision tower (text and vision sub-configs; sliding and global layers)."""
+    text = Gemma3TextConfig(**SIZES, head_dim=8, sliding_window=6)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    return _build(Gemma3ForConditionalGeneration, Gemma3Config(text_config=text, vision_config=vision))
+
+
+def test_multimodal_rotary_model_generating_from_text_is_exact():
+    model = qwen2_vl()
     for path in ("dynamic", "static"):
         _check_exact(model, batch=2, path=path)
+
+
+@pytest.mark.parametrize("make", [qwen2_vl, gemma3_multimodal])
+def test_multimodal_models_in_continuous_batching(make):
+    """Requests joining and leaving a running batch of a multimodal model generating from text: each equals
+    model.generate on it alone. add_request read the vocabulary size from the top-level config, which a multimodal
+    config keeps in its text config: AttributeError."""
+    model = make()
+    decoder = sk.SpeculativeDecoder(model, perturbed(model, 0.3), num_speculative_tokens=3)
+    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 4, 9)]
+    ids = [decoder.add_request(p, max_new_tokens=10, do_sample=False) for p in prompts[:2]]
+    decoder.step()
+    ids.append(decoder.add_request(prompts[2], max_new_tokens=10, do_sample=False))
+    while any(decoder.result(i).finish_reason is None for i in ids):
+        decoder.step()
+    for prompt, request in zip(prompts, ids):
+        expected = model.generate(prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert decoder.result(request).token_ids == expected[0, len(prompt) :].tolist()
 
 
 def test_models_deriving_positions_from_input_ids_are_refused(monkeypatch):
