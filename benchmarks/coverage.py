@@ -31,8 +31,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-COLUMNS = ("dynamic", "static", "compile", "batch2_dynamic", "batch2_static")
-HEADERS = ("dynamic", "static", "compile", "batch > 1 (dynamic)", "batch > 1 (static)")
+COLUMNS = ("dynamic", "static", "compile", "batch2_dynamic", "batch2_static", "continuous")
+HEADERS = ("dynamic", "static", "compile", "batch > 1 (dynamic)", "batch > 1 (static)", "continuous")
 PROMPT, NEW, GAMMA, NOISE = 10, 10, 3, (0.3, 1.0, 3.0)
 
 
@@ -109,6 +109,8 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     from speculative_kernels.generation.capabilities import check_request, request_path
     from speculative_kernels import CompileOptions
 
+    if column == "continuous":
+        return _run_continuous(target, draft)
     batch = 2 if column.startswith("batch2") else 1
     static = column in ("static", "compile", "batch2_static")
     compiled = column == "compile"
@@ -145,6 +147,37 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     if stats.acceptance_rate >= 1.0:
         return "not checked: the draft accepted everything"
     return "exact"
+
+
+def _run_continuous(target, draft) -> str:
+    """Continuous batching (``SpeculativeDecoder.add_request``/``step``, dynamic cache): two requests of different
+    lengths, the second joining after the first step; each must equal ``model.generate`` on it alone."""
+    import torch
+
+    import speculative_kernels as sk
+
+    ids, _ = _inputs(2)
+    prompts = [ids[0], ids[1, 4:]]
+    try:
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+        requests = [decoder.add_request(prompts[0], max_new_tokens=NEW, do_sample=False)]
+        decoder.step()
+        requests.append(decoder.add_request(prompts[1], max_new_tokens=NEW, do_sample=False))
+        while any(decoder.result(r).finish_reason is None for r in requests):
+            decoder.step()
+    except ValueError as error:  # add_request checks the request before it joins the batch
+        return "refused: " + _reason(error)
+    except Exception as error:  # noqa: BLE001
+        return "ERROR: " + _short(error)
+    drafted = accepted = 0
+    for prompt, request in zip(prompts, requests):
+        with torch.no_grad():
+            expected = target.generate(prompt[None], max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        result = decoder.result(request)
+        if result.token_ids != expected[0, len(prompt):].tolist():
+            return "DIFFERENT"
+        drafted, accepted = drafted + result.drafted_tokens, accepted + result.accepted_tokens
+    return "not checked: the draft accepted everything" if accepted >= drafted else "exact"
 
 
 def sweep(types, out, timeout: int, dtype: str = "float32", attn: str | None = None) -> None:

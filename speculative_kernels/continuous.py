@@ -63,7 +63,7 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import check_positions
+from .generation.capabilities import check_model, check_positions, request_path
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -150,12 +150,14 @@ class ContinuousBatcher:
         self._rows: list[int] = []  # request id of each row of the running loop
         self._loop: SpeculativeLoop | None = None
         self._next_id = 0
+        self._models_checked = False
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids, **kwargs) -> int:
         target = self.decoder.target
         if target.config.is_encoder_decoder:
             raise ValueError("add_request supports decoder-only targets; use start() for encoder-decoder models")
+        self._check_models()
         for name in kwargs:
             if name in DECODER_SETTINGS:
                 raise ValueError(f"{name} is a setting of the decoder, not of a request ({DECODER_SETTINGS[name]})")
@@ -212,6 +214,18 @@ class ContinuousBatcher:
         else:
             self._queue.append(request_id)
         return request_id
+
+    def _check_models(self) -> None:
+        """The architecture check ``generate`` runs (``capabilities.check_model``), once per decoder and for a batch,
+        since every request joins one running batch: a model the runners cannot drive exactly is refused by the
+        first add_request, before anything is queued or allocated (not by a later step())."""
+        if self._models_checked:
+            return
+        d = self.decoder
+        path = request_path(self.static_rows is not None, self.compile_options is not None)
+        for model in (d.target,) if d.draft is None else (d.target, d.draft):
+            check_model(model, path=path, batch=2)
+        self._models_checked = True
 
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):
         """The request's HF logits processors (a list, [] for none: its minimum length is then among them) and

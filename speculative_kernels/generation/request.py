@@ -111,7 +111,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     captured_layout = compile_options is not None or joins_captured
     models = (model,) if draft_model is None else (model, draft_model)
     path = request_path(static, captured_layout)
-    specs = tuple(check_model(m, path=path, batch=batch) for m in models)
+    # Requests (rows=) join a running batch (continuous batching): they are driven as a batch whatever their number
+    checked_batch = batch if rows is None else max(batch, 2)
+    specs = tuple(check_model(m, path=path, batch=checked_batch) for m in models)
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
     new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch
     # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is

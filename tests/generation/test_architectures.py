@@ -183,6 +183,17 @@ def test_models_counting_positions_from_cache_slots_are_exact_at_batch_one_only(
             _check_refused_up_front(model, "only batch size 1 is exact", path=path, monkeypatch=monkeypatch)
 
 
+def test_models_counting_positions_from_cache_slots_are_refused_by_continuous_batching():
+    """Continuous batching merges every request into one running batch: a model counting positions from cache
+    slots (MPT's ALiBi over key slots) got positions shifted by the other rows' slots and holes, and silently other
+    tokens than model.generate on the request alone. add_request now refuses it by name, even the first request."""
+    mpt = _build(MptForCausalLM, MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    decoder = sk.SpeculativeDecoder(mpt, perturbed(mpt, 0.3), num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"MptForCausalLM.*ALiBi from key slot indices.*only batch size 1"):
+        decoder.add_request(torch.arange(3, 13), max_new_tokens=10, do_sample=False)
+
+
 def test_multimodal_model_generating_from_text_is_exact():
     """Gemma 3 with its vision tower generating from text."""
     model = gemma3_multimodal()
