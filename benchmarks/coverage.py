@@ -2,7 +2,8 @@
 last generating from text alone), tiny random weights.
 
 For each architecture and each path (dynamic cache, static cache, compile=True; batch 1, and batch 2 with a
-left-padded row on the dynamic and static caches) the result is:
+left-padded row on the dynamic and static caches; continuous batching, two requests joining a running batch at
+different steps) the result is:
 
 * "exact": greedy ``speculative_kernels.generate`` equals ``model.generate`` token for token, with a real,
   imperfect draft (the target with Gaussian noise on every weight) that causes rejections (checked: the acceptance
@@ -306,7 +307,9 @@ def render(rows, version: str) -> str:
         "* **not checked**: the tiny model or HF's own `generate` cannot be built or run generically, and the "
         "check does not refuse the default config (reason given).",
         "",
-        "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens.",
+        "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens. "
+        "`continuous`: continuous batching (`SpeculativeDecoder.add_request`/`step`, dynamic cache), two requests of "
+        "10 and 6 tokens, the second joining after the first step, each against `model.generate` on it alone.",
         "",
         *([f"**Partial sweep: {len(rows)} of {len(all_types())} config classes** (the run was cut short); "
            "rerun the script for the rest.", ""] if len(rows) < len(all_types()) else []),
