@@ -32,8 +32,9 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-COLUMNS = ("dynamic", "static", "compile", "batch2_dynamic", "batch2_static", "continuous")
-HEADERS = ("dynamic", "static", "compile", "batch > 1 (dynamic)", "batch > 1 (static)", "continuous")
+COLUMNS = ("dynamic", "static", "compile", "batch2_dynamic", "batch2_static", "continuous", "continuous_static")
+HEADERS = ("dynamic", "static", "compile", "batch > 1 (dynamic)", "batch > 1 (static)", "continuous",
+           "continuous (static)")
 PROMPT, NEW, GAMMA, NOISE = 10, 10, 3, (0.3, 1.0, 3.0)
 
 
@@ -110,8 +111,8 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     from speculative_kernels.generation.capabilities import check_request, request_path
     from speculative_kernels import CompileOptions
 
-    if column == "continuous":
-        return _run_continuous(target, draft)
+    if column.startswith("continuous"):
+        return _run_continuous(target, draft, static=column == "continuous_static")
     batch = 2 if column.startswith("batch2") else 1
     static = column in ("static", "compile", "batch2_static")
     compiled = column == "compile"
@@ -150,9 +151,10 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     return "exact"
 
 
-def _run_continuous(target, draft) -> str:
-    """Continuous batching (``SpeculativeDecoder.add_request``/``step``, dynamic cache): two requests of different
-    lengths, the second joining after the first step; each must equal ``model.generate`` on it alone."""
+def _run_continuous(target, draft, static: bool = False) -> str:
+    """Continuous batching (``SpeculativeDecoder.add_request``/``step``; dynamic cache, or the static one with rows
+    for 4 requests): two requests of different lengths, the second joining after the first step; each must equal
+    ``model.generate`` on it alone."""
     import torch
 
     import speculative_kernels as sk
@@ -160,7 +162,8 @@ def _run_continuous(target, draft) -> str:
     ids, _ = _inputs(2)
     prompts = [ids[0], ids[1, 4:]]
     try:
-        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+        caches = dict(cache_implementation="static", max_context=PROMPT + NEW, max_batch_size=4) if static else {}
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, **caches)
         requests = [decoder.add_request(prompts[0], max_new_tokens=NEW, do_sample=False)]
         decoder.step()
         requests.append(decoder.add_request(prompts[1], max_new_tokens=NEW, do_sample=False))
@@ -242,8 +245,8 @@ def _refused_by_default_config(model_type: str, kind: str, column: str) -> str |
             model = auto.from_config(CONFIG_MAPPING[model_type]())
     except Exception:  # noqa: BLE001 -- stays "not checked" with the tiny model's reason
         return None
-    batch = 2 if column.startswith("batch2") else 1
-    path = request_path(column in ("static", "compile", "batch2_static"), column == "compile")
+    batch = 2 if column.startswith(("batch2", "continuous")) else 1  # (continuous batching: always a batch)
+    path = request_path(column in ("static", "compile", "batch2_static", "continuous_static"), column == "compile")
     try:
         check_request(model, model, path=path, batch=batch)
     except ValueError as error:
@@ -308,8 +311,9 @@ def render(rows, version: str) -> str:
         "check does not refuse the default config (reason given).",
         "",
         "`compile` uses the `aot_eager` backend on the CPU. Batch > 1: two rows, one left-padded by 4 tokens. "
-        "`continuous`: continuous batching (`SpeculativeDecoder.add_request`/`step`, dynamic cache), two requests of "
-        "10 and 6 tokens, the second joining after the first step, each against `model.generate` on it alone.",
+        "`continuous`: continuous batching (`SpeculativeDecoder.add_request`/`step`; dynamic cache, or the static "
+        "one with rows for 4 requests), two requests of 10 and 6 tokens, the second joining after the first step, "
+        "each against `model.generate` on it alone.",
         "",
         *([f"**Partial sweep: {len(rows)} of {len(all_types())} config classes** (the run was cut short); "
            "rerun the script for the rest.", ""] if len(rows) < len(all_types()) else []),
