@@ -182,3 +182,23 @@ def test_sampling_differential_sweep(family, seeds):
         except AssertionError as error:
             failures.append(f"{case}\n  {error}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu.py runs it there)")
+def test_sampling_differential_on_cuda():
+    """The same random cases with the models on the GPU: the verification, sampling and lookup kernels (Triton or
+    CUDA) under HF's processors and warpers, end to end, against HF's chain enumerated on the CPU."""
+    import copy
+
+    from helpers import sampling_differential as sweep
+
+    target, draft = sweep.models("llama")
+    on_gpu = copy.deepcopy(target).cuda(), copy.deepcopy(draft).cuda()
+    failures = []
+    for seed in range(12):
+        case = sweep.random_case(seed, "llama")
+        try:
+            sweep.check_case(case, *on_gpu, reference=target)
+        except AssertionError as error:
+            failures.append(f"{case}\n  {error}")
+    assert not failures, "\n\n".join(failures)

@@ -77,8 +77,12 @@ def random_case(seed: int, family: str = "llama") -> dict:
                 settings={k: v for k, v in settings.items() if v is not None})
 
 
-def check_case(case: dict, target, draft, rows: int = 1500) -> list[float]:
-    """The chi-square p-value of each prompt's continuations (rows of each); AssertionError on a mismatch."""
+def check_case(case: dict, target, draft, rows: int = 1500, reference=None) -> list[float]:
+    """The chi-square p-value of each prompt's continuations (rows of each); AssertionError on a mismatch.
+    target and draft may be on a GPU (the kernels' end-to-end check); reference: the target on the CPU, where HF's
+    chain is enumerated (None: the target itself)."""
+    reference = target if reference is None else reference
+    device = next(target.parameters()).device
     eos = target.config.eos_token_id if case["eos"] else None
     ids, masks = prompts(target)
     resolved = {"eos": eos, "+2": ids[0].shape[1] + 2 if not target.config.is_encoder_decoder else 3}
@@ -91,9 +95,9 @@ def check_case(case: dict, target, draft, rows: int = 1500) -> list[float]:
     torch.manual_seed(case["seed"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = sk.generate(target, torch.cat([p.expand(rows, -1) for p in ids]),
-                          attention_mask=torch.cat([m.expand(rows, -1) for m in masks]),
-                          generation_config=copy.deepcopy(config), **extra)
+        out = sk.generate(target, torch.cat([p.expand(rows, -1) for p in ids]).to(device),
+                          attention_mask=torch.cat([m.expand(rows, -1) for m in masks]).to(device),
+                          generation_config=copy.deepcopy(config), **extra).cpu()
     p_values = []
     width = 1 if target.config.is_encoder_decoder else ids[0].shape[1]  # (the decoder's start token / the prompt)
     if out.shape[1] < width + NEW:  # every row ended early: padded as HF pads
@@ -101,7 +105,7 @@ def check_case(case: dict, target, draft, rows: int = 1500) -> list[float]:
     for i, (prompt, mask) in enumerate(zip(ids, masks)):
         new = out[i * rows : (i + 1) * rows, width:].numpy()
         codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
-        probs = hf_chain_probs(target, prompt, mask, config, eos=eos)
+        probs = hf_chain_probs(reference, prompt, mask, config, eos=eos)
         p_values.append(assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs))
     return p_values
 
