@@ -190,6 +190,10 @@ class ContinuousBatcher:
         if plan.watermark:
             raise ValueError("watermarking_config (from the model's generation config) is not supported by add_request "
                              "yet; speculative_kernels.generate and start() apply it")
+        if settings.num_return_sequences > 1:
+            raise ValueError(f"num_return_sequences={settings.num_return_sequences} (from the model's generation "
+                             "config) is not supported by add_request: a request returns one sequence; add the prompt "
+                             "once per sequence wanted, each with its own seed")
         if plan.max_time is not None:
             raise ValueError(f"max_time={plan.max_time} (from the model's generation config) is not supported by "
                              "add_request: a server bounds a request by max_new_tokens, or cancels it")
@@ -463,7 +467,7 @@ class ContinuousBatcher:
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
                 drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
-                do_sample=False, pad_token_id=pad, rows=rows, **static, **d.lookup)
+                do_sample=False, num_return_sequences=1, pad_token_id=pad, rows=rows, **static, **d.lookup)
 
     def _pad_id(self) -> int:
         config = self.decoder.target.generation_config

@@ -498,3 +498,16 @@ def test_prompts_holding_the_pad_id_are_masked_as_model_generate_masks_them(pair
         assert decoder.result(request_id).token_ids == expected.tolist(), prompt
     with pytest.raises(ValueError, match="ends with pad_token_id=0"):
         decoder.add_request([5, 6, 0], max_new_tokens=4)
+
+
+def test_a_model_default_of_several_sequences_is_refused_by_add_request():
+    """A model whose generation_config asks for num_return_sequences > 1 (with sampling): add_request accepted the
+    request, and the step that admitted it raised HF's greedy-with-several-sequences error, again at every later
+    step (the request stayed queued): the decoder was stuck. add_request now refuses it by name, and the batch is
+    built for one sequence per request whatever the model's default."""
+    target, draft = llama().to(DEVICE), llama(layers=1, seed=2).to(DEVICE)
+    target.generation_config.do_sample, target.generation_config.num_return_sequences = True, 2
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    with pytest.raises(ValueError, match=r"num_return_sequences=2 \(from the model's generation config\)"):
+        decoder.add_request([5, 6, 7], max_new_tokens=4)
+    assert not decoder.has_work()
