@@ -203,3 +203,25 @@ def test_describe_difference_reports_the_near_tie():
         return types.SimpleNamespace(logits=[torch.zeros(1, 4)])
 
     assert "differ in length" in describe_difference(2, short, run(theirs), torch.float32)
+
+
+def test_an_image_text_checkpoint_generates_from_text(tmp_path, capsys):
+    """A Qwen2-VL folder (an image-text-to-text class, in no causal-LM mapping): loaded with
+    AutoModelForImageTextToText, as the Python API drives it; it was an error ("Unrecognized configuration class")."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from helpers.checkpoints import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2, spatial_merge_size=1)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    code = main(["generate", "--target", str(tmp_path), "--prompt-lookup", "3", "--prompt", "for i in",
+                 "--max-new-tokens", "8", "--compare"])
+    assert code == 0 and "outputs identical" in capsys.readouterr().out
