@@ -63,7 +63,7 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import check_model, check_positions, request_path
+from .generation.capabilities import check_deterministic, check_model, check_positions, request_path
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -158,6 +158,7 @@ class ContinuousBatcher:
         if target.config.is_encoder_decoder:
             raise ValueError("add_request supports decoder-only targets; use start() for encoder-decoder models")
         self._check_models()
+        check_deterministic(target)  # (per request: the model may have been put in training mode meanwhile)
         for name in kwargs:
             if name in DECODER_SETTINGS:
                 raise ValueError(f"{name} is a setting of the decoder, not of a request ({DECODER_SETTINGS[name]})")

@@ -402,6 +402,31 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
                    "uses the long factors)" if kind == "longrope" else ""))
 
 
+# Attributes through which HF attention modules apply dropout functionally (``dropout=0.0 if not self.training else
+# self.attention_dropout``) rather than through an nn.Dropout module.
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")
+
+
+def check_deterministic(model) -> None:
+    """ValueError naming the first dropout active in ``model``: in training mode (``model.train()``, or a model
+    built from a config without ``.eval()``) dropout makes every forward random, ``model.generate``'s too, so no
+    output can be identical to it and the target's distribution is not one distribution. Only the target needs
+    this: a draft's q is whatever its forward gave, which verification reads as given."""
+    if not model.training:
+        return
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(getattr(module, "p", None), float) and "Dropout" in type(module).__name__:
+            p = module.p
+        else:
+            p = max((v for k in _DROPOUT_ATTRIBUTES if isinstance(v := getattr(module, k, None), float)), default=0.0)
+        if p > 0:
+            raise ValueError(f"{type(model).__name__} is in training mode with dropout active ({name or 'model'}: "
+                             f"p={p}), so every forward is random (model.generate's too) and no output can be exact; "
+                             "call model.eval() before generating")
+
+
 def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:
     """Check both models of a request before anything is allocated: (target spec, draft spec), or ValueError naming
     the first refusal."""

@@ -1,5 +1,7 @@
 """Every unsupported or invalid input gets a clear error naming it."""
 
+import copy
+
 import pytest
 import torch
 
@@ -134,3 +136,31 @@ def test_stats_type_checked(pair):
     target, draft = pair
     with pytest.raises(TypeError, match="speculation_stats"):
         sk.generate(target, _ids(), draft_model=draft, max_new_tokens=3, speculation_stats={})
+
+
+def test_a_target_with_active_dropout_is_refused():
+    """A target in training mode with dropout (model.train(), or built from a config without .eval()): every forward
+    is random, model.generate's too, so greedy output differed from HF's silently. Refused by generate, start() and
+    add_request, naming the dropout; a model in training mode without dropout, and a draft with it, are fine."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    target = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                        bos_token_id=1, eos_token_id=2))
+    assert target.training and target.transformer.drop.p > 0
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    draft = copy.deepcopy(target)  # in training mode, with dropout: allowed
+    message = r"GPT2LMHeadModel is in training mode with dropout active \(transformer.drop: p=0.1\).*model.eval\(\)"
+    with pytest.raises(ValueError, match=message):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=4)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=message):
+        decoder.start(ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match=message):
+        decoder.add_request([5, 17, 42], max_new_tokens=4)
+    target.eval()
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=4, do_sample=False),
+                       target.generate(ids, max_new_tokens=4, do_sample=False))
+    no_dropout = llama()  # Llama's default attention dropout is 0: training mode changes nothing
+    no_dropout.train()
+    assert sk.generate(no_dropout, ids, prompt_lookup_num_tokens=2, max_new_tokens=4).shape == (1, 9)
