@@ -63,7 +63,8 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import check_deterministic, check_model, check_positions, request_path
+from .generation.capabilities import (check_deterministic, check_model, check_positions, check_window_holes,
+                                       request_path)
 from .generation.inputs import inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -151,6 +152,7 @@ class ContinuousBatcher:
         self._loop: SpeculativeLoop | None = None
         self._next_id = 0
         self._models_checked = False
+        self._target_spec = None  # the target's ModelSpec, from the first add_request's check
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids, **kwargs) -> int:
@@ -173,6 +175,9 @@ class ContinuousBatcher:
         if stop is None and plan.stop_strings:  # the model's generation_config's, as generate takes them
             stop = self._stop_criterion(list(plan.stop_strings))
         mask = self._inferred_mask(prompt, settings)
+        if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
+            check_window_holes(self._target_spec, torch.tensor([mask]), len(prompt) + plan.max_new_tokens - 1,
+                               name="the attention mask inferred from pad_token_id")
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:
@@ -228,8 +233,9 @@ class ContinuousBatcher:
             return
         d = self.decoder
         path = request_path(self.static_rows is not None, self.compile_options is not None)
-        for model in (d.target,) if d.draft is None else (d.target, d.draft):
-            check_model(model, path=path, batch=2)
+        self._target_spec = check_model(d.target, path=path, batch=2)
+        if d.draft is not None:
+            check_model(d.draft, path=path, batch=2)
         self._models_checked = True
 
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):

@@ -9,6 +9,8 @@ import dataclasses
 import inspect
 import re
 
+import torch
+
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # Layers without a cache of their own (MoE/MLP-only layers, KV-sharing consumers).
@@ -400,6 +402,24 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
                 f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}"
                 + (f" (or, for one call of generate, give a prompt longer than {limit + 1} tokens: every forward then "
                    "uses the long factors)" if kind == "longrope" else ""))
+
+
+def check_window_holes(spec: ModelSpec, attention_mask, longest: int, name: str = "attention_mask") -> None:
+    """ValueError naming the rows where ``attention_mask`` [B, L] masks a token after the row's first real one, for a
+    model with sliding-window layers (``spec.sliding_window``) and forwards over up to ``longest`` slots (prompt width
+    plus new tokens but the last, which is never fed) that a window may not span. HF's window counts cache slots,
+    masked ones included (``q_slot - k_slot < window``); the runners' windows count real positions, which their own
+    holes (rejected drafts) must not shift, so the two differ once a masked slot lies inside a window. Left padding
+    never does. One host read, before decoding starts."""
+    if spec.sliding_window is None or attention_mask is None or longest - 1 < spec.sliding_window:
+        return
+    real = attention_mask.bool()
+    holes = ((real.to(torch.int64).cumsum(dim=1) > 0) & ~real).any(dim=1)
+    if bool(holes.any()):
+        raise ValueError(f"{name} masks tokens after the first real one in rows {holes.nonzero().flatten().tolist()} "
+                         f"(not left padding; a pad_token_id inside a prompt is masked so too), which "
+                         f"{spec.architecture}'s sliding-window layers (window {spec.sliding_window}) would count as "
+                         "HF does, in slots, and the speculative caches do not; pass the prompts without them")
 
 
 # Attributes through which HF attention modules apply dropout functionally (``dropout=0.0 if not self.training else

@@ -349,3 +349,28 @@ RECURRENT = {
 def test_recurrent_and_cacheless_models_are_refused_up_front_on_every_path(name, path, monkeypatch):
     make, match = RECURRENT[name]
     _check_refused_up_front(make(), match, batch=1 if path == "compile" else 2, path=path, monkeypatch=monkeypatch)
+
+
+def test_sliding_windows_with_masked_tokens_inside_a_prompt_are_refused(monkeypatch):
+    """A prompt mask with a zero after the first real token (a pad_token_id inside a prompt is masked so, as in HF):
+    HF's sliding window counts cache slots, the masked one included, ours real positions, so a window reaching
+    across the hole covered one key more than HF's (silently other tokens; found by the differential harness on
+    Gemma 3). Refused by name where a window can reach across (generate and add_request); exact where it cannot."""
+    from speculative_kernels.generation import request
+
+    target = gemma2_window()
+    draft = perturbed(target, 0.3)
+    ids = torch.tensor([[60, 26, 3, 18, 86, 47, 91, 55, 12, 13]])
+    mask = torch.ones_like(ids)
+    mask[0, 2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"masks tokens after the first real one in rows \[0\].*window 6"):
+        sk.generate(target, ids, draft_model=draft, **kwargs)
+    short = dict(kwargs, attention_mask=mask[:, :4], max_new_tokens=3)  # forwards span 5 slots: one window
+    assert torch.equal(sk.generate(target, ids[:, :4], draft_model=draft, **short),
+                       target.generate(ids[:, :4], **short))
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="inferred from pad_token_id masks tokens after the first real one"):
+        decoder.add_request([60, 26, 0, 18, 86, 47, 91, 55, 12, 13], max_new_tokens=12)
+    monkeypatch.setattr(request, "check_window_holes", lambda *args, **kwargs: None)  # what the refusal prevents
+    assert not torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), target.generate(ids, **kwargs))
