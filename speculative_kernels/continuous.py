@@ -151,7 +151,6 @@ class ContinuousBatcher:
         self._rows: list[int] = []  # request id of each row of the running loop
         self._loop: SpeculativeLoop | None = None
         self._next_id = 0
-        self._models_checked = False
         self._target_spec = None  # the target's ModelSpec, from the first add_request's check
 
     # ------------------------------------------------------------------------------------------- requests
@@ -229,14 +228,14 @@ class ContinuousBatcher:
         """The architecture check ``generate`` runs (``capabilities.check_model``), once per decoder and for a batch,
         since every request joins one running batch: a model the runners cannot drive exactly is refused by the
         first add_request, before anything is queued or allocated (not by a later step())."""
-        if self._models_checked:
+        if self._target_spec is not None:
             return
         d = self.decoder
         path = request_path(self.static_rows is not None, self.compile_options is not None)
-        self._target_spec = check_model(d.target, path=path, batch=2)
+        spec = check_model(d.target, path=path, batch=2)
         if d.draft is not None:
             check_model(d.draft, path=path, batch=2)
-        self._models_checked = True
+        self._target_spec = spec  # (set once both pass: a refused decoder checks again at the next add_request)
 
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):
         """The request's HF logits processors (a list, [] for none: its minimum length is then among them) and

@@ -138,8 +138,7 @@ def warp_valid_rows(warp, scores: torch.Tensor) -> torch.Tensor:
     samples from, and where every token may be banned; some warpers raise on such a row (transformers 5.17's eta and
     top-H warpers, through torch.distributions' argument checks). Verification flags such a row if it is reached.
     No host read: the rows are chosen with ``torch.where``."""
-    invalid = ~torch.isfinite(scores).any(dim=-1, keepdim=True) | torch.isnan(scores).any(dim=-1, keepdim=True) \
-        | torch.isposinf(scores).any(dim=-1, keepdim=True)
+    invalid = ~torch.isfinite(scores.amax(dim=-1, keepdim=True))  # (the max is NaN with any NaN, +inf with any +inf)
     return torch.where(invalid, scores, warp(torch.where(invalid, 0.0, scores)))
 
 
