@@ -57,9 +57,10 @@ class DecodeSession:
         return self._loop.emitted()
 
     def sequences(self) -> torch.Tensor:
-        """[B, L + new]: prompts and everything generated so far (finished rows padded)."""
+        """[B, L + new]: prompts and everything generated so far (finished rows padded); a copy, an ordinary tensor
+        (the session's own buffers are inference tensors, which later steps overwrite)."""
         longest = int(self._loop.generated.max())
-        return self._loop.sequences[:, : self._loop.prompt_length + longest]
+        return self._loop.sequences[:, : self._loop.prompt_length + longest].clone()
 
     @property
     def stats(self) -> SpeculationStats:

@@ -85,6 +85,9 @@ def generate(
             batching=batching, compile_options=compile_options, drafter=drafter, seed=seed, **kwargs
         )
         sequences, stats = loop.run()
+    # The loop runs in inference mode (cheaper per op than no_grad); what it returns is copied out of it, so that it is
+    # an ordinary tensor as model.generate's (run under no_grad): editable in place, usable in autograd (RL rollouts).
+    sequences = sequences.clone()
     if speculation_stats is not None:
         for field in dataclasses.fields(SpeculationStats):
             setattr(speculation_stats, field.name, getattr(stats, field.name))

@@ -771,8 +771,12 @@ class SpeculativeLoop:
         return self.stats
 
     def collected_scores(self, longest: int):
-        """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested."""
+        """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested: views of
+        one copy of the buffer, made by the caller's mode (outside inference mode: ordinary tensors, as HF's)."""
         def split(buffer):
-            return None if buffer is None else tuple(buffer[:, s] for s in range(longest))
+            if buffer is None:
+                return None
+            copy = buffer[:, :longest].clone()
+            return tuple(copy[:, s] for s in range(longest))
 
         return split(self.scores), split(self.raw_logits)

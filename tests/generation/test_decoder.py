@@ -18,6 +18,7 @@ def test_session_steps_reproduce_generate():
         for row, tokens in enumerate(session.step()):
             streamed[row].extend(tokens)
     assert torch.equal(session.sequences(), expected)
+    assert not session.sequences().is_inference()  # a copy the user may edit or train on, as generate's output
     for row in range(3):
         assert streamed[row] == expected[row, 6:].tolist()
     assert session.stats.target_forwards == session.iterations

@@ -120,6 +120,26 @@ def test_return_dict_scores_and_logits_match_hf():
     assert got.speculation_stats.new_tokens == 9
 
 
+def _usable_outside_no_grad(tensor):
+    """What a user does with model.generate's output (an RL rollout trained on, an edit in place): an inference
+    tensor (made under torch.inference_mode) raises on both."""
+    assert not tensor.is_inference()
+    tensor.clone().float().requires_grad_().sum().backward()
+    tensor[..., -1:] = tensor[..., -1:]
+
+
+def test_outputs_are_ordinary_tensors_as_in_hf():
+    target, draft = llama(), llama(layers=1, seed=9)
+    ids = _prompt()
+    got = sk.generate(target, ids, draft_model=draft, max_new_tokens=6)
+    _usable_outside_no_grad(got)
+    target(got, labels=got).loss.backward()  # training on the generated sequence, as after model.generate
+    out = sk.generate(target, ids, prompt_lookup_num_tokens=3, max_new_tokens=6, return_dict_in_generate=True,
+                      output_scores=True, output_logits=True)
+    for tensor in (out.sequences, *out.scores, *out.logits):
+        _usable_outside_no_grad(tensor)
+
+
 def test_streamer_receives_prompt_then_every_token():
     class Collect:
         def __init__(self):

@@ -154,6 +154,19 @@ def test_encoder_outputs_given(pairs):
         sk.generate(target, draft_model=drafts["unrelated"], encoder_outputs=encoded, attention_mask=mask)
 
 
+def test_outputs_are_ordinary_tensors_as_in_hf(pairs):
+    """As model.generate's (run under no_grad): editable in place and usable in autograd (an inference tensor is
+    neither)."""
+    target, drafts = pairs["t5"]
+    ids, mask = source_batch([5, 3])
+    out = sk.generate(target, ids, attention_mask=mask, draft_model=drafts["perturbed"], max_new_tokens=5,
+                      return_dict_in_generate=True, output_scores=True)
+    for tensor in (out.sequences, *out.scores):
+        assert not tensor.is_inference()
+        tensor[..., -1:] = tensor[..., -1:]
+    target(input_ids=ids, attention_mask=mask, labels=out.sequences[:, 1:].contiguous()).loss.backward()
+
+
 def test_max_new_tokens_zero_returns_the_decoder_prompt(pairs):
     target, _ = pairs["t5"]
     ids, _ = source_batch([4])
