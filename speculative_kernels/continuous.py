@@ -63,9 +63,9 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import (check_deterministic, check_model, check_positions, check_window_holes,
-                                       request_path)
-from .generation.inputs import inferred_attention_mask
+from .generation.capabilities import (check_caching, check_deterministic, check_model, check_positions,
+                                       check_window_holes, request_path)
+from .generation.inputs import check_models, inferred_attention_mask
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop
@@ -160,6 +160,8 @@ class ContinuousBatcher:
             raise ValueError("add_request supports decoder-only targets; use start() for encoder-decoder models")
         self._check_models()
         check_deterministic(target)  # (per request: the model may have been put in training mode meanwhile)
+        check_caching(target)
+        check_caching(self.decoder.draft, "draft")
         for name in kwargs:
             if name in DECODER_SETTINGS:
                 raise ValueError(f"{name} is a setting of the decoder, not of a request ({DECODER_SETTINGS[name]})")
@@ -231,6 +233,7 @@ class ContinuousBatcher:
         if self._target_spec is not None:
             return
         d = self.decoder
+        check_models(d.target, d.draft)
         path = request_path(self.static_rows is not None, self.compile_options is not None)
         spec = check_model(d.target, path=path, batch=2)
         if d.draft is not None:

@@ -447,6 +447,21 @@ def check_deterministic(model) -> None:
                              "call model.eval() before generating")
 
 
+def check_caching(model, name: str = "model") -> None:
+    """ValueError where gradient checkpointing is active (``gradient_checkpointing_enable()`` and training mode):
+    transformers' checkpointed layers then drop ``past_key_values`` (``GradientCheckpointingLayer``), so a forward
+    neither reads nor fills a KV cache. ``model.generate`` still runs (recomputing the sequence every step);
+    speculative decoding needs the cache it rolls back."""
+    if model is None or not model.training:
+        return
+    for module_name, module in model.named_modules():
+        if (module.training and getattr(module, "gradient_checkpointing", False) is True
+                and not getattr(module, "_can_checkpoint_with_cache", False)):
+            raise ValueError(f"{name} ({type(model).__name__}) has gradient checkpointing active in training mode "
+                             f"({module_name or name}), which makes transformers drop its KV cache in every forward; "
+                             f"call {name}.eval() (or {name}.gradient_checkpointing_disable()) before generating")
+
+
 def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:
     """Check both models of a request before anything is allocated: (target spec, draft spec), or ValueError naming
     the first refusal."""

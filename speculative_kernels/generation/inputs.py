@@ -22,6 +22,11 @@ def check_models(model, draft_model) -> None:
     for name, m in (("model", model), ("draft_model", draft_model)):
         if m is None and name == "draft_model":
             return
+        inner = getattr(m, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module) and type(m).__name__ == "OptimizedModule":
+            raise TypeError(f"{name} is a torch.compile wrapper (OptimizedModule) of {type(inner).__name__}; pass the "
+                            f"model itself ({name}._orig_mod) and compile=True to capture the decoding steps (or "
+                            f"compile its forward: {name}.forward = torch.compile({name}.forward))")
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
     check_pair(model, draft_model)

@@ -10,7 +10,8 @@ import torch
 from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
-from .capabilities import check_deterministic, check_model, check_positions, check_window_holes, request_path
+from .capabilities import (check_caching, check_deterministic, check_model, check_positions, check_window_holes,
+                           request_path)
 from .context_processors import build_row_processors, build_warpers
 from .drafter import Drafter, ModelDrafter
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
@@ -115,6 +116,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     checked_batch = batch if rows is None else max(batch, 2)
     specs = tuple(check_model(m, path=path, batch=checked_batch) for m in models)
     check_deterministic(model)
+    check_caching(model)
+    check_caching(draft_model, "draft_model")
     new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch
     # (the target's windows: a draft's only change its proposals)
     check_window_holes(specs[0], attention_mask, width + max(new, default=0) - 1)

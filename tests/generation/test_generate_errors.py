@@ -164,3 +164,38 @@ def test_a_target_with_active_dropout_is_refused():
     no_dropout = llama()  # Llama's default attention dropout is 0: training mode changes nothing
     no_dropout.train()
     assert sk.generate(no_dropout, ids, prompt_lookup_num_tokens=2, max_new_tokens=4).shape == (1, 9)
+
+
+def test_gradient_checkpointing_in_training_mode_is_refused():
+    """gradient_checkpointing_enable() and training mode (generating inside a training loop): transformers'
+    checkpointed layers drop past_key_values, so no KV cache is read or filled; this crashed deep inside the model
+    (a shape mismatch). Refused by name for the target and the draft, on every entry point; in eval mode it is exact."""
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    target, draft = llama(), llama(layers=1, seed=3)
+    expected = target.generate(ids, max_new_tokens=6, do_sample=False)
+    for model, name in ((target, "model"), (draft, "draft_model")):
+        model.gradient_checkpointing_enable()
+        model.train()
+        message = rf"{name} \(LlamaForCausalLM\) has gradient checkpointing active in training mode.*{name}.eval\(\)"
+        with pytest.raises(ValueError, match=message):
+            sk.generate(target, ids, draft_model=draft, max_new_tokens=6, do_sample=False)
+        with pytest.raises(ValueError, match=message):
+            sk.SpeculativeDecoder(target, draft).start(ids, max_new_tokens=6, do_sample=False)
+        with pytest.raises(ValueError, match="gradient checkpointing active"):
+            sk.SpeculativeDecoder(target, draft).add_request([5, 17, 42], max_new_tokens=4)
+        model.eval()
+        assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_a_torch_compile_wrapper_is_named():
+    """torch.compile(model) (an OptimizedModule) was refused as "a cache-less or recurrent model"; the error now says
+    what it is and what to pass instead."""
+    target = llama()
+    wrapped = torch.compile(target)
+    ids = torch.tensor([[5, 17, 42]])
+    for model, draft, name in ((wrapped, target, "model"), (target, wrapped, "draft_model")):
+        with pytest.raises(TypeError, match=rf"{name} is a torch.compile wrapper \(OptimizedModule\) of "
+                                            rf"LlamaForCausalLM; pass the model itself \({name}._orig_mod\)"):
+            sk.generate(model, ids, draft_model=draft, max_new_tokens=3)
+    with pytest.raises(TypeError, match="torch.compile wrapper"):
+        sk.SpeculativeDecoder(wrapped, target).add_request([5, 17, 42], max_new_tokens=3)
