@@ -29,6 +29,7 @@ The design, its cost and its admission bound: ``continuous.py``.
 import torch
 
 from .continuous import ContinuousBatcher, RequestResult
+from .generation.adapters import unwrap_adapters
 from .generation.loop import SpeculativeLoop
 from .generation.request import build_loop
 from .generation.stats import SpeculationStats
@@ -94,7 +95,9 @@ class SpeculativeDecoder:
             raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
         if drafter is not None and not callable(drafter):
             raise TypeError("drafter must be a callable returning a new Drafter for each session")
-        self.target, self.draft, self.drafter = target, draft, drafter
+        # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
+        self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
+        self.drafter = drafter
         self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                                                        ("max_matching_ngram_size", max_matching_ngram_size))
                        if value is not None}

@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from .adapters import unwrap_adapters
 from .options import BatchingOptions, CompileOptions
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .request import build_loop
@@ -75,6 +76,8 @@ def generate(
         if draft_model is not None and draft_model is not assistant_model:
             raise ValueError("pass either draft_model or assistant_model, not both")
         draft_model = assistant_model
+    # A PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one (adapters.py)
+    model, draft_model = unwrap_adapters(model, "model"), unwrap_adapters(draft_model, "draft_model")
     if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
         raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
     compile_options = CompileOptions.from_argument(compile)
