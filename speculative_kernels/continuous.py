@@ -65,7 +65,7 @@ import torch
 
 from .generation.capabilities import (check_caching, check_deterministic, check_model, check_positions,
                                        check_window_holes, request_path)
-from .generation.inputs import check_models, inferred_attention_mask
+from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop
@@ -243,7 +243,7 @@ class ContinuousBatcher:
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):
         """The request's HF logits processors (a list, [] for none: its minimum length is then among them) and
         warper chain (or None), built as ``generate`` builds them for this request alone."""
-        device = self.decoder.target.device
+        device = model_device(self.decoder.target)
         ids = torch.tensor([prompt], dtype=torch.int64, device=device)
         real = torch.ones_like(ids) if mask is None else torch.tensor([mask], device=device)
         row = build_row_processors(self.decoder.target, plan, ids, real, ids)
@@ -449,7 +449,7 @@ class ContinuousBatcher:
         prompts = [r.result.prompt_ids for r in requests]
         width = max(len(p) for p in prompts)
         pad = self._pad_id()
-        device = self.decoder.target.device
+        device = model_device(self.decoder.target)
         input_ids = torch.full((len(ids), width), pad, dtype=torch.int64)
         mask = torch.zeros_like(input_ids)
         for row, (prompt, request) in enumerate(zip(prompts, requests)):

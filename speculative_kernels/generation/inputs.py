@@ -10,10 +10,20 @@ from .vocab import check_ids_in_vocabulary
 
 
 def model_device(model, name: str = "model") -> torch.device:
+    """Where the model runs: its first parameter's device or, where accelerate offloaded that parameter (it is on the
+    meta device, loaded by a hook for each forward), the device the hooks run the model on."""
     try:
-        return next(model.parameters()).device
+        device = next(model.parameters()).device
     except StopIteration:
         raise ValueError(f"{name} has no parameters") from None
+    if device.type != "meta":
+        return device
+    for module in model.modules():
+        execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if execution is not None:
+            return torch.device(execution)
+    raise ValueError(f"{name} has parameters on the meta device (weights not loaded, and no accelerate offloading "
+                     "hook to load them); load its weights")
 
 
 def check_models(model, draft_model) -> None:
