@@ -564,12 +564,16 @@ class SpeculativeLoop:
         self._set_finished(finished)
 
     def _apply_stopping_criteria(self, count_host, generated_before) -> bool:
-        """User stopping criteria, evaluated after every emitted token as HF does (batch 1). Returns whether one
-        fired; then the tokens after it are cut and every row is finished."""
+        """User stopping criteria, evaluated after every emitted token as HF does (batch 1), with HF's arguments:
+        the sequence so far and ``scores``, the tuple of every step's scores [1, V] so far where HF collects them
+        (return_dict_in_generate with output_scores), else None. Returns whether one fired; then the tokens after
+        it are cut and every row is finished."""
         start = self.prompt_length + generated_before[0]
+        collected = self.scores is not None and self.plan.return_dict_in_generate
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
-            if any(bool(torch.as_tensor(c(ids, None)).any()) for c in self.plan.stopping_criteria):
+            scores = tuple(self.scores[:, s] for s in range(generated_before[0] + j + 1)) if collected else None
+            if any(bool(torch.as_tensor(c(ids, scores)).any()) for c in self.plan.stopping_criteria):
                 self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
                 self._set_generated([generated_before[0] + j + 1])
                 self._host_counts = [j + 1]

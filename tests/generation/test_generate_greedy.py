@@ -179,6 +179,36 @@ def test_stopping_criteria_checked_after_every_token():
     assert torch.equal(got, expected)
 
 
+def test_stopping_criteria_receive_hf_scores():
+    """A criterion gets what HF's gives it: scores=None, or with return_dict_in_generate and output_scores the
+    tuple of every step's scores so far (a criterion reading them, e.g. stopping on a low top probability, got None
+    here always)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Record(StoppingCriteria):
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if scores is None:
+                self.calls.append((input_ids.shape[1], None))
+            else:
+                assert int(scores[-1].argmax(-1)) == int(input_ids[0, -1])  # greedy: the token scored highest
+                self.calls.append((input_ids.shape[1], len(scores), input_ids[0, -1].item()))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    target, draft = llama(), llama(layers=1, seed=9)
+    ids = _prompt()
+    for kwargs in ({}, dict(return_dict_in_generate=True, output_scores=True),
+                   dict(return_dict_in_generate=True, output_scores=True, repetition_penalty=1.3)):
+        theirs, ours = Record(), Record()
+        target.generate(ids, max_new_tokens=9, do_sample=False, stopping_criteria=StoppingCriteriaList([theirs]),
+                        **kwargs)
+        sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=9, do_sample=False,
+                    stopping_criteria=StoppingCriteriaList([ours]), **kwargs)
+        assert ours.calls == theirs.calls and len(ours.calls) == 9, kwargs
+
+
 def test_no_iteration_after_a_stopping_criterion_fires():
     """Once a criterion fires, the loop stops: no further draft + verify iteration (counted at the target)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
