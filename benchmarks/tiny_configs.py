@@ -33,6 +33,20 @@ SIZES = dict(
 NOT_TEXT = ("fuyu",)  # image-text models whose configs have no sub-configs
 
 
+def _fix_dbrx(config) -> None:
+    config.attn_config.rope_theta = 10000.0  # read by the attention, absent from the sub-config's defaults
+    config.attn_config.clip_qkv = 8.0  # the default None reaches torch.clamp(min=None, max=None), which raises
+
+
+# Defaults of the installed transformers that its own modeling code cannot build or run, set as the released
+# checkpoints set them (model type -> fix applied to the tiny config).
+FIXES = {
+    "dbrx": _fix_dbrx,
+    "dots1": lambda config: setattr(config, "n_shared_experts", 1),  # None: the shared expert's size is None * int
+    "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
+}
+
+
 class NotChecked(Exception):
     """A config that the generic construction cannot make tiny; the message says why."""
 
@@ -49,6 +63,8 @@ def tiny_config(model_type: str, **overrides):
     if model_type in NOT_TEXT:
         raise NotChecked("an image-text model whose config has no sub-configs; needs model-specific construction")
     config = _tiny(config_class, overrides)
+    if model_type in FIXES:
+        FIXES[model_type](config)
     if getattr(config, "is_encoder_decoder", False):
         config.decoder_start_token_id = 0
     config.use_cache = True  # some configs (MPT) default to False, which generate refuses
