@@ -425,26 +425,49 @@ def check_window_holes(spec: ModelSpec, attention_mask, longest: int, name: str 
 # Attributes through which HF attention modules apply dropout functionally (``dropout=0.0 if not self.training else
 # self.attention_dropout``) rather than through an nn.Dropout module.
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")
+# Other randomness transformers applies in training mode only: LayerDrop (``if self.training and self.layerdrop >
+# 0.0``, also read from the module's config), router/input jitter noise (Mixtral, Qwen-MoE, DBRX, ...), drop-path.
+_TRAINING_NOISE_ATTRIBUTES = ("layerdrop", "jitter_noise", "router_jitter_noise", "input_jitter_noise",
+                              "moe_jitter_eps", "drop_prob", "drop_rate")
 
 
-def check_deterministic(model) -> None:
-    """ValueError naming the first dropout active in ``model``: in training mode (``model.train()``, or a model
-    built from a config without ``.eval()``) dropout makes every forward random, ``model.generate``'s too, so no
-    output can be identical to it and the target's distribution is not one distribution. Only the target needs
-    this: a draft's q is whatever its forward gave, which verification reads as given."""
-    if not model.training:
-        return
-    for name, module in model.named_modules():
-        if not module.training:
-            continue
+def _training_randomness(module, via_config: bool) -> str | None:
+    """What makes ``module``'s forward random in training mode ("dropout p=0.1", "layerdrop=0.2"), or None; with
+    ``via_config``, the noise settings its config holds (which some modules read there) instead."""
+    if via_config:
+        source = getattr(module, "config", None)
+    else:
         if isinstance(getattr(module, "p", None), float) and "Dropout" in type(module).__name__:
             p = module.p
         else:
-            p = max((v for k in _DROPOUT_ATTRIBUTES if isinstance(v := getattr(module, k, None), float)), default=0.0)
+            p = max((v for k in _DROPOUT_ATTRIBUTES if isinstance(v := getattr(module, k, None), float)),
+                    default=0.0)
         if p > 0:
-            raise ValueError(f"{type(model).__name__} is in training mode with dropout active ({name or 'model'}: "
-                             f"p={p}), so every forward is random (model.generate's too) and no output can be exact; "
-                             "call model.eval() before generating")
+            return f"dropout p={p}"
+        source = module
+    for attribute in _TRAINING_NOISE_ATTRIBUTES:
+        value = getattr(source, attribute, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return f"{attribute}={value}"
+    return None
+
+
+def check_deterministic(model) -> None:
+    """ValueError naming the first randomness active in ``model``: in training mode (``model.train()``, or a model
+    built from a config without ``.eval()``) dropout (and LayerDrop, MoE jitter noise, drop-path) makes every
+    forward random, ``model.generate``'s too, so no output can be identical to it and the target's distribution is
+    not one distribution. Only the target needs this: a draft's q is whatever its forward gave, which verification
+    reads as given."""
+    if not model.training:
+        return
+    found = next(((name, randomness) for via_config in (False, True) for name, module in model.named_modules()
+                  if module.training and (randomness := _training_randomness(module, via_config)) is not None), None)
+    if found is not None:
+        name, randomness = found
+        kind = "dropout active" if randomness.startswith("dropout") else "training-mode randomness active"
+        raise ValueError(f"{type(model).__name__} is in training mode with {kind} ({name or 'model'}: "
+                         f"{randomness.removeprefix('dropout ')}), so every forward is random (model.generate's too) "
+                         "and no output can be exact; call model.eval() before generating")
 
 
 def check_caching(model, name: str = "model") -> None:

@@ -166,6 +166,26 @@ def test_a_target_with_active_dropout_is_refused():
     assert sk.generate(no_dropout, ids, prompt_lookup_num_tokens=2, max_new_tokens=4).shape == (1, 9)
 
 
+def test_other_training_mode_randomness_is_refused():
+    """Dropout is not the only randomness of training mode: LayerDrop (OPT, BART, ...) skips layers at random and
+    MoE routers multiply their input by jitter noise (Mixtral, Qwen-MoE, DBRX); both were accepted (no dropout)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 70]])
+    sizes = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    mixtral = MixtralForCausalLM(MixtralConfig(intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+                                               router_jitter_noise=0.1, **sizes))
+    opt = OPTForCausalLM(OPTConfig(ffn_dim=64, layerdrop=0.5, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, word_embed_proj_dim=32, **sizes))
+    for model, where in ((mixtral, r"model.layers.0.mlp: jitter_noise=0.1"), (opt, r"model.decoder: layerdrop=0.5")):
+        assert model.training
+        with pytest.raises(ValueError, match=rf"training-mode randomness active \({where}\).*model.eval\(\)"):
+            sk.generate(model, ids, prompt_lookup_num_tokens=2, max_new_tokens=4)
+        model.eval()
+        assert torch.equal(sk.generate(model, ids, prompt_lookup_num_tokens=2, max_new_tokens=4, do_sample=False),
+                           model.generate(ids, max_new_tokens=4, do_sample=False))
+
+
 def test_gradient_checkpointing_in_training_mode_is_refused():
     """gradient_checkpointing_enable() and training mode (generating inside a training loop): transformers'
     checkpointed layers drop past_key_values, so no KV cache is read or filled; this crashed deep inside the model
