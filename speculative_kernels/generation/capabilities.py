@@ -47,6 +47,10 @@ POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbar
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
+_BIDIRECTIONAL_MASK = re.compile(r"\bcreate_bidirectional_mask\(")
+# A forward that widens a 2-D mask at one-token steps (GIT in transformers 5.17: ``elif past_key_values is not None
+# and seq_len == 1: ... torch.cat([extended_attention_mask, attention_mask], dim=-1)``, whatever the mask's rank).
+_WIDENS_2D_MASK_AT_STEPS = re.compile(r"seq_len\s*==\s*1\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*extended_attention_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +341,47 @@ def _own_positions_reason(model) -> str | None:
     return None
 
 
+def _decoder_stack_source(model) -> tuple[object, str]:
+    """(the decoder stack (``base_model``), the source of its forward, "" where there is none to read)."""
+    base = getattr(model, "base_model", None) or model
+    try:
+        return base, inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return base, ""
+
+
+def _bidirectional_reason(model) -> str | None:
+    """Why a decoder-only model whose self-attention is not causal over a multi-token forward is ruled out, or None.
+    Some transformers versions build such a model's mask with ``create_bidirectional_mask`` alone (BERT-family
+    decoders in 5.17: MegatronBert, RemBert, RoFormer, BigBird, fixed later): ``model.generate`` then encodes the
+    prompt bidirectionally and steps one token at a time, while a verification forward over several tokens would let
+    each see the later drafts. Found from the decoder stack's source (that builder, and nothing causal), confirmed by
+    one 2-token forward: in a causal model the first position's logits cannot depend on the second token."""
+    base, source = _decoder_stack_source(model)
+    if not _BIDIRECTIONAL_MASK.search(source) or "causal" in source:
+        return None
+    if not model.training:  # (in training mode dropout would make any two rows differ: the source decides)
+        device = next(model.parameters()).device
+        ids = torch.tensor([[0, 1], [0, 2]], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+        if torch.equal(logits[0, 0], logits[1, 0]):
+            return None
+    return (f"{type(base).__name__} builds a bidirectional self-attention mask in this transformers version (a "
+            "forward over several tokens lets each see the later ones), so a verification forward over the drafts is "
+            "not the single steps of model.generate")
+
+
+def _two_d_mask_reason(model) -> str | None:
+    """Why a decoder stack that assumes a 2-D attention mask at one-token steps is ruled out, or None (it
+    concatenates ones to the mask, which fails on the 4-D masks the speculative forwards pass)."""
+    base, source = _decoder_stack_source(model)
+    if _WIDENS_2D_MASK_AT_STEPS.search(source):
+        return (f"{type(base).__name__} widens a 2-D attention mask at one-token steps in this transformers version, "
+                "which the explicit masks of the speculative forwards (over cache slots with holes) are not")
+    return None
+
+
 def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
     architecture and the reason."""
@@ -347,6 +392,9 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
         return _check_encoder_decoder(model, path)
+    reason = _bidirectional_reason(model) or _two_d_mask_reason(model)
+    if reason is not None:
+        _refuse(type(model).__name__, path, reason)
     return _check_decoder_only(model, path, batch)
 
 

@@ -32,6 +32,8 @@ from transformers import (
     Lfm2ForCausalLM,
     MambaConfig,
     MambaForCausalLM,
+    MegatronBertConfig,
+    MegatronBertForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MptConfig,
@@ -40,6 +42,10 @@ from transformers import (
     OpenAIGPTLMHeadModel,
     RecurrentGemmaConfig,
     RecurrentGemmaForCausalLM,
+    RemBertConfig,
+    RemBertForCausalLM,
+    RoFormerConfig,
+    RoFormerForCausalLM,
     RwkvConfig,
     RwkvForCausalLM,
 )
@@ -374,3 +380,48 @@ def test_sliding_windows_with_masked_tokens_inside_a_prompt_are_refused(monkeypa
         decoder.add_request([60, 26, 0, 18, 86, 47, 91, 55, 12, 13], max_new_tokens=12)
     monkeypatch.setattr(request, "check_window_holes", lambda *args, **kwargs: None)  # what the refusal prevents
     assert not torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), target.generate(ids, **kwargs))
+
+
+def _causal(model) -> bool:
+    """Whether the first position's logits are independent of the second token (they are in a causal model)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 6], [5, 7]]), use_cache=False).logits
+    return torch.equal(logits[0, 0], logits[1, 0])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _build(MegatronBertForCausalLM, MegatronBertConfig(**SIZES, is_decoder=True)),
+    lambda: _build(RemBertForCausalLM, RemBertConfig(**{**SIZES, "input_embedding_size": 32,
+                                                        "output_embedding_size": 32}, is_decoder=True)),
+    lambda: _build(RoFormerForCausalLM, RoFormerConfig(**SIZES, is_decoder=True)),
+])
+def test_decoders_with_a_bidirectional_mask_are_refused(make, monkeypatch):
+    """transformers 5.17 (the GPU image's, CI's second job) builds these BERT-family decoders' self-attention mask
+    with create_bidirectional_mask alone: model.generate encodes the prompt bidirectionally then steps one token
+    at a time, so a multi-token verification forward (drafts seeing later drafts) differed silently (MegatronBert:
+    other tokens on every path). Refused by name where the installed transformers does that; exact where it does
+    not (later versions)."""
+    model = make()
+    if _causal(model):
+        _check_exact(model, batch=1, noise=None, new=16)
+    else:
+        _check_refused_up_front(model, "bidirectional self-attention mask", batch=1, monkeypatch=monkeypatch)
+
+
+def test_git_is_exact_or_refused_by_name(monkeypatch):
+    """GIT in transformers 5.17 widens a 2-D mask at one-token steps (``seq_len == 1``), whatever mask it gets: our
+    4-D masks crashed inside transformers (torch.cat of a 2-D and a 4-D tensor). Refused by name there; exact where
+    transformers widens only 2-D masks (later versions)."""
+    from transformers import GitConfig, GitForCausalLM
+
+    from speculative_kernels.generation.capabilities import _two_d_mask_reason
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=8)
+    model = _build(GitForCausalLM, GitConfig(vision_config=vision, vocab_size=97, hidden_size=32,
+                                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    if _two_d_mask_reason(model) is None:
+        _check_exact(model, batch=1, noise=None, new=16)
+    else:
+        _check_refused_up_front(model, "widens a 2-D attention mask", batch=1, monkeypatch=monkeypatch)
