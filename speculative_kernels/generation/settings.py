@@ -158,6 +158,19 @@ _REASONS = {
 }
 
 
+# Model inputs model.generate passes on to the forward that we refuse, and why (appended to the error).
+_MULTIMODAL = ("generating from images, audio or video is not supported (multimodal models generate from text "
+               "here)")
+_MODEL_INPUT_HINTS = {
+    "inputs_embeds": "inputs_embeds is not supported: the draft and the drafters read token ids (pass input_ids)",
+    "pixel_values": _MULTIMODAL,
+    "pixel_values_videos": _MULTIMODAL,
+    "input_features": _MULTIMODAL,
+    "position_ids": "position_ids are computed from attention_mask, as model.generate computes them",
+    "token_type_ids": "token_type_ids are not passed on to the model's forward",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptLookup:
     """Prompt-lookup drafting (HF's ``prompt_lookup_num_tokens``, ``max_matching_ngram_size``)."""
@@ -523,7 +536,10 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     _check_refused(config)
     model_kwargs.pop("use_cache", None)
     if model_kwargs:
-        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}")
+        hints = [_MODEL_INPUT_HINTS[name] for name in sorted(model_kwargs) if name in _MODEL_INPUT_HINTS]
+        hint = "".join(f"; {h}" for h in dict.fromkeys(hints))
+        raise ValueError(f"unsupported keyword arguments for speculative_kernels.generate: {sorted(model_kwargs)}"
+                         f"{hint}")
 
     warping = False
     if config.do_sample:

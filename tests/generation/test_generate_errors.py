@@ -219,3 +219,16 @@ def test_a_torch_compile_wrapper_is_named():
             sk.generate(model, ids, draft_model=draft, max_new_tokens=3)
     with pytest.raises(TypeError, match="torch.compile wrapper"):
         sk.SpeculativeDecoder(wrapped, target).add_request([5, 17, 42], max_new_tokens=3)
+
+
+def test_model_inputs_we_do_not_take_are_named_with_the_reason(pair):
+    """model.generate passes extra model inputs on to the forward; we refuse them by name, saying why."""
+    target, draft = pair
+    embeds = target.get_input_embeddings()(_ids())
+    with pytest.raises(ValueError, match=r"\['inputs_embeds'\]; inputs_embeds is not supported: the draft and the "
+                                         r"drafters read token ids \(pass input_ids\)"):
+        sk.generate(target, draft_model=draft, inputs_embeds=embeds, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"\['pixel_values'\]; generating from images"):
+        sk.generate(target, _ids(), draft_model=draft, pixel_values=torch.zeros(1, 3, 8, 8), max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"\['labels'\]$"):
+        sk.generate(target, _ids(), draft_model=draft, labels=_ids(), max_new_tokens=3)
