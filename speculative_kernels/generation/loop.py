@@ -496,7 +496,8 @@ class SpeculativeLoop:
 
     def _calibrate(self, accepted_counts: list[int]) -> None:
         """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.
-        The phase times are complete here: the iteration's host read has already waited for the device."""
+        The phase times are complete here but for the verify phase's end event, recorded after the iteration's
+        host read (``_last_seconds`` waits for it)."""
         chosen = self.calibrator.record(accepted_counts, self._last_seconds("draft"), self._last_seconds("verify"))
         if chosen is not None:
             self.chosen_gamma = self.stats.num_speculative_tokens = chosen
@@ -504,7 +505,12 @@ class SpeculativeLoop:
 
     def _last_seconds(self, phase: str) -> float:
         begin, end = self.timer.spans[phase][-1]
-        return begin.elapsed_time(end) / 1e3 if self.timer.cuda else end - begin
+        if not self.timer.cuda:
+            return end - begin
+        # CUDA's elapsed time raises "device not ready" until both events have run: the verify phase ends after
+        # the host read, so its end event may still be queued (it is reached at once: the stream is idle there)
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
     def histogram(self) -> list[int]:
         """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
