@@ -114,11 +114,19 @@ def test_right_padding_is_refused(pair):
         sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=3)
 
 
-def test_models_on_different_devices(pair):
+def test_models_on_different_devices(pair, monkeypatch):
     target, _ = pair
-    elsewhere = llama(layers=1, seed=3).to("meta")
-    with pytest.raises(ValueError, match="draft_model is on meta"):
+    elsewhere = llama(layers=1, seed=3).to("meta")  # (weights not loaded, no offloading hook to load them)
+    with pytest.raises(ValueError, match="draft_model has parameters on the meta device"):
         sk.generate(target, _ids(), draft_model=elsewhere, max_new_tokens=3)
+    from speculative_kernels.generation import inputs
+
+    draft = llama(layers=1, seed=3)  # a draft on another device (this machine has one: the device is patched)
+    real = inputs.model_device
+    monkeypatch.setattr(inputs, "model_device", lambda m, name="model": torch.device("meta") if m is draft
+                        else real(m, name))
+    with pytest.raises(ValueError, match="model is on cpu but draft_model is on meta; put both on one device"):
+        sk.generate(target, _ids(), draft_model=draft, max_new_tokens=3)
 
 
 def test_nan_logits_raise_instead_of_emitting(pair):
