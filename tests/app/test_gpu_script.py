@@ -49,3 +49,20 @@ def test_e2e_targets_compare_compiled_with_static_cache_generate(gpu):
     assert checks[1] == {"target": "compiled B=1 >= 1.5x HF assisted", "value": 6.0, "met": True}
     assert checks[2]["met"] is True
     assert gpu.e2e_targets({"rows": []}) == []
+
+
+def test_a_tests_phase_stopped_at_its_limit_reports_from_its_log(gpu, tmp_path):
+    """pytest writes its junit XML only when it ends; the -v log (xdist or not) still holds each finished test."""
+    log = tmp_path / "tests.log"
+    log.write_text("\n".join([
+        "[gw0] [  1%] PASSED tests/ops/test_cuda_ops.py::test_a[1]",
+        "[gw1] [  2%] FAILED tests/ops/test_cuda_ops.py::test_b ",
+        "tests/generation/test_compile.py::test_c SKIPPED (needs a CUDA device)",
+        "tests/generation/test_compile.py::test_d PASSED",
+        "[gw2] [  3%] ERROR tests/generation/test_compile.py::test_e ",
+        "FAILED tests/ops/test_cuda_ops.py::test_b - AssertionError",  # the -rfEs summary: not a second outcome
+    ]))
+    counts = gpu.log_counts(log)
+    assert counts == {"tests": 5, "failures": 1, "errors": 1, "skipped": 1, "partial": True,
+                      "failed": ["tests/ops/test_cuda_ops.py::test_b", "tests/generation/test_compile.py::test_e"]}
+    assert gpu.log_counts(tmp_path / "missing.log") is None
