@@ -504,13 +504,9 @@ class SpeculativeLoop:
             self._largest_gamma_used = max(self._largest_gamma_used, chosen)
 
     def _last_seconds(self, phase: str) -> float:
-        begin, end = self.timer.spans[phase][-1]
-        if not self.timer.cuda:
-            return end - begin
-        # CUDA's elapsed time raises "device not ready" until both events have run: the verify phase ends after
-        # the host read, so its end event may still be queued (it is reached at once: the stream is idle there)
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        # (on CUDA the timer waits for the end event: the verify phase ends after the host read, so its end event
+        # may still be queued; it is reached at once, the stream is idle there)
+        return self.timer.last(phase)
 
     def histogram(self) -> list[int]:
         """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
@@ -706,8 +702,7 @@ class SpeculativeLoop:
         for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(other.stats, name))
         self._largest_gamma_used = max(self._largest_gamma_used, other._largest_gamma_used)
-        for phase, spans in other.timer.spans.items():
-            self.timer.spans.setdefault(phase, []).extend(spans)
+        self.timer.merge(other.timer)
         self.batch += other.batch
         self._host_tokens, self._host_counts, self._host_width = [-1] * self.batch, [0] * self.batch, 1
 

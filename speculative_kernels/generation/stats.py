@@ -70,11 +70,16 @@ class SpeculationStats:
 
 class PhaseTimer:
     """Accumulates time per phase without host synchronisation: CUDA events on GPU (read once at the end),
-    ``perf_counter`` elsewhere."""
+    ``perf_counter`` elsewhere. Completed spans are folded into a running total once a phase holds ``FOLD_AT``
+    (on CUDA, those whose end event has run: ``query()`` does not wait), so a loop that runs for hours (a server's
+    running batch) keeps a bounded number of events; the last span of each phase is always kept (``last``)."""
+
+    FOLD_AT = 64
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: dict[str, list] = {}
+        self.spans: dict[str, list] = {}  # spans not folded yet, oldest first
+        self.folded: dict[str, float] = {}  # seconds of the spans folded
         self._open: dict = {}
 
     def _now(self):
@@ -84,16 +89,43 @@ class PhaseTimer:
             return event
         return time.perf_counter()
 
+    def _elapsed(self, spans) -> float:
+        if self.cuda:
+            return sum(b.elapsed_time(e) for b, e in spans) / 1e3
+        return sum(e - b for b, e in spans)
+
     def start(self, phase: str) -> None:
         self._open[phase] = self._now()
 
     def stop(self, phase: str) -> None:
-        self.spans.setdefault(phase, []).append((self._open.pop(phase), self._now()))
+        spans = self.spans.setdefault(phase, [])
+        spans.append((self._open.pop(phase), self._now()))
+        if len(spans) >= self.FOLD_AT:
+            done = 0
+            for _, end in spans[:-1]:
+                if self.cuda and not end.query():
+                    break
+                done += 1
+            self.folded[phase] = self.folded.get(phase, 0.0) + self._elapsed(spans[:done])
+            del spans[:done]
+
+    def last(self, phase: str) -> float:
+        """Seconds of the phase's last span (on CUDA, waiting for its end event)."""
+        begin, end = self.spans[phase][-1]
+        if not self.cuda:
+            return end - begin
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
     def seconds(self, phase: str) -> float:
         spans = self.spans.get(phase, [])
-        if self.cuda:
-            if spans:
-                spans[-1][1].synchronize()
-            return sum(b.elapsed_time(e) for b, e in spans) / 1e3
-        return sum(e - b for b, e in spans)
+        if self.cuda and spans:
+            spans[-1][1].synchronize()
+        return self.folded.get(phase, 0.0) + self._elapsed(spans)
+
+    def merge(self, other: "PhaseTimer") -> None:
+        """Take ``other``'s time into this timer (this timer's last spans stay the last)."""
+        for phase, seconds in other.folded.items():
+            self.folded[phase] = self.folded.get(phase, 0.0) + seconds
+        for phase, spans in other.spans.items():
+            self.spans[phase] = spans + self.spans.get(phase, [])

@@ -30,3 +30,25 @@ def test_session_refuses_output_options():
     target = llama()
     with pytest.raises(ValueError, match="streamer"):
         sk.SpeculativeDecoder(target, target).start(torch.ones(1, 3, dtype=torch.int64), streamer=object())
+
+
+def test_phase_timer_stays_bounded_over_a_long_run():
+    """A server's running batch may iterate for hours: the timer folds completed spans into a total (on CUDA it
+    kept two events per phase per iteration, forever), keeping the last span of each phase and the same sums."""
+    from speculative_kernels.generation.stats import PhaseTimer
+
+    timer, other = PhaseTimer(torch.device("cpu")), PhaseTimer(torch.device("cpu"))
+    for _ in range(1000):
+        timer.start("step")
+        timer.stop("step")
+    assert len(timer.spans["step"]) < PhaseTimer.FOLD_AT
+    begin, end = timer.spans["step"][-1]
+    assert timer.last("step") == end - begin
+    total = timer.seconds("step")
+    assert total >= timer.last("step") and total == timer.folded["step"] + sum(e - b for b, e in timer.spans["step"])
+    other.start("step")
+    other.stop("step")
+    timer.merge(other)
+    # (the same spans summed in another order: equal up to float reassociation)
+    assert timer.seconds("step") == pytest.approx(total + other.seconds("step"), rel=1e-9)
+    assert timer.last("step") == end - begin
