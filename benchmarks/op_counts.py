@@ -14,7 +14,7 @@ How "outside the models' forwards" is counted (``OpCounter``):
   whole captured step (mask and position bookkeeping included: on CUDA one graph replay) counts as a forward.
 * kernels (``--kernels``, CUDA): ``torch.profiler`` with record_function ranges around each model forward, each
   iteration and each ``propose`` (a captured step is a forward range); a launch (``cudaLaunchKernel``,
-  ``cuLaunchKernel``, ``cudaGraphLaunch``, memcpy / memset) is the loop's when it starts inside an iteration and
+  ``cuLaunchKernel(Ex)``, ``cudaGraphLaunch``, memcpy / memset) is the loop's when it starts inside an iteration and
   outside every forward range.
 
 A verification iteration is ``step()`` less ``propose``; a draft step is ``propose`` / gamma. Only the iterations
@@ -177,8 +177,9 @@ class KernelCounter:
     """CUDA: kernel launches outside the models' forwards, from a ``torch.profiler`` trace (see the module
     docstring). Use as a context around the decode; then ``split`` per range."""
 
-    LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cudaMemcpyAsync",
-                "cudaMemsetAsync")
+    # (Triton 3.x launches through the driver's cuLaunchKernelEx)
+    LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
     FORWARD, ITERATION, PROPOSE = "sk::forward", "sk::iteration", "sk::propose"
 
     def __init__(self):
