@@ -360,8 +360,10 @@ def _bidirectional_reason(model) -> str | None:
     base, source = _decoder_stack_source(model)
     if not _BIDIRECTIONAL_MASK.search(source) or "causal" in source:
         return None
-    if not model.training:  # (in training mode dropout would make any two rows differ: the source decides)
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device
+    # (in training mode dropout would make any two rows differ, and offloaded weights (meta) are loaded by hooks on
+    # another device: the source decides there)
+    if not model.training and device.type != "meta":
         ids = torch.tensor([[0, 1], [0, 2]], device=device)
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
