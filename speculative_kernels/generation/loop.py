@@ -292,7 +292,8 @@ class SpeculativeLoop:
         """Row b's tokens so far, [1, prompt + generated] (None for rows not in ``rows``)."""
         contexts = [None] * self.batch
         for b in rows:
-            contexts[b] = self.sequences[b : b + 1, self._context_start[b] : self.prompt_length + self._generated_host[b]]
+            end = self.prompt_length + self._generated_host[b]
+            contexts[b] = self.sequences[b : b + 1, self._context_start[b] : end]
         return contexts
 
     def _unfinished(self) -> list[int]:

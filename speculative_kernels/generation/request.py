@@ -76,9 +76,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
         seq2seq_inputs = {name: repeat_rows(value, copies) for name, value in seq2seq_inputs.items()}
     inferred_from = None
-    if attention_mask is None and not encoder_decoder and (inferred := inferred_attention_mask(input_ids, settings.pad_token_id,
-                                                                       settings.eos_token_ids)) is not None:
-        attention_mask, inferred_from = inferred, settings.pad_token_id  # as HF (decoder-only): padding marked by pad_token_id
+    if attention_mask is None and not encoder_decoder:  # as HF (decoder-only): padding marked by pad_token_id
+        inferred = inferred_attention_mask(input_ids, settings.pad_token_id, settings.eos_token_ids)
+        if inferred is not None:
+            attention_mask, inferred_from = inferred, settings.pad_token_id
     encoder_input = (input_ids, attention_mask)  # prompt lookup searches the encoder input too
     if encoder_decoder:  # the loop's prompt is the decoder's
         prompt = prepare_seq2seq(model, draft_model, input_ids, attention_mask, settings.config, **seq2seq_inputs)

@@ -60,7 +60,8 @@ class SpeculationStats:
 
     def summary(self) -> str:
         return (
-            f"acceptance {self.acceptance_rate:.3f} (alpha {self.alpha:.3f}), {self.mean_tokens_per_target_forward:.2f} tokens/target forward, "
+            f"acceptance {self.acceptance_rate:.3f} (alpha {self.alpha:.3f}), "
+            f"{self.mean_tokens_per_target_forward:.2f} tokens/target forward, "
             f"{self.target_forwards} target + {self.draft_forwards} draft forwards, "
             f"histogram {self.accepted_histogram}, draft {self.draft_time_s * 1e3:.1f} ms, "
             f"verify {self.verify_time_s * 1e3:.1f} ms"
