@@ -131,7 +131,7 @@ setup(
         "packaging",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4", "scipy", "peft", "accelerate"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-xdist", "scipy", "peft", "accelerate"],
         "bench": ["pytest-benchmark>=4", "matplotlib"],
     },
     entry_points={"console_scripts": ["speculative-kernels=speculative_kernels.cli:main"]},
