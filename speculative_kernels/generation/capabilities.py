@@ -6,6 +6,7 @@ raises a ``ValueError`` naming the architecture and the reason. Paths: "dynamic"
 """
 
 import dataclasses
+import functools
 import inspect
 import re
 
@@ -220,18 +221,20 @@ def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
+@functools.cache
+def _source(function) -> str:
+    """The source of a (transformers) function, "" where there is none to read; read once per function (about a
+    millisecond each: the checks run on every request)."""
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
 def _source_matches(model, pattern: re.Pattern) -> bool:
     """Whether the forward of the model or of its base (decoder stack) matches ``pattern``."""
-    for module in (getattr(model, "base_model", None), model):
-        if module is None:
-            continue
-        try:
-            source = inspect.getsource(type(module).forward)
-        except (OSError, TypeError):
-            continue
-        if pattern.search(source):
-            return True
-    return False
+    return any(module is not None and pattern.search(_source(type(module).forward))
+               for module in (getattr(model, "base_model", None), model))
 
 
 def _takes_mask_dict(model) -> bool:
@@ -330,11 +333,7 @@ def _own_positions_reason(model) -> str | None:
         if owner is None or owner in seen or not owner.__module__.startswith("transformers.models."):
             continue
         seen.add(owner)
-        try:
-            source = inspect.getsource(vars(owner)["prepare_inputs_for_generation"])
-        except (OSError, TypeError):
-            continue
-        if _DROPS_POSITION_IDS.search(source):
+        if _DROPS_POSITION_IDS.search(_source(vars(owner)["prepare_inputs_for_generation"])):
             return (f"{owner.__name__}.prepare_inputs_for_generation drops position_ids, so its forward derives "
                     "positions itself (from the input ids and the cache length), which the verification forward's "
                     "explicit position ids do not reproduce")
@@ -344,10 +343,7 @@ def _own_positions_reason(model) -> str | None:
 def _decoder_stack_source(model) -> tuple[object, str]:
     """(the decoder stack (``base_model``), the source of its forward, "" where there is none to read)."""
     base = getattr(model, "base_model", None) or model
-    try:
-        return base, inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return base, ""
+    return base, _source(type(base).forward)
 
 
 def _bidirectional_reason(model) -> str | None:

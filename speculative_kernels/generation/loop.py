@@ -498,16 +498,11 @@ class SpeculativeLoop:
     def _calibrate(self, accepted_counts: list[int]) -> None:
         """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.
         The phase times are complete here but for the verify phase's end event, recorded after the iteration's
-        host read (``_last_seconds`` waits for it)."""
-        chosen = self.calibrator.record(accepted_counts, self._last_seconds("draft"), self._last_seconds("verify"))
+        host read: ``timer.last`` waits for it (it is reached at once, the stream is idle there)."""
+        chosen = self.calibrator.record(accepted_counts, self.timer.last("draft"), self.timer.last("verify"))
         if chosen is not None:
             self.chosen_gamma = self.stats.num_speculative_tokens = chosen
             self._largest_gamma_used = max(self._largest_gamma_used, chosen)
-
-    def _last_seconds(self, phase: str) -> float:
-        # (on CUDA the timer waits for the end event: the verify phase ends after the host read, so its end event
-        # may still be queued; it is reached at once, the stream is idle there)
-        return self.timer.last(phase)
 
     def histogram(self) -> list[int]:
         """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
@@ -572,10 +567,12 @@ class SpeculativeLoop:
         (return_dict_in_generate with output_scores), else None. Returns whether one fired; then the tokens after
         it are cut and every row is finished."""
         start = self.prompt_length + generated_before[0]
-        collected = self.scores is not None and self.plan.return_dict_in_generate
+        steps = None  # every step's scores [1, V] up to this iteration's last, made once per iteration
+        if self.scores is not None and self.plan.return_dict_in_generate:
+            steps = tuple(self.scores[:, s] for s in range(generated_before[0] + count_host[0]))
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
-            scores = tuple(self.scores[:, s] for s in range(generated_before[0] + j + 1)) if collected else None
+            scores = None if steps is None else steps[: generated_before[0] + j + 1]
             if any(bool(torch.as_tensor(c(ids, scores)).any()) for c in self.plan.stopping_criteria):
                 self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
                 self._set_generated([generated_before[0] + j + 1])

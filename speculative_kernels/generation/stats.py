@@ -112,11 +112,10 @@ class PhaseTimer:
 
     def last(self, phase: str) -> float:
         """Seconds of the phase's last span (on CUDA, waiting for its end event)."""
-        begin, end = self.spans[phase][-1]
-        if not self.cuda:
-            return end - begin
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
+        span = self.spans[phase][-1]
+        if self.cuda:
+            span[1].synchronize()
+        return self._elapsed([span])
 
     def seconds(self, phase: str) -> float:
         spans = self.spans.get(phase, [])
