@@ -66,6 +66,8 @@ class ModelSpec:
     decoder-only models, which take position ids.
     kv_sizes: (layers, kv_heads, head_dim) of the (decoder self-attention) K/V, read on the static paths, which
     preallocate them; None on the dynamic path.
+    cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
+    ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     """
 
     architecture: str
@@ -73,6 +75,7 @@ class ModelSpec:
     sliding_window: int | None = None
     positions: str | None = None
     kv_sizes: tuple[int, int, int] | None = None
+    cache_argument: str = "past_key_values"
 
     @property
     def encoder_decoder(self) -> bool:
@@ -86,6 +89,18 @@ def _refuse(name: str, path: str, reason: str):
 
 def _parameters(model) -> set:
     return set(inspect.signature(model.forward).parameters)
+
+
+# The forward's keyword for a KV cache: transformers 5.24 renamed ``past_key_values`` (and mamba's ``cache_params``)
+# to ``cache`` in every model's forward and output; the old name still works there through a deprecation shim that
+# warns. Looked up in this order, so a model that still declares the old name is driven by it.
+CACHE_ARGUMENTS = ("past_key_values", "cache")
+
+
+def cache_argument(model) -> str | None:
+    """The keyword ``model.forward`` takes its KV cache by (and the output field it returns it in), or None."""
+    params = _parameters(model)
+    return next((name for name in CACHE_ARGUMENTS if name in params), None)
 
 
 def layer_types(config) -> tuple[list[str], list[int | None]] | None:
@@ -132,8 +147,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     name = type(model).__name__
     config = model.config.get_text_config(decoder=True)
     params = _parameters(model)
-    for arg in ("past_key_values", "attention_mask"):
-        if arg not in params:
+    cache_arg = cache_argument(model)
+    for arg, present in (("past_key_values", cache_arg is not None), ("attention_mask", "attention_mask" in params)):
+        if not present:
             _refuse(name, path, f"its forward takes no {arg} (a cache-less or recurrent model); speculative "
                                 "decoding needs a KV cache it can roll back")
     if not getattr(config, "is_decoder", True) and _source_matches(model, _DECODER_ONLY_CACHE):
@@ -196,14 +212,15 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if alibi:
         if window is not None:
             _refuse(name, path, "ALiBi together with sliding windows is not supported")
-        return ModelSpec(name, mask="2d", kv_sizes=sizes)
+        return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     if batch > 1 and ("position_ids" not in params or alibi_slots):
         why = "ALiBi from key slot indices" if alibi_slots else "its forward takes no position_ids"
         _refuse(name, path, f"it derives positions from cache slots ({why}); rejected drafts leave holes in a batch, "
                             "so only batch size 1 is exact")
     if attention not in FOUR_D_ATTENTION:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
-        return ModelSpec(name, mask="2d", kv_sizes=sizes)
-    return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes)
+        return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
+    return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
+                     cache_argument=cache_arg)
 
 
 def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:
@@ -306,8 +323,12 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
     if path != "dynamic" and attention not in FOUR_D_ATTENTION:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; use 'sdpa' or 'eager'")
     sizes = _decoder_kv_sizes(model, positions) if path != "dynamic" else None
+    cache_arg = cache_argument(model)
+    if cache_arg is None:
+        _refuse(name, path, "its forward takes no past_key_values (or cache): speculative decoding needs a KV cache "
+                            "it can roll back")
     return ModelSpec(name, mask="4d" if attention in FOUR_D_ATTENTION else "2d", positions=positions,
-                     kv_sizes=sizes)
+                     kv_sizes=sizes, cache_argument=cache_arg)
 
 
 def _own_generate_reason(model) -> str | None:

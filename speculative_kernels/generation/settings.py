@@ -508,10 +508,11 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     for name in ("synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{name} is not supported by speculative_kernels.generate")
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError("past_key_values (a cache of the prompt's first tokens, as model.generate takes) is not "
-                         "supported: speculative_kernels builds its own caches, which it rolls back; pass the whole "
-                         "prompt without it (the output is the same, the prompt's prefill is not skipped)")
+    for name in ("past_key_values", "cache", "cache_params"):  # transformers 5.24 names it cache (older: the others)
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} (a cache of the prompt's first tokens, as model.generate takes) is not "
+                             "supported: speculative_kernels builds its own caches, which it rolls back; pass the "
+                             "whole prompt without it (the output is the same, the prompt's prefill is not skipped)")
     for name in ("max_new_tokens", "max_length"):  # before HF's own checks, which fail on odd types unclearly
         if kwargs.get(name) is not None:
             _length(name, kwargs[name])

@@ -332,11 +332,13 @@ def lfm2():  # the case of issue 12: silently different in a padded batch before
 
 RECURRENT = {
     "lfm2": (lfm2, r"\['conv'\] layers"),
+    # transformers <= 5.23: the forward takes cache_params, not past_key_values; 5.24 renamed both to cache, and
+    # the cache layout names the layers
     "mamba": (lambda: _build(MambaForCausalLM, MambaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2)),
-              "takes no past_key_values"),
+              r"takes no past_key_values|\['linear_attention'\] layers"),
     "falcon_mamba": (lambda: _build(FalconMambaForCausalLM, FalconMambaConfig(vocab_size=97, hidden_size=32,
                                                                               num_hidden_layers=2)),
-                     "takes no past_key_values"),
+                     r"takes no past_key_values|\['linear_attention'\] layers"),
     "rwkv": (lambda: _build(RwkvForCausalLM, RwkvConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
                                                         attention_hidden_size=32, intermediate_size=64)),
              "takes no past_key_values|recurrent"),

@@ -37,6 +37,7 @@ def _ids():
         (dict(use_cache=False), ValueError, "use_cache"),
         (dict(some_unknown_flag=3), ValueError, "some_unknown_flag"),
         (dict(past_key_values=__import__("transformers").DynamicCache()), ValueError, "past_key_values .*prompt"),
+        (dict(cache=__import__("transformers").DynamicCache()), ValueError, "cache .*prompt"),  # 5.24's name
         (dict(backend="tpu"), ValueError, "backend"),
         (dict(backend="cuda"), RuntimeError, "'cuda' cannot run"),
         (dict(cache_implementation="offloaded"), ValueError, "cache_implementation"),

@@ -56,11 +56,11 @@ class DecoderRunner(SlotMaskRunner):
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self.cache if self.cache is not None else RollbackCache(self.model.config),
             use_cache=True,
+            **{self.spec.cache_argument: self.cache if self.cache is not None else RollbackCache(self.model.config)},
             **kwargs,
         )
-        self.cache = out.past_key_values
+        self.cache = getattr(out, self.spec.cache_argument)
         self.num_slots = end
         self.next_position += width if real is None else real_i.sum(dim=1)
         logits = out.logits

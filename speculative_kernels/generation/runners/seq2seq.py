@@ -125,10 +125,10 @@ class Seq2SeqRunner:
             encoder_outputs=self.encoder_outputs,
             decoder_input_ids=tokens,
             decoder_attention_mask=decoder_mask,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.spec.cache_argument: self.cache},
         )
-        self.cache = out.past_key_values
+        self.cache = getattr(out, self.spec.cache_argument)
         return out.logits
 
     def _register_position_hooks(self) -> list:

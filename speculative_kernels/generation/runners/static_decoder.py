@@ -111,8 +111,8 @@ class StaticDecoderRunner(SlotMaskRunner):
             positions = positions + self._step_offsets(width)
         mask = self._additive_mask(start, start + width, self.capacity)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True, **kwargs)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.spec.cache_argument: self.cache}, **kwargs)
         self.next_position.add_(width)
         self.cache.position.add_(width)
         logits = out.logits
@@ -143,8 +143,8 @@ class StaticDecoderRunner(SlotMaskRunner):
             input_ids=tokens,
             attention_mask=decoder_mask(self.slot_mask, slots, self.spec, self._dtype),
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.spec.cache_argument: self.cache},
             **kwargs,
         )
         self.next_position.add_(real_i.sum(dim=1))
