@@ -25,6 +25,7 @@ import copy
 import inspect
 
 import torch
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
 from .settings import Plan
 
@@ -111,11 +112,13 @@ def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_m
             "processors are applied row by row exactly")
     config = _processor_config(plan, width, input_ids.device)
     mask_name = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
+    group = 1 if plan.prefix_allowed_tokens_fn is None else _prefix_rows_per_batch_id(model, plan, width,
+                                                                                       input_ids.device)
     lists = []
     for b in range(batch):
         allowed = plan.prefix_allowed_tokens_fn
-        if allowed is not None:  # called with the row's index in the caller's batch, as model.generate does
-            allowed = _RowIndexed(allowed, b)
+        if allowed is not None:  # called with the batch_id model.generate passes for this row
+            allowed = _RowIndexed(allowed, b // group)
         encoder = None if encoder_input_ids is None else encoder_input_ids[b : b + 1]
         lists.append(_hf_processors(
             model, generation_config=config, input_ids_seq_length=width, encoder_input_ids=encoder,
@@ -209,7 +212,25 @@ def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     config._eos_token_tensor = (torch.tensor(plan.eos_token_ids, device=device) if plan.eos_token_ids else None)
     config.do_sample = plan.processors_warp  # (then HF's whole chain per row: its warpers, then the watermark)
     config.renormalize_logits = False
+    # Each list is built for one row and called with that row alone: transformers 5.24's prefix processor groups
+    # max(num_beams, num_return_sequences) rows per batch_id, which a one-row call would hold none of
+    config.num_return_sequences = 1
     return config
+
+
+def _prefix_rows_per_batch_id(model, plan: Plan, prompt_width: int, device: torch.device) -> int:
+    """How many consecutive rows of the expanded batch ``model.generate`` gives one ``batch_id`` of
+    prefix_allowed_tokens_fn: the ``num_beams`` its ``PrefixConstrainedLogitsProcessor`` is built with. transformers
+    <= 5.23 passes num_beams (1 when sampling: each of num_return_sequences rows its own batch_id), 5.24
+    max(num_beams, num_return_sequences) (the prompt's index). Read off the processor the installed transformers
+    builds for this request, so either rule is followed."""
+    config = _processor_config(plan, prompt_width, device)
+    config.num_return_sequences = plan.generation_config.num_return_sequences
+    built = _hf_processors(model, generation_config=config, input_ids_seq_length=prompt_width,
+                           encoder_input_ids=None, prefix_allowed_tokens_fn=lambda batch_id, ids: [],
+                           logits_processor=[], device=device, model_kwargs={})
+    prefix = next(p for p in built if isinstance(p, PrefixConstrainedLogitsProcessor))
+    return max(int(prefix._num_beams), 1)
 
 
 class _RowIndexed:

@@ -63,3 +63,26 @@ def test_greedy_refused_as_in_hf():
     target, draft = llama(), llama(layers=1, seed=3)
     with pytest.raises(ValueError, match="num_return_sequences"):
         sk.generate(target, torch.tensor([[5, 6, 7]]), draft_model=draft, num_return_sequences=2, max_new_tokens=3)
+
+
+def test_prefix_allowed_tokens_fn_gets_the_batch_id_model_generate_passes():
+    """transformers 5.24 gives prefix_allowed_tokens_fn the prompt's index for each of its num_return_sequences rows
+    (5.17-5.23: the row's own index). A function that allows one token per batch_id makes either rule visible in the
+    tokens: the output equals model.generate's, and the function sees the same batch ids. (This call crashed inside
+    transformers 5.24's processor, which a one-row call left with a group of no rows.)"""
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    seen = {"hf": set(), "sk": set()}
+
+    def allowed(key):
+        def fn(batch_id, input_ids):
+            seen[key].add(batch_id)
+            return [5 + 2 * batch_id]
+        return fn
+
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=4, num_return_sequences=2,
+                  pad_token_id=0)
+    hf = target.generate(ids, prefix_allowed_tokens_fn=allowed("hf"), **kwargs)
+    out = sk.generate(target, ids, draft_model=draft, prefix_allowed_tokens_fn=allowed("sk"), **kwargs)
+    assert torch.equal(out, hf)
+    assert seen["sk"] == seen["hf"]
