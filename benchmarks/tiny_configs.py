@@ -38,10 +38,19 @@ def _fix_dbrx(config) -> None:
     config.attn_config.clip_qkv = 8.0  # the default None reaches torch.clamp(min=None, max=None), which raises
 
 
+def _fix_dory(config) -> None:
+    # the section sizes default to 8 input and 8 output layers, more than a tiny model has: one input layer, two
+    # recurrent ones (looped twice, a cache per loop), one output layer, sliding and full attention alternating
+    config.num_hidden_layers, config.n_input_layers, config.n_recurrent_layers, config.n_output_layers = 4, 1, 2, 1
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(config.layer_types)}
+
+
 # Defaults of the installed transformers that its own modeling code cannot build or run, set as the released
 # checkpoints set them (model type -> fix applied to the tiny config).
 FIXES = {
     "dbrx": _fix_dbrx,
+    "dory": _fix_dory,
     "dots1": lambda config: setattr(config, "n_shared_experts", 1),  # None: the shared expert's size is None * int
     "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
 }

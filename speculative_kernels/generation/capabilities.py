@@ -35,6 +35,14 @@ KNOWN_UNSUPPORTED = {
     "mimo_v2_flash": (("static", "compile"), "its sliding-window layers have their own K/V head count, which the "
                                              "static cache's per-model buffer shape does not describe"),
 }
+# Config settings under which a forward reads its cache in a way the runners' masks do not describe (setting ->
+# (value, reason)), found by benchmarks/coverage.py.
+CONFIG_UNSUPPORTED = {
+    "recurrent_kv_cache_mode": ("last_loop", "its earlier recurrent loops read the cached K/V directly and cut their "
+                                             "sliding window by cache slots (recurrent_kv_cache_mode='last_loop'), "
+                                             "where the runners' slots hold rolled-back holes; 'per_loop' is exact on "
+                                             "the dynamic cache"),
+}
 # transformers classes whose generate() override only routes inputs this library does not take (audio features) to
 # GenerationMixin.generate, reviewed in transformers 5.17-5.23; any other override is refused (MusicGen's codebook
 # delay pattern, SeamlessM4T's target-language tokens, ...). Granite Speech also switches LoRA adapters when PEFT
@@ -49,6 +57,8 @@ _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
 _BIDIRECTIONAL_MASK = re.compile(r"\bcreate_bidirectional_mask\(")
+# A decoder stack that adds layers to the cache it is given (Dory: a copy of the recurrent layers' cache per loop).
+_GROWS_CACHE_LAYERS = re.compile(r"(?:cache|past_key_values)\.layers\s*(?:\+=|\.append\(|\.extend\()")
 # A forward that widens a 2-D mask at one-token steps (GIT in transformers 5.17: ``elif past_key_values is not None
 # and seq_len == 1: ... torch.cat([extended_attention_mask, attention_mask], dim=-1)``, whatever the mask's rank).
 _WIDENS_2D_MASK_AT_STEPS = re.compile(r"seq_len\s*==\s*1\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*extended_attention_mask")
@@ -172,6 +182,13 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     reason = _recurrent_reason(model, config)
     if reason:
         _refuse(name, path, reason)
+    for setting, (value, why) in CONFIG_UNSUPPORTED.items():
+        if getattr(config, setting, None) == value:
+            _refuse(name, path, why)
+    if path != "dynamic" and _GROWS_CACHE_LAYERS.search(_decoder_stack_source(model)[1]):
+        _refuse(name, path, "its forward adds layers of its own to the cache (e.g. one per recurrent loop), which the "
+                            "static cache's preallocated per-layer buffers and shared write pointer do not hold; use "
+                            "the dynamic cache")
     known = KNOWN_UNSUPPORTED.get(getattr(config, "model_type", ""))
     if known and path in known[0]:
         _refuse(name, path, known[1])

@@ -427,3 +427,37 @@ def test_git_is_exact_or_refused_by_name(monkeypatch):
         _check_exact(model, batch=1, noise=None, new=16)
     else:
         _check_refused_up_front(model, "widens a 2-D attention mask", batch=1, monkeypatch=monkeypatch)
+
+
+def _dory(mode: str):
+    import transformers
+
+    if not hasattr(transformers, "DoryConfig"):
+        pytest.skip("Dory arrived in transformers 5.24")
+    config = transformers.DoryConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, num_hidden_layers=4, n_input_layers=1,
+                                     n_recurrent_layers=2, n_output_layers=1, sliding_window=6,
+                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                     recurrent_kv_cache_mode=mode, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _build(transformers.DoryForCausalLM, config)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_dory_recurrent_loops_exact_on_the_dynamic_cache(batch):
+    """Dory runs its middle layers in loops, appending a copy of their cache layers per loop: the dynamic cache
+    rolls every appended layer back with the others."""
+    _check_exact(_dory("per_loop"), batch=batch)
+
+
+@pytest.mark.parametrize("path", ["static", "compile"])
+def test_dory_recurrent_loops_refused_on_the_static_cache(path, monkeypatch):
+    """Its forward appended deep copies of the static cache's layers, each with a write pointer of its own that
+    the rollback never moved: other tokens than model.generate, silently (found by the 5.24 architecture sweep)."""
+    _check_refused_up_front(_dory("per_loop"), "adds layers of its own to the cache", batch=1, path=path,
+                            monkeypatch=monkeypatch)
+
+
+def test_dory_last_loop_cache_refused(monkeypatch):
+    """recurrent_kv_cache_mode='last_loop': earlier loops read the cache's K/V directly and cut the sliding window by
+    slot count; it crashed inside the model on every path (the runners' masks cover every slot)."""
+    _check_refused_up_front(_dory("last_loop"), "last_loop", batch=2, monkeypatch=monkeypatch)
