@@ -158,7 +158,8 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     config = model.config.get_text_config(decoder=True)
     params = _parameters(model)
     cache_arg = cache_argument(model)
-    for arg, present in (("past_key_values", cache_arg is not None), ("attention_mask", "attention_mask" in params)):
+    for arg, present in (("past_key_values or cache", cache_arg is not None),
+                         ("attention_mask", "attention_mask" in params)):
         if not present:
             _refuse(name, path, f"its forward takes no {arg} (a cache-less or recurrent model); speculative "
                                 "decoding needs a KV cache it can roll back")

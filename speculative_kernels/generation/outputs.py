@@ -9,8 +9,8 @@ from .stats import SpeculationStats
 
 @dataclasses.dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """``GenerateDecoderOnlyOutput`` plus ``speculation_stats``. ``past_key_values`` is None: the caches hold
-    rolled-back holes and are not meant for reuse."""
+    """``GenerateDecoderOnlyOutput`` plus ``speculation_stats``. Its cache field (``cache`` from transformers 5.24,
+    ``past_key_values`` before) is None: the caches hold rolled-back holes and are not meant for reuse."""
 
     speculation_stats: SpeculationStats | None = None
 
