@@ -56,6 +56,7 @@ sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import synchronize  # noqa: E402
 from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
+from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
 # Llama shapes: hidden, intermediate, layers, attention heads, KV heads, vocabulary; tied input/output embeddings.
@@ -195,14 +196,15 @@ def step_time(model, input_ids: torch.Tensor, steps: int = 16, repeats: int = 3)
     from transformers import DynamicCache
 
     device = input_ids.device
+    arg = cache_argument(model)  # past_key_values, or cache from transformers 5.24
     times = []
     for _ in range(repeats):
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=input_ids, **{arg: cache}, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
-            out, seconds = timed_generate(lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True),
-                                  device)
+            out, seconds = timed_generate(lambda: model(input_ids=token, **{arg: getattr(out, arg)}, use_cache=True),
+                                          device)
             token = out.logits[:, -1:].argmax(-1)
             times.append(seconds)
     return statistics.median(times)
@@ -219,15 +221,16 @@ def measure_c(target, draft, prompt: torch.Tensor, steps: int = 32, repeats: int
         for _ in range(repeats):
             state = {}
             for name, model in (("draft", draft), ("target", target)):
-                out = model(input_ids=prompt, past_key_values=DynamicCache(config=model.config), use_cache=True,
-                            logits_to_keep=1)
+                out = model(input_ids=prompt, **{cache_argument(model): DynamicCache(config=model.config)},
+                            use_cache=True, logits_to_keep=1)
                 state[name] = (model, out)
             for _ in range(steps):
                 for name in ("draft", "target"):
                     model, out = state[name]
                     token = out.logits[:, -1:].argmax(-1)
+                    arg = cache_argument(model)
                     out, seconds = timed_generate(
-                        lambda: model(input_ids=token, past_key_values=out.past_key_values, use_cache=True), device)
+                        lambda: model(input_ids=token, **{arg: getattr(out, arg)}, use_cache=True), device)
                     state[name] = (model, out)
                     times[name].append(seconds)
     draft_s, target_s = statistics.median(times["draft"]), statistics.median(times["target"])

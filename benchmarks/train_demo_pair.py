@@ -382,15 +382,18 @@ def greedy_continuation_eval(target, draft, held_stream, args, gen, eos_id):
 def decode_time_ms(model, prompt, steps: int) -> list[float]:
     import torch
 
+    from speculative_kernels.generation.capabilities import cache_argument
+
     times = []
     with torch.inference_mode():
         out = model(input_ids=prompt, use_cache=True)
-        pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        arg = cache_argument(model)  # past_key_values, or cache from transformers 5.24
+        pkv, tok = getattr(out, arg), out.logits[:, -1:].argmax(-1)
         for i in range(steps + 10):
             t = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=pkv, use_cache=True)
+            out = model(input_ids=tok, **{arg: pkv}, use_cache=True)
             dt = time.perf_counter() - t
-            pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            pkv, tok = getattr(out, arg), out.logits[:, -1:].argmax(-1)
             if i >= 10:
                 times.append(dt * 1e3)
     return times

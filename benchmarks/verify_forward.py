@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
-from speculative_kernels.generation.capabilities import check_model  # noqa: E402
+from speculative_kernels.generation.capabilities import cache_argument, check_model  # noqa: E402
 from speculative_kernels.generation.runners.decoder import DecoderRunner  # noqa: E402
 from speculative_kernels.generation.runners.dynamic_cache import crop_cache  # noqa: E402
 from speculative_kernels.generation.runners.static_decoder import StaticDecoderRunner  # noqa: E402
@@ -39,12 +39,13 @@ def bare(model, prompt):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    arg = cache_argument(model)  # past_key_values, or cache from transformers 5.24
+    model(input_ids=prompt, **{arg: cache}, use_cache=True)
     length = prompt.shape[1]
 
     def call(tokens):
         positions = torch.arange(length, length + tokens.shape[1], device=tokens.device).unsqueeze(0)
-        model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(input_ids=tokens, position_ids=positions, **{arg: cache}, use_cache=True)
         crop_cache(cache, length)
 
     return call

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
+from speculative_kernels.generation.capabilities import cache_argument
 from helpers.models import FAMILIES, perturbed
 from helpers.prompts import left_padded
 
@@ -40,10 +41,10 @@ def _reference_logits(model, exact_model, sequence: torch.Tensor, prompt_length:
     (2) by one teacher-forced forward in the model's dtype, (3) exactly (the float64 copy)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    steps = [model(sequence[:, :prompt_length], past_key_values=cache, use_cache=True).logits[0, -1]]
+    cache = {cache_argument(model): DynamicCache(config=model.config)}  # past_key_values, or cache from 5.24
+    steps = [model(sequence[:, :prompt_length], **cache, use_cache=True).logits[0, -1]]
     for position in range(prompt_length, sequence.shape[1] - 1):
-        steps.append(model(sequence[:, position:position + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+        steps.append(model(sequence[:, position:position + 1], **cache, use_cache=True).logits[0, -1])
     one_pass = model(sequence[:, :-1]).logits[0, prompt_length - 1:]
     exact = exact_model(sequence[:, :-1]).logits[0, prompt_length - 1:]
     return torch.stack(steps).double(), one_pass.double(), exact
