@@ -65,6 +65,7 @@ GPU_TESTS = [
     "tests/generation/test_continuous_batching.py", "tests/generation/test_continuous_static.py",
     "tests/generation/test_continuous_randomized.py", "tests/generation/test_continuous_compiled.py",
     "tests/generation/test_continuous_processors.py", "tests/generation/test_half_precision.py",
+    "tests/generation/test_decode_experts.py",
     "tests/generation/test_differential.py::test_sampling_differential_on_cuda",
 ]
 

@@ -15,6 +15,7 @@ from ..ops.sampling import RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
+from .decode_experts import DecodeExperts
 from .drafter import Drafter
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
@@ -45,7 +46,10 @@ class SpeculativeLoop:
     draft's logits keep the cheap masks only: exactness does not depend on q, and running HF's processors per draft
     step cost more time than the acceptance it bought (``benchmarks/processors.py``). warpers: HF's sampling
     warper chain (``Plan.warping``: a warper the ops lack, e.g. min_p), run on target and draft logits before the ops,
-    whose own warping is then neutral.
+    whose own warping is then neutral. decode_experts: the models' decode-time experts implementation
+    (``decode_experts.py``: what ``model.generate`` switches an MoE model to after its prefill), entered for the
+    iterations that verify drafts, never for the prefills; ``run`` holds it until the end, ``step`` leaves the models
+    as they were after each iteration.
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -55,7 +59,8 @@ class SpeculativeLoop:
                  attention_mask: torch.Tensor, *, vocab: int, dtype: torch.dtype, impl: ModuleType,
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
                  seed: int | None = None, rows: RowSettings | None = None,
-                 processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None):
+                 processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
+                 decode_experts: DecodeExperts | None = None):
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
                              "RowSettings")
@@ -129,9 +134,15 @@ class SpeculativeLoop:
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
         self._started = time.monotonic()  # (max_time counts from here, as HF's MaxTimeCriteria from its prefill)
+        self._decode_experts = decode_experts or DecodeExperts(())
+        self._hold_decode_experts = False  # run(): stay switched between iterations
         self._prefill(input_ids, attention_mask)
-        if warm_up is not None:
-            self.stats.warmup_time_s = warm_up()
+        if warm_up is not None:  # it captures the decode steps: in the setting they will run in
+            self._decode_experts.enter()
+            try:
+                self.stats.warmup_time_s = warm_up()
+            finally:
+                self._decode_experts.exit()
 
     # ----------------------------------------------------------------------------------------------- state
     @property
@@ -421,6 +432,15 @@ class SpeculativeLoop:
 
         Afterwards ``emitted()`` lists the token ids each row emitted (read in the iteration's one host read).
         """
+        if self._prompt is None:  # an iteration over the prompts is the prefill: HF's switch exempts it
+            self._decode_experts.enter()
+        try:
+            return self._step()
+        finally:
+            if not self._hold_decode_experts:
+                self._decode_experts.exit()
+
+    def _step(self) -> bool:
         self.timer.start("step")
         self.gamma = self._step_gamma()
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
@@ -588,10 +608,15 @@ class SpeculativeLoop:
         self.timer.start("total")
         running = self.plan.max_new_tokens > 0
         dropper = RowDropper(self.batching, self.sequences_fill)
-        while running:
-            running = self.step()
-            if running and dropper.due(self._finished_host):
-                self._drop_finished_rows(dropper)
+        self._hold_decode_experts = True  # switched once, as model.generate does, not per iteration
+        try:
+            while running:
+                running = self.step()
+                if running and dropper.due(self._finished_host):
+                    self._drop_finished_rows(dropper)
+        finally:
+            self._hold_decode_experts = False
+            self._decode_experts.exit()
         full = dropper.finish(self._outputs())
         if full is not None:  # every row back, in its original place
             self.batch = full.generated.shape[0]

@@ -13,6 +13,7 @@ from .buffers import initial_slots
 from .capabilities import (check_caching, check_deterministic, check_model, check_positions, check_window_holes,
                            request_path)
 from .context_processors import build_row_processors, build_warpers
+from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
                      prepare_prompt, prompt_length, repeat_rows)
@@ -155,7 +156,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
-                           processors=processors, warpers=warpers, stop=stop)
+                           processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models))
 
 
 def stop_string_criterion(stop_strings, tokenizer):
