@@ -70,14 +70,22 @@ def token_tensor(name: str, ids: torch.Tensor, device: torch.device) -> torch.Te
 
 
 def mask_tensor(name: str, mask, shape, device: torch.device, of: str = "input_ids") -> torch.Tensor:
-    """An attention mask of ``shape`` (that of ``of``), integer or bool, on ``device`` (TypeError / ValueError naming
+    """An attention mask of ``shape`` (that of ``of``) on ``device``: integer or bool as given; floating point (what
+    ``torch.ones`` makes, which ``model.generate`` takes) of 0/1 values only, as int64 (TypeError / ValueError naming
     ``name``)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of 0/1 values, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)} but {of} has {tuple(shape)}")
-    if mask.is_floating_point() or mask.is_complex():
-        raise TypeError(f"{name} must be an integer or bool tensor, got {mask.dtype}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be an integer, bool or floating-point tensor of 0/1 values, got {mask.dtype}")
+    if mask.is_floating_point():
+        # transformers reads a float mask both as != 0 (attention) and truncated to integers (position ids): the
+        # two agree, and equal an integer mask's, for 0 and 1 alone
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{name} of dtype {mask.dtype} must hold only 0.0 and 1.0 (other values are read one "
+                             "way for attention and another for positions); pass an integer or bool mask")
+        mask = mask.to(torch.int64)
     return mask.to(device)
 
 

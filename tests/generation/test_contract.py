@@ -273,6 +273,10 @@ GENERATE_ROWS = [
     ("list attention_mask", dict(attention_mask=[[1, 1, 1, 1, 1]]), TypeError, "attention_mask must be a torch.Tensor"),
     ("all-zero mask row", dict(input_ids=torch.cat([P, P]), attention_mask=_zero_row_mask(), pad_token_id=0),
      ValueError, "attention_mask is all zeros in batch rows \\[1\\]"),
+    ("float mask with 0.5", dict(attention_mask=torch.tensor([[1.0, 0.5, 1.0, 1.0, 1.0]])), ValueError,
+     "attention_mask of dtype torch.float32 must hold only 0.0 and 1.0"),
+    ("complex mask", dict(attention_mask=torch.ones(1, 5, dtype=torch.complex64)), TypeError,
+     "attention_mask must be an integer, bool or floating-point tensor"),
     ("tokenizer='x'", dict(tokenizer="x"), TypeError, "tokenizer must be a transformers tokenizer"),
     ("batching='x'", dict(batching="x"), TypeError, "batching must be a speculative_kernels BatchingOptions"),
     ("streamer without put", dict(streamer=_NoPut()), TypeError, "streamer must have put\\(\\) and end\\(\\)"),
@@ -392,3 +396,28 @@ def test_default_length_matches_model_generate_encoder_decoder(family):
     with pytest.warns(UserWarning, match="model-agnostic default"):
         got = sk.generate(target, ids, draft_model=draft)
     assert torch.equal(got, expected) and got.shape[1] == 21
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_attention_masks_as_model_generate(dtype):
+    """``torch.ones`` makes float32 masks, which model.generate takes: 0/1 float masks give its tokens (decoder-only
+    left-padded batch, the encoder mask of a seq2seq model, and a decoder session), not a TypeError."""
+    from helpers.seq2seq_models import source_batch, t5
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.tensor([[0, 0, 5, 9, 14], [3, 22, 41, 7, 8]])
+    mask = (ids != 0).to(dtype)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = target.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(expected, target.generate(ids, attention_mask=mask.long(), **kwargs))
+    assert torch.equal(sk.generate(target, ids, attention_mask=mask, draft_model=draft, **kwargs), expected)
+    session = sk.SpeculativeDecoder(target, draft).start(ids, attention_mask=mask, **kwargs)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+    source, source_mask = source_batch([6, 4])
+    target, draft = t5(), t5(layers=1, seed=3)
+    expected = target.generate(source, attention_mask=source_mask.to(dtype), max_new_tokens=6, do_sample=False)
+    got = sk.generate(target, source, attention_mask=source_mask.to(dtype), draft_model=draft, max_new_tokens=6,
+                      do_sample=False)
+    assert torch.equal(got, expected)
