@@ -70,22 +70,25 @@ def token_tensor(name: str, ids: torch.Tensor, device: torch.device) -> torch.Te
 
 
 def mask_tensor(name: str, mask, shape, device: torch.device, of: str = "input_ids") -> torch.Tensor:
-    """An attention mask of ``shape`` (that of ``of``) on ``device``: integer or bool as given; floating point (what
-    ``torch.ones`` makes, which ``model.generate`` takes) of 0/1 values only, as int64 (TypeError / ValueError naming
-    ``name``)."""
+    """An attention mask of ``shape`` (that of ``of``) of 0/1 values on ``device``: bool or integer as given, floating
+    point (what ``torch.ones`` makes, which ``model.generate`` takes) as int64 (TypeError / ValueError naming
+    ``name``). Other values are refused: transformers reads a mask both as != 0 (attention) and, truncated to
+    integers, as counts (its position ids: ``cumsum``), which agree for 0 and 1 alone (GPT-2 with a -1 in its mask
+    generated other tokens than with a 1)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of 0/1 values, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)} but {of} has {tuple(shape)}")
     if mask.is_complex():
-        raise TypeError(f"{name} must be an integer, bool or floating-point tensor of 0/1 values, got {mask.dtype}")
-    if mask.is_floating_point():
-        # transformers reads a float mask both as != 0 (attention) and truncated to integers (position ids): the
-        # two agree, and equal an integer mask's, for 0 and 1 alone
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{name} of dtype {mask.dtype} must hold only 0.0 and 1.0 (other values are read one "
-                             "way for attention and another for positions); pass an integer or bool mask")
-        mask = mask.to(torch.int64)
+        raise TypeError(f"{name} must be a bool, integer or floating-point tensor of 0/1 values, got {mask.dtype}")
+    if mask.dtype != torch.bool:
+        outside = ~((mask == 0) | (mask == 1))
+        if bool(outside.any()):
+            value = mask[outside][0].item()
+            raise ValueError(f"{name} must hold only 0 and 1, got {value} (transformers reads other values one way "
+                             "for attention and another for positions)")
+        if mask.is_floating_point():
+            mask = mask.to(torch.int64)
     return mask.to(device)
 
 

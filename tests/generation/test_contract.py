@@ -155,6 +155,23 @@ def test_num_assistant_tokens_is_gamma(pair):
             finally:
                 draft.generation_config.num_assistant_tokens = None
         assert torch.equal(got, expected)
+
+
+def test_a_mask_value_other_than_0_or_1_is_refused_where_model_generate_differs():
+    """model.generate on GPT-2 with a -1 in the mask gives other tokens than with 1 (its position ids count the
+    mask's values); ours read it as != 0, silently other tokens than HF's. Now refused by name."""
+    from helpers.models import gpt2
+
+    target, draft = gpt2(), gpt2(layers=1, seed=2)
+    ids = torch.tensor([[0, 0, 5, 9, 14], [3, 22, 41, 7, 8]])
+    mask = (ids != 0).long()
+    odd = mask.clone()
+    odd[1, 2] = -1
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert not torch.equal(target.generate(ids, attention_mask=odd, **kwargs),
+                           target.generate(ids, attention_mask=mask, **kwargs))
+    with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1, got -1"):
+        sk.generate(target, ids, attention_mask=odd, draft_model=draft, **kwargs)
         assert stats.num_speculative_tokens == 3 and len(stats.accepted_histogram) == 4, source
     stats = sk.SpeculationStats()
     sk.generate(target, P, draft_model=draft, max_new_tokens=12, speculation_stats=stats)
@@ -274,9 +291,13 @@ GENERATE_ROWS = [
     ("all-zero mask row", dict(input_ids=torch.cat([P, P]), attention_mask=_zero_row_mask(), pad_token_id=0),
      ValueError, "attention_mask is all zeros in batch rows \\[1\\]"),
     ("float mask with 0.5", dict(attention_mask=torch.tensor([[1.0, 0.5, 1.0, 1.0, 1.0]])), ValueError,
-     "attention_mask of dtype torch.float32 must hold only 0.0 and 1.0"),
+     "attention_mask must hold only 0 and 1, got 0.5"),
+    ("mask with -1", dict(attention_mask=torch.tensor([[1, -1, 1, 1, 1]])), ValueError,
+     "attention_mask must hold only 0 and 1, got -1"),
+    ("mask with 2", dict(attention_mask=torch.tensor([[1, 1, 2, 1, 1]], dtype=torch.int32)), ValueError,
+     "attention_mask must hold only 0 and 1, got 2"),
     ("complex mask", dict(attention_mask=torch.ones(1, 5, dtype=torch.complex64)), TypeError,
-     "attention_mask must be an integer, bool or floating-point tensor"),
+     "attention_mask must be a bool, integer or floating-point tensor"),
     ("tokenizer='x'", dict(tokenizer="x"), TypeError, "tokenizer must be a transformers tokenizer"),
     ("batching='x'", dict(batching="x"), TypeError, "batching must be a speculative_kernels BatchingOptions"),
     ("streamer without put", dict(streamer=_NoPut()), TypeError, "streamer must have put\\(\\) and end\\(\\)"),
@@ -421,3 +442,20 @@ def test_float_attention_masks_as_model_generate(dtype):
     got = sk.generate(target, source, attention_mask=source_mask.to(dtype), draft_model=draft, max_new_tokens=6,
                       do_sample=False)
     assert torch.equal(got, expected)
+
+
+def test_a_mask_value_other_than_0_or_1_is_refused_where_model_generate_differs():
+    """model.generate on GPT-2 with a -1 in the mask gives other tokens than with 1 (its position ids count the
+    mask's values); ours read it as != 0, silently other tokens than HF's. Now refused by name."""
+    from helpers.models import gpt2
+
+    target, draft = gpt2(), gpt2(layers=1, seed=2)
+    ids = torch.tensor([[0, 0, 5, 9, 14], [3, 22, 41, 7, 8]])
+    mask = (ids != 0).long()
+    odd = mask.clone()
+    odd[1, 2] = -1
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert not torch.equal(target.generate(ids, attention_mask=odd, **kwargs),
+                           target.generate(ids, attention_mask=mask, **kwargs))
+    with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1, got -1"):
+        sk.generate(target, ids, attention_mask=odd, draft_model=draft, **kwargs)
