@@ -312,6 +312,14 @@ def _length(name: str, value, *, allow_zero: bool = True) -> int | float:
     return value
 
 
+def _unwrap_scalar(value):
+    """A 0-d real tensor (``lengths.max()``) as the Python number it holds, as model.generate takes a length; anything
+    else unchanged (for ``_length`` to check)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+        return value.item()
+    return value
+
+
 def _int_setting(name: str, value) -> int:
     if value is None:
         return 0
@@ -515,7 +523,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
                              "whole prompt without it (the output is the same, the prompt's prefill is not skipped)")
     for name in ("max_new_tokens", "max_length"):  # before HF's own checks, which fail on odd types unclearly
         if kwargs.get(name) is not None:
-            _length(name, kwargs[name])
+            kwargs[name] = _length(name, _unwrap_scalar(kwargs[name]))
     for name in ("min_new_tokens", "min_length"):
         if kwargs.get(name) is not None:
             _int_setting(name, kwargs[name])

@@ -215,6 +215,18 @@ def test_fractional_max_new_tokens_ashf_generate(pair):
         sk.generate(target, P, draft_model=draft, max_new_tokens="5")
 
 
+def test_tensor_lengths_ashf_generate(pair):
+    """A length computed with torch (``lengths.max()``, a 0-d tensor) is taken as model.generate takes it; it was
+    refused with a TypeError."""
+    target, draft = pair
+    for kwargs in (dict(max_new_tokens=torch.tensor(6)), dict(max_new_tokens=torch.tensor(5.5)),
+                   dict(max_length=torch.tensor(9))):
+        expected = hf_generate(target, P, **kwargs)
+        assert torch.equal(sk.generate(target, P, draft_model=draft, **kwargs), expected), kwargs
+    with pytest.raises(TypeError, match="max_new_tokens must be an int, got Tensor"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=torch.tensor([6, 7]))
+
+
 # ---- 6. session statistics ----------------------------------------------------------------------------------------
 def test_session_stats_report_phase_times(pair):
     target, draft = pair
