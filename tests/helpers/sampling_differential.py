@@ -6,6 +6,7 @@ that row (chi-square).
     cd tests && python -m helpers.sampling_differential 0 80 [llama|t5|bart]   # a line per seed, "!!!" on a mismatch
 """
 
+import argparse
 import copy
 import random
 import sys
@@ -111,8 +112,13 @@ def check_case(case: dict, target, draft, rows: int = 1500, reference=None) -> l
 
 
 def main(argv=None) -> int:
-    args = list(argv or sys.argv[1:])
-    first, last, family = int(args[0]), int(args[1]), (args[2] if len(args) > 2 else "llama")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("first", type=int, help="first seed (inclusive)")
+    parser.add_argument("last", type=int, help="last seed (exclusive)")
+    parser.add_argument("family", nargs="?", default="llama", choices=["llama", "t5", "bart"])
+    args = parser.parse_args(argv)
+    first, last, family = args.first, args.last, args.family
     target, draft = models(family)
     failures = 0
     for seed in range(first, last):
