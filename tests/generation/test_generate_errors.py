@@ -96,6 +96,16 @@ def test_padded_draft_vocabulary_is_exact_with_shared_tokenizer():
         assert torch.equal(got, expected)
 
 
+def test_empty_prompt_starts_from_bos(pair):
+    """A [1, 0] prompt (model.generate raises inside the model) is generated as model.generate does with no
+    input_ids: from the BOS token, which the output holds (README's table of what we do differently)."""
+    target, draft = pair
+    expected = target.generate(max_new_tokens=6, do_sample=False)
+    got = sk.generate(target, torch.zeros(1, 0, dtype=torch.int64), draft_model=draft, max_new_tokens=6,
+                      do_sample=False)
+    assert torch.equal(got, expected) and got[0, 0] == target.generation_config.bos_token_id
+
+
 def test_empty_prompt_without_bos(pair):
     target, draft = pair
     target.generation_config.bos_token_id = None

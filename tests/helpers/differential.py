@@ -444,10 +444,11 @@ def describe(case: dict) -> str:
 
 def models(family: str):
     """(target, draft) of the harness for ``family``: llama, t5 or bart (tiny, random, built here)."""
-    from helpers.models import FAMILIES
+    from helpers.models import FAMILIES, more_families
 
-    if family in FAMILIES:
-        return FAMILIES[family](), FAMILIES[family](layers=1, seed=3)
+    decoder_only = {**FAMILIES, **more_families()}
+    if family in decoder_only:
+        return decoder_only[family](), decoder_only[family](layers=1, seed=3)
     from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
 
     make = SEQ2SEQ_FAMILIES[family]
@@ -462,15 +463,17 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=50)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
-    parser.add_argument("--family", choices=["llama", "gpt2", "qwen2", "t5", "bart", "mbart"],
-                        default="llama")
+    from helpers.models import FAMILIES, more_families
+    from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+
+    decoder_only = [*FAMILIES, *more_families()]
+    parser.add_argument("--family", choices=[*decoder_only, *SEQ2SEQ_FAMILIES], default="llama")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     target, draft = models(args.family)
     tally, failures = collections.Counter(), []
     for seed in range(args.start, args.start + args.cases):
-        decoder_only = args.family in ("llama", "gpt2", "qwen2")
-        case = random_case(seed) if decoder_only else random_seq2seq_case(seed, args.family)
+        case = random_case(seed) if args.family in decoder_only else random_seq2seq_case(seed, args.family)
         try:
             verdicts = check_case(case, target, draft)
         except Mismatch as error:

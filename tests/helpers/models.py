@@ -70,3 +70,42 @@ def hf_generate(model, ids, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(ids, **kwargs)
+
+def _tiny(config_class, model_class, seed: int, **fields):
+    torch.manual_seed(seed)
+    return model_class(config_class(vocab_size=VOCAB, **SPECIAL, **fields)).eval()
+
+
+def more_families():
+    """Decoder-only families for the differential harness's script runs only (``--family``; not in the suite):
+    each with what sets it apart small enough to matter at the harness's lengths (windows of 4 tokens, soft-capping,
+    ALiBi, learned positions with an offset, partial rotary)."""
+    import transformers as t
+
+    def family(config, model, **fields):
+        def make(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
+            return _tiny(getattr(t, config), getattr(t, model), seed, **{k: v(layers, hidden) if callable(v) else v
+                                                                          for k, v in fields.items()})
+        return make
+
+    llama_like = dict(hidden_size=lambda l, h: h, intermediate_size=lambda l, h: 2 * h,
+                      num_hidden_layers=lambda l, h: l, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512)
+    return {
+        "mistral": family("MistralConfig", "MistralForCausalLM", sliding_window=4, **llama_like),
+        "gemma2": family("Gemma2Config", "Gemma2ForCausalLM", sliding_window=4, head_dim=8,
+                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **llama_like),
+        "qwen3": family("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **llama_like),
+        "phi3": family("Phi3Config", "Phi3ForCausalLM", **llama_like),
+        "opt": family("OPTConfig", "OPTForCausalLM", hidden_size=lambda l, h: h, ffn_dim=lambda l, h: 2 * h,
+                      num_hidden_layers=lambda l, h: l, num_attention_heads=4, word_embed_proj_dim=lambda l, h: h,
+                      max_position_embeddings=512),
+        "bloom": family("BloomConfig", "BloomForCausalLM", hidden_size=lambda l, h: h, n_layer=lambda l, h: l,
+                        n_head=4),
+        "gpt_neox": family("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_size=lambda l, h: h,
+                           intermediate_size=lambda l, h: 2 * h, num_hidden_layers=lambda l, h: l,
+                           num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=512),
+        "falcon": family("FalconConfig", "FalconForCausalLM", hidden_size=lambda l, h: h,
+                         num_hidden_layers=lambda l, h: l, num_attention_heads=4, new_decoder_architecture=True,
+                         num_kv_heads=2),
+    }
