@@ -186,6 +186,7 @@ def wants_static(plan: Plan, compile_options: CompileOptions | None) -> bool:
     if plan.cache_implementation != "static" and compile_options is None:
         return False
     if not isinstance(plan.num_speculative_tokens, int):  # "auto": gamma changes while decoding
-        raise ValueError(f"cache_implementation='static' and compile=True need a fixed num_speculative_tokens (the "
-                         f"cache is sized and the steps are captured for it), got {plan.num_speculative_tokens!r}")
+        raise ValueError(f"the static cache (cache_implementation 'static', 'sliding_window' or 'hybrid_chunked') and "
+                         f"compile=True need a fixed num_speculative_tokens (the cache is sized and the steps are "
+                         f"captured for it), got {plan.num_speculative_tokens!r}")
     return True

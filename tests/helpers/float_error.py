@@ -43,6 +43,18 @@ def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tenso
         if mask is not None:  # positions of a left-padded prompt, as generate computes them
             inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
+        if model.dtype == torch.float64 and mask is not None and not model.config.is_encoder_decoder:
+            # Row by row without the left padding: the same numbers in exact arithmetic. transformers' eager
+            # attention in float64 turns a fully masked query (a pad position) into NaN, which every later layer
+            # then spreads through 0 * NaN (Gemma 2 and BLOOM): the reference would be NaN, not exact.
+            rows = []
+            for row in range(len(context)):
+                start = int(mask[row].nonzero()[0])
+                row_inputs = {**inputs, "input_ids": context[row:row + 1, start:],
+                              "attention_mask": mask[row:row + 1, start:],
+                              "position_ids": inputs["position_ids"][row:row + 1, start:]}
+                rows.append(model(**row_inputs).logits[:, -steps:])
+            return torch.cat(rows)
         return model(**inputs).logits[:, -steps:]
 
 
