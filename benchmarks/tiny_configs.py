@@ -136,8 +136,8 @@ def _fit_mrope_sections(config) -> None:
     import importlib
 
     parameters = getattr(config, "rope_parameters", None)
-    if not isinstance(parameters, dict) or "mrope_section" in parameters:
-        return
+    if not isinstance(parameters, dict) or not parameters or "mrope_section" in parameters:
+        return  # (an empty dict: no rotary embedding to fit; Cohere Compass's text model)
     try:
         modeling = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
         uses_sections = "mrope_section" in inspect.getsource(modeling)

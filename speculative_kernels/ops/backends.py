@@ -53,16 +53,33 @@ def _unavailable_reason(name: str, device_type: str) -> str | None:
         if missing:  # the kernels register through them (triton_backend.py, compaction_triton.py)
             return f"torch {torch.__version__} has no torch.library.{' or '.join(missing)} (torch >= 2.6 has)"
         try:
-            importlib.import_module("triton")
+            triton = importlib.import_module("triton")
             importlib.import_module("triton.language.extra.libdevice")
         except ImportError as exc:
             return f"triton is not importable: {exc}"
+        if device_type == "cpu":
+            return _interpreter_reason(triton.__version__)
         return None
     if device_type != "cuda":
         return f"the CUDA extension needs a CUDA device, got {device_type}"
     from . import cuda_ext
 
     return cuda_ext.unavailable_reason()
+
+
+def _interpreter_reason(triton_version: str) -> str | None:
+    """None when Triton's interpreter can run the kernels, else why not. Triton 3.6's interpreter reads a loop bound
+    that is a runtime integer (``range(0, num_slots, ...)``) as ``int()`` of a one-element array, which NumPy 2.4
+    made an error (every such kernel fails with "only 0-dimensional arrays can be converted to Python scalars");
+    Triton 3.7 squeezes it first."""
+    import numpy
+    from packaging.version import Version
+
+    if Version(triton_version).release[:2] <= (3, 6) and Version(numpy.__version__).release[:2] >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run these kernels with NumPy "
+                f"{numpy.__version__} (it converts one-element arrays to int, an error since NumPy 2.4): use triton "
+                f">= 3.7 or numpy < 2.4")
+    return None
 
 
 @functools.cache

@@ -46,3 +46,16 @@ def test_torch_without_triton_op_falls_back_with_reason(fresh_selection, monkeyp
 def test_missing_triton_falls_back_with_reason(fresh_selection, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     _assert_falls_back(caplog, "triton is not importable")
+
+
+def test_triton_36_interpreter_with_numpy_24_is_named(monkeypatch):
+    """Triton 3.6's interpreter fails every kernel with a loop over a runtime bound under NumPy >= 2.4 (an obscure
+    TypeError from inside the interpreter): the backend names the versions instead. Triton 3.7 and NumPy 2.3 run."""
+    import numpy
+
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    reason = backends._interpreter_reason("3.6.0")
+    assert "3.6.0" in reason and "2.4.1" in reason and "triton >= 3.7" in reason
+    assert backends._interpreter_reason("3.7.0") is None
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert backends._interpreter_reason("3.6.0") is None
