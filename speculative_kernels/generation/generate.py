@@ -38,8 +38,9 @@ def generate(
     ``speculation_stats=SpeculationStats()`` to have it filled in. Two differences from HF's output object: its
     cache field (``cache``; ``past_key_values`` before transformers 5.24) is None (our caches hold rolled-back
     slots), and in a batch, ``scores``/``logits`` of a row at steps after it finished (where its sequence holds
-    pad_token_id) are zeros, where HF keeps running the finished row on its pad tokens and returns those logits. ``assistant_model`` is another name for
-    ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded draft vocabulary be checked and used.
+    pad_token_id) are zeros, where HF keeps running the finished row on its pad tokens and returns those logits.
+    ``assistant_model`` is another name for ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded
+    draft vocabulary be checked and used.
 
     Encoder-decoder pairs (T5/MT5, BART/mBART; ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids and
     attention_mask are the encoder input (right-padded as usual); the decoder starts from ``decoder_start_token_id``
