@@ -82,3 +82,15 @@ def test_generate_stop_strings_per_row_as_model_generate(demo):
         assert decoder.result(request).finish_reason == "stop"
     finally:
         target.generation_config.stop_strings = None
+
+
+def test_random_stop_strings_as_model_generate(demo):
+    """Random stop strings cut from model.generate's own continuation, at any character (inside tokens, across
+    them, several at once), batch 1 to 3: ours equals model.generate (draft model and prompt lookup). More seeds:
+    ``cd tests && python -m helpers.stop_strings_differential 0 100``."""
+    from helpers.stop_strings_differential import check_case, random_case
+
+    target, draft, tokenizer = demo
+    tokenizer.padding_side = "left"
+    cut = [check_case(random_case(seed, tokenizer, target), target, draft, tokenizer) for seed in range(6)]
+    assert all(cut)  # every case's stop strings cut a row: the comparison can fail
