@@ -108,11 +108,18 @@ class SpeculativeDecoder:
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
-        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring)."""
+        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring). A session yields token ids
+        (``step``, ``sequences``): an output object, scores, logits or a streamer asked for (as keywords or in a
+        ``generation_config`` passed here) are refused by name; the model's own generation_config defaults for them
+        do not apply to a session."""
+        config = generation_kwargs.get("generation_config")
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
-            if generation_kwargs.get(name):
-                raise ValueError(f"{name} is not available on a session; read the tokens from step() (for text, "
-                                 "give each row an IncrementalDetokenizer)")
+            if generation_kwargs.get(name) or getattr(config, name, None):
+                where = "" if generation_kwargs.get(name) else " (in generation_config)"
+                raise ValueError(f"{name}{where} is not available on a session; read the tokens from step() (for "
+                                 "text, give each row an IncrementalDetokenizer)")
+        if config is None:  # (the model's own return_dict_in_generate would have the loop collect scores for nothing)
+            generation_kwargs["return_dict_in_generate"] = False
         with torch.inference_mode():
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,

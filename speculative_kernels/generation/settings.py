@@ -483,8 +483,9 @@ class Settings:
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=bool(config.return_dict_in_generate),
-            output_scores=bool(config.output_scores),
-            output_logits=bool(config.output_logits),
+            # collected only where the output carries them, as model.generate does (a [B, T, V] buffer each)
+            output_scores=bool(config.return_dict_in_generate and config.output_scores),
+            output_logits=bool(config.return_dict_in_generate and config.output_logits),
             streamer=self.streamer,
             stopping_criteria=self.stopping_criteria,
             cache_implementation=config.cache_implementation,

@@ -32,6 +32,54 @@ def test_session_refuses_output_options():
         sk.SpeculativeDecoder(target, target).start(torch.ones(1, 3, dtype=torch.int64), streamer=object())
 
 
+def _count_score_buffers(monkeypatch) -> list:
+    from speculative_kernels.generation import loop
+
+    made, make = [], loop.SpeculativeLoop._score_buffer
+    monkeypatch.setattr(loop.SpeculativeLoop, "_score_buffer", lambda self: made.append(1) or make(self))
+    return made
+
+
+def test_session_output_options_in_a_generation_config_are_refused_and_model_defaults_ignored(monkeypatch):
+    """A generation_config passed to start() asking for an output object or scores is refused as the keywords are
+    (it was accepted and ignored); the model's own defaults for them do not apply to a session, which must not
+    collect [B, T, V] scores that nothing returns (it did: a buffer per output, filled every step)."""
+    from transformers import GenerationConfig
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    for name in ("return_dict_in_generate", "output_scores", "output_logits"):
+        with pytest.raises(ValueError, match=f"{name} \\(in generation_config\\) is not available on a session"):
+            decoder.start(ids, generation_config=GenerationConfig(max_new_tokens=4, **{name: True}))
+    made = _count_score_buffers(monkeypatch)
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    config = target.generation_config
+    config.return_dict_in_generate, config.output_scores, config.output_logits = True, True, True
+    try:
+        session = decoder.start(ids, max_new_tokens=8, do_sample=False)
+        while not session.finished:
+            session.step()
+    finally:
+        config.return_dict_in_generate, config.output_scores, config.output_logits = False, False, False
+    assert torch.equal(session.sequences(), expected) and made == []
+
+
+def test_scores_are_collected_only_for_a_dict_output(monkeypatch):
+    """output_scores/output_logits without return_dict_in_generate: model.generate returns the tensor and collects
+    nothing (its stopping criteria get scores=None); ours allocated and filled both [B, T, V] buffers anyway (and
+    counted them in the memory check, which could refuse a request HF runs)."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    made = _count_score_buffers(monkeypatch)
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, output_logits=True)
+    got = sk.generate(target, ids, draft_model=draft, max_new_tokens=8, output_scores=True, output_logits=True)
+    assert isinstance(got, torch.Tensor) and torch.equal(got, expected) and made == []
+    out = sk.generate(target, ids, draft_model=draft, max_new_tokens=8, output_scores=True,
+                      return_dict_in_generate=True)
+    assert len(out.scores) == 8 and out.logits is None and made == [1]
+
+
 def test_phase_timer_stays_bounded_over_a_long_run():
     """A server's running batch may iterate for hours: the timer folds completed spans into a total (on CUDA it
     kept two events per phase per iteration, forever), keeping the last span of each phase and the same sums."""

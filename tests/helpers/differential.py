@@ -366,8 +366,22 @@ def _named(error: Exception, settings: dict) -> bool:
     return any(name in message for name in settings) or "input_ids" in message or "attention_mask" in message
 
 
-def check_case(case: dict, target, draft) -> dict:
-    """{drafting: verdict} for drafting in ("draft_model", "prompt_lookup"); raises Mismatch on a defect."""
+def _via_session(target, *args, inputs=None, input_ids=None, draft_model=None, num_speculative_tokens=None,
+                 prompt_lookup_num_tokens=None, **kwargs):
+    """``generate``'s call run as ``SpeculativeDecoder(...).start(...)`` stepped to the end: its sequences (the
+    session has no dict output; such cases are refused by name, as for any setting ``start`` does not take)."""
+    ids = args[0] if args else inputs if inputs is not None else input_ids
+    decoder = sk.SpeculativeDecoder(target, draft_model, num_speculative_tokens=num_speculative_tokens,
+                                    prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+    session = decoder.start(ids, **kwargs)
+    while not session.finished:
+        session.step()
+    return session.sequences()
+
+
+def check_case(case: dict, target, draft, session: bool = False) -> dict:
+    """{drafting: verdict} for drafting in ("draft_model", "prompt_lookup"), and with ``session`` the same two
+    through ``SpeculativeDecoder.start()`` ("session/..."); raises Mismatch on a defect."""
     ids, mask, settings = _materialise(case, target)
     how, pass_ids = case["how"], case.get("pass_ids", "positional")
     verdicts = {}
@@ -398,9 +412,14 @@ def check_case(case: dict, target, draft) -> dict:
             reference = _call(target.generate, target, ids, mask,
                               {**settings, "output_scores": True, "output_logits": True}, how)
     gamma = (1, 2, 3, 3, 5, "auto")[case["seed"] % 6]
-    for drafting, extra in (("draft_model", {"draft_model": draft, "num_speculative_tokens": gamma}),
-                            ("prompt_lookup", {"prompt_lookup_num_tokens": 3})):
+    paths = [("draft_model", {"draft_model": draft, "num_speculative_tokens": gamma}),
+             ("prompt_lookup", {"prompt_lookup_num_tokens": 3})]
+    if session:
+        paths += [(f"session/{name}", extra) for name, extra in paths]
+    for drafting, extra in paths:
         def ours(*args, **kwargs):
+            if drafting.startswith("session/"):
+                return _via_session(target, *args, **kwargs)
             return sk.generate(target, *args, **kwargs)
         try:
             with quiet():
@@ -425,6 +444,8 @@ def check_case(case: dict, target, draft) -> dict:
         if hf_error is not None:
             returned = got if isinstance(got, torch.Tensor) else type(got).__name__
             raise Mismatch(f"[{drafting}] HF raised {hf_error!r}, ours returned {returned}")
+        if drafting.startswith("session/") and not isinstance(expected, torch.Tensor):
+            expected = expected.sequences  # (the model's own return_dict_in_generate: a session returns token ids)
         try:
             _compare_outputs(target, got, expected, ids, mask, resolved, reference)
         except Mismatch as error:
@@ -463,6 +484,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=50)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--session", action="store_true", help="also run each case through SpeculativeDecoder.start()")
     from helpers.models import FAMILIES, more_families
     from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
 
@@ -475,7 +497,7 @@ def main(argv=None) -> int:
     for seed in range(args.start, args.start + args.cases):
         case = random_case(seed) if args.family in decoder_only else random_seq2seq_case(seed, args.family)
         try:
-            verdicts = check_case(case, target, draft)
+            verdicts = check_case(case, target, draft, session=args.session)
         except Mismatch as error:
             failures.append(seed)
             print(f"DEFECT {describe(case)}\n  {error}\n", flush=True)
