@@ -476,7 +476,8 @@ class ContinuousBatcher:
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
                 drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
-                do_sample=False, num_return_sequences=1, pad_token_id=pad, rows=rows, **static, **d.lookup)
+                do_sample=False, num_return_sequences=1, pad_token_id=pad, rows=rows, **static, **d.lookup,
+                return_dict_in_generate=False)  # (tokens only: the model's own output defaults collect no scores)
 
     def _pad_id(self) -> int:
         config = self.decoder.target.generation_config

@@ -100,3 +100,21 @@ def test_phase_timer_stays_bounded_over_a_long_run():
     # (the same spans summed in another order: equal up to float reassociation)
     assert timer.seconds("step") == pytest.approx(total + other.seconds("step"), rel=1e-9)
     assert timer.last("step") == end - begin
+
+
+def test_continuous_batching_ignores_the_model_output_defaults(monkeypatch):
+    """add_request returns token ids: a model whose generation_config asks for a dict output with scores and logits
+    must not have the running batch collect them."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    made = _count_score_buffers(monkeypatch)
+    expected = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
+    config = target.generation_config
+    config.return_dict_in_generate, config.output_scores, config.output_logits = True, True, True
+    try:
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+        request = decoder.add_request([5, 6, 7, 8], max_new_tokens=8, do_sample=False)
+        while decoder.has_work():
+            decoder.step()
+    finally:
+        config.return_dict_in_generate, config.output_scores, config.output_logits = False, False, False
+    assert decoder.result(request).token_ids == expected and made == []
