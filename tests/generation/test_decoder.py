@@ -1,5 +1,7 @@
 """The server-facing decoder object: step-by-step tokens equal generate's output."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -40,6 +42,17 @@ def _count_score_buffers(monkeypatch) -> list:
     return made
 
 
+@contextlib.contextmanager
+def _model_asks_for_scores(model):
+    """The model's generation_config asks for a dict output with scores and logits (restored afterwards)."""
+    config = model.generation_config
+    config.return_dict_in_generate, config.output_scores, config.output_logits = True, True, True
+    try:
+        yield
+    finally:
+        config.return_dict_in_generate, config.output_scores, config.output_logits = False, False, False
+
+
 def test_session_output_options_in_a_generation_config_are_refused_and_model_defaults_ignored(monkeypatch):
     """A generation_config passed to start() asking for an output object or scores is refused as the keywords are
     (it was accepted and ignored); the model's own defaults for them do not apply to a session, which must not
@@ -54,14 +67,10 @@ def test_session_output_options_in_a_generation_config_are_refused_and_model_def
             decoder.start(ids, generation_config=GenerationConfig(max_new_tokens=4, **{name: True}))
     made = _count_score_buffers(monkeypatch)
     expected = target.generate(ids, max_new_tokens=8, do_sample=False)
-    config = target.generation_config
-    config.return_dict_in_generate, config.output_scores, config.output_logits = True, True, True
-    try:
+    with _model_asks_for_scores(target):
         session = decoder.start(ids, max_new_tokens=8, do_sample=False)
         while not session.finished:
             session.step()
-    finally:
-        config.return_dict_in_generate, config.output_scores, config.output_logits = False, False, False
     assert torch.equal(session.sequences(), expected) and made == []
 
 
@@ -108,13 +117,9 @@ def test_continuous_batching_ignores_the_model_output_defaults(monkeypatch):
     target, draft = llama(), llama(layers=1, seed=2)
     made = _count_score_buffers(monkeypatch)
     expected = target.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
-    config = target.generation_config
-    config.return_dict_in_generate, config.output_scores, config.output_logits = True, True, True
-    try:
+    with _model_asks_for_scores(target):
         decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
         request = decoder.add_request([5, 6, 7, 8], max_new_tokens=8, do_sample=False)
         while decoder.has_work():
             decoder.step()
-    finally:
-        config.return_dict_in_generate, config.output_scores, config.output_logits = False, False, False
     assert decoder.result(request).token_ids == expected and made == []

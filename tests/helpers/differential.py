@@ -465,9 +465,9 @@ def describe(case: dict) -> str:
 
 def models(family: str):
     """(target, draft) of the harness for ``family``: llama, t5 or bart (tiny, random, built here)."""
-    from helpers.models import FAMILIES, more_families
+    from helpers.models import decoder_only_families
 
-    decoder_only = {**FAMILIES, **more_families()}
+    decoder_only = decoder_only_families()
     if family in decoder_only:
         return decoder_only[family](), decoder_only[family](layers=1, seed=3)
     from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
@@ -485,10 +485,10 @@ def main(argv=None) -> int:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--session", action="store_true", help="also run each case through SpeculativeDecoder.start()")
-    from helpers.models import FAMILIES, more_families
+    from helpers.models import decoder_only_families
     from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
 
-    decoder_only = [*FAMILIES, *more_families()]
+    decoder_only = list(decoder_only_families())
     parser.add_argument("--family", choices=[*decoder_only, *SEQ2SEQ_FAMILIES], default="llama")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

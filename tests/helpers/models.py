@@ -71,9 +71,10 @@ def hf_generate(model, ids, **kwargs):
         warnings.simplefilter("ignore")
         return model.generate(ids, **kwargs)
 
-def _tiny(config_class, model_class, seed: int, **fields):
+
+def _tiny(config_class, model_class, seed: int, vocab: int, **fields):
     torch.manual_seed(seed)
-    return model_class(config_class(vocab_size=VOCAB, **SPECIAL, **fields)).eval()
+    return model_class(config_class(vocab_size=vocab, **SPECIAL, **fields)).eval()
 
 
 def more_families():
@@ -84,8 +85,8 @@ def more_families():
 
     def family(config, model, **fields):
         def make(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
-            return _tiny(getattr(t, config), getattr(t, model), seed, **{k: v(layers, hidden) if callable(v) else v
-                                                                          for k, v in fields.items()})
+            sized = {k: v(layers, hidden) if callable(v) else v for k, v in fields.items()}
+            return _tiny(getattr(t, config), getattr(t, model), seed, vocab, **sized)
         return make
 
     llama_like = dict(hidden_size=lambda l, h: h, intermediate_size=lambda l, h: 2 * h,
@@ -109,3 +110,8 @@ def more_families():
                          num_hidden_layers=lambda l, h: l, num_attention_heads=4, new_decoder_architecture=True,
                          num_kv_heads=2),
     }
+
+
+def decoder_only_families() -> dict:
+    """Every decoder-only family the differential harness can build: the suite's and ``more_families``."""
+    return {**FAMILIES, **more_families()}

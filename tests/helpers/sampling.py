@@ -88,15 +88,13 @@ def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
         # HF's chain runs on the continuations still possible and running only: a prefix it can never generate
         # (every token banned after it) could make a warper fail (transformers 5.17's top-H on an all -inf row)
         alive = torch.nonzero((logp > float("-inf")) & ~ended).squeeze(1)
-        term = torch.full((rows,), float("-inf"), dtype=torch.float64)
+        term = torch.full((rows,), float("-inf"), dtype=torch.float64)  # (any other tail is impossible)
         term[ended & (seqs[:, t] == config.pad_token_id)] = 0.0  # after its EOS a row is padded: no more factors
-        if len(alive) == 0:  # (every continuation has ended or is impossible: a warper would fail on no rows)
-            logp += term
-            continue
-        chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width,
-                                            encoder_input_ids=source[alive], device="cpu",
-                                            model_kwargs={k: v[alive] for k, v in model_kwargs.items()})
-        step = chain(ids[alive, : width + t], logits[alive, width + t - 1].float().clone())
-        term[alive] = torch.log_softmax(step.double(), dim=-1).gather(1, seqs[alive, t : t + 1]).squeeze(1)
-        logp += term  # (any other tail is impossible)
+        if len(alive):  # (when every continuation has ended or is impossible, a warper would fail on no rows)
+            chain = model._get_logits_processor(generation_config=config, input_ids_seq_length=width,
+                                                encoder_input_ids=source[alive], device="cpu",
+                                                model_kwargs={k: v[alive] for k, v in model_kwargs.items()})
+            step = chain(ids[alive, : width + t], logits[alive, width + t - 1].float().clone())
+            term[alive] = torch.log_softmax(step.double(), dim=-1).gather(1, seqs[alive, t : t + 1]).squeeze(1)
+        logp += term
     return logp.exp().numpy()
