@@ -46,9 +46,34 @@ def _fix_dory(config) -> None:
     config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in set(config.layer_types)}
 
 
+def _fix_omni_thinker(config) -> None:
+    # get_rope_index reads vision_start_token_id, which the config class does not define (the released
+    # checkpoints' config.json sets it): an id the prompts never hold (they draw from 3..119)
+    config.vision_start_token_id = VOCAB - 1
+
+
+def _fix_qwen3_omni_thinker(config) -> None:
+    _fix_omni_thinker(config)
+    # its attention modules apply no window whatever the config says, and its released checkpoints set none; the
+    # generic sliding_window=6 would make HF's cache keep a window its attention ignores (refused by name; tested
+    # in tests/generation/test_architectures.py)
+    config.text_config.sliding_window = None
+
+
+def _fix_cohere_compass_text(config) -> None:
+    # rope parameters per layer type (the default {} builds no rotary embedding); sliding and full layers
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in config.layer_types}
+
+
 # Defaults of the installed transformers that its own modeling code cannot build or run, set as the released
 # checkpoints set them (model type -> fix applied to the tiny config).
 FIXES = {
+    "cohere_compass": lambda config: _fix_cohere_compass_text(config.text_config),
+    "cohere_compass_text": _fix_cohere_compass_text,
+    "qwen2_5_omni_thinker": _fix_omni_thinker,
+    "qwen3_omni_moe_thinker": _fix_qwen3_omni_thinker,
+    "xmod": lambda config: setattr(config, "default_language", "en_XX"),  # generate refuses an unset language
     "dbrx": _fix_dbrx,
     "dory": _fix_dory,
     "dots1": lambda config: setattr(config, "n_shared_experts", 1),  # None: the shared expert's size is None * int

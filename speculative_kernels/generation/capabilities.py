@@ -221,6 +221,13 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         if len(sliding) > 1 or None in sliding:
             _refuse(name, path, f"its sliding-window layers have different windows {sorted(map(str, sliding))}")
         window = int(sliding.pop())
+        unwindowed = _unwindowed_attention_layers(model, types)
+        if unwindowed:
+            _refuse(name, path, f"its cache keeps a sliding window of {window} positions (config.sliding_window) in "
+                                f"layers {unwindowed}, whose attention modules apply none (their sliding_window is "
+                                "None): model.generate attends to the whole prompt at prefill and to the window "
+                                "alone after it, which a verification forward does not reproduce; set "
+                                "config.sliding_window=None where the checkpoint has no window")
         if attention not in FOUR_D_ATTENTION:
             _refuse(name, path, f"sliding-window layers are applied through 4-D masks, which "
                                 f"attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
@@ -239,6 +246,20 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
                      cache_argument=cache_arg)
+
+
+def _unwindowed_attention_layers(model, types: list[str]) -> list[int]:
+    """Indices of the layers whose cache HF builds as a sliding window (``types[i] == "sliding_attention"``) but
+    whose attention module states ``sliding_window = None`` (e.g. Qwen3-Omni's thinker, whose attention ignores the
+    config's window while ``DynamicCache(config=...)`` keeps only the window). Modules without the attribute (the
+    window then comes from the config's mask) are not counted."""
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    windows = {}
+    for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and "sliding_window" in vars(module):
+            windows.setdefault(index, module.sliding_window)
+    return [i for i, kind in enumerate(types) if kind == "sliding_attention" and i in windows and windows[i] is None]
 
 
 def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:

@@ -461,3 +461,37 @@ def test_dory_last_loop_cache_refused(monkeypatch):
     """recurrent_kv_cache_mode='last_loop': earlier loops read the cache's K/V directly and cut the sliding window by
     slot count; it crashed inside the model on every path (the runners' masks cover every slot)."""
     _check_refused_up_front(_dory("last_loop"), "last_loop", batch=2, monkeypatch=monkeypatch)
+
+
+def _qwen3_omni_thinker(sliding_window):
+    """Qwen3-Omni's thinker (MoE text model with multimodal rotary positions), generating from text. Its attention
+    modules set ``sliding_window = None`` whatever the config says."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoderConfig, Qwen3OmniMoeTextConfig, Qwen3OmniMoeVisionEncoderConfig)
+
+    text = Qwen3OmniMoeTextConfig(**SIZES, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                  sliding_window=sliding_window,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 1, 1]})
+    vision = Qwen3OmniMoeVisionEncoderConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                             out_hidden_size=32, deepstack_visual_indexes=[0])
+    audio = Qwen3OmniMoeAudioEncoderConfig(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+                                           output_dim=32, num_mel_bins=8, downsample_hidden_size=8)
+    config = Qwen3OmniMoeThinkerConfig(text_config=text, vision_config=vision, audio_config=audio, audio_token_id=93,
+                                       image_token_id=94, video_token_id=95, vision_start_token_id=96)
+    return _build(Qwen3OmniMoeThinkerForConditionalGeneration, config)
+
+
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+def test_cache_window_the_attention_does_not_apply_is_refused(path, monkeypatch):
+    """A config.sliding_window that HF's cache keeps but the attention modules ignore (Qwen3-Omni's thinker):
+    model.generate attends to the whole prompt at prefill and to the window alone after it. It gave other tokens than
+    model.generate, silently, on every path."""
+    _check_refused_up_front(_qwen3_omni_thinker(sliding_window=6), "sliding window of 6 positions.*apply none",
+                            batch=1, path=path, monkeypatch=monkeypatch)
+
+
+def test_qwen3_omni_thinker_without_a_window_is_exact():
+    """What its released checkpoints configure (sliding_window None): exact, in a left-padded batch."""
+    _check_exact(_qwen3_omni_thinker(sliding_window=None), batch=2)
