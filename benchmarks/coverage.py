@@ -108,7 +108,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     import torch
 
     import speculative_kernels as sk
-    from speculative_kernels.generation.capabilities import check_request, request_path
+    from speculative_kernels.generation.capabilities import check_request, check_window_applied, request_path
     from speculative_kernels import CompileOptions
 
     if column.startswith("continuous"):
@@ -118,7 +118,9 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     compiled = column == "compile"
     path = request_path(static, compiled)
     try:
-        check_request(target, draft, path=path, batch=batch)
+        specs = check_request(target, draft, path=path, batch=batch)
+        # (refused for requests past the window only: this one passes it)
+        check_window_applied(specs[0], PROMPT + NEW - 1)
     except ValueError as error:
         return "refused: " + _reason(error)
     ids, mask = _inputs(batch)

@@ -64,7 +64,7 @@ import dataclasses
 import torch
 
 from .generation.capabilities import (check_caching, check_deterministic, check_model, check_positions,
-                                       check_window_holes, request_path)
+                                       check_window_applied, check_window_holes, request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -179,6 +179,7 @@ class ContinuousBatcher:
         if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
             check_window_holes(self._target_spec, torch.tensor([mask]), len(prompt) + plan.max_new_tokens - 1,
                                name="the attention mask inferred from pad_token_id")
+        check_window_applied(self._target_spec, len(prompt) + plan.max_new_tokens - 1)
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         if plan.cache_implementation is not None:

@@ -78,6 +78,8 @@ class ModelSpec:
     preallocate them; None on the dynamic path.
     cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
+    window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
+    (``_applies_window``): exact only for requests the window spans (``check_window_applied``).
     """
 
     architecture: str
@@ -86,6 +88,7 @@ class ModelSpec:
     positions: str | None = None
     kv_sizes: tuple[int, int, int] | None = None
     cache_argument: str = "past_key_values"
+    window_applied: bool = True
 
     @property
     def encoder_decoder(self) -> bool:
@@ -221,13 +224,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         if len(sliding) > 1 or None in sliding:
             _refuse(name, path, f"its sliding-window layers have different windows {sorted(map(str, sliding))}")
         window = int(sliding.pop())
-        unwindowed = _unwindowed_attention_layers(model, types)
-        if unwindowed:
-            _refuse(name, path, f"its cache keeps a sliding window of {window} positions (config.sliding_window) in "
-                                f"layers {unwindowed}, whose attention modules apply none (their sliding_window is "
-                                "None): model.generate attends to the whole prompt at prefill and to the window "
-                                "alone after it, which a verification forward does not reproduce; set "
-                                "config.sliding_window=None where the checkpoint has no window")
+        window_applied = _applies_window(model, types)
         if attention not in FOUR_D_ATTENTION:
             _refuse(name, path, f"sliding-window layers are applied through 4-D masks, which "
                                 f"attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
@@ -245,21 +242,35 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if attention not in FOUR_D_ATTENTION:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
         return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
-                     cache_argument=cache_arg)
+                     cache_argument=cache_arg, window_applied=window is None or window_applied)
 
 
-def _unwindowed_attention_layers(model, types: list[str]) -> list[int]:
-    """Indices of the layers whose cache HF builds as a sliding window (``types[i] == "sliding_attention"``) but
-    whose attention module states ``sliding_window = None`` (e.g. Qwen3-Omni's thinker, whose attention ignores the
-    config's window while ``DynamicCache(config=...)`` keeps only the window). Modules without the attribute (the
-    window then comes from the config's mask) are not counted."""
+# Mask builders through which transformers' decoder stacks apply a sliding window (``create_sliding_window_causal_mask``,
+# the layer-type mask dicts, ``sliding_window_causal_mask_function``, ...): their forwards name it.
+_APPLIES_WINDOW = re.compile(r"sliding")
+
+
+def _applies_window(model, types: list[str]) -> bool:
+    """Whether the model's attention applies the sliding window that HF's ``DynamicCache(config=...)`` keeps for the
+    layers ``types`` marks "sliding_attention". Not where an attention module of such a layer states
+    ``sliding_window = None`` (Qwen3-Omni's thinker ignores the config's window), nor where no forward of the decoder
+    stack (the model, its base model, its decoder and their language/text models) builds a sliding-window mask: a
+    ``config.sliding_window`` on a model without windows (Llama, Moshi) is read by the cache alone."""
+    stacks = [model, getattr(model, "base_model", None)]
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    stacks.append(decoder if isinstance(decoder, torch.nn.Module) else None)
+    for module in list(stacks):
+        for name in ("language_model", "model", "text_model"):
+            inner = getattr(module, name, None) if module is not None else None
+            stacks.append(inner if isinstance(inner, torch.nn.Module) else None)
+    if not any(_APPLIES_WINDOW.search(_source(type(m).forward)) for m in stacks if m is not None):
+        return False
     windows = {}
     for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
         index = getattr(module, "layer_idx", None)
         if isinstance(index, int) and "sliding_window" in vars(module):
             windows.setdefault(index, module.sliding_window)
-    return [i for i, kind in enumerate(types) if kind == "sliding_attention" and i in windows and windows[i] is None]
+    return not any(kind == "sliding_attention" and windows.get(i, 0) is None for i, kind in enumerate(types))
 
 
 def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:
@@ -526,6 +537,23 @@ def check_window_holes(spec: ModelSpec, attention_mask, longest: int, name: str 
                          f"(not left padding; a pad_token_id inside a prompt is masked so too), which "
                          f"{spec.architecture}'s sliding-window layers (window {spec.sliding_window}) would count as "
                          "HF does, in slots, and the speculative caches do not; pass the prompts without them")
+
+
+def check_window_applied(spec: ModelSpec, longest: int) -> None:
+    """ValueError for a request of up to ``longest`` slots (prompt width plus new tokens but the last) on a model
+    whose HF cache keeps a sliding window that its attention does not apply (``spec.window_applied`` False). There
+    ``model.generate`` attends to the whole prompt at prefill and, once the cache has dropped slots, to the last
+    ``window`` slots only: a verification forward, whose mask applies the window to every token or to none, cannot
+    follow it. Requests the window spans (``longest <= window``) never reach the difference and run."""
+    window = spec.sliding_window
+    if spec.window_applied or window is None or longest <= window:
+        return
+    raise ValueError(
+        f"{spec.architecture}'s config sets sliding_window={window}, which HF's cache keeps (it drops all but the "
+        f"last {window} slots) but its attention does not apply: model.generate attends to the whole prompt at "
+        f"prefill and to the last {window} slots after it, which speculative decoding cannot reproduce. This request "
+        f"reaches {longest} slots (prompt + max_new_tokens - 1): keep prompt + max_new_tokens <= {window + 1}, or "
+        "set model.config.sliding_window = None (and the draft's) where the checkpoint has no window")
 
 
 # Attributes through which HF attention modules apply dropout functionally (``dropout=0.0 if not self.training else

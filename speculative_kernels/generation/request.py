@@ -10,8 +10,8 @@ import torch
 from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
-from .capabilities import (check_caching, check_deterministic, check_model, check_positions, check_window_holes,
-                           request_path)
+from .capabilities import (check_caching, check_deterministic, check_model, check_positions, check_window_applied,
+                           check_window_holes, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -123,6 +123,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch
     # (the target's windows: a draft's only change its proposals)
     check_window_holes(specs[0], attention_mask, width + max(new, default=0) - 1)
+    check_window_applied(specs[0], width + max(new, default=0) - 1)
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
     # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).

@@ -34,6 +34,8 @@ from transformers import (
     MambaForCausalLM,
     MegatronBertConfig,
     MegatronBertForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MptConfig,
@@ -89,15 +91,16 @@ def _check_exact(target, *, batch: int, path: str = "dynamic", noise: float | No
     assert stats.acceptance_rate < 1.0  # the draft was rejected somewhere: rollbacks were exercised
 
 
+def _no_loop(*args, **kwargs):
+    raise AssertionError("a runner or loop (and its caches) was built for a model that should be refused")
+
+
 def _check_refused_up_front(model, match: str, *, batch: int = 2, path: str = "dynamic", monkeypatch=None):
     """generate raises ValueError naming the architecture before any runner or cache exists."""
-    def no_loop(*args, **kwargs):
-        raise AssertionError("a runner or loop (and its caches) was built for a model that should be refused")
-
     ids, mask = _batch(batch)
     with monkeypatch.context() as patch, pytest.raises(ValueError, match=f"{type(model).__name__}.*{match}"):
-        patch.setattr(request_module, "make_runner", no_loop)
-        patch.setattr(request_module, "SpeculativeLoop", no_loop)
+        patch.setattr(request_module, "make_runner", _no_loop)
+        patch.setattr(request_module, "SpeculativeLoop", _no_loop)
         sk.generate(model, ids, attention_mask=mask, draft_model=model, num_speculative_tokens=3, max_new_tokens=4,
                     pad_token_id=0, **PATHS[path])
     with pytest.raises(ValueError, match=match):
@@ -483,13 +486,52 @@ def _qwen3_omni_thinker(sliding_window):
     return _build(Qwen3OmniMoeThinkerForConditionalGeneration, config)
 
 
+
+def _llama_with_a_stray_window(window: int = 6):
+    """A Llama whose config.json carries a sliding_window (as some converted checkpoints do): HF's cache keeps the
+    window, Llama's attention applies none."""
+    config = LlamaConfig(**SIZES, tie_word_embeddings=False)
+    config.sliding_window = window
+    return _build(LlamaForCausalLM, config)
+
+
+WINDOW_IGNORED = {"llama": _llama_with_a_stray_window, "qwen3-omni thinker": lambda: _qwen3_omni_thinker(6)}
+
+
+@pytest.mark.parametrize("make", WINDOW_IGNORED.values(), ids=WINDOW_IGNORED.keys())
 @pytest.mark.parametrize("path", ["dynamic", "static"])
-def test_cache_window_the_attention_does_not_apply_is_refused(path, monkeypatch):
-    """A config.sliding_window that HF's cache keeps but the attention modules ignore (Qwen3-Omni's thinker):
-    model.generate attends to the whole prompt at prefill and to the window alone after it. It gave other tokens than
-    model.generate, silently, on every path."""
-    _check_refused_up_front(_qwen3_omni_thinker(sliding_window=6), "sliding window of 6 positions.*apply none",
-                            batch=1, path=path, monkeypatch=monkeypatch)
+def test_cache_window_the_attention_does_not_apply_is_refused_past_it(make, path, monkeypatch):
+    """A config.sliding_window that HF's cache keeps but the attention ignores (a Llama or Moshi config carrying
+    one; Qwen3-Omni's thinker, whose attention modules set sliding_window=None): model.generate attends to the whole
+    prompt at prefill and to the last window slots after it. Requests that pass the window gave other tokens than
+    model.generate, silently, on every path; they are refused by name before anything runs."""
+    model = make()
+    ids, mask = _batch(1)
+    with monkeypatch.context() as patch, pytest.raises(
+            ValueError, match=f"{type(model).__name__}'s config sets sliding_window=6, which HF's cache keeps"):
+        patch.setattr(request_module, "make_runner", _no_loop)
+        sk.generate(model, ids, attention_mask=mask, draft_model=model, num_speculative_tokens=3, max_new_tokens=4,
+                    pad_token_id=0, **PATHS[path])
+
+
+def test_cache_window_the_attention_does_not_apply_is_exact_within_it():
+    """Requests the window spans (prompt + max_new_tokens - 1 <= window) never reach the difference: exact."""
+    target = _llama_with_a_stray_window(window=6)
+    draft = perturbed(target, 0.3)
+    for length, new in [(3, 4), (6, 1), (2, 5)]:
+        ids = torch.randint(3, 97, (2, length), generator=torch.Generator().manual_seed(length))
+        expected = target.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=new,
+                          do_sample=False, pad_token_id=0)
+        assert torch.equal(got, expected)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="sliding_window=6, which HF's cache keeps"):
+        decoder.add_request([5, 6, 7], max_new_tokens=5)
+    request = decoder.add_request([5, 6, 7], max_new_tokens=4)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).token_ids == target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4,
+                                                                do_sample=False)[0, 3:].tolist()
 
 
 def test_qwen3_omni_thinker_without_a_window_is_exact():
