@@ -238,6 +238,10 @@ class ContinuousBatcher:
         spec = check_model(d.target, path=path, batch=2)
         if d.draft is not None:
             check_model(d.draft, path=path, batch=2)
+        if d.drafter is not None and not callable(getattr(drafter := d.drafter(), "add_rows", None)):
+            raise ValueError(f"add_request needs a drafter with add_rows (Drafter.add_rows: the rows of requests "
+                             f"joining a running batch); {type(drafter).__name__} has none: implement it, or decode "
+                             "with start() or generate()")
         self._target_spec = spec  # (set once both pass: a refused decoder checks again at the next add_request)
 
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):
