@@ -120,10 +120,10 @@ class SpeculativeDecoder:
         (``step``, ``sequences``): an output object, scores, logits or a streamer asked for (as keywords or in a
         ``generation_config`` passed here) are refused by name; the model's own generation_config defaults for them
         do not apply to a session."""
-        for name in DECODER_ARGUMENTS:  # (they reached build_loop twice: "got multiple values for ...")
+        for name in [*DECODER_ARGUMENTS, *self.lookup]:  # (they reached build_loop twice: "got multiple values")
             if name in generation_kwargs:
                 raise ValueError(f"{name} is a setting of the decoder, not of start(): pass it to "
-                                 f"SpeculativeDecoder(...) ({DECODER_ARGUMENTS[name]})")
+                                 f"SpeculativeDecoder(...) ({DECODER_ARGUMENTS.get(name, f'{name}=')})")
         config = generation_kwargs.get("generation_config")
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name) or getattr(config, name, None):

@@ -135,3 +135,6 @@ def test_start_refuses_the_decoders_own_settings_by_name(name):
     decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=2)
     with pytest.raises(ValueError, match=f"{name} is a setting of the decoder, not of start"):
         decoder.start(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2, **{name: None})
+    lookup = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=2)  # (its own, given again)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens is a setting of the decoder, not of start"):
+        lookup.start(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2, prompt_lookup_num_tokens=3)
