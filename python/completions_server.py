@@ -205,7 +205,7 @@ class CompletionsServer:
             writer.close()
 
     async def _complete(self, request_id, handler_queue, reader, writer) -> None:
-        gone = asyncio.ensure_future(reader.read(1))  # the client sends nothing more: b"" means it disconnected
+        gone = asyncio.ensure_future(_disconnected(reader))
         try:
             while not isinstance(item := await self._next(request_id, handler_queue, gone), Finished):
                 if item is None:  # disconnected while waiting
@@ -223,7 +223,7 @@ class CompletionsServer:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                      b"Connection: close\r\n\r\n")
         await writer.drain()
-        gone = asyncio.ensure_future(reader.read(1))  # the client sends nothing more: b"" means it disconnected
+        gone = asyncio.ensure_future(_disconnected(reader))
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         try:
             while True:
@@ -313,6 +313,16 @@ def _settle(future: asyncio.Future, value, error: Exception | None) -> None:
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+async def _disconnected(reader: asyncio.StreamReader) -> None:
+    """Returns when the client has closed its connection (EOF, or a reset). Bytes it sends after its request (a
+    stray CRLF after the body, as some clients send) are read and ignored: they are no disconnection."""
+    try:
+        while await reader.read(1024):
+            pass
+    except ConnectionError:
+        pass
 
 
 def _check_fields(body: dict) -> None:

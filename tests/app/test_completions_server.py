@@ -271,3 +271,19 @@ def test_a_client_that_disconnects_before_its_completion_has_its_request_cancell
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert not server.decoder.running
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bytes_after_the_request_are_no_disconnection(served, stream):
+    """A client that sends a stray CRLF after its body (some do; RFC 9112 asks servers to ignore it) still gets its
+    whole completion: any byte read after the request was taken for a disconnection and the request cancelled."""
+    server, port, models = served
+    before = len(server.cancelled)
+    body = json.dumps(dict(prompt="def f(x):", max_tokens=12, temperature=0, stream=stream)).encode()
+    reply = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body + b"\r\n").decode()
+    assert reply.startswith("HTTP/1.1 200") and len(server.cancelled) == before, reply
+    data = reply.split("\r\n\r\n", 1)[1]
+    text = "".join(e["choices"][0]["text"] for e in _events(data)) if stream else \
+        json.loads(data)["choices"][0]["text"]
+    assert text == _expected(models, "def f(x):", 12)
