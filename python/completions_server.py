@@ -9,9 +9,11 @@
 
 Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
 ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` (extensions, as vLLM's server takes them), ``seed``,
-``stream``, ``stop`` (a string or a list: the decoder's ``stop_strings``, so the decoder needs ``tokenizer=``). Anything else (``n``, ``logprobs``, ...) is answered 400
-naming the field. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``; as with HF's
-``stop_strings``, the text includes the stop string.
+``stream``, ``stop`` (a string or a list: the decoder's ``stop_strings``, so the decoder needs ``tokenizer=``). A field
+set to ``null`` takes its default, as in OpenAI's API. Anything else (``n``, ``logprobs``, ...), a value of the wrong
+type or out of range (checked with ``temperature`` 0 too, where the sampling fields do nothing) and a malformed request
+are answered 400 naming the field or what is wrong. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or
+``"length"``; as with HF's ``stop_strings``, the text includes the stop string.
 
 Two threads: the asyncio event loop accepts connections, parses and answers requests and streams text; one engine
 thread owns the decoder and runs its steps (one draft + verify iteration each), so a step never stalls accepting or
@@ -19,7 +21,7 @@ streaming. They talk through a thread-safe command queue (event loop -> engine: 
 runs the commands between two steps) and ``loop.call_soon_threadsafe`` (engine -> event loop: a request's id or its
 refusal, each step's tokens into the request's ``asyncio.Queue``, and its final result). Handlers detokenize
 incrementally (``IncrementalDetokenizer``). A client that disconnects (its connection reaches EOF, or a write fails)
-has its request cancelled at the next step boundary, which frees its row.
+has its request cancelled at the next step boundary, which frees its row, streamed or not.
 """
 
 import argparse
@@ -34,6 +36,9 @@ from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream",
           "stop", "model"}
+# numeric fields: (whether an int is required, the lowest value, whether it is excluded, the highest value)
+RANGES = {"max_tokens": (True, 0, False, None), "temperature": (False, 0, False, None), "top_p": (False, 0, True, 1),
+          "top_k": (True, 0, False, None), "min_p": (False, 0, False, 1), "repetition_penalty": (False, 0, True, None)}
 MAX_BODY = 1 << 20
 
 
@@ -147,6 +152,8 @@ class CompletionsServer:
         unknown = sorted(set(body) - FIELDS)
         if unknown:
             raise HTTPError(400, f"{unknown[0]} is not supported by this server")
+        body = {name: value for name, value in body.items() if value is not None}  # null: the default, as OpenAI's
+        _check_fields(body)
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string")
@@ -174,7 +181,11 @@ class CompletionsServer:
     # ------------------------------------------------------------------------------------------- HTTP
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            method, path, body = await _read_request(reader)
+            try:
+                method, path, body = await _read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):  # the client went away mid-request
+                writer.close()
+                return
             if path != "/v1/completions":
                 raise HTTPError(404, f"no route {path}")
             if method != "POST":
@@ -187,17 +198,23 @@ class CompletionsServer:
             if body.get("stream"):
                 await self._stream(request_id, handler_queue, reader, writer)
             else:
-                await self._complete(request_id, handler_queue, writer)
+                await self._complete(request_id, handler_queue, reader, writer)
         except (ConnectionError, asyncio.CancelledError):
             self._cancel(request_id)
         finally:
             writer.close()
 
-    async def _complete(self, request_id, handler_queue, writer) -> None:
-        while not isinstance(item := await handler_queue.get(), Finished):
-            if isinstance(item, StepFailed):
-                await _respond(writer, 500, {"error": {"message": str(item)}})
-                return
+    async def _complete(self, request_id, handler_queue, reader, writer) -> None:
+        gone = asyncio.ensure_future(_disconnected(reader))
+        try:
+            while not isinstance(item := await self._next(request_id, handler_queue, gone), Finished):
+                if item is None:  # disconnected while waiting
+                    return
+                if isinstance(item, StepFailed):
+                    await _respond(writer, 500, {"error": {"message": str(item)}})
+                    return
+        finally:
+            gone.cancel()
         result = item.result
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         await _respond(writer, 200, self._body(request_id, text, _reason(result.finish_reason), result))
@@ -206,17 +223,13 @@ class CompletionsServer:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                      b"Connection: close\r\n\r\n")
         await writer.drain()
-        gone = asyncio.ensure_future(reader.read(1))  # the client sends nothing more: b"" means it disconnected
+        gone = asyncio.ensure_future(_disconnected(reader))
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         try:
             while True:
-                next_tokens = asyncio.ensure_future(handler_queue.get())
-                await asyncio.wait([next_tokens, gone], return_when=asyncio.FIRST_COMPLETED)
-                if not next_tokens.done():  # disconnected while waiting
-                    next_tokens.cancel()
-                    self._cancel(request_id)
+                tokens = await self._next(request_id, handler_queue, gone)
+                if tokens is None:  # disconnected while waiting
                     return
-                tokens = next_tokens.result()
                 if isinstance(tokens, Finished):
                     break
                 if isinstance(tokens, StepFailed):  # headers are out: the error goes as an event, then [DONE]
@@ -233,6 +246,16 @@ class CompletionsServer:
             await writer.drain()
         finally:
             gone.cancel()
+
+    async def _next(self, request_id, handler_queue, gone):
+        """The next item of the request's queue, or None (its request cancelled) if its client disconnects first."""
+        item = asyncio.ensure_future(handler_queue.get())
+        await asyncio.wait([item, gone], return_when=asyncio.FIRST_COMPLETED)
+        if item.done():
+            return item.result()
+        item.cancel()
+        self._cancel(request_id)
+        return None
 
     def _body(self, request_id, text, finish_reason, result=None) -> dict:
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
@@ -292,27 +315,60 @@ def _settle(future: asyncio.Future, value, error: Exception | None) -> None:
         future.set_result(value)
 
 
+async def _disconnected(reader: asyncio.StreamReader) -> None:
+    """Returns when the client has closed its connection (EOF, or a reset). Bytes it sends after its request (a
+    stray CRLF after the body, as some clients send) are read and ignored: they are no disconnection."""
+    try:
+        while await reader.read(1024):
+            pass
+    except ConnectionError:
+        pass
+
+
+def _check_fields(body: dict) -> None:
+    """HTTPError 400 naming the first field of the wrong type or out of range (``RANGES``; ``stream`` a bool)."""
+    if not isinstance(body.get("stream", False), bool):
+        raise HTTPError(400, f"stream must be true or false, got {body['stream']!r}")
+    for name, (integer, low, open_low, high) in RANGES.items():
+        if name not in body:
+            continue
+        value = body[name]
+        kind = int if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or value != value:  # (value != value: NaN)
+            raise HTTPError(400, f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+        if value < low or (open_low and value == low) or (high is not None and value > high):
+            bounds = f"{'(' if open_low else '['}{low}, {'inf)' if high is None else f'{high}]'}"
+            raise HTTPError(400, f"{name} must be in {bounds}, got {value!r}")
+
+
 def _reason(finish_reason: str | None) -> str | None:
     return {"eos": "stop", "stop": "stop", "length": "length"}.get(finish_reason, finish_reason)
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict]:
-    head = await reader.readuntil(b"\r\n\r\n")
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.LimitOverrunError:
+        raise HTTPError(400, "request head too large") from None
     lines = head.decode("latin-1").split("\r\n")
     try:
         method, path, _ = lines[0].split(" ", 2)
     except ValueError:
         raise HTTPError(400, "malformed request line") from None
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    length = int(headers.get("content-length", "0") or 0)
-    if length > MAX_BODY:
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise HTTPError(400, "chunked bodies are not supported: send Content-Length")
+    length = headers.get("content-length", "0") or "0"
+    if not length.isdigit():  # (isdigit: no sign, no spaces; int() would take "-5" and " 5")
+        raise HTTPError(400, f"Content-Length must be a non-negative integer, got {length!r}")
+    if int(length) > MAX_BODY:
         raise HTTPError(413, "body too large")
-    raw = await reader.readexactly(length) if length else b""
+    raw = await reader.readexactly(int(length)) if int(length) else b""
     if method != "POST":
         return method, path, {}
     try:
         body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as error:
+    except ValueError as error:  # (JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8/16/32)
         raise HTTPError(400, f"body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "body must be a JSON object")

@@ -74,7 +74,7 @@ from .generation.context_processors import build_row_processors, build_warpers
 from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
 from .generation.settings import stop_strings as parse_stop_strings
 from .generation.stop_strings import completes_stop_string, stop_criterion
-from .generation.vocab import vocabulary_size
+from .generation.vocab import logit_width, vocabulary_size
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
@@ -239,6 +239,10 @@ class ContinuousBatcher:
         spec = check_model(d.target, path=path, batch=2)
         if d.draft is not None:
             check_model(d.draft, path=path, batch=2)
+        if d.drafter is not None and not callable(getattr(drafter := d.drafter(), "add_rows", None)):
+            raise ValueError(f"add_request needs a drafter with add_rows (Drafter.add_rows: the rows of requests "
+                             f"joining a running batch); {type(drafter).__name__} has none: implement it, or decode "
+                             "with start() or generate()")
         self._target_spec = spec  # (set once both pass: a refused decoder checks again at the next add_request)
 
     def _processors(self, plan, prompt: list[int], mask: list[int] | None):
@@ -248,7 +252,17 @@ class ContinuousBatcher:
         ids = torch.tensor([prompt], dtype=torch.int64, device=device)
         real = torch.ones_like(ids) if mask is None else torch.tensor([mask], device=device)
         row = build_row_processors(self.decoder.target, plan, ids, real, ids)
-        return (row.rows[0] if row is not None else []), build_warpers(self.decoder.target, plan, len(prompt), device)
+        processors = row.rows[0] if row is not None else []
+        # Some of HF's processors check their settings at their first call (bad_words_ids / sequence_bias holding ids
+        # past the logits' width): call each once here, so that add_request refuses such a request, not the step
+        # admitting it (and every later one: it would stay queued, blocking the batch)
+        scores = torch.zeros(1, logit_width(self.decoder.target), device=device)
+        for processor in processors:
+            try:
+                processor(ids, scores.clone())
+            except ValueError as error:
+                raise ValueError(f"{type(processor).__name__}, built from this request's settings: {error}") from None
+        return processors, build_warpers(self.decoder.target, plan, len(prompt), device)
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):

@@ -35,6 +35,13 @@ from .generation.request import build_loop
 from .generation.stats import SpeculationStats
 
 
+# generate's keywords that a SpeculativeDecoder holds for every session: start() refuses them by name
+DECODER_ARGUMENTS = {"draft_model": "its draft argument", "assistant_model": "its draft argument",
+                     "drafter": "drafter=", "num_speculative_tokens": "num_speculative_tokens=", "backend": "backend=",
+                     "tokenizer": "tokenizer=, e.g. for stop_strings",
+                     "assistant_tokenizer": "assistant_tokenizer="}
+
+
 class DecodeSession:
     """One batch of requests in flight. Created by ``SpeculativeDecoder.start``."""
 
@@ -108,10 +115,15 @@ class SpeculativeDecoder:
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
-        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring). A session yields token ids
+        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring), less those the decoder holds
+        (``DECODER_ARGUMENTS``: tokenizer, num_speculative_tokens, ..., refused by name). A session yields token ids
         (``step``, ``sequences``): an output object, scores, logits or a streamer asked for (as keywords or in a
         ``generation_config`` passed here) are refused by name; the model's own generation_config defaults for them
         do not apply to a session."""
+        for name in [*DECODER_ARGUMENTS, *self.lookup]:  # (they reached build_loop twice: "got multiple values")
+            if name in generation_kwargs:
+                raise ValueError(f"{name} is a setting of the decoder, not of start(): pass it to "
+                                 f"SpeculativeDecoder(...) ({DECODER_ARGUMENTS.get(name, f'{name}=')})")
         config = generation_kwargs.get("generation_config")
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name) or getattr(config, name, None):

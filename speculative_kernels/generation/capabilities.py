@@ -521,17 +521,21 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
                    "uses the long factors)" if kind == "longrope" else ""))
 
 
-def check_window_holes(spec: ModelSpec, attention_mask, longest: int, name: str = "attention_mask") -> None:
+def check_window_holes(spec: ModelSpec, attention_mask, longest: int | list[int],
+                       name: str = "attention_mask") -> None:
     """ValueError naming the rows where ``attention_mask`` [B, L] masks a token after the row's first real one, for a
     model with sliding-window layers (``spec.sliding_window``) and forwards over up to ``longest`` slots (prompt width
-    plus new tokens but the last, which is never fed) that a window may not span. HF's window counts cache slots,
-    masked ones included (``q_slot - k_slot < window``); the runners' windows count real positions, which their own
-    holes (rejected drafts) must not shift, so the two differ once a masked slot lies inside a window. Left padding
-    never does. One host read, before decoding starts."""
-    if spec.sliding_window is None or attention_mask is None or longest - 1 < spec.sliding_window:
+    plus new tokens but the last, which is never fed) that a window may not span; a list: each row's own (a batch of
+    separate requests, each spanning its own prompt and new tokens from its first real token). HF's window counts
+    cache slots, masked ones included (``q_slot - k_slot < window``); the runners' windows count real positions, which
+    their own holes (rejected drafts) must not shift, so the two differ once a masked slot lies inside a window. Left
+    padding never does. One host read, before decoding starts."""
+    spans = longest if isinstance(longest, list) else [longest] * (0 if attention_mask is None else len(attention_mask))
+    if spec.sliding_window is None or attention_mask is None or max(spans, default=0) - 1 < spec.sliding_window:
         return
     real = attention_mask.bool()
-    holes = ((real.to(torch.int64).cumsum(dim=1) > 0) & ~real).any(dim=1)
+    spanning = torch.tensor(spans, device=real.device) - 1 >= spec.sliding_window
+    holes = ((real.to(torch.int64).cumsum(dim=1) > 0) & ~real).any(dim=1) & spanning
     if bool(holes.any()):
         raise ValueError(f"{name} masks tokens after the first real one in rows {holes.nonzero().flatten().tolist()} "
                          f"(not left padding; a pad_token_id inside a prompt is masked so too), which "

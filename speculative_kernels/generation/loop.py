@@ -752,6 +752,8 @@ class SpeculativeLoop:
                 self.target_runner.model is not other.target_runner.model or \
                 type(self.drafter) is not type(other.drafter):
             why = "the loops must run the same target model and the same kind of drafter"
+        elif not callable(getattr(self.drafter, "add_rows", None)):
+            why = f"the drafter ({type(self.drafter).__name__}) has no add_rows"
         if why is not None:
             raise ValueError(f"cannot append these rows: {why}")
 

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,8 +133,15 @@ def test_a_client_that_disconnects_has_its_request_cancelled(served):
     (dict(prompt="x", stop=[""]), 400, "stop_strings must be"),
     (dict(prompt="x", n=2), 400, "n is not supported"),
     (dict(prompt=""), 400, "prompt must be a non-empty string"),
-    (dict(prompt="x", max_tokens=-1), 400, "max_new_tokens"),
+    (dict(prompt="x", max_tokens=-1), 400, "max_tokens must be in [0, inf), got -1"),
     (dict(prompt="x", seed=-3), 400, "seed must be in"),
+    # (these were accepted: a non-bool stream was read as true, and with temperature 0 the sampling fields were
+    # dropped unchecked)
+    (dict(prompt="x", max_tokens=4, stream="no"), 400, "stream must be true or false"),
+    (dict(prompt="x", max_tokens=4, temperature=0, top_p=7), 400, r"top_p must be in (0, 1], got 7"),
+    (dict(prompt="x", max_tokens=4, temperature=0, min_p="x"), 400, "min_p must be a number"),
+    (dict(prompt="x", max_tokens=4, temperature=0, top_k=2.5), 400, "top_k must be an integer"),
+    (dict(prompt="x", max_tokens="8"), 400, "max_tokens must be an integer"),
 ])
 def test_bad_requests_are_refused_by_name(served, body, status, message):
     _, port, _ = served
@@ -206,3 +214,76 @@ def test_a_running_step_does_not_stall_the_server(served, monkeypatch):
         worker.join()
     status, data = reply[0]
     assert status == 200 and json.loads(data)["choices"][0]["text"] == _expected(models, "def f(x):", 6)
+
+
+def _raw(port, data: bytes) -> bytes:
+    client = socket.create_connection(("127.0.0.1", port), timeout=60)
+    client.sendall(data)
+    reply = b""
+    while chunk := client.recv(4096):
+        reply += chunk
+    client.close()
+    return reply
+
+
+@pytest.mark.parametrize("head, body, message", [
+    (b"Content-Length: abc", b"{}", "Content-Length must be a non-negative integer"),
+    (b"Content-Length: -5", b"{}", "Content-Length must be a non-negative integer"),
+    (b"Content-Length: 3", b"\xff\xfe{", "body is not JSON"),  # (not UTF-8: json.loads raised UnicodeDecodeError)
+    (b"Transfer-Encoding: chunked", b"5\r\nhello\r\n0\r\n\r\n", "chunked bodies are not supported"),
+])
+def test_malformed_requests_are_answered_400(served, head, body, message):
+    """A malformed Content-Length or a body that is not text made the handler raise: the connection was closed with
+    no answer (and a traceback in the server's log)."""
+    _, port, _ = served
+    reply = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n" + body)
+    assert reply.startswith(b"HTTP/1.1 400") and message in reply.decode(errors="replace"), reply
+
+
+def test_null_fields_take_their_defaults(served):
+    """OpenAI's API reads a null field as its default; here max_tokens null generated the model's default length (20
+    new tokens) instead of the server's 16."""
+    _, port, models = served
+    status, data = _post(port, dict(prompt="def f(x):", max_tokens=None, temperature=None, top_p=None, top_k=None,
+                                    stop=None, seed=3))
+    assert status == 200, data
+    reply = json.loads(data)
+    assert reply["usage"]["completion_tokens"] == 16
+    assert reply["choices"][0]["text"] == _expected(models, "def f(x):", 16, seed=3, temperature=1.0, top_p=1.0,
+                                                    top_k=0)
+
+
+def test_a_client_that_disconnects_before_its_completion_has_its_request_cancelled(served):
+    """Not streamed: nothing is written before the end, so only the connection's EOF tells that the client left; the
+    request ran to its max_tokens for nobody."""
+    server, port, _ = served
+    before = len(server.cancelled)
+    body = json.dumps(dict(prompt="class Parser:", max_tokens=400, temperature=0.7, seed=1)).encode()
+    client = socket.create_connection(("127.0.0.1", port), timeout=300)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+                   + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 60
+    while not server.decoder.running:  # (read from this thread: a snapshot, enough to see it has started)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.close()
+    while len(server.cancelled) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not server.decoder.running
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bytes_after_the_request_are_no_disconnection(served, stream):
+    """A client that sends a stray CRLF after its body (some do; RFC 9112 asks servers to ignore it) still gets its
+    whole completion: any byte read after the request was taken for a disconnection and the request cancelled."""
+    server, port, models = served
+    before = len(server.cancelled)
+    body = json.dumps(dict(prompt="def f(x):", max_tokens=12, temperature=0, stream=stream)).encode()
+    reply = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body + b"\r\n").decode()
+    assert reply.startswith("HTTP/1.1 200") and len(server.cancelled) == before, reply
+    data = reply.split("\r\n\r\n", 1)[1]
+    text = "".join(e["choices"][0]["text"] for e in _events(data)) if stream else \
+        json.loads(data)["choices"][0]["text"]
+    assert text == _expected(models, "def f(x):", 12)

@@ -511,3 +511,53 @@ def test_a_model_default_of_several_sequences_is_refused_by_add_request():
     with pytest.raises(ValueError, match=r"num_return_sequences=2 \(from the model's generation config\)"):
         decoder.add_request([5, 6, 7], max_new_tokens=4)
     assert not decoder.has_work()
+
+
+def test_a_prompt_with_a_masked_token_inside_a_short_span_joins_longer_prompts_on_a_sliding_window_model():
+    """On a sliding-window model a prompt holding the pad id (masked, as HF masks it) is refused only when the request
+    could span a window (HF counts the masked slot, the caches do not); a shorter one is exact and accepted. The step
+    admitting it with a longer prompt checked the joined batch as one request spanning the longest prompt, raised,
+    and raised again at every later step (the requests stayed queued, the running one starved). Each row is now
+    checked over its own span, as add_request checked it: every request is model.generate on it alone."""
+    from helpers.models import more_families
+
+    make = more_families()["mistral"]  # window 4
+    target, draft = make().to(DEVICE), make(layers=1, seed=3).to(DEVICE)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=8, do_sample=False))],
+                1: [([3, 0, 4], dict(max_new_tokens=1, do_sample=False)),
+                    (list(range(5, 15)), dict(max_new_tokens=5, do_sample=False))]}
+    with pytest.raises(ValueError, match="sliding-window"):  # the same prompt with a longer span: refused up front
+        decoder.add_request([3, 0, 4], max_new_tokens=3)
+    requests, streamed = run_arrivals(decoder, arrivals)
+    for request_id, (prompt, request_settings) in requests.items():
+        expected = target.generate(torch.tensor([prompt], device=DEVICE), **request_settings)[0, len(prompt):]
+        assert decoder.result(request_id).token_ids == streamed[request_id] == expected.tolist(), prompt
+
+
+def test_a_drafter_without_add_rows_is_refused_by_the_first_add_request(pair):
+    """A Drafter written for generate()/start() only, without add_rows: add_request accepted requests, and the first
+    merge of a joining request raised AttributeError midway (masks and processors already joined), which cancelled
+    every running request too. The first add_request now refuses the decoder's drafter by name, and a merge checks
+    for it before changing anything."""
+    target, _ = pair
+
+    class SessionsOnly:  # every Drafter method but add_rows
+        def __init__(self):
+            self.inner = sk.NGramDrafter.for_model(target)
+
+        def __getattr__(self, name):
+            if name == "add_rows":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    decoder = sk.SpeculativeDecoder(target, drafter=SessionsOnly, num_speculative_tokens=GAMMA)
+    with pytest.raises(ValueError, match="add_request needs a drafter with add_rows.*SessionsOnly has none"):
+        decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    assert not decoder.has_work()
+    with torch.inference_mode():
+        running, joining = (_row_loop((target, None), prompt, drafter=SessionsOnly())
+                            for prompt in ([5, 6, 7], [9, 10]))
+        with pytest.raises(ValueError, match=r"the drafter \(SessionsOnly\) has no add_rows"):
+            running.append_rows(joining)
+        assert running.batch == 1

@@ -91,3 +91,21 @@ def test_settings_that_only_change_scores_or_are_invalid_are_refused(pair):
         model = copy.deepcopy(target)
         model.generation_config.watermarking_config = __import__("transformers").WatermarkingConfig()
         sk.SpeculativeDecoder(model, draft).add_request([5, 6], max_new_tokens=3)
+
+
+@pytest.mark.parametrize("settings", [dict(bad_words_ids=[[3, 500]]), dict(sequence_bias={(500,): 2.0})])
+def test_ids_past_the_vocabulary_in_a_processors_settings_are_refused_by_add_request(pair, settings):
+    """HF's bad-words and sequence-bias processors check their ids against the logits' width at their first call
+    (model.generate raises then). add_request accepted such a request; the step admitting it raised, and so did every
+    later step (the request stayed queued): the running request never advanced. add_request now refuses it, naming
+    the processor, and the batch goes on."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    running = decoder.add_request([5, 6, 7], max_new_tokens=6, do_sample=False)
+    decoder.step()
+    with pytest.raises(ValueError, match="(NoBadWords|SequenceBias)LogitsProcessor.*tokens were being biased: .500"):
+        decoder.add_request([9, 10], max_new_tokens=4, do_sample=False, **settings)
+    assert decoder.queued == []
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(running).token_ids == _alone(target, draft, [5, 6, 7], dict(max_new_tokens=6, do_sample=False))

@@ -123,3 +123,18 @@ def test_continuous_batching_ignores_the_model_output_defaults(monkeypatch):
         while decoder.has_work():
             decoder.step()
     assert decoder.result(request).token_ids == expected and made == []
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "num_speculative_tokens", "backend", "draft_model", "assistant_model",
+                                  "drafter", "assistant_tokenizer"])
+def test_start_refuses_the_decoders_own_settings_by_name(name):
+    """generate's keywords that the decoder holds for every session reached build_loop twice: a TypeError "got
+    multiple values for keyword argument" (tokenizer= for stop_strings, as generate takes it), or, for
+    assistant_model, a ValueError calling it unsupported by generate. Now a ValueError saying where it goes."""
+    target = llama()
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=f"{name} is a setting of the decoder, not of start"):
+        decoder.start(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2, **{name: None})
+    lookup = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=2)  # (its own, given again)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens is a setting of the decoder, not of start"):
+        lookup.start(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2, prompt_lookup_num_tokens=3)
