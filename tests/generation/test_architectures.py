@@ -527,11 +527,15 @@ def test_cache_window_the_attention_does_not_apply_is_exact_within_it():
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
     with pytest.raises(ValueError, match="sliding_window=6, which HF's cache keeps"):
         decoder.add_request([5, 6, 7], max_new_tokens=5)
-    request = decoder.add_request([5, 6, 7], max_new_tokens=4)
+    # two requests each within the window, joined: the batch's widest prompt plus the most new tokens would not be
+    prompts = {decoder.add_request([5, 6, 7, 8, 9, 10], max_new_tokens=1): [5, 6, 7, 8, 9, 10],
+               decoder.add_request([5, 6], max_new_tokens=5): [5, 6]}
     while decoder.has_work():
         decoder.step()
-    assert decoder.result(request).token_ids == target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4,
-                                                                do_sample=False)[0, 3:].tolist()
+    for request, prompt in prompts.items():
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=len(decoder.result(request).token_ids),
+                                do_sample=False)
+        assert decoder.result(request).token_ids == alone[0, len(prompt):].tolist()
 
 
 def test_qwen3_omni_thinker_without_a_window_is_exact():
