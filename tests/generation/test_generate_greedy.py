@@ -120,6 +120,25 @@ def test_return_dict_scores_and_logits_match_hf():
     assert got.speculation_stats.new_tokens == 9
 
 
+def test_scores_and_logits_of_a_finished_row_are_zeros_after_its_eos():
+    """Documented difference (README): after a row of a batch has finished, model.generate keeps feeding it the pad
+    id and returns the model's logits (and scores) on it; a finished row leaves our batch and its entries are zeros.
+    Up to and including its EOS step they are HF's."""
+    target, draft = llama(), llama(layers=1, seed=9)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    kwargs = dict(attention_mask=(ids != 0).long(), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True)
+    eos = int(target.generate(ids, **kwargs).sequences[0, 7])  # row 0's second new token
+    expected = target.generate(ids, **kwargs, eos_token_id=eos)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs, eos_token_id=eos)
+    assert torch.equal(got.sequences, expected.sequences) and expected.sequences[1, 6:].ne(eos).all()
+    for name in ("scores", "logits"):
+        ours, theirs = torch.stack(getattr(got, name), 1), torch.stack(getattr(expected, name), 1)
+        torch.testing.assert_close(ours[0, :2], theirs[0, :2])  # up to row 0's EOS
+        torch.testing.assert_close(ours[1], theirs[1])  # the unfinished row throughout
+        assert ours[0, 2:].eq(0).all() and theirs[0, 2:].ne(0).any()
+
+
 def _usable_outside_no_grad(tensor):
     """What a user does with model.generate's output (an RL rollout trained on, an edit in place): an inference
     tensor (made under torch.inference_mode) raises on both."""
