@@ -201,6 +201,9 @@ class CompletionsServer:
                 await self._complete(request_id, handler_queue, reader, writer)
         except (ConnectionError, asyncio.CancelledError):
             self._cancel(request_id)
+        except BaseException:  # any other failure of this handler (e.g. detokenizing): nobody reads the request now
+            self._cancel(request_id)
+            raise
         finally:
             writer.close()
 

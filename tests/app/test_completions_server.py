@@ -287,3 +287,27 @@ def test_bytes_after_the_request_are_no_disconnection(served, stream):
     text = "".join(e["choices"][0]["text"] for e in _events(data)) if stream else \
         json.loads(data)["choices"][0]["text"]
     assert text == _expected(models, "def f(x):", 12)
+
+
+def test_a_handler_that_fails_has_its_request_cancelled(served, monkeypatch):
+    """An error in a request's handler other than a disconnection (here the detokenizer's) closed the connection but
+    left the request running to its max_tokens for nobody."""
+    server, port, _ = served
+    before = len(server.cancelled)
+
+    class FailingDetokenizer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def push(self, tokens):
+            raise RuntimeError("detokenizer failed")
+
+    monkeypatch.setitem(type(server).__init__.__globals__, "IncrementalDetokenizer", FailingDetokenizer)
+    body = json.dumps(dict(prompt="class Parser:", max_tokens=400, temperature=0.7, seed=1, stream=True)).encode()
+    _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+         + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 60
+    while len(server.cancelled) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not server.decoder.running
