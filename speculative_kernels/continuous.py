@@ -64,7 +64,8 @@ import dataclasses
 import torch
 
 from .generation.capabilities import (check_caching, check_deterministic, check_model, check_positions,
-                                       check_window_applied, check_window_holes, request_path)
+                                       check_masked_slots, check_window_applied, check_window_holes,
+                                       request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
@@ -178,6 +179,8 @@ class ContinuousBatcher:
         mask = self._inferred_mask(prompt, settings)
         if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
             check_window_holes(self._target_spec, torch.tensor([mask]), len(prompt) + plan.max_new_tokens - 1,
+                               name="the attention mask inferred from pad_token_id")
+            check_masked_slots(self._target_spec, torch.tensor([mask]),
                                name="the attention mask inferred from pad_token_id")
         check_window_applied(self._target_spec, len(prompt) + plan.max_new_tokens - 1)
         if plan.stopping_criteria:

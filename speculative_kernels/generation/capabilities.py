@@ -62,6 +62,13 @@ _GROWS_CACHE_LAYERS = re.compile(r"(?:cache|past_key_values)\.layers\s*(?:\+=|\.
 # A forward that widens a 2-D mask at one-token steps (GIT in transformers 5.17: ``elif past_key_values is not None
 # and seq_len == 1: ... torch.cat([extended_attention_mask, attention_mask], dim=-1)``, whatever the mask's rank).
 _WIDENS_2D_MASK_AT_STEPS = re.compile(r"seq_len\s*==\s*1\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*extended_attention_mask")
+# A forward that widens a 2-D mask once a cache holds slots (GIT from transformers 5.2x: ``elif cache is not None and
+# cache_length > 0 and attention_mask is not None and attention_mask.ndim == 2: ... torch.cat([extended_attention_mask,
+# attention_mask])`` by the image tokens, which a text-only cache does not hold): the widened mask no longer lines up
+# with the cache, so model.generate's one-token steps attend to a padded row's masked slots. The 4-D masks of the
+# speculative forwards are not widened: exact where the mask masks nothing (``check_masked_slots``).
+_WIDENS_2D_MASK_OVER_CACHE = re.compile(r"attention_mask\.ndim\s*==\s*2\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*"
+                                        r"extended_attention_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,8 @@ class ModelSpec:
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
     (``_applies_window``): exact only for requests the window spans (``check_window_applied``).
+    masked_slots_exact: False where model.generate's steps do not mask what the attention mask masks (GIT,
+    ``_WIDENS_2D_MASK_OVER_CACHE``): exact only for masks without zeros (``check_masked_slots``).
     """
 
     architecture: str
@@ -89,6 +98,7 @@ class ModelSpec:
     kv_sizes: tuple[int, int, int] | None = None
     cache_argument: str = "past_key_values"
     window_applied: bool = True
+    masked_slots_exact: bool = True
 
     @property
     def encoder_decoder(self) -> bool:
@@ -464,7 +474,10 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     reason = _bidirectional_reason(model) or _two_d_mask_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
-    return _check_decoder_only(model, path, batch)
+    spec = _check_decoder_only(model, path, batch)
+    if _WIDENS_2D_MASK_OVER_CACHE.search(_decoder_stack_source(model)[1]):
+        spec = dataclasses.replace(spec, masked_slots_exact=False)
+    return spec
 
 
 def position_dependent_rope(model) -> list[tuple[str, int]]:
@@ -541,6 +554,19 @@ def check_window_holes(spec: ModelSpec, attention_mask, longest: int | list[int]
                          f"(not left padding; a pad_token_id inside a prompt is masked so too), which "
                          f"{spec.architecture}'s sliding-window layers (window {spec.sliding_window}) would count as "
                          "HF does, in slots, and the speculative caches do not; pass the prompts without them")
+
+
+def check_masked_slots(spec: ModelSpec, attention_mask, name: str = "attention_mask") -> None:
+    """ValueError where ``attention_mask`` [B, L] masks a slot (left padding, a pad_token_id inside a prompt) for a
+    model whose ``model.generate`` steps do not mask it (``spec.masked_slots_exact`` False: GIT widens the step's
+    2-D mask by image tokens the cache does not hold, so a padded row's later steps attend to its padding). One host
+    read, before decoding starts."""
+    if spec.masked_slots_exact or attention_mask is None or bool(attention_mask.bool().all()):
+        return
+    raise ValueError(f"{name} masks slots (padding) of a {spec.architecture}, whose model.generate widens the "
+                     "attention mask of every step after the prompt by image tokens a text-only cache does not hold, "
+                     "so its steps attend to those slots: speculative decoding cannot reproduce that; pass prompts "
+                     "without padding (one at a time, or through add_request)")
 
 
 def check_window_applied(spec: ModelSpec, longest: int) -> None:

@@ -10,8 +10,8 @@ import torch
 from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
-from .capabilities import (check_caching, check_deterministic, check_model, check_positions, check_window_applied,
-                           check_window_holes, request_path)
+from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_positions,
+                           check_window_applied, check_window_holes, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -129,6 +129,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         first = (attention_mask.to(torch.int64).cumsum(dim=1) == 0).sum(dim=1).tolist()
         spans = [width - f + n - 1 for f, n in zip(first, new)]
     check_window_holes(specs[0], attention_mask, spans)
+    if rows is None:  # (a batch of requests pads them for our own masks alone: each was checked by add_request)
+        check_masked_slots(specs[0], attention_mask)
     check_window_applied(specs[0], max(spans, default=0) if isinstance(spans, list) else spans)
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
     # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is
