@@ -69,11 +69,12 @@ def run_generate(args) -> int:
     if args.draft is not None:
         draft, draft_tokenizer = load_model(args.draft, device=args.device, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code)
-        drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
-                        assistant_tokenizer=draft_tokenizer)
+        drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, assistant_tokenizer=draft_tokenizer)
     input_ids, attention_mask = _encode(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, **sampling_kwargs(args))
+    # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
+                  **sampling_kwargs(args))
     stats = SpeculationStats()
     output, seconds = timed_generate(
         lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, seed=args.seed,

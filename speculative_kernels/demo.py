@@ -115,7 +115,7 @@ def _load_pair(args):
 def _kwargs(args, tokenizer, attention_mask) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                **sampling_kwargs(args))
+                tokenizer=tokenizer, **sampling_kwargs(args))
 
 
 def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptResult:
@@ -136,7 +136,7 @@ def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptR
         base_times.append(seconds)
         progress.step(f"prompt {index}/{count}: model.generate")
         output, seconds = timed_generate(
-            lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
+            lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma,
                              assistant_tokenizer=draft_tokenizer, speculation_stats=stats, backend=args.backend,
                              seed=(args.seed + repeat) % 2**63, **kwargs),
             args.device,
@@ -158,14 +158,15 @@ def _warm_up(pair, args, prompt: str) -> None:
     """One short run of each path (allocator, lazy initialisation, first-call dispatch) before any timing."""
     from . import generate
 
-    target, draft, tokenizer, _ = pair
+    target, draft, tokenizer, draft_tokenizer = pair
     encoded = tokenizer(prompt, return_tensors="pt")
     ids = encoded["input_ids"].to(args.device)
     kwargs = _kwargs(args, tokenizer, encoded["attention_mask"].to(args.device))
     kwargs["max_new_tokens"] = min(args.max_new_tokens, 16)
     target.generate(ids, **kwargs)
     gamma = args.gamma if args.gamma != "auto" else 4
-    generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, backend=args.backend, **kwargs)
+    generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, assistant_tokenizer=draft_tokenizer,
+             backend=args.backend, **kwargs)
 
 
 def _indent(text: str) -> str:

@@ -225,3 +225,45 @@ def test_an_image_text_checkpoint_generates_from_text(tmp_path, capsys):
     code = main(["generate", "--target", str(tmp_path), "--prompt-lookup", "3", "--prompt", "for i in",
                  "--max-new-tokens", "8", "--compare"])
     assert code == 0 and "outputs identical" in capsys.readouterr().out
+
+
+def _with_generation_config(source, destination, **fields):
+    """A copy of checkpoint folder ``source`` whose generation_config.json also sets ``fields``; its tokenizer
+    decodes byte-level tokens back to text (HF's stop-string matching needs that)."""
+    import transformers
+    from tokenizers import decoders
+
+    shutil.copytree(source, destination)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save_pretrained(destination)
+    config = transformers.GenerationConfig.from_pretrained(source)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    config.save_pretrained(destination)
+    return destination
+
+
+@pytest.mark.parametrize("drafting", [["--draft", "DRAFT"], ["--prompt-lookup", "3"]])
+def test_a_checkpoints_stop_strings_are_honoured_on_both_paths(pair, tmp_path, capsys, drafting):
+    """A target whose generation_config sets stop_strings: both runs get the tokenizer that HF's stop-string
+    matching needs, and stop at the same token (--prompt-lookup failed: "stop_strings needs tokenizer="; with
+    --draft, --compare's model.generate failed: "could not locate a tokenizer")."""
+    import torch
+    import transformers
+
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    plain = _with_generation_config(target, tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(plain)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(plain)
+    ids = tokenizer("for i in", return_tensors="pt")["input_ids"]
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    stop = tokenizer.decode(new[5:6])  # the text of new token 5: the run stops there at the latest
+    stopping = _with_generation_config(target, tmp_path / "stopping", stop_strings=[stop])
+    code = main(["generate", "--target", str(stopping), "--prompt", "for i in", "--max-new-tokens", "12", "--compare",
+                 *drafting])
+    out = capsys.readouterr().out
+    assert code == 0 and "outputs identical" in out, out
+    count = int(out.split("\nspeculative: ")[1].split(" tokens")[0])
+    assert count <= 6 and tokenizer.decode(new[:count]).endswith(stop)

@@ -58,3 +58,23 @@ def test_demo_checks_identity_in_float32_unless_told():
 
     assert _demo_dtype("auto", "cpu") == _demo_dtype("auto", "cuda") == "float32"
     assert _demo_dtype("bfloat16", "cuda") == "bfloat16"
+
+
+def test_demo_runs_a_pair_whose_vocabularies_differ_by_padding(tmp_path, capsys):
+    """--target/--draft whose vocab_size differ (128 vs 112) with one shared tokenizer: generate accepts them when
+    given both tokenizers; the demo's warm-up passed neither and refused the pair ("different vocabularies")."""
+    from helpers.checkpoints import tiny_tokenizer
+    from helpers.models import llama
+
+    tokenizer = tiny_tokenizer()
+    for name, model in (("target", llama(layers=2, vocab=128, seed=0)), ("draft", llama(layers=1, vocab=112, seed=1))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--no-progress", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                     "--prompt", "for i in", "--max-new-tokens", "6", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0 and "greedy outputs: identical" in out, out
