@@ -14,32 +14,15 @@ from .cli_options import (
     HelpFormatter,
     UsageError,
     add_common_options,
+    check_one_completion,
+    completion_ids,
+    encode_prompt,
     prepare_run,
     sampling_kwargs,
 )
 from .demo import add_demo_command
 
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
-
-
-def _encode(tokenizer, model, prompt: str, device: str):
-    """(input_ids [1, L], attention_mask [1, L]) of a prompt. An empty prompt starts from the BOS token (explicitly,
-    so both generate paths see the same one-token prompt and the new tokens are counted after it)."""
-    import torch
-
-    if tokenizer is None:
-        raise UsageError("the target folder has no tokenizer; a text prompt needs one")
-    encoded = tokenizer(prompt, return_tensors="pt")
-    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
-    if input_ids.shape[1] == 0:
-        bos = tokenizer.bos_token_id
-        if bos is None:
-            bos = model.generation_config.bos_token_id
-        if bos is None:
-            raise UsageError("--prompt is empty and neither the tokenizer nor the model has a BOS token to start from")
-        input_ids = torch.tensor([[int(bos)]])
-        attention_mask = torch.ones_like(input_ids)
-    return input_ids.to(device), attention_mask.to(device)
 
 
 def check_length(model, input_ids, max_new_tokens: int) -> None:
@@ -70,7 +53,8 @@ def run_generate(args) -> int:
         draft, draft_tokenizer = load_model(args.draft, device=args.device, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code)
         drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, assistant_tokenizer=draft_tokenizer)
-    input_ids, attention_mask = _encode(tokenizer, target, args.prompt, args.device)
+    check_one_completion(target)
+    input_ids, attention_mask = encode_prompt(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
     # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
@@ -81,7 +65,7 @@ def run_generate(args) -> int:
                          **drafting, **kwargs),
         args.device,
     )
-    new_tokens = _new_tokens(target, input_ids, output)
+    new_tokens = completion_ids(target, input_ids, output)
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     print(f"\nspeculative: {len(new_tokens)} tokens in {seconds:.3f} s = {len(new_tokens) / seconds:.1f} tokens/s; "
           f"acceptance rate {stats.acceptance_rate:.3f}, alpha {stats.alpha:.3f}, "
@@ -92,7 +76,7 @@ def run_generate(args) -> int:
         return 0
     torch.manual_seed(args.seed)  # model.generate has no seed argument
     baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
-    base_tokens = _new_tokens(target, input_ids, baseline)
+    base_tokens = completion_ids(target, input_ids, baseline)
     identical = base_tokens == new_tokens
     print(f"model.generate: {len(base_tokens)} tokens in {base_seconds:.3f} s = "
           f"{len(base_tokens) / base_seconds:.1f} tokens/s")
@@ -155,13 +139,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
     return value
-
-
-def _new_tokens(model, input_ids, output) -> list[int]:
-    """The generated ids of row 0 (decoder-only outputs repeat the prompt; encoder-decoder outputs do not)."""
-    if model.config.is_encoder_decoder:
-        return output[0, 1:].tolist()
-    return output[0, input_ids.shape[1]:].tolist()
 
 
 def build_parser() -> argparse.ArgumentParser:

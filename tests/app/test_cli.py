@@ -267,3 +267,24 @@ def test_a_checkpoints_stop_strings_are_honoured_on_both_paths(pair, tmp_path, c
     assert code == 0 and "outputs identical" in out, out
     count = int(out.split("\nspeculative: ")[1].split(" tokens")[0])
     assert count <= 6 and tokenizer.decode(new[:count]).endswith(stop)
+
+
+def test_a_checkpoint_asking_for_a_dict_output_runs(pair, tmp_path, capsys):
+    """A generation_config with return_dict_in_generate (and output_scores): both generate calls return a dict
+    output, whose sequences are read (it ended with "error: tuple indices must be integers or slices, not tuple")."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "dict", return_dict_in_generate=True, output_scores=True)
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "6", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0 and "speculative: 6 tokens" in out and "outputs identical" in out, out
+
+
+def test_a_checkpoint_asking_for_several_sequences_is_refused_by_name(pair, tmp_path, capsys):
+    """num_return_sequences=2 in the generation_config (a sampling checkpoint): the command prints one completion,
+    so it refuses by name; it generated both rows, printed row 0 and counted only its tokens in tokens/s."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "two", do_sample=True, num_return_sequences=2)
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "4", "--temperature", "1"])
+    assert code == 2 and "num_return_sequences=2" in capsys.readouterr().err
