@@ -11,6 +11,7 @@ import sys
 
 from .cli_options import (
     ACCEPTANCE_LEGEND,
+    DEFAULT_GAMMA,
     HelpFormatter,
     UsageError,
     add_common_options,
@@ -22,6 +23,7 @@ from .cli_options import (
 )
 from .demo import add_demo_command
 
+DEFAULT_MAX_NGRAM = 2
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
 
 
@@ -126,12 +128,20 @@ def describe_difference(step: int, ours, reference, dtype) -> str:
 
 def _drafting(args) -> dict:
     """generate's drafting arguments without a draft model (--prompt-lookup); a UsageError unless exactly one of
-    --draft and --prompt-lookup is given."""
+    --draft and --prompt-lookup is given, or when an option of the other one is (it would do nothing: --gamma with
+    --prompt-lookup, whose K is the draft length, --max-ngram with --draft). Fills in their defaults."""
     if (args.draft is None) == (args.prompt_lookup is None):
         raise UsageError("pass exactly one of --draft (a draft model) and --prompt-lookup K (no draft model)")
     if args.prompt_lookup is None:
+        if args.max_ngram is not None:
+            raise UsageError("--max-ngram only applies with --prompt-lookup; with --draft it would be ignored")
+        args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
         return {}
-    return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=args.max_ngram)
+    if args.gamma is not None:
+        raise UsageError("--gamma only applies with --draft; with --prompt-lookup K, K is the number of tokens "
+                         "drafted per iteration")
+    max_ngram = DEFAULT_MAX_NGRAM if args.max_ngram is None else args.max_ngram
+    return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=max_ngram)
 
 
 def _positive(text: str) -> int:
@@ -155,12 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-lookup", type=_positive, metavar="K",
                      help="no draft model: draft up to K tokens per iteration by prompt lookup (HF's "
                           "prompt_lookup_num_tokens; K replaces --gamma)")
-    gen.add_argument("--max-ngram", type=_positive, default=2, metavar="N",
-                     help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size)")
+    gen.add_argument("--max-ngram", type=_positive, metavar="N",
+                     help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size; default "
+                          f"{DEFAULT_MAX_NGRAM})")
     gen.add_argument("--prompt", required=True, help="the text to complete (empty: start from the BOS token)")
     gen.add_argument("--compare", action="store_true", help="also run plain model.generate and compare")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the folders' own model code")
-    add_common_options(gen)
+    add_common_options(gen, gamma_default=None)  # None: not given (DEFAULT_GAMMA with --draft; see _drafting)
     gen.set_defaults(run=run_generate)
     add_demo_command(commands)
     return parser

@@ -9,6 +9,9 @@ ACCEPTANCE_LEGEND = ("acceptance rate = accepted drafts / drafted tokens (the dr
                      "passed / tests made)")
 
 
+DEFAULT_GAMMA = 5
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written, and every option's default in its help (unless it is None or a False flag, whose
     help says what happens)."""
@@ -159,7 +162,9 @@ def check_one_completion(model) -> None:
                          "one completion (set it to 1 in the checkpoint's generation_config.json)")
 
 
-def add_common_options(parser: argparse.ArgumentParser) -> None:
+def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA) -> None:
+    """The options both commands take. gamma_default None: --gamma left unset reads None (``generate`` then tells
+    it from a --gamma given where it does nothing)."""
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="sampling temperature; 0 = greedy decoding")
@@ -176,8 +181,9 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None,
                         help="never repeat an n-gram of this size (HF's no_repeat_ngram_size; default: the "
                              "checkpoint's)")
-    parser.add_argument("--gamma", type=gamma_arg, default=5,
-                        help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)")
+    parser.add_argument("--gamma", type=gamma_arg, default=gamma_default,
+                        help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)"
+                             + ("" if gamma_default else f" (default: {DEFAULT_GAMMA}, with a draft model)"))
     parser.add_argument("--seed", type=seed_arg, default=0,
                         help="seed of the speculative run's random numbers (generate(seed=...): the same seed, the "
                              "same output); model.generate runs after torch.manual_seed(seed)")

@@ -259,14 +259,17 @@ def test_a_checkpoints_stop_strings_are_honoured_on_both_paths(pair, tmp_path, c
     tokenizer = transformers.AutoTokenizer.from_pretrained(plain)
     ids = tokenizer("for i in", return_tensors="pt")["input_ids"]
     new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
-    stop = tokenizer.decode(new[5:6])  # the text of new token 5: the run stops there at the latest
+    # the text of a new token past the first two (not a piece of a UTF-8 character): the run stops there at the latest
+    position, stop = next((i, text) for i, text in ((i, tokenizer.decode(new[i:i + 1])) for i in range(2, 11))
+                          if text.strip() and "\ufffd" not in text)
     stopping = _with_generation_config(target, tmp_path / "stopping", stop_strings=[stop])
     code = main(["generate", "--target", str(stopping), "--prompt", "for i in", "--max-new-tokens", "12", "--compare",
                  *drafting])
-    out = capsys.readouterr().out
-    assert code == 0 and "outputs identical" in out, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0 and "outputs identical" in out, (out, captured.err, stop)
     count = int(out.split("\nspeculative: ")[1].split(" tokens")[0])
-    assert count <= 6 and tokenizer.decode(new[:count]).endswith(stop)
+    assert count <= position + 1 and tokenizer.decode(new[:count]).endswith(stop)
 
 
 def test_a_checkpoint_asking_for_a_dict_output_runs(pair, tmp_path, capsys):
@@ -288,3 +291,15 @@ def test_a_checkpoint_asking_for_several_sequences_is_refused_by_name(pair, tmp_
     code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
                  "--max-new-tokens", "4", "--temperature", "1"])
     assert code == 2 and "num_return_sequences=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drafting, option", [(["--prompt-lookup", "3", "--gamma", "7"], "--gamma"),
+                                              (["--prompt-lookup", "3", "--gamma", "auto"], "--gamma"),
+                                              (["--draft", "DRAFT", "--max-ngram", "4"], "--max-ngram")])
+def test_an_option_of_the_other_drafting_mode_is_refused(pair, capsys, drafting, option):
+    """--gamma with --prompt-lookup (K is the draft length there) and --max-ngram with --draft do nothing: refused by
+    name, as --top-k with greedy decoding is (they were ignored, and --gamma auto printed "gamma auto -> K")."""
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    code = main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "3", *drafting])
+    assert code == 2 and f"{option} only applies with" in capsys.readouterr().err
