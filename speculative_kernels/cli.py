@@ -27,14 +27,23 @@ DEFAULT_MAX_NGRAM = 2
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
 
 
-def check_length(model, input_ids, max_new_tokens: int) -> None:
-    """--max-new-tokens beyond the target's context length (decoder-only models that state one) is a UsageError."""
-    if model.config.is_encoder_decoder:
-        return
+def check_length(model, input_ids, max_new_tokens: int, role: str = "target") -> None:
+    """A UsageError where the request passes the context length (``max_position_embeddings``) that ``model`` (the
+    ``role``: target or draft) states: a decoder-only model's [1, L] prompt plus max_new_tokens; an encoder-decoder
+    model's encoder input ``input_ids`` [1, L], or its decoder's start token plus max_new_tokens (BART's learned
+    positions fail beyond it with an IndexError, in model.generate too)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and input_ids.shape[1] + max_new_tokens > positions:
-        raise UsageError(f"--max-new-tokens {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that exceeds "
-                         f"the target's context length ({positions} positions)")
+    if positions is None:
+        return
+    limit = f"the {role}'s context length ({positions} positions)"
+    if not model.config.is_encoder_decoder:
+        if input_ids.shape[1] + max_new_tokens > positions:
+            raise UsageError(f"--max-new-tokens {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that "
+                             f"exceeds {limit}")
+    elif input_ids.shape[1] > positions:
+        raise UsageError(f"--prompt: its {input_ids.shape[1]} tokens exceed {limit}")
+    elif 1 + max_new_tokens > positions:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: with the decoder's start token that exceeds {limit}")
 
 
 def run_generate(args) -> int:
@@ -58,6 +67,8 @@ def run_generate(args) -> int:
     check_one_completion(target)
     input_ids, attention_mask = encode_prompt(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
+    if args.draft is not None:
+        check_length(draft, input_ids, args.max_new_tokens, role="draft")
     # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
                   **sampling_kwargs(args))

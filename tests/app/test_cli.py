@@ -303,3 +303,34 @@ def test_an_option_of_the_other_drafting_mode_is_refused(pair, capsys, drafting,
     drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
     code = main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "3", *drafting])
     assert code == 2 and f"{option} only applies with" in capsys.readouterr().err
+
+
+def test_requests_past_a_learned_position_table_are_usage_errors(tmp_path, capsys):
+    """Where positions are a learned table (BART's encoder and decoder, GPT-2), a request past it fails with an
+    IndexError inside the model, in model.generate too; the command checks the target's context length for
+    encoder-decoder models as well, and the draft's, and says so in one error line (they were tracebacks, exit
+    status 1, which --compare uses for "outputs differ")."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel
+
+    from helpers.checkpoints import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    special = dict(vocab_size=len(tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    bart = BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+                      decoder_start_token_id=2, **special)
+    models = {"bart": BartForConditionalGeneration(bart),
+              "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=64, **special)),
+              "gpt2-short": GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, **special))}
+    for name, model in models.items():
+        model.eval().save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    cases = [("bart", "bart", "def add(a, b): return a + b " * 3, "4", "--prompt: its "),
+             ("bart", "bart", "x", "16", "--max-new-tokens 16: with the decoder's start token"),
+             ("gpt2", "gpt2-short", "x", "12", "exceeds the draft's context length (8 positions)")]
+    for target, draft, prompt, count, message in cases:
+        code = main(["generate", "--target", str(tmp_path / target), "--draft", str(tmp_path / draft),
+                     "--prompt", prompt, "--max-new-tokens", count])
+        assert code == 2 and message in capsys.readouterr().err
