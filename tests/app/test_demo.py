@@ -100,8 +100,8 @@ def test_demo_counts_an_encoder_decoder_pairs_tokens_from_the_decoder_start(tmp_
     prompt's length off them: too few tokens were counted (none, and a ZeroDivisionError in the report, with a
     prompt longer than the completion), and a greedy difference in the first tokens was not seen."""
     target, draft = _saved_t5_pair(tmp_path)
-    args = ["demo", "--no-progress", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b): return",
-            "--max-new-tokens", "12", "--repeats", "1"]
+    args = ["demo", "--no-progress", "--target", str(target), "--draft", str(draft),
+            "--prompt", "def add(a, b): return", "--max-new-tokens", "12", "--repeats", "1"]
     threads = torch.get_num_threads()
     try:
         code = main(args)
