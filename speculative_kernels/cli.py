@@ -11,45 +11,39 @@ import sys
 
 from .cli_options import (
     ACCEPTANCE_LEGEND,
+    DEFAULT_GAMMA,
     HelpFormatter,
     UsageError,
     add_common_options,
+    check_one_completion,
+    completion_ids,
+    encode_prompt,
     prepare_run,
     sampling_kwargs,
 )
 from .demo import add_demo_command
 
+DEFAULT_MAX_NGRAM = 2
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
 
 
-def _encode(tokenizer, model, prompt: str, device: str):
-    """(input_ids [1, L], attention_mask [1, L]) of a prompt. An empty prompt starts from the BOS token (explicitly,
-    so both generate paths see the same one-token prompt and the new tokens are counted after it)."""
-    import torch
-
-    if tokenizer is None:
-        raise UsageError("the target folder has no tokenizer; a text prompt needs one")
-    encoded = tokenizer(prompt, return_tensors="pt")
-    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
-    if input_ids.shape[1] == 0:
-        bos = tokenizer.bos_token_id
-        if bos is None:
-            bos = model.generation_config.bos_token_id
-        if bos is None:
-            raise UsageError("--prompt is empty and neither the tokenizer nor the model has a BOS token to start from")
-        input_ids = torch.tensor([[int(bos)]])
-        attention_mask = torch.ones_like(input_ids)
-    return input_ids.to(device), attention_mask.to(device)
-
-
-def check_length(model, input_ids, max_new_tokens: int) -> None:
-    """--max-new-tokens beyond the target's context length (decoder-only models that state one) is a UsageError."""
-    if model.config.is_encoder_decoder:
-        return
+def check_length(model, input_ids, max_new_tokens: int, role: str = "target") -> None:
+    """A UsageError where the request passes the context length (``max_position_embeddings``) that ``model`` (the
+    ``role``: target or draft) states: a decoder-only model's [1, L] prompt plus max_new_tokens; an encoder-decoder
+    model's encoder input ``input_ids`` [1, L], or its decoder's start token plus max_new_tokens (BART's learned
+    positions fail beyond it with an IndexError, in model.generate too)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and input_ids.shape[1] + max_new_tokens > positions:
-        raise UsageError(f"--max-new-tokens {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that exceeds "
-                         f"the target's context length ({positions} positions)")
+    if positions is None:
+        return
+    limit = f"the {role}'s context length ({positions} positions)"
+    if not model.config.is_encoder_decoder:
+        if input_ids.shape[1] + max_new_tokens > positions:
+            raise UsageError(f"--max-new-tokens {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that "
+                             f"exceeds {limit}")
+    elif input_ids.shape[1] > positions:
+        raise UsageError(f"--prompt: its {input_ids.shape[1]} tokens exceed {limit}")
+    elif 1 + max_new_tokens > positions:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: with the decoder's start token that exceeds {limit}")
 
 
 def run_generate(args) -> int:
@@ -69,18 +63,22 @@ def run_generate(args) -> int:
     if args.draft is not None:
         draft, draft_tokenizer = load_model(args.draft, device=args.device, dtype=args.dtype,
                                             trust_remote_code=args.trust_remote_code)
-        drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
-                        assistant_tokenizer=draft_tokenizer)
-    input_ids, attention_mask = _encode(tokenizer, target, args.prompt, args.device)
+        drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, assistant_tokenizer=draft_tokenizer)
+    check_one_completion(target)
+    input_ids, attention_mask = encode_prompt(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, **sampling_kwargs(args))
+    if args.draft is not None:
+        check_length(draft, input_ids, args.max_new_tokens, role="draft")
+    # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
+                  **sampling_kwargs(args))
     stats = SpeculationStats()
     output, seconds = timed_generate(
         lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, seed=args.seed,
                          **drafting, **kwargs),
         args.device,
     )
-    new_tokens = _new_tokens(target, input_ids, output)
+    new_tokens = completion_ids(target, input_ids, output)
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     print(f"\nspeculative: {len(new_tokens)} tokens in {seconds:.3f} s = {len(new_tokens) / seconds:.1f} tokens/s; "
           f"acceptance rate {stats.acceptance_rate:.3f}, alpha {stats.alpha:.3f}, "
@@ -91,7 +89,7 @@ def run_generate(args) -> int:
         return 0
     torch.manual_seed(args.seed)  # model.generate has no seed argument
     baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
-    base_tokens = _new_tokens(target, input_ids, baseline)
+    base_tokens = completion_ids(target, input_ids, baseline)
     identical = base_tokens == new_tokens
     print(f"model.generate: {len(base_tokens)} tokens in {base_seconds:.3f} s = "
           f"{len(base_tokens) / base_seconds:.1f} tokens/s")
@@ -141,12 +139,20 @@ def describe_difference(step: int, ours, reference, dtype) -> str:
 
 def _drafting(args) -> dict:
     """generate's drafting arguments without a draft model (--prompt-lookup); a UsageError unless exactly one of
-    --draft and --prompt-lookup is given."""
+    --draft and --prompt-lookup is given, or when an option of the other one is (it would do nothing: --gamma with
+    --prompt-lookup, whose K is the draft length, --max-ngram with --draft). Fills in their defaults."""
     if (args.draft is None) == (args.prompt_lookup is None):
         raise UsageError("pass exactly one of --draft (a draft model) and --prompt-lookup K (no draft model)")
     if args.prompt_lookup is None:
+        if args.max_ngram is not None:
+            raise UsageError("--max-ngram only applies with --prompt-lookup; with --draft it would be ignored")
+        args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
         return {}
-    return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=args.max_ngram)
+    if args.gamma is not None:
+        raise UsageError("--gamma only applies with --draft; with --prompt-lookup K, K is the number of tokens "
+                         "drafted per iteration")
+    max_ngram = DEFAULT_MAX_NGRAM if args.max_ngram is None else args.max_ngram
+    return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=max_ngram)
 
 
 def _positive(text: str) -> int:
@@ -154,13 +160,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
     return value
-
-
-def _new_tokens(model, input_ids, output) -> list[int]:
-    """The generated ids of row 0 (decoder-only outputs repeat the prompt; encoder-decoder outputs do not)."""
-    if model.config.is_encoder_decoder:
-        return output[0, 1:].tolist()
-    return output[0, input_ids.shape[1]:].tolist()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,12 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-lookup", type=_positive, metavar="K",
                      help="no draft model: draft up to K tokens per iteration by prompt lookup (HF's "
                           "prompt_lookup_num_tokens; K replaces --gamma)")
-    gen.add_argument("--max-ngram", type=_positive, default=2, metavar="N",
-                     help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size)")
+    gen.add_argument("--max-ngram", type=_positive, metavar="N",
+                     help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size; default "
+                          f"{DEFAULT_MAX_NGRAM})")
     gen.add_argument("--prompt", required=True, help="the text to complete (empty: start from the BOS token)")
     gen.add_argument("--compare", action="store_true", help="also run plain model.generate and compare")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the folders' own model code")
-    add_common_options(gen)
+    add_common_options(gen, gamma_default=None)  # None: not given (DEFAULT_GAMMA with --draft; see _drafting)
     gen.set_defaults(run=run_generate)
     add_demo_command(commands)
     return parser

@@ -9,6 +9,9 @@ ACCEPTANCE_LEGEND = ("acceptance rate = accepted drafts / drafted tokens (the dr
                      "passed / tests made)")
 
 
+DEFAULT_GAMMA = 5
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written, and every option's default in its help (unless it is None or a False flag, whose
     help says what happens)."""
@@ -121,7 +124,47 @@ def resolve_device(args) -> None:
         raise UsageError(f"--backend {args.backend}: {exc}") from None
 
 
-def add_common_options(parser: argparse.ArgumentParser) -> None:
+def encode_prompt(tokenizer, model, prompt: str, device: str):
+    """(input_ids [1, L], attention_mask [1, L]) of a prompt. An empty prompt starts from the BOS token (explicitly,
+    so both generate paths see the same one-token prompt and the new tokens are counted after it)."""
+    import torch
+
+    if tokenizer is None:
+        raise UsageError("the target folder has no tokenizer; a text prompt needs one")
+    encoded = tokenizer(prompt, return_tensors="pt")
+    input_ids, attention_mask = encoded["input_ids"], encoded["attention_mask"]
+    if input_ids.shape[1] == 0:
+        bos = tokenizer.bos_token_id
+        if bos is None:
+            bos = model.generation_config.bos_token_id
+        if bos is None:
+            raise UsageError("--prompt is empty and neither the tokenizer nor the model has a BOS token to start from")
+        input_ids = torch.tensor([[int(bos)]])
+        attention_mask = torch.ones_like(input_ids)
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def completion_ids(model, input_ids, output) -> list[int]:
+    """The generated ids of row 0 of a generate output: a tensor (decoder-only [B, L + new], repeating the [B, L]
+    prompt ``input_ids``; encoder-decoder [B, 1 + new], from the decoder start token) or a dict output holding one as
+    ``sequences`` (a checkpoint whose generation_config sets return_dict_in_generate)."""
+    sequences = getattr(output, "sequences", output)
+    start = 1 if model.config.is_encoder_decoder else input_ids.shape[1]
+    return sequences[0, start:].tolist()
+
+
+def check_one_completion(model) -> None:
+    """The commands print one completion of one prompt: a target whose generation_config asks for several
+    (num_return_sequences > 1) is a UsageError, rather than rows generated, timed and not shown."""
+    count = getattr(model.generation_config, "num_return_sequences", None)
+    if count is not None and count != 1:
+        raise UsageError(f"the target's generation_config sets num_return_sequences={count}; this command prints "
+                         "one completion (set it to 1 in the checkpoint's generation_config.json)")
+
+
+def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA) -> None:
+    """The options both commands take. gamma_default None: --gamma left unset reads None (``generate`` then tells
+    it from a --gamma given where it does nothing)."""
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="sampling temperature; 0 = greedy decoding")
@@ -138,8 +181,9 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None,
                         help="never repeat an n-gram of this size (HF's no_repeat_ngram_size; default: the "
                              "checkpoint's)")
-    parser.add_argument("--gamma", type=gamma_arg, default=5,
-                        help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)")
+    parser.add_argument("--gamma", type=gamma_arg, default=gamma_default,
+                        help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)"
+                             + ("" if gamma_default else f" (default: {DEFAULT_GAMMA}, with a draft model)"))
     parser.add_argument("--seed", type=seed_arg, default=0,
                         help="seed of the speculative run's random numbers (generate(seed=...): the same seed, the "
                              "same output); model.generate runs after torch.manual_seed(seed)")

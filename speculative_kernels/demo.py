@@ -15,6 +15,9 @@ from .cli_options import (
     ACCEPTANCE_LEGEND,
     HelpFormatter,
     add_common_options,
+    check_one_completion,
+    completion_ids,
+    encode_prompt,
     positive_int,
     prepare_run,
     sampling_kwargs,
@@ -109,13 +112,14 @@ def _load_pair(args):
     draft, draft_tokenizer = load_model(draft_dir, device=args.device, dtype=dtype)
     if tokenizer is None:
         raise ValueError(f"{target_dir} has no tokenizer")
+    check_one_completion(target)
     return target, draft, tokenizer, draft_tokenizer
 
 
 def _kwargs(args, tokenizer, attention_mask) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                **sampling_kwargs(args))
+                tokenizer=tokenizer, **sampling_kwargs(args))
 
 
 def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptResult:
@@ -125,8 +129,7 @@ def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptR
     from .timing import timed_generate
 
     target, draft, tokenizer, draft_tokenizer = pair
-    encoded = tokenizer(prompt, return_tensors="pt")
-    ids, mask = encoded["input_ids"].to(args.device), encoded["attention_mask"].to(args.device)
+    ids, mask = encode_prompt(tokenizer, target, prompt, args.device)
     kwargs = _kwargs(args, tokenizer, mask)
     stats = SpeculationStats()
     base_times, spec_times = [], []
@@ -136,14 +139,14 @@ def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptR
         base_times.append(seconds)
         progress.step(f"prompt {index}/{count}: model.generate")
         output, seconds = timed_generate(
-            lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma, tokenizer=tokenizer,
+            lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma,
                              assistant_tokenizer=draft_tokenizer, speculation_stats=stats, backend=args.backend,
                              seed=(args.seed + repeat) % 2**63, **kwargs),
             args.device,
         )
         spec_times.append(seconds)
         progress.step(f"prompt {index}/{count}: speculative")
-    base_new, spec_new = baseline[0, ids.shape[1]:].tolist(), output[0, ids.shape[1]:].tolist()
+    base_new, spec_new = completion_ids(target, ids, baseline), completion_ids(target, ids, output)
     return PromptResult(
         prompt=prompt,
         baseline_text=tokenizer.decode(base_new, skip_special_tokens=True),
@@ -158,14 +161,14 @@ def _warm_up(pair, args, prompt: str) -> None:
     """One short run of each path (allocator, lazy initialisation, first-call dispatch) before any timing."""
     from . import generate
 
-    target, draft, tokenizer, _ = pair
-    encoded = tokenizer(prompt, return_tensors="pt")
-    ids = encoded["input_ids"].to(args.device)
-    kwargs = _kwargs(args, tokenizer, encoded["attention_mask"].to(args.device))
+    target, draft, tokenizer, draft_tokenizer = pair
+    ids, mask = encode_prompt(tokenizer, target, prompt, args.device)
+    kwargs = _kwargs(args, tokenizer, mask)
     kwargs["max_new_tokens"] = min(args.max_new_tokens, 16)
     target.generate(ids, **kwargs)
     gamma = args.gamma if args.gamma != "auto" else 4
-    generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, backend=args.backend, **kwargs)
+    generate(target, ids, draft_model=draft, num_speculative_tokens=gamma, assistant_tokenizer=draft_tokenizer,
+             backend=args.backend, **kwargs)
 
 
 def _indent(text: str) -> str:

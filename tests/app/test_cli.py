@@ -225,3 +225,112 @@ def test_an_image_text_checkpoint_generates_from_text(tmp_path, capsys):
     code = main(["generate", "--target", str(tmp_path), "--prompt-lookup", "3", "--prompt", "for i in",
                  "--max-new-tokens", "8", "--compare"])
     assert code == 0 and "outputs identical" in capsys.readouterr().out
+
+
+def _with_generation_config(source, destination, **fields):
+    """A copy of checkpoint folder ``source`` whose generation_config.json also sets ``fields``; its tokenizer
+    decodes byte-level tokens back to text (HF's stop-string matching needs that)."""
+    import transformers
+    from tokenizers import decoders
+
+    shutil.copytree(source, destination)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save_pretrained(destination)
+    config = transformers.GenerationConfig.from_pretrained(source)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    config.save_pretrained(destination)
+    return destination
+
+
+@pytest.mark.parametrize("drafting", [["--draft", "DRAFT"], ["--prompt-lookup", "3"]])
+def test_a_checkpoints_stop_strings_are_honoured_on_both_paths(pair, tmp_path, capsys, drafting):
+    """A target whose generation_config sets stop_strings: both runs get the tokenizer that HF's stop-string
+    matching needs, and stop at the same token (--prompt-lookup failed: "stop_strings needs tokenizer="; with
+    --draft, --compare's model.generate failed: "could not locate a tokenizer")."""
+    import torch
+    import transformers
+
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    plain = _with_generation_config(target, tmp_path / "plain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(plain)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(plain)
+    ids = tokenizer("for i in", return_tensors="pt")["input_ids"]
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    # the text of a new token past the first two (not a piece of a UTF-8 character): the run stops there at the latest
+    position, stop = next((i, text) for i, text in ((i, tokenizer.decode(new[i:i + 1])) for i in range(2, 11))
+                          if text.strip() and "\ufffd" not in text)
+    stopping = _with_generation_config(target, tmp_path / "stopping", stop_strings=[stop])
+    code = main(["generate", "--target", str(stopping), "--prompt", "for i in", "--max-new-tokens", "12", "--compare",
+                 *drafting])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0 and "outputs identical" in out, (out, captured.err, stop)
+    count = int(out.split("\nspeculative: ")[1].split(" tokens")[0])
+    assert count <= position + 1 and tokenizer.decode(new[:count]).endswith(stop)
+
+
+def test_a_checkpoint_asking_for_a_dict_output_runs(pair, tmp_path, capsys):
+    """A generation_config with return_dict_in_generate (and output_scores): both generate calls return a dict
+    output, whose sequences are read (it ended with "error: tuple indices must be integers or slices, not tuple")."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "dict", return_dict_in_generate=True, output_scores=True)
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "6", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0 and "speculative: 6 tokens" in out and "outputs identical" in out, out
+
+
+def test_a_checkpoint_asking_for_several_sequences_is_refused_by_name(pair, tmp_path, capsys):
+    """num_return_sequences=2 in the generation_config (a sampling checkpoint): the command prints one completion,
+    so it refuses by name; it generated both rows, printed row 0 and counted only its tokens in tokens/s."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "two", do_sample=True, num_return_sequences=2)
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "4", "--temperature", "1"])
+    assert code == 2 and "num_return_sequences=2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drafting, option", [(["--prompt-lookup", "3", "--gamma", "7"], "--gamma"),
+                                              (["--prompt-lookup", "3", "--gamma", "auto"], "--gamma"),
+                                              (["--draft", "DRAFT", "--max-ngram", "4"], "--max-ngram")])
+def test_an_option_of_the_other_drafting_mode_is_refused(pair, capsys, drafting, option):
+    """--gamma with --prompt-lookup (K is the draft length there) and --max-ngram with --draft do nothing: refused by
+    name, as --top-k with greedy decoding is (they were ignored, and --gamma auto printed "gamma auto -> K")."""
+    target, draft = pair
+    drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
+    code = main(["generate", "--target", str(target), "--prompt", "x", "--max-new-tokens", "3", *drafting])
+    assert code == 2 and f"{option} only applies with" in capsys.readouterr().err
+
+
+def test_requests_past_a_learned_position_table_are_usage_errors(tmp_path, capsys):
+    """Where positions are a learned table (BART's encoder and decoder, GPT-2), a request past it fails with an
+    IndexError inside the model, in model.generate too; the command checks the target's context length for
+    encoder-decoder models as well, and the draft's, and says so in one error line (they were tracebacks, exit
+    status 1, which --compare uses for "outputs differ")."""
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel
+
+    from helpers.checkpoints import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    special = dict(vocab_size=len(tokenizer), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    bart = BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                      decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+                      decoder_start_token_id=2, **special)
+    models = {"bart": BartForConditionalGeneration(bart),
+              "gpt2": GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=64, **special)),
+              "gpt2-short": GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, **special))}
+    for name, model in models.items():
+        model.eval().save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    cases = [("bart", "bart", "def add(a, b): return a + b " * 3, "4", "--prompt: its "),
+             ("bart", "bart", "x", "16", "--max-new-tokens 16: with the decoder's start token"),
+             ("gpt2", "gpt2-short", "x", "12", "exceeds the draft's context length (8 positions)")]
+    for target, draft, prompt, count, message in cases:
+        code = main(["generate", "--target", str(tmp_path / target), "--draft", str(tmp_path / draft),
+                     "--prompt", prompt, "--max-new-tokens", count])
+        assert code == 2 and message in capsys.readouterr().err

@@ -58,3 +58,80 @@ def test_demo_checks_identity_in_float32_unless_told():
 
     assert _demo_dtype("auto", "cpu") == _demo_dtype("auto", "cuda") == "float32"
     assert _demo_dtype("bfloat16", "cuda") == "bfloat16"
+
+
+def test_demo_runs_a_pair_whose_vocabularies_differ_by_padding(tmp_path, capsys):
+    """--target/--draft whose vocab_size differ (128 vs 112) with one shared tokenizer: generate accepts them when
+    given both tokenizers; the demo's warm-up passed neither and refused the pair ("different vocabularies")."""
+    from helpers.checkpoints import tiny_tokenizer
+    from helpers.models import llama
+
+    tokenizer = tiny_tokenizer()
+    for name, model in (("target", llama(layers=2, vocab=128, seed=0)), ("draft", llama(layers=1, vocab=112, seed=1))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--no-progress", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                     "--prompt", "for i in", "--max-new-tokens", "6", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0 and "greedy outputs: identical" in out, out
+
+
+def _saved_t5_pair(root):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from helpers.checkpoints import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    for name, layers in (("target", 2), ("draft", 1)):
+        torch.manual_seed(layers)
+        config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
+                          pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+        T5ForConditionalGeneration(config).eval().save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def test_demo_counts_an_encoder_decoder_pairs_tokens_from_the_decoder_start(tmp_path, monkeypatch, capsys):
+    """A T5 --target/--draft: the outputs start from the decoder start token, not with the prompt. The demo cut the
+    prompt's length off them: too few tokens were counted (none, and a ZeroDivisionError in the report, with a
+    prompt longer than the completion), and a greedy difference in the first tokens was not seen."""
+    target, draft = _saved_t5_pair(tmp_path)
+    args = ["demo", "--no-progress", "--target", str(target), "--draft", str(draft),
+            "--prompt", "def add(a, b): return", "--max-new-tokens", "12", "--repeats", "1"]
+    threads = torch.get_num_threads()
+    try:
+        code = main(args)
+        out = capsys.readouterr().out
+        assert code == 0 and "--- model.generate: 12 tokens" in out and "greedy outputs: identical" in out, out
+        real_generate = speculative_kernels.generate
+
+        def first_token_changed(*args, **kwargs):
+            out = real_generate(*args, **kwargs).clone()
+            out[0, 1] = (out[0, 1] + 1) % 90
+            return out
+
+        monkeypatch.setattr(speculative_kernels, "generate", first_token_changed)
+        code = main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 1 and "greedy outputs: DIFFER" in capsys.readouterr().out
+
+
+def test_demo_empty_prompt_starts_from_the_bos_token(tmp_path, capsys):
+    """--prompt "" with a --target whose tokenizer adds no BOS: both runs start from the BOS token, as the generate
+    command's do (model.generate failed on the empty prompt: "cannot reshape tensor of 0 elements")."""
+    from helpers.checkpoints import save_decoder_pair
+
+    target, draft = save_decoder_pair(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        code = main(["demo", "--no-progress", "--target", str(target), "--draft", str(draft), "--prompt", "",
+                     "--max-new-tokens", "5", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert code == 0 and "--- model.generate: 5 tokens" in out and "greedy outputs: identical" in out, out
