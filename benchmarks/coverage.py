@@ -169,7 +169,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
         if os.environ.get("COVERAGE_PRINT_OFF"):
             print(f"[off] {type(target).__name__} {column} {off:.3g} of {theirs.abs().max().item():.3g}",
                   file=sys.stderr)
-        if off > LOGIT_TOLERANCE * max(1.0, theirs.float().abs().nan_to_num(0.0).max().item()):
+        if off > LOGIT_TOLERANCE * max(1.0, theirs.abs().nan_to_num(0.0).max().item()):
             return f"DIFFERENT (same tokens, logits off by {off:.2g})"
     if stats.acceptance_rate >= 1.0:
         return "not checked: the draft accepted everything"

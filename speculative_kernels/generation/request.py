@@ -124,14 +124,14 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     # (the target's windows: a draft's only change its proposals). A batch of requests: each row spans its own
     # prompt (from its first real token: the left padding among them is no hole) and new tokens, as it did alone
     if rows is None or attention_mask is None:
-        spans = width + max(new, default=0) - 1
+        spans = [width + max(new, default=0) - 1] * batch
     else:
         first = (attention_mask.to(torch.int64).cumsum(dim=1) == 0).sum(dim=1).tolist()
         spans = [width - f + n - 1 for f, n in zip(first, new)]
     check_window_holes(specs[0], attention_mask, spans)
     if rows is None:  # (a batch of requests pads them for our own masks alone: each was checked by add_request)
         check_masked_slots(specs[0], attention_mask)
-    check_window_applied(specs[0], max(spans, default=0) if isinstance(spans, list) else spans)
+    check_window_applied(specs[0], max(spans, default=0))
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
     # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
