@@ -49,7 +49,13 @@ class HTTPError(Exception):
 
 
 class StepFailed(Exception):
-    """What a request's queue receives when the decoder's step raised (its client gets the message)."""
+    """What a request's queue receives when the decoder's step raised, or when its request could not be admitted
+    (finish_reason "error"): its client gets the message with ``status`` (503 for a request the device has no memory
+    for now, 500 otherwise)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclasses.dataclass
@@ -108,8 +114,14 @@ class CompletionsServer:
         self._loop.call_soon_threadsafe(handler_queue.put_nowait, item)
 
     def _finish(self, request_id: int) -> None:
-        """Send a finished request's result to its handler and forget it."""
-        self._post(self._queues.pop(request_id), Finished(self.decoder.result(request_id)))
+        """Send a finished request's result (or why it could not be admitted) to its handler and forget it."""
+        result = self.decoder.result(request_id)
+        if result.finish_reason == "error":  # (other requests are unaffected)
+            out_of_memory = result.error.split(":")[0] in ("MemoryError", "OutOfMemoryError")
+            item = StepFailed(result.error, 503 if out_of_memory else 500)
+        else:
+            item = Finished(result)
+        self._post(self._queues.pop(request_id), item)
         self.decoder.release(request_id)
 
     def _fail_all(self, error: Exception) -> None:
@@ -214,7 +226,7 @@ class CompletionsServer:
                 if item is None:  # disconnected while waiting
                     return
                 if isinstance(item, StepFailed):
-                    await _respond(writer, 500, {"error": {"message": str(item)}})
+                    await _respond(writer, item.status, {"error": {"message": str(item)}})
                     return
         finally:
             gone.cancel()
@@ -380,7 +392,8 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict]:
 
 async def _respond(writer, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Too Large"}
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Too Large",
+              500: "Internal Server Error", 503: "Service Unavailable"}
     writer.write(f"HTTP/1.1 {status} {reason.get(status, '')}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
     await writer.drain()

@@ -38,16 +38,19 @@ cancelled request's row is removed from the caches and buffers at once (``Specul
 a row left alone).
 
 Admission: at most ``max_batch_size`` requests run at once; the others wait in a FIFO queue and are admitted as rows
-free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes; when it
-fails, ``step`` raises ``MemoryError`` and nothing is lost (the running batch and the queue stay as they were: lower
-``max_batch_size`` or cancel requests). The merge itself then allocates the joined caches layer by layer (one
+free up. The joining loop goes through ``build_loop``'s free-memory check of the caches and buffers it sizes (and
+its prefill and first iteration allocate); when they run out of memory, fewer of the queue's first requests are
+tried, and when not even the first one fits while rows run, it waits and the running batch steps (rows that leave
+free memory; the next step tries again), as a serving engine's FIFO scheduler does. A first request that cannot be
+admitted with no row running (out of memory alone), or whose loop fails otherwise, leaves the queue with
+finish_reason "error" and the reason in its result's ``error``; the requests behind it go on. The merge itself then allocates the joined caches layer by layer (one
 layer's extra copy at a time); should that fail, neither loop can go on: the running and the joining requests are
 cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``.
 
 Static cache (``SpeculativeDecoder(..., cache_implementation="static", max_context=N)``): the running loop's
 runners allocate K/V, slot masks and positions for ``max_batch_size`` rows of ``static_capacity(N, 0, gamma,
-max_batch_size, slack)`` slots once (``StaticRows``; the free-memory check of ``build_loop`` runs first, so a
-``MemoryError`` leaves the request queued), and the batch uses their first B rows (views). ``add_request`` refuses a
+max_batch_size, slack)`` slots once (``StaticRows``; the free-memory check of ``build_loop`` runs first: a request
+that does not fit waits or fails as above), and the batch uses their first B rows (views). ``add_request`` refuses a
 prompt plus ``max_new_tokens`` longer than N by name. A joining loop is prefilled and stepped on static caches of its
 own size, then its rows are copied into the free rows at the shared write pointer (``StaticDecoderRunner.add_rows``:
 holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
@@ -80,6 +83,7 @@ from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "eos_token_id", "stop_strings", *CONTEXT_PROCESSED, *WARPERS)
+OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)  # build_loop's free-memory check; an allocation that failed
 DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
     "compile": "the batch's steps are captured or not for every request: pass compile=True to SpeculativeDecoder "
                "(with cache_implementation='static' and max_context)",
@@ -89,8 +93,10 @@ DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
 @dataclasses.dataclass
 class RequestResult:
     """What ``SpeculativeDecoder.result`` returns. token_ids: the generated ids so far (the prompt excluded);
-    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", or None while queued or running;
-    iterations: the steps it took part in; drafted_tokens / accepted_tokens: drafts proposed for it / accepted."""
+    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted: ``error``
+    says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
+    accepted_tokens: drafts proposed for it / accepted; error: "ExceptionType: message" when finish_reason is
+    "error", else None."""
 
     request_id: int
     prompt_ids: list[int]
@@ -99,6 +105,7 @@ class RequestResult:
     iterations: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -269,11 +276,14 @@ class ContinuousBatcher:
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex() \
+            if prompt_ids.dim() == 2 and prompt_ids.shape[0] != 1:
+                raise ValueError(f"prompt_ids holds {prompt_ids.shape[0]} prompts (shape {tuple(prompt_ids.shape)}): "
+                                 "add_request takes one; call it once per prompt")
+            if prompt_ids.dim() not in (1, 2) or prompt_ids.is_floating_point() or prompt_ids.is_complex() \
                     or prompt_ids.dtype == torch.bool:
-                raise ValueError(f"prompt_ids must be a 1-D integer tensor or a list of ints, got a tensor of shape "
-                                 f"{tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}")
-            prompt = prompt_ids.tolist()
+                raise ValueError(f"prompt_ids must be a 1-D integer tensor ([1, n] too) or a list of ints, got a "
+                                 f"tensor of shape {tuple(prompt_ids.shape)} and dtype {prompt_ids.dtype}")
+            prompt = prompt_ids.reshape(-1).tolist()  # ([1, n]: a tokenizer's return_tensors="pt" row)
         elif isinstance(prompt_ids, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
                 raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints")
@@ -370,12 +380,12 @@ class ContinuousBatcher:
         and iteration (not one of the whole batch); its rows still running then join the running loop
         (``SpeculativeLoop.append_rows``), whose rows emit again at the next step."""
         if len(self._rows) < self.max_batch_size and self._queue:
-            joining = self._queue[: self.max_batch_size - len(self._rows)]
-            loop = self._build(joining)  # may raise (e.g. build_loop's MemoryError): nothing has changed
-            if self._loop is not None:
-                return self._first_step(loop, joining)
-            self._loop, self._rows = loop, list(joining)
-            del self._queue[: len(joining)]
+            admitted = self._admit()
+            if admitted is not None and self._loop is None:
+                self._loop, self._rows = admitted[1], list(admitted[0])
+                del self._queue[: len(admitted[0])]
+            elif admitted is not None:
+                return self._join(admitted[1], admitted[0])
         if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
         with torch.inference_mode():
@@ -413,14 +423,50 @@ class ContinuousBatcher:
                 done.append(request_id)
         return new, done
 
-    def _first_step(self, loop: SpeculativeLoop, joining: list[int]) -> dict[int, list[int]]:
-        """The joining requests' first iteration on their own loop (prefilled), then its unfinished rows join the
+    def _admit(self) -> tuple[list[int], SpeculativeLoop] | None:
+        """(the joining requests, their prefilled loop; stepped once when a loop runs, see ``_join``): the longest
+        prefix of the queue, up to the free rows, whose loop can be built and, when a loop runs, take its first
+        iteration (halved while out of memory). None when not even the first request's can: out of memory
+        while rows run, it waits (retried at every step: rows that leave free their memory), as it does in a serving
+        engine's FIFO scheduler; out of memory with no row running, or failing otherwise, it cannot run now, and it
+        finishes with finish_reason "error" and the reason in ``RequestResult.error`` (the requests behind it go
+        on)."""
+        count = min(self.max_batch_size - len(self._rows), len(self._queue))
+        while True:
+            joining = self._queue[:count]
+            try:
+                loop = self._build(joining)
+                if self._loop is not None:
+                    with torch.inference_mode():
+                        loop.step()  # raises before any result changed
+                return joining, loop
+            except OUT_OF_MEMORY as error:
+                if count > 1:
+                    count //= 2
+                    continue
+                if self._rows:
+                    return None
+                self._fail(joining[0], error)
+                return None
+            except Exception as error:  # noqa: BLE001 -- the request's own failure (the others' loops go on)
+                if count > 1:
+                    count = 1  # find out whether the first request alone fails
+                    continue
+                self._fail(joining[0], error)
+                return None
+
+    def _fail(self, request_id: int, error: Exception) -> None:
+        """A queued request that cannot run: it leaves the queue with finish_reason "error" and the reason."""
+        self._queue.remove(request_id)
+        result = self._requests[request_id].result
+        result.finish_reason, result.error = "error", f"{type(error).__name__}: {error}"
+
+    def _join(self, loop: SpeculativeLoop, joining: list[int]) -> dict[int, list[int]]:
+        """After the joining requests' first iteration on their own loop (``_admit``), its unfinished rows join the
         running loop; requests that finished in it (max_new_tokens=1, EOS, a stop string) never join. Should the
         merge fail midway (an allocation inside ``append_rows``), neither loop can go on: every running and
         joining request is cancelled with its tokens so far (in ``result``) and the error propagates; a merge
         refused before anything changed (ValueError) cancels the joining requests only."""
-        with torch.inference_mode():
-            loop.step()  # raises before any result changed: the requests stay queued
         del self._queue[: len(joining)]
         new, done = self._collect(loop, joining)
         remaining = [row for row, request_id in enumerate(joining) if request_id not in done]

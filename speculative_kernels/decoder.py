@@ -143,8 +143,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------------------- continuous batching
     def add_request(self, prompt_ids, **kwargs) -> int:
         """Queue a request; it joins the running batch at the next ``step`` (prefilled within it). prompt_ids: a
-        1-D integer tensor or a list of ints. kwargs (the target's generation config gives the defaults, as in
-        ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p, seed (None: one drawn from torch's
+        1-D integer tensor (or one row, [1, n], as a tokenizer returns it) or a list of ints. kwargs (the target's
+        generation config gives the defaults, as in ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p, seed (None: one drawn from torch's
         default generator), eos_token_id, min_new_tokens, stop_strings (needs ``tokenizer=`` on the decoder; matched
         after every token as HF's StopStringCriteria). Anything else is refused by name. Returns its request id."""
         return self._batcher.add_request(prompt_ids, **kwargs)
@@ -153,7 +153,8 @@ class SpeculativeDecoder:
         """Admit queued requests (up to max_batch_size running) and return their first tokens (their prefill and
         first iteration on their rows alone; the running rows emit at the next step), or else run one iteration of
         the running batch; returns {request_id: new token ids} for every request that produced tokens. Finished
-        requests leave the batch at once."""
+        requests leave the batch at once. A request out of memory waits while others run; one that cannot be admitted
+        at all finishes with finish_reason "error" (``result(id).error`` says why)."""
         return self._batcher.step()
 
     def cancel(self, request_id: int) -> bool:

@@ -184,6 +184,40 @@ def test_a_failing_step_answers_its_clients_and_the_server_goes_on(served, monke
     assert json.loads(data)["choices"][0]["text"] == _expected(models, "def fibonacci(n):", 6)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_without_memory_fails_alone(served, monkeypatch, stream):
+    """A request the device has no memory for (here: a long prompt, refused by build_loop's free-memory check) gets
+    503 with the reason; a request sent with it is served (before, the step's MemoryError failed every client)."""
+    from speculative_kernels import continuous
+
+    server, port, models = served
+    real_build = continuous.build_loop
+
+    def build_loop(target, draft, input_ids, **kwargs):
+        if input_ids.shape[1] > 100:
+            raise MemoryError("the caches need more than is free")
+        return real_build(target, draft, input_ids, **kwargs)
+
+    monkeypatch.setattr(continuous, "build_loop", build_loop)
+    requests = [dict(prompt="x = 1\n" * 60, max_tokens=8, temperature=0, stream=stream),
+                dict(prompt="def fibonacci(n):", max_tokens=8, temperature=0)]
+    replies = [None, None]
+    threads = [threading.Thread(target=lambda i=i: replies.__setitem__(i, _post(port, requests[i]))) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (status, data), (good_status, good_data) = replies
+    if stream:
+        lines = [line[len("data: "):] for line in data.split("\n\n") if line.startswith("data: ")]
+        assert status == 200 and lines[-1] == "[DONE]"
+        assert "MemoryError: the caches need more" in json.loads(lines[0])["error"]["message"]
+    else:
+        assert status == 503 and "MemoryError: the caches need more" in json.loads(data)["error"]["message"]
+    assert good_status == 200
+    assert json.loads(good_data)["choices"][0]["text"] == _expected(models, "def fibonacci(n):", 8)
+
+
 def test_a_running_step_does_not_stall_the_server(served, monkeypatch):
     """Steps run in the engine thread: while one is in progress (held here), the event loop still answers other
     clients (a bad request, an unknown route); the held request completes once the step is let go. With the steps in

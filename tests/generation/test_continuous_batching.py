@@ -218,6 +218,17 @@ def test_cancel_of_a_queued_request_and_the_queue_bound(pair):
         decoder.result(a)
 
 
+def test_a_tokenizer_row_is_a_prompt(pair):
+    """prompt_ids as a tokenizer's return_tensors="pt" gives them, [1, n]: the same request as its list."""
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    greedy = dict(max_new_tokens=5, do_sample=False)
+    request = decoder.add_request(torch.tensor([[5, 6, 7]]), **greedy)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).prompt_ids == [5, 6, 7]
+    assert decoder.result(request).token_ids == _alone(pair, [5, 6, 7], greedy)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda d: d.result(99), ValueError, "unknown request_id 99"),
     (lambda d: d.cancel("x"), ValueError, "unknown request_id 'x'"),
@@ -225,7 +236,8 @@ def test_cancel_of_a_queued_request_and_the_queue_bound(pair):
     (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings needs the decoder.s tokenizer"),
     (lambda d: d.add_request([1, 2], num_beams=2), ValueError, "num_beams is not a keyword add_request takes"),
     (lambda d: d.add_request([1, 2], cache_implementation="static"), ValueError, "cache_implementation is not a"),
-    (lambda d: d.add_request(torch.ones(1, 3, dtype=torch.int64)), ValueError, "1-D integer tensor"),
+    (lambda d: d.add_request(torch.ones(2, 3, dtype=torch.int64)), ValueError, "holds 2 prompts .* call it once"),
+    (lambda d: d.add_request(torch.ones(1, 1, 3, dtype=torch.int64)), ValueError, "1-D integer tensor"),
     (lambda d: d.add_request(torch.ones(3)), ValueError, "dtype torch.float32"),
     (lambda d: d.add_request([]), ValueError, "at least one token"),
     (lambda d: d.add_request([1, 2.0]), TypeError, "list of ints"),
@@ -444,6 +456,65 @@ def test_loops_that_cannot_share_a_batch_are_refused_unchanged(pair):
                 pass
             expected = _alone(pair, [5, 6, 7], dict(max_new_tokens=8, do_sample=False))
             assert loop.sequences[0, 3:11].tolist() == expected
+
+
+def test_requests_out_of_memory_wait_for_the_running_ones(pair, monkeypatch):
+    """Two requests queued together whose joint loop is out of memory: the first is admitted alone; the second, out
+    of memory while it runs, waits (the running request keeps emitting; a serving loop is not stalled) and is
+    admitted once it has left. Each one's tokens are its own alone."""
+    from speculative_kernels import continuous
+
+    real_build = continuous.build_loop
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+
+    def build_loop(target, draft, input_ids, **kwargs):  # room for one request's loop at a time
+        if input_ids.shape[0] > 1 or decoder.running:
+            raise MemoryError("no room")
+        return real_build(target, draft, input_ids, **kwargs)
+
+    monkeypatch.setattr(continuous, "build_loop", build_loop)
+    settings = [dict(max_new_tokens=9, do_sample=False), dict(max_new_tokens=6, do_sample=True, seed=4)]
+    first, second = (decoder.add_request(p, **s) for p, s in zip(([5, 6, 7], [9, 10, 11, 12]), settings))
+    tokens = {first: [], second: []}
+    waited_while_first_emitted = 0
+    while decoder.has_work():
+        for request_id, new in decoder.step().items():
+            tokens[request_id] += new
+        waited_while_first_emitted += decoder.queued == [second] and decoder.running == [first]
+    assert waited_while_first_emitted > 1
+    for request_id, prompt, setting in ((first, [5, 6, 7], settings[0]), (second, [9, 10, 11, 12], settings[1])):
+        result = decoder.result(request_id)
+        assert result.finish_reason in ("eos", "length") and result.error is None
+        assert tokens[request_id] == result.token_ids == _alone(pair, prompt, setting)
+
+
+def test_a_request_that_cannot_be_admitted_fails_alone(pair, monkeypatch):
+    """A request out of memory with nothing running, and one whose loop fails otherwise while another runs, each
+    finish with finish_reason "error" and the reason; the requests behind and beside them are served as alone."""
+    from speculative_kernels import continuous
+
+    real_build = continuous.build_loop
+
+    def build_loop(target, draft, input_ids, **kwargs):
+        if (input_ids == 90).any():
+            raise MemoryError("no room for 90")
+        if (input_ids == 91).any():
+            raise ValueError("91 is no good")
+        return real_build(target, draft, input_ids, **kwargs)
+
+    monkeypatch.setattr(continuous, "build_loop", build_loop)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    too_big, fine = decoder.add_request([90, 5], **greedy), decoder.add_request([5, 6, 7], **greedy)
+    assert decoder.step() == {} and decoder.queued == [fine]
+    decoder.step()
+    failing = decoder.add_request([91, 5], **greedy)
+    while decoder.has_work():
+        decoder.step()
+    for request_id, message in ((too_big, "MemoryError: no room for 90"), (failing, "ValueError: 91 is no good")):
+        result = decoder.result(request_id)
+        assert (result.finish_reason, result.error, result.token_ids) == ("error", message, [])
+    assert decoder.result(fine).token_ids == _alone(pair, [5, 6, 7], greedy)
 
 
 def test_a_merge_that_fails_midway_cancels_the_running_and_joining_requests(pair, monkeypatch):

@@ -4,6 +4,8 @@ to the front in place and join by being copied into the free rows at the shared 
 the shorter side). Each request's output is still its own alone: greedy ones ``model.generate``, seeded sampled ones
 ``speculative_kernels.generate`` with the same seed."""
 
+import re
+
 import pytest
 import torch
 
@@ -158,13 +160,14 @@ def test_static_one_host_read_per_iteration_after_rows_join(pair, monkeypatch):
 
 def test_static_caches_are_checked_against_free_memory_before_admission(pair):
     """Caches the device cannot hold are refused with MemoryError naming their size before anything is
-    allocated; the request stays queued."""
+    allocated: with nothing running, the request finishes with finish_reason "error" and that reason."""
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, max_batch_size=16,
                                     cache_implementation="static", max_context=10**9)
     request = decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
-    with pytest.raises(MemoryError, match="16 rows"):
-        decoder.step()
-    assert decoder.queued == [request] and decoder.running == []
+    assert decoder.step() == {}
+    result = decoder.result(request)
+    assert result.finish_reason == "error" and re.match(r"MemoryError: .*16 rows", result.error), result.error
+    assert decoder.queued == [] and decoder.running == [] and not decoder.has_work()
 
 
 @pytest.mark.parametrize("kwargs, message", [
