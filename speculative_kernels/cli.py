@@ -3,11 +3,13 @@
 Nothing heavy is imported before the arguments are parsed (``--help`` is instant); torch and transformers come in
 when a command runs. A user's mistake (a bad option value, a device or backend this machine lacks, a model folder
 that is not there, a request that cannot fit) ends with one ``error:`` line on stderr and exit status 2, as
-argparse's own errors do.
+argparse's own errors do. Any other failure prints its traceback and exits with status 3, never 1 (``--compare`` and
+the demo's "outputs differ").
 """
 
 import argparse
 import sys
+import traceback
 
 from .cli_options import (
     ACCEPTANCE_LEGEND,
@@ -81,10 +83,9 @@ def run_generate(args) -> int:
     new_tokens = completion_ids(target, input_ids, output)
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
     print(f"\nspeculative: {len(new_tokens)} tokens in {seconds:.3f} s = {len(new_tokens) / seconds:.1f} tokens/s; "
-          f"acceptance rate {stats.acceptance_rate:.3f}, alpha {stats.alpha:.3f}, "
-          f"{stats.mean_tokens_per_target_forward:.2f} tokens per target forward"
-          + (f"; gamma auto -> {stats.num_speculative_tokens}" if args.gamma == "auto" else ""))
-    print(f"({ACCEPTANCE_LEGEND})")
+          + speculation_figures(stats, args.gamma == "auto"))
+    if stats.drafted_tokens:
+        print(f"({ACCEPTANCE_LEGEND})")
     if not args.compare:
         return 0
     torch.manual_seed(args.seed)  # model.generate has no seed argument
@@ -103,6 +104,22 @@ def run_generate(args) -> int:
                                            **{**kwargs, **extra}),
             lambda **extra: target.generate(input_ids, **{**kwargs, **extra}), target.dtype))
     return 0 if identical or args.temperature > 0 else 1
+
+
+def speculation_figures(stats, gamma_auto: bool) -> str:
+    """The run's acceptance figures, in words where one is undefined (a zero would read as "every draft rejected"):
+    nothing drafted (every token from the prompt's forward), or no iteration that drafted the full gamma (alpha and
+    tokens per target forward are estimated from those only: ``SpeculationStats.accepted_histogram``)."""
+    if not stats.drafted_tokens:
+        return "nothing drafted: every token came from the prompt's forward"
+    text = f"acceptance rate {stats.acceptance_rate:.3f}, "
+    if stats.verify_steps:
+        text += (f"alpha {stats.alpha:.3f}, {stats.mean_tokens_per_target_forward:.2f} tokens per target forward"
+                 + (f"; gamma auto -> {stats.num_speculative_tokens}" if gamma_auto else ""))
+    else:
+        text += ("alpha and tokens per target forward n/a (estimated from iterations that draft the full gamma; "
+                 "max_new_tokens cut every one short)")
+    return text
 
 
 def describe_difference(step: int, ours, reference, dtype) -> str:
@@ -195,6 +212,13 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, FileNotFoundError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 -- not a usage error, nor a difference (status 1): a status of its own
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's (a RuntimeError): the request does not fit the device
+            print(f"error: out of device memory: {exc}", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"error: unexpected {type(exc).__name__} (the traceback above; please report it)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

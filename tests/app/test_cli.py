@@ -109,9 +109,35 @@ def test_empty_prompt_counts_only_new_tokens(pair, capsys):
 def test_acceptance_figures_are_explained(pair, capsys):
     target, draft = pair
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
-                 "4"]) == 0
+                 "12", "--gamma", "2"]) == 0
     out = capsys.readouterr().out
     assert "acceptance rate" in out and "alpha" in out and "accepted drafts / drafted tokens" in out
+
+
+@pytest.mark.parametrize("tokens, words", [("1", "nothing drafted"), ("3", "max_new_tokens cut every one short")])
+def test_undefined_acceptance_figures_are_said_not_zero(pair, capsys, tokens, words):
+    """max_new_tokens=1: the token comes from the prefill, nothing is drafted; 3: every iteration drafts less than
+    gamma, which alpha is estimated from. Zeros would read as every draft rejected."""
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
+                 tokens, "--gamma", "4"]) == 0
+    out = capsys.readouterr().out
+    assert words in out and "alpha 0.000" not in out
+
+
+def test_an_unexpected_failure_has_its_own_exit_status(pair, capsys, monkeypatch):
+    """A failure that is neither a usage error (2) nor a difference (--compare's 1) exits 3 with its traceback."""
+    import speculative_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(speculative_kernels, "generate", broken)  # (the command imports it when it runs)
+    target, draft = pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
+                 "2", "--compare"])
+    err = capsys.readouterr().err
+    assert code == 3 and "RuntimeError: a defect" in err and "Traceback" in err
 
 
 def test_help_imports_neither_torch_nor_transformers():
