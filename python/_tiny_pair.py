@@ -17,7 +17,8 @@ def tiny_pair(vocab: int = 256):
 
 
 def pair_from_args(description: str):
-    """Parse --target/--draft; load them with from_pretrained, or build the tiny pair."""
+    """Parse --target/--draft; load them with from_pretrained (the target's tokenizer is kept for ``prompts``), or
+    build the tiny pair."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--target", help="local HF folder (default: a tiny random model)")
     parser.add_argument("--draft", help="local HF folder (default: a tiny random model)")
@@ -27,5 +28,28 @@ def pair_from_args(description: str):
     if args.target:
         from speculative_kernels.model_loading import load_model
 
-        return load_model(args.target)[0], load_model(args.draft)[0]
+        target, tokenizer = load_model(args.target)
+        target.example_tokenizer = tokenizer
+        return target, load_model(args.draft)[0]
     return tiny_pair()
+
+
+TEXTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time")
+IDS = ([1, 17, 42, 99, 7], [1, 5, 9], [1, 8, 3, 2, 6], [1, 23, 11, 64])  # for the tiny pair, which has no tokenizer
+
+
+def prompts(target, count: int):
+    """(input_ids [count, n], attention_mask [count, n]): ``count`` example prompts, left-padded with the target's
+    pad id. Texts encoded with the target's tokenizer when it was loaded from a folder with one; else token ids
+    within the target's vocabulary (the tiny pair)."""
+    tokenizer = getattr(target, "example_tokenizer", None)
+    if tokenizer is not None:
+        rows = [tokenizer(text)["input_ids"] for text in TEXTS[:count]]
+    else:
+        rows = [[i % target.config.vocab_size for i in ids] for ids in IDS[:count]]
+    pad = target.generation_config.pad_token_id
+    pad = 0 if pad is None else (pad[0] if isinstance(pad, list) else pad)
+    width = max(len(row) for row in rows)
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return input_ids, mask

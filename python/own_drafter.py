@@ -15,7 +15,7 @@ in ``propose`` or ``observe``.
 import torch
 
 import speculative_kernels as sk
-from _tiny_pair import pair_from_args
+from _tiny_pair import pair_from_args, prompts
 from speculative_kernels.ops.lookup import prompt_lookup
 
 
@@ -82,7 +82,7 @@ class CachedAnswerDrafter:
 
 target, _ = pair_from_args(__doc__)
 kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
-prompt = torch.tensor([[1, 17, 42, 99, 7]])
+prompt, _ = prompts(target, 1)
 earlier = target.generate(prompt, **kwargs)[0, prompt.shape[1]:]  # an answer given before, now in the cache
 
 expected = target.generate(prompt, **kwargs)

@@ -28,3 +28,17 @@ def test_example_runs_and_prints_its_claims(name, claims, capsys, monkeypatch):
     for claim in claims:
         assert claim in out, (claim, out)
     assert "False" not in out, out
+
+
+@pytest.mark.parametrize("name", ["hf_dropin.py", "own_drafter.py"])
+def test_example_runs_on_a_users_folders(name, capsys, monkeypatch, tmp_path):
+    """``--target DIR --draft DIR``: prompts come from the folders' tokenizer (the tiny pair's ids, up to 99, are past
+    this pair's 97-token vocabulary)."""
+    from helpers.checkpoints import save_decoder_pair
+
+    target, draft = save_decoder_pair(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), "--target", str(target), "--draft", str(draft)])
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "greedy identical to model.generate: True" in out and "False" not in out, out
