@@ -110,7 +110,8 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     import torch
 
     import speculative_kernels as sk
-    from speculative_kernels.generation.capabilities import check_request, check_window_applied, request_path
+    from speculative_kernels.generation.capabilities import (check_masked_slots, check_request, check_window_applied,
+                                                             request_path)
     from speculative_kernels import CompileOptions
 
     if column.startswith("continuous"):
@@ -119,13 +120,14 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     static = column in ("static", "compile", "batch2_static")
     compiled = column == "compile"
     path = request_path(static, compiled)
+    ids, mask = _inputs(batch)
     try:
         specs = check_request(target, draft, path=path, batch=batch)
         # (refused for requests past the window only: this one passes it)
         check_window_applied(specs[0], PROMPT + NEW - 1)
+        check_masked_slots(specs[0], mask)  # (refused for padded prompts only: GIT)
     except ValueError as error:
         return "refused: " + _reason(error)
-    ids, mask = _inputs(batch)
     if getattr(target.config, "is_encoder_decoder", False):  # encoder input: right padding (the seq2seq mapping
         # also lists decoder-only audio/speech-to-text models, whose prompts are left-padded)
         mask = mask.flip(1)

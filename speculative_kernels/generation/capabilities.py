@@ -451,6 +451,22 @@ def _bidirectional_reason(model) -> str | None:
             "not the single steps of model.generate")
 
 
+def _prefix_lm_reason(model) -> str | None:
+    """Why a prefix LM is ruled out, or None. A text config with ``use_bidirectional_attention`` True or "all"
+    (PaliGemma's default; Gemma 3 and Step3 for embeddings) makes ``model.generate``'s prefill attend bidirectionally
+    over the prompt: its self-attention modules are built with ``is_causal=False``, and the prefill's mask lets each
+    prompt token see the later ones (PaliGemma: only where transformers skips its SDPA mask, an unpadded batch; Gemma
+    3: always). The speculative forwards are causal over the prompt, so the first token's logits and the prompt's
+    cache would differ (measured on a tiny PaliGemma: 7e-4 of the logits' scale, rounding being 1e-7). ("vision":
+    bidirectional over image tokens only, which text prompts do not hold.)"""
+    value = getattr(model.config.get_text_config(decoder=True), "use_bidirectional_attention", None)
+    if value is True or value == "all":
+        return (f"its text config sets use_bidirectional_attention={value!r} (a prefix LM), so model.generate's "
+                "prefill lets each prompt token attend to the later ones, while the speculative forwards are causal "
+                "over the prompt")
+    return None
+
+
 def _two_d_mask_reason(model) -> str | None:
     """Why a decoder stack that assumes a 2-D attention mask at one-token steps is ruled out, or None (it
     concatenates ones to the mask, which fails on the 4-D masks the speculative forwards pass)."""
@@ -471,7 +487,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
         return _check_encoder_decoder(model, path)
-    reason = _bidirectional_reason(model) or _two_d_mask_reason(model)
+    reason = _bidirectional_reason(model) or _prefix_lm_reason(model) or _two_d_mask_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     spec = _check_decoder_only(model, path, batch)

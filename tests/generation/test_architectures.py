@@ -413,6 +413,30 @@ def test_decoders_with_a_bidirectional_mask_are_refused(make, monkeypatch):
         _check_refused_up_front(model, "bidirectional self-attention mask", batch=1, monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: _build(Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=8, use_bidirectional_attention=True)),
+    lambda: _build(Gemma3ForConditionalGeneration, Gemma3Config(
+        text_config=Gemma3TextConfig(**SIZES, head_dim=8, use_bidirectional_attention=True),
+        vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14), mm_tokens_per_image=4,
+        image_token_index=96, boi_token_index=94, eoi_token_index=95)),
+], ids=["gemma2", "gemma3"])
+def test_prefix_lms_are_refused(make, monkeypatch):
+    """use_bidirectional_attention=True (PaliGemma's text config's default; Gemma 3's for embeddings): model.generate's
+    prefill lets the prompt attend bidirectionally (the first token's logits are not a causal forward's), which the
+    causal speculative forwards are not; before, the output differed silently (the architecture sweep's PaliGemma
+    row: logits off by 7e-4 of their scale, rounding being 1e-7). Refused by name on every path."""
+    model = make()
+    ids = _batch(1)[0]
+    with torch.no_grad():
+        first = model.generate(ids, max_new_tokens=1, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True).logits[0][0]
+        causal = model(ids, attention_mask=torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool).tril())
+    assert (first - causal.logits[0, -1]).abs().max() > 1e-4 * first.abs().max()  # (float rounding: ~1e-7)
+    for path in PATHS:
+        _check_refused_up_front(model, "use_bidirectional_attention=True", batch=1, path=path, monkeypatch=monkeypatch)
+
+
 def test_git_is_exact_or_refused_by_name(monkeypatch):
     """GIT in transformers 5.17 widens a 2-D mask at one-token steps (``seq_len == 1``), whatever mask it gets: our
     4-D masks crashed inside transformers (torch.cat of a 2-D and a 4-D tensor). Refused by name there; exact where
