@@ -43,9 +43,10 @@ its prefill and first iteration allocate); when they run out of memory, fewer of
 tried, and when not even the first one fits while rows run, it waits and the running batch steps (rows that leave
 free memory; the next step tries again), as a serving engine's FIFO scheduler does. A first request that cannot be
 admitted with no row running (out of memory alone), or whose loop fails otherwise, leaves the queue with
-finish_reason "error" and the reason in its result's ``error``; the requests behind it go on. The merge itself then allocates the joined caches layer by layer (one
-layer's extra copy at a time); should that fail, neither loop can go on: the running and the joining requests are
-cancelled (their tokens so far kept in ``result``) and the error propagates from ``step``.
+finish_reason "error" and the reason in its result's ``error``; the requests behind it go on. The merge itself then
+allocates the joined caches layer by layer (one layer's extra copy at a time); should that fail, neither loop can go on:
+the running and the joining requests are cancelled (their tokens so far kept in ``result``) and the error propagates
+from ``step``.
 
 Static cache (``SpeculativeDecoder(..., cache_implementation="static", max_context=N)``): the running loop's
 runners allocate K/V, slot masks and positions for ``max_batch_size`` rows of ``static_capacity(N, 0, gamma,

@@ -144,9 +144,10 @@ class SpeculativeDecoder:
     def add_request(self, prompt_ids, **kwargs) -> int:
         """Queue a request; it joins the running batch at the next ``step`` (prefilled within it). prompt_ids: a
         1-D integer tensor (or one row, [1, n], as a tokenizer returns it) or a list of ints. kwargs (the target's
-        generation config gives the defaults, as in ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p, seed (None: one drawn from torch's
-        default generator), eos_token_id, min_new_tokens, stop_strings (needs ``tokenizer=`` on the decoder; matched
-        after every token as HF's StopStringCriteria). Anything else is refused by name. Returns its request id."""
+        generation config gives the defaults, as in ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p,
+        seed (None: one drawn from torch's default generator), eos_token_id, min_new_tokens, stop_strings (needs
+        ``tokenizer=`` on the decoder; matched after every token as HF's StopStringCriteria). Anything else is refused
+        by name. Returns its request id."""
         return self._batcher.add_request(prompt_ids, **kwargs)
 
     def step(self) -> dict[int, list[int]]:
