@@ -17,8 +17,8 @@ def tiny_pair(vocab: int = 256):
 
 
 def pair_from_args(description: str):
-    """Parse --target/--draft; load them with from_pretrained (the target's tokenizer is kept for ``prompts``), or
-    build the tiny pair."""
+    """Parse --target/--draft: (target, draft, the target folder's tokenizer or None) loaded with from_pretrained, or
+    the tiny pair (no tokenizer)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--target", help="local HF folder (default: a tiny random model)")
     parser.add_argument("--draft", help="local HF folder (default: a tiny random model)")
@@ -29,20 +29,18 @@ def pair_from_args(description: str):
         from speculative_kernels.model_loading import load_model
 
         target, tokenizer = load_model(args.target)
-        target.example_tokenizer = tokenizer
-        return target, load_model(args.draft)[0]
-    return tiny_pair()
+        return target, load_model(args.draft)[0], tokenizer
+    return (*tiny_pair(), None)
 
 
 TEXTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time")
 IDS = ([1, 17, 42, 99, 7], [1, 5, 9], [1, 8, 3, 2, 6], [1, 23, 11, 64])  # for the tiny pair, which has no tokenizer
 
 
-def prompts(target, count: int):
+def prompts(target, tokenizer, count: int):
     """(input_ids [count, n], attention_mask [count, n]): ``count`` example prompts, left-padded with the target's
-    pad id. Texts encoded with the target's tokenizer when it was loaded from a folder with one; else token ids
-    within the target's vocabulary (the tiny pair)."""
-    tokenizer = getattr(target, "example_tokenizer", None)
+    pad id. Texts encoded with ``tokenizer`` (the target folder's); None: token ids within the target's vocabulary
+    (the tiny pair)."""
     if tokenizer is not None:
         rows = [tokenizer(text)["input_ids"] for text in TEXTS[:count]]
     else:

@@ -8,8 +8,8 @@ import torch
 import speculative_kernels as sk
 from _tiny_pair import pair_from_args, prompts
 
-target, draft = pair_from_args(__doc__)
-prompt, _ = prompts(target, 1)
+target, draft, tokenizer = pair_from_args(__doc__)
+prompt, _ = prompts(target, tokenizer, 1)
 
 # Greedy: token-identical to target.generate.
 expected = target.generate(prompt, max_new_tokens=32, do_sample=False)
@@ -25,7 +25,7 @@ sampled = sk.generate(target, prompt, assistant_model=draft, do_sample=True, tem
 print("sampled:", sampled[0, prompt.shape[1]:].tolist())
 
 # Batches with left padding work too (HF's assisted generation refuses batch > 1).
-batch, mask = prompts(target, 3)
+batch, mask = prompts(target, tokenizer, 3)
 out = sk.generate(target, batch, attention_mask=mask, draft_model=draft, max_new_tokens=16, do_sample=False)
 print("batched identical:", torch.equal(out, target.generate(batch, attention_mask=mask, max_new_tokens=16,
                                                              do_sample=False)))

@@ -80,9 +80,9 @@ class CachedAnswerDrafter:
     compactions = 0
 
 
-target, _ = pair_from_args(__doc__)
+target, _, tokenizer = pair_from_args(__doc__)
 kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
-prompt, _ = prompts(target, 1)
+prompt, _ = prompts(target, tokenizer, 1)
 earlier = target.generate(prompt, **kwargs)[0, prompt.shape[1]:]  # an answer given before, now in the cache
 
 expected = target.generate(prompt, **kwargs)
