@@ -62,7 +62,8 @@ def _models(model_type: str, kind: str, dtype: str = "float32", attn: str | None
     config = tiny_config(model_type, sliding_window=6)
     auto = _auto_class(kind)
     torch.manual_seed(0)
-    target = auto.from_config(config, **({"attn_implementation": attn} if attn else {})).eval()
+    with _timm_towers_stubbed():
+        target = auto.from_config(config, **({"attn_implementation": attn} if attn else {})).eval()
     target.to(getattr(torch, dtype))
     for name, off in REFUSED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
         value = getattr(target.generation_config, name, None)
@@ -78,6 +79,60 @@ def _models(model_type: str, kind: str, dtype: str = "float32", attn: str | None
                     p.add_(torch.randn_like(p) * noise * p.std().clamp(min=1e-3))
         drafts.append(draft)
     return target, drafts
+
+
+TIMM_STUB_NOTE = "vision tower stubbed: timm is not installed, and generating from text never runs it"
+
+
+def _stubbed_timm_tower():
+    """Stands in for the timm model inside transformers' ``TimmWrapperModel`` (Gemma 3n's vision tower) where timm
+    is not installed: one parameter, and a forward that raises, so a path that did run the tower would show as an
+    error in the table rather than pass."""
+    import torch
+
+    class StubbedTimmTower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stub = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the stubbed timm vision tower was run")
+
+    return StubbedTimmTower()
+
+
+def timm_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("timm") is None
+
+
+class _timm_towers_stubbed:
+    """Within it, transformers' timm wrapper builds ``_stubbed_timm_tower()`` when timm is not installed (no effect
+    otherwise). Architectures built this way carry ``TIMM_STUB_NOTE`` in the table."""
+
+    def __enter__(self):
+        self.saved = None
+        if not timm_missing():
+            return self
+        try:
+            from transformers.models.timm_wrapper import modeling_timm_wrapper as wrapper
+        except ImportError:
+            return self
+        self.wrapper = wrapper
+        self.saved = wrapper.requires_backends, wrapper._create_timm_model_with_error_handling
+        wrapper.requires_backends = lambda *args, **kwargs: None
+        wrapper._create_timm_model_with_error_handling = lambda *args, **kwargs: _stubbed_timm_tower()
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.wrapper.requires_backends, self.wrapper._create_timm_model_with_error_handling = self.saved
+        return False
+
+
+def _uses_stubbed_tower(model) -> bool:
+    return any(type(module).__name__ == "StubbedTimmTower" for module in model.modules())
 
 
 def _inputs(batch: int):
@@ -235,6 +290,8 @@ def sweep(types, out, timeout: int, dtype: str = "float32", attn: str | None = N
         try:
             target, drafts = _models(model_type, kind, dtype, attn)
             row["architecture"] = type(target).__name__
+            if _uses_stubbed_tower(target):
+                row["note"] = TIMM_STUB_NOTE
             for column in COLUMNS:
                 begin = time.time()
                 row[column] = _run(target, drafts, kind, column)
@@ -399,7 +456,8 @@ def render(rows, version: str) -> str:
         cells = [row[c].replace("|", "/") for c in COLUMNS]
         if len(set(cells)) == 1 and not cells[0].startswith("exact"):
             cells = [cells[0]] + ["same"] * (len(cells) - 1)
-        lines.append(f"| {row['model_type']} | {row.get('architecture', '')} | " + " | ".join(cells) + " |")
+        architecture = row.get("architecture", "") + (f" ({row['note']})" if row.get("note") else "")
+        lines.append(f"| {row['model_type']} | {architecture} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
