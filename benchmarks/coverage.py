@@ -57,13 +57,19 @@ def _models(model_type: str, kind: str, dtype: str = "float32", attn: str | None
     import torch
 
     from speculative_kernels.generation.settings import REFUSED_UNLESS
-    from tiny_configs import tiny_config
+    from tiny_configs import CAUSAL_SUB_CONFIG, tiny_config
 
     config = tiny_config(model_type, sliding_window=6)
-    auto = _auto_class(kind)
+    build = _auto_class(kind).from_config
+    if kind == "causal" and model_type in CAUSAL_SUB_CONFIG:  # the auto class takes only the composite config
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = getattr(config, CAUSAL_SUB_CONFIG[model_type])
+        build = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config
     torch.manual_seed(0)
     with _timm_towers_stubbed():
-        target = auto.from_config(config, **({"attn_implementation": attn} if attn else {})).eval()
+        target = build(config, **({"attn_implementation": attn} if attn else {})).eval()
     target.to(getattr(torch, dtype))
     for name, off in REFUSED_UNLESS.items():  # e.g. BlenderBot's no_repeat_ngram_size: the architecture is tested
         value = getattr(target.generation_config, name, None)

@@ -30,9 +30,6 @@ SIZES = dict(
 )
 
 
-NOT_TEXT = ("fuyu",)  # image-text models whose configs have no sub-configs
-
-
 def _fix_dbrx(config) -> None:
     config.attn_config.rope_theta = 10000.0  # read by the attention, absent from the sub-config's defaults
     config.attn_config.clip_qkv = 8.0  # the default None reaches torch.clamp(min=None, max=None), which raises
@@ -66,6 +63,12 @@ def _fix_cohere_compass_text(config) -> None:
     config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in config.layer_types}
 
 
+# Chameleon's checkpoints name their image (VQ-GAN) tokens "IMGIMG<code in letters A-J>Z" in the vocabulary; its
+# forward sets those logits to the float minimum. Seven of them at the top of the tiny vocabulary (the sweep's
+# prompts use ids below 120), and the "<image>" placeholder.
+_CHAMELEON_VOCABULARY = {"<image>": 127, **{f"IMGIMG{chr(ord('A') + i)}Z": 120 + i for i in range(7)}}
+
+
 # Defaults of the installed transformers that its own modeling code cannot build or run, set as the released
 # checkpoints set them (model type -> fix applied to the tiny config).
 FIXES = {
@@ -78,6 +81,29 @@ FIXES = {
     "dory": _fix_dory,
     "dots1": lambda config: setattr(config, "n_shared_experts", 1),  # None: the shared expert's size is None * int
     "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
+    "reformer": lambda config: setattr(config, "axial_pos_embds_dim", [16, 16]),  # must sum to the hidden size
+    "chameleon": lambda config: setattr(config, "vocabulary_map", _CHAMELEON_VOCABULARY),  # None: no .get
+}
+
+
+# Causal-LM classes whose model type names a composite config: the class is built from one of its sub-configs
+# (MusicgenForCausalLM from MusicgenConfig.decoder), as their checkpoints' causal-LM folders are.
+CAUSAL_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
+
+
+# Per config class, sizes that its validators tie to the generic ones (set as the released checkpoints relate them).
+CLASS_SIZES = {
+    "Ernie4_5_VLMoeTextConfig": dict(  # one expert size per modality; rotary sections (h, w, t) summing to head_dim / 2, h = w
+        moe_intermediate_size=[32, 32],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
+    "WavTokenizerEncoderConfig": dict(codebook_dim=32, codebook_size=2),  # no projection around the quantizer
+    # Apertus 1.5's image and audio codebooks sit at the top of the vocabulary, one after the other
+    "Apertus1p5VisionTokenizerConfig": dict(codebook_size=4),
+    "Apertus1p5Config": dict(image_token_id=120, audio_token_id=121, image_token_offset=122, audio_token_offset=126),
+    "GraniteDoclingVisionConfig": dict(out_hidden_size=32),  # projects into the text model's hidden size
+    "Molmo2AdapterConfig": dict(vision_feature_layer=[-1, -2]),  # indexes the vision tower's layers
+    "Cosmos3EdgeTextConfig": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "mrope_section": [2, 1, 1]}),  # sums to head_dim / 2
 }
 
 
@@ -94,8 +120,6 @@ def _fields(config_class) -> set:
 
 def tiny_config(model_type: str, **overrides):
     config_class = CONFIG_MAPPING[model_type]
-    if model_type in NOT_TEXT:
-        raise NotChecked("an image-text model whose config has no sub-configs; needs model-specific construction")
     config = _tiny(config_class, overrides)
     if model_type in FIXES:
         FIXES[model_type](config)
@@ -136,6 +160,7 @@ def _tiny(config_class, overrides: dict):
         kwargs["num_kv_shared_layers"] = 1
     if "attention_types" in fields:
         kwargs["attention_types"] = [[["global", "local"], 1]]
+    kwargs.update(CLASS_SIZES.get(config_class.__name__, {}))
     kwargs.update({k: v for k, v in subs.items() if k in fields})
     try:
         config = config_class(**kwargs)
