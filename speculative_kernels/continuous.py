@@ -43,7 +43,8 @@ its prefill and first iteration allocate); when they run out of memory, fewer of
 tried, and when not even the first one fits while rows run, it waits and the running batch steps (rows that leave
 free memory; the next step tries again), as a serving engine's FIFO scheduler does. A first request that cannot be
 admitted with no row running (out of memory alone), or whose loop fails otherwise, leaves the queue with
-finish_reason "error" and the reason in its result's ``error``; the requests behind it go on. The merge itself then
+finish_reason "error" and the reason in its result's ``error``; the requests behind it go on (as does a running
+request whose own logits leave no token to emit: the others go on without it). The merge itself then
 allocates the joined caches layer by layer (one layer's extra copy at a time); should that fail, neither loop can go on:
 the running and the joining requests are cancelled (their tokens so far kept in ``result``) and the error propagates
 from ``step``.
@@ -94,8 +95,8 @@ DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
 @dataclasses.dataclass
 class RequestResult:
     """What ``SpeculativeDecoder.result`` returns. token_ids: the generated ids so far (the prompt excluded);
-    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted: ``error``
-    says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
+    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted, or
+    its own logits left no token to emit: ``error`` says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
     accepted_tokens: drafts proposed for it / accepted; error: "ExceptionType: message" when finish_reason is
     "error", else None."""
 
@@ -230,7 +231,7 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            s.top_k, s.top_p, 0 if processors else plan.min_new_tokens, request_key(seed), stop, mask, processors,
+            s.top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask, processors,
             warpers)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
@@ -397,7 +398,8 @@ class ContinuousBatcher:
         return new
 
     def _collect(self, loop: SpeculativeLoop, rows: list[int]) -> tuple[dict[int, list[int]], list[int]]:
-        """After ``loop.step()``: the tokens row b emitted go to request ``rows[b]`` (stop strings cut them).
+        """After ``loop.step()``: the tokens row b emitted go to request ``rows[b]`` (stop strings cut them); a row
+        whose verification emitted nothing (``loop.failed_rows``) finishes its request with finish_reason "error".
         Returns ({request_id: new tokens}, the requests that finished in this iteration)."""
         emitted, finished = loop.emitted(), loop.finished_host
         new: dict[int, list[int]] = {}
@@ -418,7 +420,10 @@ class ContinuousBatcher:
                     result.finish_reason = "stop"
                     done.append(request_id)
                 new[request_id] = list(tokens)
-            if finished[row] and result.finish_reason is None:
+            if row in loop.failed_rows:  # its own logits left no token (e.g. every id suppressed, or NaN)
+                result.finish_reason, result.error = "error", loop.failed_rows[row]
+                done.append(request_id)
+            elif finished[row] and result.finish_reason is None:
                 hit_eos = bool(result.token_ids) and result.token_ids[-1] in request.eos
                 result.finish_reason = "eos" if hit_eos else "length"
                 done.append(request_id)

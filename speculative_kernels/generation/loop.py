@@ -126,6 +126,7 @@ class SpeculativeLoop:
         self._limits_host: list[int] | None = None  # this iteration's per-row draft limits, None: gamma for all
         self.last_accepted: list[int] = []  # per row, the drafts it accepted in the last step (-1: finished)
         self.last_drafted: list[int] = []  # per row, the tokens it was drafted in the last step (0: finished)
+        self.failed_rows: dict[int, str] = {}  # per_row: rows whose last step emitted nothing, and why
         self.iteration = 0
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = [0] * (self.max_gamma + 1)
@@ -322,8 +323,13 @@ class SpeculativeLoop:
             target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last
             logits = self.target_runner.forward(target_in)
         raw = logits.clone() if self.raw_logits is not None else None
-        if self.masks.active and (self.processors is None or self.per_row):  # (a request's rows with processors
-            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))  # have no mask)
+        # With HF's processors the target's EOS-before-min_new_tokens is their MinNewTokensLength's; the draft's
+        # logits are masked by ``masks`` either way (q is what the draft samples from). A batch of separate requests
+        # (per_row) masks every row: on a row with processors that sets the EOS entries to -inf before HF's
+        # processors set them to -inf again, which changes nothing (those before MinNewTokensLength in HF's list
+        # act on each entry alone).
+        if self.masks.active and (self.processors is None or self.per_row):
+            self.masks.apply(logits, self.generated.unsqueeze(1) + self._positions(self.gamma + 1))
         if self.processors is not None:  # HF's list (holding the masks' processors too), on float32 logits as HF
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
@@ -474,16 +480,25 @@ class SpeculativeLoop:
         b, tail = self.batch, out.numel()
         tokens_host = host[:tail]
         accepted_host, count_host, finished_host = self._cut(tokens_host)
+        self.failed_rows = {}
         if min(accepted_host) < 0:
             if accepted is None:
                 accepted = host_to_device(accepted_host, torch.int64, self.device)
-            raise_for_invalid_rows(accepted, temperature=self.sampling.temperature,
-                                   sampling=self.sampling if self.sampling.per_row else None, target_logits=processed,
-                                   draft_logits=draft_logits, draft_tokens=draft_tokens)
+            inputs = dict(target_logits=processed, draft_logits=draft_logits, draft_tokens=draft_tokens)
+            if not self.per_row:  # one request: it fails, naming the rows
+                raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, **inputs)
+            # A batch of separate requests: the invalid rows (a request whose own settings leave no token, NaN
+            # logits on its row) finish here with nothing emitted and the reason in ``failed_rows``; the others go
+            # on as if those rows had been finished before this iteration.
+            for b, n in enumerate(accepted_host):
+                if n < 0 and not self._finished_host[b]:
+                    self.failed_rows[b] = self._invalid_row_reason(b, accepted, inputs)
+                    accepted_host[b], count_host[b], finished_host[b] = 0, 0, 1
+            accepted = accepted.clamp(min=0)
         for reader, lengths in readers:
             reader.lengths_read(host[tail : tail + lengths.numel()])
             tail += lengths.numel()
-        active_host = [1 - f for f in self._finished_host]
+        active_host = [0 if b in self.failed_rows else 1 - f for b, f in enumerate(self._finished_host)]
         generated_before = self._generated_host
         self._write(out, count_host)
         self._set_generated([g + c for g, c in zip(generated_before, count_host)])
@@ -509,6 +524,22 @@ class SpeculativeLoop:
         self.iteration += 1
         self.timer.stop("step")
         return not all(self._finished_host)
+
+    def _invalid_row_reason(self, b: int, accepted: torch.Tensor, inputs: dict) -> str:
+        """Why row b's verification emitted nothing (``raise_for_invalid_rows`` on that row alone), without the
+        batch row it names."""
+        sampling = None
+        if self.sampling.per_row:
+            r, keep = self.sampling.rows, torch.tensor([b], device=self.device)
+            sampling = dataclasses.replace(self.sampling, rows=RowSampling(
+                r.temperature.index_select(0, keep), r.top_k.index_select(0, keep), r.top_p.index_select(0, keep),
+                r.cut))
+        row = {name: None if tensor is None else tensor[b : b + 1] for name, tensor in inputs.items()}
+        try:
+            raise_for_invalid_rows(accepted[b : b + 1], temperature=self.sampling.temperature, sampling=sampling, **row)
+        except ValueError as error:
+            return "ValueError: " + str(error).replace(" in batch rows [0]", "")
+        return "ValueError: the verification emitted no token"
 
     def _out_of_time(self) -> bool:
         """max_time: True once max_time seconds have passed since the prefill began (every row then stops after

@@ -517,6 +517,35 @@ def test_a_request_that_cannot_be_admitted_fails_alone(pair, monkeypatch):
     assert decoder.result(fine).token_ids == _alone(pair, [5, 6, 7], greedy)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_request_whose_own_settings_leave_no_token_fails_alone(pair, cache):
+    """A request whose logits have no admissible token (every id suppressed from the start; or, mid-run, every id
+    used once under no_repeat_ngram_size=1 with no EOS) finishes with finish_reason "error" and the reason, its
+    tokens so far kept; the requests beside it, admitted in the same step or running, are served as alone. (It made
+    every step raise for the whole batch, and the loop, left half-updated, then fed -1 to the embedding.)"""
+    options = dict(cache_implementation="static", max_context=128) if cache == "static" else {}
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, **options)
+    vocab = pair[0].config.vocab_size
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    long = dict(max_new_tokens=110, do_sample=False, eos_token_id=None)
+    good = decoder.add_request([9, 10], **greedy)
+    suppressed = decoder.add_request([5, 6, 7], **greedy, suppress_tokens=list(range(vocab)))
+    exhausted = decoder.add_request([5, 6, 8], **long, no_repeat_ngram_size=1)
+    sampled = decoder.add_request([11, 12], max_new_tokens=100, do_sample=True, temperature=0.8, seed=3)
+    while decoder.has_work():
+        decoder.step()
+    for request_id in (suppressed, exhausted):
+        result = decoder.result(request_id)
+        assert result.finish_reason == "error"
+        assert result.error == "ValueError: target_logits has NaN, +inf or an all -inf row; no token emitted"
+    assert decoder.result(suppressed).token_ids == []
+    tokens = decoder.result(exhausted).token_ids
+    assert len(tokens) == len(set(tokens)) and len(set(tokens) | {5, 6, 8}) == vocab  # every id used once
+    assert decoder.result(good).token_ids == _alone(pair, [9, 10], greedy)
+    assert decoder.result(sampled).token_ids == _alone(
+        pair, [11, 12], dict(max_new_tokens=100, do_sample=True, temperature=0.8, seed=3))
+
+
 def test_a_merge_that_fails_midway_cancels_the_running_and_joining_requests(pair, monkeypatch):
     """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
     step raises it, and the running request and the joining one (which has emitted its first tokens already) are

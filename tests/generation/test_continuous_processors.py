@@ -109,3 +109,17 @@ def test_ids_past_the_vocabulary_in_a_processors_settings_are_refused_by_add_req
     while decoder.has_work():
         decoder.step()
     assert decoder.result(running).token_ids == _alone(target, draft, [5, 6, 7], dict(max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("processor", [dict(repetition_penalty=1.0001), dict(no_repeat_ngram_size=5)])
+def test_a_sampled_request_with_min_new_tokens_and_processors_matches_generate_alone(pair, processor):
+    # The draft's EOS is masked before min_new_tokens whatever else the request sets, as in generate: with the
+    # mask dropped for requests with processors, q differed, and with it the seeded tokens (distribution still exact).
+    target, draft = pair
+    for seed in range(6):
+        settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=True, top_p=0.5, top_k=0, seed=seed, **processor)
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+        request_id = decoder.add_request([48, 7, 30], **settings)
+        while decoder.has_work():
+            decoder.step()
+        assert decoder.result(request_id).token_ids == _alone(target, draft, [48, 7, 30], settings), seed
