@@ -249,10 +249,27 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         why = "ALiBi from key slot indices" if alibi_slots else "its forward takes no position_ids"
         _refuse(name, path, f"it derives positions from cache slots ({why}); rejected drafts leave holes in a batch, "
                             "so only batch size 1 is exact")
+    slot_window = _slot_window(config)
+    if slot_window is not None and (batch > 1 or path != "dynamic"):
+        _refuse(name, path, f"its local attention layers apply window_size={slot_window} over cache slots (a causal "
+                            "buffer indexed by the slot, not a mask over positions): rejected drafts leave holes in a "
+                            "batch, and the static cache lays out its slots its own way, so only batch size 1 on the "
+                            "dynamic cache is exact")
     if attention not in FOUR_D_ATTENTION:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
         return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
                      cache_argument=cache_arg, window_applied=window is None or window_applied)
+
+
+def _slot_window(config) -> int | None:
+    """The window of layers that apply it by cache slot rather than through the mask (GPT-Neo's "local" layers:
+    ``config.attention_layers`` with ``window_size``, a causal buffer indexed by slot), or None. HF's
+    ``layer_types`` does not describe them: they read as full attention."""
+    layers = getattr(config, "attention_layers", None)
+    window = getattr(config, "window_size", None)
+    if isinstance(layers, (list, tuple)) and "local" in layers and isinstance(window, int):
+        return window
+    return None
 
 
 # Mask builders through which transformers' decoder stacks apply a sliding window (``create_sliding_window_causal_mask``,
@@ -443,7 +460,7 @@ def _bidirectional_reason(model) -> str | None:
     if not model.training and device.type != "meta":
         ids = torch.tensor([[0, 1], [0, 2]], device=device)
         with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(input_ids=ids, use_cache=False, return_dict=True).logits
         if torch.equal(logits[0, 0], logits[1, 0]):
             return None
     return (f"{type(base).__name__} builds a bidirectional self-attention mask in this transformers version (a "

@@ -153,6 +153,16 @@ def test_alibi_from_the_slot_mask_is_exact_in_a_padded_batch(make, path):
     _check_exact(make(), batch=2, path=path, noise=None)
 
 
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+def test_a_config_with_return_dict_false_is_exact(path):
+    """config.return_dict=False (a checkpoint's config.json, or torchscript=True): model.generate asks every forward
+    for return_dict=True, and so do the runners; Bloom and Falcon, whose forwards honour the config, returned tuples
+    (an AttributeError inside generate) before."""
+    model = bloom()
+    model.config.return_dict = False
+    _check_exact(model, batch=2, path=path, noise=None)
+
+
 def test_falcon_multi_query_static_refused_up_front_dynamic_exact(monkeypatch):
     model = _build(FalconForCausalLM, FalconConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
                                                    num_attention_heads=4, bos_token_id=1, eos_token_id=2,
@@ -575,3 +585,20 @@ def test_cache_window_the_attention_does_not_apply_is_exact_within_it():
 def test_qwen3_omni_thinker_without_a_window_is_exact():
     """What its released checkpoints configure (sliding_window None): exact, in a left-padded batch."""
     _check_exact(_qwen3_omni_thinker(sliding_window=None), batch=2)
+
+
+def test_gpt_neo_local_layers_are_exact_at_batch_1_on_the_dynamic_cache_and_refused_elsewhere(monkeypatch):
+    """GPT-Neo's "local" layers (every other layer of EleutherAI's checkpoints, window_size 256) apply their window
+    through a causal buffer indexed by cache slot, which HF's layer_types does not describe: past the window, holes
+    of rejected drafts (a batch) and the static cache's slot layout gave other logits and tokens, silently. Batch 1
+    on the dynamic cache (no holes: a rollback cuts the cache) is exact past the window; the rest is refused."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    model = _build(GPTNeoForCausalLM, GPTNeoConfig(
+        vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    _check_exact(model, batch=1, new=16)  # 10 + 16 tokens: past the window of 8
+    for path in PATHS:
+        _check_refused_up_front(model, "window_size=8 over cache slots", batch=2, path=path, monkeypatch=monkeypatch)
+    for path in ("static", "compile"):
+        _check_refused_up_front(model, "window_size=8 over cache slots", batch=1, path=path, monkeypatch=monkeypatch)

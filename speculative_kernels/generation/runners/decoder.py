@@ -57,6 +57,7 @@ class DecoderRunner(SlotMaskRunner):
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
+            return_dict=True,  # (as model.generate: a config's return_dict=False would give tuples)
             **{self.spec.cache_argument: self.cache if self.cache is not None else RollbackCache(self.model.config)},
             **kwargs,
         )

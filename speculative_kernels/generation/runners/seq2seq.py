@@ -126,6 +126,7 @@ class Seq2SeqRunner:
             decoder_input_ids=tokens,
             decoder_attention_mask=decoder_mask,
             use_cache=True,
+            return_dict=True,
             **{self.spec.cache_argument: self.cache},
         )
         self.cache = getattr(out, self.spec.cache_argument)

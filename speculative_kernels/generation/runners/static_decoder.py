@@ -112,7 +112,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         mask = self._additive_mask(start, start + width, self.capacity)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self.spec.cache_argument: self.cache}, **kwargs)
+                         return_dict=True, **{self.spec.cache_argument: self.cache}, **kwargs)
         self.next_position.add_(width)
         self.cache.position.add_(width)
         logits = out.logits
@@ -144,6 +144,7 @@ class StaticDecoderRunner(SlotMaskRunner):
             attention_mask=decoder_mask(self.slot_mask, slots, self.spec, self._dtype),
             position_ids=positions,
             use_cache=True,
+            return_dict=True,
             **{self.spec.cache_argument: self.cache},
             **kwargs,
         )
