@@ -340,19 +340,22 @@ def _check_gamma(num_speculative_tokens, name: str = "num_speculative_tokens") -
     return int(num_speculative_tokens)
 
 
-def _choose_gamma(num_speculative_tokens, sources) -> int | str:
-    """num_speculative_tokens if given; else HF's num_assistant_tokens from the first of ``sources`` (the call's
-    keyword, a given generation_config, the target's and, where HF reads it, the draft's generation_config) that
-    sets it; else the default. Both given and different: an error."""
+def _choose_gamma(num_speculative_tokens, given, defaults) -> int | str:
+    """num_speculative_tokens if given; else HF's num_assistant_tokens from the first source that sets it: ``given``
+    (the call's keyword, a generation_config passed to the call), then ``defaults`` (the target's and, where HF
+    reads it, the draft's generation_config); else the default. num_speculative_tokens and a different
+    num_assistant_tokens both given to the call: an error. A checkpoint's value yields to the call's, as every
+    generation_config default does."""
     unset = GenerationConfig().num_assistant_tokens  # None in transformers 5 (the merge fills HF's 20 in later)
-    assistant = next((v for v in sources if v is not None and v != unset), None)
+    explicit = next((v for v in given if v is not None and v != unset), None)
+    assistant = next((v for v in [*given, *defaults] if v is not None and v != unset), None)
     if num_speculative_tokens is None:
         if assistant is None:
             return DEFAULT_NUM_SPECULATIVE_TOKENS
         return _check_gamma(assistant, "num_assistant_tokens")
     gamma = _check_gamma(num_speculative_tokens)
-    if assistant is not None and gamma != assistant:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and num_assistant_tokens={assistant!r} "
+    if explicit is not None and gamma != explicit:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and num_assistant_tokens={explicit!r} "
                          "disagree; pass one of them")
     return gamma
 
@@ -534,10 +537,11 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if zero_new:
         kwargs["max_new_tokens"] = 1
     default_max_length = _has_default_max_length(model, generation_config, kwargs)
-    gamma = _choose_gamma(num_speculative_tokens, [
-        kwargs.get("num_assistant_tokens"), getattr(generation_config, "num_assistant_tokens", None),
-        model.generation_config.num_assistant_tokens,
-        getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
+    gamma = _choose_gamma(
+        num_speculative_tokens,
+        given=[kwargs.get("num_assistant_tokens"), getattr(generation_config, "num_assistant_tokens", None)],
+        defaults=[model.generation_config.num_assistant_tokens,
+                  getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
         config.cache_implementation = "static"

@@ -162,6 +162,17 @@ def test_num_assistant_tokens_is_gamma(pair):
     with pytest.raises(ValueError, match="num_speculative_tokens=4 and num_assistant_tokens=3 disagree"):
         sk.generate(target, P, draft_model=draft, max_new_tokens=4, num_speculative_tokens=4,
                     num_assistant_tokens=3)
+    # A checkpoint's num_assistant_tokens (target's or draft's generation_config) is a default: the call's
+    # num_speculative_tokens wins, as any argument wins over a generation_config default (it raised "disagree").
+    for model in (target, draft):
+        model.generation_config.num_assistant_tokens = 10
+        try:
+            stats = sk.SpeculationStats()
+            got = sk.generate(target, P, draft_model=draft, max_new_tokens=12, num_speculative_tokens=3,
+                              speculation_stats=stats)
+        finally:
+            model.generation_config.num_assistant_tokens = None
+        assert torch.equal(got, expected) and stats.num_speculative_tokens == 3
 
 
 def test_no_effect_fields_change_nothing(pair):
