@@ -263,7 +263,9 @@ def _check_refused(config) -> None:
                          "state from call to call, which the calls at rejected positions of a speculative block would "
                          "advance; WatermarkingConfig (Kirchenbauer et al.) is supported")
     if config.use_cache is False:
-        raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache")
+        raise ValueError("use_cache=False is not supported: speculative decoding rolls back the KV cache (a "
+                         "checkpoint saved after training with gradient checkpointing often carries it in config.json "
+                         "or generation_config.json: pass use_cache=True, which gives the same tokens)")
     schedule = config.num_assistant_tokens_schedule
     if schedule not in (None, "constant"):
         raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant; pass "
