@@ -567,6 +567,41 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
                    "uses the long factors)" if kind == "longrope" else ""))
 
 
+# Names of learned absolute-position tables (GPT-2's wpe, OPT's and BART's embed_positions, BERT-like decoders'
+# position_embeddings): an ``nn.Embedding`` that a position past its config's limit indexes out of range.
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def position_table_limit(model) -> int | None:
+    """The most positions a decoder-only model's learned absolute-position table holds (its config's ``n_positions``
+    or ``max_position_embeddings``), or None for models without one (rotary, ALiBi, relative, sinusoidal)."""
+    config = model.config.get_text_config(decoder=True)
+    limit = next((v for v in (getattr(config, a, None) for a in ("n_positions", "max_position_embeddings"))
+                  if isinstance(v, int) and not isinstance(v, bool)), None)
+    if limit is None:
+        return None
+    # (the text decoder's own table only: an audio or vision tower's, e.g. Whisper's embed_positions, is another's)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    for name, module in (decoder if isinstance(decoder, torch.nn.Module) else model).named_modules():
+        if (isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+                and limit <= module.num_embeddings <= limit + 2):  # (OPT's and BART's tables start at offset 2)
+            return limit
+    return None
+
+
+def check_position_table(model, longest: int, name: str = "model") -> None:
+    """ValueError when a request's longest row (its prompt's real tokens plus new tokens, less one) needs more
+    positions than the model's learned position table holds: ``model.generate`` fails there with an IndexError
+    inside the embedding (HF's assisted generation too, for a draft), and so would the speculative forwards."""
+    limit = position_table_limit(model)
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"{name} ({type(model).__name__}) has a learned position table of {limit} positions, and this request "
+            f"reaches {longest} (prompt + max_new_tokens - 1): lower max_new_tokens (or max_length) so that prompt + "
+            f"max_new_tokens <= {limit + 1}" + (", or use a draft with a longer context" if name == "draft_model"
+                                                else ""))
+
+
 def check_window_holes(spec: ModelSpec, attention_mask, longest: int | list[int],
                        name: str = "attention_mask") -> None:
     """ValueError naming the rows where ``attention_mask`` [B, L] masks a token after the row's first real one, for a

@@ -10,8 +10,8 @@ import torch
 from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
-from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_positions,
-                           check_window_applied, check_window_holes, request_path)
+from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_position_table,
+                           check_positions, check_window_applied, check_window_holes, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -137,6 +137,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
                     shortest=max(real) - 1 if rows is None else None)
+    if not specs[0].encoder_decoder:
+        for m, name in zip(models, ("model", "draft_model")):
+            check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,

@@ -251,3 +251,29 @@ def test_model_inputs_we_do_not_take_are_named_with_the_reason(pair):
         sk.generate(target, _ids(), draft_model=draft, pixel_values=torch.zeros(1, 3, 8, 8), max_new_tokens=3)
     with pytest.raises(ValueError, match=r"\['labels'\]$"):
         sk.generate(target, _ids(), draft_model=draft, labels=_ids(), max_new_tokens=3)
+
+
+def test_a_request_past_a_learned_position_table_is_refused_by_name():
+    """A learned absolute-position table (GPT-2's n_positions) shorter than the request: model.generate fails with an
+    IndexError inside the embedding, and so did we, for the target and for a draft (where model.generate itself
+    runs, and HF's assisted generation fails the same way). Up front, naming the model and the limit; a request
+    that fills the table exactly runs, token-identical."""
+    short, long = gpt2(seed=0), gpt2(layers=1, seed=1)
+    for model in (short, long):
+        model.transformer.wpe = torch.nn.Embedding(16, model.config.n_embd)  # as a checkpoint of n_positions=16
+    short.config.n_positions = 16
+    ids = _ids()  # 5 tokens
+    expected = short.generate(ids, max_new_tokens=12, do_sample=False)  # positions 0..15: fills the table
+    assert torch.equal(sk.generate(short, ids, draft_model=gpt2(layers=1, seed=1), max_new_tokens=12), expected)
+    with pytest.raises(ValueError, match=r"model \(GPT2LMHeadModel\) has a learned position table of 16 positions, "
+                                         r"and this request reaches 17"):
+        sk.generate(short, ids, draft_model=gpt2(layers=1, seed=1), max_new_tokens=13)
+    long.config.n_positions = 16
+    with pytest.raises(ValueError, match=r"draft_model \(GPT2LMHeadModel\) has a learned position table of 16 .*"
+                                         r"reaches 29.*or use a draft with a longer context"):
+        sk.generate(gpt2(seed=0), ids, draft_model=long, max_new_tokens=25)
+    decoder = sk.SpeculativeDecoder(gpt2(seed=0), long)  # continuous batching: that request fails alone
+    request_id = decoder.add_request([5, 17, 42], max_new_tokens=27)
+    decoder.step()
+    result = decoder.result(request_id)
+    assert result.finish_reason == "error" and "learned position table of 16" in result.error
