@@ -102,8 +102,19 @@ CLASS_SIZES = {
     "Apertus1p5Config": dict(image_token_id=120, audio_token_id=121, image_token_offset=122, audio_token_offset=126),
     "GraniteDoclingVisionConfig": dict(out_hidden_size=32),  # projects into the text model's hidden size
     "Molmo2AdapterConfig": dict(vision_feature_layer=[-1, -2]),  # indexes the vision tower's layers
+    "Gemma4AssistantConfig": dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2),
     "Cosmos3EdgeTextConfig": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                    "mrope_section": [2, 1, 1]}),  # sums to head_dim / 2
+}
+
+
+# Composite configs whose sub-config may be any model type and whose defaults do not build: (sub-config, its model
+# type as the checkpoints set it, sizes their validators require, a fix applied to the built sub-config).
+# Gemma 4's assistant: a Gemma 4 text stack without per-layer inputs, every layer reading the target's shared K/V.
+ANY_TYPE_SUB_CONFIGS = {
+    "Gemma4AssistantConfig": ("text_config", "gemma4_text",
+                              dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
+                              lambda text: setattr(text, "num_kv_shared_layers", text.num_hidden_layers)),
 }
 
 
@@ -136,6 +147,11 @@ def _tiny(config_class, overrides: dict):
     the same way and passed in as an instance."""
     subs, default = {}, None
     for name, sub_class in sorted((getattr(config_class, "sub_configs", None) or {}).items()):
+        sub_name, sub_type, sub_sizes, sub_fix = ANY_TYPE_SUB_CONFIGS.get(config_class.__name__, (None,) * 4)
+        if name == sub_name:
+            subs[name] = _tiny(CONFIG_MAPPING[sub_type], {**overrides, **sub_sizes})
+            sub_fix(subs[name])
+            continue
         if sub_class is AutoConfig or not inspect.isclass(sub_class):  # any model type: the default's own class
             try:
                 default = default or config_class()

@@ -166,10 +166,29 @@ def _recurrent_reason(model, config) -> str | None:
     return None
 
 
+# Forward arguments of drafters that run on the target's internal states rather than on token ids: Gemma 4's
+# assistants (shared_kv_states, with the target's last hidden state as inputs_embeds: transformers'
+# SinglePositionMultiTokenCandidateGenerator) and DFlash drafts (context_hidden_states from chosen target layers).
+TARGET_STATE_ARGUMENTS = ("shared_kv_states", "context_hidden_states", "target_hidden_states")
+
+
+def _target_state_reason(params: set) -> str | None:
+    needed = sorted(set(TARGET_STATE_ARGUMENTS) & params)
+    if not needed:
+        return None
+    return (f"it is an assistant that drafts from another model's internal states (its forward takes "
+            f"{', '.join(needed)}), not a language model over token ids: it can be neither a target nor a "
+            "draft_model here. Draft with a small causal LM sharing the target's vocabulary, with "
+            "prompt_lookup_num_tokens, or with a Drafter of your own")
+
+
 def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     name = type(model).__name__
     config = model.config.get_text_config(decoder=True)
     params = _parameters(model)
+    reason = _target_state_reason(params)
+    if reason:
+        _refuse(name, path, reason)
     cache_arg = cache_argument(model)
     for arg, present in (("past_key_values or cache", cache_arg is not None),
                          ("attention_mask", "attention_mask" in params)):

@@ -327,6 +327,29 @@ def test_models_with_their_own_generate_are_refused(monkeypatch):
                                     path=path, monkeypatch=monkeypatch)
 
 
+def test_assistants_drafting_from_a_targets_internal_states_are_refused_by_what_they_are(monkeypatch):
+    """Gemma 4's assistant checkpoints draft from the target's last hidden state and shared K/V
+    (transformers' SinglePositionMultiTokenCandidateGenerator), not from token ids. Passed as draft_model (or as a
+    model), the refusal says so; it used to call it 'a cache-less or recurrent model'."""
+    try:
+        from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+    except ImportError:
+        pytest.skip("this transformers has no Gemma 4 assistant")
+    text = Gemma4TextConfig(**SIZES, head_dim=8, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                            num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"])
+    assistant = _build(Gemma4AssistantForCausalLM, Gemma4AssistantConfig(
+        text_config=text, backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2))
+    match = r"drafts from another model's internal states \(its forward takes shared_kv_states\)"
+    target = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    ids, mask = _batch(1)
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=f"Gemma4AssistantForCausalLM.*{match}"):
+        patch.setattr(request_module, "make_runner", _no_loop)
+        patch.setattr(request_module, "SpeculativeLoop", _no_loop)
+        sk.generate(target, ids, attention_mask=mask, draft_model=assistant, max_new_tokens=4)
+    for path in ("dynamic", "static", "compile"):
+        _check_refused_up_front(assistant, match, batch=1, path=path, monkeypatch=monkeypatch)
+
+
 def test_encoder_family_without_is_decoder_is_refused(monkeypatch):
     config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
