@@ -83,6 +83,8 @@ FIXES = {
     "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
     "reformer": lambda config: setattr(config, "axial_pos_embds_dim", [16, 16]),  # must sum to the hidden size
     "chameleon": lambda config: setattr(config, "vocabulary_map", _CHAMELEON_VOCABULARY),  # None: no .get
+    # its Q-Former has vision hidden size // 64 heads (18 in the checkpoints; 0 at the tiny size)
+    "granite4_vision": lambda config: setattr(config.qformer_config, "num_attention_heads", 1),
 }
 
 
@@ -102,6 +104,10 @@ CLASS_SIZES = {
     "Apertus1p5Config": dict(image_token_id=120, audio_token_id=121, image_token_offset=122, audio_token_offset=126),
     "GraniteDoclingVisionConfig": dict(out_hidden_size=32),  # projects into the text model's hidden size
     "Molmo2AdapterConfig": dict(vision_feature_layer=[-1, -2]),  # indexes the vision tower's layers
+    "DeepseekOcr2TextConfig": dict(mlp_layer_types=["dense", "sparse"]),  # None: not indexable (checkpoints list one)
+    # vision layer -> text layer injections, the Q-Former's window rate, the four spatial groups' text layers
+    "Granite4VisionConfig": dict(deepstack_layer_map=[[-1, 0]], downsample_rate="1/2",
+                                 spatial_target_layers=[0, 1, 0, 1]),
     "Gemma4AssistantConfig": dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2),
     "Cosmos3EdgeTextConfig": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                    "mrope_section": [2, 1, 1]}),  # sums to head_dim / 2
