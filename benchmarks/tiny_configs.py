@@ -83,6 +83,9 @@ FIXES = {
     "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
     "reformer": lambda config: setattr(config, "axial_pos_embds_dim", [16, 16]),  # must sum to the hidden size
     "chameleon": lambda config: setattr(config, "vocabulary_map", _CHAMELEON_VOCABULARY),  # None: no .get
+    # timm vision towers (stubbed where timm is missing) whose width the projector reads from the timm config
+    "fast_vlm": lambda config: setattr(config.vision_config, "hidden_size", 32),
+    "perception_lm": lambda config: setattr(config.vision_config, "model_args", {"embed_dim": 32}),
     # its Q-Former has vision hidden size // 64 heads (18 in the checkpoints; 0 at the tiny size)
     "granite4_vision": lambda config: setattr(config.qformer_config, "num_attention_heads", 1),
 }
