@@ -41,7 +41,8 @@ class PromptLookupDrafter:
         c = self.context
         self.proposal, self.count = prompt_lookup(c.tokens, c.start, c.end, num_tokens=self.num_tokens,
                                                   max_ngram=self.max_ngram, prefer_latest=self.prefer_latest,
-                                                  periodic=self.periodic, backend=self.backend)
+                                                  periodic=self.periodic, backend=self.backend,
+                                                  check=False)  # the context buffer keeps 0 <= start < end <= W
 
     def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
         self.context = ContextBuffer(input_ids, real, self.prefix, max_new_tokens=self.max_new_tokens,

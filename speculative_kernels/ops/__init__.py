@@ -73,7 +73,7 @@ def verify(
                 f"draft_logits must have shape [{batch}, {num_draft}, {vocab}], got {tuple(draft_logits.shape)}"
             )
     check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
-    check_num_draft_tokens(num_draft_tokens, batch, target_logits.device)
+    num_draft_tokens = check_num_draft_tokens(num_draft_tokens, batch, target_logits.device)
     sampling = check_sampling(temperature, top_k, top_p, batch, target_logits.device)
     impl = backends.implementation(backend, target_logits.device.type)
     randomness = resolve_randomness(seed, offset, generator, batch, target_logits.device)

@@ -39,6 +39,8 @@ def compact_kv_reference(kv: torch.Tensor, slot_mask: torch.Tensor, source: torc
     mask's ``compaction_sources`` when the caller has them (every layer's K and V share one mask)."""
     if source is None:
         source = compaction_sources(slot_mask)
+    if kv.element_size() == 1 and kv.is_floating_point():  # float8: gather has no kernel for it; move the bits
+        kv = kv.view(torch.uint8)
     index = source[:, None, :, None].expand(kv.shape)
     kv.copy_(kv.gather(2, index))
 
@@ -57,6 +59,17 @@ def _check(tensors: Sequence[torch.Tensor], slot_mask: torch.Tensor) -> None:
             )
         if kv.device != slot_mask.device:
             raise ValueError(f"kv[{i}] is on {kv.device} but slot_mask is on {slot_mask.device}")
+        if any(stride == 0 and size > 1 for size, stride in zip(kv.shape, kv.stride())):
+            raise ValueError(f"kv[{i}] has a stride-0 (expanded) dimension, shape {tuple(kv.shape)} strides "
+                             f"{kv.stride()}: its elements alias each other, so it cannot be compacted in place")
+    if torch.compiler.is_compiling():  # (data pointers are not traceable; the eager call checked the same tensors)
+        return
+    seen = {}
+    for i, kv in enumerate(tensors):  # the same memory twice would be compacted twice
+        key = (kv.data_ptr(), tuple(kv.shape), kv.stride(), kv.dtype)
+        if kv.numel() and key in seen:
+            raise ValueError(f"kv[{i}] is the same memory as kv[{seen[key]}]: pass each tensor once")
+        seen.setdefault(key, i)
 
 
 def compact_kv(

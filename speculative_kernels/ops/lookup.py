@@ -65,7 +65,7 @@ def prompt_lookup_reference(tokens: torch.Tensor, start: torch.Tensor, end: torc
     return torch.where(t < count, copied, filler), count.squeeze(1)
 
 
-def check_lookup_args(tokens, start, end, num_tokens: int, max_ngram: int) -> None:
+def check_lookup_args(tokens, start, end, num_tokens: int, max_ngram: int, check_range: bool = True) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
         raise ValueError(f"tokens must be a [B, W] int64 tensor, got {getattr(tokens, 'shape', tokens)}")
     for name, value in (("start", start), ("end", end)):
@@ -73,19 +73,32 @@ def check_lookup_args(tokens, start, end, num_tokens: int, max_ngram: int) -> No
             raise ValueError(f"{name} must be a [{tokens.shape[0]}] int64 tensor, got {getattr(value, 'shape', value)}")
         if value.device != tokens.device:
             raise ValueError(f"{name} is on {value.device} but tokens is on {tokens.device}")
+    if tokens.shape[1] < 1:
+        raise ValueError(f"tokens must hold at least one position per row (W >= 1), got shape {tuple(tokens.shape)}")
     for name, value in (("num_tokens", num_tokens), ("max_ngram", max_ngram)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if check_range and tokens.device.type == "cpu" and tokens.shape[0] and not torch.compiler.is_compiling():
+        # on the host the range costs no device read (on a device it is the caller's: see prompt_lookup)
+        bad = ((start < 0) | (start > end) | (end < 1) | (end > tokens.shape[1])).nonzero().flatten().tolist()
+        if bad:
+            b = bad[0]
+            raise ValueError(f"start and end must satisfy 0 <= start <= end, 1 <= end <= W = {tokens.shape[1]}; row {b} has "
+                             f"start={int(start[b])}, end={int(end[b])} (batch rows {bad})")
 
 
 def prompt_lookup(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, *, num_tokens: int,
                   max_ngram: int = 2, prefer_latest: bool = False, periodic: bool = False,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str = "auto", check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Propose up to ``num_tokens`` tokens per row by n-gram lookup in the row's own tokens (module docstring).
 
     tokens: [B, W] int64; start, end: [B] int64, row b's real tokens are ``tokens[b, start[b]:end[b]]`` (the caller
-    keeps 0 <= start <= end - 1 < W; not checked on the device, which would need a host read). Returns (proposal
-    [B, num_tokens] int64, count [B] int64 in 0..num_tokens)."""
-    check_lookup_args(tokens, start, end, num_tokens, max_ngram)
+    keeps 0 <= start <= end and 1 <= end <= W; checked for CPU tensors, not on a device, where it would need a host read). Returns (proposal
+    [B, num_tokens] int64, count [B] int64 in 0..num_tokens). ``check=False`` skips the CPU range check, for a caller
+    that keeps the invariant itself (the decode loop's drafter: no per-iteration host work)."""
+    check_lookup_args(tokens, start, end, num_tokens, max_ngram, check_range=check)
+    for name, value in (("prefer_latest", prefer_latest), ("periodic", periodic)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     impl = backends.implementation(backend, tokens.device.type, family="lookup")
     return impl.prompt_lookup(tokens, start, end, num_tokens, max_ngram, prefer_latest, periodic)

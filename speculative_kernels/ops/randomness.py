@@ -52,7 +52,8 @@ def _as_row_tensor(name: str, value, batch: int, device: torch.device) -> tuple[
             raise ValueError(f"{name} must be a scalar, shape [1] or shape [{batch}], got {tuple(value.shape)}")
         if value.device.type == "cpu" and value.numel() and not (
                 torch.compiler.is_compiling() or (0 <= int(value.min()) and int(value.max()) < limit)):
-            bad = value[(value < 0) | (value >= limit)].flatten()[0]
+            too_large = value >= limit if limit <= torch.iinfo(torch.int64).max else torch.zeros_like(value, dtype=bool)
+            bad = value[(value < 0) | too_large].flatten()[0]  # (an int64 compared with 2**63 is always >= it)
             raise _range_error(name, int(bad))
         per_row = value.dim() == 1 and value.shape[0] == batch and batch > 1
         return value.to(device=device, dtype=torch.int64, non_blocking=True).reshape(-1).expand(batch), per_row

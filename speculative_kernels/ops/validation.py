@@ -109,18 +109,46 @@ def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) 
     for index, name in enumerate(("temperature", "top_k", "top_p")):
         if name in tensors:
             _check_row_tensor(name, tensors[name], dtypes[name], batch, device)
-            rows[name] = tensors[name].to(kinds[name])
+            # contiguous: the kernels read row b at offset b (a sliced or expanded tensor would give row b another
+            # row's value)
+            rows[name] = _row_values(name, tensors[name], kinds[name]).contiguous()
         else:
-            rows[name] = torch.full((batch,), scalars[index], dtype=kinds[name], device=device)
+            rows[name] = torch.full((batch,), _representable(scalars[index], kinds[name]), dtype=kinds[name],
+                                    device=device)
     cut = "top_k" in tensors or "top_p" in tensors or scalars[1] > 0 or scalars[2] < 1.0
     return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut))
 
 
-def check_num_draft_tokens(value, batch: int, device: torch.device) -> None:
+def _row_values(name: str, value: torch.Tensor, kind: torch.dtype) -> torch.Tensor:
+    """A per-row tensor in the dtype the kernels read. A float64 temperature that is not 0 but rounds to 0 in float32
+    (e.g. 1e-50) would make its row greedy: it becomes a float32 subnormal instead, which is refused as the
+    scalar 1e-50 is (below float32's smallest normal), with no host read."""
+    converted = value.to(kind)
+    if name == "temperature" and value.dtype == torch.float64:
+        underflow = (converted == 0.0) & (value != 0.0)
+        converted = torch.where(underflow, torch.full_like(converted, MIN_TEMPERATURE / 2), converted)
+    return converted
+
+
+def _representable(value, kind: torch.dtype):
+    """A valid scalar made a [B] tensor's value when another parameter is per row: a top_k past int64 (any top_k of
+    the vocabulary size or more is no cut) is the largest int64; a temperature past float32's range is float32's
+    infinity in the kernels either way (dividing by it gives the uniform distribution, as in HF), so it is kept as
+    the largest float32, which divides every logit of ordinary size to 0 as well."""
+    if kind == torch.int64:
+        return min(int(value), torch.iinfo(torch.int64).max)
+    if kind == torch.float32:
+        return min(float(value), torch.finfo(torch.float32).max)
+    return value
+
+
+def check_num_draft_tokens(value, batch: int, device: torch.device) -> torch.Tensor | None:
     """num_draft_tokens: None, or a [B] int64 tensor on the logits' device (values 0..K are checked with the
-    result: a row outside that range comes back flagged, -1)."""
+    result: a row outside that range comes back flagged, -1). Returns it contiguous (the kernels read row b at
+    offset b)."""
     if value is None:
-        return
+        return None
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"num_draft_tokens must be a torch.Tensor or None, got {type(value).__name__}")
     _check_row_tensor("num_draft_tokens", value, (torch.int64,), batch, device)
+    return value.contiguous()

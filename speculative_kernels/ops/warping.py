@@ -2,14 +2,20 @@
 
 HF's sampling path (``do_sample=True``) casts the logits to float32 and applies, in order,
 ``TemperatureLogitsWarper`` (z = l / T), ``TopKLogitsWarper`` (keep z >= the k-th largest z; ties kept) and
-``TopPLogitsWarper`` (stable ascending sort of the surviving z, cumulative softmax; drop every entry whose
-cumulative probability is <= 1 - top_p, always keeping the largest). Both filters remove a prefix of the
-vocabulary in (value, index) order, so the surviving set of one row is exactly
+``TopPLogitsWarper`` (ascending sort of the surviving z, cumulative softmax; drop every entry whose cumulative
+probability is <= 1 - top_p, always keeping the largest). Both filters remove a prefix of the vocabulary in
+(value, index) order, so the surviving set of one row is exactly
 
     keep(v)  <=>  (z_v, v) >= (cut_value, cut_index)   lexicographically.
 
 ``warp_thresholds`` computes that pair per row with the same torch operations HF uses (so the masks agree bit for
 bit); the kernels then apply it while streaming the logits, without writing a warped copy.
+
+One difference, at ties only: HF's top-p sorts without ``stable=True``, so when equal logits straddle the top-p cut,
+which of them it drops is up to the sort implementation (it differs between torch's CPU and CUDA sorts, and
+between sizes). Here the sort is stable: of tokens tied at the cut, the lower ids are dropped first, the same on
+every backend and device. Ties are rare in float32 logits and common in bfloat16/float16 ones
+(docs/half_precision.md).
 """
 
 import torch

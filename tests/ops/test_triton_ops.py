@@ -692,6 +692,26 @@ def test_per_row_invalid_values_flagged():
     assert (sampled[1:3] == -1).all() and (sampled[[0, 3]] >= 0).all()
 
 
+def test_per_row_tensors_of_any_stride_are_read_by_row():
+    """A sliced or expanded (stride 0) per-row temperature / num_draft_tokens gives what its contiguous copy gives,
+    as on the torch backend (the kernels read row b at offset b: they used to give row b another row's value)."""
+    batch, k, vocab = 3, 2, 20
+    target, draft, tokens = _inputs(batch, k, vocab, torch.float32, seed=47)
+    temperature = torch.tensor([0.5, 9.0, 2.0, 9.0, 0.25], device=DEVICE)[::2]
+    limit = torch.tensor([1, 9, 0, 9, 2], device=DEVICE)[::2]
+    cases = [dict(temperature=temperature), dict(temperature=temperature, num_draft_tokens=limit),
+             dict(temperature=torch.zeros(1, device=DEVICE).expand(batch)),
+             dict(temperature=0.8, num_draft_tokens=torch.ones(1, dtype=torch.int64, device=DEVICE).expand(batch))]
+    for case in cases:
+        dense = {name: value.contiguous() if isinstance(value, torch.Tensor) else value for name, value in case.items()}
+        want = ops.verify(target, draft, tokens, **dense, seed=5, backend="torch")
+        for given in (case, dense):
+            got = ops.verify(target, draft, tokens, **given, seed=5, backend="triton")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), case
+    got = ops.sample(target[:, 0], temperature=temperature, seed=5, backend="triton")
+    assert torch.equal(got, ops.sample(target[:, 0], temperature=temperature.contiguous(), seed=5, backend="torch"))
+
+
 # ---- per-row features on the GPU: statistics, CUDA graphs ------------------------------------------------------------
 PER_ROW_STAT_ROWS = 40_000
 
