@@ -181,7 +181,7 @@ class ContinuousBatcher:
         seed = check_seed(kwargs.pop("seed", None))
         stop = self._stop_criterion(kwargs.pop("stop_strings", None))
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
-                                    self.decoder.draft)
+                                    self.decoder.draft, self.decoder.drafter)
         plan = settings.plan(target, len(prompt))
         if stop is None and plan.stop_strings:  # the model's generation_config's, as generate takes them
             stop = self._stop_criterion(list(plan.stop_strings))

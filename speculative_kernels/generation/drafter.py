@@ -90,6 +90,10 @@ class ModelDrafter:
     filler for the rows that need only one).
     """
 
+    # its ids are in [0, V) by construction (drawn by the loop's choose / copied from the checked context), so
+    # the loop checks only its proposal's shapes (``proposal.py``)
+    PROPOSES_VALID_IDS = True
+
     # The widths of the draft's forwards while drafting (pending 1 or 2 tokens), last position only: what
     # ``compile=True`` captures.
     CAPTURED_SHAPES = ((1, True), (2, True))

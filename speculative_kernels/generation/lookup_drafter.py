@@ -28,6 +28,10 @@ class PromptLookupDrafter:
     HF's rule (both False: the first match, cut at the row's end) on the demo benchmark
     (``docs/drafting_without_a_model.md``); greedy output is the same with either."""
 
+    # its ids are in [0, V) by construction (drawn by the loop's choose / copied from the checked context), so
+    # the loop checks only its proposal's shapes (``proposal.py``)
+    PROPOSES_VALID_IDS = True
+
     def __init__(self, num_tokens: int, max_ngram: int, *, prefix=None, max_new_tokens: int | None = None,
                  compiled: bool = False, backend: str = "auto", prefer_latest: bool = True, periodic: bool = True):
         self.num_tokens, self.max_ngram, self.prefix = num_tokens, max_ngram, prefix
@@ -50,7 +54,13 @@ class PromptLookupDrafter:
         self._look_up()
 
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, None, torch.Tensor]:
-        return self.proposal[:, :gamma], None, self.count.clamp(max=gamma)
+        """gamma may exceed num_tokens (the loop's gamma when the host counts are unknown, e.g. after a batch-mate
+        left, or a drafter built with fewer tokens than the call's gamma): the columns past num_tokens are fillers
+        (the proposal's last column repeated), past every row's count."""
+        proposal = self.proposal[:, :gamma]
+        if gamma > proposal.shape[1]:
+            proposal = torch.cat([proposal, proposal[:, -1:].expand(-1, gamma - proposal.shape[1])], dim=1)
+        return proposal, None, self.count.clamp(max=gamma)
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         self.context.append(out, emitted_counts(accepted, finished))

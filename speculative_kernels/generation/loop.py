@@ -17,6 +17,7 @@ from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter
+from .proposal import check_proposal, describe_bad_proposal, flag_proposal
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
@@ -348,12 +349,17 @@ class SpeculativeLoop:
                                       num_draft_tokens=none[:, 0])
             self.randomness.advance_verify()
             return out[:, :1], None, logits, raw
-        q_logits = None if draft_logits is None else draft_logits.to(logits.dtype)  # None: q one-hot at the drafts
+        # q as it was drawn from (None: one-hot at the drafts): a drafter's float32 q is not rounded to a bfloat16
+        # target's dtype, which would verify another q than the one sampled (the op takes mixed dtypes)
+        q_logits = draft_logits
         # num_draft [B] int64 (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long
         # match) carry fillers past num_draft[b], which the verification never accepts: such a row emits the
         # target's own token at num_draft[b] (from p there when it accepted every proposal, else the residual).
         out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify(),
                                          num_draft_tokens=num_draft)
+        if self._proposal is not None:  # rows whose proposal was invalid: flagged as the op flags invalid rows
+            bad = self._proposal[3]
+            out, accepted = out.masked_fill(bad.unsqueeze(1), -1), accepted.masked_fill(bad, -1)
         if not s.greedy:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
@@ -414,9 +420,18 @@ class SpeculativeLoop:
     def _draft(self):
         """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None,
         num_draft [B] int64 or None: the drafter's per-row counts)."""
+        self._proposal = None  # (tokens, logits, num_draft, bad rows) of a proposal whose values are checked
         if self.gamma == 0:
             return None, None, None
         tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
+        check_proposal(self.drafter, tokens, logits, num_draft, batch=self.batch, gamma=self.gamma,
+                       vocab=self.vocab, device=self.device)
+        if not getattr(self.drafter, "PROPOSES_VALID_IDS", False):  # a user's drafter, the n-gram drafter
+            s = self.sampling
+            temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
+            safe, bad = flag_proposal(tokens, logits, num_draft, self.vocab, temperature)
+            self._proposal = (tokens, logits, num_draft, bad)
+            tokens = safe
         self.stats.draft_forwards = self.drafter.forwards
         return tokens, logits, num_draft
 
@@ -486,6 +501,10 @@ class SpeculativeLoop:
                 accepted = host_to_device(accepted_host, torch.int64, self.device)
             inputs = dict(target_logits=processed, draft_logits=draft_logits, draft_tokens=draft_tokens)
             if not self.per_row:  # one request: it fails, naming the rows
+                rows = [b for b, n in enumerate(accepted_host) if n < 0]
+                reason = self._bad_proposal_reason(rows[0])
+                if reason is not None:
+                    raise ValueError(f"{reason} (batch rows {rows})")
                 raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, **inputs)
             # A batch of separate requests: the invalid rows (a request whose own settings leave no token, NaN
             # logits on its row) finish here with nothing emitted and the reason in ``failed_rows``; the others go
@@ -525,9 +544,21 @@ class SpeculativeLoop:
         self.timer.stop("step")
         return not all(self._finished_host)
 
+    def _bad_proposal_reason(self, b: int) -> str | None:
+        """Why row b's proposal was flagged (``proposal.py``), or None (not flagged, or a trusted drafter)."""
+        if self._proposal is None or self.gamma == 0:
+            return None
+        tokens, logits, num_draft, bad = self._proposal
+        if not bool(bad[b]):
+            return None
+        return describe_bad_proposal(self.drafter, tokens, logits, num_draft, self.vocab, b)
+
     def _invalid_row_reason(self, b: int, accepted: torch.Tensor, inputs: dict) -> str:
         """Why row b's verification emitted nothing (``raise_for_invalid_rows`` on that row alone), without the
         batch row it names."""
+        reason = self._bad_proposal_reason(b)
+        if reason is not None:
+            return f"ValueError: {reason}"
         sampling = None
         if self.sampling.per_row:
             r, keep = self.sampling.rows, torch.tensor([b], device=self.device)

@@ -62,7 +62,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     check_token_type("input_ids", input_ids)
     encoder_decoder = model.config.is_encoder_decoder
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
-    settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model)
+    settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model, drafter)
     if settings.prompt_lookup is not None and drafter is not None:
         raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
     if draft_model is None and drafter is None and settings.prompt_lookup is None:

@@ -507,10 +507,12 @@ class Settings:
         )
 
 
-def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: dict, draft_model=None) -> Settings:
+def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: dict, draft_model=None,
+                     drafter=None) -> Settings:
     """Validate every generation keyword once. kwargs: what ``generate`` received besides the models, the inputs and
     its own arguments; a keyword that is neither a generation setting nor handled is refused here (ValueError).
-    num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5)."""
+    num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5). draft_model / drafter:
+    the call's (a checkpoint's prompt_lookup_num_tokens yields to either)."""
     _check_generation_config(generation_config, model.generation_config)
     streamer = kwargs.pop("streamer", None)
     criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
@@ -539,6 +541,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if zero_new:
         kwargs["max_new_tokens"] = 1
     default_max_length = _has_default_max_length(model, generation_config, kwargs)
+    lookup_given = {name: kwargs.get(name, getattr(generation_config, name, None))
+                    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size")}
     gamma = _choose_gamma(
         num_speculative_tokens,
         given=[kwargs.get("num_assistant_tokens"), getattr(generation_config, "num_assistant_tokens", None)],
@@ -576,9 +580,10 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         token_ids(name, getattr(config, name))
     for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):  # HF skips a negative size silently
         _int_setting(name, getattr(config, name, None))
-    lookup = _prompt_lookup(config, draft_model)
+    lookup = _prompt_lookup(config, lookup_given, draft_model is not None or drafter is not None)
     if lookup is not None:
-        gamma = _lookup_gamma(num_speculative_tokens, gamma, lookup)
+        gamma, lookup = _lookup_gamma(num_speculative_tokens, gamma, lookup,
+                                      lookup_given["prompt_lookup_num_tokens"] is not None)
     copies = config.num_return_sequences
     if copies is not None and (isinstance(copies, bool) or not isinstance(copies, numbers.Integral) or copies < 1):
         raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
@@ -627,23 +632,36 @@ def _check_processors(logits_processor) -> tuple:
     return _callables("logits_processor", logits_processor, "a LogitsProcessorList", "scores")
 
 
-def _prompt_lookup(config, draft_model) -> PromptLookup | None:
-    """HF's prompt-lookup settings, checked; None when prompt_lookup_num_tokens is not set."""
+def _prompt_lookup(config, given: dict, drafting: bool) -> PromptLookup | None:
+    """HF's prompt-lookup settings, checked; None when prompt_lookup_num_tokens is not set, or set only by the
+    model's generation_config while the call drafts otherwise. given: the two settings as the call passed them
+    (keyword or generation_config=), None where not; drafting: the call passed draft_model or drafter."""
     num_tokens, max_ngram = config.prompt_lookup_num_tokens, config.max_matching_ngram_size
+    if drafting and given["prompt_lookup_num_tokens"] is None:
+        # A checkpoint's prompt_lookup_num_tokens is a default, and the call's draft model or drafter wins (HF's
+        # generate would use prompt lookup and ignore the assistant); max_matching_ngram_size is prompt lookup's
+        # alone: passed with another drafter it would do nothing
+        if given["max_matching_ngram_size"] is not None:
+            raise ValueError("max_matching_ngram_size applies to prompt lookup (prompt_lookup_num_tokens=) only; "
+                             "with draft_model or drafter= it would change nothing")
+        return None
     if num_tokens is None:  # max_matching_ngram_size alone changes nothing, as in HF
         return None
-    if draft_model is not None:
-        raise ValueError("pass either draft_model (or assistant_model) or prompt_lookup_num_tokens, not both: "
-                         "prompt lookup drafts without a model")
+    if drafting:
+        raise ValueError("pass either draft_model (or assistant_model) / drafter= or prompt_lookup_num_tokens, not "
+                         "both: prompt lookup drafts without a model")
     for name, value in (("prompt_lookup_num_tokens", num_tokens), ("max_matching_ngram_size", max_ngram)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return PromptLookup(int(num_tokens), int(max_ngram or DEFAULT_MAX_MATCHING_NGRAM_SIZE))
 
 
-def _lookup_gamma(num_speculative_tokens, gamma, lookup: PromptLookup) -> int:
-    """Prompt lookup's gamma: prompt_lookup_num_tokens (num_speculative_tokens, if given, must agree)."""
+def _lookup_gamma(num_speculative_tokens, gamma, lookup: PromptLookup, given: bool) -> tuple[int, PromptLookup]:
+    """Prompt lookup's gamma and settings: prompt_lookup_num_tokens. num_speculative_tokens, if given, must agree
+    with the call's; a checkpoint's (``given`` False) yields to it, as a checkpoint's num_assistant_tokens does."""
     if num_speculative_tokens is not None and gamma != lookup.num_tokens:
+        if not given and isinstance(gamma, int):
+            return gamma, PromptLookup(gamma, lookup.max_ngram)
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and prompt_lookup_num_tokens="
                          f"{lookup.num_tokens} disagree; pass prompt_lookup_num_tokens only")
-    return lookup.num_tokens
+    return lookup.num_tokens, lookup

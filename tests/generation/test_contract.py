@@ -319,7 +319,7 @@ GENERATE_ROWS = [
     ("num_speculative_tokens=0", dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be >= 1"),
     ("num_assistant_tokens=0", dict(num_assistant_tokens=0), ValueError, "num_assistant_tokens must be >= 1"),
     ("prompt_lookup_num_tokens with a draft", dict(prompt_lookup_num_tokens=3), ValueError,
-     "pass either draft_model \\(or assistant_model\\) or prompt_lookup_num_tokens, not both"),
+     "pass either draft_model \\(or assistant_model\\) / drafter= or prompt_lookup_num_tokens, not both"),
     ("max_new_tokens=inf", dict(max_new_tokens=float("inf")), ValueError, "max_new_tokens must be finite"),
 ]
 

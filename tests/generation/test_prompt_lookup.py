@@ -227,3 +227,50 @@ def test_prompt_lookup_from_a_generation_config(target):
     got = sk.generate(target, ids, generation_config=config, eos_token_id=None, speculation_stats=stats)
     assert torch.equal(got, target.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None))
     assert stats.num_speculative_tokens == 4 and stats.draft_forwards == 0
+
+
+@pytest.mark.parametrize("k,gamma", [(2, None), (3, 6)])
+def test_a_lookup_drafter_narrower_than_gamma_is_exact(target, k, gamma):
+    """PromptLookupDrafter(k) (the docs' recipe for HF's rule) under a gamma > k (the default 5, or
+    num_speculative_tokens): its proposal is padded to gamma with fillers. It returned k columns, and the loop's
+    bookkeeping for gamma gave other tokens, silently. In a batch, after a row leaves (host counts unknown), too."""
+    ids = torch.cat([_repeating(1, seed=21), _repeating(1, seed=22)])
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    extra = {} if gamma is None else dict(num_speculative_tokens=gamma)
+    expected = target.generate(ids[:1], max_new_tokens=20, **kwargs)
+    drafter = PromptLookupDrafter(k, 2, max_new_tokens=20, prefer_latest=False, periodic=False)
+    assert torch.equal(sk.generate(target, ids[:1], drafter=drafter, max_new_tokens=20, **extra, **kwargs), expected)
+    decoder = sk.SpeculativeDecoder(target, drafter=lambda: PromptLookupDrafter(k, 2, prefer_latest=False,
+                                                                               periodic=False), **extra)
+    long, short = (decoder.add_request(ids[0], max_new_tokens=20, eos_token_id=None),
+                   decoder.add_request(ids[1], max_new_tokens=3, eos_token_id=None))
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(long).token_ids == expected[0, ids.shape[1]:].tolist()
+    assert decoder.result(short).token_ids == target.generate(ids[1:], max_new_tokens=3, **kwargs)[0, -3:].tolist()
+
+
+def test_a_checkpoints_prompt_lookup_yields_to_the_calls_drafting(target):
+    """A model whose generation_config sets prompt_lookup_num_tokens: a draft_model or drafter passed to the call
+    wins (it used to be refused as 'not both', though the user passed only one), and so does num_speculative_tokens
+    (as over a checkpoint's num_assistant_tokens); the call's own prompt_lookup_num_tokens with a draft still
+    raises, and max_matching_ngram_size with another drafter (where it would do nothing) is refused."""
+    import copy
+
+    model = copy.deepcopy(target)
+    model.generation_config.prompt_lookup_num_tokens = 3
+    ids = _repeating(1, seed=23)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    assert torch.equal(sk.generate(model, ids, draft_model=target, speculation_stats=stats, **kwargs), expected)
+    assert stats.draft_forwards > 0
+    drafter = PromptLookupDrafter(4, 2, max_new_tokens=12)
+    assert torch.equal(sk.generate(model, ids, drafter=drafter, num_speculative_tokens=4, **kwargs), expected)
+    stats = sk.SpeculationStats()
+    assert torch.equal(sk.generate(model, ids, num_speculative_tokens=6, speculation_stats=stats, **kwargs), expected)
+    assert stats.num_speculative_tokens == 6 and stats.draft_forwards == 0
+    with pytest.raises(ValueError, match="pass either draft_model"):
+        sk.generate(model, ids, draft_model=target, prompt_lookup_num_tokens=3, **kwargs)
+    with pytest.raises(ValueError, match="max_matching_ngram_size applies to prompt lookup"):
+        sk.generate(target, ids, draft_model=target, max_matching_ngram_size=3, **kwargs)

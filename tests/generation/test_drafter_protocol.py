@@ -1,0 +1,164 @@
+"""What the loop does with a ``Drafter`` of the user's that breaks its protocol (``generation/proposal.py``): a
+proposal of another width than gamma, ids outside the vocabulary, counts outside 0..gamma, a token its own q gives
+probability 0 are refused naming the drafter (they used to give other tokens silently, or an IndexError inside the
+embedding); fillers past a row's count may hold anything; q is verified in the dtype it was drawn from."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.models import llama
+from speculative_kernels.generation import loop as loop_module
+
+VOCAB = 97
+
+
+class Scripted:
+    """A drafter proposing ``script(batch, gamma)`` -> (tokens, logits, num_draft), with no state."""
+
+    forwards = compactions = 0
+
+    def __init__(self, script):
+        self.script = script
+
+    def start(self, input_ids, real):
+        self.batch = input_ids.shape[0]
+
+    def propose(self, gamma, choose):
+        return self.script(self.batch, gamma)
+
+    def observe(self, out, accepted, finished):
+        pass
+
+    def accept(self, *args):
+        pass
+
+    def proposal_counts(self):
+        return None
+
+    def select_rows(self, index):
+        self.batch = index.numel()
+
+    def add_rows(self, other):
+        self.batch += other.batch
+
+    def lengths_to_read(self):
+        return None
+
+    def lengths_read(self, lengths):
+        pass
+
+
+def _tokens(batch, width, value=5):
+    return torch.full((batch, width), value, dtype=torch.int64)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama()
+
+
+def _ids():
+    return torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("script,words", [
+    (lambda b, g: (_tokens(b, g + 3), None, None), r"Scripted\.propose\(4, \.\.\.\) returned tokens of shape \(1, 7\)"),
+    (lambda b, g: (_tokens(b, g - 1), None, None), r"returned tokens of shape \(1, 3\).*shape \[1, 4\]"),
+    (lambda b, g: (_tokens(b, g).int(), None, None), r"returned tokens .* dtype torch.int32"),
+    (lambda b, g: (_tokens(b, g).tolist(), None, None), r"returned tokens of type list"),
+    (lambda b, g: (_tokens(b, g), torch.zeros(b, g, VOCAB - 1), None), r"returned logits of shape \(1, 4, 96\)"),
+    (lambda b, g: (_tokens(b, g), torch.zeros(b, g, VOCAB, dtype=torch.float64), None), r"returned logits .*float64"),
+    (lambda b, g: (_tokens(b, g), None, torch.tensor([[2]])), r"returned num_draft of shape \(1, 1\)"),
+])
+def test_a_proposal_of_the_wrong_shape_or_type_is_refused_by_name(target, script, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        sk.generate(target, _ids(), drafter=Scripted(script), num_speculative_tokens=4, max_new_tokens=12,
+                    do_sample=False)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("script,words", [
+    (lambda b, g: (_tokens(b, g, 5000), None, None), r"token ids outside the target's vocabulary \[0, 97\): \[5000"),
+    (lambda b, g: (_tokens(b, g, -3), None, None), r"outside the target's vocabulary \[0, 97\): \[-3"),
+    (lambda b, g: (_tokens(b, g), None, torch.tensor([g + 5])), r"num_draft=9 tokens for a row; it must be in 0\.\.gamma"),
+    (lambda b, g: (_tokens(b, g), None, torch.tensor([-2])), r"num_draft=-2"),
+])
+def test_invalid_proposed_values_are_refused_by_name(target, script, words, do_sample):
+    with pytest.raises(ValueError, match=f"the drafter Scripted proposed .*{words}"):
+        sk.generate(target, _ids(), drafter=Scripted(script), num_speculative_tokens=4, max_new_tokens=12,
+                    do_sample=do_sample)
+
+
+def test_a_token_its_own_q_cannot_draw_is_refused():
+    """q one-hot at token A (every other logit 1e4 below: probability 0 in float32) while proposing B: sampled
+    output left the target's distribution silently (the target's likeliest token was never emitted)."""
+    model = llama()
+
+    def script(batch, gamma):
+        q = torch.full((batch, gamma, VOCAB), -1e4)
+        q[..., 7] = 0.0
+        return _tokens(batch, gamma, 8), q, None
+
+    with pytest.raises(ValueError, match="proposed a token that its own q .* gives probability 0"):
+        sk.generate(model, _ids(), drafter=Scripted(script), num_speculative_tokens=2, max_new_tokens=6,
+                    do_sample=True, seed=0)
+    # greedy reads no q: the same drafter is exact there
+    expected = model.generate(_ids(), max_new_tokens=6, do_sample=False)
+    assert torch.equal(sk.generate(model, _ids(), drafter=Scripted(script), num_speculative_tokens=2,
+                                   max_new_tokens=6, do_sample=False), expected)
+
+
+def test_fillers_past_a_rows_count_may_hold_any_id(target):
+    """ops.verify never reads past a row's count, so -1 fillers are allowed there (clamped for the forward)."""
+    def script(batch, gamma):
+        tokens = _tokens(batch, gamma, -1)
+        tokens[:, 0] = 5
+        return tokens, None, torch.ones(batch, dtype=torch.int64)
+
+    expected = target.generate(_ids(), max_new_tokens=12, do_sample=False)
+    got = sk.generate(target, _ids(), drafter=Scripted(script), num_speculative_tokens=4, max_new_tokens=12,
+                      do_sample=False)
+    assert torch.equal(got, expected)
+
+
+def test_a_bad_request_in_continuous_batching_fails_alone(target):
+    """A request whose drafter proposes an id outside the vocabulary ends with finish_reason 'error' and the
+    reason (as a request whose own logits leave no token), instead of an IndexError from the embedding."""
+    def script(batch, gamma):
+        tokens = _tokens(batch, gamma)
+        tokens[0] = 5000
+        return tokens, None, None
+
+    decoder = sk.SpeculativeDecoder(target, drafter=lambda: Scripted(script), num_speculative_tokens=3)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    bad = decoder.add_request(ids[0], max_new_tokens=10, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    result = decoder.result(bad)
+    assert result.finish_reason == "error" and "outside the target's vocabulary" in result.error
+
+
+def test_q_is_verified_in_the_dtype_it_was_drawn_from(monkeypatch):
+    """A float32 q (the n-gram drafter's, a user's) with a bfloat16 target: the verification gets it as float32. It
+    was rounded to bfloat16 first, so the acceptance test used another q than the one sampled (not exact)."""
+    model = llama().to(torch.bfloat16)
+    seen = []
+    original = loop_module.SpeculativeLoop._verify
+
+    def spy(self, draft_tokens, draft_logits, num_draft):
+        impl_verify = self.impl.verify
+
+        def verify(target_logits, q_logits, *args, **kwargs):
+            seen.append(None if q_logits is None else q_logits.dtype)
+            return impl_verify(target_logits, q_logits, *args, **kwargs)
+
+        monkeypatch.setattr(self, "impl", type("Impl", (), {"verify": staticmethod(verify),
+                                                           "sample": staticmethod(self.impl.sample)}))
+        return original(self, draft_tokens, draft_logits, num_draft)
+
+    monkeypatch.setattr(loop_module.SpeculativeLoop, "_verify", spy)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2)).repeat(1, 2)
+    sk.generate(model, ids, drafter=sk.NGramDrafter.for_model(model), num_speculative_tokens=3, do_sample=True,
+                max_new_tokens=8, seed=0)
+    assert seen and all(dtype == torch.float32 for dtype in seen if dtype is not None)
