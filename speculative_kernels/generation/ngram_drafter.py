@@ -63,9 +63,15 @@ class NGramDrafter:
     def __init__(self, vocab_size: int, order: int = 2, corpus: torch.Tensor | None = None):
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise ValueError(f"order must be an int >= 1, got {order!r}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         if corpus is not None and (not isinstance(corpus, torch.Tensor) or corpus.dim() != 1
-                                   or corpus.is_floating_point()):
+                                   or corpus.is_floating_point() or corpus.is_complex()
+                                   or corpus.dtype == torch.bool):
             raise ValueError("corpus must be a 1-D integer tensor of token ids")
+        if corpus is not None and corpus.numel() and not 0 <= int(corpus.min()) <= int(corpus.max()) < vocab_size:
+            raise ValueError(f"corpus holds token ids outside the vocabulary [0, {vocab_size}): min "
+                             f"{int(corpus.min())}, max {int(corpus.max())}")
         self.vocab, self.order, self.corpus = vocab_size, order, corpus
         self.context: ContextBuffer | None = None
 

@@ -105,6 +105,13 @@ def test_bad_arguments():
         sk.NGramDrafter(10, order=0)
     with pytest.raises(ValueError, match="corpus must be a 1-D integer tensor"):
         sk.NGramDrafter(10, corpus=torch.zeros(3))
+    for corpus in (torch.tensor([1, 2, 500]), torch.tensor([-1, 2])):  # were clamped into the vocabulary silently
+        with pytest.raises(ValueError, match=r"corpus holds token ids outside the vocabulary \[0, 10\)"):
+            sk.NGramDrafter(10, corpus=corpus)
+    with pytest.raises(ValueError, match="corpus must be a 1-D integer tensor"):
+        sk.NGramDrafter(10, corpus=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1, got 0"):
+        sk.NGramDrafter(0)
     target = llama()
     with pytest.raises(ValueError, match="pass either draft_model"):
         sk.generate(target, torch.tensor([[5, 6]]), draft_model=target, drafter=sk.NGramDrafter(97))
