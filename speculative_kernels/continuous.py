@@ -68,13 +68,13 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import (check_caching, check_deterministic, check_model, check_positions,
+from .generation.capabilities import (check_caching, check_deterministic, check_positions,
                                        check_masked_slots, check_window_applied, check_window_holes,
                                        request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions, StaticRows
-from .generation.request import build_loop
+from .generation.request import build_loop, check_model_as
 from .generation.row_settings import RowSettings
 from .generation.context_processors import build_row_processors, build_warpers
 from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
@@ -246,11 +246,11 @@ class ContinuousBatcher:
         if self._target_spec is not None:
             return
         d = self.decoder
-        check_models(d.target, d.draft)
+        check_models(d.target, d.draft, names=("target", "draft"))
         path = request_path(self.static_rows is not None, self.compile_options is not None)
-        spec = check_model(d.target, path=path, batch=2)
+        spec = check_model_as("target", d.target, path, 2)
         if d.draft is not None:
-            check_model(d.draft, path=path, batch=2)
+            check_model_as("draft", d.draft, path, 2)
         if d.drafter is not None and not callable(getattr(drafter := d.drafter(), "add_rows", None)):
             raise ValueError(f"add_request needs a drafter with add_rows (Drafter.add_rows: the rows of requests "
                              f"joining a running batch); {type(drafter).__name__} has none: implement it, or decode "

@@ -30,6 +30,7 @@ import torch
 
 from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
+from .generation.inputs import check_models
 from .generation.loop import SpeculativeLoop
 from .generation.request import build_loop
 from .generation.stats import SpeculationStats
@@ -104,6 +105,7 @@ class SpeculativeDecoder:
             raise TypeError("drafter must be a callable returning a new Drafter for each session")
         # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
+        check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         self.drafter = drafter
         self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                                                        ("max_matching_ngram_size", max_matching_ngram_size))

@@ -111,7 +111,14 @@ def _refuse(name: str, path: str, reason: str):
 
 
 def _parameters(model) -> set:
-    return set(inspect.signature(model.forward).parameters)
+    """The keywords ``model.forward`` takes. A forward replaced on the instance by a wrapper that hides them
+    (``model.forward = lambda *a, **k: ...`` without functools.wraps: only *args/**kwargs) passes them on to the
+    class's forward, whose keywords are read instead (HF's generate drives such a model the same way)."""
+    parameters = inspect.signature(model.forward).parameters
+    kinds = {p.kind for p in parameters.values()}
+    if parameters and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        parameters = inspect.signature(type(model).forward).parameters
+    return set(parameters)
 
 
 # The forward's keyword for a KV cache: transformers 5.24 renamed ``past_key_values`` (and mamba's ``cache_params``)
@@ -182,6 +189,29 @@ def _target_state_reason(params: set) -> str | None:
             "prompt_lookup_num_tokens, or with a Drafter of your own")
 
 
+def _four_d_masks(model, name: str, path: str) -> bool:
+    """Whether the model's attention takes the explicit 4-D masks the runners build ('sdpa', 'eager', or an
+    implementation registered with one of their mask functions), else the 2-D mask its own mask function expands
+    (flash, flex). An implementation with no mask function in transformers (a custom one registered only with
+    AttentionInterface, 'paged|eager') gets no mask at all from the model, so a verification forward over several
+    tokens would run unmasked (top-left causal over the cache, padding ignored): refused by name."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention is None or attention in FOUR_D_ATTENTION:
+        return attention is not None
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as mask_functions
+    except ImportError:  # (every supported transformers has it)
+        return False
+    try:
+        mask_function = mask_functions[attention]
+    except KeyError:
+        _refuse(name, path, f"attn_implementation={attention!r} has no mask function in transformers (none registered "
+                            "with AttentionMaskInterface), so a forward over several new tokens would run without "
+                            "a causal or padding mask; use 'sdpa' or 'eager', or register the mask function your "
+                            "attention takes (e.g. AttentionMaskInterface.register(name, sdpa_mask))")
+    return any(mask_function is mask_functions[known] for known in FOUR_D_ATTENTION if known in mask_functions)
+
+
 def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     name = type(model).__name__
     config = model.config.get_text_config(decoder=True)
@@ -238,13 +268,14 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         _refuse(name, path, f"layers of type {sorted(CACHELESS_LAYERS & set(types))} (no cache of their own, or "
                             "one shared with another layer) are supported by the dynamic cache only")
     attention = getattr(model.config, "_attn_implementation", None)
+    four_d = _four_d_masks(model, name, path)
     model_type = getattr(config, "model_type", "")
     alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
     if model_type == "mpt" or "alibi" in model_type:
         alibi_slots = True
     else:
         alibi_slots = False
-    if path != "dynamic" and attention not in FOUR_D_ATTENTION:
+    if path != "dynamic" and not four_d:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; the static cache passes explicit "
                             f"4-D masks, which only {FOUR_D_ATTENTION} take")
     sliding = {w for t, w in zip(types, windows) if t == "sliding_attention"}
@@ -254,7 +285,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
             _refuse(name, path, f"its sliding-window layers have different windows {sorted(map(str, sliding))}")
         window = int(sliding.pop())
         window_applied = _applies_window(model, types)
-        if attention not in FOUR_D_ATTENTION:
+        if not four_d:
             _refuse(name, path, f"sliding-window layers are applied through 4-D masks, which "
                                 f"attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
     mixed = window is not None and "full_attention" in types
@@ -274,7 +305,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
                             "buffer indexed by the slot, not a mask over positions): rejected drafts leave holes in a "
                             "batch, and the static cache lays out its slots its own way, so only batch size 1 on the "
                             "dynamic cache is exact")
-    if attention not in FOUR_D_ATTENTION:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
+    if not four_d:  # (dynamic path, no sliding layers) flash/flex attention: the 2-D mask
         return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
                      cache_argument=cache_arg, window_applied=window is None or window_applied)
@@ -416,14 +447,15 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
         _refuse(name, path, "its config is encoder-decoder but the model has no encoder")
     positions = position_kind(model)  # ValueError naming unsupported encoder-decoder types
     attention = getattr(model.config, "_attn_implementation", None)
-    if path != "dynamic" and attention not in FOUR_D_ATTENTION:
+    four_d = _four_d_masks(model, name, path)
+    if path != "dynamic" and not four_d:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; use 'sdpa' or 'eager'")
     sizes = _decoder_kv_sizes(model, positions) if path != "dynamic" else None
     cache_arg = cache_argument(model)
     if cache_arg is None:
         _refuse(name, path, "its forward takes no past_key_values (or cache): speculative decoding needs a KV cache "
                             "it can roll back")
-    return ModelSpec(name, mask="4d" if attention in FOUR_D_ATTENTION else "2d", positions=positions,
+    return ModelSpec(name, mask="4d" if four_d else "2d", positions=positions,
                      kv_sizes=sizes, cache_argument=cache_arg)
 
 
@@ -518,7 +550,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     architecture and the reason."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
-    reason = _own_generate_reason(model) or _own_positions_reason(model)
+    reason = _own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
@@ -530,6 +562,19 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
     if _WIDENS_2D_MASK_OVER_CACHE.search(_decoder_stack_source(model)[1]):
         spec = dataclasses.replace(spec, masked_slots_exact=False)
     return spec
+
+
+def _dynamic_quantization_reason(model) -> str | None:
+    """torch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``) quantizes each forward's
+    activations with one scale over all its tokens, so a token's logits depend on the tokens beside it: a
+    verification forward over several does not reproduce one-token steps (measured: other greedy tokens, the target
+    its own draft)."""
+    quantized = sorted({type(m).__name__ for m in model.modules() if ".quantized.dynamic" in type(m).__module__})
+    if not quantized:
+        return None
+    return (f"it holds dynamically quantized modules ({', '.join(quantized)}: torch.ao.quantization.quantize_dynamic), "
+            "which quantize activations with a scale over every token of a forward, so a multi-token verification "
+            "forward gives other logits than one-token steps; use a float model")
 
 
 def position_dependent_rope(model) -> list[tuple[str, int]]:

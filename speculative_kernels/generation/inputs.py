@@ -26,11 +26,12 @@ def model_device(model, name: str = "model") -> torch.device:
                      "hook to load them); load its weights")
 
 
-def check_models(model, draft_model) -> None:
+def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_model")) -> None:
     """Two HF models on one device, both decoder-only or both encoder-decoders of a supported type (or the target
-    alone: draft_model None, for drafting without a model; ``request.build_loop`` checks that something drafts)."""
-    for name, m in (("model", model), ("draft_model", draft_model)):
-        if m is None and name == "draft_model":
+    alone: draft_model None, for drafting without a model; ``request.build_loop`` checks that something drafts).
+    names: the arguments' names in the errors (``SpeculativeDecoder``'s are target and draft)."""
+    for name, m in zip(names, (model, draft_model)):
+        if m is None and name == names[1]:
             return
         inner = getattr(m, "_orig_mod", None)
         if isinstance(inner, torch.nn.Module) and type(m).__name__ == "OptimizedModule":
@@ -38,11 +39,13 @@ def check_models(model, draft_model) -> None:
                             f"model itself ({name}._orig_mod) and compile=True to capture the decoding steps (or "
                             f"compile its forward: {name}.forward = torch.compile({name}.forward))")
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
-            raise TypeError(f"{name} must be a Hugging Face PreTrainedModel, got {type(m).__name__}")
+            raise TypeError(f"{name} must be a Hugging Face model that generates (a PreTrainedModel with a "
+                            f"generation_config: ...ForCausalLM, ...ForConditionalGeneration), got {type(m).__name__}")
     check_pair(model, draft_model)
-    target_device, draft_device = model_device(model, "model"), model_device(draft_model, "draft_model")
+    target_device, draft_device = model_device(model, names[0]), model_device(draft_model, names[1])
     if target_device != draft_device:
-        raise ValueError(f"model is on {target_device} but draft_model is on {draft_device}; put both on one device")
+        raise ValueError(f"{names[0]} is on {target_device} but {names[1]} is on {draft_device}; put both on one "
+                         "device")
 
 
 def check_helpers(tokenizer, assistant_tokenizer, batching) -> None:

@@ -30,6 +30,14 @@ from .vocab import VocabBridge, logit_width
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
 
+def check_model_as(role: str, model, path: str, batch: int):
+    """``check_model``, its refusal saying which argument it is (a draft of the target's class reads the same)."""
+    try:
+        return check_model(model, path=path, batch=batch)
+    except ValueError as error:
+        raise ValueError(f"{role}: {error}") from None
+
+
 def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num_speculative_tokens=None,
                tokenizer=None, assistant_tokenizer=None, generation_config=None, backend: str = "auto",
                batching: BatchingOptions | None = None, compile_options: CompileOptions | None = None,
@@ -116,7 +124,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     path = request_path(static, captured_layout)
     # Requests (rows=) join a running batch (continuous batching): they are driven as a batch whatever their number
     checked_batch = batch if rows is None else max(batch, 2)
-    specs = tuple(check_model(m, path=path, batch=checked_batch) for m in models)
+    specs = tuple(check_model_as(role, m, path, checked_batch) for role, m in zip(("model", "draft_model"), models))
     check_deterministic(model)
     check_caching(model)
     check_caching(draft_model, "draft_model")

@@ -350,6 +350,60 @@ def test_assistants_drafting_from_a_targets_internal_states_are_refused_by_what_
         _check_refused_up_front(assistant, match, batch=1, path=path, monkeypatch=monkeypatch)
 
 
+def _custom_attention(name: str, mask_function=None):
+    """A Llama whose attention is sdpa registered under ``name`` (HF's AttentionInterface pattern), with
+    ``mask_function`` registered for it too when given."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, lambda *args, **kwargs: sdpa_attention_forward(*args, **kwargs))
+    if mask_function is not None:
+        AttentionMaskInterface.register(name, mask_function)
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    model.config._attn_implementation = name
+    return model
+
+
+def test_an_attention_without_a_mask_function_is_refused(monkeypatch):
+    """transformers builds no mask for an attention implementation without a mask function (a custom one registered
+    with AttentionInterface alone, 'paged|eager'): fine for model.generate's one-token steps, but a verification
+    forward over several tokens ran unmasked and gave other tokens from the first one, silently."""
+    model = _custom_attention("sk_test_unmasked_sdpa")
+    for path in ("dynamic", "static"):
+        _check_refused_up_front(model, r"attn_implementation='sk_test_unmasked_sdpa' has no mask function", batch=1,
+                                path=path, monkeypatch=monkeypatch)
+    with pytest.raises(ValueError, match=r"draft_model: LlamaForCausalLM .* has no mask function"):
+        sk.generate(_build(LlamaForCausalLM, LlamaConfig(**SIZES)), _batch(1)[0], draft_model=model,
+                    max_new_tokens=4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+def test_an_attention_registered_with_sdpas_mask_function_is_exact(batch, path):
+    from transformers.masking_utils import sdpa_mask
+
+    _check_exact(_custom_attention("sk_test_masked_sdpa", sdpa_mask), batch=batch, path=path)
+
+
+def test_dynamically_quantized_models_are_refused(monkeypatch):
+    """quantize_dynamic's activation scale spans every token of a forward, so a verification forward gives other
+    logits than one-token steps (other greedy tokens, the target its own draft); it crashed with an AttributeError
+    (a quantized Linear's weight is a method) after the runners were built."""
+    model = torch.ao.quantization.quantize_dynamic(_build(LlamaForCausalLM, LlamaConfig(**SIZES)),
+                                                   {torch.nn.Linear}, dtype=torch.qint8)
+    _check_refused_up_front(model, "dynamically quantized modules", batch=1, monkeypatch=monkeypatch)
+
+
+def test_a_forward_wrapped_without_functools_wraps_is_driven_by_the_class_signature():
+    """model.forward = lambda *a, **k: original(*a, **k) (a logging wrapper) hides the keywords; it was refused as
+    'a cache-less or recurrent model'. HF's generate runs it; so does this, through the class's forward keywords."""
+    target = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    original = target.forward
+    target.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    _check_exact(target, batch=2, noise=None)  # (a perturbed copy would keep the lambda, calling the target)
+
+
 def test_encoder_family_without_is_decoder_is_refused(monkeypatch):
     config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -138,3 +138,20 @@ def test_start_refuses_the_decoders_own_settings_by_name(name):
     lookup = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=2)  # (its own, given again)
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens is a setting of the decoder, not of start"):
         lookup.start(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2, prompt_lookup_num_tokens=3)
+
+
+def test_the_decoder_refuses_what_is_not_a_generating_model_when_built():
+    """SpeculativeDecoder("not a model") was accepted and failed at the first add_request with an AttributeError;
+    a model that cannot generate was called 'not a PreTrainedModel'."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    target = llama()
+    with pytest.raises(TypeError, match="target must be a Hugging Face model that generates .* got str"):
+        sk.SpeculativeDecoder("not a model", target)
+    with pytest.raises(TypeError, match="draft must be a Hugging Face model that generates .* got str"):
+        sk.SpeculativeDecoder(target, "not a model")
+    classifier = LlamaForSequenceClassification(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(TypeError, match="draft_model must be a Hugging Face model that generates .* got "
+                                        "LlamaForSequenceClassification"):
+        sk.generate(target, torch.tensor([[5, 6]]), draft_model=classifier)
