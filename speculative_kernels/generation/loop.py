@@ -606,14 +606,17 @@ class SpeculativeLoop:
                              for i, a in enumerate(active_host)]
         self.stats.drafted_tokens += sum(self.last_drafted)
         self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
+        for i in active:  # alpha's tests: every accepted draft passed one; a rejection (n < drafts) failed one
+            self.stats.accept_tests_passed += accepted_host[i]
+            self.stats.accept_tests += accepted_host[i] + int(accepted_host[i] < self.last_drafted[i])
         stopped = False
         if self.stop is not None:
             self._apply_stop_strings(count_host, generated_before)
             count_host = self._host_counts
-        self.stats.new_tokens += sum(count_host)
         if self.plan.stopping_criteria:
             stopped = self._apply_stopping_criteria(count_host, generated_before)
             count_host = self._host_counts
+        self.stats.new_tokens += sum(count_host)  # (after the cuts of stop strings and stopping criteria)
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + generated_before[0]
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
@@ -784,7 +787,8 @@ class SpeculativeLoop:
         self.last_accepted = (self.last_accepted or [-1] * self.batch) + (other.last_accepted or [-1] * other.batch)
         self.last_drafted = (self.last_drafted or [0] * self.batch) + (other.last_drafted or [0] * other.batch)
         self._histogram = [a + b for a, b in zip(self._histogram, other._histogram)]
-        for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens"):
+        for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens",
+                     "accept_tests", "accept_tests_passed"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(other.stats, name))
         self._largest_gamma_used = max(self._largest_gamma_used, other._largest_gamma_used)
         self.timer.merge(other.timer)

@@ -597,8 +597,9 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
 def _max_time(value) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"max_time must be a positive number of seconds, got {value!r}")
+    # 0, as in HF: stop after the first iteration
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"max_time must be a number of seconds >= 0, got {value!r}")
     return float(value)
 
 

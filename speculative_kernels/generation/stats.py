@@ -23,6 +23,9 @@ class SpeculationStats:
     accepted_tokens: int = 0
     new_tokens: int = 0
     accepted_histogram: list = dataclasses.field(default_factory=list)
+    # the paper's accept tests (per row and iteration with n of its d drafts accepted: n passed, n + (n < d) made)
+    accept_tests: int = 0
+    accept_tests_passed: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0  # prefill + decoding; excludes warmup_time_s
@@ -38,8 +41,12 @@ class SpeculationStats:
 
     @property
     def alpha(self) -> float:
-        """The paper's alpha, the per-token acceptance probability: maximum-likelihood estimate from
-        ``accepted_histogram`` (successful accept tests over tests made); 0.0 before any verification."""
+        """The paper's alpha, the per-token acceptance probability: maximum-likelihood estimate, successful accept
+        tests over tests made, each row and iteration counted with the drafts it had (so iterations of different
+        gamma, as with num_speculative_tokens="auto", and rows proposing fewer drafts count right); 0.0 before
+        any test. (Stats filled in without the test counts fall back to ``accepted_histogram``, one gamma.)"""
+        if self.accept_tests:
+            return self.accept_tests_passed / self.accept_tests
         return alpha_from_histogram(self.accepted_histogram) if self.verify_steps else 0.0
 
     @property

@@ -111,6 +111,27 @@ def test_auto_switches_gamma_and_stays_greedy_identical(monkeypatch, forced):
     assert stats.draft_forwards >= calibration * 4 + forced
 
 
+@pytest.mark.parametrize("forced", [1, 16])
+def test_alpha_counts_each_iteration_with_its_own_gamma(monkeypatch, forced):
+    """The draft is the target: every accept test passes, so alpha is 1 whatever gamma. With "auto" the histogram
+    holds iterations of the calibration gamma and of the chosen one; alpha read it as if all had the largest gamma
+    (a calibration iteration accepting its 4 of 4 counted as a rejection at 16: 0.93; at 1, a full γ=1 step as a
+    rejection of 4)."""
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
+    target = llama()
+    ids = _prompt(batch=2)
+    runs = []
+    for gamma in (4, "auto"):
+        stats = sk.SpeculationStats()
+        sk.generate(target, ids, draft_model=target, num_speculative_tokens=gamma, max_new_tokens=60,
+                    do_sample=False, pad_token_id=0, eos_token_id=None, speculation_stats=stats)
+        assert stats.num_speculative_tokens == (4 if gamma == 4 else forced)
+        assert stats.acceptance_rate == 1.0 and stats.alpha == 1.0, (gamma, stats.accepted_histogram)
+        runs.append(stats)
+    for stats in runs:
+        assert stats.accept_tests == stats.accepted_tokens == stats.accept_tests_passed
+
+
 class _RecordOffsets:
     """Wraps a backend's draft sampler and records the Philox offsets it is called with."""
 

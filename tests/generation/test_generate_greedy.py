@@ -193,9 +193,11 @@ def test_stopping_criteria_checked_after_every_token():
     ids = _prompt()
     criteria = StoppingCriteriaList([StopAtLength(ids.shape[1] + 6)])
     expected = target.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=criteria)
+    stats = sk.SpeculationStats()
     got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, max_new_tokens=20,
-                      do_sample=False, stopping_criteria=criteria)
+                      do_sample=False, stopping_criteria=criteria, speculation_stats=stats)
     assert torch.equal(got, expected)
+    assert stats.new_tokens == 6  # (counted the cut tokens of the stopping iteration too: 10)
 
 
 def test_stopping_criteria_receive_hf_scores():
@@ -283,5 +285,8 @@ def test_max_time_stops_every_row_after_the_iteration_it_passes_in():
     assert ids.shape[1] < cut.shape[1] <= ids.shape[1] + 4  # one iteration: at most gamma + 1 tokens
     assert torch.equal(cut, full[:, : cut.shape[1]])
     assert torch.equal(sk.generate(target, ids, draft_model=draft, max_time=3600.0, **kwargs), full)
+    # 0, which model.generate takes (one step), was refused
+    zero = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_time=0, **kwargs)
+    assert ids.shape[1] < zero.shape[1] <= ids.shape[1] + 4 and torch.equal(zero, full[:, : zero.shape[1]])
     with pytest.raises(ValueError, match="max_time"):
         sk.generate(target, ids, draft_model=draft, max_time=-1.0, **kwargs)
