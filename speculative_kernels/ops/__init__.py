@@ -3,7 +3,8 @@
 Both take raw logits (float32, float16 or bfloat16) and apply HF's warping (temperature, top_k, top_p) inside the
 op, so the draft's q is by construction the distribution its token was drawn from. Randomness is explicit: a
 ``generator``, or a ``seed`` and ``offset`` (ints or int64 tensors, device tensors allowed so CUDA graphs can capture
-them), fed to counter-based Philox noise (``philox.py``, ``randomness.py``). The backends take them as ``Sampling``
+them), fed to counter-based Philox noise (``philox.py``, ``randomness.py``); under ``torch.compile`` pass seed and
+offset (tensors), since dynamo cannot trace a ``torch.Generator``. The backends take them as ``Sampling``
 and ``Randomness`` objects (``backends.py`` picks one).
 """
 

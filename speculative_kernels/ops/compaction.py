@@ -80,6 +80,8 @@ def compact_kv(
     kv: one tensor [B, H, S, D] or a sequence of them (e.g. every layer's K and V; any strides, the slot axis may be a
     view of a longer buffer); slot_mask: [B, S], nonzero = real. See the module docstring for the exact semantics.
     """
+    if not isinstance(kv, (torch.Tensor, Sequence)):
+        raise TypeError(f"kv must be a [B, H, S, D] tensor or a sequence of them, got {type(kv).__name__}")
     tensors = [kv] if isinstance(kv, torch.Tensor) else list(kv)
     _check(tensors, slot_mask)
     impl = backends.implementation(backend, slot_mask.device.type, family="compaction")

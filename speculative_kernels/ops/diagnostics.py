@@ -11,7 +11,9 @@ from .warping import scale_logits
 def should_check(check: bool | None) -> bool:
     """Resolve ``check=None``: check eagerly, but not while compiling or capturing a CUDA graph."""
     if check is not None:
-        return bool(check)
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool or None, got {type(check).__name__}")
+        return check
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -83,3 +83,14 @@ def test_compact_kv_refuses_aliased_tensors_and_moves_float8_bits():
     fp8 = values.to(torch.float8_e4m3fn)
     ops.compact_kv(fp8, mask, backend="torch")
     assert fp8.float()[0, 0, :3, 0].tolist() == [0.5, 1.5, 2.0]
+
+
+def test_check_and_kv_of_other_types_are_refused_by_name():
+    """check="no" was taken as true (bool of a string); a numpy kv failed with a message about kv[0]'s shape."""
+    import numpy as np
+
+    target, draft, tokens = _inputs()
+    with pytest.raises(TypeError, match="check must be a bool or None, got str"):
+        ops.verify(target, draft, tokens, seed=1, check="no")
+    with pytest.raises(TypeError, match=r"kv must be a \[B, H, S, D\] tensor or a sequence of them, got ndarray"):
+        ops.compact_kv(np.zeros((1, 1, 4, 2)), torch.tensor([[1, 0, 1, 1]]))
