@@ -636,27 +636,37 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
 
 
-def position_table_limit(model) -> int | None:
-    """The most positions a decoder-only model's learned absolute-position table holds (its config's ``n_positions``
-    or ``max_position_embeddings``), or None for models without one (rotary, ALiBi, relative, sinusoidal)."""
-    config = model.config.get_text_config(decoder=True)
+def position_table_limit(model, part: str = "decoder") -> int | None:
+    """The most positions the text decoder's (``part="encoder"``: an encoder-decoder's encoder's) learned
+    absolute-position table holds (its config's ``n_positions`` or ``max_position_embeddings``), or None for models
+    without one (rotary, ALiBi, relative, sinusoidal)."""
+    config = model.config.get_text_config(decoder=part == "decoder")
     limit = next((v for v in (getattr(config, a, None) for a in ("n_positions", "max_position_embeddings"))
                   if isinstance(v, int) and not isinstance(v, bool)), None)
     if limit is None:
         return None
     # (the text decoder's own table only: an audio or vision tower's, e.g. Whisper's embed_positions, is another's)
-    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    for name, module in (decoder if isinstance(decoder, torch.nn.Module) else model).named_modules():
+    getter = getattr(model, "get_decoder" if part == "decoder" else "get_encoder", None)
+    stack = getter() if callable(getter) else None
+    if part == "encoder" and not isinstance(stack, torch.nn.Module):
+        return None
+    for name, module in (stack if isinstance(stack, torch.nn.Module) else model).named_modules():
         if (isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
                 and limit <= module.num_embeddings <= limit + 2):  # (OPT's and BART's tables start at offset 2)
             return limit
     return None
 
 
-def check_position_table(model, longest: int, name: str = "model") -> None:
-    """ValueError when a request's longest row (its prompt's real tokens plus new tokens, less one) needs more
-    positions than the model's learned position table holds: ``model.generate`` fails there with an IndexError
-    inside the embedding (HF's assisted generation too, for a draft), and so would the speculative forwards."""
+def check_position_table(model, longest: int, name: str = "model", encoder_width: int | None = None) -> None:
+    """ValueError when a request's longest row (its prompt's real tokens plus new tokens, less one; an
+    encoder-decoder's decoder prompt) needs more positions than the model's learned position table holds:
+    ``model.generate`` fails there with an IndexError inside the embedding (HF's assisted generation too, for a
+    draft), and so would the speculative forwards. encoder_width: an encoder-decoder's encoder input width, checked
+    against its encoder's table (BART's learned positions), or None."""
+    encoder_limit = position_table_limit(model, "encoder") if encoder_width is not None else None
+    if encoder_limit is not None and encoder_width > encoder_limit:
+        raise ValueError(f"{name} ({type(model).__name__}) has an encoder position table of {encoder_limit} "
+                         f"positions, and the encoder input is {encoder_width} tokens long: shorten input_ids")
     limit = position_table_limit(model)
     if limit is not None and longest > limit:
         raise ValueError(

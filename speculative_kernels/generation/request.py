@@ -84,6 +84,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             raise ValueError("num_return_sequences > 1 needs input_ids (or encoder_outputs) for an encoder-decoder")
         input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
         seq2seq_inputs = {name: repeat_rows(value, copies) for name, value in seq2seq_inputs.items()}
+        # a per-row decoder_start_token_id ([B], one per prompt) follows its prompt's copies, as in HF
+        start = settings.config.decoder_start_token_id
+        if isinstance(start, (list, tuple)) or (isinstance(start, torch.Tensor) and start.dim() == 1):
+            settings.config.decoder_start_token_id = (
+                start.repeat_interleave(copies) if isinstance(start, torch.Tensor)
+                else [s for s in start for _ in range(copies)])
     inferred_from = None
     if attention_mask is None and not encoder_decoder:  # as HF (decoder-only): padding marked by pad_token_id
         inferred = inferred_attention_mask(input_ids, settings.pad_token_id, settings.eos_token_ids)
@@ -145,9 +151,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
                     shortest=max(real) - 1 if rows is None else None)
-    if not specs[0].encoder_decoder:
-        for m, name in zip(models, ("model", "draft_model")):
-            check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name)
+    encoder_width = None if encoder_input[0] is None or not encoder_decoder else encoder_input[0].shape[1]
+    for m, name in zip(models, ("model", "draft_model")):
+        check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,

@@ -309,3 +309,47 @@ def test_cli_console_command_on_a_t5_pair(t5_dirs):
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert result.returncode == 0, result.stderr
     assert "outputs identical" in result.stdout
+
+
+def test_per_row_decoder_start_ids_follow_their_prompts_copies():
+    """decoder_start_token_id=[one per prompt] with num_return_sequences=3: each prompt's copies start from its own
+    start token, as in model.generate (it was refused: 'has 2 entries for a batch of 6')."""
+    from helpers.models import perturbed
+
+    target = t5()
+    ids, mask = source_batch([6, 4], seed=3)
+    kwargs = dict(attention_mask=mask, do_sample=True, top_k=1, num_return_sequences=3, max_new_tokens=6,
+                  decoder_start_token_id=[0, 7])
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), seed=0, **kwargs)
+    assert torch.equal(got, expected)  # (top_k=1: the sampled continuation is the greedy one)
+
+
+def test_a_learned_position_table_too_short_for_the_request_is_refused_by_name():
+    """BART's learned positions, the decoder's and the encoder's: a draft with a 32-position table and a request
+    past it failed with an IndexError inside the embedding after some iterations (decoder) or in the draft's encoder;
+    the target's table likewise. Refused up front naming the argument, as for decoder-only models."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from helpers.seq2seq_models import VOCAB, _bart_kwargs, bart
+
+    target = bart()  # 256 positions
+    settings = _bart_kwargs(1, 16, VOCAB) | dict(max_position_embeddings=32)
+    torch.manual_seed(5)
+    draft = BartForConditionalGeneration(BartConfig(**settings, bos_token_id=0, pad_token_id=1, eos_token_id=2,
+                                                    decoder_start_token_id=2)).eval()
+    short = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    long = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(draft_model=draft, num_speculative_tokens=3, eos_token_id=None, forced_eos_token_id=None)
+    with pytest.raises(ValueError, match=r"draft_model \(BartForConditionalGeneration\) has a learned position "
+                                         r"table of 32 positions, and this request reaches 40"):
+        sk.generate(target, short, max_new_tokens=40, **kwargs)
+    with pytest.raises(ValueError, match=r"draft_model .* encoder position table of 32 positions, and the encoder "
+                                         r"input is 40 tokens long"):
+        sk.generate(target, long, max_new_tokens=5, **kwargs)
+    with pytest.raises(ValueError, match=r"model \(BartForConditionalGeneration\) has a learned position table of "
+                                         r"256 positions, and this request reaches 300"):
+        sk.generate(target, short, max_new_tokens=300, draft_model=bart(seed=1), eos_token_id=None)
+    expected = target.generate(short, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                               forced_eos_token_id=None)
+    assert torch.equal(sk.generate(target, short, max_new_tokens=30, do_sample=False, **kwargs), expected)
