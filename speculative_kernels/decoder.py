@@ -32,6 +32,7 @@ from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
 from .generation.inputs import check_models
 from .generation.loop import SpeculativeLoop
+from .generation.options import CompileOptions
 from .generation.request import build_loop
 from .generation.stats import SpeculationStats
 
@@ -89,7 +90,8 @@ class SpeculativeDecoder:
     ``add_request``'s batch (``start()`` takes its own): None / "dynamic", or "static" with max_context (the most
     tokens, prompt plus max_new_tokens, of any request): K/V for max_batch_size rows of max_context (plus the
     documented slack) allocated, after a free-memory check, when the batch starts (``docs/batching.md``). compile:
-    False, True or a ``CompileOptions`` (as ``generate``'s): with the static cache, the running batch's target and
+    False, True or a ``CompileOptions`` (as ``generate``'s; ``start()`` takes its own): with the static cache, the
+    running batch's target and
     draft steps are captured (CUDA graphs on a GPU) with automatic dynamic shapes (about three compilations per
     step, whatever max_batch_size is), warmed up at each new batch size before its first step; joining requests are
     prefilled and take their first step eagerly, on their own rows (``docs/batching.md``).
@@ -117,7 +119,8 @@ class SpeculativeDecoder:
 
     def start(self, input_ids: torch.Tensor, **generation_kwargs) -> DecodeSession:
         """Prefill both models for input_ids [B, L] and return the session to ``step``. generation_kwargs:
-        ``generate``'s, ``seed`` included (its random numbers: ``generate``'s docstring), less those the decoder holds
+        ``generate``'s, ``seed`` and ``compile`` included (the session's own; the decoder's ``compile`` is
+        ``add_request``'s batch), less those the decoder holds
         (``DECODER_ARGUMENTS``: tokenizer, num_speculative_tokens, ..., refused by name). A session yields token ids
         (``step``, ``sequences``): an output object, scores, logits or a streamer asked for (as keywords or in a
         ``generation_config`` passed here) are refused by name; the model's own generation_config defaults for them
@@ -134,6 +137,8 @@ class SpeculativeDecoder:
                                  "text, give each row an IncrementalDetokenizer)")
         if config is None:  # (the model's own return_dict_in_generate would have the loop collect scores for nothing)
             generation_kwargs["return_dict_in_generate"] = False
+        if "compile" in generation_kwargs:  # generate's argument (the decoder's own compile= is add_request's batch)
+            generation_kwargs["compile_options"] = CompileOptions.from_argument(generation_kwargs.pop("compile"))
         with torch.inference_mode():
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,

@@ -41,6 +41,10 @@ def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_m
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face model that generates (a PreTrainedModel with a "
                             f"generation_config: ...ForCausalLM, ...ForConditionalGeneration), got {type(m).__name__}")
+    for name, m in zip(names, (model, draft_model)):
+        if m is not None and getattr(m, "dtype", None) == torch.float64:
+            raise ValueError(f"{name} is float64: the verification takes float32, float16 or bfloat16 logits (as "
+                             f"the kernels do); use {name}.float()")
     check_pair(model, draft_model)
     target_device, draft_device = model_device(model, names[0]), model_device(draft_model, names[1])
     if target_device != draft_device:

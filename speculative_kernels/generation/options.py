@@ -57,6 +57,11 @@ class CompileOptions:
     backend: str = "inductor"
     dynamic: bool | None = None
 
+    def __post_init__(self):
+        if self.mode is not None and self.backend != "inductor":  # (torch.compile ignores it there, with a warning)
+            raise ValueError(f"CompileOptions.mode={self.mode!r} applies to the inductor backend only; "
+                             f"backend={self.backend!r} has no modes")
+
     def torch_compile_kwargs(self, device: torch.device, batch_changes: bool = False) -> dict:
         """The ``torch.compile`` keyword arguments on ``device``; batch_changes: the batch size changes between
         calls (continuous batching)."""

@@ -70,6 +70,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     check_token_type("input_ids", input_ids)
     encoder_decoder = model.config.is_encoder_decoder
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
+    cache_given = (kwargs.get("cache_implementation") or getattr(generation_config, "cache_implementation", None)
+                   or None)  # the call's own, as opposed to a checkpoint default (which compile overrides)
     settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model, drafter)
     if settings.prompt_lookup is not None and drafter is not None:
         raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
@@ -120,7 +122,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         warpers = build_warpers(model, plan, width, device)
     else:
         processors = warpers = None
-    static = wants_static(plan, compile_options)
+    static = wants_static(plan, compile_options, cache_given)
     if static_rows is not None and (not static or rows is None):
         raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")
     if joins_captured and (compile_options is not None or not static or rows is None):
@@ -158,7 +160,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
-                               device=device, static_rows=static_rows)
+                               device=device, static_rows=static_rows, captured=compile_options is not None)
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
     encoded = prompt.encode() if encoder_decoder else {}
@@ -203,10 +205,12 @@ def _encoder_prefix(input_ids, attention_mask, device):
     return ids, real
 
 
-def wants_static(plan: Plan, compile_options: CompileOptions | None) -> bool:
+def wants_static(plan: Plan, compile_options: CompileOptions | None, cache_given: str | None = "given") -> bool:
     """Whether the request runs on the static cache: ``cache_implementation="static"`` or compiling (captured steps
-    need the static cache's fixed shapes). Raises ValueError for combinations that cannot work."""
-    if compile_options is not None and plan.cache_implementation == "dynamic":
+    need the static cache's fixed shapes). Raises ValueError for combinations that cannot work. cache_given: the
+    call's own cache_implementation, or None when it is a checkpoint default (a generation_config's "dynamic"
+    yields to compile, as any default yields to an argument)."""
+    if compile_options is not None and plan.cache_implementation == "dynamic" and cache_given is not None:
         raise ValueError("compile=True captures fixed shapes and needs the static cache; "
                          "do not combine it with cache_implementation='dynamic'")
     if plan.cache_implementation != "static" and compile_options is None:

@@ -53,6 +53,50 @@ def test_compiled_greedy_matches_hf_and_reuses_graphs(llama_pair):
     assert stats[0].target_forwards == stats[1].target_forwards > 0  # warm-up forwards are not counted
 
 
+def test_calls_of_other_lengths_reuse_the_compiled_steps(llama_pair):
+    """Prompts of other lengths (and other max_new_tokens) in one bucket of cache sizes reuse the captured steps. Each
+    length compiled them anew (specialised to the cache's slot count), and a process hit dynamo's recompile limit
+    after ~21 lengths with a raw FailOnRecompileLimitHit; the sizes are bucketed now (sizing.captured_capacity)."""
+    target, draft = llama_pair
+    options = TRACE_ONLY if not ON_CUDA else CompileOptions()
+    kwargs = dict(draft_model=draft, num_speculative_tokens=3, do_sample=False, compile=options, pad_token_id=0)
+    sk.generate(target, _prompt(length=5), max_new_tokens=8, **kwargs)
+    graphs = counters["stats"]["unique_graphs"]
+    for length, new in ((6, 8), (9, 8), (14, 12), (20, 10)):
+        ids = _prompt(length=length, seed=length)
+        got = sk.generate(target, ids, max_new_tokens=new, **kwargs)
+        assert torch.equal(got, target.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_settings_that_would_do_nothing_or_come_from_a_checkpoint():
+    """CompileOptions.mode with a backend that has no modes was dropped silently: refused. A checkpoint's
+    cache_implementation="dynamic" (a default) made compile= fail as if the call had asked for both: compile wins.
+    SpeculativeDecoder.start() takes generate's compile= (it was refused as unknown to generate)."""
+    import copy
+
+    with pytest.raises(ValueError, match="CompileOptions.mode='reduce-overhead' applies to the inductor backend"):
+        CompileOptions(backend="aot_eager", mode="reduce-overhead")
+    target = llama()
+    model = copy.deepcopy(target)
+    model.generation_config.cache_implementation = "dynamic"
+    ids = _prompt()
+    expected = target.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = sk.generate(model, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=6, do_sample=False,
+                      pad_token_id=0, compile=TRACE_ONLY)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="needs the static cache"):
+        sk.generate(model, ids, draft_model=target, max_new_tokens=6, cache_implementation="dynamic",
+                    compile=TRACE_ONLY)
+    session = sk.SpeculativeDecoder(target, target, num_speculative_tokens=2).start(
+        ids, max_new_tokens=6, do_sample=False, pad_token_id=0, compile=TRACE_ONLY)
+    assert session._loop._captured
+    emitted = []
+    while not session.finished:
+        emitted += session.step()[0]
+    assert emitted == expected[0, ids.shape[1]:].tolist()
+
+
 def test_compiled_sampling_matches_eager_static(llama_pair):
     target, draft = llama_pair
     ids = _prompt(seed=2)

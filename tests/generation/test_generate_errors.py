@@ -277,3 +277,16 @@ def test_a_request_past_a_learned_position_table_is_refused_by_name():
     decoder.step()
     result = decoder.result(request_id)
     assert result.finish_reason == "error" and "learned position table of 16" in result.error
+
+
+def test_a_float64_model_is_refused_up_front():
+    """float64 target or draft: the verification takes float32/float16/bfloat16 logits; it failed after the prefill
+    with a message about an internal drafter's output."""
+    from helpers.models import llama
+
+    target = llama()
+    for kwargs in (dict(model=llama().double(), draft_model=target), dict(model=target, draft_model=llama().double())):
+        name = "draft_model" if kwargs["draft_model"] is not target else "model"
+        with pytest.raises(ValueError, match=f"{name} is float64"):
+            sk.generate(kwargs["model"], torch.tensor([[5, 6, 7]]), draft_model=kwargs["draft_model"],
+                        max_new_tokens=4)

@@ -13,6 +13,10 @@ from .protocol import CapturableRunner
 # each model, width and batch size is an entry. Raise the per-code limit (default 8), and fail instead of silently
 # running eager past it.
 _DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+# what dynamo raises there (named FailOnCacheLimitHit in older torch)
+_LIMIT_HIT = tuple(error for error in (getattr(torch._dynamo.exc, name, None)
+                                       for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit"))
+                   if isinstance(error, type))
 
 
 def dynamo_limits():
@@ -43,7 +47,15 @@ def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
     torch.compiler.cudagraph_mark_step_begin()
     fresh = torch.contiguous_format
     with dynamo_limits():
-        out = compiled(*(t.clone(memory_format=fresh) for t in inputs))
+        try:
+            out = compiled(*(t.clone(memory_format=fresh) for t in inputs))
+        except _LIMIT_HIT as error:
+            raise RuntimeError(
+                f"compile=True: this process has compiled the captured decoding steps for "
+                f"{_DYNAMO_LIMITS['recompile_limit']} shapes already (each model, batch size, gamma and cache size "
+                "bucket is one), dynamo's limit for them; call torch._dynamo.reset() to drop the compiled steps, or "
+                "vary fewer of those between calls (a SpeculativeDecoder with a fixed max_context serves requests "
+                "of any length with one set)") from error
     return out.clone()
 
 

@@ -11,7 +11,7 @@ from ..options import BatchingOptions, StaticRows
 from .decoder import DecoderRunner
 from .protocol import Runner
 from .seq2seq import Seq2SeqRunner
-from .sizing import static_capacity, static_memory_bytes
+from .sizing import captured_capacity, static_capacity, static_memory_bytes
 from .slot_cache import CacheLayout
 from .static_decoder import StaticDecoderRunner
 from .static_seq2seq import StaticSeq2SeqRunner
@@ -38,11 +38,13 @@ class RunnerPlan:
 
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
-                 device: torch.device, static_rows: StaticRows | None = None) -> RunnerPlan:
+                 device: torch.device, static_rows: StaticRows | None = None, captured: bool = False) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
     hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
     specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
-    width; static_rows: allocate the static caches for that many rows of that context (rows joining in place)."""
+    width; static_rows: allocate the static caches for that many rows of that context (rows joining in place);
+    captured: the steps will be compiled (the capacity is bucketed, ``sizing.captured_capacity``, so that calls of
+    other lengths reuse the compiled steps)."""
     if not static:
         return RunnerPlan(False, batch, slots, 0, 0, batching, device)
     encoder_decoder = specs[0].encoder_decoder
@@ -55,6 +57,8 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
         rows, prompt_width, max_new_tokens = static_rows.rows, static_rows.max_context, 0
     # Encoder-decoder rows stay hole-free (no compaction, no slack): the longest row plus one iteration.
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else rows, batching.slack)
+    if captured and static_rows is None:  # (continuous batching: sized once per decoder, by max_context)
+        capacity = captured_capacity(capacity)
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, rows, capacity, gamma)
     what = "the static decoder caches" if encoder_decoder else "the static caches"

@@ -20,6 +20,15 @@ def static_capacity(prompt_width: int, max_new_tokens: int, gamma: int, batch: i
     return minimum if batch == 1 else minimum + math.ceil(slack * minimum)
 
 
+def captured_capacity(capacity: int) -> int:
+    """``capacity`` rounded up to a bucket, for captured steps (``compile=True``): they are specialised to the cache's
+    slot count, so every new prompt length or max_new_tokens would compile them again (and dynamo's per-function
+    limit ends a process's compiled calls after a few dozen). Buckets are multiples of a quarter of the capacity's
+    power of two (at least 64 slots): at most 25 % more slots, four buckets per doubling of the length."""
+    quantum = max(64, 1 << max(0, capacity.bit_length() - 3))
+    return -(-capacity // quantum) * quantum
+
+
 def static_memory_bytes(layouts: list[CacheLayout], batch: int, capacity: int, gamma: int) -> dict:
     """Bytes the static path allocates beyond the models: K/V caches, slot masks, and the largest per-forward mask."""
     caches = sum(layout.bytes(batch, capacity) for layout in layouts)
