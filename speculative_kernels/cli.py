@@ -99,10 +99,12 @@ def run_generate(args) -> int:
     if not identical and not args.temperature:
         step = next((i for i, (a, b) in enumerate(zip(new_tokens, base_tokens)) if a != b),
                     min(len(new_tokens), len(base_tokens)))
+        at_step = (new_tokens[step] if step < len(new_tokens) else None,
+                   base_tokens[step] if step < len(base_tokens) else None)
         print(describe_difference(
             step, lambda **extra: generate(target, input_ids, backend=args.backend, seed=args.seed, **drafting,
                                            **{**kwargs, **extra}),
-            lambda **extra: target.generate(input_ids, **{**kwargs, **extra}), target.dtype))
+            lambda **extra: target.generate(input_ids, **{**kwargs, **extra}), target.dtype, at_step))
     return 0 if identical or args.temperature > 0 else 1
 
 
@@ -122,23 +124,32 @@ def speculation_figures(stats, gamma_auto: bool) -> str:
     return text
 
 
-def describe_difference(step: int, ours, reference, dtype) -> str:
+def describe_difference(step: int, ours, reference, dtype, tokens: tuple[int, int] | None = None) -> str:
     """Where two greedy outputs of one prompt part (new token ``step``), and what the target's logits there say.
 
     ours / reference: ``fn(**generate_kwargs)`` re-running ``speculative_kernels.generate`` / ``model.generate`` on
-    the prompt; both are run again for ``step + 1`` tokens with ``output_logits=True`` (same prefix up to ``step``).
-    Reports each side's preference for its own token and how far apart the two computations of that position's
-    logits are, in units of ``dtype``'s (the model's) rounding at the logits' scale: a few units is the model's own
-    rounding deciding a near-tie (a multi-token verification forward rounds differently from a one-token step in
-    half precision: docs/half_precision.md); far more is a defect."""
+    the prompt; both are run again as they ran (same lengths: a shorter run drafts fewer tokens near its end, so its
+    verification forwards, and in half precision their rounding, would differ) with ``output_logits=True``.
+    tokens: (ours, model.generate's) token at ``step`` in the runs being explained; a re-run that does not reproduce
+    them is said so. Reports each side's preference for its own token and how far apart the two computations of
+    that position's logits are, in units of ``dtype``'s (the model's) rounding at the logits' scale: a few units is
+    the model's own rounding deciding a near-tie (a multi-token verification forward rounds differently from a
+    one-token step in half precision: docs/half_precision.md); far more is a defect."""
     import torch
 
-    extra = dict(max_new_tokens=step + 1, output_logits=True, return_dict_in_generate=True)
+    extra = dict(output_logits=True, return_dict_in_generate=True)
     got, expected = ours(**extra), reference(**extra)
     if len(got.logits) <= step or len(expected.logits) <= step:
         return f"the outputs differ in length from new token {step} (one side stopped there)"
     mine, theirs = got.logits[step][0], expected.logits[step][0]
-    token, their_token = int(mine.argmax()), int(theirs.argmax())
+    # the tokens each run emitted there (its new tokens are the last len(logits) of its sequence)
+    token, their_token = (int(run.sequences[0, run.sequences.shape[1] - len(run.logits) + step])
+                          for run in (got, expected))
+    if tokens is not None and (token, their_token) != tuple(tokens):
+        return (f"first difference at new token {step}: ours {tokens[0]}, model.generate {tokens[1]}; re-run with "
+                f"output_logits to explain it, they emitted {token} and {their_token} there instead, so this "
+                "difference does not reproduce (a nondeterministic kernel?); compare the runs' logits yourself "
+                "(generate(..., output_logits=True, return_dict_in_generate=True))")
     mine64, theirs64 = mine.double(), theirs.double()
     spread = (mine64 - theirs64).abs().max().item()
     scale = theirs64.abs().max().item()

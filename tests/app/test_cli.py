@@ -212,21 +212,27 @@ def test_describe_difference_reports_the_near_tie():
     from speculative_kernels.cli import describe_difference
 
     def run(last):
-        def fn(max_new_tokens, output_logits, return_dict_in_generate):
-            assert output_logits and return_dict_in_generate and max_new_tokens == 3
-            return types.SimpleNamespace(logits=[torch.zeros(1, 4, dtype=torch.bfloat16)] * 2 + [last[None]])
+        def fn(output_logits, return_dict_in_generate):  # (re-run as the run was: no shorter max_new_tokens)
+            assert output_logits and return_dict_in_generate
+            sequence = torch.tensor([[5, 3, 3, int(last.argmax())]])  # a prompt token, then the 3 new ones
+            return types.SimpleNamespace(logits=[torch.zeros(1, 4, dtype=torch.bfloat16)] * 2 + [last[None]],
+                                         sequences=sequence)
         return fn
 
     ours = torch.tensor([8.0, 1.0, 8.0625, 0.0], dtype=torch.bfloat16)  # prefers token 2 by one bf16 step
     theirs = torch.tensor([8.0625, 1.0, 8.0, 0.0], dtype=torch.bfloat16)
-    text = describe_difference(2, run(ours), run(theirs), torch.bfloat16)
+    text = describe_difference(2, run(ours), run(theirs), torch.bfloat16, (2, 0))
     assert "new token 2: ours 2, model.generate 0" in text
     assert "prefer its token by 0.0625" in text and "ours prefer ours by 0.0625" in text
     # spread 0.0625 at scale 8.0625: bf16's rounding there is 2**-8 * 8.0625 = 0.0315 -> 2.0 roundings
     assert "differ by up to 0.0625 = 2.0 x torch.bfloat16's rounding" in text
+    # a re-run that does not emit the tokens being explained is said so, not described as if it did (a re-run
+    # shortened to step + 1 tokens used to draft fewer tokens there and could round the other way in half precision)
+    text = describe_difference(2, run(theirs), run(theirs), torch.bfloat16, (2, 0))
+    assert "does not reproduce" in text and "exact tie" not in text
 
-    def short(max_new_tokens, output_logits, return_dict_in_generate):
-        return types.SimpleNamespace(logits=[torch.zeros(1, 4)])
+    def short(output_logits, return_dict_in_generate):
+        return types.SimpleNamespace(logits=[torch.zeros(1, 4)], sequences=torch.tensor([[5, 1]]))
 
     assert "differ in length" in describe_difference(2, short, run(theirs), torch.float32)
 
