@@ -546,7 +546,7 @@ class SpeculativeLoop:
 
     def _bad_proposal_reason(self, b: int) -> str | None:
         """Why row b's proposal was flagged (``proposal.py``), or None (not flagged, or a trusted drafter)."""
-        if self._proposal is None or self.gamma == 0:
+        if self._proposal is None:
             return None
         tokens, logits, num_draft, bad = self._proposal
         if not bool(bad[b]):

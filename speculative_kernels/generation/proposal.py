@@ -13,7 +13,7 @@ accepted.
 
 import torch
 
-LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ..ops.validation import LOGIT_DTYPES, indexed_device
 
 
 def drafter_name(drafter) -> str:
@@ -40,12 +40,8 @@ def check_proposal(drafter, tokens, logits, num_draft, *, batch: int, gamma: int
         if tuple(value.shape) != shape or value.dtype not in dtypes:
             raise ValueError(f"{where} returned {name} of shape {tuple(value.shape)} and dtype {value.dtype}; it "
                              f"must be {what}, shape {list(shape)} here (B = {batch}, gamma = {gamma}, V = {vocab})")
-        if not _same_device(value.device, torch.device(device)):
+        if value.device != indexed_device(device):
             raise ValueError(f"{where} returned {name} on {value.device}; the target runs on {device}")
-
-
-def _same_device(got: torch.device, want: torch.device) -> bool:
-    return got.type == want.type and (want.index is None or got.index is None or got.index == want.index)
 
 
 def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: torch.Tensor | None,

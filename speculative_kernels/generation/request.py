@@ -70,8 +70,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     check_token_type("input_ids", input_ids)
     encoder_decoder = model.config.is_encoder_decoder
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
-    cache_given = (kwargs.get("cache_implementation") or getattr(generation_config, "cache_implementation", None)
-                   or None)  # the call's own, as opposed to a checkpoint default (which compile overrides)
+    # the call's own cache_implementation, as opposed to a checkpoint default (which compile overrides)
+    cache_given = bool(kwargs.get("cache_implementation") or getattr(generation_config, "cache_implementation", None))
     settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model, drafter)
     if settings.prompt_lookup is not None and drafter is not None:
         raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
@@ -205,12 +205,12 @@ def _encoder_prefix(input_ids, attention_mask, device):
     return ids, real
 
 
-def wants_static(plan: Plan, compile_options: CompileOptions | None, cache_given: str | None = "given") -> bool:
+def wants_static(plan: Plan, compile_options: CompileOptions | None, cache_given: bool = True) -> bool:
     """Whether the request runs on the static cache: ``cache_implementation="static"`` or compiling (captured steps
     need the static cache's fixed shapes). Raises ValueError for combinations that cannot work. cache_given: the
-    call's own cache_implementation, or None when it is a checkpoint default (a generation_config's "dynamic"
+    call passed cache_implementation (False: a checkpoint default, and a generation_config's "dynamic" then
     yields to compile, as any default yields to an argument)."""
-    if compile_options is not None and plan.cache_implementation == "dynamic" and cache_given is not None:
+    if compile_options is not None and plan.cache_implementation == "dynamic" and cache_given:
         raise ValueError("compile=True captures fixed shapes and needs the static cache; "
                          "do not combine it with cache_implementation='dynamic'")
     if plan.cache_implementation != "static" and compile_options is None:
