@@ -418,7 +418,9 @@ def render(rows, version: str) -> str:
         "* **ALiBi from the mask** (Bloom, Falcon with `alibi=True`): they get the 2-D slot mask, from which they "
         "build per-row ALiBi over real positions and their causal mask. Every path.",
         "* **Positions from cache slots** (no `position_ids`: BART-style decoders used alone, MPT's ALiBi over key "
-        "slots, ...): exact at batch 1 (no holes); batch > 1 is refused, since rejected drafts leave holes.",
+        "slots, ...; Llama 4's NoPE layers with attention temperature tuning, which scale queries by the cache's "
+        "length, when `attention_chunk_size=None` makes every layer full attention): exact at batch 1 (no holes); "
+        "batch > 1 is refused, since rejected drafts leave holes.",
         "* **Recurrent, conv/SSM and hybrid models** (Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, LFM2, Jamba, "
         "Qwen3-Next, ...) and cache-less ones (OpenAI-GPT): refused. A conv/SSM state folds in every token, so a "
         "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
@@ -437,7 +439,9 @@ def render(rows, version: str) -> str:
         "* **Positions the model numbers itself** (Kosmos-2.5: its `prepare_inputs_for_generation` drops "
         "`position_ids`, and its forward counts positions from `padding_idx + 1` over the input ids, pad tokens "
         "skipped, plus the cache length): refused, since the runners pass explicit position ids, which such a forward "
-        "reads as other rows of its table.",
+        "reads as other rows of its table. The same rule in a forward that takes no `position_ids` (TrOCR's decoder "
+        "with `use_learned_position_embeddings=False`, as its checkpoints set it): refused on every path, since a pad "
+        "id inside a forward over several tokens shifts every later position, unlike in a one-token step.",
         "* **Classes with a generate() of their own** (MusicGen's codebook delay pattern, SeamlessM4T's target "
         "language, Granite Speech with PEFT adapters loaded): refused, naming the override, since "
         "`speculative_kernels.generate` would skip its extra steps. Overrides that only route audio inputs are "

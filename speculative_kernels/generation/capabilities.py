@@ -271,10 +271,10 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     four_d = _four_d_masks(model, name, path)
     model_type = getattr(config, "model_type", "")
     alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
-    if model_type == "mpt" or "alibi" in model_type:
-        alibi_slots = True
-    else:
-        alibi_slots = False
+    # (MPT's ALiBi is an attn_config setting; with it off, MPT has no position signal and is refused below for taking
+    # no position_ids)
+    alibi_slots = "alibi" in model_type or (
+        model_type == "mpt" and bool(getattr(getattr(config, "attn_config", None), "alibi", True)))
     if path != "dynamic" and not four_d:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; the static cache passes explicit "
                             f"4-D masks, which only {FOUR_D_ATTENTION} take")
@@ -299,6 +299,11 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         why = "ALiBi from key slot indices" if alibi_slots else "its forward takes no position_ids"
         _refuse(name, path, f"it derives positions from cache slots ({why}); rejected drafts leave holes in a batch, "
                             "so only batch size 1 is exact")
+    scaled = _scales_by_cache_length(model)
+    if batch > 1 and scaled:
+        _refuse(name, path, f"{scaled} scales its queries by the cache's length (cache.get_seq_length(), Llama 4's "
+                            "attention temperature tuning on its NoPE layers), not by position; rejected drafts leave "
+                            "holes in a batch, so only batch size 1 is exact")
     slot_window = _slot_window(config)
     if slot_window is not None and (batch > 1 or path != "dynamic"):
         _refuse(name, path, f"its local attention layers apply window_size={slot_window} over cache slots (a causal "
@@ -309,6 +314,43 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         return ModelSpec(name, mask="2d", kv_sizes=sizes, cache_argument=cache_arg)
     return ModelSpec(name, mask="4d-by-layer-type" if mixed else "4d", sliding_window=window, kv_sizes=sizes,
                      cache_argument=cache_arg, window_applied=window is None or window_applied)
+
+
+# An attention forward that reads its layer's cache length (Llama 4's NoPE layers with attention temperature tuning:
+# ``positions = arange(q_len) + cache.get_seq_length(self.layer_idx)``).
+_CACHE_LENGTH_IN_ATTENTION = re.compile(r"get_seq_length\(\s*self\.layer_idx")
+
+
+def _scales_by_cache_length(model) -> str | None:
+    """The class name of an attention module whose forward reads its layer's cache length as the position of its
+    queries, or None. At batch 1 our rolled-back cache holds as many slots as HF's, so the length is the position;
+    in a batch, rejected drafts leave holes, so a row's length runs ahead of its position. Llama 4 reads it only on
+    NoPE layers (``use_rope`` False) with ``attn_temperature_tuning``; other modules that read it count."""
+    for module in model.modules():
+        if not _CACHE_LENGTH_IN_ATTENTION.search(_source(type(module).forward)):
+            continue
+        if hasattr(module, "attn_temperature_tuning") and hasattr(module, "use_rope"):
+            if not module.attn_temperature_tuning or module.use_rope:
+                continue
+        return type(module).__name__
+    return None
+
+
+def _input_id_positions_reason(model) -> str | None:
+    """Why a decoder whose forward takes no ``position_ids`` and derives them from the input ids is ruled out, or
+    None: fairseq's rule (``create_position_ids_from_input_ids``: pad ids get no position of their own, later tokens
+    one less each; TrOCR with ``use_learned_position_embeddings=False``). In a one-token step a pad id's slot still
+    counts (the cache length), in a forward over several tokens it does not, so a pad id in the prompt or among the
+    verified tokens (the model can generate it) shifts every later position."""
+    if "position_ids" in _parameters(model):
+        return None
+    for module in model.modules():
+        if "create_position_ids_from_input_ids" in vars(type(module)) and \
+                type(module).__module__.startswith("transformers.models."):
+            return (f"its {type(module).__name__} derives positions from the input ids, skipping pad ids "
+                    "(create_position_ids_from_input_ids), and its forward takes no position_ids: a pad id in a "
+                    "forward over several tokens shifts every later position, unlike in a one-token step")
+    return None
 
 
 def _slot_window(config) -> int | None:
@@ -555,7 +597,8 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
         return _check_encoder_decoder(model, path)
-    reason = _bidirectional_reason(model) or _prefix_lm_reason(model) or _two_d_mask_reason(model)
+    reason = (_bidirectional_reason(model) or _prefix_lm_reason(model) or _two_d_mask_reason(model)
+              or _input_id_positions_reason(model))
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     spec = _check_decoder_only(model, path, batch)

@@ -263,6 +263,88 @@ def test_multimodal_models_in_continuous_batching(make):
         assert decoder.result(request).token_ids == expected[0, len(prompt) :].tolist()
 
 
+def _llama4_nope(**overrides):
+    """Llama 4 text without chunked attention (every layer full attention), its second layer NoPE with attention
+    temperature tuning (floor_scale shrunk from 8192 so that the scale steps within a short request)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    settings = dict(intermediate_size_mlp=64, head_dim=8, attention_chunk_size=None, no_rope_layers=[1, 0],
+                    floor_scale=4, attn_scale=0.5, num_local_experts=2, interleave_moe_layer_step=1)
+    config = Llama4TextConfig(**SIZES, **{**settings, **overrides})
+    return _build(Llama4ForCausalLM, config)
+
+
+def test_queries_scaled_by_the_cache_length_are_exact_at_batch_one_only(monkeypatch):
+    """Llama 4's NoPE layers with attention temperature tuning scale queries by cache.get_seq_length() (slots), not
+    by position. Released checkpoints chunk their attention (refused), but attention_chunk_size=None made every layer
+    full attention and the model was accepted everywhere: in a batch, rejected drafts leave holes, the slot count runs
+    ahead of the position, and the padded batch gave other tokens than model.generate, silently (also in continuous
+    batching). Batch 1 is exact; batch > 1 and add_request are refused by name; without temperature tuning the batch
+    is exact."""
+    from speculative_kernels.generation import capabilities
+
+    model = _llama4_nope(initializer_range=0.2)  # larger logits: the scales' effect shows above rounding
+    if "chunked_attention" in model.config.layer_types:  # (transformers < 5.2x, whose own generate then fails)
+        pytest.skip("this transformers builds chunked layers without attention_chunk_size")
+    for path in ("dynamic", "static"):
+        _check_exact(model, batch=1, path=path)
+        _check_refused_up_front(model, r"scales its queries by the cache's length.*only batch size 1",
+                                path=path, monkeypatch=monkeypatch)
+    decoder = sk.SpeculativeDecoder(model, perturbed(model, 0.3), num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="Llama4ForCausalLM.*scales its queries by the cache's length"):
+        decoder.add_request(torch.arange(3, 13), max_new_tokens=10, do_sample=False)
+    _check_exact(_llama4_nope(attn_temperature_tuning=False), batch=2)
+    # what the refusal prevents: other logits in the batch (by ~0.1 of 4; rounding is ~1e-6)
+    monkeypatch.setattr(capabilities, "_scales_by_cache_length", lambda model: None)
+    ids, mask = _batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(ids, **kwargs).logits
+    got = sk.generate(model, ids, draft_model=perturbed(model, 0.3), num_speculative_tokens=3, **kwargs).logits
+    assert max((a - b).abs().max().item() for a, b in zip(expected, got)) > 1e-2
+
+
+def test_mpt_without_alibi_is_refused_for_what_it_lacks(monkeypatch):
+    """MPT with attn_config.alibi=False has no position signal at all: its batch refusal named ALiBi."""
+    config = MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0, attn_config={"alibi": False})
+    model = _build(MptForCausalLM, config)
+    _check_exact(model, batch=1, noise=None)
+    _check_refused_up_front(model, r"\(its forward takes no position_ids\).*only batch size 1", monkeypatch=monkeypatch)
+
+
+def test_positions_counted_from_the_input_ids_without_position_ids_are_refused(monkeypatch):
+    """TrOCR's decoder with use_learned_position_embeddings=False (as released TrOCR checkpoints set it) numbers
+    positions from the input ids with pad ids skipped and takes no position_ids: a pad id inside a forward over
+    several tokens shifts every later position, unlike a one-token step. A prompt holding the pad id gave another
+    first token than model.generate, silently; a generated pad id, other logits. Refused on every path and batch;
+    learned positions (slot-based) stay exact at batch 1."""
+    from transformers import TrOCRConfig, TrOCRForCausalLM
+
+    from speculative_kernels.generation import capabilities
+
+    def trocr(learned: bool):
+        config = TrOCRConfig(vocab_size=97, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                             decoder_ffn_dim=64, max_position_embeddings=256, init_std=0.2,
+                             use_learned_position_embeddings=learned, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             decoder_start_token_id=1)
+        return _build(TrOCRForCausalLM, config, seed=2)
+
+    model = trocr(learned=False)
+    for path in ("dynamic", "static"):
+        for batch in (1, 2):
+            _check_refused_up_front(model, "derives positions from the input ids, skipping pad ids", batch=batch,
+                                    path=path, monkeypatch=monkeypatch)
+    _check_exact(trocr(learned=True), batch=1)
+    # what the refusal prevents: a prompt holding the pad id (attention mask 1)
+    monkeypatch.setattr(capabilities, "_input_id_positions_reason", lambda model: None)
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    ids[0, 6] = 0
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    got = sk.generate(model, ids, draft_model=perturbed(model, 0.3), num_speculative_tokens=3, **kwargs)
+    assert not torch.equal(got, model.generate(ids, **kwargs))
+
+
 def test_models_deriving_positions_from_input_ids_are_refused(monkeypatch):
     """Kosmos-2.5's prepare_inputs_for_generation drops position_ids, so in HF's generate its forward numbers the
     positions itself (from padding_idx + 1, pad tokens skipped); ours passed explicit 0-based position ids, which it
