@@ -194,10 +194,11 @@ class ContinuousBatcher:
         check_window_applied(self._target_spec, len(prompt) + plan.max_new_tokens - 1)
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
-        if plan.cache_implementation is not None:
+        decoders_cache = "static" if self.static_rows is not None else "dynamic"
+        if plan.cache_implementation not in (None, decoders_cache):  # (one the decoder already uses is what it asks)
             raise ValueError(f"cache_implementation={plan.cache_implementation!r} (from the model's generation config) "
-                             "is not supported by add_request: the decoder's caches are chosen once, "
-                             "SpeculativeDecoder(..., cache_implementation='static', max_context=N)")
+                             f"is not the decoder's ({decoders_cache!r}), and add_request cannot change it: the "
+                             "decoder's caches are chosen once, SpeculativeDecoder(..., cache_implementation=...)")
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
                              f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")

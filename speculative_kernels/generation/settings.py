@@ -521,9 +521,14 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
         raise TypeError(f"prefix_allowed_tokens_fn must be callable (batch_id, input_ids) -> list of token ids, got "
                         f"{type(prefix_allowed_tokens_fn).__name__}")
-    for name in ("synced_gpus", "negative_prompt_ids", "negative_prompt_attention_mask"):
-        if kwargs.pop(name, None) is not None:
+    for name, off in (("synced_gpus", (None, False)), ("negative_prompt_ids", (None,)),
+                      ("negative_prompt_attention_mask", (None,))):
+        if kwargs.get(name) not in off:  # (synced_gpus=False: a single process, HF's default)
             raise ValueError(f"{name} is not supported by speculative_kernels.generate")
+        kwargs.pop(name, None)
+    # HF's generate reads trust_remote_code only to load a custom_generate (refused below), and drops it otherwise
+    if not isinstance(kwargs.pop("trust_remote_code", None), (bool, type(None))):
+        raise TypeError("trust_remote_code must be a bool or None")
     for name in ("past_key_values", "cache", "cache_params"):  # transformers 5.24 names it cache (older: the others)
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} (a cache of the prompt's first tokens, as model.generate takes) is not "
@@ -563,7 +568,9 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
 
     warping = False
     if config.do_sample:
-        sampling = Sampling(*check_sampling_params(config.temperature, config.top_k or 0, config.top_p))
+        # (temperature=None: HF applies no temperature warper, i.e. 1.0; top_k=None: no top-k)
+        temperature = 1.0 if config.temperature is None else config.temperature
+        sampling = Sampling(*check_sampling_params(temperature, config.top_k or 0, config.top_p))
         if sampling.temperature == 0.0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")
         warping = bool(warper_fields_set(config)) or config.watermarking_config is not None

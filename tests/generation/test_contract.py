@@ -465,3 +465,56 @@ def test_a_mask_value_other_than_0_or_1_is_refused_where_model_generate_differs(
                            target.generate(ids, attention_mask=mask, **kwargs))
     with pytest.raises(ValueError, match="attention_mask must hold only 0 and 1, got -1"):
         sk.generate(target, ids, attention_mask=odd, draft_model=draft, **kwargs)
+
+
+# ---- HF's "off" values, accepted as HF accepts them -----------------------------------------------------------------
+def test_temperature_none_samples_at_temperature_one(pair):
+    """HF applies no temperature warper for temperature=None (a script passing an unset args.temperature): sampling
+    at 1.0. Ours refused it with a TypeError; it now draws the very tokens temperature=1.0 draws, in generate and
+    add_request."""
+    target, draft = pair
+    kwargs = dict(draft_model=draft, max_new_tokens=10, do_sample=True, top_k=0, seed=3)
+    assert torch.equal(sk.generate(target, P, temperature=None, **kwargs),
+                       sk.generate(target, P, temperature=1.0, **kwargs))
+    results = []
+    for temperature in (None, 1.0):
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+        request = decoder.add_request(P[0], max_new_tokens=10, do_sample=True, top_k=0, temperature=temperature, seed=3)
+        while decoder.result(request).finish_reason is None:
+            decoder.step()
+        results.append(decoder.result(request).token_ids)
+    assert results[0] == results[1]
+
+
+def test_synced_gpus_false_and_trust_remote_code_are_taken_as_hf_takes_them(pair):
+    """synced_gpus=False (a single process, HF's default) was refused like True; trust_remote_code, which HF's
+    generate reads only to load a custom_generate, was refused as an unknown keyword."""
+    target, draft = pair
+    expected = hf_generate(target, P, max_new_tokens=8)
+    for extra in ({"synced_gpus": False}, {"trust_remote_code": True}, {"trust_remote_code": False}):
+        assert torch.equal(sk.generate(target, P, draft_model=draft, max_new_tokens=8, do_sample=False, **extra),
+                           expected)
+    with pytest.raises(ValueError, match="synced_gpus is not supported"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=8, synced_gpus=True)
+    with pytest.raises(TypeError, match="trust_remote_code must be a bool"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=8, trust_remote_code="yes")
+
+
+def test_add_request_takes_a_checkpoints_cache_implementation_that_is_the_decoders(pair):
+    """A checkpoint's cache_implementation='dynamic' (HF's default) or 'static' on a static decoder asks for the cache
+    the decoder already uses: add_request refused both. Another one is still refused, naming the decoder's."""
+    target, draft = pair
+    target = llama()  # (its own generation_config, changed below)
+    expected = hf_generate(target, P, max_new_tokens=8)[0, P.shape[1]:].tolist()
+    for implementation, decoder_kwargs in (("dynamic", {}),
+                                           ("static", dict(cache_implementation="static", max_context=32))):
+        target.generation_config.cache_implementation = implementation
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3, **decoder_kwargs)
+        request = decoder.add_request(P[0], max_new_tokens=8, do_sample=False)
+        while decoder.result(request).finish_reason is None:
+            decoder.step()
+        assert decoder.result(request).token_ids == expected
+    target.generation_config.cache_implementation = "static"
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"cache_implementation='static' .* is not the decoder's \('dynamic'\)"):
+        decoder.add_request(P[0], max_new_tokens=8, do_sample=False)
