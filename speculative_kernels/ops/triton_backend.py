@@ -169,6 +169,8 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
     params = sampling.rows
     batch, num_positions, vocab = target.shape
     num_draft = num_positions - 1
+    if num_draft == 0:  # no draft position: q is never read (the race kernel would read the draft's cut at -1)
+        draft = None
     device = target.device
     plan = make_plan(batch, num_positions, vocab, tuning)
     precise = precise_math(device)

@@ -290,3 +290,20 @@ def test_vocabulary_of_one(name):
             assert (n == k).all() and (out == 0).all()
             _assert_same((out, n), verify_reference(target, draft, tokens, sampling, randomness))
         assert (sample(target[:, 0], sampling, randomness) == 0).all()
+
+
+# ---- no draft position ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["cuda", "triton"] if ON_CUDA else ["triton"])
+def test_no_draft_position_with_an_empty_draft(name):
+    """K = 0 with a draft tensor [B, 0, V] (the backends' own entry points take it; ops.verify refuses K < 1): only
+    the bonus token, drawn from p. With a top-k/top-p cut the Triton race read the draft's cut at index -1 (a
+    segfault under the interpreter, an illegal address on a GPU); q is never read there."""
+    verify, _ = _backend(name)
+    batch, vocab = 2, 16
+    target = torch.randn(batch, 1, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    draft = torch.empty(batch, 0, vocab, device=DEVICE)
+    tokens = torch.empty(batch, 0, dtype=torch.int64, device=DEVICE)
+    randomness = _randomness(batch)
+    for sampling in (GREEDY, Sampling(1.0, 4, 1.0), Sampling(0.8, 0, 0.6)):
+        _assert_same(verify(target, draft, tokens, sampling, randomness),
+                     verify_reference(target, draft, tokens, sampling, randomness))
