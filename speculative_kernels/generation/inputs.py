@@ -64,6 +64,8 @@ def check_token_type(name: str, ids) -> None:
     """TypeError unless ``ids`` is None or a tensor (a list of lists is the usual mistake)."""
     if ids is not None and not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids [batch, length], got {type(ids).__name__}")
+    if ids is not None and ids.dim() >= 2 and ids.shape[0] == 0:  # (a [B, 0] prompt starts from BOS; 0 rows: none)
+        raise ValueError(f"{name} has no rows (shape {tuple(ids.shape)}): pass at least one prompt")
 
 
 def token_tensor(name: str, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -159,6 +161,7 @@ def _bos_batch(attention_mask) -> int:
     row of the mask (its batch size) and keeps the mask, which fits a [B, 1] mask of ones only; anything else is
     refused by name."""
     if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.shape[1] != 1
+            or attention_mask.shape[0] == 0
             or not bool((attention_mask != 0).all())):
         raise ValueError(f"attention_mask without input_ids must be [batch, 1] ones (one BOS token per row, as in "
                          f"transformers), got {getattr(attention_mask, 'shape', attention_mask)}; pass input_ids")

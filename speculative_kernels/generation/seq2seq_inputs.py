@@ -88,7 +88,7 @@ def _decoder_prompt(config, decoder_ids, decoder_mask, batch: int, device):
     if not isinstance(decoder_ids, torch.Tensor) or decoder_ids.dim() != 2 or decoder_ids.shape[0] != batch:
         raise ValueError(f"decoder_input_ids must be a [{batch}, length] tensor, got "
                          f"{getattr(decoder_ids, 'shape', decoder_ids)}")
-    decoder_ids = decoder_ids.to(device=device, dtype=torch.int64)
+    decoder_ids = token_tensor("decoder_input_ids", decoder_ids, device)  # (floats were truncated to ids)
     if decoder_mask is None:
         decoder_mask = torch.ones_like(decoder_ids)
     decoder_mask = mask_tensor("decoder_attention_mask", decoder_mask, decoder_ids.shape, device,

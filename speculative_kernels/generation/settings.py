@@ -560,6 +560,9 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         config.max_new_tokens = 0
     _check_refused(config)
     model_kwargs.pop("use_cache", None)
+    # None is "not given" to HF's generate (its unused-keyword check skips None values: inputs_embeds=None,
+    # past_key_values=None as a continue-generation recipe passes our output's)
+    model_kwargs = {name: value for name, value in model_kwargs.items() if value is not None}
     if model_kwargs:
         hints = [_MODEL_INPUT_HINTS[name] for name in sorted(model_kwargs) if name in _MODEL_INPUT_HINTS]
         hint = "".join(f"; {h}" for h in dict.fromkeys(hints))

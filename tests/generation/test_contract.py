@@ -321,6 +321,12 @@ GENERATE_ROWS = [
     ("prompt_lookup_num_tokens with a draft", dict(prompt_lookup_num_tokens=3), ValueError,
      "pass either draft_model \\(or assistant_model\\) / drafter= or prompt_lookup_num_tokens, not both"),
     ("max_new_tokens=inf", dict(max_new_tokens=float("inf")), ValueError, "max_new_tokens must be finite"),
+    # a batch of no prompts generated a row from BOS (input_ids) / failed on max() of nothing (mask alone)
+    ("input_ids with no rows", dict(input_ids=torch.zeros(0, 5, dtype=torch.int64),
+                                    attention_mask=torch.zeros(0, 5, dtype=torch.int64)), ValueError,
+     "input_ids has no rows"),
+    ("attention_mask with no rows, no input_ids", dict(input_ids=None, attention_mask=torch.zeros(0, 1)), ValueError,
+     "attention_mask without input_ids must be \\[batch, 1\\] ones"),
 ]
 
 
@@ -518,3 +524,34 @@ def test_add_request_takes_a_checkpoints_cache_implementation_that_is_the_decode
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
     with pytest.raises(ValueError, match=r"cache_implementation='static' .* is not the decoder's \('dynamic'\)"):
         decoder.add_request(P[0], max_new_tokens=8, do_sample=False)
+
+
+def test_none_valued_model_inputs_are_not_given(pair):
+    """HF's generate skips None-valued keywords (its unused-keyword check reads only values): ours refused
+    past_key_values=None, inputs_embeds=None, ... as unsupported keywords, so HF's continue-generation recipe fed with
+    our own output (whose past_key_values is None) failed."""
+    target, draft = pair
+    expected = hf_generate(target, P, max_new_tokens=6)
+    for name in ("past_key_values", "inputs_embeds", "position_ids", "token_type_ids", "cache_position",
+                 "custom_generate"):
+        assert torch.equal(sk.generate(target, P, draft_model=draft, max_new_tokens=6, **{name: None}), expected)
+    out = sk.generate(target, P, draft_model=draft, max_new_tokens=3, return_dict_in_generate=True)
+    assert out.past_key_values is None
+    again = sk.generate(target, out.sequences, draft_model=draft, max_new_tokens=3,
+                        past_key_values=out.past_key_values)
+    assert torch.equal(again, expected)
+    with pytest.raises(ValueError, match="custom_generate"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=6, custom_generate="some/repo")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8])
+def test_decoder_input_ids_must_be_integer_ids(dtype):
+    """Float (or int16/uint8) decoder_input_ids were cast to int64 silently: [[0., 7.6, 8.2]] generated from
+    [0, 7, 8]. Refused by name, as input_ids are."""
+    from helpers import seq2seq_models
+
+    target, draft = seq2seq_models.t5(), seq2seq_models.t5(layers=1, seed=5)
+    ids = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(3))
+    decoder_ids = torch.tensor([[0, 7, 8]]).to(dtype)
+    with pytest.raises(TypeError, match="decoder_input_ids must be an integer tensor"):
+        sk.generate(target, ids, draft_model=draft, decoder_input_ids=decoder_ids, max_new_tokens=4)
