@@ -95,8 +95,9 @@ DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
 @dataclasses.dataclass
 class RequestResult:
     """What ``SpeculativeDecoder.result`` returns. token_ids: the generated ids so far (the prompt excluded);
-    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted, or
-    its own logits left no token to emit: ``error`` says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
+    finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted,
+    its own logits left no token to emit, or a step of its batch raised midway, which ends every request running
+    in it with the tokens it had received: ``error`` says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
     accepted_tokens: drafts proposed for it / accepted; error: "ExceptionType: message" when finish_reason is
     "error", else None."""
 
@@ -353,8 +354,12 @@ class ContinuousBatcher:
         request.result.finish_reason = "cancelled"
         if request_id in self._queue:
             self._queue.remove(request_id)
-        else:
+            return True
+        try:
             self._leave([request_id])
+        except BaseException as error:  # (an allocation in keep_rows) the other rows' state is half-updated
+            self._fail_running(error)
+            raise
         return True
 
     def release(self, request_id) -> None:
@@ -391,12 +396,27 @@ class ContinuousBatcher:
                 return self._join(admitted[1], admitted[0])
         if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
-        with torch.inference_mode():
-            self._loop.step()
-        new, done = self._collect(self._loop, self._rows)
-        if done:
-            self._leave(done)
+        try:
+            with torch.inference_mode():
+                self._loop.step()
+            new, done = self._collect(self._loop, self._rows)
+            if done:
+                self._leave(done)
+        except BaseException as error:  # e.g. out of memory in a forward or a row's removal: half-updated state
+            self._fail_running(error)
+            raise
         return new
+
+    def _fail_running(self, error: BaseException, extra: list[int] = ()) -> None:
+        """The running loop (and ``extra`` requests joining it) raised midway (tokens, counts, caches or rows
+        half-updated): every such request not already finished finishes with finish_reason "error"
+        (``result(id).error`` says why) and keeps the tokens it had received; the loop is dropped, so queued
+        requests start a new one at the next step."""
+        for request_id in [*self._rows, *extra]:
+            result = self._requests[request_id].result
+            if result.finish_reason is None:
+                result.finish_reason, result.error = "error", f"{type(error).__name__}: {error}"
+        self._rows, self._loop = [], None
 
     def _collect(self, loop: SpeculativeLoop, rows: list[int]) -> tuple[dict[int, list[int]], list[int]]:
         """After ``loop.step()``: the tokens row b emitted go to request ``rows[b]`` (stop strings cut them); a row
@@ -472,7 +492,8 @@ class ContinuousBatcher:
         """After the joining requests' first iteration on their own loop (``_admit``), its unfinished rows join the
         running loop; requests that finished in it (max_new_tokens=1, EOS, a stop string) never join. Should the
         merge fail midway (an allocation inside ``append_rows``), neither loop can go on: every running and
-        joining request is cancelled with its tokens so far (in ``result``) and the error propagates; a merge
+        joining request finishes with finish_reason "error" with its tokens so far (in ``result``) and the error
+        propagates; a merge
         refused before anything changed (ValueError) cancels the joining requests only."""
         del self._queue[: len(joining)]
         new, done = self._collect(loop, joining)
@@ -488,8 +509,8 @@ class ContinuousBatcher:
             for row in remaining:
                 self._requests[joining[row]].result.finish_reason = "cancelled"
             raise
-        except Exception:  # failed mid-merge (e.g. out of memory): neither loop can go on
-            self._drop_running(extra=[joining[row] for row in remaining])
+        except Exception as error:  # failed mid-merge (e.g. out of memory): neither loop can go on
+            self._fail_running(error, extra=[joining[row] for row in remaining])
             raise
         self._rows = self._rows + [joining[row] for row in remaining]
         return new
@@ -505,13 +526,6 @@ class ContinuousBatcher:
         with torch.inference_mode():
             self._loop.keep_rows(remaining)
         self._rows = [self._rows[row] for row in remaining]
-
-    def _drop_running(self, extra: list[int] = ()) -> None:
-        """Cancel every running request and those of ``extra`` (their tokens so far stay in their results) and drop
-        the loop."""
-        for request_id in [*self._rows, *extra]:
-            self._requests[request_id].result.finish_reason = "cancelled"
-        self._loop, self._rows = None, []
 
     def _build(self, ids: list[int]) -> SpeculativeLoop:
         """A loop over the new requests ``ids`` (their prompts left-padded, their own settings and keys),

@@ -51,6 +51,7 @@ class DecodeSession:
         self._loop = loop
         self.finished = loop.plan.max_new_tokens == 0
         self.iterations = 0
+        self._failure: BaseException | None = None  # what a step raised: the loop's state is then half-updated
 
     @property
     def loop(self) -> SpeculativeLoop:
@@ -58,11 +59,20 @@ class DecodeSession:
         return self._loop
 
     def step(self) -> list[list[int]]:
-        """Run one iteration; returns the new token ids of each row ([] for rows already finished)."""
+        """Run one iteration; returns the new token ids of each row ([] for rows already finished). Should it raise
+        (a stopping criterion, a streamer, a forward), the session's state is half-updated: later steps raise a
+        RuntimeError saying so (``sequences()`` still returns what the earlier steps emitted)."""
+        if self._failure is not None:
+            raise RuntimeError(f"an earlier step() raised ({type(self._failure).__name__}: {self._failure}), leaving the "
+                               "session's caches and buffers half-updated; start a new session") from self._failure
         if self.finished:
             raise RuntimeError("the session is finished; start a new one")
-        with torch.inference_mode():
-            self.finished = not self._loop.step()
+        try:
+            with torch.inference_mode():
+                self.finished = not self._loop.step()
+        except BaseException as error:  # (a stopping criterion, streamer or forward that raised mid-iteration)
+            self._failure = error
+            raise
         self.iterations += 1
         return self._loop.emitted()
 
@@ -162,7 +172,9 @@ class SpeculativeDecoder:
         first iteration on their rows alone; the running rows emit at the next step), or else run one iteration of
         the running batch; returns {request_id: new token ids} for every request that produced tokens. Finished
         requests leave the batch at once. A request out of memory waits while others run; one that cannot be admitted
-        at all finishes with finish_reason "error" (``result(id).error`` says why)."""
+        at all finishes with finish_reason "error" (``result(id).error`` says why). A step that raises midway (e.g.
+        out of memory in a forward) ends every running request with finish_reason "error" and the tokens it had
+        received, and re-raises; queued requests start a new batch at the next step."""
         return self._batcher.step()
 
     def cancel(self, request_id: int) -> bool:

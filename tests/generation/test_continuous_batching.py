@@ -546,10 +546,11 @@ def test_a_request_whose_own_settings_leave_no_token_fails_alone(pair, cache):
         pair, [11, 12], dict(max_new_tokens=100, do_sample=True, temperature=0.8, seed=3))
 
 
-def test_a_merge_that_fails_midway_cancels_the_running_and_joining_requests(pair, monkeypatch):
+def test_a_merge_that_fails_midway_ends_the_running_and_joining_requests(pair, monkeypatch):
     """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
-    step raises it, and the running request and the joining one (which has emitted its first tokens already) are
-    cancelled with their tokens so far; a request queued afterwards is then served, identical to itself alone."""
+    step raises it, and the running request and the joining one (which has emitted its first tokens already) finish
+    with finish_reason "error" and their tokens so far; a request queued afterwards is then served, identical to
+    itself alone."""
     from speculative_kernels.generation.runners import decoder as decoder_runner
 
     target, draft = pair
@@ -567,7 +568,8 @@ def test_a_merge_that_fails_midway_cancels_the_running_and_joining_requests(pair
             decoder.step()
     for request_id in (running, joining):
         result = decoder.result(request_id)
-        assert result.finish_reason == "cancelled" and result.token_ids
+        assert result.finish_reason == "error" and result.token_ids
+        assert result.error == "MemoryError: no room for the joined cache"
     assert decoder.running == [] and decoder.queued == [] and not decoder.has_work()
     alone = dict(max_new_tokens=6, do_sample=True, seed=4)
     assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12], alone)[: len(
@@ -661,3 +663,64 @@ def test_a_drafter_without_add_rows_is_refused_by_the_first_add_request(pair):
         with pytest.raises(ValueError, match=r"the drafter \(SessionsOnly\) has no add_rows"):
             running.append_rows(joining)
         assert running.batch == 1
+
+
+def test_a_step_that_raises_midway_ends_its_batch_and_the_decoder_goes_on(pair, monkeypatch):
+    """A forward raising inside a step (out of memory) left the running requests running on half-updated caches: a
+    caller stepping on got other tokens than the request alone (silently) or size-mismatch errors inside
+    transformers for ever. Now they finish with finish_reason "error" and the tokens they had; the decoder serves
+    requests added afterwards exactly. The same when removing a finished row fails (an allocation in keep_rows):
+    it kept its row, and after release() every step raised a KeyError."""
+    from speculative_kernels.generation.loop import SpeculativeLoop
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    first = [decoder.add_request([5, 6, 7], max_new_tokens=30, do_sample=False),
+             decoder.add_request([9, 10], max_new_tokens=30, do_sample=True, seed=2)]
+    decoder.step()
+    decoder.step()
+    calls = {"n": 0}
+
+    def out_of_memory(module, args, output):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second target forward of the step: after the first wrote to the caches
+            raise torch.OutOfMemoryError("simulated")
+
+    handle = target.model.layers[0].register_forward_hook(out_of_memory)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            while True:
+                decoder.step()
+    finally:
+        handle.remove()
+    for request_id in first:
+        result = decoder.result(request_id)
+        assert result.finish_reason == "error" and result.error == "OutOfMemoryError: simulated"
+    assert decoder.running == [] and not decoder.has_work()
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    later = decoder.add_request([5, 6, 7], **greedy)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(later).token_ids == _alone(pair, [5, 6, 7], greedy)
+
+    # a finished row whose removal fails
+    short = decoder.add_request([5, 6, 7], max_new_tokens=2, do_sample=False)
+    long = decoder.add_request([9, 10], max_new_tokens=30, do_sample=False)
+    decoder.step()
+
+    def no_room(self, rows):
+        raise MemoryError("no room to compact")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SpeculativeLoop, "keep_rows", no_room)
+        with pytest.raises(MemoryError):
+            while True:
+                decoder.step()
+    assert decoder.result(short).finish_reason == "length"
+    assert decoder.result(long).finish_reason == "error" and decoder.running == []
+    for request_id in (short, long):
+        decoder.release(request_id)
+    again = decoder.add_request([5, 6, 7], **greedy)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(again).token_ids == _alone(pair, [5, 6, 7], greedy)

@@ -155,3 +155,29 @@ def test_the_decoder_refuses_what_is_not_a_generating_model_when_built():
     with pytest.raises(TypeError, match="draft_model must be a Hugging Face model that generates .* got "
                                         "LlamaForSequenceClassification"):
         sk.generate(target, torch.tensor([[5, 6]]), draft_model=classifier)
+
+
+def test_a_session_whose_step_raised_refuses_to_go_on():
+    """A stopping criterion raising once left the iteration half-done (tokens written, caches not rolled back): a
+    caller stepping on emitted that iteration's tokens twice, other output than model.generate, silently. Later
+    steps now raise, saying why; sequences() still returns what was emitted."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    calls = {"n": 0}
+
+    def flaky(input_ids, scores, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("transient")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, max_new_tokens=15, do_sample=False, pad_token_id=0, stopping_criteria=[flaky])
+    with pytest.raises(RuntimeError, match="transient"):
+        while not session.finished:
+            session.step()
+    with pytest.raises(RuntimeError, match=r"an earlier step\(\) raised \(RuntimeError: transient\)"):
+        session.step()
+    expected = target.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0)
+    emitted = session.sequences()
+    assert torch.equal(emitted, expected[:, : emitted.shape[1]])
