@@ -270,7 +270,7 @@ class ContinuousBatcher:
         # Some of HF's processors check their settings at their first call (bad_words_ids / sequence_bias holding ids
         # past the logits' width): call each once here, so that add_request refuses such a request, not the step
         # admitting it (and every later one: it would stay queued, blocking the batch)
-        scores = torch.zeros(1, logit_width(self.decoder.target), device=device)
+        scores = torch.zeros(1, logit_width(self.decoder.target), dtype=torch.float32, device=device)
         for processor in processors:
             try:
                 processor(ids, scores.clone())

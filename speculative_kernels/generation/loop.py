@@ -216,7 +216,9 @@ class SpeculativeLoop:
             self.raw_logits = widen(self.raw_logits, new_width, 0.0)
 
     def _score_buffer(self):
-        return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, self.vocab, device=self.device)
+        # (float32, as HF's scores, whatever torch's default dtype)
+        return torch.zeros(self.batch, self.sequences.shape[1] - self.prompt_length, self.vocab, dtype=torch.float32,
+                           device=self.device)
 
     def _step_gamma(self) -> int:
         """This iteration's gamma: the chosen one, but never more than the most tokens an unfinished row still has

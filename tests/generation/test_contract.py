@@ -555,3 +555,25 @@ def test_decoder_input_ids_must_be_integer_ids(dtype):
     decoder_ids = torch.tensor([[0, 7, 8]]).to(dtype)
     with pytest.raises(TypeError, match="decoder_input_ids must be an integer tensor"):
         sk.generate(target, ids, draft_model=draft, decoder_input_ids=decoder_ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_scores_are_float32_whatever_torchs_default_dtype(pair, default):
+    """The score buffers were made in torch's default dtype: with bfloat16 as default (set before building a bf16
+    model, a common pattern) output_scores failed inside torch's scatter; with float64 they came back float64 where
+    HF's are float32. Both now as HF's."""
+    from helpers.float_error import assert_logits_as_accurate_as_hf
+
+    target, draft = pair
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        expected = hf_generate(target, P, **kwargs)
+        got = sk.generate(target, P, draft_model=draft, **kwargs)
+    finally:
+        torch.set_default_dtype(saved)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert {t.dtype for t in (*got.scores, *got.logits)} == {torch.float32}
+    assert_logits_as_accurate_as_hf(target, got, expected)
