@@ -68,7 +68,7 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import (check_caching, check_deterministic, check_positions,
+from .generation.capabilities import (check_caching, check_deterministic, check_positions, check_seeded_draft,
                                        check_masked_slots, check_window_applied, check_window_holes,
                                        request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
@@ -180,6 +180,7 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
         prompt = self._check_prompt(prompt_ids)
         seed = check_seed(kwargs.pop("seed", None))
+        check_seeded_draft(self.decoder.draft, seed, "draft")
         stop = self._stop_criterion(kwargs.pop("stop_strings", None))
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft, self.decoder.drafter)
@@ -396,6 +397,8 @@ class ContinuousBatcher:
                 return self._join(admitted[1], admitted[0])
         if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
+        if self.decoder.target.training:  # (put in training mode since add_request: refused before anything runs)
+            check_deterministic(self.decoder.target)
         try:
             with torch.inference_mode():
                 self._loop.step()

@@ -30,6 +30,7 @@ import torch
 
 from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
+from .generation.capabilities import check_deterministic
 from .generation.inputs import check_models
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions
@@ -67,6 +68,9 @@ class DecodeSession:
                                "session's caches and buffers half-updated; start a new session") from self._failure
         if self.finished:
             raise RuntimeError("the session is finished; start a new one")
+        target = self._loop.target_runner.model
+        if target.training:  # (put in training mode since start(): refused before anything runs, as start() refuses)
+            check_deterministic(target)
         try:
             with torch.inference_mode():
                 self.finished = not self._loop.step()

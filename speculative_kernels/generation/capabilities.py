@@ -806,17 +806,36 @@ def check_deterministic(model) -> None:
     built from a config without ``.eval()``) dropout (and LayerDrop, MoE jitter noise, drop-path) makes every
     forward random, ``model.generate``'s too, so no output can be identical to it and the target's distribution is
     not one distribution. Only the target needs this: a draft's q is whatever its forward gave, which verification
-    reads as given."""
-    if not model.training:
-        return
+    reads as given. Any module in training mode counts (a model in eval mode with a submodule left in training)."""
+    found = _active_randomness(model)
+    if found is not None:
+        raise ValueError(f"{type(model).__name__} is in training mode with {found}, so every forward is random "
+                         "(model.generate's too) and no output can be exact; call model.eval() before generating")
+
+
+def _active_randomness(model) -> str | None:
+    """The first randomness active in ``model``'s modules in training mode ("dropout active (layers.0: p=0.1)"), or
+    None."""
     found = next(((name, randomness) for via_config in (False, True) for name, module in model.named_modules()
                   if module.training and (randomness := _training_randomness(module, via_config)) is not None), None)
+    if found is None:
+        return None
+    name, randomness = found
+    kind = "dropout active" if randomness.startswith("dropout") else "training-mode randomness active"
+    return f"{kind} ({name or 'model'}: {randomness.removeprefix('dropout ')})"
+
+
+def check_seeded_draft(draft, seed: int | None, name: str = "draft_model") -> None:
+    """ValueError where ``seed`` is given but the draft's forwards are random (training mode with dropout): they
+    draw from torch's global generator, which ``seed`` does not key, so two calls with one seed would differ (the
+    output distribution stays exact: q is whatever the forward gave) and the global generator would advance."""
+    if seed is None or draft is None:
+        return
+    found = _active_randomness(draft)
     if found is not None:
-        name, randomness = found
-        kind = "dropout active" if randomness.startswith("dropout") else "training-mode randomness active"
-        raise ValueError(f"{type(model).__name__} is in training mode with {kind} ({name or 'model'}: "
-                         f"{randomness.removeprefix('dropout ')}), so every forward is random (model.generate's too) "
-                         "and no output can be exact; call model.eval() before generating")
+        raise ValueError(f"seed={seed} cannot make this run reproducible: {name} ({type(draft).__name__}) is in "
+                         f"training mode with {found}, whose forwards draw from torch's global generator; call "
+                         f"{name}.eval(), or pass no seed")
 
 
 def check_caching(model, name: str = "model") -> None:
@@ -824,7 +843,7 @@ def check_caching(model, name: str = "model") -> None:
     transformers' checkpointed layers then drop ``past_key_values`` (``GradientCheckpointingLayer``), so a forward
     neither reads nor fills a KV cache. ``model.generate`` still runs (recomputing the sequence every step);
     speculative decoding needs the cache it rolls back."""
-    if model is None or not model.training:
+    if model is None:
         return
     for module_name, module in model.named_modules():
         if (module.training and getattr(module, "gradient_checkpointing", False) is True

@@ -11,7 +11,7 @@ from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_position_table,
-                           check_positions, check_window_applied, check_window_holes, request_path)
+                           check_positions, check_seeded_draft, check_window_applied, check_window_holes, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -134,6 +134,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     checked_batch = batch if rows is None else max(batch, 2)
     specs = tuple(check_model_as(role, m, path, checked_batch) for role, m in zip(("model", "draft_model"), models))
     check_deterministic(model)
+    check_seeded_draft(draft_model, seed)
     check_caching(model)
     check_caching(draft_model, "draft_model")
     new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch

@@ -185,6 +185,60 @@ def test_a_target_with_active_dropout_is_refused():
     assert sk.generate(no_dropout, ids, prompt_lookup_num_tokens=2, max_new_tokens=4).shape == (1, 9)
 
 
+def _gpt2_with_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                      bos_token_id=1, eos_token_id=2))
+
+
+def test_dropout_in_a_submodule_or_switched_on_after_start_is_refused():
+    """Two gaps of the refusal above: a target in eval mode whose submodule was left in training mode (the check
+    read the top-level flag only), and target.train() after start()/add_request (not checked again at step()): both
+    ran the target with dropout, silently random."""
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    target = _gpt2_with_dropout().eval()
+    draft = copy.deepcopy(target)
+    target.transformer.train()
+    with pytest.raises(ValueError, match=r"dropout active \(transformer: p=0.1\)|dropout active \(transformer\.drop"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=4)
+    target.eval()
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=2)
+    session = decoder.start(ids, max_new_tokens=8, do_sample=False)
+    request = decoder.add_request([5, 17, 42], max_new_tokens=8, do_sample=False)
+    session.step()
+    decoder.step()
+    target.train()
+    for step in (session.step, decoder.step):
+        with pytest.raises(ValueError, match="training mode with dropout active"):
+            step()
+    target.eval()  # refused before anything ran: both go on, exact
+    while not session.finished:
+        session.step()
+    while decoder.has_work():
+        decoder.step()
+    assert torch.equal(session.sequences(), target.generate(ids, max_new_tokens=8, do_sample=False))
+    assert decoder.result(request).token_ids == target.generate(
+        torch.tensor([[5, 17, 42]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+
+
+def test_a_seed_with_a_random_draft_is_refused():
+    """A draft in training mode with dropout is accepted (q is whatever its forward gave), but its dropout draws
+    from torch's global generator, which seed= does not key: two calls with seed=11 gave different tokens, and the
+    global generator advanced. With a seed it is refused by name; without one, as before."""
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    target, draft = _gpt2_with_dropout().eval(), _gpt2_with_dropout()
+    message = r"seed=11 cannot make this run reproducible: draft_model \(GPT2LMHeadModel\) is in training mode"
+    with pytest.raises(ValueError, match=message):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=4, do_sample=True, seed=11)
+    with pytest.raises(ValueError, match=message):
+        sk.SpeculativeDecoder(target, draft).start(ids, max_new_tokens=4, do_sample=True, seed=11)
+    with pytest.raises(ValueError, match=r"seed=11 cannot make this run reproducible: draft \(GPT2LMHeadModel\)"):
+        sk.SpeculativeDecoder(target, draft).add_request([5, 17, 42], max_new_tokens=4, do_sample=True, seed=11)
+    assert sk.generate(target, ids, draft_model=draft, max_new_tokens=4, do_sample=True).shape == (1, 9)
+
+
 def test_other_training_mode_randomness_is_refused():
     """Dropout is not the only randomness of training mode: LayerDrop (OPT, BART, ...) skips layers at random and
     MoE routers multiply their input by jitter noise (Mixtral, Qwen-MoE, DBRX); both were accepted (no dropout)."""
