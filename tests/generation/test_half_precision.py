@@ -138,3 +138,29 @@ def test_the_check_catches_a_position_defect():
                                    torch.stack([lg.argmax(-1) for lg in shifted.logits], dim=1)], dim=1)
     with pytest.raises(AssertionError, match="logits off the exact ones"):
         assert_as_accurate_as_hf(target, shifted, ids, mask)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_under_autocast_as_accurate_as_hf(family, cache):
+    """A float32 model under ``torch.autocast`` computes in bfloat16: as accurate as model.generate under the same
+    autocast (the references run under it too; the float64 copy is not cast). The static cache refused it: autocast
+    makes K/V in bfloat16 (keys float32 again after rotary embeddings), which its float32 buffers' check took for an
+    unsupported layout (a RuntimeError inside index_copy_ for Llama; 'this K/V layout is not supported' for GPT-2)."""
+    target = FAMILIES[family](hidden=64, vocab=VOCAB)
+    draft = perturbed(target, scale=0.3)
+    ids, mask = left_padded([5, 9, 3], seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            with torch.no_grad():
+                target.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                cache_implementation=cache)
+        except RuntimeError as error:
+            pytest.skip(f"torch cannot run {family} under bfloat16 autocast here: {error}")
+        stats = sk.SpeculationStats()
+        output = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=GAMMA,
+                             cache_implementation=cache, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+                             speculation_stats=stats)
+        assert 0 < stats.acceptance_rate < 1
+        assert_as_accurate_as_hf(target, output, ids, mask)

@@ -36,6 +36,20 @@ class CacheLayout:
         return 2 * self.num_layers * batch * self.kv_heads * capacity * self.head_dim * element
 
 
+def _autocast_states(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V states in the buffers' ``dtype``, where ``torch.autocast`` made them in its lower precision (a linear
+    under autocast returns bfloat16/float16; rotary embeddings return float32 keys beside those values): stored
+    upcast, which is exact, and cast back by the attention's autocast exactly as HF's cache hands them over
+    (HF's static cache allocates each in the dtype it first gets). Other dtypes are left for the check to refuse."""
+    if states.dtype == dtype or not states.is_floating_point() or not dtype.is_floating_point:
+        return states
+    device = states.device.type
+    if (torch.is_autocast_enabled(device) and states.dtype == torch.get_autocast_dtype(device)
+            and torch.finfo(dtype).bits > torch.finfo(states.dtype).bits):
+        return states.to(dtype)
+    return states
+
+
 class SlotCacheLayer(CacheLayerMixin):
     """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's write pointer: ``position`` is a 0-dim
     tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T))."""
@@ -57,10 +71,12 @@ class SlotCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write key/value_states [B, H_kv, T, D] at slots position + [0, T); return the whole buffers."""
         expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], self.keys.shape[3])
-        if tuple(key_states.shape) != expected or key_states.dtype != self.dtype:
+        key_states, value_states = _autocast_states(key_states, self.dtype), _autocast_states(value_states, self.dtype)
+        if tuple(key_states.shape) != expected or key_states.dtype != self.dtype or value_states.dtype != self.dtype:
             raise ValueError(
                 f"{self.architecture}: the static cache expected keys of shape {expected} and dtype {self.dtype}, got "
-                f"{tuple(key_states.shape)} {key_states.dtype}; this K/V layout is not supported, use the dynamic cache"
+                f"{tuple(key_states.shape)} {key_states.dtype} (values {value_states.dtype}); this K/V layout is not "
+                "supported, use the dynamic cache"
             )
         steps = torch.arange(key_states.shape[2], device=self.device)
         if self.position.dim() == 0:
