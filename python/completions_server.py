@@ -10,7 +10,9 @@
 Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
 ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` (extensions, as vLLM's server takes them), ``seed``,
 ``stream``, ``stop`` (a string or a list: the decoder's ``stop_strings``, so the decoder needs ``tokenizer=``). A field
-set to ``null`` takes its default, as in OpenAI's API. Anything else (``n``, ``logprobs``, ...), a value of the wrong
+set to ``null`` takes its default, as in OpenAI's API, and so do OpenAI's fields this server does not implement
+when they ask for nothing (``n`` 1, ``best_of`` 1, ``echo`` false, ``presence_penalty``/``frequency_penalty`` 0,
+``logit_bias`` {}, ``suffix`` "", and ``user``, a string). Anything else (``n`` 2, ``logprobs``, ...), a value of the wrong
 type or out of range (checked with ``temperature`` 0 too, where the sampling fields do nothing) and a malformed request
 are answered 400 naming the field or what is wrong. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or
 ``"length"``; as with HF's ``stop_strings``, the text includes the stop string.
@@ -35,7 +37,22 @@ import time
 from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream",
-          "stop", "model"}
+          "stop", "model", "user"}
+# OpenAI's fields this server does not implement, at the values that ask for nothing more (one completion, no echo,
+# no penalties or biases, no log probabilities; user is an identifier for OpenAI's own monitoring): accepted
+NO_OP_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+                  "suffix": ""}
+
+
+def _same_value(value, default) -> bool:
+    """``value`` is ``default`` as JSON gives it (1 and 1.0 alike; true is not 1)."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and value == default
+    return type(value) is type(default) and value == default
+
+
 # numeric fields: (whether an int is required, the lowest value, whether it is excluded, the highest value)
 RANGES = {"max_tokens": (True, 0, False, None), "temperature": (False, 0, False, None), "top_p": (False, 0, True, 1),
           "top_k": (True, 0, False, None), "min_p": (False, 0, False, 1), "repetition_penalty": (False, 0, True, None)}
@@ -161,11 +178,16 @@ class CompletionsServer:
 
     # ------------------------------------------------------------------------------------------- event loop
     async def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
+        body = {name: value for name, value in body.items() if value is not None}  # null: the default, as OpenAI's
+        # OpenAI fields set to their defaults ask for what this server does (clients that send every field send them)
+        body = {name: value for name, value in body.items()
+                if not (name in NO_OP_DEFAULTS and _same_value(value, NO_OP_DEFAULTS[name]))}
         unknown = sorted(set(body) - FIELDS)
         if unknown:
             raise HTTPError(400, f"{unknown[0]} is not supported by this server")
-        body = {name: value for name, value in body.items() if value is not None}  # null: the default, as OpenAI's
         _check_fields(body)
+        if not isinstance(body.get("user", ""), str):
+            raise HTTPError(400, "user must be a string")
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string")

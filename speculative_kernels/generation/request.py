@@ -192,7 +192,8 @@ def stop_string_criterion(stop_strings, tokenizer):
     """HF's ``StopStringCriteria`` for ``stop_strings`` (a tuple of strings) on ``tokenizer``, which
     ``model.generate`` requires for them too."""
     if tokenizer is None:
-        raise ValueError(f"stop_strings={list(stop_strings)!r} needs tokenizer= (the target's tokenizer), as "
+        raise ValueError(f"stop_strings={list(stop_strings)!r} needs tokenizer= (the target's tokenizer; a "
+                         "SpeculativeDecoder takes it at construction, SpeculativeDecoder(..., tokenizer=)), as "
                          "model.generate does, to find the strings in the tokens")
     return stop_criterion(stop_strings, tokenizer)
 

@@ -142,6 +142,13 @@ def test_a_client_that_disconnects_has_its_request_cancelled(served):
     (dict(prompt="x", max_tokens=4, temperature=0, min_p="x"), 400, "min_p must be a number"),
     (dict(prompt="x", max_tokens=4, temperature=0, top_k=2.5), 400, "top_k must be an integer"),
     (dict(prompt="x", max_tokens="8"), 400, "max_tokens must be an integer"),
+    (dict(prompt="x", echo=True), 400, "echo is not supported"),
+    (dict(prompt="x", presence_penalty=0.5), 400, "presence_penalty is not supported"),
+    (dict(prompt="x", logit_bias={"5": 1}), 400, "logit_bias is not supported"),
+    (dict(prompt="x", n=True), 400, "n is not supported"),
+    (dict(prompt="x", user=5), 400, "user must be a string"),
+    # (a temperature past float32's range was accepted, then failed at the admitting step: a 500)
+    (dict(prompt="x", temperature=1e39), 400, "temperature=1e+39 exceeds float32's largest value"),
 ])
 def test_bad_requests_are_refused_by_name(served, body, status, message):
     _, port, _ = served
@@ -285,6 +292,18 @@ def test_null_fields_take_their_defaults(served):
     assert reply["usage"]["completion_tokens"] == 16
     assert reply["choices"][0]["text"] == _expected(models, "def f(x):", 16, seed=3, temperature=1.0, top_p=1.0,
                                                     top_k=0)
+
+
+def test_fields_asking_for_nothing_are_accepted(served):
+    """Clients that send every optional field send OpenAI's unimplemented ones at their defaults or as null (n 1,
+    echo false, penalties 0, logit_bias {}, logprobs null, user): each asks for what the server does, and each was
+    answered 400 (the null rule ran after the unknown-field check)."""
+    _, port, models = served
+    status, data = _post(port, dict(prompt="def f(x):", max_tokens=6, temperature=0, n=1, best_of=1, echo=False,
+                                    presence_penalty=0, frequency_penalty=0.0, logit_bias={}, suffix="", user="me",
+                                    logprobs=None))
+    assert status == 200, data
+    assert json.loads(data)["choices"][0]["text"] == _expected(models, "def f(x):", 6)
 
 
 def test_a_client_that_disconnects_before_its_completion_has_its_request_cancelled(served):

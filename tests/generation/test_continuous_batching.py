@@ -724,3 +724,23 @@ def test_a_step_that_raises_midway_ends_its_batch_and_the_decoder_goes_on(pair, 
     while decoder.has_work():
         decoder.step()
     assert decoder.result(again).token_ids == _alone(pair, [5, 6, 7], greedy)
+
+
+def test_request_settings_beyond_the_batchs_tensors(pair):
+    """A batch holds each request's temperature in float32 and top_k / min_new_tokens in int64: temperature=1e39,
+    top_k=2**63 and min_new_tokens=10**30 were accepted by add_request and failed at the admitting step ('must be
+    finite ... inf', 'Overflow when unpacking long long'). The temperature is refused by name up front; top_k past
+    the vocabulary (no cut) and min_new_tokens past max_new_tokens (EOS masked to the end) decode as the request
+    alone."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    with pytest.raises(ValueError, match=r"temperature=1e\+39 exceeds float32's largest value"):
+        decoder.add_request([5, 6], max_new_tokens=3, do_sample=True, temperature=1e39)
+    settings = [dict(max_new_tokens=6, do_sample=True, top_k=2**63, seed=1),
+                dict(max_new_tokens=6, do_sample=False, min_new_tokens=10**30)]
+    requests = [decoder.add_request([5, 6], **s) for s in settings]
+    while decoder.has_work():
+        decoder.step()
+    for request_id, s in zip(requests, settings):
+        result = decoder.result(request_id)
+        assert result.finish_reason == "length" and result.token_ids == _alone(pair, [5, 6], s)
