@@ -17,6 +17,9 @@ request alone, reading only its own tokens), sampling parameters (per-row ``ops`
 Philox key (``randomness.request_key(seed)``: the key of the request decoded alone) and its own random-number
 offsets; it is drafted at most its own tokens left less one. A greedy request is token-identical to
 ``model.generate`` on it alone, a seeded sampled one to ``speculative_kernels.generate`` on it alone with that seed.
+With ``num_speculative_tokens="auto"`` the gamma of each iteration follows timings measured while decoding, and a
+sampled request's draws with it: its distribution is still exact, but its seeded tokens are reproducible only with
+a fixed gamma.
 
 Design: **joining rows are prefilled alone and merged into the running batch.** A step that admits queued requests
 builds a loop over the joining requests only (``request.build_loop`` with their ``RowSettings``: their prompts,

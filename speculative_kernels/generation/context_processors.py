@@ -115,15 +115,25 @@ def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_m
     group = 1 if plan.prefix_allowed_tokens_fn is None else _prefix_rows_per_batch_id(model, plan, width,
                                                                                        input_ids.device)
     lists = []
+    # HF's watermark processor builds an 8 MB random table per instance and keeps no per-row state (it reseeds its
+    # generator from the row's tokens at every use): the rows after the first share row 0's (a batch of 4000 rows
+    # built 32 GB of identical tables, where model.generate builds one)
+    unwatermarked = copy.copy(config)
+    unwatermarked.watermarking_config = None
     for b in range(batch):
         allowed = plan.prefix_allowed_tokens_fn
         if allowed is not None:  # called with the batch_id model.generate passes for this row
             allowed = _RowIndexed(allowed, b // group)
         encoder = None if encoder_input_ids is None else encoder_input_ids[b : b + 1]
-        lists.append(_hf_processors(
-            model, generation_config=config, input_ids_seq_length=width, encoder_input_ids=encoder,
-            prefix_allowed_tokens_fn=allowed, logits_processor=list(plan.logits_processor),
-            device=input_ids.device, model_kwargs={mask_name: attention_mask[b : b + 1]}))
+        row = _hf_processors(
+            model, generation_config=config if b == 0 else unwatermarked, input_ids_seq_length=width,
+            encoder_input_ids=encoder, prefix_allowed_tokens_fn=allowed, logits_processor=list(plan.logits_processor),
+            device=input_ids.device, model_kwargs={mask_name: attention_mask[b : b + 1]})
+        if b > 0 and config.watermarking_config is not None:
+            for i, processor in enumerate(lists[0]):  # (at its place in row 0's list: the order is HF's)
+                if type(processor).__name__ == "WatermarkLogitsProcessor":
+                    row.insert(i, processor)
+        lists.append(row)
     return RowProcessors(lists)
 
 

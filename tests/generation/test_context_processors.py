@@ -381,3 +381,33 @@ def test_sampling_with_eta_cutoff_past_banned_drafts():
         begin_suppress_tokens=[1], sequence_bias={(2,): 2.0}, bad_words_ids=[[2, 5]], renormalize_logits=True,
         min_new_tokens=1, exponential_decay_length_penalty=(1, 1.5), min_length="+2"))
     sweep.check_case(case, target, draft)
+
+
+def test_a_batch_shares_one_watermark_processor(pair, monkeypatch):
+    """Each row's processor list had its own HF watermark processor, each building an 8 MB random table (300 rows:
+    2.4 GB more peak memory than model.generate; 4000 rows were killed out of memory): the rows share row 0's, at
+    its place in HF's order, and the output is model.generate's."""
+    from transformers.generation.logits_process import WatermarkLogitsProcessor
+
+    from speculative_kernels.generation import request
+    from helpers.prompts import left_padded
+
+    target, draft = pair
+    ids, mask = left_padded([5, 8, 3], seed=2)
+    settings = dict(watermarking_config=WatermarkingConfig(bias=4.0), max_new_tokens=8, do_sample=False,
+                    pad_token_id=0)
+    built = []
+    real = request.build_row_processors
+
+    def recording(*args, **kwargs):
+        processors = real(*args, **kwargs)
+        built.append([list(row) for row in processors.rows])  # (as built: finished rows leave the lists later)
+        return processors
+
+    monkeypatch.setattr(request, "build_row_processors", recording)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, **settings)
+    rows = built[0]
+    watermarks = {id(p) for row in rows for p in row if isinstance(p, WatermarkLogitsProcessor)}
+    assert len(rows) == 3 and len(watermarks) == 1
+    assert [[type(p) for p in row] for row in rows[1:]] == [[type(p) for p in rows[0]]] * 2
+    assert torch.equal(got, _quiet(target.generate, ids, attention_mask=mask, **settings))
