@@ -71,7 +71,8 @@ import dataclasses
 
 import torch
 
-from .generation.capabilities import (check_caching, check_deterministic, check_positions, check_seeded_draft,
+from .generation.capabilities import (check_caching, check_deterministic, check_position_table, check_positions,
+                                       check_seeded_draft,
                                        check_masked_slots, check_window_applied, check_window_holes,
                                        request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
@@ -207,7 +208,12 @@ class ContinuousBatcher:
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
                              f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
-        check_positions(target, (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1)
+        # (every request joins one batch, whose rows near their end are verified with drafts past their last position)
+        longest = (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1
+        check_positions(target, longest, overshoot=plan.max_gamma)
+        for model, name in ((target, "target"), (self.decoder.draft, "draft")):
+            if model is not None:
+                check_position_table(model, longest, name, overshoot=plan.max_gamma)
         config = plan.generation_config
         forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
                   if getattr(config, name, None) is not None]

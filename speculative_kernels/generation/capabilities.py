@@ -650,7 +650,13 @@ def position_dependent_rope(model) -> list[tuple[str, int]]:
     return found
 
 
-def check_positions(model, longest: int, shortest: int | None = None) -> None:
+def _overshoot_note(overshoot: int) -> str:
+    return (f" plus num_speculative_tokens={overshoot}, since in a batch a row near its end is verified beside rows "
+            "with more tokens left, with drafts past its last position (never accepted, but the forward reaches them)"
+            if overshoot else "")
+
+
+def check_positions(model, longest: int, shortest: int | None = None, overshoot: int = 0) -> None:
     """ValueError when a request's longest row reaches ``longest`` sequence length (its prompt's real tokens plus its
     new tokens, less one: the longest forward ``model.generate`` runs) past the limit of a position-dependent rotary
     embedding (``position_dependent_rope``), where speculative decoding could not reproduce ``model.generate``.
@@ -659,17 +665,22 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
     the first verification), or None (a row of a continuous batch, whose batch-mates set the forward's longest
     position). "longrope" uses one set of factors per forward, so a request whose first forward is already past the
     limit uses the long factors in every forward, ours and model.generate's alike: exact. "dynamic" recomputes its
-    frequencies at every new length past the limit, so no request may pass it."""
+    frequencies at every new length past the limit, so no request may pass it.
+
+    overshoot: how far past a row's last position a batch's verification forward can reach (its gamma; 0 at batch
+    1, where gamma is capped by the row's own tokens left): the frequencies follow the longest position of the whole
+    forward, so one row reaching past the limit would change every row's."""
     for kind, limit in position_dependent_rope(model):
         if kind == "longrope" and shortest is not None and shortest > limit:
             continue
-        if longest > limit:
+        if longest + overshoot > limit:
             raise ValueError(
                 f"{type(model).__name__} uses rope_type={kind!r}, whose rotary frequencies change once a forward's "
                 f"sequence passes {limit} positions and then depend on the forward's longest position; a speculative "
                 "verification forward reaches positions a one-token step has not, so past that point the output "
-                f"would differ from model.generate. This request reaches {longest} (prompt + max_new_tokens - 1): "
-                f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}"
+                f"would differ from model.generate. This request reaches {longest + overshoot} (prompt + "
+                f"max_new_tokens - 1{_overshoot_note(overshoot)}): lower max_new_tokens (or max_length) so that "
+                f"prompt + max_new_tokens <= {limit + 1 - overshoot}"
                 + (f" (or, for one call of generate, give a prompt longer than {limit + 1} tokens: every forward then "
                    "uses the long factors)" if kind == "longrope" else ""))
 
@@ -677,6 +688,8 @@ def check_positions(model, longest: int, shortest: int | None = None) -> None:
 # Names of learned absolute-position tables (GPT-2's wpe, OPT's and BART's embed_positions, BERT-like decoders'
 # position_embeddings): an ``nn.Embedding`` that a position past its config's limit indexes out of range.
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+# Fixed tables held as buffers [positions, dim] and indexed by position (CTRL's ``pos_encoding``): the same limit.
+_POSITION_BUFFERS = ("pos_encoding",)
 
 
 def position_table_limit(model, part: str = "decoder") -> int | None:
@@ -693,30 +706,36 @@ def position_table_limit(model, part: str = "decoder") -> int | None:
     stack = getter() if callable(getter) else None
     if part == "encoder" and not isinstance(stack, torch.nn.Module):
         return None
-    for name, module in (stack if isinstance(stack, torch.nn.Module) else model).named_modules():
+    root = stack if isinstance(stack, torch.nn.Module) else model
+    for name, module in root.named_modules():
         if (isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
                 and limit <= module.num_embeddings <= limit + 2):  # (OPT's and BART's tables start at offset 2)
+            return limit
+    for name, buffer in root.named_buffers():  # CTRL's sinusoid table, a buffer indexed by position
+        if name.rsplit(".", 1)[-1] in _POSITION_BUFFERS and buffer.dim() == 2 and buffer.shape[0] == limit:
             return limit
     return None
 
 
-def check_position_table(model, longest: int, name: str = "model", encoder_width: int | None = None) -> None:
+def check_position_table(model, longest: int, name: str = "model", encoder_width: int | None = None,
+                         overshoot: int = 0) -> None:
     """ValueError when a request's longest row (its prompt's real tokens plus new tokens, less one; an
     encoder-decoder's decoder prompt) needs more positions than the model's learned position table holds:
     ``model.generate`` fails there with an IndexError inside the embedding (HF's assisted generation too, for a
     draft), and so would the speculative forwards. encoder_width: an encoder-decoder's encoder input width, checked
-    against its encoder's table (BART's learned positions), or None."""
+    against its encoder's table (BART's learned positions), or None. overshoot: as for ``check_positions`` (a
+    batch's rows near their end are fed drafts past their last position, which must still index the table)."""
     encoder_limit = position_table_limit(model, "encoder") if encoder_width is not None else None
     if encoder_limit is not None and encoder_width > encoder_limit:
         raise ValueError(f"{name} ({type(model).__name__}) has an encoder position table of {encoder_limit} "
                          f"positions, and the encoder input is {encoder_width} tokens long: shorten input_ids")
     limit = position_table_limit(model)
-    if limit is not None and longest > limit:
+    if limit is not None and longest + overshoot > limit:
         raise ValueError(
             f"{name} ({type(model).__name__}) has a learned position table of {limit} positions, and this request "
-            f"reaches {longest} (prompt + max_new_tokens - 1): lower max_new_tokens (or max_length) so that prompt + "
-            f"max_new_tokens <= {limit + 1}" + (", or use a draft with a longer context" if name == "draft_model"
-                                                else ""))
+            f"reaches {longest + overshoot} (prompt + max_new_tokens - 1{_overshoot_note(overshoot)}): lower "
+            f"max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1 - overshoot}"
+            + (", or use a draft with a longer context" if name in ("draft_model", "draft") else ""))
 
 
 def check_window_holes(spec: ModelSpec, attention_mask, longest: int | list[int],

@@ -152,11 +152,14 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths
     # The longest forward model.generate runs (a row's prompt and new tokens but its last); our first forward is
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
+    # In a batch (and a batch of requests, which others join), gamma follows the row with the most tokens left, so a
+    # row near its end is verified with drafts past its last position: those must be positions the model can take
+    overshoot = plan.max_gamma if batch > 1 or rows is not None else 0
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
-                    shortest=max(real) - 1 if rows is None else None)
+                    shortest=max(real) - 1 if rows is None else None, overshoot=overshoot)
     encoder_width = None if encoder_input[0] is None or not encoder_decoder else encoder_input[0].shape[1]
     for m, name in zip(models, ("model", "draft_model")):
-        check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width)
+        check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width, overshoot=overshoot)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,

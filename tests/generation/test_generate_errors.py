@@ -326,11 +326,41 @@ def test_a_request_past_a_learned_position_table_is_refused_by_name():
     with pytest.raises(ValueError, match=r"draft_model \(GPT2LMHeadModel\) has a learned position table of 16 .*"
                                          r"reaches 29.*or use a draft with a longer context"):
         sk.generate(gpt2(seed=0), ids, draft_model=long, max_new_tokens=25)
-    decoder = sk.SpeculativeDecoder(gpt2(seed=0), long)  # continuous batching: that request fails alone
-    request_id = decoder.add_request([5, 17, 42], max_new_tokens=27)
-    decoder.step()
-    result = decoder.result(request_id)
-    assert result.finish_reason == "error" and "learned position table of 16" in result.error
+    decoder = sk.SpeculativeDecoder(gpt2(seed=0), long)  # continuous batching: refused by add_request
+    with pytest.raises(ValueError, match=r"draft \(GPT2LMHeadModel\) has a learned position table of 16"):
+        decoder.add_request([5, 17, 42], max_new_tokens=27)
+
+
+def test_a_batch_row_near_its_end_reaches_gamma_positions_past_it():
+    """In a batch, gamma follows the row with the most tokens left, so a row near its end is verified with drafts
+    past its last position (never accepted): a padded batch that fills a learned table exactly was accepted and
+    failed with an IndexError inside GPT-2's embedding (CTRL's sinusoid buffer, unchecked, at batch 1 too; and in
+    continuous batching the failing step ended every request beside it). The limit holds gamma more in a batch and
+    in continuous batching, refused up front by name; a batch gamma short of the table runs, token-identical."""
+    from transformers import CTRLConfig, CTRLLMHeadModel
+
+    from helpers.prompts import left_padded
+
+    short = gpt2(seed=0)
+    short.transformer.wpe = torch.nn.Embedding(16, short.config.n_embd)
+    short.config.n_positions = 16
+    ids, mask = left_padded([5, 3], seed=3)
+    common = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    draft = gpt2(layers=1, seed=1)
+    with pytest.raises(ValueError, match=r"reaches 19 \(prompt \+ max_new_tokens - 1 plus num_speculative_tokens=3"):
+        sk.generate(short, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=12, **common)
+    expected = short.generate(ids, max_new_tokens=9, **common)
+    assert torch.equal(sk.generate(short, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=9,
+                                   **common), expected)
+    decoder = sk.SpeculativeDecoder(short, draft, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"target \(GPT2LMHeadModel\) has a learned position table of 16"):
+        decoder.add_request([5, 17, 42, 70, 7], max_new_tokens=12, do_sample=False)
+
+    torch.manual_seed(0)
+    ctrl = CTRLLMHeadModel(CTRLConfig(vocab_size=97, n_positions=16, n_embd=32, dff=64, n_layer=2, n_head=4)).eval()
+    with pytest.raises(ValueError, match=r"model \(CTRLLMHeadModel\) has a learned position table of 16 positions, "
+                                         r"and this request reaches 17"):
+        sk.generate(ctrl, _ids(), draft_model=ctrl, max_new_tokens=13)
 
 
 def test_a_float64_model_is_refused_up_front():

@@ -58,15 +58,25 @@ def test_the_kinds_and_their_limits_are_found():
 def test_exact_up_to_the_limit_refused_past_it(kind, cache):
     target = MODELS[kind]()
     draft = perturbed(target, scale=0.3)
-    ids, mask = left_padded([8, 5], seed=1)  # the longest row has 8 real tokens
-    common = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    one, _ = left_padded([8], seed=1)  # 8 real tokens
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     at_limit = LIMIT - 8 + 1  # 8 + 9 - 1 = 16 positions: the frequencies never change
-    expected = target.generate(ids, max_new_tokens=at_limit, **common)
     for drafting in (dict(draft_model=draft, num_speculative_tokens=4), dict(prompt_lookup_num_tokens=3)):
-        got = sk.generate(target, ids, max_new_tokens=at_limit, cache_implementation=cache, **drafting, **common)
-        assert torch.equal(got, expected)
+        got = sk.generate(target, one, max_new_tokens=at_limit, cache_implementation=cache, **drafting, **common)
+        assert torch.equal(got, target.generate(one, max_new_tokens=at_limit, **common))
         with pytest.raises(ValueError, match=rf"rope_type='{kind}'.*passes {LIMIT} positions.*reaches 17"):
-            sk.generate(target, ids, max_new_tokens=at_limit + 1, cache_implementation=cache, **drafting, **common)
+            sk.generate(target, one, max_new_tokens=at_limit + 1, cache_implementation=cache, **drafting, **common)
+    # A batch: a row near its end is verified beside rows with more tokens left, with gamma drafts past its last
+    # position, and the frequencies follow the whole forward's longest position: the limit holds gamma more
+    ids, mask = left_padded([8, 5], seed=1)  # the longest row has 8 real tokens
+    for gamma, drafting in ((4, dict(draft_model=draft, num_speculative_tokens=4)), (3, dict(prompt_lookup_num_tokens=3))):
+        new = at_limit - gamma
+        got = sk.generate(target, ids, attention_mask=mask, max_new_tokens=new, cache_implementation=cache,
+                          **drafting, **common)
+        assert torch.equal(got, target.generate(ids, attention_mask=mask, max_new_tokens=new, **common))
+        with pytest.raises(ValueError, match=rf"rope_type='{kind}'.*reaches 17 .*plus num_speculative_tokens={gamma}"):
+            sk.generate(target, ids, attention_mask=mask, max_new_tokens=new + 1, cache_implementation=cache,
+                        **drafting, **common)
 
 
 def test_past_the_limit_the_speculative_logits_would_differ():
@@ -94,9 +104,10 @@ def test_past_the_limit_the_speculative_logits_would_differ():
 def test_continuous_batching_refuses_a_request_past_the_limit():
     target = MODELS["dynamic"]()
     decoder = sk.SpeculativeDecoder(target, perturbed(target, scale=0.3), num_speculative_tokens=3)
-    decoder.add_request(list(range(3, 11)), max_new_tokens=9, do_sample=False)  # 8 + 9 - 1 = 16: admitted
+    # (every request joins one batch: gamma 3 past its last position, as in test_exact_up_to_the_limit_refused_past_it)
+    decoder.add_request(list(range(3, 11)), max_new_tokens=6, do_sample=False)  # 8 + 6 - 1 + 3 = 16: admitted
     with pytest.raises(ValueError, match="rope_type='dynamic'"):
-        decoder.add_request(list(range(3, 12)), max_new_tokens=9, do_sample=False)  # 17
+        decoder.add_request(list(range(3, 12)), max_new_tokens=6, do_sample=False)  # 17
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
