@@ -26,6 +26,7 @@ Sliding windows are set to 6 (prompts are 10 tokens), so they bind. ``compile`` 
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -154,8 +155,8 @@ def _inputs(batch: int):
 
 def _reason(refusal: ValueError) -> str:
     """The reason of a capability refusal, without the "<Model> cannot be driven exactly ...:" preamble."""
-    text = str(refusal)
-    return text.split(": ", 1)[-1] if "cannot be driven exactly" in text else text
+    text = str(refusal)  # ("target: " / "draft_model: " may precede it, naming the argument)
+    return re.sub(r"^.*?cannot be driven exactly by speculative_kernels[^:]*: ", "", text, count=1)
 
 
 def _run(target, drafts, kind: str, column: str) -> str:
