@@ -321,13 +321,18 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
 _CACHE_LENGTH_IN_ATTENTION = re.compile(r"get_seq_length\(\s*self\.layer_idx")
 
 
+@functools.cache
+def _reads_cache_length(forward) -> bool:
+    return bool(_CACHE_LENGTH_IN_ATTENTION.search(_source(forward)))
+
+
 def _scales_by_cache_length(model) -> str | None:
     """The class name of an attention module whose forward reads its layer's cache length as the position of its
     queries, or None. At batch 1 our rolled-back cache holds as many slots as HF's, so the length is the position;
     in a batch, rejected drafts leave holes, so a row's length runs ahead of its position. Llama 4 reads it only on
     NoPE layers (``use_rope`` False) with ``attn_temperature_tuning``; other modules that read it count."""
     for module in model.modules():
-        if not _CACHE_LENGTH_IN_ATTENTION.search(_source(type(module).forward)):
+        if not _reads_cache_length(type(module).forward):
             continue
         if hasattr(module, "attn_temperature_tuning") and hasattr(module, "use_rope"):
             if not module.attn_temperature_tuning or module.use_rope:
