@@ -134,7 +134,8 @@ class CompletionsServer:
         """Send a finished request's result (or why it could not be admitted) to its handler and forget it."""
         result = self.decoder.result(request_id)
         if result.finish_reason == "error":  # (other requests are unaffected)
-            out_of_memory = result.error.split(":")[0] in ("MemoryError", "OutOfMemoryError")
+            out_of_memory = (result.error.split(":")[0] in ("MemoryError", "OutOfMemoryError")
+                             or "DefaultCPUAllocator: can't allocate memory" in result.error)  # (torch's CPU one)
             item = StepFailed(result.error, 503 if out_of_memory else 500)
         else:
             item = Finished(result)

@@ -77,6 +77,7 @@ from .generation.capabilities import (check_caching, check_deterministic, check_
                                        request_path)
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
+from .generation.memory import is_out_of_memory
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop, check_model_as
 from .generation.row_settings import RowSettings
@@ -89,7 +90,6 @@ from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
                     "eos_token_id", "stop_strings", *CONTEXT_PROCESSED, *WARPERS)
-OUT_OF_MEMORY = (MemoryError, torch.OutOfMemoryError)  # build_loop's free-memory check; an allocation that failed
 DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
     "compile": "the batch's steps are captured or not for every request: pass compile=True to SpeculativeDecoder "
                "(with cache_implementation='static' and max_context)",
@@ -485,18 +485,18 @@ class ContinuousBatcher:
                     with torch.inference_mode():
                         loop.step()  # raises before any result changed
                 return joining, loop
-            except OUT_OF_MEMORY as error:
+            except Exception as error:  # noqa: BLE001 -- out of memory: wait or halve; else the request's own failure
+                if not is_out_of_memory(error):
+                    if count > 1:
+                        count = 1  # find out whether the first request alone fails
+                        continue
+                    self._fail(joining[0], error)
+                    return None
                 if count > 1:
                     count //= 2
                     continue
                 if self._rows:
                     return None
-                self._fail(joining[0], error)
-                return None
-            except Exception as error:  # noqa: BLE001 -- the request's own failure (the others' loops go on)
-                if count > 1:
-                    count = 1  # find out whether the first request alone fails
-                    continue
                 self._fail(joining[0], error)
                 return None
 

@@ -15,8 +15,11 @@ def widen(tensor: torch.Tensor, width: int, fill) -> torch.Tensor:
     enough)."""
     if tensor.shape[1] >= width:
         return tensor
-    pad = tensor.new_full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill)
-    return torch.cat([tensor, pad], dim=1)
+    # (one allocation of the result and a copy: a concatenation would hold a padding block beside it too)
+    wide = tensor.new_empty((tensor.shape[0], width, *tensor.shape[2:]))
+    wide[:, : tensor.shape[1]] = tensor
+    wide[:, tensor.shape[1]:] = fill
+    return wide
 
 
 def grow_columns(mask: torch.Tensor, width: int, fill=0) -> torch.Tensor:

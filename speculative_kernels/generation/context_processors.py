@@ -133,8 +133,23 @@ def build_row_processors(model, plan: Plan, input_ids: torch.Tensor, attention_m
             for i, processor in enumerate(lists[0]):  # (at its place in row 0's list: the order is HF's)
                 if type(processor).__name__ == "WatermarkLogitsProcessor":
                     row.insert(i, processor)
+        for i, processor in enumerate(row):  # (settings-only processors: row 0's instance serves every row)
+            if b > 0 and type(processor) in _SHARED and i < len(lists[0]) and type(lists[0][i]) is type(processor):
+                row[i] = lists[0][i]
         lists.append(row)
     return RowProcessors(lists)
+
+
+def _shared_processor_types() -> tuple:
+    """HF's processors that hold only the request's settings and tables derived from them (built at their first call:
+    a [V] float32 bias per instance for bad_words_ids / sequence_bias), no per-row state: one instance serves
+    every row of a batch, as in model.generate (a batch of B built B tables)."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
+
+    return (SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor)
+
+
+_SHARED = _shared_processor_types()
 
 
 def _parameters(processor) -> list:

@@ -13,7 +13,8 @@ class LogitMasks:
     ids (``RowSettings``: a batch of separate requests), which replace the plan's."""
 
     def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device, rows=None):
-        self.min_new_tokens = plan.min_new_tokens if plan.eos_token_ids else 0
+        # (a minimum past max_new_tokens masks EOS to the end, as max_new_tokens does: held within int64)
+        self.min_new_tokens = min(plan.min_new_tokens, plan.max_new_tokens) if plan.eos_token_ids else 0
         self.eos_columns = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]: True at EOS ids
         self.eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
         self.forced = self._forced_columns(plan, prompt_length, vocab, device)
@@ -79,7 +80,7 @@ class LogitMasks:
         for token_ids, at in ((config.forced_bos_token_id, 1 - prompt_length),
                               (config.forced_eos_token_id, eos_at)):
             ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
-            if not ids or at < 0:
+            if not ids or not 0 <= at <= torch.iinfo(torch.int64).max:  # (past int64: a step never reached)
                 continue
             if not all(0 <= i < vocab for i in ids):
                 raise ValueError(f"forced token ids {ids} are outside the vocabulary (size {vocab})")

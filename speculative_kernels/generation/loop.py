@@ -874,6 +874,8 @@ class SpeculativeLoop:
         def split(buffer):
             if buffer is None:
                 return None
+            check_free_memory({"copy": buffer[:, :longest].nbytes, "total": buffer[:, :longest].nbytes}, self.device,
+                              f"the returned scores/logits ({self.batch} rows x {longest} steps x {self.vocab} ids)")
             copy = buffer[:, :longest].clone()
             return tuple(copy[:, s] for s in range(longest))
 

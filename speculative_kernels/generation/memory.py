@@ -6,6 +6,20 @@ import os
 import torch
 
 GIB = 2.0**30
+MIB = 2.0**20
+# torch's CPU allocator reports a failed allocation as a RuntimeError with this message (CUDA's: OutOfMemoryError)
+_CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that did not fit: our own free-memory check's MemoryError, CUDA's
+    OutOfMemoryError, or the RuntimeError torch's CPU allocator raises."""
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(error, RuntimeError) and _CPU_ALLOCATION_FAILED in str(error))
+
+
+def _size(count: float) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / MIB:.1f} MiB"
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -29,15 +43,15 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_free_memory(required: dict, device: torch.device, what: str) -> None:
+def check_free_memory(required: dict, device: torch.device, what: str,
+                      remedy: str = "lower the batch size or max_new_tokens") -> None:
     """Raise MemoryError before allocating when ``required['total']`` bytes exceed what ``device`` has free.
 
-    required: {part: bytes, ..., "total": bytes}; what: the allocation, in words (for the message)."""
+    required: {part: bytes, ..., "total": bytes}; what: the allocation, in words (for the message); remedy: what
+    the caller can change."""
     free = free_bytes(device)
     if free is None or required["total"] <= free:
         return
-    parts = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in required.items() if k != "total")
-    raise MemoryError(
-        f"{what} needs {required['total'] / GIB:.2f} GiB ({parts}) but only {free / GIB:.2f} GiB are free on "
-        f"{device}; lower the batch size or max_new_tokens"
-    )
+    parts = ", ".join(f"{k} {_size(v)}" for k, v in required.items() if k != "total")
+    raise MemoryError(f"{what} needs {_size(required['total'])} ({parts}) but only {_size(free)} are free on {device}; "
+                      f"{remedy}")

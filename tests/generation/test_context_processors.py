@@ -411,3 +411,31 @@ def test_a_batch_shares_one_watermark_processor(pair, monkeypatch):
     assert len(rows) == 3 and len(watermarks) == 1
     assert [[type(p) for p in row] for row in rows[1:]] == [[type(p) for p in rows[0]]] * 2
     assert torch.equal(got, _quiet(target.generate, ids, attention_mask=mask, **settings))
+
+
+def test_a_batch_shares_its_bias_processors(pair, monkeypatch):
+    """bad_words_ids / sequence_bias built one [V] float32 bias table per row (B times model.generate's): the rows
+    share row 0's processors (settings only, no per-row state), and the output is model.generate's."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
+
+    from speculative_kernels.generation import request
+    from helpers.prompts import left_padded
+
+    target, draft = pair
+    ids, mask = left_padded([5, 8, 3], seed=2)
+    settings = dict(bad_words_ids=[[5], [7, 8]], sequence_bias={(9,): -2.0}, max_new_tokens=8, do_sample=False,
+                    pad_token_id=0)
+    built = []
+    real = request.build_row_processors
+
+    def recording(*args, **kwargs):
+        processors = real(*args, **kwargs)
+        built.append([list(row) for row in processors.rows])
+        return processors
+
+    monkeypatch.setattr(request, "build_row_processors", recording)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, **settings)
+    rows = built[0]
+    for kind in (NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor):
+        assert len({id(p) for row in rows for p in row if type(p) is kind}) == 1
+    assert torch.equal(got, _quiet(target.generate, ids, attention_mask=mask, **settings))

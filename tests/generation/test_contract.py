@@ -577,3 +577,34 @@ def test_scores_are_float32_whatever_torchs_default_dtype(pair, default):
     assert torch.equal(got.sequences, expected.sequences)
     assert {t.dtype for t in (*got.scores, *got.logits)} == {torch.float32}
     assert_logits_as_accurate_as_hf(target, got, expected)
+
+
+def test_minimums_past_int64_decode_as_model_generate(pair):
+    """min_new_tokens / min_length past int64 (model.generate runs them: EOS is masked to the end) failed with a bare
+    OverflowError inside our EOS mask; held as max_new_tokens, the same request."""
+    target, draft = pair
+    for extra in ({"min_new_tokens": 10**20}, {"min_length": 2**64}):
+        kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=2, **extra)
+        assert torch.equal(sk.generate(target, P, draft_model=draft, **kwargs), hf_generate(target, P, **kwargs))
+
+
+def test_output_scores_are_checked_before_they_are_copied_out(pair, monkeypatch):
+    """The returned scores are a copy of the score buffer (out of inference mode): it was not checked against free
+    memory (a second full buffer at the end: peak twice the largest check). A small request's message is in MiB."""
+    from speculative_kernels.generation import loop, memory
+
+    target, draft = pair
+    checked = []
+    real = loop.check_free_memory
+
+    def recording(required, device, what, *args, **kwargs):
+        checked.append(what)
+        if what.startswith("the returned scores"):
+            monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+        return real(required, device, what, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "check_free_memory", recording)
+    with pytest.raises(MemoryError, match=r"the returned scores/logits \(1 rows x 4 steps x 97 ids\) needs "
+                                          r"0\.0 MiB .* but only 0\.0 MiB are free"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=4, do_sample=False, output_scores=True,
+                    return_dict_in_generate=True)
