@@ -26,7 +26,12 @@ NO_CUT = float("-inf")
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """z = float32(logits) / temperature (HF's TemperatureLogitsWarper); temperature > 0."""
     z = logits.to(torch.float32)
-    return z / temperature if temperature != 1.0 else z
+    if temperature == 1.0:
+        return z
+    if z.device.type != "cpu":  # (CUDA divides by a host scalar as a multiplication by its reciprocal, an ulp off the
+        # true division that the per-row path and the kernels do; a device scalar divides truly, with no host copy)
+        return z / torch.full((), temperature, dtype=torch.float32, device=z.device)
+    return z / temperature
 
 
 def warp_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -340,3 +340,18 @@ def test_device_named_without_index_is_the_current_one(monkeypatch):
     assert indexed_device("cuda") == torch.device("cuda", 1)
     assert indexed_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert indexed_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA divides by a host scalar differently)")
+def test_the_scalar_temperature_divides_as_the_per_row_one_on_cuda():
+    """On CUDA, tensor / python_float is computed as a multiplication by the reciprocal (an ulp off true division on
+    many inputs), while per-row temperatures and the kernels divide truly: the scalar path (the torch reference's
+    warping) divides by a device scalar, so both paths round alike, as IEEE division does on the CPU (found by a
+    review of the custom ops; emulated on the CPU, to be confirmed on a GPU)."""
+    from speculative_kernels.ops.warping import scale_logits
+
+    z = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 8
+    for temperature in (0.7, 1.3, 0.3):
+        on_cuda = scale_logits(z.cuda(), temperature).cpu()
+        assert torch.equal(on_cuda, scale_logits(z, temperature))
+        assert torch.equal(on_cuda, (z.cuda() / torch.full((64, 1), temperature, device="cuda")).cpu())
