@@ -107,9 +107,11 @@ class CompletionsServer:
                 continue
             try:
                 new = self.decoder.step()
-            except Exception as error:  # noqa: BLE001 -- every waiting client is told; the engine keeps serving
-                self._fail_all(error)
-                continue
+            except Exception as error:  # noqa: BLE001 -- its clients are told; the engine keeps serving
+                # (the decoder ends the requests of a batch whose step raised with "error": answered below, 503 when
+                # out of memory; one it left running cannot go on and is failed here; queued ones wait)
+                self._fail_running(error)
+                new = {}
             for request_id, tokens in new.items():
                 if request_id in self._queues:
                     self._post(self._queues[request_id], tokens)
@@ -142,15 +144,15 @@ class CompletionsServer:
         self._post(self._queues.pop(request_id), item)
         self.decoder.release(request_id)
 
-    def _fail_all(self, error: Exception) -> None:
-        """A step raised: every request in flight is cancelled and its client gets the error (500), instead of
-        waiting for tokens that will never come."""
+    def _fail_running(self, error: Exception) -> None:
+        """A step raised and left requests running (the decoder ends its batch's requests itself): each is cancelled
+        and its client gets the error (500), instead of waiting for tokens that will never come."""
         failure = StepFailed(f"{type(error).__name__}: {error}")
-        for request_id, handler_queue in list(self._queues.items()):
-            self.decoder.cancel(request_id)
-            self.decoder.release(request_id)
-            self._post(handler_queue, failure)
-        self._queues.clear()
+        for request_id in self.decoder.running:
+            if request_id in self._queues:
+                self.decoder.cancel(request_id)
+                self.decoder.release(request_id)
+                self._post(self._queues.pop(request_id), failure)
 
     def _add(self, ids: list[int], kwargs: dict, handler_queue: asyncio.Queue, future: asyncio.Future) -> None:
         """Command: add a request; its id (or the refusal) goes to ``future``."""

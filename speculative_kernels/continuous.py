@@ -49,8 +49,8 @@ admitted with no row running (out of memory alone), or whose loop fails otherwis
 finish_reason "error" and the reason in its result's ``error``; the requests behind it go on (as does a running
 request whose own logits leave no token to emit: the others go on without it). The merge itself then
 allocates the joined caches layer by layer (one layer's extra copy at a time); should that fail, neither loop can go on:
-the running and the joining requests are cancelled (their tokens so far kept in ``result``) and the error propagates
-from ``step``.
+the running and the joining requests finish with finish_reason "error" (their tokens so far kept in ``result``)
+and the error propagates from ``step``, as for any step that raises midway.
 
 Static cache (``SpeculativeDecoder(..., cache_implementation="static", max_context=N)``): the running loop's
 runners allocate K/V, slot masks and positions for ``max_batch_size`` rows of ``static_capacity(N, 0, gamma,
@@ -184,7 +184,6 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
         prompt = self._check_prompt(prompt_ids)
         seed = check_seed(kwargs.pop("seed", None))
-        check_seeded_draft(self.decoder.draft, seed, "draft")
         stop = self._stop_criterion(kwargs.pop("stop_strings", None))
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft, self.decoder.drafter)
@@ -234,15 +233,17 @@ class ContinuousBatcher:
                              "which add_request does not return; set it to False in the model's generation_config")
         processors, warpers = self._processors(plan, prompt, mask)
         s = plan.sampling  # (neutral when the request's warper chain applies its temperature/top-k/top-p)
+        if not s.greedy:  # (greedy output is exact whatever the draft's dropout draws)
+            check_seeded_draft(self.decoder.draft, seed, "draft")
+        if not s.greedy and s.temperature > torch.finfo(torch.float32).max:
+            raise ValueError(f"temperature={s.temperature} exceeds float32's largest value "
+                             f"({torch.finfo(torch.float32).max:.3g}), in which a batch holds each request's temperature")
         if seed is None and s.greedy:  # nothing is random: no draw (torch's generator untouched, as in generate)
             seed = 0
         elif seed is None:  # an unseeded sampled request draws its seed from torch's default generator
             seed = int(torch.randint(0, 2**62, ()).item())
         request_id = self._next_id
         self._next_id += 1
-        if not s.greedy and s.temperature > torch.finfo(torch.float32).max:
-            raise ValueError(f"temperature={s.temperature} exceeds float32's largest value ({torch.finfo(torch.float32).max:.3g}), "
-                             "in which a batch holds each request's temperature")
         # (held in the batch's int64 tensors: top_k >= the vocabulary is no cut, 0; a minimum past max_new_tokens
         # suppresses EOS to the end, as max_new_tokens does: the same request, within int64)
         top_k = 0 if s.top_k >= logit_width(target) else s.top_k
@@ -403,6 +404,8 @@ class ContinuousBatcher:
         iteration on their rows only, so their first tokens come from this step at the cost of their own prefill
         and iteration (not one of the whole batch); its rows still running then join the running loop
         (``SpeculativeLoop.append_rows``), whose rows emit again at the next step."""
+        if self.decoder.target.training and (self._rows or self._queue):  # (put in training mode since add_request:
+            check_deterministic(self.decoder.target)  # refused before anything runs or is admitted)
         if len(self._rows) < self.max_batch_size and self._queue:
             admitted = self._admit()
             if admitted is not None and self._loop is None:
@@ -412,8 +415,6 @@ class ContinuousBatcher:
                 return self._join(admitted[1], admitted[0])
         if not self._rows:  # nothing runs (a static loop may wait with no rows)
             return {}
-        if self.decoder.target.training:  # (put in training mode since add_request: refused before anything runs)
-            check_deterministic(self.decoder.target)
         try:
             with torch.inference_mode():
                 self._loop.step()

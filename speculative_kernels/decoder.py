@@ -62,7 +62,8 @@ class DecodeSession:
     def step(self) -> list[list[int]]:
         """Run one iteration; returns the new token ids of each row ([] for rows already finished). Should it raise
         (a stopping criterion, a streamer, a forward), the session's state is half-updated: later steps raise a
-        RuntimeError saying so (``sequences()`` still returns what the earlier steps emitted)."""
+        RuntimeError saying so (``sequences()`` still returns what was written, which may include the failed
+        iteration's tokens)."""
         if self._failure is not None:
             raise RuntimeError(f"an earlier step() raised ({type(self._failure).__name__}: {self._failure}), leaving the "
                                "session's caches and buffers half-updated; start a new session") from self._failure

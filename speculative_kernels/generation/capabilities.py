@@ -271,10 +271,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     four_d = _four_d_masks(model, name, path)
     model_type = getattr(config, "model_type", "")
     alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
-    # (MPT's ALiBi is an attn_config setting; with it off, MPT has no position signal and is refused below for taking
-    # no position_ids)
-    alibi_slots = "alibi" in model_type or (
-        model_type == "mpt" and bool(getattr(getattr(config, "attn_config", None), "alibi", True)))
+    alibi_slots = model_type == "mpt" or "alibi" in model_type  # (HF's MPT applies ALiBi whatever attn_config says)
     if path != "dynamic" and not four_d:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; the static cache passes explicit "
                             f"4-D masks, which only {FOUR_D_ATTENTION} take")
@@ -329,15 +326,13 @@ def _reads_cache_length(forward) -> bool:
 def _scales_by_cache_length(model) -> str | None:
     """The class name of an attention module whose forward reads its layer's cache length as the position of its
     queries, or None. At batch 1 our rolled-back cache holds as many slots as HF's, so the length is the position;
-    in a batch, rejected drafts leave holes, so a row's length runs ahead of its position. Llama 4 reads it only on
-    NoPE layers (``use_rope`` False) with ``attn_temperature_tuning``; other modules that read it count."""
+    in a batch, rejected drafts leave holes, so a row's length runs ahead of its position. Llama 4 reads it so on
+    NoPE layers (``use_rope`` False) with ``attn_temperature_tuning``; other attention modules read the length for
+    other purposes (BigBird: whether cross-attention K/V are cached), so only that setting counts."""
     for module in model.modules():
-        if not _reads_cache_length(type(module).forward):
-            continue
-        if hasattr(module, "attn_temperature_tuning") and hasattr(module, "use_rope"):
-            if not module.attn_temperature_tuning or module.use_rope:
-                continue
-        return type(module).__name__
+        if (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)
+                and _reads_cache_length(type(module).forward)):
+            return type(module).__name__
     return None
 
 
@@ -656,7 +651,7 @@ def position_dependent_rope(model) -> list[tuple[str, int]]:
 
 
 def _overshoot_note(overshoot: int) -> str:
-    return (f" plus num_speculative_tokens={overshoot}, since in a batch a row near its end is verified beside rows "
+    return (f" plus up to {overshoot} drafted positions, since in a batch a row near its end is verified beside rows "
             "with more tokens left, with drafts past its last position (never accepted, but the forward reaches them)"
             if overshoot else "")
 

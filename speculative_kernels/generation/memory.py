@@ -19,7 +19,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def _size(count: float) -> str:
-    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / MIB:.1f} MiB"
+    if count >= GIB:
+        return f"{count / GIB:.2f} GiB"
+    return f"{count / MIB:.1f} MiB" if count >= MIB else f"{count / 1024:.1f} KiB"
 
 
 def free_bytes(device: torch.device) -> int | None:

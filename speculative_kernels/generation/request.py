@@ -134,7 +134,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     checked_batch = batch if rows is None else max(batch, 2)
     specs = tuple(check_model_as(role, m, path, checked_batch) for role, m in zip(("model", "draft_model"), models))
     check_deterministic(model)
-    check_seeded_draft(draft_model, seed)
+    check_seeded_draft(draft_model, None if plan.sampling.greedy and rows is None else seed)  # (greedy: exact)
     check_caching(model)
     check_caching(draft_model, "draft_model")
     new = rows.max_new_tokens if rows is not None else [plan.max_new_tokens] * batch
@@ -154,7 +154,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     # the longest prompt but its last token (per request only: a batch of requests shares its forwards).
     # In a batch (and a batch of requests, which others join), gamma follows the row with the most tokens left, so a
     # row near its end is verified with drafts past its last position: those must be positions the model can take
-    overshoot = plan.max_gamma if batch > 1 or rows is not None else 0
+    # (in one call every row has the same max_new_tokens, so a row at its end has a batch-mate with at most
+    # max_new_tokens - 1 tokens left: at most max_new_tokens - 2 drafts past it; requests joining a batch: gamma)
+    overshoot = (plan.max_gamma if rows is not None else min(plan.max_gamma, max(0, plan.max_new_tokens - 2))
+                 if batch > 1 else 0)
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
                     shortest=max(real) - 1 if rows is None else None, overshoot=overshoot)
     encoder_width = None if encoder_input[0] is None or not encoder_decoder else encoder_input[0].shape[1]

@@ -294,6 +294,15 @@ def test_queries_scaled_by_the_cache_length_are_exact_at_batch_one_only(monkeypa
     with pytest.raises(ValueError, match="Llama4ForCausalLM.*scales its queries by the cache's length"):
         decoder.add_request(torch.arange(3, 13), max_new_tokens=10, do_sample=False)
     _check_exact(_llama4_nope(attn_temperature_tuning=False), batch=2)
+    # BigBird's attention reads its cache length too, for another purpose (whether cross-attention K/V are cached):
+    # not refused, exact in a batch
+    from transformers import BigBirdConfig, BigBirdForCausalLM
+
+    bigbird = _build(BigBirdForCausalLM, BigBirdConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4, is_decoder=True,
+                                                        attention_type="original_full", bos_token_id=1,
+                                                        eos_token_id=2, pad_token_id=0))
+    _check_exact(bigbird, batch=2)
     # what the refusal prevents: other logits in the batch (by ~0.1 of 4; rounding is ~1e-6)
     monkeypatch.setattr(capabilities, "_scales_by_cache_length", lambda model: None)
     ids, mask = _batch(2)
@@ -302,15 +311,6 @@ def test_queries_scaled_by_the_cache_length_are_exact_at_batch_one_only(monkeypa
     expected = model.generate(ids, **kwargs).logits
     got = sk.generate(model, ids, draft_model=perturbed(model, 0.3), num_speculative_tokens=3, **kwargs).logits
     assert max((a - b).abs().max().item() for a, b in zip(expected, got)) > 1e-2
-
-
-def test_mpt_without_alibi_is_refused_for_what_it_lacks(monkeypatch):
-    """MPT with attn_config.alibi=False has no position signal at all: its batch refusal named ALiBi."""
-    config = MptConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, use_cache=True, bos_token_id=1,
-                       eos_token_id=2, pad_token_id=0, attn_config={"alibi": False})
-    model = _build(MptForCausalLM, config)
-    _check_exact(model, batch=1, noise=None)
-    _check_refused_up_front(model, r"\(its forward takes no position_ids\).*only batch size 1", monkeypatch=monkeypatch)
 
 
 def test_positions_counted_from_the_input_ids_without_position_ids_are_refused(monkeypatch):

@@ -605,6 +605,6 @@ def test_output_scores_are_checked_before_they_are_copied_out(pair, monkeypatch)
 
     monkeypatch.setattr(loop, "check_free_memory", recording)
     with pytest.raises(MemoryError, match=r"the returned scores/logits \(1 rows x 4 steps x 97 ids\) needs "
-                                          r"0\.0 MiB .* but only 0\.0 MiB are free"):
+                                          r"1\.5 KiB .* but only 1\.0 KiB are free"):
         sk.generate(target, P, draft_model=draft, max_new_tokens=4, do_sample=False, output_scores=True,
                     return_dict_in_generate=True)

@@ -209,10 +209,12 @@ def test_dropout_in_a_submodule_or_switched_on_after_start_is_refused():
     request = decoder.add_request([5, 17, 42], max_new_tokens=8, do_sample=False)
     session.step()
     decoder.step()
+    queued = decoder.add_request([9, 10, 11], max_new_tokens=4, do_sample=False)
     target.train()
     for step in (session.step, decoder.step):
         with pytest.raises(ValueError, match="training mode with dropout active"):
             step()
+    assert decoder.result(queued).finish_reason is None and queued in decoder.queued  # (not admitted and failed)
     target.eval()  # refused before anything ran: both go on, exact
     while not session.finished:
         session.step()
@@ -221,6 +223,8 @@ def test_dropout_in_a_submodule_or_switched_on_after_start_is_refused():
     assert torch.equal(session.sequences(), target.generate(ids, max_new_tokens=8, do_sample=False))
     assert decoder.result(request).token_ids == target.generate(
         torch.tensor([[5, 17, 42]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert decoder.result(queued).token_ids == target.generate(
+        torch.tensor([[9, 10, 11]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
 
 
 def test_a_seed_with_a_random_draft_is_refused():
@@ -237,6 +241,9 @@ def test_a_seed_with_a_random_draft_is_refused():
     with pytest.raises(ValueError, match=r"seed=11 cannot make this run reproducible: draft \(GPT2LMHeadModel\)"):
         sk.SpeculativeDecoder(target, draft).add_request([5, 17, 42], max_new_tokens=4, do_sample=True, seed=11)
     assert sk.generate(target, ids, draft_model=draft, max_new_tokens=4, do_sample=True).shape == (1, 9)
+    # greedy output is exact whatever the draft's dropout draws: a seed there is no promise to break
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=4, do_sample=False, seed=11),
+                       target.generate(ids, max_new_tokens=4, do_sample=False))
 
 
 def test_other_training_mode_randomness_is_refused():
@@ -347,11 +354,16 @@ def test_a_batch_row_near_its_end_reaches_gamma_positions_past_it():
     ids, mask = left_padded([5, 3], seed=3)
     common = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
     draft = gpt2(layers=1, seed=1)
-    with pytest.raises(ValueError, match=r"reaches 19 \(prompt \+ max_new_tokens - 1 plus num_speculative_tokens=3"):
+    with pytest.raises(ValueError, match=r"reaches 19 \(prompt \+ max_new_tokens - 1 plus up to 3 drafted positions"):
         sk.generate(short, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=12, **common)
     expected = short.generate(ids, max_new_tokens=9, **common)
     assert torch.equal(sk.generate(short, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=9,
                                    **common), expected)
+    # one call's rows share max_new_tokens: a row at its end has a batch-mate at most max_new_tokens - 2 drafts ahead
+    ids2, mask2 = left_padded([14, 10], seed=3)
+    common2 = dict(attention_mask=mask2, do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=2)
+    assert torch.equal(sk.generate(short, ids2, draft_model=draft, num_speculative_tokens=3, **common2),
+                       short.generate(ids2, **common2))
     decoder = sk.SpeculativeDecoder(short, draft, num_speculative_tokens=3)
     with pytest.raises(ValueError, match=r"target \(GPT2LMHeadModel\) has a learned position table of 16"):
         decoder.add_request([5, 17, 42, 70, 7], max_new_tokens=12, do_sample=False)

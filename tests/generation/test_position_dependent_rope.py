@@ -74,7 +74,7 @@ def test_exact_up_to_the_limit_refused_past_it(kind, cache):
         got = sk.generate(target, ids, attention_mask=mask, max_new_tokens=new, cache_implementation=cache,
                           **drafting, **common)
         assert torch.equal(got, target.generate(ids, attention_mask=mask, max_new_tokens=new, **common))
-        with pytest.raises(ValueError, match=rf"rope_type='{kind}'.*reaches 17 .*plus num_speculative_tokens={gamma}"):
+        with pytest.raises(ValueError, match=rf"rope_type='{kind}'.*reaches 17 .*plus up to {gamma} drafted positions"):
             sk.generate(target, ids, attention_mask=mask, max_new_tokens=new + 1, cache_implementation=cache,
                         **drafting, **common)
 

@@ -63,7 +63,9 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     required = static_memory_bytes(layouts, rows, capacity, gamma)
     what = "the static decoder caches" if encoder_decoder else "the static caches"
     whose = "target and draft" if len(models) > 1 else "target"
-    check_free_memory(required, device, f"{what} ({rows} rows x {capacity} slots, {whose})")
+    remedy = ("lower the decoder's max_batch_size or max_context" if static_rows is not None
+              else "lower the batch size or max_new_tokens")
+    check_free_memory(required, device, f"{what} ({rows} rows x {capacity} slots, {whose})", remedy)
     return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device,
                       rows if static_rows is not None else None)
 
