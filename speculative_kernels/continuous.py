@@ -515,7 +515,14 @@ class ContinuousBatcher:
         propagates; a merge
         refused before anything changed (ValueError) cancels the joining requests only."""
         del self._queue[: len(joining)]
-        new, done = self._collect(loop, joining)
+        try:
+            new, done = self._collect(loop, joining)
+        except Exception as error:  # (e.g. a stop-string check that raised) they left the queue: end them, not lose them
+            for request_id in joining:
+                result = self._requests[request_id].result
+                if result.finish_reason is None:
+                    result.finish_reason, result.error = "error", f"{type(error).__name__}: {error}"
+            raise
         remaining = [row for row, request_id in enumerate(joining) if request_id not in done]
         if not remaining:
             return new

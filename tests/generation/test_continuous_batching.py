@@ -747,3 +747,32 @@ def test_request_settings_beyond_the_batchs_tensors(pair):
     for request_id, s in zip(requests, settings):
         result = decoder.result(request_id)
         assert result.finish_reason == "length" and result.token_ids == _alone(pair, [5, 6], s)
+
+
+def test_a_joining_request_whose_first_tokens_fail_is_ended_not_lost(pair, monkeypatch):
+    """Collecting the joining requests' first tokens raised after they had left the queue: they were neither queued,
+    running nor finished (has_work() False, release() refused them). They now end with finish_reason "error"; the
+    running request goes on, exact."""
+    from speculative_kernels import continuous
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    running = decoder.add_request([5, 6, 7], max_new_tokens=12, do_sample=False)
+    decoder.step()
+    joining = decoder.add_request([9, 10, 11], max_new_tokens=6, do_sample=False)
+    real = continuous.ContinuousBatcher._collect
+
+    def failing(self, loop, rows):
+        if joining in rows and running not in rows:
+            raise RuntimeError("collecting failed")
+        return real(self, loop, rows)
+
+    monkeypatch.setattr(continuous.ContinuousBatcher, "_collect", failing)
+    with pytest.raises(RuntimeError, match="collecting failed"):
+        decoder.step()
+    result = decoder.result(joining)
+    assert result.finish_reason == "error" and result.error == "RuntimeError: collecting failed"
+    decoder.release(joining)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(running).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=12, do_sample=False))
