@@ -35,6 +35,7 @@ import threading
 import time
 
 from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
+from speculative_kernels.generation.memory import describes_out_of_memory
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream",
           "stop", "model", "user"}
@@ -136,8 +137,7 @@ class CompletionsServer:
         """Send a finished request's result (or why it could not be admitted) to its handler and forget it."""
         result = self.decoder.result(request_id)
         if result.finish_reason == "error":  # (other requests are unaffected)
-            out_of_memory = (result.error.split(":")[0] in ("MemoryError", "OutOfMemoryError")
-                             or "DefaultCPUAllocator: can't allocate memory" in result.error)  # (torch's CPU one)
+            out_of_memory = describes_out_of_memory(result.error)
             item = StepFailed(result.error, 503 if out_of_memory else 500)
         else:
             item = Finished(result)

@@ -244,14 +244,12 @@ class ContinuousBatcher:
             seed = int(torch.randint(0, 2**62, ()).item())
         request_id = self._next_id
         self._next_id += 1
-        # (held in the batch's int64 tensors: top_k >= the vocabulary is no cut, 0; a minimum past max_new_tokens
-        # suppresses EOS to the end, as max_new_tokens does: the same request, within int64)
+        # (held in the batch's int64 tensors: top_k >= the vocabulary is no cut, 0; the EOS masks clamp the minimum)
         top_k = 0 if s.top_k >= logit_width(target) else s.top_k
-        min_new = min(plan.min_new_tokens, plan.max_new_tokens)
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            top_k, s.top_p, min_new, request_key(seed), stop, mask, processors, warpers)
+            top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask, processors, warpers)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:

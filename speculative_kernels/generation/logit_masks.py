@@ -13,7 +13,7 @@ class LogitMasks:
     ids (``RowSettings``: a batch of separate requests), which replace the plan's."""
 
     def __init__(self, plan: Plan, prompt_length: int, vocab: int, device: torch.device, rows=None):
-        # (a minimum past max_new_tokens masks EOS to the end, as max_new_tokens does: held within int64)
+        # (a minimum past max_new_tokens masks EOS to the end, as max_new_tokens does: held within int64, per row too)
         self.min_new_tokens = min(plan.min_new_tokens, plan.max_new_tokens) if plan.eos_token_ids else 0
         self.eos_columns = torch.zeros(vocab, dtype=torch.bool, device=device)  # [V]: True at EOS ids
         self.eos_columns[[e for e in plan.eos_token_ids if 0 <= e < vocab]] = True
@@ -23,7 +23,8 @@ class LogitMasks:
         self.row_min_new = self.row_eos_columns = None
         if rows is not None:
             self.min_new_tokens = 0
-            minimums = [m if eos else 0 for m, eos in zip(rows.min_new_tokens, rows.eos)]
+            minimums = [min(m, n) if eos else 0 for m, n, eos in zip(rows.min_new_tokens, rows.max_new_tokens,
+                                                                      rows.eos)]
             if max(minimums, default=0) > 0:
                 self.row_min_new = torch.tensor(minimums, dtype=torch.int64, device=device).unsqueeze(1)
                 columns = torch.zeros(rows.batch, 1, vocab, dtype=torch.bool, device=device)

@@ -18,6 +18,12 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and _CPU_ALLOCATION_FAILED in str(error))
 
 
+def describes_out_of_memory(text: str) -> bool:
+    """``is_out_of_memory`` on an error given as ``"ExceptionType: message"`` (``RequestResult.error``)."""
+    return text.split(":")[0] in ("MemoryError", "OutOfMemoryError") or (
+        text.startswith("RuntimeError:") and _CPU_ALLOCATION_FAILED in text)
+
+
 def _size(count: float) -> str:
     if count >= GIB:
         return f"{count / GIB:.2f} GiB"
