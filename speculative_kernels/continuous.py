@@ -61,7 +61,9 @@ own size, then its rows are copied into the free rows at the shared write pointe
 holes on the left of the side with fewer slots; when the joining rows hold more, the running rows move right within
 their rows first); leaving rows are removed by moving the remaining ones to the front in place. The allocation lives
 until a merge fails midway (then the next request allocates and checks it again): a batch that empties keeps it,
-with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it. With ``compile`` (a setting of
+with no rows (``SpeculativeLoop.keep_rows([])``), and the next requests join it (should their own static cache
+not fit beside it, out of memory, the idle allocation is freed and they build a new running loop, as on a fresh
+decoder). With ``compile`` (a setting of
 the decoder, with the static cache only) the running loop's steps are captured (automatic dynamic shapes);
 joining loops are built for it (``build_loop(joins_captured=True)``) but run eagerly. Encoder-decoder targets are
 refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
@@ -474,7 +476,8 @@ class ContinuousBatcher:
         while rows run, it waits (retried at every step: rows that leave free their memory), as it does in a serving
         engine's FIFO scheduler; out of memory with no row running, or failing otherwise, it cannot run now, and it
         finishes with finish_reason "error" and the reason in ``RequestResult.error`` (the requests behind it go
-        on)."""
+        on). Out of memory beside a static loop left idle with no rows, that loop is freed first (before halving) and the
+        joining requests build the running loop on their own."""
         count = min(self.max_batch_size - len(self._rows), len(self._queue))
         while True:
             joining = self._queue[:count]
@@ -491,6 +494,9 @@ class ContinuousBatcher:
                         continue
                     self._fail(joining[0], error)
                     return None
+                if self._loop is not None and not self._rows:  # an idle static loop keeps its allocation with no
+                    self._loop = None  # rows: free it, and the joining requests build the running loop on their own
+                    continue
                 if count > 1:
                     count //= 2
                     continue

@@ -224,6 +224,39 @@ def test_a_static_batch_that_empties_keeps_its_caches_for_the_next_requests(pair
     assert decoder.result(third).token_ids == _alone(target, LONG[:6], dict(max_new_tokens=9))
 
 
+def test_a_request_whose_own_cache_does_not_fit_beside_an_idle_batch_frees_it(pair, monkeypatch):
+    """An emptied static batch keeps its allocation, and a request joins it through a static cache of its own
+    size. Where that second cache does not fit beside the kept allocation (out of memory, here simulated), the idle
+    allocation is freed and the request builds the running loop itself, as on a fresh decoder (it was finished
+    with "error": a request the decoder could serve alone was refused for the memory its own idle rows held)."""
+    import speculative_kernels.continuous as continuous
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=2,
+                                    cache_implementation="static", max_context=40)
+    first = decoder.add_request(LONG[:10], max_new_tokens=5, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder._batcher._loop is not None  # idle, with its allocation
+    real = continuous.build_loop
+    joining_builds = []
+
+    def no_room_beside_it(*args, static_rows=None, cache_implementation=None, **kwargs):
+        if cache_implementation == "static" and static_rows is None:  # a joining loop's own static cache
+            joining_builds.append(1)
+            raise MemoryError("the static caches (1 rows x 30 slots) needs 1 GiB but only 0.5 GiB are free")
+        return real(*args, static_rows=static_rows, cache_implementation=cache_implementation, **kwargs)
+
+    monkeypatch.setattr(continuous, "build_loop", no_room_beside_it)
+    second = decoder.add_request(LONG[:6], max_new_tokens=9, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert joining_builds == [1]
+    assert decoder.result(second).finish_reason == "length", decoder.result(second).error
+    assert decoder.result(second).token_ids == _alone(target, LONG[:6], dict(max_new_tokens=9))
+    assert decoder.result(first).token_ids == _alone(target, LONG[:10], dict(max_new_tokens=5))
+
+
 @pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
 def test_a_first_batch_of_one_token_requests_then_more(pair, drafting):
     """Requests that each make one token run the target alone (the drafter never starts); once they leave, the
