@@ -146,10 +146,56 @@ def test_rollback_is_a_pointer_move_not_a_copy():
 def test_memory_estimate_matches_the_allocation():
     for make in FAMILIES.values():
         model = make()
-        layout = CacheLayout.of(model, check_model(model, path="static", batch=3))
+        spec = check_model(model, path="static", batch=3)
+        layout = CacheLayout.of(model, spec)
         cache = SlotCache(layout, 3, 40, torch.device("cpu"))
         allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
-        assert static_memory_bytes([layout], 3, 40, gamma=4)["kv_caches"] == allocated
+        assert static_memory_bytes([layout], [spec], 3, 40, queries=5)["kv_caches"] == allocated
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_memory_estimate_covers_the_prefill_masks_and_the_runners_rows(monkeypatch, window):
+    """The check's estimate covers what a static call holds: the runners' per-row buffers (slot masks, the
+    additive mirror) and the largest forward's masks, which is the prefill's [B, 1, P, C] for a long prompt (the
+    estimate counted a verification forward's gamma + 1 queries only: with P = 120 the prefill's masks were about
+    twenty times that; they grow as P * C, past the K/V for long prompts)."""
+    from speculative_kernels.generation.runners import factory, static_decoder
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=0, sliding_window=window)
+    target = MistralForCausalLM(config).eval()
+    estimates, masks, rows = [], [], []
+    real_check, real_mask, real_init = factory.check_free_memory, static_decoder.decoder_mask, \
+        StaticDecoderRunner.__init__
+
+    def check(required, *args):
+        estimates.append(required)
+        return real_check(required, *args)
+
+    def mask(*args):
+        built = real_mask(*args)
+        masks.append(sum(m.numel() * m.element_size() for m in (built.values() if isinstance(built, dict) else [built])))
+        return built
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        rows.append(sum(t.numel() * t.element_size() for t in self._rows[:2] if t is not None))
+
+    monkeypatch.setattr(factory, "check_free_memory", check)
+    monkeypatch.setattr(static_decoder, "decoder_mask", mask)
+    monkeypatch.setattr(StaticDecoderRunner, "__init__", init)
+    ids = torch.randint(3, 97, (2, 120))
+    ids[0, :7] = 0
+    mask_ = (ids != 0).long()
+    _generate(target, target, ids, mask_, max_new_tokens=4, num_speculative_tokens=3, cache_implementation="static")
+    (estimate,) = estimates
+    assert estimate["slot_masks"] >= sum(rows)
+    # the masks a forward holds at once: the additive one(s) plus their bool precursors (at most one byte per
+    # entry each, three of them with a window)
+    entries = max(masks) // 4  # float32 additive entries
+    assert estimate["attention_mask"] >= max(masks) + entries * (1 if window is None else 3)
 
 
 def test_capacity_bound_and_batch_one_has_no_slack():

@@ -48,7 +48,7 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     if not static:
         return RunnerPlan(False, batch, slots, 0, 0, batching, device)
     encoder_decoder = specs[0].encoder_decoder
-    rows = batch
+    rows, prefill_width = batch, prompt_width
     if static_rows is not None:
         # (each row's prompt plus max_new_tokens is at most max_context: the caller's check, per row)
         if encoder_decoder or static_rows.rows < batch or prompt_width > static_rows.max_context:
@@ -60,7 +60,7 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     if captured and static_rows is None:  # (continuous batching: sized once per decoder, by max_context)
         capacity = captured_capacity(capacity)
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
-    required = static_memory_bytes(layouts, rows, capacity, gamma)
+    required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
     what = "the static decoder caches" if encoder_decoder else "the static caches"
     whose = "target and draft" if len(models) > 1 else "target"
     remedy = ("lower the decoder's max_batch_size or max_context" if static_rows is not None

@@ -33,7 +33,7 @@ def window_mask(slot_mask: torch.Tensor, query_slots: torch.Tensor, window: int)
     """
     positions = slot_mask.cumsum(dim=1)  # [B, S]: position + 1 at real slots
     query = positions.index_select(1, query_slots)  # [B, T]
-    return (query.unsqueeze(2) - positions.unsqueeze(1)) < window
+    return positions.unsqueeze(1) > (query - window).unsqueeze(2)  # q - k < window, with no [B, T, S] int64
 
 
 def decoder_mask(slot_mask: torch.Tensor, query_slots: torch.Tensor, spec: ModelSpec, dtype: torch.dtype):

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from ..capabilities import ModelSpec
 from .slot_cache import CacheLayout
 
 
@@ -29,10 +30,30 @@ def captured_capacity(capacity: int) -> int:
     return -(-capacity // quantum) * quantum
 
 
-def static_memory_bytes(layouts: list[CacheLayout], batch: int, capacity: int, gamma: int) -> dict:
-    """Bytes the static path allocates beyond the models: K/V caches, slot masks, and the largest per-forward mask."""
+def mask_entry_bytes(spec: ModelSpec, element: int) -> int:
+    """Bytes per (row, query, key slot) of one forward's transient attention masks (``masks.decoder_mask``, or the
+    seq2seq decoder's): the bool of allowed slots and the additive mask (``element`` bytes), plus one for the
+    [T, S] causal bool (at most one row's worth); with a sliding window also the window's bool and the conjunction,
+    and with both layer kinds a second additive mask. "2d" models get the slot mask itself (nothing more)."""
+    if spec.mask == "2d":
+        return 0
+    if spec.sliding_window is None:
+        return element + 2
+    return 4 + element * (2 if spec.mask == "4d-by-layer-type" else 1)
+
+
+def static_memory_bytes(layouts: list[CacheLayout], specs: list[ModelSpec], batch: int, capacity: int,
+                        queries: int) -> dict:
+    """Bytes the static path allocates beyond the models: K/V caches, slot masks (and the additive mirror of models
+    that take a plain 4-D mask, ``SlotMask._init_additive``), and the largest forward's transient masks.
+    queries: the most query tokens of one forward, max(gamma + 1, the prefill's prompt width): the prefill's
+    masks are [B, 1, P, C], which for long prompts outweigh the K/V (they grow as P * C)."""
     caches = sum(layout.bytes(batch, capacity) for layout in layouts)
-    masks = len(layouts) * batch * capacity * 8  # slot_mask, int64
-    element = max(torch.empty((), dtype=layout.dtype).element_size() for layout in layouts)
-    attention = batch * (gamma + 1) * capacity * (element + 2)  # the additive mask and its bool precursor
+    masks = 0
+    attention = 0
+    for layout, spec in zip(layouts, specs):
+        element = torch.empty((), dtype=layout.dtype).element_size()
+        mirror = element if spec.mask == "4d" and spec.sliding_window is None and not spec.encoder_decoder else 0
+        masks += batch * capacity * (8 + mirror)  # slot_mask (int64) and the mirror
+        attention = max(attention, batch * queries * capacity * mask_entry_bytes(spec, element))
     return {"kv_caches": caches, "slot_masks": masks, "attention_mask": attention, "total": caches + masks + attention}
