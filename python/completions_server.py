@@ -194,18 +194,18 @@ class CompletionsServer:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string")
-        temperature = body.get("temperature", 1.0)
+        temperature = float(body.get("temperature", 1.0))  # (JSON's 2 is an int: generate takes floats, as HF's)
         kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed")}
         if body.get("stop") is not None:
             kwargs["stop_strings"] = body["stop"]
         if body.get("repetition_penalty") is not None:
-            kwargs["repetition_penalty"] = body["repetition_penalty"]
+            kwargs["repetition_penalty"] = float(body["repetition_penalty"])
         if body.get("min_p") is not None and temperature != 0:  # (greedy: no effect, as in generate)
             kwargs["min_p"] = body["min_p"]
         if temperature == 0:
             kwargs["do_sample"] = False
         else:
-            kwargs.update(do_sample=True, temperature=temperature, top_p=body.get("top_p", 1.0),
+            kwargs.update(do_sample=True, temperature=temperature, top_p=float(body.get("top_p", 1.0)),
                           top_k=body.get("top_k", 0))
         ids = self.tokenizer(prompt)["input_ids"]
         handler_queue, future = asyncio.Queue(), self._loop.create_future()

@@ -573,6 +573,9 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if config.do_sample:
         # (temperature=None: HF applies no temperature warper, i.e. 1.0; top_k=None: no top-k)
         temperature = 1.0 if config.temperature is None else config.temperature
+        if temperature != 1.0 and not isinstance(temperature, float):  # as HF's TemperatureLogitsWarper refuses it
+            raise ValueError(f"temperature must be a float when do_sample=True (as in model.generate), got "
+                             f"{type(temperature).__name__} {temperature!r}")
         sampling = Sampling(*check_sampling_params(temperature, config.top_k or 0, config.top_p))
         if sampling.temperature == 0.0:
             raise ValueError("do_sample=True needs temperature > 0 (use do_sample=False for greedy decoding)")

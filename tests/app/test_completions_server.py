@@ -295,6 +295,17 @@ def test_null_fields_take_their_defaults(served):
                                                     top_k=0)
 
 
+def test_integer_sampling_fields_are_numbers(served):
+    """JSON has no float type of its own: a client sends temperature 2 as an integer. The server passes floats on
+    (generate refuses an int temperature when sampling, as HF's TemperatureLogitsWarper does: it answered 400)."""
+    _, port, models = served
+    status, data = _post(port, dict(prompt="def f(x):", max_tokens=6, temperature=2, top_p=1, repetition_penalty=2,
+                                    top_k=5, seed=4))
+    assert status == 200, data
+    assert json.loads(data)["choices"][0]["text"] == _expected(models, "def f(x):", 6, seed=4, temperature=2.0,
+                                                               top_p=1.0, top_k=5, repetition_penalty=2.0)
+
+
 def test_fields_asking_for_nothing_are_accepted(served):
     """Clients that send every optional field send OpenAI's unimplemented ones at their defaults or as null (n 1,
     echo false, penalties 0, logit_bias {}, logprobs null, user): each asks for what the server does, and each was

@@ -316,6 +316,11 @@ GENERATE_ROWS = [
     ("eos_token_id='65'", dict(eos_token_id="65"), TypeError, "eos_token_id must be a token id"),
     ("pad_token_id='x'", dict(pad_token_id="x"), TypeError, "pad_token_id must be a token id"),
     ("temperature=1e-40", dict(do_sample=True, temperature=1e-40), ValueError, "temperature=1e-40"),
+    # (accepted: HF's TemperatureLogitsWarper refuses a temperature that is not a float; 1 builds no warper)
+    ("temperature=2 (an int)", dict(do_sample=True, temperature=2), ValueError,
+     "temperature must be a float when do_sample=True"),
+    ("temperature as a tensor", dict(do_sample=True, temperature=torch.tensor(0.5)), ValueError,
+     "temperature must be a float when do_sample=True"),
     ("num_speculative_tokens=0", dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be >= 1"),
     ("num_assistant_tokens=0", dict(num_assistant_tokens=0), ValueError, "num_assistant_tokens must be >= 1"),
     ("prompt_lookup_num_tokens with a draft", dict(prompt_lookup_num_tokens=3), ValueError,
