@@ -20,6 +20,14 @@ from .validation import check_logits, check_num_draft_tokens, check_same_device,
 __all__ = ["verify", "sample", "compact_kv", "prompt_lookup"]
 
 
+def _greedy_seed(seed, generator, sampling):
+    """The seed of a call: a greedy one (every row's temperature 0 as a python scalar) uses no random number, so
+    with neither a seed nor a generator it takes seed 0 instead of drawing one from torch's default generator,
+    which it leaves untouched (as HF's greedy decoding does). Per-row temperatures are device values: a seed is
+    drawn as for sampling."""
+    return 0 if seed is None and generator is None and sampling.greedy else seed
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor | None,
@@ -77,7 +85,8 @@ def verify(
     num_draft_tokens = check_num_draft_tokens(num_draft_tokens, batch, target_logits.device)
     sampling = check_sampling(temperature, top_k, top_p, batch, target_logits.device)
     impl = backends.implementation(backend, target_logits.device.type)
-    randomness = resolve_randomness(seed, offset, generator, batch, target_logits.device)
+    randomness = resolve_randomness(_greedy_seed(seed, generator, sampling), offset, generator, batch,
+                                    target_logits.device)
     tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness,
                                        num_draft_tokens)
     if should_check(check):
@@ -109,7 +118,8 @@ def sample(
     check_logits("logits", logits, 2)
     sampling = check_sampling(temperature, top_k, top_p, logits.shape[0], logits.device)
     impl = backends.implementation(backend, logits.device.type)
-    randomness = resolve_randomness(seed, offset, generator, logits.shape[0], logits.device)
+    randomness = resolve_randomness(_greedy_seed(seed, generator, sampling), offset, generator, logits.shape[0],
+                                    logits.device)
     tokens = impl.sample(logits, sampling, randomness)
     if should_check(check):
         raise_for_invalid_rows(tokens, sampling=sampling, randomness=randomness, logits=logits)

@@ -48,3 +48,20 @@ def test_verify_greedy_matches_reference(dtype):
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             invalid_seen += int((want[1] < 0).any())
     assert invalid_seen > 20  # the invalid cases were exercised
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_greedy_call_leaves_torch_generator_untouched(backend):
+    """Greedy verification and sampling use no random number; with no seed they drew one from torch's default
+    generator anyway, which moved it (HF's greedy decoding does not): the next torch.rand differed. Per-row
+    temperatures are device values, so such a call still draws its seed."""
+    from speculative_kernels import ops
+
+    target, draft = torch.randn(2, 4, 30), torch.randn(2, 3, 30)
+    tokens = target[:, :3].argmax(dim=-1)
+    state = torch.get_rng_state()
+    ops.verify(target, draft, tokens, temperature=0.0, backend=backend)
+    ops.sample(draft[:, 0], temperature=0.0, backend=backend)
+    assert torch.equal(torch.get_rng_state(), state)
+    ops.verify(target, draft, tokens, temperature=torch.zeros(2), backend=backend)
+    assert not torch.equal(torch.get_rng_state(), state)
