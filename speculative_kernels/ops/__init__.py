@@ -89,7 +89,7 @@ def verify(
                                     target_logits.device)
     tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness,
                                        num_draft_tokens)
-    if should_check(check):
+    if should_check(check, target_logits):
         raise_for_invalid_rows(num_accepted, sampling=sampling, randomness=randomness,
                                num_draft_tokens=num_draft_tokens, target_logits=target_logits,
                                draft_logits=draft_logits, draft_tokens=draft_tokens)
@@ -121,6 +121,6 @@ def sample(
     randomness = resolve_randomness(_greedy_seed(seed, generator, sampling), offset, generator, logits.shape[0],
                                     logits.device)
     tokens = impl.sample(logits, sampling, randomness)
-    if should_check(check):
+    if should_check(check, logits):
         raise_for_invalid_rows(tokens, sampling=sampling, randomness=randomness, logits=logits)
     return tokens

@@ -1,6 +1,7 @@
 """Turning the ops' invalid-row flags (-1) into errors that name the argument and the row."""
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .reference import draft_limit, invalid_positions, invalid_rows, used_positions
 from .randomness import MAX_OFFSET, Randomness
@@ -8,13 +9,15 @@ from .sampling import MIN_TEMPERATURE, Sampling
 from .warping import scale_logits
 
 
-def should_check(check: bool | None) -> bool:
-    """Resolve ``check=None``: check eagerly, but not while compiling or capturing a CUDA graph."""
+def should_check(check: bool | None, logits: torch.Tensor) -> bool:
+    """Resolve ``check=None``: check eagerly, but not while compiling or capturing a CUDA graph, nor on tensors with
+    no values to read (the meta device, fake tensors: shape propagation, ``torch.library.opcheck``). logits: the
+    op's input."""
     if check is not None:
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool or None, got {type(check).__name__}")
         return check
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or logits.device.type == "meta" or is_fake(logits):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

@@ -94,3 +94,26 @@ def test_check_and_kv_of_other_types_are_refused_by_name():
         ops.verify(target, draft, tokens, seed=1, check="no")
     with pytest.raises(TypeError, match=r"kv must be a \[B, H, S, D\] tensor or a sequence of them, got ndarray"):
         ops.compact_kv(np.zeros((1, 1, 4, 2)), torch.tensor([[1, 0, 1, 1]]))
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_shape_propagation_runs_without_reading_values(where):
+    """On the meta device and under a FakeTensorMode (shape propagation, tracing) there are no values to read: the
+    default check and a seed drawn for sampling read them anyway and failed (nonzero / a data-dependent scalar).
+    The check is skipped there by default, as while compiling; check=True still asks for it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run():
+        device = "meta" if where == "meta" else "cpu"
+        target, draft = torch.randn(2, 4, 30, device=device), torch.randn(2, 3, 30, device=device)
+        tokens = torch.zeros(2, 3, dtype=torch.int64, device=device)
+        shapes = []
+        for temperature, seed in ((0.0, None), (0.7, None), (torch.full((2,), 0.7, device=device), 3)):
+            out, accepted = ops.verify(target, draft, tokens, temperature=temperature, seed=seed, backend="torch")
+            shapes.append((tuple(out.shape), tuple(accepted.shape), out.dtype))
+            shapes.append(tuple(ops.sample(draft[:, 0], temperature=temperature, seed=seed, backend="torch").shape))
+        return shapes
+
+    with FakeTensorMode() if where == "fake" else torch.device("cpu"):
+        shapes = run()
+    assert shapes == [((2, 4), (2,), torch.int64), (2,)] * 3
