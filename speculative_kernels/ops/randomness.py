@@ -51,8 +51,8 @@ def _as_row_tensor(name: str, value, batch: int, device: torch.device) -> tuple[
             raise TypeError(f"{name} tensor must be int64 or int32, got {value.dtype}")
         if value.dim() > 1 or (value.dim() == 1 and value.shape[0] not in (1, batch)):
             raise ValueError(f"{name} must be a scalar, shape [1] or shape [{batch}], got {tuple(value.shape)}")
-        if value.device.type == "cpu" and value.numel() and not is_fake(value) and not (
-                torch.compiler.is_compiling() or (0 <= int(value.min()) and int(value.max()) < limit)):
+        if value.device.type == "cpu" and value.numel() and not torch.compiler.is_compiling() and not (
+                is_fake(value) or (0 <= int(value.min()) and int(value.max()) < limit)):
             too_large = value >= limit if limit <= torch.iinfo(torch.int64).max else torch.zeros_like(value, dtype=bool)
             bad = value[(value < 0) | too_large].flatten()[0]  # (an int64 compared with 2**63 is always >= it)
             raise _range_error(name, int(bad))
