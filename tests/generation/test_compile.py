@@ -69,6 +69,34 @@ def test_calls_of_other_lengths_reuse_the_compiled_steps(llama_pair):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_hook_registered_after_capture_is_applied(llama_pair):
+    """A forward hook (activation steering, say) registered on the target after a compiled call: dynamo skips its
+    guards on module hooks by default, so the captured steps, reused by later calls, ran without it while the eager
+    prefill ran with it (tokens of neither model.generate with the hook nor without it, silently). The captured
+    calls guard on hooks: the steps are traced again with it, and again once it is removed."""
+    target, draft = llama_pair
+    ids = _prompt(seed=5)
+    options = TRACE_ONLY if not ON_CUDA else CompileOptions()
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+
+    def ours():
+        return sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, compile=options, **kwargs)
+
+    assert torch.equal(ours(), target.generate(ids, **kwargs))
+    steer = torch.randn(target.config.hidden_size, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 2
+    handle = target.model.layers[0].register_forward_hook(
+        lambda module, args, output: (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer)
+    try:
+        expected = target.generate(ids, **kwargs)
+        got = ours()
+    finally:
+        handle.remove()
+    plain = target.generate(ids, **kwargs)
+    assert not torch.equal(expected, plain)
+    assert torch.equal(got, expected)
+    assert torch.equal(ours(), plain)
+
+
 def test_compile_settings_that_would_do_nothing_or_come_from_a_checkpoint():
     """CompileOptions.mode with a backend that has no modes was dropped silently: refused. A checkpoint's
     cache_implementation="dynamic" (a default) made compile= fail as if the call had asked for both: compile wins.

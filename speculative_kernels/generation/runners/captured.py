@@ -11,8 +11,9 @@ from .protocol import CapturableRunner
 
 # Every captured step of one runner class shares its step's code object, and dynamo keeps one cache per code object:
 # each model, width and batch size is an entry. Raise the per-code limit (default 8), and fail instead of silently
-# running eager past it.
-_DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True}
+# running eager past it. Guard on the modules' hooks too (dynamo skips those guards by default): a forward hook
+# registered after a step was captured would otherwise be left out of the captured steps, which later calls reuse.
+_DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True, "skip_nnmodule_hook_guards": False}
 # what dynamo raises there (named FailOnCacheLimitHit in older torch)
 _LIMIT_HIT = tuple(error for error in (getattr(torch._dynamo.exc, name, None)
                                        for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit"))
