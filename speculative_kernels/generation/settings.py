@@ -362,6 +362,19 @@ def _choose_gamma(num_speculative_tokens, given, defaults) -> int | str:
     return gamma
 
 
+def _check_draft_schedule(draft_model, num_speculative_tokens) -> None:
+    """HF's assisted generation takes its draft length and schedule from the draft's generation_config: a
+    "heuristic" schedule there changes it while decoding (and, for "heuristic", keeps the last value in the draft's
+    config for the next call). Gamma is constant here: with no num_speculative_tokens given (the draft's settings
+    would decide it), such a schedule is refused by name rather than ignored."""
+    schedule = getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens_schedule", None)
+    if num_speculative_tokens is None and schedule not in (None, "constant"):
+        raise ValueError(f"the draft model's generation_config.num_assistant_tokens_schedule={schedule!r} is not "
+                         "supported (gamma is constant here): pass num_speculative_tokens (an int, or 'auto' to have "
+                         "it chosen from the measured acceptance and costs), or set the draft's "
+                         "generation_config.num_assistant_tokens_schedule = 'constant'")
+
+
 def _check_generation_config(generation_config, model_config=None) -> None:
     """generation_config: the caller's (None or a GenerationConfig); model_config: the model's own. A dict set as a
     config's ``watermarking_config`` attribute (GenerationConfig converts dicts only in its constructor and as a
@@ -553,6 +566,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         given=[kwargs.get("num_assistant_tokens"), getattr(generation_config, "num_assistant_tokens", None)],
         defaults=[model.generation_config.num_assistant_tokens,
                   getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
+    _check_draft_schedule(draft_model, num_speculative_tokens)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
         config.cache_implementation = "static"

@@ -137,6 +137,23 @@ def test_honoured_fields_refuse_what_they_cannot_do(pair, name):
         sk.generate(target, P, draft_model=draft, max_new_tokens=3, **{name: value})
 
 
+@pytest.mark.parametrize("schedule", ["heuristic", "heuristic_transient"])
+def test_a_draft_whose_config_schedules_gamma_is_refused_unless_gamma_is_given(schedule):
+    """HF's assisted generation reads the draft length and its schedule from the draft's generation_config, and a
+    "heuristic" one there changes it while decoding ("heuristic" also writes the last value back to the draft's
+    config, which the next call's gamma here followed: seeded tokens depended on an unrelated earlier
+    model.generate). Gamma is constant here: the schedule was ignored silently; with no num_speculative_tokens it
+    is refused by name, and a given gamma decides."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    draft.generation_config.num_assistant_tokens_schedule = schedule
+    with pytest.raises(ValueError, match=f"draft model's generation_config.num_assistant_tokens_schedule='{schedule}'"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        sk.SpeculativeDecoder(target, draft).add_request(P[0].tolist(), max_new_tokens=3)
+    got = sk.generate(target, P, draft_model=draft, max_new_tokens=6, num_speculative_tokens=3)
+    assert torch.equal(got, hf_generate(target, P, max_new_tokens=6))
+
+
 def test_num_assistant_tokens_is_gamma(pair):
     target, draft = pair
     expected = hf_generate(target, P, max_new_tokens=12)
