@@ -375,19 +375,19 @@ def _check_draft_schedule(draft_model, num_speculative_tokens) -> None:
                          "generation_config.num_assistant_tokens_schedule = 'constant'")
 
 
-def _check_generation_config(generation_config, model_config=None) -> None:
-    """generation_config: the caller's (None or a GenerationConfig); model_config: the model's own. A dict set as a
-    config's ``watermarking_config`` attribute (GenerationConfig converts dicts only in its constructor and as a
-    keyword of generate) would fail inside HF with an AttributeError: a TypeError naming it instead."""
+def _check_generation_config(generation_config) -> None:
+    """generation_config: the caller's (None or a GenerationConfig). A dict set as its ``watermarking_config``
+    attribute (GenerationConfig converts dicts only in its constructor and as a keyword of generate) would fail
+    inside HF with an AttributeError: a TypeError naming it instead. (On the model's own config HF converts it when
+    it prepares the call's config, and applies it: so is it here.)"""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         hint = "; build one with GenerationConfig(**settings)" if isinstance(generation_config, dict) else ""
         raise TypeError(f"generation_config must be a transformers.GenerationConfig, got "
                         f"{type(generation_config).__name__}{hint}")
-    for config in (generation_config, model_config):
-        watermark = getattr(config, "watermarking_config", None)
-        if watermark is not None and not hasattr(watermark, "construct_processor"):
-            raise TypeError(f"watermarking_config must be a transformers WatermarkingConfig (a dict is converted when "
-                            f"passed to GenerationConfig(...) or as a keyword), got {type(watermark).__name__}")
+    watermark = getattr(generation_config, "watermarking_config", None)
+    if watermark is not None and not hasattr(watermark, "construct_processor"):
+        raise TypeError(f"watermarking_config must be a transformers WatermarkingConfig (a dict is converted when "
+                        f"passed to GenerationConfig(...) or as a keyword), got {type(watermark).__name__}")
 
 
 def _has_default_max_length(model, generation_config, kwargs: dict) -> bool:
@@ -526,7 +526,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     its own arguments; a keyword that is neither a generation setting nor handled is refused here (ValueError).
     num_speculative_tokens: an int, "auto", or None (then num_assistant_tokens, else 5). draft_model / drafter:
     the call's (a checkpoint's prompt_lookup_num_tokens yields to either)."""
-    _check_generation_config(generation_config, model.generation_config)
+    _check_generation_config(generation_config)
     streamer = kwargs.pop("streamer", None)
     criteria = _check_callables(streamer, kwargs.pop("stopping_criteria", None))
     logits_processor = _check_processors(kwargs.pop("logits_processor", None))

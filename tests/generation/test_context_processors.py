@@ -294,6 +294,24 @@ def test_watermark_dict_set_on_a_config_is_a_type_error(pair):
                               watermarking_config={"bias": 2.0}), expected)
 
 
+def test_watermark_dict_on_the_models_own_config_is_applied_as_hf_applies_it():
+    """On the model's own generation_config (set as an attribute, or loaded that way) HF converts a dict when it
+    prepares the call's config, and applies the watermark; it was refused here with a TypeError."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    target.generation_config.watermarking_config = {"bias": 8.0, "context_width": 1}
+    expected = hf_generate(target, ONE, **GREEDY)
+    assert not torch.equal(expected, hf_generate(llama(), ONE, **GREEDY))  # (the watermark changes the tokens)
+    assert torch.equal(_quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY), expected)
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    session = decoder.start(ONE, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+    with pytest.raises(ValueError, match="watermarking_config \\(from the model's generation config\\) is not "
+                                         "supported by add_request"):  # (refused there by name)
+        decoder.add_request(ONE[0].tolist(), max_new_tokens=4)
+
+
 def test_warpers_change_nothing_when_greedy_as_in_hf(pair):
     target, draft = pair
     expected = hf_generate(target, ONE, **GREEDY, min_p=0.3, typical_p=0.5)
