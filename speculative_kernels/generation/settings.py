@@ -413,7 +413,8 @@ def _max_new_tokens(model, config, prompt_length: int, default_max_length: bool)
                       "length. We recommend setting `max_new_tokens` to control the maximum length of the "
                       "generation.", UserWarning, stacklevel=5)
     if prompt_length >= max_length:
-        raise ValueError(f"Input length of input_ids is {prompt_length}, but `max_length` is set to {max_length}; "
+        name = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"  # (max_length counts it)
+        raise ValueError(f"Input length of {name} is {prompt_length}, but `max_length` is set to {max_length}; "
                          "increase max_length or, better, set max_new_tokens")
     return math.ceil(max_length - prompt_length)
 

@@ -353,3 +353,14 @@ def test_a_learned_position_table_too_short_for_the_request_is_refused_by_name()
     expected = target.generate(short, max_new_tokens=30, do_sample=False, eos_token_id=None,
                                forced_eos_token_id=None)
     assert torch.equal(sk.generate(target, short, max_new_tokens=30, do_sample=False, **kwargs), expected)
+
+
+def test_a_max_length_the_decoder_prompt_fills_names_decoder_input_ids():
+    """max_length counts the decoder sequence: HF's error names decoder_input_ids; ours named input_ids (the encoder
+    input, of another length)."""
+    target = t5()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="Input length of decoder_input_ids is 1, but `max_length` is set to 1"):
+        target.generate(ids, max_length=1)
+    with pytest.raises(ValueError, match="Input length of decoder_input_ids is 1, but `max_length` is set to 1"):
+        sk.generate(target, ids, draft_model=t5(), max_length=1)
