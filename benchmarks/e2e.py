@@ -13,8 +13,9 @@ Per row (one gamma): measured alpha, c, tokens per target forward, tokens/s of t
 HF's other assisted-generation defaults unchanged), the speedup predicted by Leviathan et al. (Theorem 3.8)
 (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) at the measured alpha and c, and efficiency = measured / predicted.
 
-* alpha: maximum-likelihood acceptance probability from the accepted-count histogram of our runs
-  (``generation/gamma.py``; a row that stopped at n < gamma made n + 1 tests); ``accept_rate`` is accepted/drafted.
+* alpha: maximum-likelihood acceptance probability from the accept tests of our runs
+  (``SpeculationStats.alpha``: a row that stopped at n < d of its d drafts made n + 1 tests); ``accept_rate`` is
+  accepted/drafted.
 * c: the paper's cost coefficient, measured directly: median time of one single-token forward of the draft over
   that of the target, both with a KV cache after the first prompt, the two models' steps alternating
   (``measure_c``). The in-loop phase times (wall clock) are in
@@ -55,7 +56,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import synchronize  # noqa: E402
-from speculative_kernels.generation.gamma import accept_tests, alpha_from_histogram, expected_speedup  # noqa: E402
+from speculative_kernels.generation.gamma import expected_speedup  # noqa: E402
 from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
@@ -309,13 +310,15 @@ def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) 
     fixed = gamma != "auto"
     rate = {p: measured["tokens"][p] / measured["seconds"][p] for p in measured["seconds"]}
     steps = sum(histogram)
+    passed, tests = sum(s.accept_tests_passed for s in stats), sum(s.accept_tests for s in stats)
     row = {
         "case": case, "gamma": gamma if fixed else f"auto→{'/'.join(map(str, chosen))}",
         # "auto" can choose a different gamma per prompt: then no single gamma (and no prediction) describes the row.
         "gamma_used": gamma if fixed else (chosen[0] if len(chosen) == 1 else None),
         "gammas_chosen": [s.num_speculative_tokens for s in stats],
-        # The MLE needs one gamma per histogram; "auto" rows mix the calibration gamma with the chosen one.
-        "alpha": alpha_from_histogram(histogram) if fixed and steps else None,
+        # "auto" rows mix the calibration gamma with the chosen one: no single gamma to predict at
+        "alpha": passed / tests if fixed and tests else None,
+        "accept_tests": [passed, tests],
         "accept_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "accepted_histogram": histogram,
         "tokens_per_target_forward": sum((n + 1) * k for n, k in enumerate(histogram)) / steps if steps else None,
@@ -355,7 +358,7 @@ def pooled_alpha(rows: list) -> float | None:
     for row in rows:
         if row["alpha"] is None:
             continue
-        s, t = accept_tests(row["accepted_histogram"])
+        s, t = row["accept_tests"]
         successes, tests = successes + s, tests + t
     return successes / tests if tests else None
 

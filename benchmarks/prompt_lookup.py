@@ -17,8 +17,8 @@ demo draft model. Per path: tokens/s (total tokens / total of each prompt's medi
 paths interleaved within each repeat, after one warm-up run each), tokens per target forward
 (every target forward counted, the prefill included, for HF too: a forward hook counts them), the speedups over
 plain and over HF's prompt lookup, the acceptance rate (ours: accepted / proposed drafts, fillers not counted),
-alpha for the drafters with a fixed gamma (the ML estimate from the accepted-count histogram; prompt lookup's
-gamma follows the proposals, so it has none) and whether the output is token-identical to plain greedy. Then the edit prompts as one left-padded batch (tok/fwd per row; HF's
+alpha for the drafters with a fixed gamma (the ML estimate from the accept tests, ``SpeculationStats.alpha``;
+prompt lookup's gamma follows the proposals, so it has none) and whether the output is token-identical to plain greedy. Then the edit prompts as one left-padded batch (tok/fwd per row; HF's
 prompt lookup refuses batches). A markdown table on stdout and JSON under --out.
 """
 
@@ -39,7 +39,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
-from speculative_kernels.generation.gamma import alpha_from_histogram  # noqa: E402
 from speculative_kernels.timing import timed_generate  # noqa: E402
 
 # Functions of 100 to 200 tokens: two copies and the new tokens fit the demo target's 512 positions.
@@ -112,7 +111,7 @@ def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int) ->
 
 
 def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: int) -> dict:
-    results = {name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "identical": True, "histogram": []}
+    results = {name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "identical": True, "tests": [0, 0]}
                for name in runs}
     for text in prompts:
         encoded = tokenizer(text, return_tensors="pt")
@@ -140,14 +139,13 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: i
             if reference is None:
                 reference = out
             r["identical"] &= torch.equal(out, reference)
-            hist = stats.accepted_histogram or []
-            r["histogram"] = [a + b for a, b in zip(r["histogram"] + [0] * len(hist), hist + [0] * len(r["histogram"]))]
+            r["tests"] = [r["tests"][0] + stats.accept_tests_passed, r["tests"][1] + stats.accept_tests]
     for name, r in results.items():
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         r["tokens_per_target_forward"] = r["tokens"] / max(r["forwards"], 1)
-        hist = r.pop("histogram")
+        passed, tests = r.pop("tests")
         fixed_gamma = "drafter" in name or "draft model" in name
-        r["alpha"] = alpha_from_histogram(hist) if sum(hist) and fixed_gamma else None
+        r["alpha"] = passed / tests if tests and fixed_gamma else None
         r["accept_rate"] = r["accepted"] / r["drafted"] if r.get("drafted") else None
     return results
 

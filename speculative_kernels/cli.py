@@ -109,19 +109,17 @@ def run_generate(args) -> int:
 
 
 def speculation_figures(stats, gamma_auto: bool) -> str:
-    """The run's acceptance figures, in words where one is undefined (a zero would read as "every draft rejected"):
-    nothing drafted (every token from the prompt's forward), or no iteration that drafted the full gamma (alpha and
-    tokens per target forward are estimated from those only: ``SpeculationStats.accepted_histogram``)."""
+    """The run's acceptance figures, in words where they are undefined (a zero would read as "every draft
+    rejected"): nothing drafted (every token from a target forward alone: the prompt's, with max_new_tokens 1, or
+    prompt lookup finding no match). Tokens per target forward: the new tokens over the target's forwards that gave
+    them, every one counted (also those that drafted fewer than gamma or nothing;
+    ``SpeculationStats.mean_tokens_per_target_forward``)."""
     if not stats.drafted_tokens:
-        return "nothing drafted: every token came from the prompt's forward"
-    text = f"acceptance rate {stats.acceptance_rate:.3f}, "
-    if stats.verify_steps:
-        text += (f"alpha {stats.alpha:.3f}, {stats.mean_tokens_per_target_forward:.2f} tokens per target forward"
-                 + (f"; gamma auto -> {stats.num_speculative_tokens}" if gamma_auto else ""))
-    else:
-        text += ("alpha and tokens per target forward n/a (estimated from iterations that draft the full gamma; "
-                 "max_new_tokens cut every one short)")
-    return text
+        return ("nothing drafted: every token came from a target forward alone "
+                "(max_new_tokens 1, or no proposal)")
+    return (f"acceptance rate {stats.acceptance_rate:.3f}, alpha {stats.alpha:.3f}, "
+            f"{stats.mean_tokens_per_target_forward:.2f} tokens per target forward"
+            + (f"; gamma auto -> {stats.num_speculative_tokens}" if gamma_auto else ""))
 
 
 def describe_difference(step: int, ours, reference, dtype, tokens: tuple[int, int] | None = None) -> str:

@@ -104,7 +104,9 @@ class RequestResult:
     finish_reason: "eos", "length", "stop" (a stop string), "cancelled", "error" (it could not be admitted,
     its own logits left no token to emit, or a step of its batch raised midway, which ends every request running
     in it with the tokens it had received: ``error`` says why), or None while queued or running; iterations: the steps it took part in; drafted_tokens /
-    accepted_tokens: drafts proposed for it / accepted; error: "ExceptionType: message" when finish_reason is
+    accepted_tokens: drafts verified for it (at most its tokens left less one per step) / those it kept, counted
+    as ``SpeculationStats.drafted_tokens`` / ``accepted_tokens`` count them (drafts cut by its EOS or a stop string
+    are not kept); error: "ExceptionType: message" when finish_reason is
     "error", else None."""
 
     request_id: int
@@ -449,7 +451,6 @@ class ContinuousBatcher:
             result = request.result
             result.iterations += 1
             result.drafted_tokens += loop.last_drafted[row]
-            result.accepted_tokens += max(0, min(loop.last_accepted[row], len(emitted[row]) - 1))
             tokens = emitted[row]
             if tokens:
                 result.token_ids.extend(tokens)
@@ -460,6 +461,8 @@ class ContinuousBatcher:
                     result.finish_reason = "stop"
                     done.append(request_id)
                 new[request_id] = list(tokens)
+            # the accepted drafts it kept: the last token it received counts as the target's (as SpeculationStats)
+            result.accepted_tokens += max(0, min(loop.last_accepted[row], len(tokens) - 1))
             if row in loop.failed_rows:  # its own logits left no token (e.g. every id suppressed, or NaN)
                 result.finish_reason, result.error = "error", loop.failed_rows[row]
                 done.append(request_id)

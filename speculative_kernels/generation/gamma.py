@@ -84,7 +84,8 @@ class GammaCalibrator:
     warmup: int = CALIBRATION_WARMUP
     iterations: int = CALIBRATION_ITERATIONS
     max_gamma: int = MAX_GAMMA
-    counts: list = dataclasses.field(default_factory=list)
+    counts: list = dataclasses.field(default_factory=list)  # accepted drafts per row and iteration
+    drafted: list = dataclasses.field(default_factory=list)  # drafts per row and iteration (its own limit)
     draft_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration, per draft forward
     verify_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration
     seen: int = 0
@@ -96,13 +97,20 @@ class GammaCalibrator:
     def done(self) -> bool:
         return self.chosen is not None
 
-    def record(self, accepted_counts, draft_seconds: float, verify_seconds: float) -> int | None:
-        """accepted_counts: n of each row still generating in this iteration (drafted at ``start_gamma``);
-        draft_seconds / verify_seconds: the iteration's draft and verification phase times."""
+    def record(self, accepted_counts, draft_seconds: float, verify_seconds: float, drafted=None) -> int | None:
+        """accepted_counts: n of each row still generating in this iteration; drafted: the drafts d >= n each of
+        those rows had (a row near its end is drafted fewer than ``start_gamma``: accepting all d is no
+        rejection), None for ``start_gamma`` each; draft_seconds / verify_seconds: the iteration's draft and
+        verification phase times."""
         if self.done:
             return None
+        accepted_counts = list(accepted_counts)
+        drafted = [self.start_gamma] * len(accepted_counts) if drafted is None else list(drafted)
+        if len(drafted) != len(accepted_counts) or any(not 0 <= n <= d for n, d in zip(accepted_counts, drafted)):
+            raise ValueError(f"accepted counts {accepted_counts} do not fit the drafted counts {drafted}")
         self.seen += 1
         self.counts.extend(accepted_counts)
+        self.drafted.extend(drafted)
         if self.seen > self.warmup:
             self.draft_seconds.append(draft_seconds / self.start_gamma)
             self.verify_seconds.append(verify_seconds)
@@ -112,10 +120,12 @@ class GammaCalibrator:
 
     def finish(self) -> int:
         """Choose gamma from what was recorded (also usable early, e.g. when decoding ends during calibration)."""
-        if not self.counts or not self.verify_seconds:
+        passed = sum(self.counts)
+        tests = passed + sum(1 for n, d in zip(self.counts, self.drafted) if n < d)
+        if not tests or not self.verify_seconds:
             self.chosen = self.start_gamma
             return self.chosen
-        self.alpha = alpha_from_counts(self.counts, self.start_gamma)
+        self.alpha = passed / tests  # the maximum-likelihood estimate, as alpha_from_counts, each row with its d
         verify = statistics.median(self.verify_seconds)
         self.c = statistics.median(self.draft_seconds) / verify if verify > 0 else 0.0
         self.chosen = choose_gamma(self.alpha, self.c, self.max_gamma)

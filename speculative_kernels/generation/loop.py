@@ -472,6 +472,10 @@ class SpeculativeLoop:
         limits = self._draft_limits()
         self._draft_advances = 0
         draft_tokens, draft_logits, num_draft = self._draft()
+        # The drafter's per-row counts, when the host does not know them (its first iteration, after rows left or
+        # joined, a compiled prompt lookup, a drafter of one's own): read with the iteration's tokens, for the
+        # statistics (the fillers past them are not drafted tokens).
+        read_drafted = num_draft is not None and proposals is None
         if limits is not None:  # rows near their end verify only their own drafts and keep their draft offsets
             num_draft = limits if num_draft is None else torch.minimum(num_draft, limits)
             if self._draft_advances == self.gamma:
@@ -489,8 +493,9 @@ class SpeculativeLoop:
         # counts) ride along.
         readers = [(r, r.lengths_to_read()) for r in drafting]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
-        if readers:
-            host = torch.cat([out.flatten(), *(lengths for _, lengths in readers)]).tolist()
+        if readers or read_drafted:
+            host = torch.cat([out.flatten(), *(lengths for _, lengths in readers),
+                              *([num_draft] if read_drafted else [])]).tolist()
         else:
             host = out.flatten().tolist()
         self.timer.stop("verify")
@@ -519,6 +524,7 @@ class SpeculativeLoop:
         for reader, lengths in readers:
             reader.lengths_read(host[tail : tail + lengths.numel()])
             tail += lengths.numel()
+        drafted_host = host[tail : tail + b] if read_drafted else proposals
         active_host = [0 if b in self.failed_rows else 1 - f for b, f in enumerate(self._finished_host)]
         generated_before = self._generated_host
         self._write(out, count_host)
@@ -530,10 +536,7 @@ class SpeculativeLoop:
         self.last_accepted = [n if a else -1 for n, a in zip(accepted_host, active_host)]
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count_host, generated_before)
-        if self.gamma == self.chosen_gamma:  # shortened iterations stay out: their counts would bias alpha
-            for n, a in zip(accepted_host, active_host):
-                self._histogram[n] += a
-        if self._after_emit(count_host, accepted_host, active_host, generated_before, proposals) or \
+        if self._after_emit(count_host, accepted_host, active_host, generated_before, drafted_host) or \
                 self._out_of_time():
             self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request, or max_time passed
         # No rollback when nothing runs after; gamma 0 mid-run (a drafter without a model proposed nothing) still
@@ -541,7 +544,9 @@ class SpeculativeLoop:
         if not all(self._finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
-            self._calibrate([n for n, a in zip(accepted_host, active_host) if a])
+            active = [i for i, a in enumerate(active_host) if a]
+            self._calibrate([min(accepted_host[i], self.last_drafted[i]) for i in active],
+                            [self.last_drafted[i] for i in active])
         self.iteration += 1
         self.timer.stop("step")
         return not all(self._finished_host)
@@ -579,17 +584,20 @@ class SpeculativeLoop:
         this iteration, as HF's MaxTimeCriteria stops every row after its step)."""
         return self.plan.max_time is not None and time.monotonic() - self._started > self.plan.max_time
 
-    def _calibrate(self, accepted_counts: list[int]) -> None:
-        """num_speculative_tokens="auto": feed this iteration to the calibrator; switch gamma once it has chosen.
+    def _calibrate(self, accepted_counts: list[int], drafted: list[int]) -> None:
+        """num_speculative_tokens="auto": feed this iteration to the calibrator (per active row, the drafts it
+        accepted of the ones it was drafted); switch gamma once it has chosen.
         The phase times are complete here but for the verify phase's end event, recorded after the iteration's
         host read: ``timer.last`` waits for it (it is reached at once, the stream is idle there)."""
-        chosen = self.calibrator.record(accepted_counts, self.timer.last("draft"), self.timer.last("verify"))
+        chosen = self.calibrator.record(accepted_counts, self.timer.last("draft"), self.timer.last("verify"),
+                                        drafted=drafted)
         if chosen is not None:
             self.chosen_gamma = self.stats.num_speculative_tokens = chosen
             self._largest_gamma_used = max(self._largest_gamma_used, chosen)
 
     def histogram(self) -> list[int]:
-        """accepted_histogram: [n] = verification steps (per row) that accepted n drafts, n in 0..largest gamma."""
+        """accepted_histogram: [n] = row-steps (a row in one target forward) that kept n drafts, n in 0..largest
+        gamma (see ``SpeculationStats``)."""
         return self._histogram[: self._largest_gamma_used + 1]
 
     def emitted(self) -> list[list[int]]:
@@ -598,19 +606,10 @@ class SpeculativeLoop:
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
-    def _after_emit(self, count_host, accepted_host, active_host, generated_before, proposals) -> bool:
-        """Host-side bookkeeping that needs the counts: stats, stopping criteria, streamer. Returns True when a
-        stopping criterion fired (the host's finished flags, read before it ran, are then stale). proposals: the
+    def _after_emit(self, count_host, accepted_host, active_host, generated_before, drafted_host) -> bool:
+        """Host-side bookkeeping that needs the counts: stopping criteria, streamer, stats. Returns True when a
+        stopping criterion fired (the host's finished flags, read before it ran, are then stale). drafted_host: the
         drafter's per-row counts of this iteration (host), or None for gamma each."""
-        active = [i for i, a in enumerate(active_host) if a]
-        limits = self._limits_host or [self.gamma] * len(active_host)
-        self.last_drafted = [(limits[i] if proposals is None else min(proposals[i], limits[i])) * a
-                             for i, a in enumerate(active_host)]
-        self.stats.drafted_tokens += sum(self.last_drafted)
-        self.stats.accepted_tokens += sum(accepted_host[i] for i in active)
-        for i in active:  # alpha's tests: every accepted draft passed one; a rejection (n < drafts) failed one
-            self.stats.accept_tests_passed += accepted_host[i]
-            self.stats.accept_tests += accepted_host[i] + int(accepted_host[i] < self.last_drafted[i])
         stopped = False
         if self.stop is not None:
             self._apply_stop_strings(count_host, generated_before)
@@ -618,12 +617,36 @@ class SpeculativeLoop:
         if self.plan.stopping_criteria:
             stopped = self._apply_stopping_criteria(count_host, generated_before)
             count_host = self._host_counts
+        self._count_drafts(count_host, accepted_host, active_host, generated_before, drafted_host)
         self.stats.new_tokens += sum(count_host)  # (after the cuts of stop strings and stopping criteria)
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + generated_before[0]
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
         return stopped
 
+    def _count_drafts(self, count_host, accepted_host, active_host, generated_before, drafted_host) -> None:
+        """The iteration's drafted / accepted counts (``SpeculationStats``), per active row: drafted d = its
+        proposal (the drafter's count, else gamma), at most its own tokens left less one, as a sampled row's
+        verification is limited (``_draft_limits``; a greedy row is not, but its drafts past its end could not be
+        emitted); the accept tests of the drafts it accepted up to d; kept = the drafts among the tokens it emitted
+        after every cut (EOS, length, stop strings, stopping criteria), its last emitted token counted as the
+        target's: min(accepted, emitted - 1), which also places the row-step in the histogram."""
+        drafted = []
+        for i, a in enumerate(active_host):
+            limit = max(0, min(self.gamma, self._max_new[i] - generated_before[i] - 1))
+            drafted.append(min(limit, drafted_host[i]) * a if drafted_host is not None else limit * a)
+        self.last_drafted = drafted
+        for i, a in enumerate(active_host):
+            if not a:
+                continue
+            n, d = accepted_host[i], drafted[i]
+            tested = min(n, d)  # alpha's tests: every accepted draft passed one; a rejection (n < d) failed one
+            self.stats.accept_tests_passed += tested
+            self.stats.accept_tests += tested + int(tested < d)
+            kept = max(0, min(n, count_host[i] - 1))
+            self.stats.accepted_tokens += kept
+            self._histogram[kept] += 1
+        self.stats.drafted_tokens += sum(drafted)
     def _apply_stop_strings(self, count_host, generated_before) -> None:
         """``stop_strings``, per row, after every emitted token as HF checks them: a row whose new token completes a
         stop string keeps it, drops the tokens after it and finishes. Runs on the host copies of the rows (no device

@@ -12,18 +12,34 @@ from .gamma import alpha_from_histogram
 class SpeculationStats:
     """Filled in by ``generate``. Counts are summed over the rows that were still generating.
 
-    accepted_histogram[n] counts verification steps (per row) that accepted exactly n draft tokens (0..gamma).
+    A row-step is one row in one target forward (every forward that produced tokens: those that verified a full
+    gamma of drafts, a shorter proposal (the last tokens of a request, prompt lookup without a long match) or
+    nothing (the target alone), and a first token taken from the prompt's forward).
+
+    accepted_histogram[n] counts the row-steps that kept n drafts: the row emitted n + 1 tokens, n accepted drafts
+    and then the target's token, or, where EOS, max_new_tokens or a stop string cut the row inside its accepted
+    drafts, n + 1 = the tokens it emitted (n = min(accepted, emitted - 1)); n in 0..the largest gamma used.
     """
 
     num_speculative_tokens: int = 0
-    target_forwards: int = 0  # verification forwards (the prefill is counted in prefill_forwards)
-    draft_forwards: int = 0
+    # target forwards that produced tokens: the verifications, and the prompt's forward where the first token
+    # comes from it (max_new_tokens=1; greedy requests of continuous batching); the target's other prefill is in
+    # prefill_forwards
+    target_forwards: int = 0
+    draft_forwards: int = 0  # the draft model's forwards while drafting (its prefill is in prefill_forwards)
+    # prefill forwards over the prompts: 1 for the target's and the draft's together (0 when the prompt has one
+    # token, or the target's prefill is the forward that gives the first token, counted in target_forwards)
     prefill_forwards: int = 0
+    # drafts verified, per row-step at most the row's tokens left less one (drafts past its end are not counted),
+    # and only those the drafter proposed (prompt lookup's fillers are not counted)
     drafted_tokens: int = 0
+    # accepted drafts that were kept: sum of n over the row-steps (see accepted_histogram); drafts accepted by the
+    # verification but cut by EOS, max_new_tokens or a stop string are not counted
     accepted_tokens: int = 0
     new_tokens: int = 0
     accepted_histogram: list = dataclasses.field(default_factory=list)
-    # the paper's accept tests (per row and iteration with n of its d drafts accepted: n passed, n + (n < d) made)
+    # the paper's accept tests (per row-step with n of its d drafted accepted by the verification, n <= d: n
+    # passed, n + (n < d) made; drafts after an EOS in them were tested too and count)
     accept_tests: int = 0
     accept_tests_passed: int = 0
     draft_time_s: float = 0.0
@@ -35,7 +51,7 @@ class SpeculationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens over drafted tokens. Lower than the paper's alpha: the drafts after a rejection
+        """accepted_tokens over drafted_tokens. Lower than the paper's alpha: the drafts after a rejection
         count as drafted but were never tested (see :attr:`alpha`)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
@@ -44,18 +60,22 @@ class SpeculationStats:
         """The paper's alpha, the per-token acceptance probability: maximum-likelihood estimate, successful accept
         tests over tests made, each row and iteration counted with the drafts it had (so iterations of different
         gamma, as with num_speculative_tokens="auto", and rows proposing fewer drafts count right); 0.0 before
-        any test. (Stats filled in without the test counts fall back to ``accepted_histogram``, one gamma.)"""
+        any test. (Stats filled in without the test counts fall back to ``accepted_histogram``, read as if every
+        row-step had drafted len(accepted_histogram) - 1 tokens.)"""
         if self.accept_tests:
             return self.accept_tests_passed / self.accept_tests
         return alpha_from_histogram(self.accepted_histogram) if self.verify_steps else 0.0
 
     @property
     def verify_steps(self) -> int:
+        """Row-steps: the rows in each target forward, summed (see the class docstring)."""
         return int(sum(self.accepted_histogram))
 
     @property
     def mean_tokens_per_target_forward(self) -> float:
-        """Mean of (accepted + 1) per row and verification step: the paper's expected tokens per iteration."""
+        """Tokens emitted per row-step, the mean of n + 1 over ``accepted_histogram``: new_tokens / verify_steps
+        (at batch 1, new_tokens / target_forwards). Every target forward counts, also those that drafted fewer
+        than gamma or nothing; at a fixed gamma with every row-step full, the paper's tokens per iteration."""
         steps = self.verify_steps
         if not steps:
             return 0.0

@@ -114,15 +114,32 @@ def test_acceptance_figures_are_explained(pair, capsys):
     assert "acceptance rate" in out and "alpha" in out and "accepted drafts / drafted tokens" in out
 
 
-@pytest.mark.parametrize("tokens, words", [("1", "nothing drafted"), ("3", "max_new_tokens cut every one short")])
-def test_undefined_acceptance_figures_are_said_not_zero(pair, capsys, tokens, words):
-    """max_new_tokens=1: the token comes from the prefill, nothing is drafted; 3: every iteration drafts less than
-    gamma, which alpha is estimated from. Zeros would read as every draft rejected."""
+def test_undefined_acceptance_figures_are_said_not_zero(pair, capsys):
+    """max_new_tokens=1: the token comes from the prefill, nothing is drafted. Zeros would read as every draft
+    rejected."""
     target, draft = pair
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
-                 tokens, "--gamma", "4"]) == 0
+                 "1", "--gamma", "4"]) == 0
     out = capsys.readouterr().out
-    assert words in out and "alpha 0.000" not in out
+    assert "nothing drafted" in out and "alpha 0.000" not in out
+
+
+def test_acceptance_figures_of_shortened_iterations(pair, capsys):
+    """max_new_tokens=3 at gamma 4: every iteration drafts fewer than gamma (the tokens left less one). They count:
+    alpha and tokens per target forward are given (they were "n/a", with a reason that is wrong for prompt lookup,
+    whose iterations are short because its proposals are)."""
+    from speculative_kernels import SpeculationStats
+
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
+                 "3", "--gamma", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "n/a" not in out and "alpha " in out and " tokens per target forward" in out
+    from speculative_kernels.cli import speculation_figures
+
+    stats = SpeculationStats(target_forwards=2, drafted_tokens=2, accepted_tokens=1, new_tokens=3,
+                             accepted_histogram=[1, 1], accept_tests=2, accept_tests_passed=1)
+    assert speculation_figures(stats, False) == "acceptance rate 0.500, alpha 0.500, 1.50 tokens per target forward"
 
 
 def test_an_unexpected_failure_has_its_own_exit_status(pair, capsys, monkeypatch):

@@ -35,6 +35,9 @@ def test_stop_strings_per_request(demo):
         result = decoder.result(request_id)
         assert result.token_ids == expected, prompt
         reasons.append(result.finish_reason)
+        # the drafts it kept: its tokens less one per step (each step's last token is the target's); the drafts
+        # after a stop string were counted as accepted
+        assert result.accepted_tokens == len(result.token_ids) - result.iterations <= result.drafted_tokens, prompt
     assert reasons[0] == "stop" and reasons[2] in ("length", "eos")
 
 
@@ -94,3 +97,19 @@ def test_random_stop_strings_as_model_generate(demo):
     tokenizer.padding_side = "left"
     cut = [check_case(random_case(seed, tokenizer, target), target, draft, tokenizer) for seed in range(6)]
     assert all(cut)  # every case's stop strings cut a row: the comparison can fail
+
+
+def test_request_counts_no_draft_after_its_stop_string(demo):
+    """The target as its own draft accepts every draft: a stop string completed inside a block drops the accepted
+    drafts after it, which are not kept drafts (they were counted: the cut came after the count)."""
+    target, _, tokenizer = demo
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=4, tokenizer=tokenizer)
+    ids = [decoder.add_request(tokenizer(prompt)["input_ids"], do_sample=False, max_new_tokens=40,
+                               stop_strings=["\n"])
+           for prompt in ("def add(a, b):", "import os\nimport", "class Stack:\n    def")]
+    while decoder.has_work():
+        decoder.step()
+    results = [decoder.result(i) for i in ids]
+    assert all(r.finish_reason == "stop" for r in results)
+    for r in results:
+        assert r.accepted_tokens == len(r.token_ids) - r.iterations <= r.drafted_tokens

@@ -188,3 +188,35 @@ def test_auto_with_real_calibration_and_refusals():
                     cache_implementation="static")
     with pytest.raises(TypeError, match="int or 'auto'"):
         sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="five", max_new_tokens=5)
+
+
+def test_calibrator_counts_each_rows_own_draft_limit():
+    """A row drafted fewer than the calibration gamma (its tokens left less one) that accepted all of them failed
+    no test (it was counted as a rejection at gamma, lowering alpha and so the gamma chosen)."""
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
+    assert cal.record([4, 2], draft_seconds=0.4, verify_seconds=1.0, drafted=[4, 2]) is None
+    cal.record([1], draft_seconds=0.4, verify_seconds=1.0, drafted=[1])
+    assert cal.alpha == 1.0
+    with pytest.raises(ValueError, match="do not fit"):
+        GammaCalibrator().record([3], 0.4, 1.0, drafted=[2])
+
+
+def test_auto_calibrates_on_what_each_row_was_drafted(monkeypatch):
+    """The loop gives the calibrator each row's own draft count: with the draft as the target every test passes,
+    so alpha is 1 even where rows near their end were drafted fewer than the calibration gamma."""
+    seen = []
+    finish = GammaCalibrator.finish
+
+    def recording_finish(self):
+        chosen = finish(self)
+        seen.append(self.alpha)
+        return chosen
+
+    monkeypatch.setattr(GammaCalibrator, "finish", recording_finish)
+    target = llama()
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens="auto")
+    for max_new_tokens in (3, 4, 40):  # the first two are drafted 1 and 2, then 0 and 1 at the calibration gamma
+        decoder.add_request(_prompt(batch=1)[0].tolist(), max_new_tokens=max_new_tokens, do_sample=True, seed=1)
+    while decoder.has_work():
+        decoder.step()
+    assert seen and seen[0] == 1.0

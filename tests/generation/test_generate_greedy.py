@@ -290,3 +290,69 @@ def test_max_time_stops_every_row_after_the_iteration_it_passes_in():
     assert ids.shape[1] < zero.shape[1] <= ids.shape[1] + 4 and torch.equal(zero, full[:, : zero.shape[1]])
     with pytest.raises(ValueError, match="max_time"):
         sk.generate(target, ids, draft_model=draft, max_time=-1.0, **kwargs)
+
+
+def _assert_counts_what_was_emitted(stats):
+    """Each row-step (a row in one target forward) is in the histogram by the tokens it emitted less one, so the
+    mean is the new tokens per row-step and the kept drafts are the new tokens less one per row-step."""
+    assert stats.verify_steps and stats.mean_tokens_per_target_forward == stats.new_tokens / stats.verify_steps
+    assert stats.accepted_tokens == sum(n * k for n, k in enumerate(stats.accepted_histogram))
+    assert stats.accepted_tokens == stats.new_tokens - stats.verify_steps
+    assert stats.accepted_tokens <= stats.drafted_tokens and stats.accept_tests_passed <= stats.accept_tests
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7, 11, 22])
+def test_statistics_count_every_target_forward(max_new_tokens):
+    """Shortened iterations (the last tokens: gamma capped at the tokens left less one, or none) count: the mean is
+    new_tokens / target_forwards at batch 1 (they were left out of the histogram: 3 tokens reported as
+    "n/a", 22 as 5.0 per forward though the fifth forward gave 2)."""
+    target = llama()
+    stats = sk.SpeculationStats()
+    sk.generate(target, _prompt(seed=4), draft_model=target, num_speculative_tokens=4,
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, speculation_stats=stats)
+    assert stats.new_tokens == max_new_tokens and stats.verify_steps == stats.target_forwards
+    _assert_counts_what_was_emitted(stats)
+    # the draft is the target: every draft it could use was accepted
+    assert stats.acceptance_rate == (1.0 if max_new_tokens > 1 else 0.0) and stats.alpha == stats.acceptance_rate
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_statistics_count_no_draft_past_an_eos(do_sample):
+    """An EOS inside the accepted drafts: the drafts after it were verified, never emitted. They are not kept
+    drafts (the self-draft's 7 tokens from 2 forwards were reported as 8 accepted drafts and 5.0 tokens per
+    forward); alpha keeps their tests, which were made."""
+    target = llama()
+    ids = _prompt(seed=3)
+    eos, pos = _eos_at(target, ids, 6)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, max_new_tokens=30,
+                      do_sample=do_sample, temperature=1e-6 if do_sample else None, eos_token_id=eos,
+                      pad_token_id=0, speculation_stats=stats, seed=0)
+    assert got.shape[1] == ids.shape[1] + pos + 1 and stats.new_tokens == pos + 1 == 7
+    assert stats.target_forwards == 2 and stats.accepted_histogram == [0, 1, 0, 0, 1]
+    assert stats.accepted_tokens == 5 and stats.mean_tokens_per_target_forward == 3.5
+    assert stats.drafted_tokens == 8 and stats.accept_tests == stats.accept_tests_passed == 8
+    _assert_counts_what_was_emitted(stats)
+
+
+def test_greedy_batch_statistics_are_the_rows_alone():
+    """A greedy row is drafted what it is drafted alone: the batch's gamma, but never past its own tokens left less
+    one (as a sampled row's limit): the batch's counts are the sums of its rows' counts alone (the drafts past a
+    row's end, which the greedy batch verifies, were counted as drafted and accepted)."""
+    target = llama()
+    draft = drafts_for("llama", target)["perturbed"]
+    ids = _prompt(batch=3, seed=11)
+    kwargs = dict(draft_model=draft, num_speculative_tokens=4, max_new_tokens=17, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+    stats = sk.SpeculationStats()
+    sk.generate(target, ids, speculation_stats=stats, **kwargs)
+    alone = []
+    for row in ids:
+        alone.append(sk.SpeculationStats())
+        sk.generate(target, row[None], speculation_stats=alone[-1], **kwargs)
+    for name in ("new_tokens", "drafted_tokens", "accepted_tokens", "accept_tests", "accept_tests_passed"):
+        assert getattr(stats, name) == sum(getattr(s, name) for s in alone), name
+    width = len(stats.accepted_histogram)
+    assert stats.accepted_histogram == [sum(s.accepted_histogram[n] for s in alone if n < len(s.accepted_histogram))
+                                        for n in range(width)]
+    _assert_counts_what_was_emitted(stats)

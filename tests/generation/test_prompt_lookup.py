@@ -274,3 +274,55 @@ def test_a_checkpoints_prompt_lookup_yields_to_the_calls_drafting(target):
         sk.generate(model, ids, draft_model=target, prompt_lookup_num_tokens=3, **kwargs)
     with pytest.raises(ValueError, match="max_matching_ngram_size applies to prompt lookup"):
         sk.generate(target, ids, draft_model=target, max_matching_ngram_size=3, **kwargs)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_statistics_count_the_proposals_and_every_target_forward(target, monkeypatch, compiled):
+    """Drafted tokens and alpha's tests count what the drafter proposed (its num_draft), not the fillers the
+    iteration's width adds (the first iteration, and every compiled one, were counted as drafting the full K; a
+    row accepting all of a shorter proposal as a failed test). Every target forward counts in tokens per target
+    forward (those capped by short proposals or with no match were left out: about twice the measured value)."""
+    from speculative_kernels.ops import torch_backend
+
+    calls = []
+    verify = torch_backend.verify
+
+    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
+        out, accepted = verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens)
+        counts = [draft_tokens.shape[1]] if num_draft_tokens is None else num_draft_tokens.tolist()
+        calls.append((counts, accepted.tolist()))
+        return out, accepted
+
+    monkeypatch.setattr(torch_backend, "verify", recording_verify)
+    forwards = []
+    hook = target.register_forward_hook(lambda module, args, output: forwards.append(1))
+    # a prompt without repeats, then its own continuation: no match at first, then long ones
+    ids = _random(length=12, seed=7)
+    extra = dict(cache_implementation="static", compile=sk.CompileOptions(backend="aot_eager")) if compiled else {}
+    stats = sk.SpeculationStats()
+    try:
+        got = sk.generate(target, ids, prompt_lookup_num_tokens=5, max_new_tokens=30, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, speculation_stats=stats, **extra)
+    finally:
+        hook.remove()
+    assert torch.equal(got, target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0))
+    proposed = [(d, n) for counts, accepted in calls for d, n in zip(counts, accepted)]
+    assert any(d < 5 for d, _ in proposed) and stats.new_tokens == 30
+    assert stats.drafted_tokens == sum(d for d, _ in proposed)
+    assert stats.accept_tests_passed == stats.accepted_tokens == sum(n for _, n in proposed)
+    assert stats.accept_tests == sum(n + int(n < d) for d, n in proposed)
+    if not compiled:  # (the captured steps' forwards are not the module's calls)
+        assert len(forwards) == stats.target_forwards + stats.prefill_forwards
+    assert stats.verify_steps == stats.target_forwards
+    assert stats.mean_tokens_per_target_forward == 30 / stats.target_forwards
+
+
+def test_no_match_drafts_nothing(target):
+    """A prompt with no repeated n-gram: nothing is proposed, nothing counts as drafted (the first iteration was
+    counted as drafting the full K, with a failed test)."""
+    stats = sk.SpeculationStats()
+    sk.generate(target, torch.tensor([[5, 6, 7, 8, 9, 10]]), prompt_lookup_num_tokens=3, max_new_tokens=4,
+                do_sample=False, eos_token_id=None, speculation_stats=stats)
+    assert stats.drafted_tokens == stats.accepted_tokens == stats.accept_tests == 0
+    assert stats.mean_tokens_per_target_forward == 1.0 and stats.target_forwards == 4
