@@ -20,8 +20,9 @@ HF's other assisted-generation defaults unchanged), the speedup predicted by Lev
   that of the target, both with a KV cache after the first prompt, the two models' steps alternating
   (``measure_c``). The in-loop phase times (wall clock) are in
   the JSON too (``draft_ms_per_forward``, ``verify_ms_per_iteration``).
-* times: the paths run interleaved per prompt, ``--repeats`` times after a warm-up; a path's time is the median
-  over repeats of its total over the prompts; tokens/s = new tokens / that time.
+* times: the paths run interleaved per prompt, ``--repeats`` times after a warm-up; a path's tokens/s is its new
+  tokens over its seconds (totals over the prompts) in the repeat with the median tokens/s (with greedy decoding,
+  the median time).
 
 Synthetic mode (label "synthetic" in every output): random-weight Llama models of realistic shapes whose proposals
 agree with the target's greedy choice at a set rate alpha, while both models pay their full forward cost. Each
@@ -55,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.timing import synchronize  # noqa: E402
+from speculative_kernels.timing import median_run, synchronize  # noqa: E402
 from speculative_kernels.generation.gamma import expected_speedup  # noqa: E402
 from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
@@ -268,11 +269,13 @@ def run_paths(target, draft, prompts: list, gamma, kwargs: dict, repeats: int = 
               seed: int = 0) -> dict:
     """Time the paths on every prompt (interleaved), ``repeats`` times after a warm-up of each.
 
-    prompts: list of [1, L] tensors. Returns per path the median total seconds, the new-token count and the outputs
-    (last repeat), plus our merged statistics and whether each output equals ``model.generate``'s."""
+    prompts: list of [1, L] tensors. Returns per path the seconds and new tokens of its repeat (its total over the
+    prompts) with the median tokens/s (``timing.median_run``: sampled repeats differ in length, so one repeat's
+    tokens over the median time would mix repeats), the outputs (last repeat), plus our statistics (last repeat)
+    and whether each output equals ``model.generate``'s."""
     device = prompts[0].device
-    totals = {p: [] for p in paths}
-    outputs, tokens = {p: [] for p in paths}, {p: 0 for p in paths}
+    runs = {p: [] for p in paths}  # per timed repeat: (tokens, seconds)
+    outputs = {p: [] for p in paths}
     stats_per_prompt = []
     for repeat in range(repeats + 1):  # repeat 0 is the warm-up
         outputs = {p: [] for p in paths}
@@ -290,10 +293,10 @@ def run_paths(target, draft, prompts: list, gamma, kwargs: dict, repeats: int = 
             stats_per_prompt.append(stats)
         if repeat > 0:
             for path in paths:
-                totals[path].append(seconds[path])
-    for path in paths:
-        tokens[path] = sum(o.numel() for o in outputs[path])
-    result = {"seconds": {p: statistics.median(t) for p, t in totals.items()}, "tokens": tokens, "outputs": outputs}
+                runs[path].append((sum(o.numel() for o in outputs[path]), seconds[path]))
+    chosen = {p: r[median_run([t for t, _ in r], [s for _, s in r])] for p, r in runs.items()}
+    result = {"seconds": {p: c[1] for p, c in chosen.items()}, "tokens": {p: c[0] for p, c in chosen.items()},
+              "outputs": outputs}
     if "ours" in paths:
         result["stats"] = stats_per_prompt
     if "hf" in paths:

@@ -5,8 +5,9 @@
     python benchmarks/e2e_batching.py --target DIR --draft DIR2 --batch-sizes 1 4 16 64 --dtype bfloat16
 
 ``batching_cases(target, draft, prompts, batch_sizes)`` returns one row (a dict) per (method, batch size);
-``benchmarks/e2e.py`` can wire it in. Every method runs on the same left-padded batch with the same settings; times
-are medians over ``repeats`` runs after one warm-up run, with the device synchronised around each run. The compiled
+``benchmarks/e2e.py`` can wire it in. Every method runs on the same left-padded batch with the same settings; each
+row is the run with the median tokens/s of ``repeats`` runs after one warm-up run (its tokens over its own time:
+sampled runs with an EOS differ in length), with the device synchronised around each run. The compiled
 path's warm-up (compilation, CUDA-graph recording) is reported separately (``warmup_s``) and is not in its time. EOS
 is disabled by default so every method generates exactly ``max_new_tokens`` per row (pass ``eos_token_id`` to let
 rows finish early, which exercises the dropping of finished rows).
@@ -25,7 +26,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.timing import timed_median  # noqa: E402
+from speculative_kernels.timing import median_run, timed_runs  # noqa: E402
 from speculative_kernels import CompileOptions  # noqa: E402
 
 # hf_static: model.generate with HF's static cache (which HF compiles on CUDA): the baseline of our compiled path.
@@ -53,6 +54,17 @@ def tiny_pair(vocab: int = 512, hidden: int = 128, target_layers: int = 4, draft
             layer.mlp.down_proj.weight.mul_(deep_scale)
     draft.load_state_dict(target.state_dict(), strict=False)
     return target, draft
+
+
+def new_token_count(new: torch.Tensor, eos_token_id) -> int:
+    """Tokens generated in new [B, T] (the new columns of a batch's output): each row's up to and including its first
+    EOS (the padding after it is not generated; a real token equal to the pad id counts), all T without EOS."""
+    if eos_token_id is None:
+        return new.numel()
+    eos = torch.isin(new, torch.as_tensor(eos_token_id, device=new.device))
+    first = torch.where(eos.any(dim=1), eos.int().argmax(dim=1) + 1, torch.full_like(eos[:, 0], new.shape[1],
+                                                                                     dtype=torch.int64))
+    return int(first.sum())
 
 
 def random_prompts(count: int, vocab: int, min_length: int = 8, max_length: int = 48, seed: int = 0) -> list:
@@ -98,7 +110,8 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
 
     target, draft: HF causal LMs on one device; prompts: token-id lists (cycled to fill a batch). HF assisted
     generation runs at batch 1 only (as transformers allows); the compiled path at ``compiled_batch_sizes``.
-    Each row: method, batch, seconds (median), tokens/s, speed-up over ``model.generate`` at that batch, acceptance
+    Each row: method, batch, seconds and tokens/s (of the median-rate run), speed-up (ratio of tokens/s) over
+    ``model.generate`` at that batch, acceptance
     and tokens per target forward (ours), warm-up seconds (compiled), compactions and dropped rows (ours), and for
     greedy decoding whether the tokens equal ``model.generate``'s.
     """
@@ -108,7 +121,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
     rows = []
     for batch in batch_sizes:
         ids, mask = left_padded(prompts, batch, 0, device)
-        baseline_s, expected = None, None
+        baseline_rate, expected = None, None
         for method in methods:
             batch_one_only = method in ("hf_assisted", "draft_static")
             if (batch_one_only and batch != 1) or (method in ("compiled", "hf_static") and batch not in compiled_batch_sizes):
@@ -131,14 +144,16 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
                 run()  # HF compiles its static-cache forward on the first calls
                 run()
                 warmup_s = time.perf_counter() - start
-            out, seconds = timed_median(run, device, repeats)
-            new_tokens = int((out[:, ids.shape[1]:] != 0).sum()) if eos_token_id is not None else batch * max_new_tokens
+            timed = timed_runs(run, device, repeats)
+            counts = [new_token_count(out[:, ids.shape[1]:], eos_token_id) for out, _ in timed]
+            chosen = median_run(counts, [seconds for _, seconds in timed])  # the run of median tokens/s
+            (out, seconds), new_tokens = timed[chosen], counts[chosen]
             if method == "hf":
-                baseline_s, expected = seconds, out
+                baseline_rate, expected = new_tokens / seconds, out
             ours = method in ("dynamic", "static", "compiled")
             rows.append({
                 "method": method, "batch": batch, "seconds": seconds, "tokens_per_s": new_tokens / seconds,
-                "speedup_vs_hf": baseline_s / seconds if baseline_s else None,
+                "speedup_vs_hf": new_tokens / seconds / baseline_rate if baseline_rate else None,
                 "acceptance_rate": stats.acceptance_rate if ours else None,
                 "tokens_per_target_forward": stats.mean_tokens_per_target_forward if ours else None,
                 "warmup_s": warmup_s if method in ("compiled", "hf_static", "draft_static") else None,

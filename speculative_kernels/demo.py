@@ -8,7 +8,6 @@ token-identical; the command exits with status 1 if they are not.
 
 import argparse
 import dataclasses
-import statistics
 import sys
 
 from .cli_options import (
@@ -49,10 +48,12 @@ class PromptResult:
     speculative_text: str
     baseline_tokens: int
     speculative_tokens: int
-    baseline_s: float  # median over repeats
+    # each path's tokens, seconds and text are those of its run with the median tokens/s (``timing.median_run``):
+    # under sampling, repeats stop at their own EOS, so one run's tokens over the median time would mix runs
+    baseline_s: float
     speculative_s: float
-    stats: object  # SpeculationStats of the last speculative run
-    identical: bool
+    stats: object  # SpeculationStats of that speculative run
+    identical: bool  # every repeat's two outputs equal
 
 
 class Progress:
@@ -126,34 +127,35 @@ def _run_prompt(prompt, pair, args, progress, index: int, count: int) -> PromptR
     import torch
 
     from . import SpeculationStats, generate
-    from .timing import timed_generate
+    from .timing import median_run, timed_generate
 
     target, draft, tokenizer, draft_tokenizer = pair
     ids, mask = encode_prompt(tokenizer, target, prompt, args.device)
     kwargs = _kwargs(args, tokenizer, mask)
-    stats = SpeculationStats()
-    base_times, spec_times = [], []
+    base_runs, spec_runs = [], []  # per repeat: (new token ids, seconds[, stats])
     for repeat in range(args.repeats):  # interleaved, so both paths see the same machine load
         torch.manual_seed(args.seed + repeat)
         baseline, seconds = timed_generate(lambda: target.generate(ids, **kwargs), args.device)
-        base_times.append(seconds)
+        base_runs.append((completion_ids(target, ids, baseline), seconds))
         progress.step(f"prompt {index}/{count}: model.generate")
+        stats = SpeculationStats()
         output, seconds = timed_generate(
             lambda: generate(target, ids, draft_model=draft, num_speculative_tokens=args.gamma,
                              assistant_tokenizer=draft_tokenizer, speculation_stats=stats, backend=args.backend,
                              seed=(args.seed + repeat) % 2**63, **kwargs),
             args.device,
         )
-        spec_times.append(seconds)
+        spec_runs.append((completion_ids(target, ids, output), seconds, stats))
         progress.step(f"prompt {index}/{count}: speculative")
-    base_new, spec_new = completion_ids(target, ids, baseline), completion_ids(target, ids, output)
+    base_new, base_s = base_runs[median_run([len(r[0]) for r in base_runs], [r[1] for r in base_runs])]
+    spec_new, spec_s, stats = spec_runs[median_run([len(r[0]) for r in spec_runs], [r[1] for r in spec_runs])]
     return PromptResult(
         prompt=prompt,
         baseline_text=tokenizer.decode(base_new, skip_special_tokens=True),
         speculative_text=tokenizer.decode(spec_new, skip_special_tokens=True),
         baseline_tokens=len(base_new), speculative_tokens=len(spec_new),
-        baseline_s=statistics.median(base_times), speculative_s=statistics.median(spec_times),
-        stats=stats, identical=base_new == spec_new,
+        baseline_s=base_s, speculative_s=spec_s,
+        stats=stats, identical=all(b[0] == s[0] for b, s in zip(base_runs, spec_runs)),
     )
 
 
@@ -195,9 +197,9 @@ def _report(result: PromptResult, index: int, count: int, args) -> str:
 
 
 def summarize(results: list[PromptResult]) -> dict:
-    """Totals over the prompts: tokens/s of each path (total tokens / total median time), speedup, acceptance."""
-    from .generation.gamma import accept_tests
-
+    """Totals over the prompts: tokens/s of each path (total tokens / total seconds of the median runs), speedup,
+    acceptance; alpha pools the runs' accept tests (each row-step with the drafts it had: gamma auto's calibration
+    iterations at their own gamma, shortened ones at theirs), as ``SpeculationStats.alpha`` does per run."""
     base_tokens = sum(r.baseline_tokens for r in results)
     spec_tokens = sum(r.speculative_tokens for r in results)
     base_rate = base_tokens / sum(r.baseline_s for r in results)
@@ -205,8 +207,8 @@ def summarize(results: list[PromptResult]) -> dict:
     drafted = sum(r.stats.drafted_tokens for r in results)
     steps = sum(r.stats.verify_steps for r in results)
     emitted = sum(sum((n + 1) * c for n, c in enumerate(r.stats.accepted_histogram)) for r in results)
-    counts = [accept_tests(r.stats.accepted_histogram) for r in results]
-    successes, tests = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    successes = sum(r.stats.accept_tests_passed for r in results)
+    tests = sum(r.stats.accept_tests for r in results)
     return {
         "prompts": len(results), "baseline_tokens_per_s": base_rate, "speculative_tokens_per_s": spec_rate,
         "speedup": spec_rate / base_rate,
@@ -235,7 +237,7 @@ def run_demo(args) -> int:
           f"{sum(p.numel() for p in pair[1].parameters()) / 1e6:.1f}M params; device {args.device}, dtype "
           f"{next(pair[0].parameters()).dtype}, torch threads {torch.get_num_threads()}; "
           f"{'greedy' if args.temperature == 0 else f'sampling at temperature {args.temperature}'}, "
-          f"{args.max_new_tokens} new tokens, median of {args.repeats} run(s) per prompt")
+          f"{args.max_new_tokens} new tokens, the run of median tokens/s of {args.repeats} per prompt and path")
     _warm_up(pair, args, prompts[0])
     progress = Progress(2 * args.repeats * len(prompts), enabled=not args.no_progress)
     results = []
@@ -274,7 +276,8 @@ def add_demo_command(subparsers) -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true",
                       help=f"{QUICK_PROMPTS} prompts, at most {QUICK_MAX_NEW_TOKENS} new tokens, 1 run each (for CI)")
     demo.add_argument("--repeats", type=positive_int,
-                      help="timed runs per prompt and path, the median is reported (default: 3, or 1 with --quick)")
+                      help="timed runs per prompt and path; the one with the median tokens/s is reported "
+                           "(default: 3, or 1 with --quick)")
     demo.add_argument("--threads", type=positive_int,
                       help="torch intra-op threads (default: 1 on CPU, where the demo models are too small to gain "
                            "from more and extra threads thrash on shared cores; elsewhere torch's default)")

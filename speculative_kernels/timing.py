@@ -21,6 +21,23 @@ def timed_generate(fn, device):
     return result, time.perf_counter() - start
 
 
+def median_run(tokens, seconds) -> int:
+    """Index of the run whose tokens/s is the median of the runs' (of the middle two, the slower): its tokens and
+    its seconds give that rate. Where runs differ in length (sampling: each stops at its own EOS), one run's tokens
+    over the median of the times would mix runs. tokens, seconds: per run."""
+    if not tokens or len(tokens) != len(seconds):
+        raise ValueError(f"need as many token counts as times, at least one: {len(tokens)} and {len(seconds)}")
+    rates = [t / s if s > 0 else float("inf") for t, s in zip(tokens, seconds)]
+    order = sorted(range(len(rates)), key=lambda i: rates[i])
+    return order[(len(order) - 1) // 2]
+
+
+def timed_runs(fn, device, repeats: int) -> list:
+    """[(result, seconds)] of ``repeats`` timed calls of fn(), after one untimed warm-up call."""
+    fn()
+    return [timed_generate(fn, device) for _ in range(repeats)]
+
+
 def timed_median(fn, device, repeats: int):
     """(last result, median seconds over ``repeats`` timed calls) of fn(), after one untimed warm-up call."""
     fn()

@@ -1,6 +1,7 @@
 """``speculative-kernels demo --quick`` on the bundled pair: greedy outputs identical, exit status 0 (no timing
 assertions). Also: a greedy mismatch makes it exit 1."""
 
+import pytest
 import torch
 
 import speculative_kernels
@@ -135,3 +136,58 @@ def test_demo_empty_prompt_starts_from_the_bos_token(tmp_path, capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert code == 0 and "--- model.generate: 5 tokens" in out and "greedy outputs: identical" in out, out
+
+
+def test_median_run_pairs_each_runs_tokens_with_its_own_time():
+    """Sampled repeats stop at their own EOS: the rate is one run's tokens over its own seconds (the last repeat's
+    tokens over the median time gave 250 tokens/s for runs of exactly 100)."""
+    from speculative_kernels.timing import median_run
+
+    tokens, seconds = [60, 24, 9, 16, 60], [0.6, 0.24, 0.09, 0.16, 0.6]  # every run 100 tokens/s
+    i = median_run(tokens, seconds)
+    assert tokens[i] / seconds[i] == 100.0
+    assert median_run([10, 10, 10], [3.0, 1.0, 2.0]) == 2  # same lengths: the median time
+    assert median_run([10, 10], [1.0, 2.0]) == 1  # of the middle two, the slower
+
+
+def test_demo_rates_under_sampling_are_per_run(monkeypatch):
+    """demo._run_prompt under sampling, with a clock that makes every run exactly 100 tokens/s: both paths report
+    100 tokens/s (each path's tokens and seconds come from one run), so the speedup is 1."""
+    import argparse
+
+    from speculative_kernels import demo, timing
+    from speculative_kernels.demo_pair import load_demo_pair
+
+    target, draft, tokenizer = load_demo_pair()
+    prompt = "def add(a, b):"
+    prompt_length = tokenizer(prompt, return_tensors="pt")["input_ids"].shape[1]
+    lengths = iter([60, 60, 24, 42, 9, 48, 16, 60, 60, 60])  # the runs' new tokens (baseline, speculative, ...)
+
+    def fake_timed(fn, device):
+        out = fn()[:, : prompt_length + next(lengths)]
+        return out, (out.shape[1] - prompt_length) / 100.0
+
+    monkeypatch.setattr(timing, "timed_generate", fake_timed)
+    args = argparse.Namespace(max_new_tokens=60, temperature=1.0, top_k=0, top_p=None, min_p=None,
+                              repetition_penalty=None, no_repeat_ngram_size=None, gamma=4, seed=0, device="cpu",
+                              backend="auto", repeats=5)
+    result = demo._run_prompt(prompt, (target, draft, tokenizer, tokenizer), args,
+                              demo.Progress(10, enabled=False), 1, 1)
+    assert result.baseline_tokens / result.baseline_s == pytest.approx(100.0)
+    assert result.speculative_tokens / result.speculative_s == pytest.approx(100.0)
+    total = demo.summarize([result])
+    assert total["speedup"] == pytest.approx(1.0)
+
+
+def test_demo_summary_alpha_pools_the_accept_tests():
+    """The summary's alpha is the runs' accept tests pooled, the per-prompt line's alpha for one prompt (it read the
+    histogram as one gamma: with gamma auto, calibration iterations accepting 4 of 4 counted as failures at 6)."""
+    from speculative_kernels import SpeculationStats
+    from speculative_kernels.demo import PromptResult, summarize
+
+    stats = SpeculationStats(num_speculative_tokens=6, target_forwards=13, drafted_tokens=54, accepted_tokens=46,
+                             new_tokens=59, accepted_histogram=[2, 1, 1, 3, 2, 0, 4], accept_tests=54,
+                             accept_tests_passed=46)
+    result = PromptResult(prompt="p", baseline_text="", speculative_text="", baseline_tokens=59,
+                          speculative_tokens=59, baseline_s=1.0, speculative_s=1.0, stats=stats, identical=True)
+    assert summarize([result])["alpha"] == stats.alpha == 46 / 54

@@ -98,3 +98,33 @@ def test_cli_writes_table_json_and_plot(e2e, tmp_path, capsys):
 def _has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
+
+def test_run_paths_rates_are_per_repeat(e2e, monkeypatch):
+    """Sampled repeats differ in length: each path's tokens and seconds come from one repeat (the median-rate one),
+    so a clock making every run 100 tokens/s gives 100 (the last repeat's tokens over the median time did not)."""
+    target, draft = _synthetic(e2e, 0.5)
+    lengths = iter([30, 12, 5, 20, 30, 8, 3, 30, 25, 30])  # new tokens of the calls, paths alternating
+
+    def fake_timed(fn, device):
+        out = fn()
+        keep = next(lengths)
+        return out[:, : out.shape[1] - 30 + keep], keep / 100.0
+
+    monkeypatch.setattr(e2e, "timed_generate", fake_timed)
+    ids = e2e.random_prompts(1, 8, target.config.vocab_size, "cpu", seed=1)
+    kwargs = e2e.generation_kwargs(30, 0.8, pad_token_id=0, eos_token_id=None)
+    measured = e2e.run_paths(target, draft, ids, 4, kwargs, repeats=4, paths=("hf", "ours"))
+    for path in ("hf", "ours"):
+        assert measured["tokens"][path] / measured["seconds"][path] == pytest.approx(100.0)
+
+
+def test_batching_counts_tokens_to_each_rows_eos():
+    """e2e_batching's token count with an EOS: each row up to and including its first EOS; a real token equal to
+    the pad id 0 counts (``!= 0`` dropped it)."""
+    spec = importlib.util.spec_from_file_location("e2e_batching_benchmark", E2E_PATH.parent / "e2e_batching.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    new = torch.tensor([[4, 0, 7, 2, 0, 0], [5, 6, 7, 8, 9, 1], [2, 0, 0, 0, 0, 0]])
+    assert module.new_token_count(new, 2) == 4 + 6 + 1
+    assert module.new_token_count(new, [2, 9]) == 4 + 5 + 1
+    assert module.new_token_count(new, None) == 18
