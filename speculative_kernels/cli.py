@@ -26,6 +26,7 @@ from .cli_options import (
 from .demo import add_demo_command
 
 DEFAULT_MAX_NGRAM = 2
+WARM_UP_TOKENS = 16  # new tokens of the untimed call that precedes each timed path
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
 
 
@@ -74,6 +75,10 @@ def run_generate(args) -> int:
     # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
                   **sampling_kwargs(args))
+    # One short untimed call of each path before it is timed (lazy imports, backend resolution, the first launch
+    # of the verification kernels: a Triton compile or the CUDA extension's build), as the demo does.
+    warm_up = {**kwargs, "max_new_tokens": min(args.max_new_tokens, WARM_UP_TOKENS)}
+    generate(target, input_ids, backend=args.backend, seed=args.seed, **drafting, **warm_up)
     stats = SpeculationStats()
     output, seconds = timed_generate(
         lambda: generate(target, input_ids, speculation_stats=stats, backend=args.backend, seed=args.seed,
@@ -88,6 +93,7 @@ def run_generate(args) -> int:
         print(f"({ACCEPTANCE_LEGEND})")
     if not args.compare:
         return 0
+    target.generate(input_ids, **warm_up)
     torch.manual_seed(args.seed)  # model.generate has no seed argument
     baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
     base_tokens = completion_ids(target, input_ids, baseline)
@@ -196,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="speculative decoding with your own target/draft checkpoints", formatter_class=HelpFormatter,
         description="Complete a prompt with your own target and draft checkpoints (local Hugging Face folders), "
                     "print the completion, tokens/s and the acceptance rate; --compare also runs plain "
-                    "model.generate and exits with status 1 if greedy outputs differ.")
+                    "model.generate and exits with status 1 if greedy outputs differ. Each path is timed over one "
+                    f"call, after an untimed call of at most {WARM_UP_TOKENS} new tokens (warm-up).")
     gen.add_argument("--target", required=True, help="local HF model folder of the target")
     gen.add_argument("--draft", help="local HF model folder of the draft (or --prompt-lookup)")
     gen.add_argument("--prompt-lookup", type=_positive, metavar="K",

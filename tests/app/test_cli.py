@@ -383,3 +383,35 @@ def test_requests_past_a_learned_position_table_are_usage_errors(tmp_path, capsy
         code = main(["generate", "--target", str(tmp_path / target), "--draft", str(tmp_path / draft),
                      "--prompt", prompt, "--max-new-tokens", count])
         assert code == 2 and message in capsys.readouterr().err
+
+
+def test_compare_times_each_path_after_a_warm_up(pair, capsys, monkeypatch):
+    """Each timed call follows an untimed one of the same path (the speculative call was the process's first
+    generate, paying lazy imports and the kernels' first launch; model.generate then ran warm)."""
+    import transformers
+
+    import speculative_kernels
+    from speculative_kernels import timing
+
+    calls = []
+    ours, theirs, timed = speculative_kernels.generate, transformers.GenerationMixin.generate, timing.timed_generate
+
+    def our_generate(*args, **kwargs):
+        calls.append(("ours", kwargs["max_new_tokens"]))
+        return ours(*args, **kwargs)
+
+    def their_generate(self, *args, **kwargs):
+        calls.append(("hf", kwargs.get("max_new_tokens")))
+        return theirs(self, *args, **kwargs)
+
+    def timed_generate(fn, device):
+        calls.append(("timed", None))
+        return timed(fn, device)
+
+    monkeypatch.setattr(speculative_kernels, "generate", our_generate)
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", their_generate)
+    monkeypatch.setattr(timing, "timed_generate", timed_generate)
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
+                 "20", "--compare"]) == 0
+    assert calls == [("ours", 16), ("timed", None), ("ours", 20), ("hf", 16), ("timed", None), ("hf", 20)]
