@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters returned
         self._cleans_up = _cleans_up(tokenizer, decode_kwargs)
         self._byte_fallback = _has_byte_fallback(tokenizer)
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))  # what skip_special_tokens drops
         self._flushed = False
 
     @property
@@ -94,10 +95,17 @@ class IncrementalDetokenizer:
 
     def _ends_in_byte_token(self) -> bool:
         """Whether the last id is a byte token ``<0xNN>`` of a ByteFallback decoder, which decodes a run of them
-        together (invalid UTF-8: one U+FFFD per token of the run), so the next token may change the run's text."""
+        together (invalid UTF-8: one U+FFFD per token of the run), so the next token may change the run's text.
+        With skip_special_tokens, the last id that is kept: the decode drops special ids before the decoder
+        sees the ids, so a byte run goes on across them."""
         if not self._byte_fallback:
             return False
-        return _BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(self._ids[-1]) or "") is not None
+        last = self._ids[-1]
+        if self._decode_kwargs["skip_special_tokens"]:
+            last = next((token for token in reversed(self._ids) if token not in self._special_ids), None)
+            if last is None:
+                return False
+        return _BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(last) or "") is not None
 
     def _cleaned(self, final: bool) -> str:
         if final:

@@ -178,3 +178,25 @@ def test_hf_streamers_need_batch_one_and_say_what_to_use_instead():
         sk.generate(target, ids, draft_model=target, max_new_tokens=4, streamer=TextStreamer(tokenizer))
     with pytest.raises(ValueError, match="not available on a session.*IncrementalDetokenizer"):
         sk.SpeculativeDecoder(target, target).start(ids, max_new_tokens=4, streamer=TextStreamer(tokenizer))
+
+
+def test_a_skipped_special_token_inside_a_byte_run_holds_the_run_back():
+    """SentencePiece-style byte fallback (Llama, Mistral, Gemma), skip_special_tokens=True: the decode drops a
+    special id before its decoder joins byte tokens, so [<0x5A>, <unk>, <0x97>] decodes as one run (invalid
+    UTF-8). The stream took the special id as the end of the run and emitted 'Z', then failed at flush with a
+    RuntimeError (the server's stream ended without [DONE])."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       initial_alphabet=[]))
+    tok.add_tokens([f"<0x{b:02X}>" for b in range(256)])  # byte tokens, not special
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    byte = tokenizer.convert_tokens_to_ids
+    for ids in ([byte("<0x5A>"), tokenizer.unk_token_id, byte("<0x97>")],
+                [byte("<0xC3>"), tokenizer.eos_token_id, byte("<0xA9>"), byte("<0x5A>")]):
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        detokenizer = sk.IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        pieces = [detokenizer.push([token]) for token in ids]
+        assert "".join(pieces) + detokenizer.flush() == full
