@@ -57,11 +57,20 @@ class RowProcessors(_PerRow):
                                      "(input_ids, scores); generate passes it none, as model.generate would not")
         self.rows = [list(processors) for processors in lists]
 
-    def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None, rows: list[int]) -> None:
+    def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None,
+                rows: list[int]) -> dict[int, int]:
         """In place on logits [B, T, V] (float32). contexts[b]: row b's tokens before position 0 ([1, L_b] int64);
         block [B, >= T - 1] int64: the tokens at positions 0..T-2 (None when T == 1); rows: the rows to process
-        (the others are left as they are)."""
+        (the others are left as they are).
+
+        Returns {row: j} for the rows whose processors raised at a position j >= 1: there the context holds j draft
+        tokens, a sequence ``model.generate`` may never build (a ``prefix_allowed_tokens_fn`` defined on valid
+        prefixes only, as in constrained decoding; a processor's own bug on some inputs). Positions 0..j-1 are
+        processed, so the row's first j drafts can be verified as usual; its positions from j on are left
+        unprocessed, and the loop drops a token drawn there (``SpeculativeLoop._verify``). At position 0, whose
+        context is the row's real tokens, what ``model.generate`` would process too, the error propagates."""
         width = logits.shape[1]
+        caps = {}
         for b in rows:
             if not self.rows[b]:  # (a row of a batch of requests without processors of its own)
                 continue
@@ -70,12 +79,20 @@ class RowProcessors(_PerRow):
             start = context.shape[1]
             for j in range(width):
                 scores = logits[b : b + 1, j]
-                for processor in self.rows[b]:
-                    if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
-                        scores = warp_valid_rows(lambda s, p=processor, t=tokens[:, : start + j]: p(t, s), scores)
-                    else:
-                        scores = processor(tokens[:, : start + j], scores)
+                try:
+                    for processor in self.rows[b]:
+                        if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
+                            scores = warp_valid_rows(lambda s, p=processor, t=tokens[:, : start + j]: p(t, s),
+                                                     scores)
+                        else:
+                            scores = processor(tokens[:, : start + j], scores)
+                except Exception:
+                    if j == 0:
+                        raise
+                    caps[b] = j
+                    break
                 logits[b : b + 1, j] = scores
+        return caps
 
 
 class RowWarpers(_PerRow):

@@ -319,6 +319,7 @@ class SpeculativeLoop:
         rest are fillers, never accepted), or None (all gamma). Returns (out [B, gamma + 1]: the emitted tokens then
         -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
         s = self.sampling
+        self._processor_caps = {}  # row -> the drafts it may verify, where its processors raised (``process``)
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None
             logits = self.target_runner.forward(prompt, real, last_only=True)
@@ -336,7 +337,11 @@ class SpeculativeLoop:
         if self.processors is not None:  # HF's list (holding the masks' processors too), on float32 logits as HF
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
-            self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
+            self._processor_caps = self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
+            if self._processor_caps:  # rows whose processors raised at position j (a context holding j drafts):
+                caps = [self._processor_caps.get(b, self.gamma) for b in range(self.batch)]  # verify j drafts
+                caps = host_to_device(caps, torch.int64, self.device)
+                num_draft = caps if num_draft is None else torch.minimum(num_draft, caps)
         if self.warpers is not None and not self.plan.processors_warp:  # (else the rows' lists held the warpers)
             logits = self.warpers(logits.float())
         self.stats.target_forwards += 1
@@ -359,12 +364,29 @@ class SpeculativeLoop:
         # target's own token at num_draft[b] (from p there when it accepted every proposal, else the residual).
         out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify(),
                                          num_draft_tokens=num_draft)
+        if self._processor_caps:
+            out, accepted = self._drop_unprocessed_tokens(out, accepted)
         if self._proposal is not None:  # rows whose proposal was invalid: flagged as the op flags invalid rows
             bad = self._proposal[3]
             out, accepted = out.masked_fill(bad.unsqueeze(1), -1), accepted.masked_fill(bad, -1)
         if not s.greedy:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
+
+    def _drop_unprocessed_tokens(self, out: torch.Tensor, accepted: torch.Tensor):
+        """A row whose processors raised at position j (``RowProcessors.process``) verified its first j drafts;
+        where it accepted all j, the token after them was drawn from position j, which is unprocessed: it is
+        dropped, and the row's last accepted draft becomes the token it emits (its slot is rolled back and run
+        again next iteration, whose position 0 processes that context as ``model.generate`` would, raising
+        there if it raises). A rejection before j emits as usual. Exact: every emitted token comes from a
+        processed position, and the dropped one is drawn next iteration from the same distribution.
+        out [B, gamma + 1], accepted [B] -> both, fixed (device ops, no host read)."""
+        caps = [self._processor_caps.get(b, self.gamma + 1) for b in range(self.batch)]  # (gamma + 1: never)
+        caps = host_to_device(caps, torch.int64, self.device)
+        full = accepted == caps
+        position = caps.clamp(max=self.gamma).unsqueeze(1)
+        out = out.scatter(1, position, torch.where(full.unsqueeze(1), -1, out.gather(1, position)))
+        return out, accepted - full.long()
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Host side of emitting: tokens [B * (gamma + 1)] as read (each row's emitted tokens, then -1). Returns
@@ -634,6 +656,7 @@ class SpeculativeLoop:
         drafted = []
         for i, a in enumerate(active_host):
             limit = max(0, min(self.gamma, self._max_new[i] - generated_before[i] - 1))
+            limit = min(limit, self._processor_caps.get(i, limit))  # (a row processed up to j verified j)
             drafted.append(min(limit, drafted_host[i]) * a if drafted_host is not None else limit * a)
         self.last_drafted = drafted
         for i, a in enumerate(active_host):

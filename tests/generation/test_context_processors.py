@@ -13,6 +13,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -457,3 +458,115 @@ def test_a_batch_shares_its_bias_processors(pair, monkeypatch):
     for kind in (NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor):
         assert len({id(p) for row in rows for p in row if type(p) is kind}) == 1
     assert torch.equal(got, _quiet(target.generate, ids, attention_mask=mask, **settings))
+
+
+def _trie_fn(prompt_length):
+    """Constrained decoding as HF documents it (GENRE-style): a trie of allowed continuations, each ending with
+    EOS; defined on the trie's own prefixes only (KeyError elsewhere)."""
+    trie = {}
+    for entry in ([20, 21, 22, 23, 2], [20, 30, 31, 2], [40, 41, 2]):
+        for i in range(len(entry)):
+            trie.setdefault(tuple(entry[:i]), set()).add(entry[i])
+    return trie, lambda batch_id, ids: sorted(trie[tuple(ids[prompt_length:].tolist())])
+
+
+def test_a_prefix_fn_defined_on_valid_prefixes_only_is_exact():
+    """HF calls prefix_allowed_tokens_fn only on prefixes its own allowed tokens built; here the processors also see
+    contexts holding drafts the target may reject, where a trie lookup raises KeyError (and HF's processor raises
+    on an empty list, or its selfhash watermark on some contexts): the call failed where model.generate returns.
+    A row whose processors raise at a position past its first verifies only the drafts before it (the iteration
+    it would run with fewer drafts); on its real tokens the error still propagates."""
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = torch.tensor([[11, 12, 13, 14]])
+    trie, allowed = _trie_fn(ids.shape[1])
+    kwargs = dict(max_new_tokens=8, prefix_allowed_tokens_fn=allowed, eos_token_id=2, pad_token_id=0)
+    expected = hf_generate(target, ids, do_sample=False, **kwargs)
+    for drafting in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
+        stats = sk.SpeculationStats()
+        got = _quiet(sk.generate, target, ids, do_sample=False, speculation_stats=stats, **drafting, **kwargs)
+        assert torch.equal(got, expected)
+        assert stats.drafted_tokens <= 3 * stats.target_forwards
+    sampled = [_quiet(sk.generate, target, ids, draft_model=draft, num_speculative_tokens=3, do_sample=True,
+                      seed=seed, **kwargs)[0, ids.shape[1]:].tolist() for seed in range(6)]
+    for tokens in sampled:  # every sampled continuation is one of the trie's
+        assert all(token in trie[tuple(tokens[:i])] for i, token in enumerate(tokens))
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, do_sample=False, **kwargs)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+    with pytest.raises(KeyError):  # the real context off the trie: raised as model.generate raises it
+        _quiet(sk.generate, target, ids, draft_model=draft, do_sample=False, **{
+            **kwargs, "prefix_allowed_tokens_fn": lambda batch_id, ids: {}[0]})
+
+
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_sampling_with_a_prefix_fn_defined_on_valid_prefixes_only(gamma):
+    """The same trie constraint when sampling: a row whose function raises at a drafted position verifies the
+    drafts before it and emits from processed positions only. Chi-square of whole continuations against HF's
+    constrained distribution. The draft is near-uniform: it proposes off-trie tokens (which raise) and trie tokens
+    in other proportions than the target's, so skipping a draft that raised without its rejection's residual would
+    bias the first token by about q(off-trie) * (p - residual)."""
+    target, draft = peaky(0, 2), llama(layers=1, vocab=VOCAB, seed=7)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    length = prompt.shape[1]
+    trie = {}
+    for entry in ([1, 2, 3], [1, 2, 5], [1, 4, 0], [3, 0, 2], [3, 5, 5], [4, 4, 4], [0, 1, 1]):
+        for i in range(len(entry)):
+            trie.setdefault(tuple(entry[:i]), set()).add(entry[i])
+    raised = []
+
+    def allowed(batch_id, ids):
+        key = tuple(ids[length:].tolist())
+        if key not in trie:
+            raised.append(key)
+        return sorted(trie[key])
+
+    def enumerable(batch_id, ids):  # (off the trie: anything; such a prefix already has probability 0)
+        return sorted(trie.get(tuple(ids[length:].tolist()), range(VOCAB)))
+
+    constraint = LogitsProcessorList([PrefixConstrainedLogitsProcessor(enumerable, 1), TemperatureLogitsWarper(4.0)])
+    _, probs = continuation_probs(target, prompt, constraint)
+    rows = 1200
+    out = _quiet(sk.generate, target, prompt.expand(rows, -1), draft_model=draft, num_speculative_tokens=gamma,
+                 do_sample=True, temperature=4.0, prefix_allowed_tokens_fn=allowed, max_new_tokens=NEW,
+                 pad_token_id=0, seed=11)
+    new = out[:, length:].numpy()
+    counts = np.bincount((new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1), minlength=VOCAB**NEW)
+    assert len(raised) > rows  # the function raised on drafted contexts: the case is exercised
+    assert (probs > 0).sum() == 7 and probs.max() < 0.5  # (several trie paths are likely: the test can fail)
+    assert_matches(counts, probs)
+
+
+def test_a_processor_that_raises_on_a_context_model_generate_reaches_raises_here_too():
+    """A processor raising on a context that greedy decoding does reach: model.generate raises there. Here a block
+    that accepts the draft completing that context drops the token drawn at the unprocessed position after it, and
+    the next iteration processes the context as a real one: the same error, not a quiet continuation."""
+    target = llama()
+    ids = torch.tensor([[11, 12, 13, 14]])
+    plain = hf_generate(target, ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    poison = plain[3]
+
+    class Raising(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids[0, -1].item() == poison and input_ids.shape[1] > ids.shape[1]:
+                raise RuntimeError("poisoned context")
+            return scores
+
+    class Collect:
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.flatten().tolist()
+
+        def end(self):
+            pass
+
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([Raising()]))
+    theirs, ours = Collect(), Collect()
+    with pytest.raises(RuntimeError, match="poisoned context"):
+        hf_generate(target, ids, streamer=theirs, **kwargs)
+    with pytest.raises(RuntimeError, match="poisoned context"):  # the target as its draft: every draft accepted
+        _quiet(sk.generate, target, ids, draft_model=target, num_speculative_tokens=5, streamer=ours, **kwargs)
+    assert theirs.tokens[ids.shape[1]:] == plain[: plain.index(poison) + 1]  # (HF: up to the poisoned context)
+    assert ours.tokens == theirs.tokens  # (the block was not lost: its tokens up to there were emitted)
