@@ -670,6 +670,7 @@ class SpeculativeLoop:
             self.stats.accepted_tokens += kept
             self._histogram[kept] += 1
         self.stats.drafted_tokens += sum(drafted)
+
     def _apply_stop_strings(self, count_host, generated_before) -> None:
         """``stop_strings``, per row, after every emitted token as HF checks them: a row whose new token completes a
         stop string keeps it, drops the tokens after it and finishes. Runs on the host copies of the rows (no device
