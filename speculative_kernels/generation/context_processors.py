@@ -90,6 +90,9 @@ class RowProcessors(_PerRow):
                     if j == 0:
                         raise
                     caps[b] = j
+                    # (a processor may have edited the position in place before raising: the verification still
+                    # draws a token there, dropped after, so it gets finite logits, never an invalid row's)
+                    logits[b : b + 1, j] = 0.0
                     break
                 logits[b : b + 1, j] = scores
         return caps

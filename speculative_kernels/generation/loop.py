@@ -386,7 +386,8 @@ class SpeculativeLoop:
         full = accepted == caps
         position = caps.clamp(max=self.gamma).unsqueeze(1)
         out = out.scatter(1, position, torch.where(full.unsqueeze(1), -1, out.gather(1, position)))
-        return out, accepted - full.long()
+        self._dropped = full.long()  # (read with the iteration's tokens: alpha counts those j accepted drafts)
+        return out, accepted - self._dropped
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Host side of emitting: tokens [B * (gamma + 1)] as read (each row's emitted tokens, then -1). Returns
@@ -515,9 +516,11 @@ class SpeculativeLoop:
         # counts) ride along.
         readers = [(r, r.lengths_to_read()) for r in drafting]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
-        if readers or read_drafted:
+        # (rows whose processors raised: whether the token after their capped drafts was dropped, for alpha)
+        dropped = [self._dropped] if self._processor_caps else []
+        if readers or read_drafted or dropped:
             host = torch.cat([out.flatten(), *(lengths for _, lengths in readers),
-                              *([num_draft] if read_drafted else [])]).tolist()
+                              *([num_draft] if read_drafted else []), *dropped]).tolist()
         else:
             host = out.flatten().tolist()
         self.timer.stop("verify")
@@ -547,6 +550,9 @@ class SpeculativeLoop:
             reader.lengths_read(host[tail : tail + lengths.numel()])
             tail += lengths.numel()
         drafted_host = host[tail : tail + b] if read_drafted else proposals
+        tail += b if read_drafted else 0
+        # alpha's passed tests: a row whose token after its j capped drafts was dropped accepted all j of them
+        passed_host = [n + d for n, d in zip(accepted_host, host[tail : tail + b])] if dropped else accepted_host
         active_host = [0 if b in self.failed_rows else 1 - f for b, f in enumerate(self._finished_host)]
         generated_before = self._generated_host
         self._write(out, count_host)
@@ -558,8 +564,9 @@ class SpeculativeLoop:
         self.last_accepted = [n if a else -1 for n, a in zip(accepted_host, active_host)]
         if self.scores is not None or self.raw_logits is not None:
             self._store_scores(processed, raw, count_host, generated_before)
-        if self._after_emit(count_host, accepted_host, active_host, generated_before, drafted_host) or \
-                self._out_of_time():
+        stopped = self._after_emit(count_host, accepted_host, passed_host, active_host, generated_before,
+                                   drafted_host)
+        if stopped or self._out_of_time():
             self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request, or max_time passed
         # No rollback when nothing runs after; gamma 0 mid-run (a drafter without a model proposed nothing) still
         # moves each row's next input to its new token.
@@ -567,7 +574,7 @@ class SpeculativeLoop:
             self._roll_back(out, accepted, draft_tokens, accepted_host)
         if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
             active = [i for i, a in enumerate(active_host) if a]
-            self._calibrate([min(accepted_host[i], self.last_drafted[i]) for i in active],
+            self._calibrate([min(passed_host[i], self.last_drafted[i]) for i in active],
                             [self.last_drafted[i] for i in active])
         self.iteration += 1
         self.timer.stop("step")
@@ -628,7 +635,8 @@ class SpeculativeLoop:
         tokens, counts = self._host_tokens, self._host_counts
         return [tokens[row * width : row * width + counts[row]] for row in range(self.batch)]
 
-    def _after_emit(self, count_host, accepted_host, active_host, generated_before, drafted_host) -> bool:
+    def _after_emit(self, count_host, accepted_host, passed_host, active_host, generated_before,
+                    drafted_host) -> bool:
         """Host-side bookkeeping that needs the counts: stopping criteria, streamer, stats. Returns True when a
         stopping criterion fired (the host's finished flags, read before it ran, are then stale). drafted_host: the
         drafter's per-row counts of this iteration (host), or None for gamma each."""
@@ -639,14 +647,15 @@ class SpeculativeLoop:
         if self.plan.stopping_criteria:
             stopped = self._apply_stopping_criteria(count_host, generated_before)
             count_host = self._host_counts
-        self._count_drafts(count_host, accepted_host, active_host, generated_before, drafted_host)
+        self._count_drafts(count_host, accepted_host, passed_host, active_host, generated_before, drafted_host)
         self.stats.new_tokens += sum(count_host)  # (after the cuts of stop strings and stopping criteria)
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + generated_before[0]
             self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
         return stopped
 
-    def _count_drafts(self, count_host, accepted_host, active_host, generated_before, drafted_host) -> None:
+    def _count_drafts(self, count_host, accepted_host, passed_host, active_host, generated_before,
+                      drafted_host) -> None:
         """The iteration's drafted / accepted counts (``SpeculationStats``), per active row: drafted d = its
         proposal (the drafter's count, else gamma), at most its own tokens left less one, as a sampled row's
         verification is limited (``_draft_limits``; a greedy row is not, but its drafts past its end could not be
@@ -663,7 +672,7 @@ class SpeculativeLoop:
             if not a:
                 continue
             n, d = accepted_host[i], drafted[i]
-            tested = min(n, d)  # alpha's tests: every accepted draft passed one; a rejection (n < d) failed one
+            tested = min(passed_host[i], d)  # alpha's tests: every accepted draft passed one; a rejection (n < d) failed one
             self.stats.accept_tests_passed += tested
             self.stats.accept_tests += tested + int(tested < d)
             kept = max(0, min(n, count_host[i] - 1))

@@ -570,3 +570,34 @@ def test_a_processor_that_raises_on_a_context_model_generate_reaches_raises_here
         _quiet(sk.generate, target, ids, draft_model=target, num_speculative_tokens=5, streamer=ours, **kwargs)
     assert theirs.tokens[ids.shape[1]:] == plain[: plain.index(poison) + 1]  # (HF: up to the poisoned context)
     assert ours.tokens == theirs.tokens  # (the block was not lost: its tokens up to there were emitted)
+
+
+def test_a_processor_that_edits_in_place_then_raises_and_alpha_counts_the_accepted_drafts():
+    """A processor that writes its scores in place before it raises (a trie written in place) left the capped
+    position half-processed (all -inf), which the verification flagged as an invalid row: the call failed where
+    model.generate returns. And a row that accepted all j drafts before its processors raised at j (its next token
+    dropped) was booked a failed accept test: alpha read 0.5 where both drafts passed."""
+    target = llama()
+    ids = torch.tensor([[5, 40, 41, 2, 7, 8, 9]])
+    length = ids.shape[1]
+    trie = {(): {40}, (40,): {41}, (40, 41): {2}}
+
+    class InPlaceTrie(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            kept = scores.clone()
+            scores.fill_(-float("inf"))
+            allowed = sorted(trie[tuple(input_ids[0, length:].tolist())])  # KeyError off the trie
+            scores[:, allowed] = kept[:, allowed]
+            return scores
+
+    kwargs = dict(max_new_tokens=8, eos_token_id=2, pad_token_id=0, do_sample=False)
+    in_place = dict(kwargs, logits_processor=LogitsProcessorList([InPlaceTrie()]))
+    expected = hf_generate(target, ids, **in_place)
+    assert expected[0, length:].tolist() == [40, 41, 2]
+    for drafting in (dict(prompt_lookup_num_tokens=3), dict(draft_model=target, num_speculative_tokens=3)):
+        assert torch.equal(_quiet(sk.generate, target, ids, **drafting, **in_place), expected)
+    stats = sk.SpeculationStats()  # prompt lookup drafts [41, 2] after 40: both pass, then the trie ends
+    got = _quiet(sk.generate, target, ids, prompt_lookup_num_tokens=3, speculation_stats=stats, **kwargs,
+                 prefix_allowed_tokens_fn=lambda batch_id, seq: sorted(trie[tuple(seq[length:].tolist())]))
+    assert torch.equal(got, expected)
+    assert (stats.accept_tests, stats.accept_tests_passed) == (2, 2) and stats.alpha == 1.0
