@@ -8,6 +8,8 @@ decoder reads its position table at each row's true positions through a forward 
 filled by the first decoder forward, is kept for the whole request. Details: ``docs/architecture.md``.
 """
 
+import threading
+
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
@@ -134,12 +136,22 @@ class Seq2SeqRunner:
 
     def _register_position_hooks(self) -> list:
         """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
+        self._hook_thread = threading.get_ident()
         if self._position_module is None:
             return []
         return [self._position_module.register_forward_hook(self._true_positions)]
 
+    def _own_forward(self) -> bool:
+        """Whether a hook runs in this runner's own forward. The hooks sit on the model's shared submodules while
+        it runs, where another thread's forward of the same model (its ``model.generate``, or another call's
+        runner), which HF allows, runs them too: they leave such forwards alone. (While dynamo traces a captured
+        step, the forward is this runner's: its thread is not read there.)"""
+        return torch.compiler.is_compiling() or threading.get_ident() == self._hook_thread
+
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
+        if not self._own_forward():
+            return None
         limit = module.num_embeddings - getattr(module, "offset", 0) - 1
         positions = self._positions.clamp(max=limit) + getattr(module, "offset", 0)  # fillers may run past the end
         return torch.nn.functional.embedding(positions, module.weight).to(output.dtype)

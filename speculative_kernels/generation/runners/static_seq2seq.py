@@ -82,6 +82,8 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
     def _relative_bias(self, module, args, kwargs):
         """Forward pre-hook on T5's first decoder self-attention: position_bias [B, H, T, C] for each row's query
         positions ``self._positions`` [B, T] (HF: one shared offset, [1, H, T, C])."""
+        if not self._own_forward():
+            return None
         relative = self._keys.view(1, 1, -1) - self._positions.unsqueeze(2)  # [B, T, C]: key - query position
         buckets = module._relative_position_bucket(
             relative, bidirectional=not module.is_decoder, num_buckets=module.relative_attention_num_buckets,
