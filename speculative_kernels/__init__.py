@@ -5,6 +5,7 @@ command's ``--help``) does not pay for importing torch and transformers until so
 """
 
 import importlib
+import threading
 
 __version__ = "0.1.0"
 _EXPORTS = {
@@ -27,13 +28,20 @@ __all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "Incrementa
            "Drafter", "emitted_counts", "NGramDrafter", "PromptLookupDrafter", "__version__"]
 
 
+# First uses from several threads at once import the submodules one at a time: their circular imports, entered from
+# other modules in another thread, could be handed a partially initialised module (an ImportError seen once in ~30
+# runs of three threads whose first calls were generate, SpeculativeDecoder and ops.verify).
+_IMPORT_LOCK = threading.RLock()
+
+
 def __getattr__(name: str):
-    if name == "ops":
-        value = importlib.import_module(".ops", __name__)
-    elif name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    else:
+    if name != "ops" and name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _IMPORT_LOCK:
+        if name == "ops":
+            value = importlib.import_module(".ops", __name__)
+        else:
+            value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     globals()[name] = value
     return value
 
