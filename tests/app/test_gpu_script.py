@@ -66,3 +66,16 @@ def test_a_tests_phase_stopped_at_its_limit_reports_from_its_log(gpu, tmp_path):
     assert counts == {"tests": 5, "failures": 1, "errors": 1, "skipped": 1, "partial": True,
                       "failed": ["tests/ops/test_cuda_ops.py::test_b", "tests/generation/test_compile.py::test_e"]}
     assert gpu.log_counts(tmp_path / "missing.log") is None
+
+
+def test_every_test_file_with_cuda_only_tests_runs_in_the_tests_phase(gpu):
+    """A CUDA-only test outside GPU_TESTS never runs: test_row_params.py's scalar-temperature test (the CPU can only
+    emulate it) was added for the next GPU run but left out of the list."""
+    import re
+
+    root = GPU_PATH.parents[1]
+    listed = {name.split("::")[0] for name in gpu.GPU_TESTS}
+    cuda_only = re.compile(r"skipif\(\s*not (torch\.cuda\.is_available\(\)|ON_CUDA)")
+    missing = [str(path.relative_to(root)) for path in sorted((root / "tests").rglob("test_*.py"))
+               if cuda_only.search(path.read_text()) and str(path.relative_to(root)) not in listed]
+    assert missing == []
