@@ -171,6 +171,7 @@ class ContinuousBatcher:
         self._loop: SpeculativeLoop | None = None
         self._next_id = 0
         self._target_spec = None  # the target's ModelSpec, from the first add_request's check
+        self._stepping = False  # inside step(): callbacks (hooks, drafters) must not change the batch
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_ids, **kwargs) -> int:
@@ -370,6 +371,9 @@ class ContinuousBatcher:
         request = self._request(request_id)
         if request.result.finished:
             return False
+        if self._stepping:
+            raise RuntimeError(f"cannot cancel request {request_id} while step() is running (from inside a step: a "
+                               "hook, a drafter); cancel it after step() returns")
         request.result.finish_reason = "cancelled"
         if request_id in self._queue:
             self._queue.remove(request_id)
@@ -400,6 +404,16 @@ class ContinuousBatcher:
 
     # ------------------------------------------------------------------------------------------- steps
     def step(self) -> dict[int, list[int]]:
+        if self._stepping:
+            raise RuntimeError("step() is already running (called from inside a step: a hook, a drafter); call it "
+                               "after the running step returns")
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> dict[int, list[int]]:
         """Admit queued requests, or else run one iteration of the running batch; {request_id: new token ids}.
 
         A step that admits requests while others run is theirs alone: their loop is prefilled and runs its first
@@ -411,8 +425,8 @@ class ContinuousBatcher:
         if len(self._rows) < self.max_batch_size and self._queue:
             admitted = self._admit()
             if admitted is not None and self._loop is None:
-                self._loop, self._rows = admitted[1], list(admitted[0])
                 del self._queue[: len(admitted[0])]
+                self._loop, self._rows = admitted[1], list(admitted[0])
             elif admitted is not None:
                 return self._join(admitted[1], admitted[0])
         if not self._rows:  # nothing runs (a static loop may wait with no rows)
@@ -524,7 +538,7 @@ class ContinuousBatcher:
         del self._queue[: len(joining)]
         try:
             new, done = self._collect(loop, joining)
-        except Exception as error:  # (e.g. a stop-string check that raised) they left the queue: end them, not lose them
+        except BaseException as error:  # (a stop-string check that raised, Ctrl-C) they left the queue: end them
             for request_id in joining:
                 result = self._requests[request_id].result
                 if result.finish_reason is None:
@@ -542,10 +556,11 @@ class ContinuousBatcher:
             for row in remaining:
                 self._requests[joining[row]].result.finish_reason = "cancelled"
             raise
-        except Exception as error:  # failed mid-merge (e.g. out of memory): neither loop can go on
+        except BaseException as error:  # failed mid-merge (e.g. out of memory, Ctrl-C): neither loop can go on
             self._fail_running(error, extra=[joining[row] for row in remaining])
             raise
-        self._rows = self._rows + [joining[row] for row in remaining]
+        else:
+            self._rows = self._rows + [joining[row] for row in remaining]
         return new
 
     def _leave(self, request_ids: list[int]) -> None:

@@ -53,6 +53,7 @@ class DecodeSession:
         self.finished = loop.plan.max_new_tokens == 0
         self.iterations = 0
         self._failure: BaseException | None = None  # what a step raised: the loop's state is then half-updated
+        self._stepping = False  # inside step(): a callback calling step() again is refused
 
     @property
     def loop(self) -> SpeculativeLoop:
@@ -69,15 +70,21 @@ class DecodeSession:
                                "session's caches and buffers half-updated; start a new session") from self._failure
         if self.finished:
             raise RuntimeError("the session is finished; start a new one")
+        if self._stepping:  # (a callback of this step: a stopping criterion, processor, streamer)
+            raise RuntimeError("step() is already running (called from inside a step: a stopping criterion, logits "
+                               "processor, prefix_allowed_tokens_fn or streamer); call it after the step returns")
         target = self._loop.target_runner.model
         if target.training:  # (put in training mode since start(): refused before anything runs, as start() refuses)
             check_deterministic(target)
+        self._stepping = True
         try:
             with torch.inference_mode():
                 self.finished = not self._loop.step()
         except BaseException as error:  # (a stopping criterion, streamer or forward that raised mid-iteration)
             self._failure = error
             raise
+        finally:
+            self._stepping = False
         self.iterations += 1
         return self._loop.emitted()
 

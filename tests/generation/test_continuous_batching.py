@@ -549,11 +549,14 @@ def test_a_request_whose_own_settings_leave_no_token_fails_alone(pair, cache):
         pair, [11, 12], dict(max_new_tokens=100, do_sample=True, temperature=0.8, seed=3))
 
 
-def test_a_merge_that_fails_midway_ends_the_running_and_joining_requests(pair, monkeypatch):
+@pytest.mark.parametrize("failure", [MemoryError("no room for the joined cache"),
+                                     KeyboardInterrupt("no room for the joined cache")])
+def test_a_merge_that_fails_midway_ends_the_running_and_joining_requests(pair, monkeypatch, failure):
     """An allocation failing inside the merge (here: the cache join raises MemoryError) leaves a half-joined loop:
     step raises it, and the running request and the joining one (which has emitted its first tokens already) finish
     with finish_reason "error" and their tokens so far; a request queued afterwards is then served, identical to
-    itself alone."""
+    itself alone. So does a Ctrl-C there (a KeyboardInterrupt is no Exception: the joining requests were lost, and
+    a later request could be given a lost one's rows)."""
     from speculative_kernels.generation.runners import decoder as decoder_runner
 
     target, draft = pair
@@ -563,16 +566,16 @@ def test_a_merge_that_fails_midway_ends_the_running_and_joining_requests(pair, m
     joining = decoder.add_request([9, 10, 11, 12], max_new_tokens=6, do_sample=True, seed=4)
 
     def out_of_memory(*args):
-        raise MemoryError("no room for the joined cache")
+        raise failure
 
     with monkeypatch.context() as patch:
         patch.setattr(decoder_runner, "append_cache_rows", out_of_memory)
-        with pytest.raises(MemoryError, match="no room"):
+        with pytest.raises(type(failure), match="no room"):
             decoder.step()
     for request_id in (running, joining):
         result = decoder.result(request_id)
         assert result.finish_reason == "error" and result.token_ids
-        assert result.error == "MemoryError: no room for the joined cache"
+        assert result.error == f"{type(failure).__name__}: no room for the joined cache"
     assert decoder.running == [] and decoder.queued == [] and not decoder.has_work()
     alone = dict(max_new_tokens=6, do_sample=True, seed=4)
     assert decoder.result(joining).token_ids == _alone(pair, [9, 10, 11, 12], alone)[: len(
@@ -776,3 +779,39 @@ def test_a_joining_request_whose_first_tokens_fail_is_ended_not_lost(pair, monke
     while decoder.has_work():
         decoder.step()
     assert decoder.result(running).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("call", ["step", "cancel"])
+def test_a_step_or_cancel_from_inside_a_step_is_refused_by_name(pair, call):
+    """A callback running inside step() (a forward hook, here) that calls step() again ran a nested iteration, and
+    one that cancels a running request changed the batch mid-iteration: torch then failed on mismatched sizes and
+    every running request ended with that error. Both are refused by name now (the step fails as any step that
+    raises midway); between steps they work as before."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    first = decoder.add_request([5, 6, 7], max_new_tokens=10, do_sample=False)
+    second = decoder.add_request([8, 9], max_new_tokens=10, do_sample=False)
+    decoder.step()
+    decoder.step()
+    calls = []
+
+    def reenter(module, args, output):
+        if not calls:
+            calls.append(1)
+            decoder.step() if call == "step" else decoder.cancel(second)
+
+    handle = target.model.layers[0].register_forward_hook(reenter)
+    try:
+        with pytest.raises(RuntimeError, match="step\\(\\) is already running" if call == "step" else
+                           "cannot cancel request .* while step\\(\\) is running"):
+            decoder.step()
+    finally:
+        handle.remove()
+    assert not decoder.has_work() and {decoder.result(r).finish_reason for r in (first, second)} == {"error"}
+    later = decoder.add_request([5, 6, 7], max_new_tokens=10, do_sample=False)
+    other = decoder.add_request([8, 9], max_new_tokens=10, do_sample=False)
+    decoder.step()
+    assert decoder.cancel(other)  # (between steps)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(later).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=10))

@@ -181,3 +181,26 @@ def test_a_session_whose_step_raised_refuses_to_go_on():
     expected = target.generate(ids, max_new_tokens=15, do_sample=False, pad_token_id=0)
     emitted = session.sequences()
     assert torch.equal(emitted, expected[:, : emitted.shape[1]])
+
+
+def test_a_callback_calling_the_session_step_again_is_refused_by_name():
+    """A stopping criterion (or processor, streamer) that calls session.step() ran a nested iteration: it returned
+    tokens model.generate does not make, then the outer step died with a bare KeyError from the phase timer. The
+    nested call is refused by name; the outer step fails as any step that raises midway."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    holder = {}
+
+    class Reenter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            holder["session"].step()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    holder["session"] = session = decoder.start(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False,
+                                                stopping_criteria=StoppingCriteriaList([Reenter()]))
+    with pytest.raises(RuntimeError, match="step\\(\\) is already running"):
+        session.step()
+    with pytest.raises(RuntimeError, match="an earlier step\\(\\) raised"):
+        session.step()
