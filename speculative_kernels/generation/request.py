@@ -175,7 +175,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask) for m, spec in zip(models, specs)]
     target_runner = runners[0]
     dtype = next(model.parameters()).dtype  # verification runs in the target's dtype
-    steps = [(target_runner, [(plan.num_speculative_tokens + 1, False)])] if compile_options is not None else []
+    # (one call's iterations never verify more than max_new_tokens - 1 drafts: capture and warm up no wider, or the
+    #  warm-up after the prefill reaches positions the request never does)
+    captured_gamma = plan.num_speculative_tokens if rows is not None else min(plan.num_speculative_tokens,
+                                                                              max(0, plan.max_new_tokens - 1))
+    steps = [(target_runner, [(captured_gamma + 1, False)])] if compile_options is not None else []
     if draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         drafter = ModelDrafter(runners[1], bridge, dtype)

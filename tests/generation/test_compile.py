@@ -189,3 +189,25 @@ def test_one_host_sync_per_iteration_when_captured(llama_pair):
                 running = loop.step()
                 steps += 1
     assert steps > 1 and len(syncs.sites) <= steps, "\n".join(syncs.summary())
+
+
+def test_a_request_that_fills_a_position_table_compiles_no_wider_than_it_verifies():
+    """The captured verification step was built and warmed up gamma + 1 tokens wide right after the prefill, at
+    positions a request with max_new_tokens - 1 < gamma never reaches: GPT-2 with a 16-position table, prompt 14
+    and 2 new tokens (which model.generate serves) crashed with an IndexError inside its position embedding (and
+    a "dynamic" rotary model had its frequencies enlarged: other tokens). It is captured no wider than a call
+    verifies."""
+    from helpers.models import gpt2
+
+    def short(seed, layers):
+        model = gpt2(seed=seed, layers=layers)
+        model.transformer.wpe = torch.nn.Embedding(16, model.config.n_embd)
+        model.config.n_positions = 16
+        return model.eval().to(DEVICE)
+
+    target, draft = short(0, 2), short(1, 1)
+    ids = torch.randint(3, 97, (1, 14), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3,
+                      compile=TRACE_ONLY if not ON_CUDA else CompileOptions(), **kwargs)
+    assert torch.equal(got, target.generate(ids, **kwargs))
