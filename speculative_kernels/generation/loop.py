@@ -124,7 +124,6 @@ class SpeculativeLoop:
             self.randomness = DecodeRandomness(self.batch, self.device, keys=keys,
                                                offsets=(rows.draft_offsets, rows.verify_offsets))
         self._draft_advances = 0  # draft offsets advanced in this iteration (a drafter with a model: gamma)
-        self._limits_host: list[int] | None = None  # this iteration's per-row draft limits, None: gamma for all
         self.last_accepted: list[int] = []  # per row, the drafts it accepted in the last step (-1: finished)
         self.last_drafted: list[int] = []  # per row, the tokens it was drafted in the last step (0: finished)
         self.failed_rows: dict[int, str] = {}  # per_row: rows whose last step emitted nothing, and why
@@ -237,16 +236,13 @@ class SpeculativeLoop:
         """Each row's draft limit this iteration: gamma, but never more than its own tokens left less one, so a row
         is drafted as many tokens as it would be alone. Returns [B] int64 on the device, or None when every
         unfinished row takes all gamma (the common case: no tensor, no op), and when every row is greedy (a draft
-        past a row's end cannot change its tokens, which the host cuts at its length). Kept in ``_limits_host``."""
+        past a row's end cannot change its tokens, which the host cuts at its length)."""
         if self.sampling.greedy:
-            self._limits_host = None
             return None
         limits = [self.gamma if f else max(0, min(self.gamma, m - g - 1))
                   for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)]
         if self.gamma == 0 or min(limits) == self.gamma:
-            self._limits_host = None
             return None
-        self._limits_host = limits
         return host_to_device(limits, torch.int64, self.device)
 
     def _prefill(self, input_ids, attention_mask) -> None:
@@ -338,10 +334,12 @@ class SpeculativeLoop:
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
             self._processor_caps = self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
-            if self._processor_caps:  # rows whose processors raised at position j (a context holding j drafts):
-                caps = [self._processor_caps.get(b, self.gamma) for b in range(self.batch)]  # verify j drafts
+            if self._processor_caps:  # rows whose processors raised at position j (a context holding j drafts)
+                # verify j drafts (gamma + 1 for the others: never reached, see ``_drop_unprocessed_tokens``)
+                caps = [self._processor_caps.get(b, self.gamma + 1) for b in range(self.batch)]
                 caps = host_to_device(caps, torch.int64, self.device)
-                num_draft = caps if num_draft is None else torch.minimum(num_draft, caps)
+                capped = caps.clamp(max=self.gamma)
+                num_draft = capped if num_draft is None else torch.minimum(num_draft, capped)
         if self.warpers is not None and not self.plan.processors_warp:  # (else the rows' lists held the warpers)
             logits = self.warpers(logits.float())
         self.stats.target_forwards += 1
@@ -365,7 +363,7 @@ class SpeculativeLoop:
         out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify(),
                                          num_draft_tokens=num_draft)
         if self._processor_caps:
-            out, accepted = self._drop_unprocessed_tokens(out, accepted)
+            out, accepted = self._drop_unprocessed_tokens(out, accepted, caps)
         if self._proposal is not None:  # rows whose proposal was invalid: flagged as the op flags invalid rows
             bad = self._proposal[3]
             out, accepted = out.masked_fill(bad.unsqueeze(1), -1), accepted.masked_fill(bad, -1)
@@ -373,16 +371,15 @@ class SpeculativeLoop:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
 
-    def _drop_unprocessed_tokens(self, out: torch.Tensor, accepted: torch.Tensor):
+    def _drop_unprocessed_tokens(self, out: torch.Tensor, accepted: torch.Tensor, caps: torch.Tensor):
         """A row whose processors raised at position j (``RowProcessors.process``) verified its first j drafts;
         where it accepted all j, the token after them was drawn from position j, which is unprocessed: it is
         dropped, and the row's last accepted draft becomes the token it emits (its slot is rolled back and run
         again next iteration, whose position 0 processes that context as ``model.generate`` would, raising
         there if it raises). A rejection before j emits as usual. Exact: every emitted token comes from a
         processed position, and the dropped one is drawn next iteration from the same distribution.
-        out [B, gamma + 1], accepted [B] -> both, fixed (device ops, no host read)."""
-        caps = [self._processor_caps.get(b, self.gamma + 1) for b in range(self.batch)]  # (gamma + 1: never)
-        caps = host_to_device(caps, torch.int64, self.device)
+        out [B, gamma + 1], accepted [B], caps [B] (j, or gamma + 1 for a row whose processors did not raise) ->
+        out and accepted, fixed (device ops, no host read)."""
         full = accepted == caps
         position = caps.clamp(max=self.gamma).unsqueeze(1)
         out = out.scatter(1, position, torch.where(full.unsqueeze(1), -1, out.gather(1, position)))
