@@ -177,9 +177,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     dtype = next(model.parameters()).dtype  # verification runs in the target's dtype
     # (one call's iterations never verify more than max_new_tokens - 1 drafts: capture and warm up no wider, or the
     #  warm-up after the prefill reaches positions the request never does)
-    captured_gamma = plan.num_speculative_tokens if rows is not None else min(plan.num_speculative_tokens,
-                                                                              max(0, plan.max_new_tokens - 1))
-    steps = [(target_runner, [(captured_gamma + 1, False)])] if compile_options is not None else []
+    steps = []
+    if compile_options is not None:  # (a fixed gamma: compile refuses "auto")
+        gamma = plan.num_speculative_tokens
+        captured_gamma = gamma if rows is not None else min(gamma, max(0, plan.max_new_tokens - 1))
+        steps = [(target_runner, [(captured_gamma + 1, False)])]
     if draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         drafter = ModelDrafter(runners[1], bridge, dtype)
