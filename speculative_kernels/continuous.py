@@ -67,9 +67,18 @@ decoder). With ``compile`` (a setting of
 the decoder, with the static cache only) the running loop's steps are captured (automatic dynamic shapes);
 joining loops are built for it (``build_loop(joins_captured=True)``) but run eagerly. Encoder-decoder targets are
 refused (their rows are kept right-aligned and hole-free, which a merge would have to realign).
+
+Threads: the public methods hold one re-entrant lock, so a server's threads may call them at any time (an HTTP
+handler's ``add_request``, ``cancel`` or ``result`` while the engine thread is inside ``step``): a call from another
+thread waits for the running step to end, then runs between two steps, as vLLM's engine applies aborts between its
+steps. A callback of the running step (a hook, a drafter), on the stepping thread itself, may read and queue
+(``result``, ``add_request``) but ``step`` and ``cancel`` from there are refused by name; a callback must not wait
+for another thread that calls the decoder (that thread waits for the step: a deadlock).
 """
 
 import dataclasses
+import functools
+import threading
 
 import torch
 
@@ -139,6 +148,15 @@ class _Request:
     warpers: object | None = None  # HF's warper chain (Warpers), when a warper the ops lack is set
 
 
+def _locked(method):
+    """Run ``method`` holding the batcher's lock (see Threads in the module docstring)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class ContinuousBatcher:
     """The continuous-batching state of one ``SpeculativeDecoder`` (see the module docstring)."""
 
@@ -172,8 +190,10 @@ class ContinuousBatcher:
         self._next_id = 0
         self._target_spec = None  # the target's ModelSpec, from the first add_request's check
         self._stepping = False  # inside step(): callbacks (hooks, drafters) must not change the batch
+        self._lock = threading.RLock()  # held by every public method: other threads wait for a running step
 
     # ------------------------------------------------------------------------------------------- requests
+    @_locked
     def add_request(self, prompt_ids, **kwargs) -> int:
         target = self.decoder.target
         if target.config.is_encoder_decoder:
@@ -362,18 +382,20 @@ class ContinuousBatcher:
             raise ValueError(f"unknown request_id {request_id!r}")
         return request
 
+    @_locked
     def result(self, request_id) -> RequestResult:
         result = self._request(request_id).result
         return dataclasses.replace(result, prompt_ids=list(result.prompt_ids), token_ids=list(result.token_ids))
 
+    @_locked
     def cancel(self, request_id) -> bool:
         """Stop a request (its row and cache slots are freed now). Returns False if it had already finished."""
         request = self._request(request_id)
         if request.result.finished:
             return False
         if self._stepping:
-            raise RuntimeError(f"cannot cancel request {request_id} while step() is running (from inside a step: a "
-                               "hook, a drafter); cancel it after step() returns")
+            raise RuntimeError(f"cannot cancel request {request_id} from inside a running step() (a hook, a drafter, "
+                               "on the stepping thread); cancel it after step() returns")
         request.result.finish_reason = "cancelled"
         if request_id in self._queue:
             self._queue.remove(request_id)
@@ -385,6 +407,7 @@ class ContinuousBatcher:
             raise
         return True
 
+    @_locked
     def release(self, request_id) -> None:
         """Forget a finished request (its result can no longer be read); a server calls it once it has replied."""
         if not self._request(request_id).result.finished:
@@ -392,17 +415,21 @@ class ContinuousBatcher:
         del self._requests[request_id]
 
     @property
+    @_locked
     def running(self) -> list[int]:
         return list(self._rows)
 
     @property
+    @_locked
     def queued(self) -> list[int]:
         return list(self._queue)
 
+    @_locked
     def has_work(self) -> bool:
         return bool(self._rows or self._queue)
 
     # ------------------------------------------------------------------------------------------- steps
+    @_locked
     def step(self) -> dict[int, list[int]]:
         if self._stepping:
             raise RuntimeError("step() is already running (called from inside a step: a hook, a drafter); call it "

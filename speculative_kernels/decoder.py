@@ -26,6 +26,8 @@ Continuous batching (requests joining and leaving between steps, each with its o
 The design, its cost and its admission bound: ``continuous.py``.
 """
 
+import threading
+
 import torch
 
 from .continuous import ContinuousBatcher, RequestResult
@@ -54,6 +56,7 @@ class DecodeSession:
         self.iterations = 0
         self._failure: BaseException | None = None  # what a step raised: the loop's state is then half-updated
         self._stepping = False  # inside step(): a callback calling step() again is refused
+        self._lock = threading.RLock()  # step(), sequences(), stats: another thread's call waits for a running step
 
     @property
     def loop(self) -> SpeculativeLoop:
@@ -65,6 +68,10 @@ class DecodeSession:
         (a stopping criterion, a streamer, a forward), the session's state is half-updated: later steps raise a
         RuntimeError saying so (``sequences()`` still returns what was written, which may include the failed
         iteration's tokens)."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[list[int]]:
         if self._failure is not None:
             raise RuntimeError(f"an earlier step() raised ({type(self._failure).__name__}: {self._failure}), leaving the "
                                "session's caches and buffers half-updated; start a new session") from self._failure
@@ -91,13 +98,15 @@ class DecodeSession:
     def sequences(self) -> torch.Tensor:
         """[B, L + new]: prompts and everything generated so far (finished rows padded); a copy, an ordinary tensor
         (the session's own buffers are inference tensors, which later steps overwrite)."""
-        longest = int(self._loop.generated.max())
-        return self._loop.sequences[:, : self._loop.prompt_length + longest].clone()
+        with self._lock:
+            longest = int(self._loop.generated.max())
+            return self._loop.sequences[:, : self._loop.prompt_length + longest].clone()
 
     @property
     def stats(self) -> SpeculationStats:
         """The session's statistics so far (phase times included; total_time_s is prefill plus the steps)."""
-        return self._loop.update_stats()
+        with self._lock:
+            return self._loop.update_stats()
 
 
 class SpeculativeDecoder:

@@ -803,7 +803,7 @@ def test_a_step_or_cancel_from_inside_a_step_is_refused_by_name(pair, call):
     handle = target.model.layers[0].register_forward_hook(reenter)
     try:
         with pytest.raises(RuntimeError, match="step\\(\\) is already running" if call == "step" else
-                           "cannot cancel request .* while step\\(\\) is running"):
+                           "cannot cancel request .* from inside a running step\\(\\)"):
             decoder.step()
     finally:
         handle.remove()
@@ -815,3 +815,54 @@ def test_a_step_or_cancel_from_inside_a_step_is_refused_by_name(pair, call):
     while decoder.has_work():
         decoder.step()
     assert decoder.result(later).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=10))
+
+
+def test_other_threads_calls_wait_for_the_running_step(pair):
+    """A server's handler threads call cancel, add_request and result while its engine thread is inside step().
+    Such a cancel was refused as if it came from a callback (or, one instant earlier, raced the step and changed
+    the batch mid-iteration). The decoder's methods hold one lock: the other thread's calls wait for the step to
+    end and run between two steps; outputs are each request's alone."""
+    import threading
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    first = decoder.add_request([5, 6, 7], max_new_tokens=10, do_sample=False)
+    second = decoder.add_request([8, 9], max_new_tokens=10, do_sample=False)
+    decoder.step()
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hold(module, args, output):  # the engine thread's step, held inside its target forward
+        if not inside.is_set():
+            inside.set()
+            assert go_on.wait(30)
+
+    other = {}
+
+    def handler():  # another thread, while the step is held
+        assert inside.wait(30)
+        other["cancelled"] = decoder.cancel(second)
+        other["added"] = decoder.add_request([11, 12, 13], max_new_tokens=6, do_sample=False)
+        other["result"] = decoder.result(first)
+
+    handle = target.model.layers[0].register_forward_hook(hold)
+    thread = threading.Thread(target=handler)
+    try:
+        thread.start()
+        stepping = threading.Thread(target=decoder.step)
+        stepping.start()
+        assert inside.wait(30)
+        thread.join(timeout=0.3)
+        assert thread.is_alive() and not other  # waits for the step
+        go_on.set()
+        stepping.join(30)
+        thread.join(30)
+    finally:
+        go_on.set()
+        handle.remove()
+    assert other["cancelled"] and decoder.result(second).finish_reason == "cancelled"
+    assert other["result"].finish_reason is None and len(other["result"].token_ids) > 1  # read after the step
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(first).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=10, do_sample=False))
+    assert decoder.result(other["added"]).token_ids == _alone(pair, [11, 12, 13], dict(max_new_tokens=6,
+                                                                                        do_sample=False))

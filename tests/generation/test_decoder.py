@@ -204,3 +204,49 @@ def test_a_callback_calling_the_session_step_again_is_refused_by_name():
         session.step()
     with pytest.raises(RuntimeError, match="an earlier step\\(\\) raised"):
         session.step()
+
+
+def test_a_session_stepped_from_two_threads_runs_their_steps_one_after_the_other():
+    """Another thread's step() during a running one was refused as if a callback had called it (or, an instant
+    earlier, ran a second iteration over the same buffers at once). It waits for the running step now; the
+    session's tokens are generate's."""
+    import threading
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.tensor([[5, 6, 7]])
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, max_new_tokens=12,
+                                                                                  do_sample=False)
+    inside, go_on = threading.Event(), threading.Event()
+
+    def hold(module, args, output):
+        if not inside.is_set():
+            inside.set()
+            assert go_on.wait(30)
+
+    errors, streamed = [], []
+
+    def stepper():
+        while not session.finished:
+            try:
+                streamed.extend(session.step()[0])
+            except RuntimeError as error:  # (the other thread's step may have finished it meanwhile)
+                if not (session.finished and "finished" in str(error)):
+                    errors.append(error)
+                return
+
+    handle = target.model.layers[0].register_forward_hook(hold)
+    threads = [threading.Thread(target=stepper) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        assert inside.wait(30)
+        go_on.set()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        go_on.set()
+        handle.remove()
+    assert not errors
+    # (each thread appends its step's tokens after the lock is released: their order between threads is free)
+    assert torch.equal(session.sequences(), expected) and sorted(streamed) == sorted(expected[0, 3:].tolist())
