@@ -778,9 +778,19 @@ def check_window_applied(spec: ModelSpec, longest: int) -> None:
     whose HF cache keeps a sliding window that its attention does not apply (``spec.window_applied`` False). There
     ``model.generate`` attends to the whole prompt at prefill and, once the cache has dropped slots, to the last
     ``window`` slots only: a verification forward, whose mask applies the window to every token or to none, cannot
-    follow it. Requests the window spans (``longest <= window``) never reach the difference and run."""
+    follow it. Requests the window spans (``longest <= window``) never reach the difference and run. A window of one
+    position is refused as well: HF's sliding cache keeps every slot there (its prefill applies the window, its
+    one-token steps attend to the whole cache), which no forward applying the window follows."""
     window = spec.sliding_window
-    if spec.window_applied or window is None or longest <= window:
+    if window is None or longest <= window:
+        return
+    if window == 1:
+        raise ValueError(
+            f"{spec.architecture}'s config sets sliding_window=1, where HF's sliding cache keeps every slot: "
+            "model.generate applies the one-position window at prefill but attends to the whole cache at each later "
+            "step, which speculative decoding cannot reproduce (it applies the window in every forward, as HF's "
+            "use_cache=False does). Set the target's config.sliding_window to a window of 2 or more, or to None")
+    if spec.window_applied:
         return
     raise ValueError(
         f"{spec.architecture}'s config sets sliding_window={window}, which HF's cache keeps (it drops all but the "

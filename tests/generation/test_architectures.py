@@ -134,6 +134,24 @@ def test_sliding_window_compiled_is_exact():
     _check_exact(gemma2_window(), batch=1, path="compile")
 
 
+@pytest.mark.parametrize("path", ["dynamic", "static"])
+def test_a_window_of_one_position_is_refused_past_it(path):
+    """sliding_window=1: HF's sliding cache keeps every slot at window 1 (its prefill applies the window, its
+    one-token steps attend to the whole cache), so model.generate's tokens are neither the windowed model's nor the
+    unwindowed one's. Ours (the window in every forward) differed silently; such a request is refused by name, and
+    one the window spans (prompt of one token, one new token) still runs."""
+    model = _build(MistralForCausalLM, MistralConfig(**SIZES, sliding_window=1))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="MistralForCausalLM's config sets sliding_window=1, where HF's sliding cache"):
+        sk.generate(model, ids, draft_model=model, num_speculative_tokens=3, max_new_tokens=4, **PATHS[path])
+    decoder = sk.SpeculativeDecoder(model, model, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="sliding_window=1, where HF's sliding cache"):
+        decoder.add_request([5, 6], max_new_tokens=1)
+    one = torch.tensor([[5]])
+    assert torch.equal(sk.generate(model, one, draft_model=model, num_speculative_tokens=3, max_new_tokens=1,
+                                   **PATHS[path]), model.generate(one, max_new_tokens=1, do_sample=False))
+
+
 # ------------------------------------------------------------------------------------------- ALiBi
 def bloom():
     return _build(BloomForCausalLM, BloomConfig(vocab_size=97, hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
