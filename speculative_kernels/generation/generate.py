@@ -45,7 +45,7 @@ def generate(
     Encoder-decoder pairs (T5/MT5, BART/mBART; ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids and
     attention_mask are the encoder input (right-padded as usual); the decoder starts from ``decoder_start_token_id``
     or from ``decoder_input_ids`` (with ``decoder_attention_mask``), and ``encoder_outputs`` may replace the target's
-    encoder pass, as in HF. The result holds the decoder sequences; with ``return_dict_in_generate=True`` it is a
+    encoder pass, as in HF (a draft with an encoder of its own still needs ``input_ids``). The result holds the decoder sequences; with ``return_dict_in_generate=True`` it is a
     ``SpeculativeEncoderDecoderOutput``.
 
     ``num_speculative_tokens`` (gamma) is the number of draft tokens per iteration, or ``"auto"``: start at 4,

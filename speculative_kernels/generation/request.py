@@ -113,6 +113,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     stop = None
     if plan.stop_strings and rows is None:  # (a batch of requests: the batcher checks each request's own)
         stop = stop_string_criterion(plan.stop_strings, tokenizer)
+        if any(type(criterion) is type(stop) for criterion in plan.stopping_criteria):
+            stop = None  # (HF's _merge_criteria_processor_list: the caller's StopStringCriteria replaces this one)
     # The encoder input on the device (ids [B, S], real [B, S]) or None: prompt lookup searches it, HF's encoder
     # processors read it.
     encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None

@@ -107,7 +107,6 @@ NO_EFFECT = {
     "num_beam_groups": "group beam search only (num_beams > 1 is refused)",
     "diversity_penalty": "group beam search only (num_beams > 1 is refused)",
     "low_memory": "beam search only (HF raises there since its refactor; greedy and sampling ignore it)",
-    "is_assistant": "metadata HF sets on an assistant's config",
     "transformers_version": "metadata",
     "_from_model_config": "metadata",
     "disable_compile": "speculative_kernels never compiles on its own (see compile=)",
@@ -118,7 +117,7 @@ REFUSED_UNLESS = {
     "num_beams": (1,),
     "force_words_ids": (),
     "constraints": (),
-    "penalty_alpha": (),
+    "penalty_alpha": (0.0,),  # (0: HF's greedy search)
     "guidance_scale": (1.0,),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
@@ -127,6 +126,7 @@ REFUSED_UNLESS = {
     "use_mtp": (False,),
     "assistant_early_exit": (),
     "assistant_confidence_threshold": (),
+    "is_assistant": (False,),
     "assistant_lookbehind": (),
     "target_lookbehind": (),
     "assistant_ensemble_weight": (),
@@ -146,6 +146,8 @@ _REASONS = {
     "assistant_early_exit": "early-exit drafting is not implemented; pass draft_model=",
     "assistant_confidence_threshold": "HF's draft-confidence stopping is not implemented; gamma is fixed, or "
                                       "num_speculative_tokens='auto'",
+    "is_assistant": "model.generate then runs as an assistant: it adds HF's draft-confidence stopping criterion "
+                    "(assistant_confidence_threshold, default 0.4)",
     "assistant_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
     "target_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
     "assistant_ensemble_weight": "an ensemble of draft and target is not the target's distribution",
@@ -517,7 +519,7 @@ class Settings:
             warping=self.warping,
             watermark=config.watermarking_config is not None,
             stop_strings=stop_strings(config.stop_strings),
-            max_time=_max_time(config.max_time),
+            max_time=_replaced_max_time(config.max_time, self.stopping_criteria),
         )
 
 
@@ -568,6 +570,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         defaults=[model.generation_config.num_assistant_tokens,
                   getattr(getattr(draft_model, "generation_config", None), "num_assistant_tokens", None)])
     _check_draft_schedule(draft_model, num_speculative_tokens)
+    for source in (generation_config, kwargs):  # (HF's validate and processors fail on these unclearly)
+        _check_typed_fields(source if isinstance(source, dict) else {} if source is None else vars(source))
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
         config.cache_implementation = "static"
@@ -629,6 +633,39 @@ def _max_time(value) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or not math.isfinite(value):
         raise ValueError(f"max_time must be a number of seconds >= 0, got {value!r}")
     return float(value)
+
+
+def _check_typed_fields(fields: dict) -> None:
+    """TypeError/ValueError naming a setting of ``fields`` (a call's keywords, or a GenerationConfig's attributes)
+    whose type model.generate's own checks and processors fail on inside transformers (None: unset)."""
+    copies = fields.get("num_return_sequences")
+    if copies is not None and (isinstance(copies, bool) or not isinstance(copies, numbers.Integral) or copies < 1):
+        raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        value = fields.get(name)
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__} {value!r}")
+        if value is not None:
+            token_ids(name, list(value))
+    decay = fields.get("exponential_decay_length_penalty")
+    if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2
+                                  and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in decay)):
+        raise TypeError("exponential_decay_length_penalty must be a pair (start_index, decay_factor), got "
+                        f"{decay!r}")
+    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h", "repetition_penalty",
+                 "encoder_repetition_penalty"):
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _replaced_max_time(value, criteria) -> float | None:
+    """``max_time`` (validated), or None where the caller's stopping criteria hold a ``MaxTimeCriteria``: HF's
+    ``_merge_criteria_processor_list`` uses that one in place of the criterion max_time builds."""
+    from transformers.generation.stopping_criteria import MaxTimeCriteria
+
+    seconds = _max_time(value)
+    return None if any(type(criterion) is MaxTimeCriteria for criterion in criteria) else seconds
 
 
 def stop_strings(value) -> tuple:

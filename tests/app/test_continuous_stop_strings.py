@@ -113,3 +113,29 @@ def test_request_counts_no_draft_after_its_stop_string(demo):
     assert all(r.finish_reason == "stop" for r in results)
     for r in results:
         assert r.accepted_tokens == len(r.token_ids) - r.iterations <= r.drafted_tokens
+
+
+def test_a_callers_stop_string_or_max_time_criterion_replaces_the_builtin_one(demo):
+    """HF's _merge_criteria_processor_list: a StopStringCriteria (MaxTimeCriteria) in stopping_criteria replaces the
+    one generate builds from stop_strings (max_time). Ours ran both, so it stopped at the call's (or checkpoint's)
+    stop string, or after max_time, where model.generate ran on: silently fewer tokens, in generate and start()."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria
+
+    target, draft, tokenizer = demo
+    ids = tokenizer("def fib(n):", return_tensors="pt").input_ids
+    own = StoppingCriteriaList([StopStringCriteria(tokenizer, ["bits"])])
+    cases = [dict(stop_strings=["list"], stopping_criteria=own, tokenizer=tokenizer),
+             dict(max_time=0.0, stopping_criteria=StoppingCriteriaList([MaxTimeCriteria(max_time=600.0)]))]
+    for extra in cases:
+        kwargs = dict(max_new_tokens=24, do_sample=False, **extra)
+        expected = target.generate(ids, **kwargs)
+        builtin = {k: v for k, v in kwargs.items() if k != "stopping_criteria"}
+        assert expected.shape[1] > target.generate(ids, **builtin).shape[1]  # the built-in one stops earlier
+        assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, **kwargs), expected)
+        tokenizer_argument = kwargs.pop("tokenizer", None)  # (a decoder's setting)
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer_argument)
+        session = decoder.start(ids, **kwargs)
+        while not session.finished:
+            session.step()
+        assert torch.equal(session.sequences(), expected)

@@ -41,12 +41,29 @@ def _ids():
         (dict(backend="tpu"), ValueError, "backend"),
         (dict(backend="cuda"), RuntimeError, "'cuda' cannot run"),
         (dict(cache_implementation="offloaded"), ValueError, "cache_implementation"),
+        # (model.generate fails on these five inside transformers, on an operator or an iteration)
+        (dict(num_return_sequences="2", do_sample=True), ValueError, "num_return_sequences must be an int >= 1"),
+        (dict(suppress_tokens=5), TypeError, "suppress_tokens must be a list of token ids, got int 5"),
+        (dict(begin_suppress_tokens=3), TypeError, "begin_suppress_tokens must be a list of token ids"),
+        (dict(exponential_decay_length_penalty=5), TypeError, "exponential_decay_length_penalty must be a pair"),
+        (dict(typical_p="0.5", do_sample=True), TypeError, "typical_p must be a number, got str"),
+        # (HF then adds its draft-confidence stopping criterion: stops no target run makes; it was ignored)
+        (dict(is_assistant=True), ValueError, "is_assistant=True is not supported .*draft-confidence"),
+        (dict(penalty_alpha=0.6, top_k=4), ValueError, "penalty_alpha=0.6 is not supported"),
     ],
 )
 def test_bad_arguments(pair, kwargs, error, match):
     target, draft = pair
     with pytest.raises(error, match=match):
         sk.generate(target, _ids(), draft_model=draft, max_new_tokens=4, **kwargs)
+
+
+def test_a_penalty_alpha_of_zero_is_greedy_as_in_hf(pair):
+    """HF's contrastive search needs penalty_alpha > 0; penalty_alpha=0 is its greedy search (it was refused)."""
+    target, draft = pair
+    expected = target.generate(_ids(), max_new_tokens=6, do_sample=False, penalty_alpha=0.0, top_k=4)
+    assert torch.equal(sk.generate(target, _ids(), draft_model=draft, max_new_tokens=6, penalty_alpha=0.0, top_k=4),
+                       expected)
 
 
 def test_missing_or_conflicting_draft(pair):
