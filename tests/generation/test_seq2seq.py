@@ -103,6 +103,31 @@ def test_rows_finish_at_different_times(pairs):
     assert stats.dropped_rows > 0  # the finished rows left the batch (caches and encoder outputs selected)
 
 
+def test_a_long_batch_keeps_its_decoder_cache_as_wide_as_its_longest_row(pairs, monkeypatch):
+    """The decoder cache of a batch is cut on the left to a host bound, which added the batch's largest kept count
+    at every rollback: with rows keeping different counts it outgrew every row (BART: width 257 for rows of at most
+    201 tokens), and BART, which reads its position table at the cache's width before the hook replaces it, raised
+    IndexError past its 256 positions where model.generate runs. The rows' counts ride along the iteration's host
+    read and tighten the bound: the width stays within the longest row plus a few verification blocks."""
+    from speculative_kernels.generation.runners import seq2seq as runners
+
+    target, drafts = pairs["bart"]
+    ids, mask = source_batch([5, 9, 3, 12], seed=0, pad=1)
+    excess = []
+    real = runners.Seq2SeqRunner._call_model
+
+    def spy(self, tokens, decoder_mask):
+        excess.append(self.width + tokens.shape[1] - int(self.next_position.max()) - tokens.shape[1])
+        return real(self, tokens, decoder_mask)
+
+    monkeypatch.setattr(runners.Seq2SeqRunner, "_call_model", spy)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=200, do_sample=False)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=drafts["perturbed"], num_speculative_tokens=4,
+                      max_new_tokens=200, do_sample=False)
+    assert torch.equal(got, expected)
+    assert max(excess) <= 3 * (4 + 1)  # (a few verification blocks; the old code reached 56 slots past the row)
+
+
 @pytest.mark.parametrize("family", ["bart", "mbart"])
 def test_forced_bos_and_eos(pairs, family):
     target, drafts = pairs[family]

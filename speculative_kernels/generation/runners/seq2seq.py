@@ -230,10 +230,16 @@ class Seq2SeqRunner:
         self.attend = self.attend.index_select(0, index)
 
     def lengths_to_read(self) -> torch.Tensor | None:
-        return None  # its bookkeeping needs no host lengths
+        """[B]: the rows' token counts, read with the iteration's tokens (before its rollback) to tighten the width
+        bound; batch 1 crops its tail exactly and needs none."""
+        return None if self.batch == 1 else self.next_position
 
     def lengths_read(self, lengths: list[int]) -> None:
-        raise AssertionError("Seq2SeqRunner asks for no lengths")
+        """The host bounds add the batch's largest kept count at each rollback, which outgrows every row when rows
+        keep different counts (BART's table was then indexed past its end): the rows' longest count, read now,
+        bounds every slot count since the last rollback (a row's count only grows until then)."""
+        longest = max(lengths, default=0)
+        self._bound = {slots: min(bound, longest) for slots, bound in self._bound.items()}
 
     @property
     def compactions(self) -> int:
