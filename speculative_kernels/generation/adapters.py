@@ -7,7 +7,32 @@ So the inner model, driven directly, computes exactly what the wrapper computes.
 forward itself and are refused by name: prompt learning (prompt/prefix/p-tuning: virtual tokens or a prefix KV
 cache the wrapper prepends), activated LoRA (the wrapper computes each row's offsets from the prompt) and Poly (the
 wrapper passes ``task_ids``). peft is not imported: its wrappers are recognised by their class's module.
+
+Every other tuner must be one audited as per-token (``PER_TOKEN_TUNERS``: each token's output computed from that
+token alone, as the frozen layers compute it, so a verification forward over gamma + 1 tokens gives each the logits
+of a one-token step). peft adds tuners in most releases, and some are not per-token (Lily averages its router over
+every token of a forward; X-LoRA's wrapper runs a classifier pass that sets its scalings through hooks; Shadow
+threads a paired KV cache through ``past_key_values``): an active adapter of a tuner not on the list, or a module
+of one injected in the model (``peft.inject_adapter_in_model``, transformers' PEFT integration), is refused by name.
 """
+
+import torch
+
+# peft tuner packages (``peft.tuners.<name>``) audited as per-token with peft 0.21: token-identical to the wrapper's
+# generate as a target, with weights perturbed so that they act; and peft's shared helper modules.
+PER_TOKEN_TUNERS = frozenset({
+    "adalora", "adaption_prompt", "beft", "boft", "c3a", "deft", "delora", "fourierft", "frod", "glora", "gralora",
+    "hira", "hra", "ia3", "ln_tuning", "loha", "lokr", "lora", "miss", "mixed", "oft", "osf", "peanut", "psoft",
+    "pvera", "randlora", "road", "shira", "supertuning", "tinylora", "trainable_tokens", "unilora", "vblora", "vera",
+    "waveft", "tuners_utils", "lycoris_utils", "_buffer_dict"})
+_NOT_PER_TOKEN = {
+    "lily": "Lily mixes its experts by router probabilities averaged over every token of a forward, so a "
+            "verification forward over several tokens mixes them otherwise than model.generate's one-token steps",
+    "xlora": "X-LoRA's wrapper runs a classifier pass that sets its experts' scalings through hooks of its own "
+             "forward, which the transformers model inside does not run",
+    "shadow": "Shadow threads a paired shadow KV cache through past_key_values, which speculative decoding's own "
+              "caches are not",
+}
 
 
 def _is_peft_wrapper(model) -> bool:
@@ -28,8 +53,28 @@ def _refusal(config) -> str | None:
         return "prompt learning prepends virtual tokens (or a prefix KV cache) in the wrapper's forward"
     if getattr(config, "alora_invocation_tokens", None):
         return "activated LoRA applies from offsets the wrapper computes from the prompt"
-    if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] == "POLY":
+    tuner = str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1].lower()
+    if tuner == "poly":
         return "Poly adapters are routed by task_ids the wrapper passes"
+    return _tuner_reason(tuner)
+
+
+def _tuner_reason(tuner: str) -> str | None:
+    """Why peft's tuner package ``tuner`` (e.g. "lora") cannot be driven exactly, or None for an audited one."""
+    if tuner in PER_TOKEN_TUNERS:
+        return None
+    return _NOT_PER_TOKEN.get(tuner, f"the {tuner!r} tuner is not one audited as per-token (each token's output from "
+                                     "that token alone) by this version of speculative_kernels")
+
+
+def _injected_tuner(model) -> tuple[str, str] | None:
+    """(module name, reason) of a peft layer injected in ``model`` whose tuner is not per-token, or None."""
+    for module_name, module in model.named_modules():
+        parts = type(module).__module__.split(".")
+        if parts[:2] == ["peft", "tuners"] and len(parts) > 2:
+            why = _tuner_reason(parts[2])
+            if why is not None:
+                return module_name, why
     return None
 
 
@@ -37,7 +82,14 @@ def unwrap_adapters(model, name: str = "model"):
     """``model``, or for a PEFT wrapper the transformers model whose forward the wrapper runs (its adapters active
     as set on the wrapper: ``set_adapter``, ``disable_adapter()``, ... act on the injected layers). ValueError
     naming an active adapter that changes the forward itself."""
-    if model is None or not _is_peft_wrapper(model):
+    if model is None:
+        return model
+    if not _is_peft_wrapper(model):  # (a transformers model: peft layers may be injected without a wrapper)
+        injected = _injected_tuner(model) if isinstance(model, torch.nn.Module) else None
+        if injected is not None:
+            raise ValueError(f"{name} holds a PEFT module {type(model.get_submodule(injected[0])).__name__} at "
+                             f"{injected[0]!r}, which speculative_kernels cannot drive exactly ({injected[1]}); merge "
+                             "it where PEFT can, or use model.generate")
         return model
     active = model.active_adapters
     active = active() if callable(active) else active
@@ -48,4 +100,11 @@ def unwrap_adapters(model, name: str = "model"):
             raise ValueError(f"{name} is a PEFT {type(model).__name__} with the {type(config).__name__} adapter "
                              f"{adapter!r}, which speculative_kernels cannot drive exactly ({why}); merge it "
                              f"({name}.merge_and_unload()) where PEFT can, or use model.generate")
+    tuner_model = getattr(model, "base_model", model)  # (a PeftModel's tuner model, e.g. X-LoRA's; a tuner: itself)
+    parts = type(tuner_model).__module__.split(".")
+    why = _tuner_reason(parts[2]) if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else None
+    if why is not None:
+        raise ValueError(f"{name} is a PEFT {type(model).__name__} driven by {type(tuner_model).__name__}, which "
+                         f"speculative_kernels cannot drive exactly ({why}); merge it where PEFT can, or use "
+                         "model.generate")
     return unwrap_adapters(_inner_model(model), name)

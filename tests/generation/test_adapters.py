@@ -64,3 +64,66 @@ def test_adapters_that_change_the_forward_are_refused():
     activated = _lora(target, task_type="CAUSAL_LM", alora_invocation_tokens=[17])
     with pytest.raises(ValueError, match=r"activated LoRA"):
         sk.generate(activated, ids, draft_model=target, max_new_tokens=3)
+
+
+def _perturbed_adapter(model, names=None):
+    """The adapter's trainable weights moved, so that it acts (several tuners start as the identity)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if (parameter.requires_grad if names is None else names in name):
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+    return model.eval()
+
+
+def test_tuners_not_audited_as_per_token_are_refused_by_name():
+    """Lily averages its router over every token of a forward (a verification forward over gamma + 1 tokens mixed
+    its experts otherwise: silently other tokens than the wrapper's generate, also with its layers injected in a
+    plain transformers model), X-LoRA's wrapper sets its scalings by hooks of its own forward (skipped: other
+    tokens), Shadow threads its own KV cache through past_key_values (a crash inside torch). Tuners not audited as
+    per-token are refused by name, wrapped or injected; an audited one (LoRA) still runs."""
+    target = llama()
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    draft = llama(layers=1, seed=4)
+    if not hasattr(peft, "LilyConfig"):
+        pytest.skip(f"peft {peft.__version__} has no Lily tuner")
+    torch.manual_seed(7)
+    config = dict(target_modules=["q_proj", "v_proj"])
+    wrapped = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), peft.LilyConfig(task_type="CAUSAL_LM",
+                                                                                             **config)))
+    # (before: silently other tokens than the wrapper's own generate)
+    with pytest.raises(ValueError, match="model is a PEFT PeftModelForCausalLM with the LilyConfig adapter .*router "
+                                         "probabilities averaged"):
+        sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=12)
+    injected = _perturbed_adapter(peft.inject_adapter_in_model(peft.LilyConfig(**config), copy.deepcopy(target)),
+                                  "lily")
+    with pytest.raises(ValueError, match="target holds a PEFT module .*Lily mixes its experts"):
+        sk.SpeculativeDecoder(injected, draft)
+    with pytest.raises(ValueError, match="draft_model holds a PEFT module .*Lily"):
+        sk.generate(target, ids, draft_model=injected, max_new_tokens=12)
+    if hasattr(peft, "ShadowConfig"):
+        shadow = peft.get_peft_model(copy.deepcopy(target), peft.ShadowConfig(
+            task_type="CAUSAL_LM", shadow_num_hidden_layers=1, shadow_hidden_size=16, shadow_num_attention_heads=4,
+            shadow_intermediate_size=32, init_weights=False)).eval()
+        with pytest.raises(ValueError, match="Shadow threads a paired shadow KV cache"):
+            sk.generate(shadow, ids, draft_model=draft, max_new_tokens=12)
+    lora = _lora(target, task_type="CAUSAL_LM")
+    assert torch.equal(sk.generate(lora, ids, draft_model=draft, max_new_tokens=12),
+                       lora.generate(input_ids=ids, max_new_tokens=12))
+
+
+def test_an_x_lora_wrapper_is_refused_by_name(tmp_path):
+    if not hasattr(peft, "XLoraConfig"):
+        pytest.skip(f"peft {peft.__version__} has no X-LoRA")
+    target = llama()
+    adapters = {}
+    for i in range(2):
+        torch.manual_seed(10 + i)
+        _lora(target, task_type="CAUSAL_LM").save_pretrained(tmp_path / f"a{i}")
+        adapters[str(i)] = str(tmp_path / f"a{i}")
+    base = copy.deepcopy(target)
+    base.config.use_cache = False  # (X-LoRA requires it)
+    torch.manual_seed(3)
+    xlora = peft.get_peft_model(base, peft.XLoraConfig(task_type="CAUSAL_LM", hidden_size=32, xlora_depth=2,
+                                                       adapters=adapters)).eval()
+    with pytest.raises(ValueError, match="model is a PEFT PeftModelForCausalLM driven by XLoraModel.*classifier pass"):
+        sk.generate(xlora, torch.tensor([[5, 17, 42]]), draft_model=llama(layers=1, seed=4), max_new_tokens=6)
