@@ -49,6 +49,21 @@ def check_length(model, input_ids, max_new_tokens: int, role: str = "target") ->
         raise UsageError(f"--max-new-tokens {max_new_tokens}: with the decoder's start token that exceeds {limit}")
 
 
+def check_draft_vocabulary(target, draft, folder) -> None:
+    """A UsageError where the draft folder has no tokenizer and the draft's vocabulary differs in size from the
+    target's (logit widths or config vocab_size: a padded vocabulary). generate accepts such a pair only once both
+    tokenizers show that they give every token the same id, and this command has no draft tokenizer to pass."""
+    from .generation.vocab import logit_width
+
+    widths = logit_width(draft), logit_width(target)
+    sizes = draft.config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
+    if widths[0] != widths[1] or sizes[0] != sizes[1]:
+        raise UsageError(f"--draft {folder}: the folder has no tokenizer, and the draft's vocabulary differs in size "
+                         f"from the target's (logits {widths[0]} vs {widths[1]} wide, config vocab_size {sizes[0]} vs "
+                         f"{sizes[1]}), so its ids cannot be checked against the target's tokenizer; save the "
+                         "tokenizer the draft was trained with into the draft folder")
+
+
 def run_generate(args) -> int:
     import torch
 
@@ -72,9 +87,13 @@ def run_generate(args) -> int:
     check_length(target, input_ids, args.max_new_tokens)
     if args.draft is not None:
         check_length(draft, input_ids, args.max_new_tokens, role="draft")
-    # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it)
+        if draft_tokenizer is None:
+            check_draft_vocabulary(target, draft, args.draft)
+    # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it). use_cache=True
+    # on both: a checkpoint saved after training with gradient checkpointing often says use_cache false, which
+    # generate refuses (it rolls back the KV cache); the cache changes the speed, not the tokens
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
-                  **sampling_kwargs(args))
+                  use_cache=True, **sampling_kwargs(args))
     # One short untimed call of each path before it is timed (lazy imports, backend resolution, the first launch
     # of the verification kernels: a Triton compile or the CUDA extension's build), as the demo does.
     warm_up = {**kwargs, "max_new_tokens": min(args.max_new_tokens, WARM_UP_TOKENS)}
@@ -204,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "print the completion, tokens/s and the acceptance rate; --compare also runs plain "
                     "model.generate and exits with status 1 if greedy outputs differ. Each path is timed over one "
                     f"call, after an untimed call of at most {WARM_UP_TOKENS} new tokens (warm-up).")
-    gen.add_argument("--target", required=True, help="local HF model folder of the target")
-    gen.add_argument("--draft", help="local HF model folder of the draft (or --prompt-lookup)")
+    gen.add_argument("--target", required=True,
+                     help="local HF model folder of the target (or a PEFT adapter folder: loaded as from_pretrained "
+                          "loads it, onto the base its adapter_config.json names)")
+    gen.add_argument("--draft", help="local HF model folder of the draft, or a PEFT adapter folder (or "
+                                     "--prompt-lookup)")
     gen.add_argument("--prompt-lookup", type=_positive, metavar="K",
                      help="no draft model: draft up to K tokens per iteration by prompt lookup (HF's "
                           "prompt_lookup_num_tokens; K replaces --gamma)")

@@ -68,9 +68,10 @@ class VocabBridge:
             tokenizer is None or assistant_tokenizer is None
         ):
             raise ValueError(
-                f"draft and target have different vocabularies (vocab_size {draft_size} vs {target_size}); "
-                "if they share a tokenizer and differ only by padding, pass tokenizer= and assistant_tokenizer= "
-                "so the ids can be checked"
+                f"draft and target have different vocabularies: the draft's logits are {self.draft_width} wide "
+                f"(config vocab_size {draft_size}), the target's {self.target_width} (config vocab_size "
+                f"{target_size}); if they share a tokenizer and differ only by padding, pass tokenizer= and "
+                "assistant_tokenizer= so the ids can be checked"
             )
 
     @property

@@ -415,3 +415,93 @@ def test_compare_times_each_path_after_a_warm_up(pair, capsys, monkeypatch):
     assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens",
                  "20", "--compare"]) == 0
     assert calls == [("ours", 16), ("timed", None), ("ours", 20), ("hf", 16), ("timed", None), ("hf", 20)]
+
+
+def _lora_adapter_folder(root, base):
+    """A LoRA adapter folder (adapter_config.json + adapter weights, no config.json, no tokenizer) on checkpoint
+    folder ``base``, as peft saves it after training; random adapter weights, so the adapter changes the tokens."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)  # (its name_or_path: the adapter's base)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                             task_type="CAUSAL_LM")
+    peft.get_peft_model(model, config).save_pretrained(root / "adapter")
+    return root / "adapter"
+
+
+def test_a_peft_adapter_folder_loads_as_from_pretrained_loads_it(pair, tmp_path, capsys):
+    """--target/--draft naming a PEFT adapter folder (adapter_config.json, no config.json): loaded as
+    AutoModelForCausalLM.from_pretrained loads it, the base named in adapter_config.json with the adapter, and the
+    base's tokenizer (the folder has none). It was "Unrecognized model ... model_type" (config.json read first)."""
+    import torch
+    import transformers
+
+    target, _ = pair
+    adapter = _lora_adapter_folder(tmp_path, target)
+    assert not (adapter / "config.json").exists() and not (adapter / "tokenizer.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(adapter).eval()
+    assert model._hf_peft_config_loaded
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+    ids = tokenizer("def add(a, b):", return_tensors="pt")["input_ids"]
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    expected = model.generate(ids, **options)[0, ids.shape[1]:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(target).eval().generate(ids, **options)[0, ids.shape[1]:]
+    assert not torch.equal(expected, base)  # (the adapter acts: loading the base alone would give other tokens)
+    code = main(["generate", "--target", str(adapter), "--draft", str(adapter), "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "10", "--gamma", "3", "--compare"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    out = captured.out
+    assert out.split("\nspeculative:")[0] == tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+    assert "speculative: 10 tokens" in out and "acceptance rate 1.000" in out and "outputs identical" in out
+
+
+def test_a_peft_adapter_folder_whose_base_is_missing_is_a_clear_error(pair, tmp_path, capsys):
+    import json
+
+    target, draft = pair
+    adapter = _lora_adapter_folder(tmp_path, target)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    for role, folders in (("target", (adapter, draft)), ("draft", (target, adapter))):
+        code = main(["generate", "--target", str(folders[0]), "--draft", str(folders[1]), "--prompt", "x"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{adapter} is a PEFT adapter folder" in err, (role, err)
+        assert f"base model '{tmp_path / 'moved'}'" in err and "cannot be found" in err, (role, err)
+
+
+def test_a_checkpoint_saying_use_cache_false_runs(pair, tmp_path, capsys):
+    """A checkpoint saved after training with gradient checkpointing says use_cache false (generation_config.json
+    and config.json): the command passes use_cache=True to both paths, as the cache changes the speed, not the
+    tokens. It exited 2 with generate's "pass use_cache=True", which a command-line user cannot."""
+    import json
+
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "no-cache", use_cache=False)
+    config = json.loads((folder / "config.json").read_text())
+    config["use_cache"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "8", "--compare"])
+    captured = capsys.readouterr()
+    assert code == 0 and "outputs identical" in captured.out, captured.err
+
+
+def test_a_padded_draft_vocabulary_without_a_draft_tokenizer_is_said_in_cli_terms(pair, tmp_path, capsys):
+    """A draft folder with no tokenizer whose vocabulary is padded (128 ids against the target's 97): the error says
+    what the folder lacks; it told a command-line user to "pass tokenizer= and assistant_tokenizer=" (Python
+    arguments)."""
+    from helpers.models import llama
+
+    target, _ = pair
+    llama(layers=1, vocab=128, seed=1).save_pretrained(tmp_path / "draft")
+    code = main(["generate", "--target", str(target), "--draft", str(tmp_path / "draft"), "--prompt", "x",
+                 "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--draft {tmp_path / 'draft'}: the folder has no tokenizer" in err
+    assert "(logits 128 vs 97 wide, config vocab_size 128 vs 97)" in err and "tokenizer=" not in err
