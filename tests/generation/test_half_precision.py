@@ -164,3 +164,23 @@ def test_greedy_under_autocast_as_accurate_as_hf(family, cache):
                              speculation_stats=stats)
         assert 0 < stats.acceptance_rate < 1
         assert_as_accurate_as_hf(target, output, ids, mask)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
+                         ids=["float16-under-bfloat16", "bfloat16-under-float16"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_half_model_under_autocast_to_the_other_half_type(dtypes, cache):
+    """A float16 model under CPU autocast (bfloat16 by default), or the reverse, runs in model.generate. Ours crashed
+    inside torch on the dynamic cache (CPU autocast to bfloat16 fails on a cat of float16 masks) and the static cache
+    refused the K/V (float32 keys after the rotary embedding, values in the autocast dtype, neither the model's):
+    the masks are built outside autocast, and the static buffers hold such K/V in float32 (exact)."""
+    model_dtype, autocast_dtype = dtypes
+    target = FAMILIES["llama"](hidden=64, vocab=VOCAB).to(model_dtype)
+    ids, mask = left_padded([5, 9, 3], seed=4)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        for drafting in (dict(draft_model=perturbed(target, scale=0.3), num_speculative_tokens=GAMMA),
+                         dict(prompt_lookup_num_tokens=GAMMA)):
+            output = sk.generate(target, ids, attention_mask=mask, max_new_tokens=NEW,
+                                 cache_implementation=cache, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True, **drafting)
+            assert_as_accurate_as_hf(target, output, ids, mask)

@@ -84,7 +84,9 @@ class SlotMaskRunner(abc.ABC):
         block = block[..., : queries + tail]
         batch = self.slot_mask.shape[0]
         prefix = self._additive[:, None, None, :start].expand(batch, 1, queries, start)
-        return torch.cat([prefix, block.expand(batch, 1, queries, queries + tail)], dim=-1)
+        # (not under a caller's autocast: CPU autocast to bfloat16 fails on a cat of float16 masks)
+        with torch.autocast(self.slot_mask.device.type, enabled=False):
+            return torch.cat([prefix, block.expand(batch, 1, queries, queries + tail)], dim=-1)
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int, kept_host: list[int] | None = None) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes and the
