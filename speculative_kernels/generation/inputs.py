@@ -32,7 +32,7 @@ def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_m
     names: the arguments' names in the errors (``SpeculativeDecoder``'s are target and draft)."""
     for name, m in zip(names, (model, draft_model)):
         if m is None and name == names[1]:
-            return
+            break
         inner = getattr(m, "_orig_mod", None)
         if isinstance(inner, torch.nn.Module) and type(m).__name__ == "OptimizedModule":
             raise TypeError(f"{name} is a torch.compile wrapper (OptimizedModule) of {type(inner).__name__}; pass the "
@@ -45,6 +45,8 @@ def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_m
         if m is not None and getattr(m, "dtype", None) == torch.float64:
             raise ValueError(f"{name} is float64: the verification takes float32, float16 or bfloat16 logits (as "
                              f"the kernels do); use {name}.float()")
+    if draft_model is None:
+        return
     check_pair(model, draft_model)
     target_device, draft_device = model_device(model, names[0]), model_device(draft_model, names[1])
     if target_device != draft_device:

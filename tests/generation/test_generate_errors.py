@@ -403,3 +403,9 @@ def test_a_float64_model_is_refused_up_front():
         with pytest.raises(ValueError, match=f"{name} is float64"):
             sk.generate(kwargs["model"], torch.tensor([[5, 6, 7]]), draft_model=kwargs["draft_model"],
                         max_new_tokens=4)
+    # without a draft model too (prompt lookup, a drafter: the check was skipped, and the CUDA kernels would refuse
+    # the logits midway, naming an internal argument)
+    with pytest.raises(ValueError, match="model is float64"):
+        sk.generate(llama().double(), torch.tensor([[5, 6, 7]]), prompt_lookup_num_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="target is float64"):
+        sk.SpeculativeDecoder(llama().double(), drafter=lambda: sk.NGramDrafter())
