@@ -45,13 +45,26 @@ def verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative verification (accept/reject, residual or bonus sampling; greedy when temperature == 0).
 
-    target_logits: [B, K+1, V]; draft_logits: [B, K, V], or None for a drafter without a distribution (one-hot q);
-    draft_tokens: [B, K]. Returns (tokens [B, K+1] int64: the emitted tokens then -1 padding, num_accepted [B] int64
-    in 0..n_b). Exactly the target's distribution under HF's warping with the same temperature/top_k/top_p.
+    target_logits: [B, K+1, V] with K >= 1 (a [B, 1, V] target is refused: for a plain decoding step pass
+    num_draft_tokens 0 for the row, or use ``sample``); draft_logits: [B, K, V], or None for a drafter without a
+    distribution (one-hot q); draft_tokens: [B, K]. Returns (tokens [B, K+1] int64: the emitted tokens then -1
+    padding, num_accepted [B] int64 in 0..n_b). Exactly the target's distribution under HF's warping with the same
+    temperature/top_k/top_p.
 
     temperature / top_k / top_p: python scalars, or [B] tensors on the logits' device (float32/float64 temperature and
     top_p, int64 top_k; scalars and tensors may be mixed), one value per row; temperature 0 makes that row greedy.
-    A row's result never depends on the other rows' parameters.
+    A row's result never depends on the other rows' parameters. A temperature above float32's largest value
+    (3.4e38; e.g. 1e39, as a scalar or in a float64 tensor) is refused with ``ValueError`` naming ``temperature`` on
+    every backend (a tensor's value by the checks below): the kernels hold it in float32, where it would be
+    infinite. A top_k of the vocabulary size or
+    more (any python int) is no cut.
+
+    seed / offset: ints, or int64 tensors of shape [], [1] or [B] (device tensors allowed); or a ``generator``. A
+    scalar or [1] seed is one key for the call, and row b draws its own numbers from it by its batch index. A [B]
+    seed gives each row its value as the row's own key (the row index is not mixed in, so a row's numbers do not
+    depend on its batch position): ``seed=torch.full((B,), s)`` is not ``seed=s``, every row draws the same numbers
+    (identical rows give identical samples). For independent rows from one s, pass
+    ``seed=ops.randomness.row_keys(torch.full((B,), s))``. A [B] offset is each row's step counter.
 
     num_draft_tokens: [B] int64 on the logits' device, n_b in 0..K (None: K for every row). Row b verifies only its
     first n_b drafts: it accepts a prefix of them, then emits the residual token at its first rejection i < n_b, or,
@@ -65,7 +78,9 @@ def verify(
     ``ValueError`` for non-finite logits (raw, or after the division by temperature when sampling), out-of-range
     draft tokens, an out-of-range seed/offset tensor, per-row temperature/top_k/top_p or num_draft_tokens value (the
     error names the argument and the rows); unchecked, such rows (seed/offset aside: see ``randomness.py``) come back
-    with num_accepted == -1 and all tokens -1 for the caller to test.
+    with num_accepted == -1 and all tokens -1 for the caller to test. An explicit ``check=True`` cannot run while
+    compiling or capturing a CUDA graph (the checks read the device): it raises an error naming ``check`` there
+    (under ``torch.compile(fullgraph=True)``, dynamo's, with the message); pass ``check=False`` or leave the default.
     """
     check_logits("target_logits", target_logits, 3)
     check_tokens("draft_tokens", draft_tokens, 2)
@@ -110,10 +125,12 @@ def sample(
 ) -> torch.Tensor:
     """Draft-side sampler: one token per row from softmax(warp(logits)) (argmax when temperature == 0).
 
-    logits: [B, V]. Returns [B] int64. temperature / top_k / top_p: scalars or [B] tensors, as for ``verify``. Uses
+    logits: [B, V]. Returns [B] int64. temperature / top_k / top_p: scalars or [B] tensors, as for ``verify`` (a
+    temperature above float32's largest value is refused by name). seed / offset as for ``verify``: a [B] seed is
+    each row's own key, so ``seed=torch.full((B,), s)`` draws the same numbers in every row, unlike ``seed=s``. Uses
     its own Philox stream, so reusing (seed, offset) with ``verify`` never reuses random numbers. Unchecked, a row
     with non-finite logits (raw, or after the division by temperature) or an invalid per-row parameter comes back
-    as -1.
+    as -1; ``check`` as for ``verify``.
     """
     check_logits("logits", logits, 2)
     sampling = check_sampling(temperature, top_k, top_p, logits.shape[0], logits.device)

@@ -5,7 +5,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .reference import draft_limit, invalid_positions, invalid_rows, used_positions
 from .randomness import MAX_OFFSET, Randomness
-from .sampling import MIN_TEMPERATURE, Sampling
+from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, Sampling
+from .validation import too_large_temperature
 from .warping import scale_logits
 
 
@@ -16,6 +17,11 @@ def should_check(check: bool | None, logits: torch.Tensor) -> bool:
     if check is not None:
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool or None, got {type(check).__name__}")
+        if check and (torch.compiler.is_compiling() or (torch.cuda.is_available()
+                                                         and torch.cuda.is_current_stream_capturing())):
+            raise ValueError("check=True reads the result on the host, which cannot run while compiling "
+                             "(torch.compile) or capturing a CUDA graph: pass check=False, or leave check=None (the "
+                             "default), which skips the checks there; invalid rows then come back as -1")
         return check
     if torch.compiler.is_compiling() or logits.device.type == "meta" or is_fake(logits):
         return False
@@ -51,6 +57,11 @@ def _raise_for_parameters(sampling: Sampling | None, num_draft_tokens: torch.Ten
         return
     params = sampling.rows
     t = params.temperature
+    given = params.given_temperature
+    if given is not None:  # a float64 value above float32's largest value (inf in float32), named as given
+        rows = _rows((given > MAX_TEMPERATURE) & (given != float("inf")))
+        if rows:
+            raise ValueError(f"{too_large_temperature(given[rows[0]].item())} (batch rows {rows})")
     checks = (
         ("temperature", t, ~(t >= 0.0) | (t == float("inf")),
          "must be finite and >= 0 (0 means greedy)"),

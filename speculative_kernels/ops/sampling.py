@@ -7,6 +7,9 @@ import torch
 # The kernels divide float32 logits by float32(temperature): below float32's smallest normal number the divisor is
 # subnormal (or zero) and every logit of ordinary size overflows, so such a temperature is refused.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+# Above float32's largest value the temperature is infinite in float32, in which the kernels hold it, so such a
+# temperature is refused by name too (HF's float32 division by it gives 0 for every logit: a uniform draw).
+MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: tensors have no boolean ==
@@ -16,13 +19,15 @@ class RowSampling:
     temperature: [B] float32 (0 means greedy for that row); top_k: [B] int64 (0 means off); top_p: [B] float64
     (1 means off; float64 so that a row's threshold 1 - top_p rounds exactly as the scalar path's python float).
     ``cut``: whether any row may apply top-k / top-p (False when both were given as scalars that switch them off),
-    a static fact, so no device value is read to decide it.
+    a static fact, so no device value is read to decide it. ``given_temperature``: the caller's float64 temperature
+    tensor (None otherwise), read only to name a refused value in the error (1e39, infinite in float32).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     cut: bool
+    given_temperature: torch.Tensor | None = None
 
     @property
     def greedy(self) -> torch.Tensor:

@@ -256,10 +256,12 @@ def _sampling(temperature: float, top_k: int, top_p: float, temperature_rows: Op
 
 def _flat(sampling: Sampling) -> tuple:
     """``Sampling`` -> the registered ops' flat arguments (temperature, top_k, top_p, the three [B] tensors or None,
-    row_cut)."""
+    row_cut). A top_k past int64 (which the op's ``int`` cannot hold) is the largest int64: any top_k of the
+    vocabulary size or more is no cut, as on the other backends."""
     rows = sampling.rows
     if rows is None:
-        return float(sampling.temperature), int(sampling.top_k), float(sampling.top_p), None, None, None, False
+        top_k = min(int(sampling.top_k), torch.iinfo(torch.int64).max)
+        return float(sampling.temperature), top_k, float(sampling.top_p), None, None, None, False
     return 1.0, 0, 1.0, rows.temperature, rows.top_k, rows.top_p, bool(rows.cut)
 
 

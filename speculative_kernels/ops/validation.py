@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from .sampling import MIN_TEMPERATURE, RowSampling, Sampling
+from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, RowSampling, Sampling
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOKEN_DTYPES = (torch.int64, torch.int32)
@@ -13,12 +13,22 @@ FLOAT_PARAM_DTYPES = (torch.float32, torch.float64)
 INT_PARAM_DTYPES = (torch.int64, torch.int32)
 
 
+def too_large_temperature(temperature) -> str:
+    """The error for a temperature above float32's largest value (as a scalar or in a [B] tensor)."""
+    return (f"temperature={temperature!r} exceeds float32's largest value ({MAX_TEMPERATURE:.9g}): the ops hold the "
+            "temperature in float32, where it would be infinite")
+
+
 def check_sampling_params(temperature, top_k, top_p) -> tuple[float, int, float]:
-    """Validate and normalise (temperature >= 0, top_k >= 0, 0 < top_p <= 1); returns python scalars."""
+    """Validate and normalise (0 <= temperature <= float32's largest value, top_k >= 0, 0 < top_p <= 1); returns
+    python scalars. A temperature above float32's largest value is refused by name: HF divides float32 logits by it
+    and gets 0 everywhere (a uniform draw), but the ops hold it in float32, where it is infinite."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}")
     if not temperature >= 0.0 or temperature == float("inf"):
         raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
+    if temperature > MAX_TEMPERATURE:
+        raise ValueError(too_large_temperature(temperature))
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise ValueError(
             f"temperature={temperature!r} is below float32's smallest normal number ({MIN_TEMPERATURE:.3g}): the "
@@ -116,29 +126,31 @@ def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) 
             rows[name] = torch.full((batch,), _representable(scalars[index], kinds[name]), dtype=kinds[name],
                                     device=device)
     cut = "top_k" in tensors or "top_p" in tensors or scalars[1] > 0 or scalars[2] < 1.0
-    return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut))
+    given = tensors.get("temperature")
+    given = given if given is not None and given.dtype == torch.float64 else None
+    return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut, given))
 
 
 def _row_values(name: str, value: torch.Tensor, kind: torch.dtype) -> torch.Tensor:
     """A per-row tensor in the dtype the kernels read. A float64 temperature that is not 0 but rounds to 0 in float32
     (e.g. 1e-50) would make its row greedy: it becomes a float32 subnormal instead, which is refused as the
-    scalar 1e-50 is (below float32's smallest normal), with no host read."""
+    scalar 1e-50 is (below float32's smallest normal), with no host read. One above float32's largest value (e.g.
+    1e39, or one that rounds down to it) becomes infinite, so its row is refused as the scalar is
+    (``diagnostics`` names it by the value given, ``RowSampling.given_temperature``)."""
     converted = value.to(kind)
     if name == "temperature" and value.dtype == torch.float64:
         underflow = (converted == 0.0) & (value != 0.0)
         converted = torch.where(underflow, torch.full_like(converted, MIN_TEMPERATURE / 2), converted)
+        converted = torch.where(value > MAX_TEMPERATURE, torch.full_like(converted, float("inf")), converted)
     return converted
 
 
 def _representable(value, kind: torch.dtype):
     """A valid scalar made a [B] tensor's value when another parameter is per row: a top_k past int64 (any top_k of
-    the vocabulary size or more is no cut) is the largest int64; a temperature past float32's range is float32's
-    infinity in the kernels either way (dividing by it gives the uniform distribution, as in HF), so it is kept as
-    the largest float32, which divides every logit of ordinary size to 0 as well."""
+    the vocabulary size or more is no cut) is the largest int64. (A valid temperature fits float32:
+    ``check_sampling_params`` refuses one above float32's largest value.)"""
     if kind == torch.int64:
         return min(int(value), torch.iinfo(torch.int64).max)
-    if kind == torch.float32:
-        return min(float(value), torch.finfo(torch.float32).max)
     return value
 
 

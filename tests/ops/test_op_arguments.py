@@ -31,14 +31,88 @@ def test_a_float64_temperature_that_rounds_to_zero_in_float32_is_refused_not_gre
 
 
 def test_scalars_beside_a_per_row_tensor_are_taken_as_alone():
-    """A scalar the scalar path accepts (top_k past int64: no cut; a temperature past float32's range) used to raise
-    torch's overflow RuntimeError once another parameter was a tensor."""
+    """A scalar the scalar path accepts (top_k past int64: no cut; float32's largest temperature) used to raise
+    torch's overflow RuntimeError once another parameter was a tensor. (A temperature above float32's largest value
+    is refused: test_a_temperature_above_float32s_largest_value_is_refused_by_name.)"""
     target, draft, tokens = _inputs()
     alone = ops.sample(target[:, 0], top_k=2**63, temperature=0.7, seed=3)
     mixed = ops.sample(target[:, 0], top_k=2**63, temperature=torch.full((2,), 0.7), seed=3)
     assert torch.equal(alone, mixed)
-    hot = ops.verify(target, draft, tokens, temperature=1e300, top_k=torch.tensor([0, 4]), seed=3)
-    assert (hot[1] >= 0).all()
+    hottest = torch.finfo(torch.float32).max
+    alone = ops.verify(target, draft, tokens, temperature=hottest, top_k=4, seed=3)
+    mixed = ops.verify(target, draft, tokens, temperature=hottest, top_k=torch.tensor([4, 4]), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(alone, mixed)) and (alone[1] >= 0).all()
+
+
+TOO_HOT = r"temperature=1e\+39 exceeds float32's largest value \(3.40282347e\+38\)"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_temperature_above_float32s_largest_value_is_refused_by_name(backend):
+    """temperature=1e39 (HF divides float32 logits by it: every logit 0, a uniform draw) had three behaviours: the
+    all-scalar torch call drew uniformly; beside a per-row top_k/top_p tensor it was clamped to float32's largest
+    value, which keeps the logits' order, so top_k=2 drew from 2 tokens, silently; the Triton backend flagged every
+    row ('invalid input in batch rows [0, 1]', naming nothing); a float64 [B] tensor of it was refused as 'got inf'.
+    It is refused by name everywhere (as SpeculativeDecoder.add_request does), scalar or tensor."""
+    target, draft, tokens = _inputs(vocab=9)
+    calls = (lambda **kw: ops.verify(target, draft, tokens, seed=1, backend=backend, **kw),
+             lambda **kw: ops.sample(target[:, 0], seed=1, backend=backend, **kw))
+    for call in calls:
+        for extra in ({}, {"top_k": torch.tensor([2, 2])}, {"top_p": torch.tensor([0.5, 0.5])}):
+            with pytest.raises(ValueError, match=TOO_HOT + r": the ops hold the temperature in float32"):
+                call(temperature=1e39, **extra)
+    # in a float64 [B] tensor: named by the value given, with its row (also one that rounds down to float32's max)
+    rounds_down = torch.finfo(torch.float32).max * (1 + 2**-30)
+    temperature = torch.tensor([1.0, 1e39], dtype=torch.float64)
+    with pytest.raises(ValueError, match=TOO_HOT + r".*\(batch rows \[1\]\)"):
+        calls[1](temperature=temperature)
+    if backend == "torch":
+        with pytest.raises(ValueError, match=r"temperature=3.40282\d*e\+38 exceeds .*\(batch rows \[0\]\)"):
+            calls[0](temperature=torch.tensor([rounds_down, 1.0], dtype=torch.float64))
+        out, n = calls[0](temperature=temperature, check=False)
+        assert n.tolist()[1] == -1 and n[0] >= 0 and (out[1] == -1).all()
+
+
+def test_check_true_under_torch_compile_is_refused_by_name():
+    """check=True inside torch.compile(fullgraph=True) failed inside dynamo (GuardOnDataDependentSymNode from
+    reading the flagged rows): the error now says that the checks cannot run while compiling, naming check.
+    check=None (the default) skips them there, as documented."""
+    target, draft, tokens = _inputs()
+
+    def step(check):
+        return torch.compile(lambda t, d, x: ops.verify(t, d, x, temperature=0.8, seed=torch.tensor(3), check=check,
+                                                        backend="torch"), fullgraph=True, backend="eager")
+
+    with pytest.raises(Exception, match=r"check=True reads the result on the host, which cannot run while compiling"):
+        step(True)(target, draft, tokens)
+    eager = ops.verify(target, draft, tokens, temperature=0.8, seed=torch.tensor(3), backend="torch")
+    for check in (None, False):
+        assert all(torch.equal(a, b) for a, b in zip(step(check)(target, draft, tokens), eager))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_top_k_past_int64_is_no_cut_on_every_backend(backend):
+    """top_k=2**63 (no cut, as in HF's TopKLogitsWarper) crashed inside torch's dispatcher on the Triton backend: its
+    registered ops take a 64-bit int ('Expected a value of type int for argument top_k')."""
+    target, draft, tokens = _inputs(vocab=9)
+    for top_k in (2**63, 10**30):
+        big = ops.verify(target, draft, tokens, temperature=0.9, top_k=top_k, seed=1, backend=backend)
+        none = ops.verify(target, draft, tokens, temperature=0.9, top_k=0, seed=1, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(big, none))
+        assert torch.equal(ops.sample(target[:, 0], temperature=0.9, top_k=top_k, seed=1, backend=backend),
+                           ops.sample(target[:, 0], temperature=0.9, seed=1, backend=backend))
+
+
+def test_a_seed_tensor_of_one_value_per_row_is_each_rows_own_key():
+    """Documented (verify's docstring, README): a [B] seed is each row's own key, so seed=torch.full((B,), s) draws
+    the same numbers in every row (identical rows, identical samples), unlike seed=s; row_keys gives independent
+    keys."""
+    logits = torch.zeros(64, 1000)  # uniform: the draws are the random numbers themselves
+    broadcast = ops.sample(logits, seed=torch.full((64,), 7))
+    assert broadcast.unique().numel() == 1
+    assert ops.sample(logits, seed=7).unique().numel() > 32
+    keys = ops.randomness.row_keys(torch.full((64,), 7))
+    assert ops.sample(logits, seed=keys).unique().numel() > 32
 
 
 def test_a_bad_seed_in_a_tensor_is_named_by_its_value():
