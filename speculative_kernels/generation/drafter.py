@@ -85,7 +85,8 @@ class ModelDrafter:
     """A ``Drafter`` that runs a draft model one token at a time through its runner.
 
     bridge: maps the draft's vocabulary onto the target's (``vocab.py``); dtype: the verification's dtype (the
-    target's), in which q's logits are kept. Each row's input not yet in the draft's cache is ``pending``: the last
+    target's); q's logits are kept in the wider of it and the draft's (a float32 draft of a float16 target keeps
+    float32: cast down, logits past 65504 became inf; the ops verify mixed dtypes exactly, in float32). Each row's input not yet in the draft's cache is ``pending``: the last
     emitted token, after a fully accepted iteration also the last draft (fed together as a width-2 step, with a
     filler for the rows that need only one).
     """
@@ -116,11 +117,11 @@ class ModelDrafter:
         for i in range(gamma):  # per step: the forward, the choice, its two writes (and the runner's position)
             logits = self.runner.forward(self.bridge.draft_inputs(inputs), real, last_only=True)
             logits = self.bridge.draft_logits(logits)[:, 0]
-            if logits.dtype != self.dtype:
-                logits = logits.to(self.dtype)
+            if logits.dtype != self.dtype:  # (the wider of the two: cast down, a float32 draft's logits can overflow)
+                logits = logits.to(torch.promote_types(self.dtype, logits.dtype))
             token = choose(logits, i)
             if q_logits is None:
-                q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=self.dtype, device=device)
+                q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=logits.dtype, device=device)
             q_logits[:, i] = logits
             tokens[:, i] = token
             inputs, real = tokens[:, i : i + 1], None  # (choose gives ids in [0, V): fed as they are)

@@ -184,3 +184,17 @@ def test_a_half_model_under_autocast_to_the_other_half_type(dtypes, cache):
                                  cache_implementation=cache, do_sample=False, pad_token_id=0, eos_token_id=None,
                                  output_logits=True, return_dict_in_generate=True, **drafting)
             assert_as_accurate_as_hf(target, output, ids, mask)
+
+
+def test_a_float32_draft_of_a_float16_target_keeps_its_logits():
+    """The draft's logits were cast to the target's dtype: a float32 draft's logits past float16's 65504 became inf
+    and the call failed naming draft_logits (HF's assisted generation runs). q is kept in the wider dtype now."""
+    target = FAMILIES["llama"](vocab=VOCAB).half()
+    draft = perturbed(FAMILIES["llama"](vocab=VOCAB)).float()
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(1e6)  # logits of order 1e5: finite in float32 only
+    ids = torch.tensor([[5, 9, 11, 20, 7]])
+    expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=10, do_sample=False), expected)
+    sampled = sk.generate(target, ids, draft_model=draft, max_new_tokens=10, do_sample=True, seed=0)
+    assert sampled.shape == expected.shape
