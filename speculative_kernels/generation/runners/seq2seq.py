@@ -139,7 +139,23 @@ class Seq2SeqRunner:
         self._hook_thread = threading.get_ident()
         if self._position_module is None:
             return []
-        return [self._position_module.register_forward_hook(self._true_positions)]
+        return [self._position_module.register_forward_pre_hook(self._inside_table, with_kwargs=True),
+                self._position_module.register_forward_hook(self._true_positions)]
+
+    def _inside_table(self, module, args, kwargs):
+        """Forward pre-hook: HF's own lookup, whose output ``_true_positions`` replaces, reads the table from the
+        cache's width, which a batch's rows (right-aligned in a cache wider than the longest by up to a few
+        verification blocks) may place past the table's end (an IndexError where every true position fits): it
+        starts from 0 instead, and position ids given to it are clamped into the table."""
+        if not self._own_forward():
+            return None
+        limit = module.num_embeddings - getattr(module, "offset", 0) - 1
+        args = tuple(0 if i == 1 else a.clamp(max=limit) if i == 2 and torch.is_tensor(a) else a
+                     for i, a in enumerate(args))
+        kwargs = {k: 0 if k in ("cache_length", "past_key_values_length")
+                  else v.clamp(max=limit) if k == "position_ids" and torch.is_tensor(v) else v
+                  for k, v in kwargs.items()}
+        return args, kwargs
 
     def _own_forward(self) -> bool:
         """Whether a hook runs in this runner's own forward. The hooks sit on the model's shared submodules while
