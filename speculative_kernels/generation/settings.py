@@ -643,20 +643,32 @@ def _check_typed_fields(fields: dict) -> None:
         raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
     for name in ("suppress_tokens", "begin_suppress_tokens"):
         value = fields.get(name)
-        if value is not None and not isinstance(value, (list, tuple)):
+        if value is not None and (isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__")
+                                  or getattr(value, "ndim", 1) != 1):
             raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__} {value!r}")
         if value is not None:
-            token_ids(name, list(value))
+            token_ids(name, [_scalar(v) for v in value])
     decay = fields.get("exponential_decay_length_penalty")
     if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2
-                                  and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in decay)):
+                                  and all(_is_number(v) for v in decay)):
         raise TypeError("exponential_decay_length_penalty must be a pair (start_index, decay_factor), got "
                         f"{decay!r}")
     for name in ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h", "repetition_penalty",
                  "encoder_repetition_penalty"):
         value = fields.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        if value is not None and not _is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _scalar(value):
+    """A 0-d tensor or array element as its Python number (what HF's processors read from it); anything else as is."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+
+
+def _is_number(value) -> bool:
+    """A real number other than a bool: a Python or NumPy number, or a 0-d tensor or array of one (HF takes those)."""
+    value = _scalar(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _replaced_max_time(value, criteria) -> float | None:

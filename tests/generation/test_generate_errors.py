@@ -409,3 +409,21 @@ def test_a_float64_model_is_refused_up_front():
         sk.generate(llama().double(), torch.tensor([[5, 6, 7]]), prompt_lookup_num_tokens=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="target is float64"):
         sk.SpeculativeDecoder(llama().double(), drafter=lambda: sk.NGramDrafter())
+
+
+def test_typed_settings_take_what_model_generate_takes(pair):
+    """The type checks of suppress_tokens / typical_p (and the like) refused a tensor or NumPy array of ids and a
+    0-d tensor, which model.generate takes: they are taken, with model.generate's tokens."""
+    import numpy as np
+
+    target, draft = pair
+    first = target.generate(_ids(), max_new_tokens=1, do_sample=False)[0, -1].item()
+    for kwargs in (dict(suppress_tokens=torch.tensor([first, 7])), dict(suppress_tokens=np.array([first, 7])),
+                   dict(begin_suppress_tokens=torch.tensor([first]))):
+        expected = target.generate(_ids(), max_new_tokens=6, do_sample=False, **kwargs)
+        assert expected[0, 5].item() != first  # (the setting acts)
+        assert torch.equal(sk.generate(target, _ids(), draft_model=draft, max_new_tokens=6, **kwargs), expected)
+    sampled = sk.generate(target, _ids(), draft_model=draft, max_new_tokens=6, do_sample=True, seed=1,
+                          typical_p=torch.tensor(0.5))
+    assert torch.equal(sampled, sk.generate(target, _ids(), draft_model=draft, max_new_tokens=6, do_sample=True,
+                                            seed=1, typical_p=0.5))
