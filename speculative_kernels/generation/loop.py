@@ -17,7 +17,7 @@ from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter
-from .proposal import check_proposal, describe_bad_proposal, flag_proposal
+from .proposal import check_lengths_to_read, check_proposal, describe_bad_proposal, flag_proposal
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
@@ -513,6 +513,9 @@ class SpeculativeLoop:
         # counts) ride along.
         readers = [(r, r.lengths_to_read()) for r in drafting]
         readers = [(r, lengths) for r, lengths in readers if lengths is not None]
+        for reader, lengths in readers:  # (a drafter's: checked before the cat, which would promote the token ids)
+            if reader is self.drafter:
+                check_lengths_to_read(self.drafter, lengths, self.device)
         # (rows whose processors raised: whether the token after their capped drafts was dropped, for alpha)
         dropped = [self._dropped] if self._processor_caps else []
         if readers or read_drafted or dropped:

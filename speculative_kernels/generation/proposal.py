@@ -44,6 +44,21 @@ def check_proposal(drafter, tokens, logits, num_draft, *, batch: int, gamma: int
             raise ValueError(f"{where} returned {name} on {value.device}; the target runs on {device}")
 
 
+def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
+    """Raise TypeError/ValueError naming the drafter unless its ``lengths_to_read()`` is a 1-D int64 tensor on
+    ``device`` (attribute reads only). They ride in the iteration's one host read, concatenated with the emitted
+    tokens: a float tensor would turn every token id read into a float (float16/bfloat16: rounded ids, on which the
+    EOS and length cuts then run)."""
+    where = f"{drafter_name(drafter)}.lengths_to_read()"
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"{where} returned {type(lengths).__name__}; it must be a [N] int64 tensor or None")
+    if lengths.dim() != 1 or lengths.dtype != torch.int64:
+        raise ValueError(f"{where} returned a tensor of shape {tuple(lengths.shape)} and dtype {lengths.dtype}; it "
+                         "must be [N] int64 (it is read on the host with the iteration's token ids)")
+    if lengths.device != indexed_device(device):
+        raise ValueError(f"{where} returned a tensor on {lengths.device}; the target runs on {device}")
+
+
 def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: torch.Tensor | None,
                   vocab: int, temperature: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Device values of an untrusted proposal, no host read. temperature: the verification's (a float, or [B]

@@ -162,3 +162,41 @@ def test_q_is_verified_in_the_dtype_it_was_drawn_from(monkeypatch):
     sk.generate(model, ids, drafter=sk.NGramDrafter.for_model(model), num_speculative_tokens=3, do_sample=True,
                 max_new_tokens=8, seed=0)
     assert seen and all(dtype == torch.float32 for dtype in seen if dtype is not None)
+
+
+class WithLengths(Scripted):
+    """Proposes a fixed token, and asks for ``lengths()`` in the iteration's host read."""
+
+    def __init__(self, lengths):
+        super().__init__(lambda b, g: (_tokens(b, g), None, None))
+        self.lengths, self.read = lengths, []
+
+    def lengths_to_read(self):
+        return self.lengths()
+
+    def lengths_read(self, lengths):
+        self.read.append(lengths)
+
+
+@pytest.mark.parametrize("lengths,words", [
+    (lambda: torch.zeros(1), r"shape \(1,\) and dtype torch.float32"),
+    (lambda: torch.zeros(1, dtype=torch.float16), r"shape \(1,\) and dtype torch.float16"),
+    (lambda: torch.zeros(1, dtype=torch.int32), r"shape \(1,\) and dtype torch.int32"),
+    (lambda: torch.zeros(1, 2, dtype=torch.int64), r"shape \(1, 2\)"),
+    (lambda: torch.tensor(3), r"shape \(\)"),
+    (lambda: [3], r"list; it must be"),
+])
+def test_lengths_to_read_of_another_dtype_or_shape_is_refused_by_name(target, lengths, words):
+    """They are read on the host concatenated with the iteration's token ids: a float tensor turned every id read
+    into a float (float16: rounded ids, on which the EOS cut then ran: early stops), silently."""
+    with pytest.raises((ValueError, TypeError), match=r"WithLengths\.lengths_to_read\(\) returned (a tensor of )?"
+                                                      + words):
+        sk.generate(target, _ids(), drafter=WithLengths(lengths), num_speculative_tokens=3, max_new_tokens=8,
+                    do_sample=False)
+
+
+def test_int64_lengths_to_read_are_read_with_the_tokens(target):
+    drafter = WithLengths(lambda: torch.tensor([7, 9]))
+    expected = target.generate(_ids(), max_new_tokens=8, do_sample=False)
+    got = sk.generate(target, _ids(), drafter=drafter, num_speculative_tokens=3, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected) and drafter.read and all(r == [7, 9] for r in drafter.read)
