@@ -36,7 +36,9 @@ class Drafter(Protocol):
         """Draft gamma >= 1 tokens per row. Returns (tokens [B, gamma] int64, logits [B, gamma, V] of the
         distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one,
         num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
-        num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``)."""
+        num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``); the random numbers of
+        their ``choose`` draws are given back (row b's draft offsets count its own num_draft[b] draws, as alone) and
+        drawn again by the next ``propose``: what it proposes must not depend on the fillers."""
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         """Right after verification, before the iteration's host read: out [B, T] holds each row's new tokens then

@@ -496,10 +496,14 @@ class SpeculativeLoop:
         # joined, a compiled prompt lookup, a drafter of one's own): read with the iteration's tokens, for the
         # statistics (the fillers past them are not drafted tokens).
         read_drafted = num_draft is not None and proposals is None
-        if limits is not None:  # rows near their end verify only their own drafts and keep their draft offsets
+        if limits is not None:  # rows near their end verify only their own drafts
             num_draft = limits if num_draft is None else torch.minimum(num_draft, limits)
-            if self._draft_advances == self.gamma:
-                self.randomness.give_back_draft(self.gamma - limits)
+        # A row that drafted fewer tokens than gamma (its own count, its tokens-left limit) keeps the draft offsets
+        # of its fillers when every draft was drawn through ``choose``: its offsets count its own drafts, as alone
+        # (where gamma is its own count), not the batch's largest. (Filler draws are never verified: reusing their
+        # offsets next iteration is exact.)
+        if num_draft is not None and self._draft_advances == self.gamma:
+            self.randomness.give_back_draft(self.gamma - num_draft.clamp(0, self.gamma))
         self.timer.stop("draft")
         self.timer.start("verify")
         out, accepted, processed, raw = self._verify(draft_tokens, draft_logits, num_draft)

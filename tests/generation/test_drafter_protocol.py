@@ -200,3 +200,72 @@ def test_int64_lengths_to_read_are_read_with_the_tokens(target):
     expected = target.generate(_ids(), max_new_tokens=8, do_sample=False)
     got = sk.generate(target, _ids(), drafter=drafter, num_speculative_tokens=3, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected) and drafter.read and all(r == [7, 9] for r in drafter.read)
+
+
+class CountedQ(Scripted):
+    """Draws through ``choose`` from a q indexed by the row's length and proposes 1 + last % 4 of its tokens (a
+    function of the row's own context), counts reported on the host (``lengths_to_read`` -> ``proposal_counts``)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.table = torch.randn(64, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+        self.host = None
+
+    def start(self, input_ids, real):
+        self.batch = input_ids.shape[0]
+        self.last, self.length = input_ids[:, -1].clone(), real.sum(1)
+        self.count = 1 + self.last % 4
+
+    def propose(self, gamma, choose):
+        tokens = torch.empty(self.batch, gamma, dtype=torch.int64)
+        q = torch.empty(self.batch, gamma, VOCAB)
+        for i in range(gamma):
+            logits = self.table[(self.length + i) % 64].clone()
+            tokens[:, i] = choose(logits, i)
+            q[:, i] = logits
+        return tokens, q, self.count.clamp(max=gamma)
+
+    def observe(self, out, accepted, finished):
+        n = sk.emitted_counts(accepted, finished)
+        self.last = torch.where(n > 0, out.gather(1, (n - 1).clamp(min=0).unsqueeze(1))[:, 0], self.last)
+        self.length = self.length + n
+        self.count, self.host = 1 + self.last % 4, None
+
+    def lengths_to_read(self):
+        return self.count
+
+    def lengths_read(self, lengths):
+        self.host = list(lengths)
+
+    def proposal_counts(self):
+        return self.host
+
+    def select_rows(self, index):
+        self.batch = index.numel()
+        self.last, self.length, self.count = (t.index_select(0, index) for t in (self.last, self.length, self.count))
+        self.host = None
+
+    def add_rows(self, other):
+        self.batch += other.batch
+        self.last, self.length, self.count = (torch.cat([a, b]) for a, b in ((self.last, other.last),
+                                                                             (self.length, other.length),
+                                                                             (self.count, other.count)))
+        self.host = None
+
+
+def test_a_seeded_request_with_per_row_counts_does_not_depend_on_its_batch_mates(target):
+    """A drafter drawing through choose with per-row counts: gamma is the batch's largest count, and every row's
+    draft offsets advanced by it, so a seeded request's tokens changed with its batch-mates (the continuous
+    batching's promise); each row now gives back the offsets of its fillers."""
+    prompt = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(1))
+    settings = dict(max_new_tokens=20, do_sample=True, temperature=1.0, top_k=0, eos_token_id=None)
+    alone = sk.generate(target, prompt[None], drafter=CountedQ(), num_speculative_tokens=4, seed=5, **settings)
+    for mates in (0, 2):
+        decoder = sk.SpeculativeDecoder(target, drafter=CountedQ, num_speculative_tokens=4)
+        request = decoder.add_request(prompt, seed=5, **settings)
+        for i in range(mates):
+            mate = torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(10 + i))
+            decoder.add_request(mate, seed=20 + i, **settings)
+        while decoder.has_work():
+            decoder.step()
+        assert decoder.result(request).token_ids == alone[0, 6:].tolist(), mates
