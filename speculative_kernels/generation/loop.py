@@ -451,7 +451,8 @@ class SpeculativeLoop:
         if not getattr(self.drafter, "PROPOSES_VALID_IDS", False):  # a user's drafter, the n-gram drafter
             s = self.sampling
             temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
-            safe, bad = flag_proposal(tokens, logits, num_draft, self.vocab, temperature)
+            greedy_rows = s.rows.greedy if s.per_row else None  # (q is checked on sampled rows only)
+            safe, bad = flag_proposal(tokens, logits, num_draft, self.vocab, temperature, greedy_rows)
             self._proposal = (tokens, logits, num_draft, bad)
             tokens = safe
         self.stats.draft_forwards = self.drafter.forwards

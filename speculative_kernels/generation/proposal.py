@@ -60,9 +60,12 @@ def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
 
 
 def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: torch.Tensor | None,
-                  vocab: int, temperature: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  vocab: int, temperature: float | torch.Tensor | None,
+                  greedy_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Device values of an untrusted proposal, no host read. temperature: the verification's (a float, or [B]
-    float32 with 1 for greedy rows), None when every row is greedy (q is then not read). Returns (tokens clamped
+    float32 with 1 for greedy rows), None when every row is greedy (q is then not read); greedy_rows: [B] bool, the
+    rows of a per-row batch decoded greedily, whose q is not checked either (their verification does not read it,
+    as a greedy ``generate``'s does not). Returns (tokens clamped
     into [0, V) for the target's forward [B, gamma], bad [B] bool: rows with an id outside the vocabulary, a count
     outside 0..gamma, or a proposed token whose q = softmax(logits / T) is 0 in float32 (a -inf logit, or one so far
     below the others that its probability underflows: it cannot have been drawn from q, and the verification would
@@ -75,7 +78,8 @@ def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: 
     if logits is not None and temperature is not None:
         z = logits.float() / (temperature if not isinstance(temperature, torch.Tensor) else temperature.view(-1, 1, 1))
         q_at = (z.gather(2, safe.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)).exp()
-        bad |= ((q_at == 0.0) & proposed).any(dim=1)
+        q_bad = ((q_at == 0.0) & proposed).any(dim=1)
+        bad |= q_bad if greedy_rows is None else q_bad & ~greedy_rows
     return safe, bad
 
 

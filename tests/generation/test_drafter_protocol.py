@@ -269,3 +269,31 @@ def test_a_seeded_request_with_per_row_counts_does_not_depend_on_its_batch_mates
         while decoder.has_work():
             decoder.step()
         assert decoder.result(request).token_ids == alone[0, 6:].tolist(), mates
+
+
+def _zero_q(batch, gamma):
+    """Proposes token 8 with q one-hot at 7 (every other logit 1e4 below): probability 0 at its own token."""
+    q = torch.full((batch, gamma, VOCAB), -1e4)
+    q[..., 7] = 0.0
+    return _tokens(batch, gamma, 8), q, None
+
+
+@pytest.mark.parametrize("mate", [None, "greedy", "sampled"])
+def test_greedy_requests_in_continuous_batching_do_not_check_q(target, mate):
+    """A greedy request's verification reads no q, as greedy generate's (which runs with this drafter): its rows
+    were checked at temperature 1 and the request failed with 'its own q gives probability 0'. A sampled request
+    beside it is still refused."""
+    prompt = _ids()[0]
+    expected = target.generate(prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=None)[0, 8:].tolist()
+    decoder = sk.SpeculativeDecoder(target, drafter=lambda: Scripted(_zero_q), num_speculative_tokens=3)
+    greedy = decoder.add_request(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    other = None
+    if mate is not None:
+        other = decoder.add_request(torch.randint(3, VOCAB, (5,), generator=torch.Generator().manual_seed(3)),
+                                    max_new_tokens=10, do_sample=mate == "sampled", seed=1, eos_token_id=None)
+    while decoder.has_work():
+        decoder.step()
+    result = decoder.result(greedy)
+    assert result.finish_reason != "error" and result.token_ids == expected, result.error
+    if mate == "sampled":
+        assert decoder.result(other).finish_reason == "error" and "probability 0" in decoder.result(other).error
