@@ -453,7 +453,8 @@ class SpeculativeLoop:
             temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
             greedy_rows = s.rows.greedy if s.per_row else None  # (q is checked on sampled rows only)
             safe, bad = flag_proposal(tokens, logits, num_draft, self.vocab, temperature, greedy_rows)
-            self._proposal = (tokens, logits, num_draft, bad)
+            # (described after ``observe``, which may refill the drafter's buffers: a copy of what it proposed)
+            self._proposal = (tokens.clone(), logits, None if num_draft is None else num_draft.clone(), bad)
             tokens = safe
         self.stats.draft_forwards = self.drafter.forwards
         return tokens, logits, num_draft
@@ -497,6 +498,8 @@ class SpeculativeLoop:
         # joined, a compiled prompt lookup, a drafter of one's own): read with the iteration's tokens, for the
         # statistics (the fillers past them are not drafted tokens).
         read_drafted = num_draft is not None and proposals is None
+        if read_drafted:  # (a copy: the read comes after ``observe``, where a drafter may refill its buffers)
+            num_draft = num_draft.clone()
         if limits is not None:  # rows near their end verify only their own drafts
             num_draft = limits if num_draft is None else torch.minimum(num_draft, limits)
         # A row that drafted fewer tokens than gamma (its own count, its tokens-left limit) keeps the draft offsets

@@ -297,3 +297,39 @@ def test_greedy_requests_in_continuous_batching_do_not_check_q(target, mate):
     assert result.finish_reason != "error" and result.token_ids == expected, result.error
     if mate == "sampled":
         assert decoder.result(other).finish_reason == "error" and "probability 0" in decoder.result(other).error
+
+
+class Refilled(Scripted):
+    """Proposes 1, 3, 1, 3, ... of its tokens per row; ``observe`` prepares the next count in place (a static
+    buffer, as a captured drafter keeps) or in a new tensor."""
+
+    def __init__(self, in_place):
+        super().__init__(None)
+        self.in_place = in_place
+
+    def start(self, input_ids, real):
+        self.batch = input_ids.shape[0]
+        self.count = torch.ones(self.batch, dtype=torch.int64)
+
+    def propose(self, gamma, choose):
+        return _tokens(self.batch, gamma), None, self.count if gamma == 3 else self.count.clamp(max=gamma)
+
+    def observe(self, out, accepted, finished):
+        if self.in_place:
+            self.count.copy_(4 - self.count)
+        else:
+            self.count = 4 - self.count
+
+
+def test_a_drafter_refilling_its_buffers_in_observe_gets_the_same_statistics(target):
+    """The per-row counts were read for the statistics in the host read after ``observe``: a drafter preparing its
+    next proposal in place there (as the protocol invites) was counted the next proposal's drafts."""
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    stats = {}
+    for in_place in (False, True):
+        stats[in_place] = sk.SpeculationStats()
+        sk.generate(target, ids, drafter=Refilled(in_place), num_speculative_tokens=3, max_new_tokens=20,
+                    do_sample=False, eos_token_id=None, pad_token_id=0, speculation_stats=stats[in_place])
+    assert stats[True].drafted_tokens == stats[False].drafted_tokens
+    assert (stats[True].accept_tests, stats[True].accept_tests_passed) == \
+        (stats[False].accept_tests, stats[False].accept_tests_passed)
