@@ -42,8 +42,10 @@ class Drafter(Protocol):
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         """Right after verification, before the iteration's host read: out [B, T] holds each row's new tokens then
-        -1; accepted [B] int64 (device) the drafts each row accepted (None when nothing was drafted: one token
-        each); finished [B] bool rows that had finished before this iteration (they emit nothing).
+        -1; accepted [B] int64 (device) the drafts each row accepted, in 0..gamma (None when nothing was drafted:
+        one token each); finished [B] bool rows that emit nothing in this iteration: those that had finished before
+        it, and those whose proposal or verification was invalid (out all -1, accepted 0; the iteration then raises
+        the reason, or in a batch of requests fails that request alone).
         ``emitted_counts(accepted, finished)`` gives how many of out each row emitted (a row that finishes in this
         iteration may count tokens past its EOS or length cut: it proposes nothing after). A drafter may prepare
         its next proposal here (and have its counts read)."""

@@ -515,7 +515,11 @@ class SpeculativeLoop:
         # (max_new_tokens=1: the drafter was never started, and nothing follows this iteration)
         drafting = (self.target_runner, self.drafter) if self._drafter_started else (self.target_runner,)
         if self._drafter_started:
-            self.drafter.observe(out, accepted, self.finished)
+            # A row that emitted nothing (an invalid proposal or verification: out all -1, accepted -1) is passed
+            # as finished with accepted 0, as it is treated after the read (it fails, or raises), so observe never
+            # sees -1 (device ops, no read)
+            invalid = out[:, 0] < 0
+            self.drafter.observe(out, None if accepted is None else accepted.clamp(min=0), self.finished | invalid)
         # The one device-to-host read of the iteration: the emitted tokens (the accepted counts are where the -1
         # padding starts); the runners' and the drafter's lengths (hole compaction, capacity bounds, proposal
         # counts) ride along.

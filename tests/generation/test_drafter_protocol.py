@@ -333,3 +333,51 @@ def test_a_drafter_refilling_its_buffers_in_observe_gets_the_same_statistics(tar
     assert stats[True].drafted_tokens == stats[False].drafted_tokens
     assert (stats[True].accept_tests, stats[True].accept_tests_passed) == \
         (stats[False].accept_tests, stats[False].accept_tests_passed)
+
+
+class LastToken(Scripted):
+    """Proposes each row's last emitted token, read in ``observe`` as out[b, accepted[b]]; its ``bad_at``-th
+    proposal puts an id outside the vocabulary in row 0."""
+
+    def __init__(self, bad_at=3):
+        super().__init__(None)
+        self.bad_at, self.proposals = bad_at, 0
+
+    def start(self, input_ids, real):
+        self.batch, self.last = input_ids.shape[0], input_ids[:, -1].clone()
+
+    def propose(self, gamma, choose):
+        self.proposals += 1
+        tokens = self.last.unsqueeze(1).expand(-1, gamma).clone()
+        if self.proposals == self.bad_at:
+            tokens[0] = 5000
+        return tokens, None, None
+
+    def observe(self, out, accepted, finished):
+        n = torch.zeros_like(finished, dtype=torch.int64) if accepted is None else accepted
+        self.last = torch.where(finished, self.last, out.gather(1, n.unsqueeze(1))[:, 0])
+
+    def select_rows(self, index):
+        self.batch, self.last = index.numel(), self.last.index_select(0, index)
+
+    def add_rows(self, other):
+        self.batch, self.last = self.batch + other.batch, torch.cat([self.last, other.last])
+
+
+def test_observe_never_sees_accepted_minus_one(target):
+    """A row with an invalid proposal reached observe with accepted -1 (out all -1): a drafter reading
+    out[b, accepted[b]] raised an IndexError inside torch instead of the loop's reason, and in continuous batching
+    every running request failed with it. Such a row is now passed as finished, with accepted 0."""
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=r"the drafter LastToken proposed token ids outside"):
+        sk.generate(target, ids, drafter=LastToken(), num_speculative_tokens=3, max_new_tokens=12, do_sample=False,
+                    eos_token_id=None, pad_token_id=0)
+    decoder = sk.SpeculativeDecoder(target, drafter=LastToken, num_speculative_tokens=3)
+    bad = decoder.add_request(ids[0], max_new_tokens=12, do_sample=False, eos_token_id=None)
+    good = decoder.add_request(ids[1], max_new_tokens=12, do_sample=False, eos_token_id=None)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(bad).finish_reason == "error" and "outside the target's vocabulary" in \
+        decoder.result(bad).error
+    expected = target.generate(ids[1:], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, 8:].tolist()
+    assert decoder.result(good).finish_reason != "error" and decoder.result(good).token_ids == expected
