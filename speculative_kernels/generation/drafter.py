@@ -85,6 +85,27 @@ class Drafter(Protocol):
         """Hole compactions of its cache so far (0 without one)."""
 
 
+# What the loop calls on every drafter (``select_rows``/``add_rows`` only when rows leave or join)
+_CALLED = ("start", "propose", "observe", "accept", "proposal_counts", "lengths_to_read", "lengths_read")
+
+
+def check_drafter(drafter) -> None:
+    """TypeError naming what was passed unless ``drafter`` is a ``Drafter`` instance (its methods callable), before
+    anything runs: ``generate`` and ``start()`` take an instance, ``SpeculativeDecoder(drafter=...)`` a callable
+    returning a new one per session, and a class or a factory passed where the instance goes failed only after the
+    target's prefill (``'function' object has no attribute 'start'``)."""
+    if isinstance(drafter, type):
+        raise TypeError(f"drafter= takes a Drafter instance here; got the class {drafter.__name__}: pass "
+                        f"{drafter.__name__}(...) (SpeculativeDecoder(drafter=...) is the one that takes a callable "
+                        "returning a new Drafter per session)")
+    missing = [name for name in _CALLED if not callable(getattr(drafter, name, None))]
+    if missing:
+        factory = (" (a callable: generate() and start() take a Drafter instance, SpeculativeDecoder(drafter=...) "
+                   "a callable returning a new one per session)") if callable(drafter) else ""
+        raise TypeError(f"drafter= takes a Drafter instance (generation/drafter.py); {type(drafter).__name__} has no "
+                        f"{', '.join(missing)}{factory}")
+
+
 class ModelDrafter:
     """A ``Drafter`` that runs a draft model one token at a time through its runner.
 

@@ -16,7 +16,7 @@ from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
-from .drafter import Drafter
+from .drafter import Drafter, check_drafter
 from .proposal import check_lengths_to_read, check_proposal, describe_bad_proposal, flag_proposal
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
@@ -62,6 +62,7 @@ class SpeculativeLoop:
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
                  decode_experts: DecodeExperts | None = None):
+        check_drafter(drafter)  # (before the prefill: a factory or a class passed for the instance)
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
                              "RowSettings")

@@ -381,3 +381,21 @@ def test_observe_never_sees_accepted_minus_one(target):
         decoder.result(bad).error
     expected = target.generate(ids[1:], max_new_tokens=12, do_sample=False, eos_token_id=None)[0, 8:].tolist()
     assert decoder.result(good).finish_reason != "error" and decoder.result(good).token_ids == expected
+
+
+@pytest.mark.parametrize("drafter,words", [
+    (lambda: Scripted(lambda b, g: (_tokens(b, g), None, None)), r"function has no start, propose.* \(a callable: "
+                                                                 r"generate\(\) and start\(\) take a Drafter instance"),
+    (Scripted, r"got the class Scripted: pass Scripted\(\.\.\.\)"),
+    (object(), r"object has no start, propose, observe"),
+])
+def test_generate_refuses_a_factory_or_a_class_for_the_drafter_before_the_prefill(target, drafter, words,
+                                                                                  monkeypatch):
+    """generate takes an instance, SpeculativeDecoder a factory: a factory passed to generate failed after the
+    target's prefill with "'function' object has no attribute 'start'"."""
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("the prefill ran")
+
+    monkeypatch.setattr(loop_module.SpeculativeLoop, "_prefill", no_prefill)
+    with pytest.raises(TypeError, match=words):
+        sk.generate(target, _ids(), drafter=drafter, num_speculative_tokens=3, max_new_tokens=8, do_sample=False)
