@@ -34,7 +34,9 @@ class Drafter(Protocol):
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                  torch.Tensor | None]:
         """Draft gamma >= 1 tokens per row. Returns (tokens [B, gamma] int64, logits [B, gamma, V] of the
-        distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one,
+        distribution q each token was drawn from, as processed by ``choose``, or None for a drafter without one
+        (the verification warps them with the request's temperature/top_k/top_p/warpers, as ``choose`` does: draw
+        through ``choose``; tokens drawn from softmax(logits) directly are exact only at T = 1 without cuts),
         num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
         num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``); the random numbers of
         their ``choose`` draws are given back (row b's draft offsets count its own num_draft[b] draws, as alone) and
@@ -91,8 +93,8 @@ _CALLED = ("start", "propose", "observe", "accept", "proposal_counts", "lengths_
 
 def check_drafter(drafter) -> None:
     """TypeError naming what was passed unless ``drafter`` is a ``Drafter`` instance (its methods callable), before
-    anything runs: ``generate`` and ``start()`` take an instance, ``SpeculativeDecoder(drafter=...)`` a callable
-    returning a new one per session, and a class or a factory passed where the instance goes failed only after the
+    anything runs: ``generate`` takes an instance, ``SpeculativeDecoder(drafter=...)`` a callable returning a new
+    one per session, and a class or a factory passed where the instance goes failed only after the
     target's prefill (``'function' object has no attribute 'start'``)."""
     if isinstance(drafter, type):
         raise TypeError(f"drafter= takes a Drafter instance here; got the class {drafter.__name__}: pass "
@@ -100,8 +102,8 @@ def check_drafter(drafter) -> None:
                         "returning a new Drafter per session)")
     missing = [name for name in _CALLED if not callable(getattr(drafter, name, None))]
     if missing:
-        factory = (" (a callable: generate() and start() take a Drafter instance, SpeculativeDecoder(drafter=...) "
-                   "a callable returning a new one per session)") if callable(drafter) else ""
+        factory = (" (a callable: generate() takes a Drafter instance, SpeculativeDecoder(drafter=...) a callable "
+                   "returning a new one per session)") if callable(drafter) else ""
         raise TypeError(f"drafter= takes a Drafter instance (generation/drafter.py); {type(drafter).__name__} has no "
                         f"{', '.join(missing)}{factory}")
 

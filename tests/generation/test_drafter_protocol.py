@@ -385,7 +385,7 @@ def test_observe_never_sees_accepted_minus_one(target):
 
 @pytest.mark.parametrize("drafter,words", [
     (lambda: Scripted(lambda b, g: (_tokens(b, g), None, None)), r"function has no start, propose.* \(a callable: "
-                                                                 r"generate\(\) and start\(\) take a Drafter instance"),
+                                                                 r"generate\(\) takes a Drafter instance"),
     (Scripted, r"got the class Scripted: pass Scripted\(\.\.\.\)"),
     (object(), r"object has no start, propose, observe"),
 ])
