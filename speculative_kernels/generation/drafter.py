@@ -57,6 +57,7 @@ class Drafter(Protocol):
         if unknown (always None for a drafter that proposes gamma tokens; None after ``select_rows`` until the next
         read, as the host list no longer lines up with the rows); the loop drafts no more than the largest of an
         unfinished row."""
+        return None
 
     def accept(self, draft_tokens: torch.Tensor, accepted: torch.Tensor, accepted_host: list[int],
                next_token: torch.Tensor, finished: torch.Tensor) -> None:
@@ -74,6 +75,7 @@ class Drafter(Protocol):
 
     def lengths_to_read(self) -> torch.Tensor | None:
         """As ``Runner.lengths_to_read``: [N] int64 (any N) wanted from the iteration's host read, or None."""
+        return None
 
     def lengths_read(self, lengths: list[int]) -> None:
         """The values of ``lengths_to_read()`` as read on the host."""
@@ -81,10 +83,12 @@ class Drafter(Protocol):
     @property
     def forwards(self) -> int:
         """Model forwards ``propose`` has run so far (0 for a drafter without a model)."""
+        return 0
 
     @property
     def compactions(self) -> int:
         """Hole compactions of its cache so far (0 without one)."""
+        return 0
 
 
 # What the loop calls on every drafter (``select_rows``/``add_rows`` only when rows leave or join)

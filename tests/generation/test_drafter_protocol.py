@@ -399,3 +399,21 @@ def test_generate_refuses_a_factory_or_a_class_for_the_drafter_before_the_prefil
     monkeypatch.setattr(loop_module.SpeculativeLoop, "_prefill", no_prefill)
     with pytest.raises(TypeError, match=words):
         sk.generate(target, _ids(), drafter=drafter, num_speculative_tokens=3, max_new_tokens=8, do_sample=False)
+
+
+def test_a_subclass_of_the_drafter_protocol_runs_with_its_defaults(target):
+    """``class Mine(sk.Drafter)`` defining start and propose: the protocol's forwards/compactions returned None,
+    and generation failed at its end adding None to the statistics."""
+    class Mine(sk.Drafter):
+        def start(self, input_ids, real):
+            self.batch = input_ids.shape[0]
+
+        def propose(self, gamma, choose):
+            return _tokens(self.batch, gamma), None, None
+
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, _ids(), drafter=Mine(), num_speculative_tokens=3, max_new_tokens=8, do_sample=False,
+                      speculation_stats=stats)
+    assert torch.equal(got, target.generate(_ids(), max_new_tokens=8, do_sample=False))
+    assert stats.compactions == 0 and stats.draft_forwards == 0
+
