@@ -123,7 +123,8 @@ class ModelDrafter:
     """
 
     # its ids are in [0, V) by construction (drawn by the loop's choose / copied from the checked context), so
-    # the loop checks only its proposal's shapes (``proposal.py``)
+    # the loop checks only its proposal's shapes (``proposal.py``); read on the exact class: a subclass (which may
+    # override propose) is checked as a user's drafter
     PROPOSES_VALID_IDS = True
 
     # The widths of the draft's forwards while drafting (pending 1 or 2 tokens), last position only: what

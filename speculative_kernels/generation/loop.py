@@ -449,7 +449,8 @@ class SpeculativeLoop:
         tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
         check_proposal(self.drafter, tokens, logits, num_draft, batch=self.batch, gamma=self.gamma,
                        vocab=self.vocab, device=self.device)
-        if not getattr(self.drafter, "PROPOSES_VALID_IDS", False):  # a user's drafter, the n-gram drafter
+        # a user's drafter, the n-gram drafter (trusted: the class that sets it, not a subclass overriding propose)
+        if not type(self.drafter).__dict__.get("PROPOSES_VALID_IDS", False):
             s = self.sampling
             temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
             greedy_rows = s.rows.greedy if s.per_row else None  # (q is checked on sampled rows only)

@@ -417,3 +417,16 @@ def test_a_subclass_of_the_drafter_protocol_runs_with_its_defaults(target):
     assert torch.equal(got, target.generate(_ids(), max_new_tokens=8, do_sample=False))
     assert stats.compactions == 0 and stats.draft_forwards == 0
 
+
+def test_a_subclass_of_prompt_lookup_overriding_propose_is_checked(target):
+    """PromptLookupDrafter's ids are valid by construction, so its proposals' values are not checked; a subclass
+    inherited that trust, and its id outside the vocabulary reached the embedding (IndexError inside torch; a
+    device-side assert on CUDA)."""
+    class Tweaked(sk.PromptLookupDrafter):
+        def propose(self, gamma, choose):
+            tokens, logits, num_draft = super().propose(gamma, choose)
+            return torch.full_like(tokens, 5000), logits, torch.full_like(num_draft, gamma)
+
+    with pytest.raises(ValueError, match=r"the drafter Tweaked proposed token ids outside the target's vocabulary"):
+        sk.generate(target, _ids(), drafter=Tweaked(3, 2), num_speculative_tokens=3, max_new_tokens=8,
+                    do_sample=False)
