@@ -17,7 +17,8 @@ from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, check_drafter
-from .proposal import check_lengths_to_read, check_proposal, describe_bad_proposal, flag_proposal
+from .proposal import (check_lengths_to_read, check_proposal, check_proposal_counts, describe_bad_proposal,
+                       flag_proposal)
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
@@ -228,10 +229,14 @@ class SpeculativeLoop:
         left = max((m - g for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)
                     if not f), default=1)
         gamma = max(0, min(self.chosen_gamma, left - 1))
-        proposals = self.drafter.proposal_counts()  # a drafter without a model: no longer than its longest proposal
+        proposals = self._proposal_counts()  # a drafter without a model: no longer than its longest proposal
         if proposals is not None:
             gamma = min(gamma, max((c for c, f in zip(proposals, self._finished_host) if not f), default=0))
         return gamma
+
+    def _proposal_counts(self) -> list[int] | None:
+        """The drafter's ``proposal_counts()``, checked (B host ints >= 0, or None)."""
+        return check_proposal_counts(self.drafter, self.drafter.proposal_counts(), self.batch)
 
     def _draft_limits(self) -> torch.Tensor | None:
         """Each row's draft limit this iteration: gamma, but never more than its own tokens left less one, so a row
@@ -492,7 +497,7 @@ class SpeculativeLoop:
         self.gamma = self._step_gamma()
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
-        proposals = self.drafter.proposal_counts()
+        proposals = self._proposal_counts()
         limits = self._draft_limits()
         self._draft_advances = 0
         draft_tokens, draft_logits, num_draft = self._draft()

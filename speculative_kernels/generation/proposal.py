@@ -59,6 +59,23 @@ def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
         raise ValueError(f"{where} returned a tensor on {lengths.device}; the target runs on {device}")
 
 
+def check_proposal_counts(drafter, counts, batch: int) -> list[int] | None:
+    """``proposal_counts()``'s value (host, no device op): None, or B ints >= 0 (as a list); else TypeError/ValueError
+    naming the drafter (a wrong length failed in the statistics after the target's forward, negative counts called
+    ``propose`` with a negative gamma)."""
+    if counts is None:
+        return None
+    where = f"{drafter_name(drafter)}.proposal_counts()"
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or isinstance(counts, torch.Tensor):
+        raise TypeError(f"{where} returned {type(counts).__name__}; it must be a list of B host ints or None")
+    counts = list(counts)
+    if len(counts) != batch:
+        raise ValueError(f"{where} returned {len(counts)} counts; it must give one per row (B = {batch})")
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise ValueError(f"{where} returned {counts[:8]}; counts must be ints >= 0")
+    return counts
+
+
 def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: torch.Tensor | None,
                   vocab: int, temperature: float | torch.Tensor | None,
                   greedy_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

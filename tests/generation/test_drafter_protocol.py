@@ -430,3 +430,28 @@ def test_a_subclass_of_prompt_lookup_overriding_propose_is_checked(target):
     with pytest.raises(ValueError, match=r"the drafter Tweaked proposed token ids outside the target's vocabulary"):
         sk.generate(target, _ids(), drafter=Tweaked(3, 2), num_speculative_tokens=3, max_new_tokens=8,
                     do_sample=False)
+
+
+class Counted(Scripted):
+    """Proposes a fixed token, and reports ``counts`` as its proposal_counts()."""
+
+    def __init__(self, counts):
+        super().__init__(lambda b, g: (_tokens(b, g), None, None))
+        self.counts = counts
+
+    def proposal_counts(self):
+        return self.counts
+
+
+@pytest.mark.parametrize("counts,words", [
+    ([2, 2], r"returned 2 counts; it must give one per row \(B = 1\)"),
+    ([-1], r"returned \[-1\]; counts must be ints >= 0"),
+    (3, r"returned int; it must be a list"),
+    (torch.tensor([2]), r"returned Tensor; it must be a list"),
+])
+def test_proposal_counts_of_another_length_or_negative_are_refused_by_name(target, counts, words):
+    """A wrong length failed with an IndexError in the statistics after the target's forward; negative counts
+    called propose(-1, ...); an int failed iterating it."""
+    with pytest.raises((ValueError, TypeError), match=r"Counted\.proposal_counts\(\) " + words):
+        sk.generate(target, _ids(), drafter=Counted(counts), num_speculative_tokens=3, max_new_tokens=8,
+                    do_sample=False)
