@@ -630,12 +630,17 @@ class ContinuousBatcher:
                 static["compile_options"] = self.compile_options
             elif self.compile_options is not None:  # a joining loop runs its own rows eagerly
                 static["joins_captured"] = True
+        drafter = None if d.drafter is None else d.drafter()
+        if drafter is not None and self._loop is not None and drafter is self._loop.drafter:
+            raise ValueError(f"SpeculativeDecoder's drafter factory returned the {type(drafter).__name__} the running "
+                             "batch already uses; each loop needs its own drafter: pass a factory that returns a "
+                             "new one per call (drafter=lambda: MyDrafter(...))")
         with torch.inference_mode():
             return build_loop(
                 d.target, d.draft, input_ids.to(device), attention_mask=mask.to(device),
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
-                drafter=None if d.drafter is None else d.drafter(), max_new_tokens=max(rows.max_new_tokens),
+                drafter=drafter, max_new_tokens=max(rows.max_new_tokens),
                 do_sample=False, num_return_sequences=1, pad_token_id=pad, rows=rows, **static, **d.lookup,
                 return_dict_in_generate=False)  # (tokens only: the model's own output defaults collect no scores)
 

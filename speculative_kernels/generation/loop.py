@@ -17,8 +17,8 @@ from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, check_drafter
-from .proposal import (check_lengths_to_read, check_proposal, check_proposal_counts, describe_bad_proposal,
-                       flag_proposal)
+from .proposal import (check_choose_logits, check_lengths_to_read, check_proposal, check_proposal_counts,
+                       describe_bad_proposal, flag_proposal)
 from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
@@ -291,6 +291,7 @@ class SpeculativeLoop:
     def _choose_draft_token(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         """The drafter's ``choose``: draft logits [B, V] of draft position i masked in place as the target's are
         (``LogitMasks``), then the token [B] drawn from them."""
+        check_choose_logits(self.drafter, logits, i, batch=self.batch, vocab=self.vocab, device=self.device)
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
         if self.warpers is not None:  # q is what the draft samples from: the warped logits, stored in place

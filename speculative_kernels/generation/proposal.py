@@ -44,6 +44,19 @@ def check_proposal(drafter, tokens, logits, num_draft, *, batch: int, gamma: int
             raise ValueError(f"{where} returned {name} on {value.device}; the target runs on {device}")
 
 
+def check_choose_logits(drafter, logits, i: int, *, batch: int, vocab: int, device: torch.device) -> None:
+    """Raise TypeError/ValueError naming the drafter unless the logits it hands ``choose(logits, i)`` are [B, V]
+    float32/float16/bfloat16 on ``device`` (attribute reads only; another width or batch failed inside torch)."""
+    where = f"{drafter_name(drafter)} called choose(logits, {i}) with logits"
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{where} of type {type(logits).__name__}; they must be a [B, V] tensor")
+    if tuple(logits.shape) != (batch, vocab) or logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"{where} of shape {tuple(logits.shape)} and dtype {logits.dtype}; they must be [B, V] "
+                         f"float32, float16 or bfloat16, shape [{batch}, {vocab}] here (one position of every row)")
+    if logits.device != indexed_device(device):
+        raise ValueError(f"{where} on {logits.device}; the target runs on {device}")
+
+
 def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
     """Raise TypeError/ValueError naming the drafter unless its ``lengths_to_read()`` is a 1-D int64 tensor on
     ``device`` (attribute reads only). They ride in the iteration's one host read, concatenated with the emitted

@@ -455,3 +455,46 @@ def test_proposal_counts_of_another_length_or_negative_are_refused_by_name(targe
     with pytest.raises((ValueError, TypeError), match=r"Counted\.proposal_counts\(\) " + words):
         sk.generate(target, _ids(), drafter=Counted(counts), num_speculative_tokens=3, max_new_tokens=8,
                     do_sample=False)
+
+
+class Choosing(Scripted):
+    """A drafter that draws through ``choose`` from logits of ``shape(batch)`` (zeros)."""
+
+    def __init__(self, shape):
+        super().__init__(None)
+        self.shape = shape
+
+    def propose(self, gamma, choose):
+        logits = torch.zeros(self.shape(self.batch))
+        return choose(logits, 0).reshape(self.batch, 1).expand(self.batch, gamma).contiguous(), None, None
+
+
+@pytest.mark.parametrize("shape,words", [
+    (lambda b: (b, VOCAB - 1), r"shape \(2, 96\)"), (lambda b: (b, 1, VOCAB), r"shape \(2, 1, 97\)"),
+    (lambda b: (VOCAB,), r"shape \(97,\)"), (lambda b: (b + 1, VOCAB), r"shape \(3, 97\)")])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_logits_of_another_shape_given_to_choose_are_refused_by_name(target, shape, words, do_sample):
+    """choose() took any tensor: another width or batch failed inside torch (a broadcast in the logit masks or
+    the sampler)."""
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"Choosing called choose\(logits, 0\) with logits of " + words +
+                       r".*shape \[2, 97\] here"):
+        sk.generate(target, ids, drafter=Choosing(shape), num_speculative_tokens=3, max_new_tokens=6,
+                    min_new_tokens=5, do_sample=do_sample)
+
+
+def test_a_drafter_factory_returning_one_instance_is_refused_by_name(target):
+    """A SpeculativeDecoder factory that returns the same drafter every call gave a joining loop the running
+    batch's drafter, whose rows then failed every running request with a shape error."""
+    shared = Choosing(lambda b: (b, VOCAB))
+    decoder = sk.SpeculativeDecoder(target, drafter=lambda: shared, num_speculative_tokens=3)
+    first = decoder.add_request([5, 6, 7], max_new_tokens=8, do_sample=False)
+    decoder.step()
+    second = decoder.add_request([8, 9], max_new_tokens=8, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(first).finish_reason == "length"
+    assert decoder.result(first).token_ids == target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8,
+                                                              do_sample=False)[0, 3:].tolist()
+    result = decoder.result(second)
+    assert result.finish_reason == "error" and "returned the Choosing the running batch already uses" in result.error
