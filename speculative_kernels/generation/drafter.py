@@ -28,8 +28,9 @@ class Drafter(Protocol):
     """Proposes gamma tokens per row and iteration, conditioned on every row's sequence so far."""
 
     def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
-        """Condition on the prompts input_ids [B, L] (real [B, L] bool: False at left padding). The last token is not
-        consumed: the next ``propose`` starts from it."""
+        """Condition on the prompts input_ids [B, L] (real [B, L] bool: False at left padding, and at tokens the
+        attention mask masks inside a prompt, e.g. a pad_token_id there). The last token is not consumed: the next
+        ``propose`` starts from it."""
 
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                  torch.Tensor | None]:
