@@ -553,7 +553,7 @@ class SpeculativeLoop:
                 accepted = host_to_device(accepted_host, torch.int64, self.device)
             inputs = dict(target_logits=processed, draft_logits=draft_logits, draft_tokens=draft_tokens)
             if not self.per_row:  # one request: it fails, naming the rows
-                rows = [b for b, n in enumerate(accepted_host) if n < 0]
+                rows = [row for row, n in enumerate(accepted_host) if n < 0]
                 reason = self._bad_proposal_reason(rows[0])
                 if reason is not None:
                     raise ValueError(f"{reason} (batch rows {rows})")
@@ -561,10 +561,10 @@ class SpeculativeLoop:
             # A batch of separate requests: the invalid rows (a request whose own settings leave no token, NaN
             # logits on its row) finish here with nothing emitted and the reason in ``failed_rows``; the others go
             # on as if those rows had been finished before this iteration.
-            for b, n in enumerate(accepted_host):
-                if n < 0 and not self._finished_host[b]:
-                    self.failed_rows[b] = self._invalid_row_reason(b, accepted, inputs)
-                    accepted_host[b], count_host[b], finished_host[b] = 0, 0, 1
+            for row, n in enumerate(accepted_host):  # (not b: the batch size, read below)
+                if n < 0 and not self._finished_host[row]:
+                    self.failed_rows[row] = self._invalid_row_reason(row, accepted, inputs)
+                    accepted_host[row], count_host[row], finished_host[row] = 0, 0, 1
             accepted = accepted.clamp(min=0)
         for reader, lengths in readers:
             reader.lengths_read(host[tail : tail + lengths.numel()])

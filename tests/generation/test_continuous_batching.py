@@ -866,3 +866,20 @@ def test_other_threads_calls_wait_for_the_running_step(pair):
     assert decoder.result(first).token_ids == _alone(pair, [5, 6, 7], dict(max_new_tokens=10, do_sample=False))
     assert decoder.result(other["added"]).token_ids == _alone(pair, [11, 12, 13], dict(max_new_tokens=6,
                                                                                         do_sample=False))
+
+
+def test_a_request_that_fails_alone_beside_prompt_lookup(pair):
+    """A request whose own logits leave no token (every id suppressed) fails alone. With a drafter whose counts
+    ride the iteration's read (prompt lookup), the loop's failure branch reused the batch size's name for its row
+    index: the counts were read one row short and every request of the batch ended with an IndexError."""
+    target, _ = pair
+    decoder = sk.SpeculativeDecoder(target, num_speculative_tokens=3, prompt_lookup_num_tokens=3)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    good = decoder.add_request(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    bad = decoder.add_request([9, 10, 11, 9, 10, 11], max_new_tokens=10, do_sample=True, eos_token_id=None,
+                              suppress_tokens=list(range(target.config.vocab_size)))
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(bad).finish_reason == "error"
+    assert decoder.result(good).token_ids == target.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=12,
+                                                             do_sample=False, eos_token_id=None)[0, 8:].tolist()
