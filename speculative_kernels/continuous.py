@@ -86,6 +86,7 @@ from .generation.capabilities import (check_caching, check_deterministic, check_
                                        check_seeded_draft,
                                        check_masked_slots, check_window_applied, check_window_holes,
                                        request_path)
+from .generation.drafter import Drafter
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import SpeculativeLoop
 from .generation.memory import is_out_of_memory
@@ -293,7 +294,8 @@ class ContinuousBatcher:
         spec = check_model_as("target", d.target, path, 2)
         if d.draft is not None:
             check_model_as("draft", d.draft, path, 2)
-        if d.drafter is not None and not callable(getattr(drafter := d.drafter(), "add_rows", None)):
+        if d.drafter is not None and (not callable(getattr(drafter := d.drafter(), "add_rows", None))
+                                      or getattr(type(drafter), "add_rows", None) is Drafter.add_rows):
             raise ValueError(f"add_request needs a drafter with add_rows (Drafter.add_rows: the rows of requests "
                              f"joining a running batch); {type(drafter).__name__} has none: implement it, or decode "
                              "with start() or generate()")

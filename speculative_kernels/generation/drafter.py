@@ -41,7 +41,9 @@ class Drafter(Protocol):
         num_draft [B] int64 in 0..gamma: how many of its tokens row b proposes, or None for all gamma). Tokens past
         num_draft[b] are fillers, never accepted (the loop passes num_draft to ``ops.verify``); the random numbers of
         their ``choose`` draws are given back (row b's draft offsets count its own num_draft[b] draws, as alone) and
-        drawn again by the next ``propose``: what it proposes must not depend on the fillers."""
+        drawn again by the next ``propose``: what it proposes must not depend on the fillers (they are given back
+        when ``choose`` was called once per position, gamma times). A row's count must not depend on a token it
+        drew and leaves out (a drafter that stops before a drawn EOS is not exact: cut after it, or draw no more)."""
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         """Right after verification, before the iteration's host read: out [B, T] holds each row's new tokens then
@@ -68,11 +70,16 @@ class Drafter(Protocol):
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] (int64 on the device) of every per-row state."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement Drafter.select_rows, which the loop "
+                                  "calls when rows leave the batch (a row finished): keep rows index [B'] of its "
+                                  "per-row state (its batch size too)")
 
     def add_rows(self, other: "Drafter") -> None:
         """Append the rows of ``other`` (a drafter of the same kind, started on its own rows, e.g. requests joining
         a running batch) after this drafter's rows, in every per-row state; ``other`` is consumed. The counterpart
         of ``select_rows``. As after ``select_rows``, ``proposal_counts`` may be None until the next host read."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement Drafter.add_rows, which continuous "
+                                  "batching calls when requests join a running batch")
 
     def lengths_to_read(self) -> torch.Tensor | None:
         """As ``Runner.lengths_to_read``: [N] int64 (any N) wanted from the iteration's host read, or None."""

@@ -11,6 +11,8 @@ past a row's count may hold any id: they are clamped into the vocabulary for the
 accepted.
 """
 
+import numbers
+
 import torch
 
 from ..ops.validation import LOGIT_DTYPES, indexed_device
@@ -57,6 +59,9 @@ def check_choose_logits(drafter, logits, i: int, *, batch: int, vocab: int, devi
         raise ValueError(f"{where} on {logits.device}; the target runs on {device}")
 
 
+_LENGTH_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
     """Raise TypeError/ValueError naming the drafter unless its ``lengths_to_read()`` is a 1-D int64 tensor on
     ``device`` (attribute reads only). They ride in the iteration's one host read, concatenated with the emitted
@@ -65,9 +70,10 @@ def check_lengths_to_read(drafter, lengths, device: torch.device) -> None:
     where = f"{drafter_name(drafter)}.lengths_to_read()"
     if not isinstance(lengths, torch.Tensor):
         raise TypeError(f"{where} returned {type(lengths).__name__}; it must be a [N] int64 tensor or None")
-    if lengths.dim() != 1 or lengths.dtype != torch.int64:
+    if lengths.dim() != 1 or lengths.dtype not in _LENGTH_DTYPES:  # (concatenated to int64: promoted exactly)
         raise ValueError(f"{where} returned a tensor of shape {tuple(lengths.shape)} and dtype {lengths.dtype}; it "
-                         "must be [N] int64 (it is read on the host with the iteration's token ids)")
+                         "must be [N] int64 (or another signed integer type; it is read on the host with the "
+                         "iteration's token ids)")
     if lengths.device != indexed_device(device):
         raise ValueError(f"{where} returned a tensor on {lengths.device}; the target runs on {device}")
 
@@ -84,9 +90,9 @@ def check_proposal_counts(drafter, counts, batch: int) -> list[int] | None:
     counts = list(counts)
     if len(counts) != batch:
         raise ValueError(f"{where} returned {len(counts)} counts; it must give one per row (B = {batch})")
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+    if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c >= 0 for c in counts):
         raise ValueError(f"{where} returned {counts[:8]}; counts must be ints >= 0")
-    return counts
+    return [int(c) for c in counts]  # (NumPy integers too)
 
 
 def flag_proposal(tokens: torch.Tensor, logits: torch.Tensor | None, num_draft: torch.Tensor | None,
