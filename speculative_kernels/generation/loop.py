@@ -362,8 +362,10 @@ class SpeculativeLoop:
             self.randomness.advance_verify()
             return out[:, :1], None, logits, raw
         # q as it was drawn from (None: one-hot at the drafts): a drafter's float32 q is not rounded to a bfloat16
-        # target's dtype, which would verify another q than the one sampled (the op takes mixed dtypes)
-        q_logits = draft_logits
+        # target's dtype, which would verify another q than the one sampled (the op takes mixed dtypes). Greedy
+        # verification does not read q (a draft is accepted iff it is the target's argmax): not passed, so a draft
+        # whose logits overflow (inf/NaN in half precision) still drafts, as in HF's greedy assisted generation.
+        q_logits = None if s.greedy else draft_logits
         # num_draft [B] int64 (or None: all gamma): rows that proposed fewer tokens (prompt lookup without a long
         # match) carry fillers past num_draft[b], which the verification never accepts: such a row emits the
         # target's own token at num_draft[b] (from p there when it accepted every proposal, else the residual).

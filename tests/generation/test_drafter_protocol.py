@@ -529,3 +529,24 @@ def test_a_subclass_without_select_rows_or_add_rows_is_told_so():
     decoder = sk.SpeculativeDecoder(target, drafter=Mine, num_speculative_tokens=3)
     with pytest.raises(ValueError, match="add_request needs a drafter with add_rows.*Mine has none"):
         decoder.add_request([5, 6, 7], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_q_is_ignored_greedy_and_refused_sampling(target, bad):
+    """Greedy verification does not read q: a draft whose logits overflow (inf/NaN, e.g. a float16 draft) was
+    refused ('draft_logits has NaN, +inf or an all -inf row') where HF's greedy assisted generation runs; greedy now
+    gives model.generate's tokens. Sampling still refuses it (q is its distribution)."""
+    def script(batch, gamma):
+        q = torch.zeros(batch, gamma, VOCAB)
+        q[:, :, :] = bad if bad == float("-inf") else 0.0
+        q[:, :, 3] = bad
+        return _tokens(batch, gamma, 3), q, None
+
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = sk.generate(target, ids, drafter=Scripted(script), num_speculative_tokens=3, max_new_tokens=8,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="draft_logits has NaN, \\+inf or an all -inf row"):
+        sk.generate(target, ids, drafter=Scripted(script), num_speculative_tokens=3, max_new_tokens=8,
+                    do_sample=True, seed=0, eos_token_id=None, pad_token_id=0)
