@@ -158,12 +158,17 @@ def test_models_on_different_devices(pair, monkeypatch):
 
 
 def test_nan_logits_raise_instead_of_emitting(pair):
+    """A target with NaN logits raises; so does a draft's NaN q under sampling (it is the distribution the drafts
+    were drawn from). Greedy does not read q: a NaN draft still drafts (its argmax), and the target's argmax decides,
+    as in HF's greedy assisted generation (e629dcf; it raised before)."""
     target, draft = pair
     broken = llama(layers=1, seed=3)
     with torch.no_grad():
         broken.lm_head.weight[5, 0] = float("nan")
+    assert torch.equal(sk.generate(target, _ids(), draft_model=broken, max_new_tokens=4, do_sample=False),
+                       target.generate(_ids(), max_new_tokens=4, do_sample=False))
     with pytest.raises(ValueError, match="NaN"):
-        sk.generate(target, _ids(), draft_model=broken, max_new_tokens=4, do_sample=False)
+        sk.generate(target, _ids(), draft_model=broken, max_new_tokens=4, do_sample=True)
     with pytest.raises(ValueError, match="NaN"):
         sk.generate(broken, _ids(), draft_model=draft, max_new_tokens=4, do_sample=True)
 
