@@ -67,14 +67,19 @@ def _tuner_reason(tuner: str) -> str | None:
                                      "that token alone) by this version of speculative_kernels")
 
 
+def _class_tuner_reason(obj) -> str | None:
+    """Why the peft tuner package defining ``obj``'s class (``peft.tuners.<name>...``) cannot be driven exactly, or
+    None (an audited tuner, or a class from elsewhere)."""
+    parts = type(obj).__module__.split(".")
+    return _tuner_reason(parts[2]) if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else None
+
+
 def _injected_tuner(model) -> tuple[str, str] | None:
     """(module name, reason) of a peft layer injected in ``model`` whose tuner is not per-token, or None."""
     for module_name, module in model.named_modules():
-        parts = type(module).__module__.split(".")
-        if parts[:2] == ["peft", "tuners"] and len(parts) > 2:
-            why = _tuner_reason(parts[2])
-            if why is not None:
-                return module_name, why
+        why = _class_tuner_reason(module)
+        if why is not None:
+            return module_name, why
     return None
 
 
@@ -101,8 +106,7 @@ def unwrap_adapters(model, name: str = "model"):
                              f"{adapter!r}, which speculative_kernels cannot drive exactly ({why}); merge it "
                              f"({name}.merge_and_unload()) where PEFT can, or use model.generate")
     tuner_model = getattr(model, "base_model", model)  # (a PeftModel's tuner model, e.g. X-LoRA's; a tuner: itself)
-    parts = type(tuner_model).__module__.split(".")
-    why = _tuner_reason(parts[2]) if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else None
+    why = _class_tuner_reason(tuner_model)
     if why is not None:
         raise ValueError(f"{name} is a PEFT {type(model).__name__} driven by {type(tuner_model).__name__}, which "
                          f"speculative_kernels cannot drive exactly ({why}); merge it where PEFT can, or use "

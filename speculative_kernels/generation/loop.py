@@ -68,6 +68,9 @@ class SpeculativeLoop:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
                              "RowSettings")
         self.target_runner, self.drafter, self.plan = target, drafter, plan
+        # Our own drafters' ids and logits are valid by construction (read on the exact class: a subclass, which may
+        # override propose, is checked as a user's drafter)
+        self._trusted_drafter = bool(type(drafter).__dict__.get("PROPOSES_VALID_IDS", False))
         self.processors, self.warpers = processors, warpers
         # stop: HF's StopStringCriteria (``stop_strings``), checked per row after every emitted token on a host
         # copy of the row's tokens (prompt rows read once here; the new tokens are the iterations' reads).
@@ -291,7 +294,8 @@ class SpeculativeLoop:
     def _choose_draft_token(self, logits: torch.Tensor, i: int) -> torch.Tensor:
         """The drafter's ``choose``: draft logits [B, V] of draft position i masked in place as the target's are
         (``LogitMasks``), then the token [B] drawn from them."""
-        check_choose_logits(self.drafter, logits, i, batch=self.batch, vocab=self.vocab, device=self.device)
+        if not self._trusted_drafter:
+            check_choose_logits(self.drafter, logits, i, batch=self.batch, vocab=self.vocab, device=self.device)
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
         if self.warpers is not None:  # q is what the draft samples from: the warped logits, stored in place
@@ -457,8 +461,7 @@ class SpeculativeLoop:
         tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
         check_proposal(self.drafter, tokens, logits, num_draft, batch=self.batch, gamma=self.gamma,
                        vocab=self.vocab, device=self.device)
-        # a user's drafter, the n-gram drafter (trusted: the class that sets it, not a subclass overriding propose)
-        if not type(self.drafter).__dict__.get("PROPOSES_VALID_IDS", False):
+        if not self._trusted_drafter:  # a user's drafter, the n-gram drafter
             s = self.sampling
             temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
             greedy_rows = s.rows.greedy if s.per_row else None  # (q is checked on sampled rows only)
