@@ -14,8 +14,9 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
 * ``build``: ``pip install --no-deps --no-build-isolation -e .`` with the CUDA extension forced and built for sm_90
   only; the built ``_C`` library is copied to ``DIR/build`` (a later lease command can carry it instead of building),
   with ``cuobjdump --dump-resource-usage`` of it (registers, shared memory, stack per kernel).
-* ``tests``: the GPU tests (CUDA ops, Triton ops, compile/CUDA graphs, compaction, static caches, seq2seq static,
-  host syncs) with junit XML.
+* ``tests``: the GPU tests (CUDA ops, Triton ops, custom-op ``opcheck``, compile/CUDA graphs, compaction, static
+  caches, seq2seq static, host syncs) with junit XML; ``SK_GPU_TEST_WORKERS`` sets pytest-xdist's worker count
+  (default 6; a 16-core machine takes 10).
 * ``counts``: ``op_counts.py``: ops outside the models per iteration and per draft step and, on CUDA, kernel launches
   (dynamic, static, compiled; batch 1 and 8; greedy and sampling).
 * ``profile``: ``profile_verify.py --ncu``: the verification kernels' duration, DRAM and SM throughput, instructions
@@ -59,6 +60,7 @@ GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
     "tests/ops/test_lookup.py", "tests/ops/test_backends.py", "tests/ops/test_row_params.py",
+    "tests/ops/test_opcheck.py",
     "tests/generation/test_compile.py",
     "tests/generation/test_static_cache.py", "tests/generation/test_seq2seq_static.py",
     "tests/generation/test_host_sync.py",
@@ -165,7 +167,8 @@ def tests_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
         try:
             import xdist  # noqa: F401
 
-            cmd += ["-n", "6"]  # the Triton/inductor compiles are CPU-bound; the GPU is shared by the workers
+            # the Triton/inductor compiles are CPU-bound; the GPU is shared by the workers
+            cmd += ["-n", os.environ.get("SK_GPU_TEST_WORKERS", "6")]
         except ImportError:
             pass
         try:
