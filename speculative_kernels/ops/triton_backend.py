@@ -77,7 +77,12 @@ def default_tuning(device: torch.device) -> Tuning:
 
 
 def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Plan:
-    """Chunking of both passes (python ints only: no device reads, traceable by torch.compile)."""
+    """Chunking of both passes (python ints only: no device reads, traceable by torch.compile).
+
+    The tiles are constexprs, which Triton needs as ints: under dynamic shapes (``torch.compile(dynamic=True)``,
+    opcheck's AOT check) vocab and num_positions arrive as SymInts, and ``int()`` specialises the graph on them (a
+    guard; they do not change in a decode loop). batch stays symbolic: it sets only the grid and chunk sizes."""
+    vocab, num_positions = int(vocab), int(num_positions)
     target = tuning.programs_per_sm * (tuning.num_sms or 1)
 
     def tile(block: int) -> int:
