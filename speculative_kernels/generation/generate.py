@@ -82,6 +82,7 @@ def generate(
     if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
         raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
     compile_options = CompileOptions.from_argument(compile)
+    result_device = _result_device(input_ids, kwargs.get("decoder_input_ids"), model.config.is_encoder_decoder)
     with torch.inference_mode():
         loop = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,
@@ -91,7 +92,9 @@ def generate(
         sequences, stats = loop.run()
     # The loop runs in inference mode (cheaper per op than no_grad); what it returns is copied out of it, so that it is
     # an ordinary tensor as model.generate's (run under no_grad): editable in place, usable in autograd (RL rollouts).
-    sequences = sequences.clone()
+    # It is on the device of the caller's ids, as model.generate's (which keeps ids on another device than the model,
+    # e.g. the CPU, and moves only each forward's inputs): a copy either way.
+    sequences = sequences.clone() if result_device in (None, sequences.device) else sequences.to(result_device)
     if speculation_stats is not None:
         for field in dataclasses.fields(SpeculationStats):
             setattr(speculation_stats, field.name, getattr(stats, field.name))
@@ -100,3 +103,12 @@ def generate(
     scores, logits = loop.collected_scores(sequences.shape[1] - loop.prompt_length)
     output = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
     return output(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats)
+
+
+def _result_device(input_ids, decoder_input_ids, encoder_decoder: bool) -> torch.device | None:
+    """The device model.generate returns its sequences on: the caller's decoder_input_ids' (encoder-decoder, when
+    given), else input_ids' (HF builds the decoder start on the encoder input's device); None: the model's."""
+    for ids in (decoder_input_ids, input_ids) if encoder_decoder else (input_ids,):
+        if isinstance(ids, torch.Tensor) and ids.numel() > 0:
+            return ids.device
+    return None

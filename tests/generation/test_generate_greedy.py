@@ -356,3 +356,17 @@ def test_greedy_batch_statistics_are_the_rows_alone():
     assert stats.accepted_histogram == [sum(s.accepted_histogram[n] for s in alone if n < len(s.accepted_histogram))
                                         for n in range(width)]
     _assert_counts_what_was_emitted(stats)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (ids and model on different devices)")
+@pytest.mark.parametrize("model_on, ids_on", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_result_is_on_the_device_of_the_callers_ids(model_on, ids_on):
+    """model.generate keeps the ids where the caller put them (moving only each forward's inputs to the model) and
+    returns its sequences there; ours returned them on the model's device (found by the first GPU run of
+    test_compile's checkpoint-settings test, whose prompt was on CUDA and model on the CPU)."""
+    target = llama().to(model_on)
+    ids = _prompt().to(ids_on)
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8, do_sample=False)
+    assert expected.device == got.device == ids.device
+    assert torch.equal(got, expected)

@@ -209,3 +209,23 @@ def test_dict_output_is_the_exported_class(pairs):
                       cache_implementation="static", return_dict_in_generate=True)
     assert isinstance(out, sk.SpeculativeEncoderDecoderOutput) and out.speculation_stats.new_tokens > 0
     assert "SpeculativeEncoderDecoderOutput" in sk.__all__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (ids and model on different devices)")
+@pytest.mark.parametrize("decoder_ids", [False, True])
+def test_result_is_on_the_device_of_the_callers_ids(decoder_ids):
+    """Ids on the CPU and the model on CUDA: HF's encoder-decoder generate fails (it runs the encoder on the ids as
+    given; its decoder start is made on the model's device and compared with the caller's decoder_input_ids), so the
+    reference is HF with everything on CUDA. Ours returns the decoder sequences where the caller's ids are, as for
+    decoder-only models (HF's there): decoder_input_ids' device when given, else input_ids'."""
+    target = t5().cuda()
+    ids, mask = source_batch([6, 4])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    if decoder_ids:
+        start = target.config.decoder_start_token_id
+        kwargs["decoder_input_ids"] = torch.tensor([[start, 5], [start, 7]])
+    on_cuda = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    expected = target.generate(ids.cuda(), **on_cuda)
+    got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, **kwargs)
+    assert got.device == torch.device("cpu")
+    assert torch.equal(got, expected.cpu())
