@@ -33,7 +33,7 @@ def generate(
     """Speculative decoding with ``model.generate``'s arguments and return values.
 
     input_ids: [B, L] (left-padded with ``attention_mask`` for B > 1). Returns a LongTensor [B, L + new] of prompt
-    plus new tokens, or a ``SpeculativeDecoderOnlyOutput`` (a ``GenerateDecoderOnlyOutput``) with
+    plus new tokens (on input_ids' device, as model.generate: ids may stay on the CPU with the model on CUDA), or a ``SpeculativeDecoderOnlyOutput`` (a ``GenerateDecoderOnlyOutput``) with
     ``return_dict_in_generate=True``, whose ``speculation_stats`` holds the statistics. With a tensor result, pass
     ``speculation_stats=SpeculationStats()`` to have it filled in. Two differences from HF's output object: its
     cache field (``cache``; ``past_key_values`` before transformers 5.24) is None (our caches hold rolled-back
