@@ -139,8 +139,11 @@ class ModelDrafter:
     # ``compile=True`` captures.
     CAPTURED_SHAPES = ((1, True), (2, True))
 
-    def __init__(self, runner: Runner, bridge: VocabBridge, dtype: torch.dtype):
+    def __init__(self, runner: Runner, bridge: VocabBridge, dtype: torch.dtype, keep_logits: bool = True):
         self.runner, self.bridge, self.dtype = runner, bridge, dtype
+        # False when nothing reads q (a greedy request: greedy verification takes no q): propose returns no logits,
+        # which saves a [B, V] copy per draft step and the [B, gamma, V] buffer
+        self.keep_logits = keep_logits
         self.pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (tokens [B, P], real [B, P] or None)
         self._forwards = 0
 
@@ -149,7 +152,7 @@ class ModelDrafter:
             self.runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
         self.pending = (input_ids[:, -1:], None)
 
-    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         inputs, real = self.pending
         batch, device = inputs.shape[0], inputs.device
         tokens = torch.empty(batch, gamma, dtype=torch.int64, device=device)
@@ -160,9 +163,10 @@ class ModelDrafter:
             if logits.dtype != self.dtype:  # (the wider of the two: cast down, a float32 draft's logits can overflow)
                 logits = logits.to(torch.promote_types(self.dtype, logits.dtype))
             token = choose(logits, i)
-            if q_logits is None:
-                q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=logits.dtype, device=device)
-            q_logits[:, i] = logits
+            if self.keep_logits:
+                if q_logits is None:
+                    q_logits = torch.empty(batch, gamma, logits.shape[-1], dtype=logits.dtype, device=device)
+                q_logits[:, i] = logits
             tokens[:, i] = token
             inputs, real = tokens[:, i : i + 1], None  # (choose gives ids in [0, V): fed as they are)
         self._forwards += gamma

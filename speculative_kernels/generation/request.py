@@ -186,7 +186,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         steps = [(target_runner, [(captured_gamma + 1, False)])]
     if draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
-        drafter = ModelDrafter(runners[1], bridge, dtype)
+        # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)
+        drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy)
         steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
     elif settings.prompt_lookup is not None:
         drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens, settings.prompt_lookup.max_ngram,
