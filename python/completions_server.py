@@ -30,12 +30,15 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import queue
 import threading
 import time
 
 from speculative_kernels import IncrementalDetokenizer, SpeculativeDecoder
 from speculative_kernels.generation.memory import describes_out_of_memory
+
+logger = logging.getLogger(__name__)
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream",
           "stop", "model", "user"}
@@ -104,28 +107,33 @@ class CompletionsServer:
             self._run_commands(wait=not self.decoder.has_work())
             if self._stopping:
                 return
-            if not self.decoder.has_work():
-                continue
-            try:
-                new = self.decoder.step()
-            except Exception as error:  # noqa: BLE001 -- its clients are told; the engine keeps serving
-                # (the decoder ends the requests of a batch whose step raised with "error": answered below, 503 when
-                # out of memory; one it left running cannot go on and is failed here; queued ones wait)
-                self._fail_running(error)
-                new = {}
-            for request_id, tokens in new.items():
-                if request_id in self._queues:
-                    self._post(self._queues[request_id], tokens)
+            if self.decoder.has_work():
+                try:
+                    new = self.decoder.step()
+                except Exception as error:  # noqa: BLE001 -- its clients are told; the engine keeps serving
+                    # (the decoder ends the requests of a batch whose step raised with "error": answered below, 503
+                    # when out of memory; one it left running cannot go on and is failed here; queued ones wait)
+                    self._fail_running(error)
+                    new = {}
+                for request_id, tokens in new.items():
+                    if request_id in self._queues:
+                        self._post(self._queues[request_id], tokens)
+            # (also after commands alone: a cancel that raised ended the running requests, whose clients wait)
             live = set(self.decoder.running) | set(self.decoder.queued)
             for request_id in [r for r in self._queues if r not in live]:
                 self._finish(request_id)  # after its last tokens
 
     def _run_commands(self, wait: bool) -> None:
-        """Run the queued commands (blocking for the first one when ``wait``: nothing to step)."""
+        """Run the queued commands (blocking for the first one when ``wait``: nothing to step). A command that
+        raises (a cancel whose row removal ran out of memory: the decoder then ends the running requests with
+        "error", answered by the engine's next pass) is logged; the engine goes on serving."""
         try:
             command = self._commands.get(block=wait)
             while True:
-                command()
+                try:
+                    command()
+                except Exception:  # noqa: BLE001 -- one client's command must not stop the engine thread
+                    logger.exception("completions server: a command failed")
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
@@ -150,9 +158,13 @@ class CompletionsServer:
         failure = StepFailed(f"{type(error).__name__}: {error}")
         for request_id in self.decoder.running:
             if request_id in self._queues:
-                self.decoder.cancel(request_id)
-                self.decoder.release(request_id)
                 self._post(self._queues.pop(request_id), failure)
+                try:
+                    self.decoder.cancel(request_id)
+                except Exception:  # noqa: BLE001 -- (the decoder then ends its running requests itself)
+                    logger.exception("completions server: cancelling request %d failed", request_id)
+                if self.decoder.result(request_id).finished:
+                    self.decoder.release(request_id)
 
     def _add(self, ids: list[int], kwargs: dict, handler_queue: asyncio.Queue, future: asyncio.Future) -> None:
         """Command: add a request; its id (or the refusal) goes to ``future``."""
@@ -175,9 +187,12 @@ class CompletionsServer:
         if request_id not in self._queues:  # finished meanwhile (its result was sent and released)
             return
         del self._queues[request_id]
-        if self.decoder.cancel(request_id):
-            self.cancelled.append(request_id)
-        self.decoder.release(request_id)
+        try:
+            if self.decoder.cancel(request_id):
+                self.cancelled.append(request_id)
+        finally:  # (a cancel that raised ended the request with "error": forgotten all the same)
+            if self.decoder.result(request_id).finished:
+                self.decoder.release(request_id)
 
     # ------------------------------------------------------------------------------------------- event loop
     async def _submit(self, body: dict) -> tuple[int, asyncio.Queue]:
@@ -265,6 +280,7 @@ class CompletionsServer:
         await writer.drain()
         gone = asyncio.ensure_future(_disconnected(reader))
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        streamed = 0  # tokens pushed so far
         try:
             while True:
                 tokens = await self._next(request_id, handler_queue, gone)
@@ -278,10 +294,14 @@ class CompletionsServer:
                     await writer.drain()
                     return
                 piece = detokenizer.push(tokens)
+                streamed += len(tokens)
                 if piece:
                     await _event(writer, self._body(request_id, piece, None))
             result = tokens.result
-            await _event(writer, self._body(request_id, detokenizer.flush(), _reason(result.finish_reason), result))
+            # the result holds every token; a step that raised after collecting its tokens returned none of them
+            last = detokenizer.push(result.token_ids[streamed:]) if len(result.token_ids) > streamed else ""
+            text = last + detokenizer.flush()
+            await _event(writer, self._body(request_id, text, _reason(result.finish_reason), result))
             writer.write(b"data: [DONE]\n\n")
             await writer.drain()
         finally:

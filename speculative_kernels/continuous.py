@@ -78,6 +78,7 @@ for another thread that calls the decoder (that thread waits for the step: a dea
 
 import dataclasses
 import functools
+import operator
 import threading
 
 import torch
@@ -88,7 +89,7 @@ from .generation.capabilities import (check_caching, check_deterministic, check_
                                        request_path)
 from .generation.drafter import Drafter
 from .generation.inputs import check_models, inferred_attention_mask, model_device
-from .generation.loop import SpeculativeLoop
+from .generation.loop import JoinRefused, SpeculativeLoop
 from .generation.memory import is_out_of_memory
 from .generation.options import CompileOptions, StaticRows
 from .generation.request import build_loop, check_model_as
@@ -378,20 +379,33 @@ class ContinuousBatcher:
                 return j
         return None
 
-    def _request(self, request_id) -> _Request:
-        request = self._requests.get(request_id) if isinstance(request_id, int) else None
+    @staticmethod
+    def _key(request_id) -> int:
+        """request_id as the int add_request returned (a NumPy or torch integer too); TypeError for a bool or a
+        non-integer (True was request 1)."""
+        if isinstance(request_id, bool) or isinstance(request_id, torch.Tensor) and request_id.dtype == torch.bool:
+            raise TypeError(f"request_id must be an int returned by add_request, got {request_id!r}")
+        try:
+            return operator.index(request_id)
+        except TypeError:
+            raise TypeError(f"request_id must be an int returned by add_request, got {type(request_id).__name__}") \
+                from None
+
+    def _request(self, request_id: int) -> _Request:
+        request = self._requests.get(request_id)
         if request is None:
             raise ValueError(f"unknown request_id {request_id!r}")
         return request
 
     @_locked
     def result(self, request_id) -> RequestResult:
-        result = self._request(request_id).result
+        result = self._request(self._key(request_id)).result
         return dataclasses.replace(result, prompt_ids=list(result.prompt_ids), token_ids=list(result.token_ids))
 
     @_locked
     def cancel(self, request_id) -> bool:
         """Stop a request (its row and cache slots are freed now). Returns False if it had already finished."""
+        request_id = self._key(request_id)
         request = self._request(request_id)
         if request.result.finished:
             return False
@@ -412,8 +426,10 @@ class ContinuousBatcher:
     @_locked
     def release(self, request_id) -> None:
         """Forget a finished request (its result can no longer be read); a server calls it once it has replied."""
+        request_id = self._key(request_id)
         if not self._request(request_id).result.finished:
-            raise ValueError(f"request {request_id} is still running; cancel it first")
+            state = "queued" if request_id in self._queue else "running"
+            raise ValueError(f"request {request_id} is still {state}; cancel it first")
         del self._requests[request_id]
 
     @property
@@ -562,8 +578,10 @@ class ContinuousBatcher:
         running loop; requests that finished in it (max_new_tokens=1, EOS, a stop string) never join. Should the
         merge fail midway (an allocation inside ``append_rows``), neither loop can go on: every running and
         joining request finishes with finish_reason "error" with its tokens so far (in ``result``) and the error
-        propagates; a merge
-        refused before anything changed (ValueError) cancels the joining requests only."""
+        propagates. A merge refused before the running loop changed (``JoinRefused``: e.g. a drafter's add_rows
+        refusing, a static cache without room) and a failure on the joining loop alone end the joining requests
+        only, with finish_reason "error" and the reason; the running ones go on, and their first tokens are
+        returned."""
         del self._queue[: len(joining)]
         try:
             new, done = self._collect(loop, joining)
@@ -579,18 +597,31 @@ class ContinuousBatcher:
         try:
             with torch.inference_mode():
                 if len(remaining) < len(joining):
-                    loop.keep_rows(remaining)
+                    loop.keep_rows(remaining)  # (the joining loop's own rows: the running loop is untouched)
+        except BaseException as error:
+            self._end_joining(joining, remaining, error)
+            if not isinstance(error, Exception):  # Ctrl-C
+                raise
+            return new
+        try:
+            with torch.inference_mode():
                 self._loop.append_rows(loop)
-        except (ValueError, NotImplementedError):  # refused before anything changed: the running loop goes on
-            for row in remaining:
-                self._requests[joining[row]].result.finish_reason = "cancelled"
-            raise
+        except JoinRefused as error:  # refused before the running loop changed: it goes on
+            self._end_joining(joining, remaining, error)
+            return new
         except BaseException as error:  # failed mid-merge (e.g. out of memory, Ctrl-C): neither loop can go on
             self._fail_running(error, extra=[joining[row] for row in remaining])
             raise
         else:
             self._rows = self._rows + [joining[row] for row in remaining]
         return new
+
+    def _end_joining(self, joining: list[int], remaining: list[int], error: BaseException) -> None:
+        """The joining requests still running (``joining[row]`` for ``row`` in ``remaining``) cannot join: they
+        finish with finish_reason "error" and the reason, with the tokens of their first iteration."""
+        for row in remaining:
+            result = self._requests[joining[row]].result
+            result.finish_reason, result.error = "error", f"{type(error).__name__}: {error}"
 
     def _leave(self, request_ids: list[int]) -> None:
         """Remove these running requests' rows from the loop (all rows: drop the loop, except on the static cache,

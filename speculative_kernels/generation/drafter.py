@@ -77,7 +77,9 @@ class Drafter(Protocol):
     def add_rows(self, other: "Drafter") -> None:
         """Append the rows of ``other`` (a drafter of the same kind, started on its own rows, e.g. requests joining
         a running batch) after this drafter's rows, in every per-row state; ``other`` is consumed. The counterpart
-        of ``select_rows``. As after ``select_rows``, ``proposal_counts`` may be None until the next host read."""
+        of ``select_rows``. As after ``select_rows``, ``proposal_counts`` may be None until the next host read. To
+        refuse, raise ValueError or NotImplementedError before changing anything: the loop calls this before it
+        joins anything else, and the joining requests then end with "error" while the running ones go on."""
         raise NotImplementedError(f"{type(self).__name__} does not implement Drafter.add_rows, which continuous "
                                   "batching calls when requests join a running batch")
 

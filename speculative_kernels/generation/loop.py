@@ -32,6 +32,10 @@ from .stop_strings import completes_stop_string
 from .transfer import host_to_device
 
 
+class JoinRefused(ValueError):
+    """``SpeculativeLoop.append_rows`` refused the other loop's rows before changing this loop's."""
+
+
 class SpeculativeLoop:
     """Runs one batch of prompts to completion (``run``), or one iteration at a time (``step``, for a server).
 
@@ -838,13 +842,27 @@ class SpeculativeLoop:
         (``RowSettings``) and prefilled on its own rows only (requests joining a running batch); it is consumed.
         Every row keeps its prompt, tokens so far, length limit, EOS ids, sampling parameters, key, offsets and
         cache slots (``Runner.add_rows``, ``Drafter.add_rows``: the side with fewer slots gets holes on the left),
-        so no row is forwarded again and each computes what it would alone. Raises ValueError, with nothing
-        changed, when the two loops cannot share a batch."""
-        self._check_joinable(other)
+        so no row is forwarded again and each computes what it would alone.
+
+        Raises ``JoinRefused`` (a ValueError), with this loop's rows unchanged, when the two loops cannot share a
+        batch: this loop's checks, the target runner's (``check_add_rows``) and the drafter's own ``add_rows``
+        (which is called before anything else changes: a drafter refuses by raising ValueError or
+        NotImplementedError there). Anything raised after that (an allocation) leaves both loops half-joined:
+        neither can go on."""
+        try:
+            self._check_joinable(other)
+        except ValueError as error:
+            raise JoinRefused(str(error)) from error
         for loop in (self, other):  # max_new_tokens=1 loops deferred their prefill: a shared step needs it done
             if loop._prompt is not None:
                 (prompt, real), loop._prompt = loop._prompt, None
                 loop._prefill_models(prompt, real)
+        try:
+            self.target_runner.check_add_rows(other.target_runner)
+            # first of the changes: it checks its own settings, and a user's drafter refuses here
+            self.drafter.add_rows(other.drafter)
+        except (ValueError, NotImplementedError) as error:
+            raise JoinRefused(f"cannot append these rows: {error}") from error
         prompt_length = max(self.prompt_length, other.prompt_length)
         outputs = self._joined_outputs(other, prompt_length)
         self.masks.add_rows(other.masks, self.batch, other.batch)
@@ -855,7 +873,6 @@ class SpeculativeLoop:
         sampling = dataclasses.replace(self.sampling, rows=RowSampling(
             torch.cat([r.temperature, o.temperature]), torch.cat([r.top_k, o.top_k]), torch.cat([r.top_p, o.top_p]),
             r.cut or o.cut))
-        self.drafter.add_rows(other.drafter)  # first: it checks its own settings (the target's are checked above)
         self.target_runner.add_rows(other.target_runner)
         self.randomness.add_rows(other.randomness)
         self.sampling, self.last = sampling, torch.cat([self.last, other.last])

@@ -376,3 +376,78 @@ def test_a_handler_that_fails_has_its_request_cancelled(served, monkeypatch):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert not server.decoder.running
+
+
+@pytest.fixture
+def own_server():
+    """A server of its own, for tests that make the decoder fail (the module's server stays healthy)."""
+    target, draft, tokenizer = load_demo_pair()
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
+    server = _module().CompletionsServer(decoder, tokenizer)
+    port = server.start_in_thread()
+    yield server, port, (target, draft, tokenizer)
+    server.stop()
+
+
+def _no_room(self, remaining):
+    raise MemoryError("no room to remove the rows")
+
+
+def test_a_cancel_that_raises_does_not_stop_the_engine(own_server, monkeypatch):
+    """A client going away runs decoder.cancel as an engine command; a cancel whose row removal ran out of memory
+    raised out of the command runner and killed the engine thread: the running client and every later one waited
+    for ever. The failure is now logged, the running request is answered (503: out of memory) and the server
+    serves the next request."""
+    from speculative_kernels.generation.loop import SpeculativeLoop
+
+    server, port, _ = own_server
+    replies = {}
+    thread = threading.Thread(target=lambda: replies.update(long=_post(port, dict(
+        prompt="def fibonacci(n):", max_tokens=400, temperature=0))))
+    thread.start()
+    while not server.decoder.running:
+        time.sleep(0.05)
+    body = json.dumps(dict(prompt="import os", max_tokens=400, temperature=0, stream=True)).encode()
+    client = socket.create_connection(("127.0.0.1", port), timeout=300)
+    client.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                   + body)
+    received = b""
+    while b"data: " not in received:
+        received += client.recv(4096)
+    monkeypatch.setattr(SpeculativeLoop, "keep_rows", _no_room)
+    client.close()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and replies["long"][0] == 503, replies
+    assert server._engine.is_alive()
+    monkeypatch.undo()
+    status, _ = _post(port, dict(prompt="x = 1", max_tokens=4, temperature=0))
+    assert status == 200
+
+
+def test_a_stream_ends_with_every_token_when_the_step_that_finished_it_raised(own_server, monkeypatch):
+    """A step that collected its tokens and then failed to remove a finished row (out of memory in keep_rows)
+    raised, and its tokens were never streamed: the request that finished in it was answered 200 with
+    finish_reason "length" and a truncated text. The final event now carries the tokens the stream missed."""
+    from speculative_kernels.generation.loop import SpeculativeLoop
+
+    server, port, models = own_server
+    monkeypatch.setattr(SpeculativeLoop, "keep_rows", _no_room)
+    bodies = {"short": dict(prompt="def fibonacci(n):", max_tokens=9, temperature=0, stream=True),
+              "long": dict(prompt="import os\n\nclass Config:", max_tokens=60, temperature=0, stream=True)}
+    replies, barrier = {}, threading.Barrier(2)
+
+    def call(name):
+        barrier.wait()
+        replies[name] = _post(port, bodies[name])
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    status, data = replies["short"]
+    events = _events(data)
+    assert status == 200 and events[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == _expected(models, bodies["short"]["prompt"], 9)
+    assert any("error" in e for e in _events(replies["long"][1]))  # the long one: its batch failed

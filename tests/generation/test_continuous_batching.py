@@ -231,7 +231,7 @@ def test_a_tokenizer_row_is_a_prompt(pair):
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda d: d.result(99), ValueError, "unknown request_id 99"),
-    (lambda d: d.cancel("x"), ValueError, "unknown request_id 'x'"),
+    (lambda d: d.cancel("x"), TypeError, "request_id must be an int returned by add_request, got str"),
     (lambda d: d.add_request([1, 2], min_new_tokens=2.5), TypeError, "min_new_tokens"),
     (lambda d: d.add_request([1, 2], stop_strings=["a"]), ValueError, "stop_strings needs the decoder.s tokenizer"),
     (lambda d: d.add_request([1, 2], num_beams=2), ValueError, "num_beams is not a keyword add_request takes"),
@@ -257,6 +257,9 @@ def test_bad_ids_and_arguments_are_refused_by_name(pair, call, error, message):
 def test_release_of_a_running_request_and_bad_batch_sizes(pair):
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
     request_id = decoder.add_request([1, 2], max_new_tokens=5)
+    with pytest.raises(ValueError, match="still queued"):
+        decoder.release(request_id)
+    decoder.step()
     with pytest.raises(ValueError, match="still running"):
         decoder.release(request_id)
     for bad in (0, True, 2.0):
@@ -883,3 +886,62 @@ def test_a_request_that_fails_alone_beside_prompt_lookup(pair):
     assert decoder.result(bad).finish_reason == "error"
     assert decoder.result(good).token_ids == target.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=12,
                                                              do_sample=False, eos_token_id=None)[0, 8:].tolist()
+
+
+@pytest.mark.parametrize("refusal", [ValueError, NotImplementedError])
+def test_a_drafter_that_refuses_a_merge_leaves_the_running_batch_as_it_was(pair, refusal):
+    """A drafter's add_rows refusing (ValueError / NotImplementedError: the protocol's way) came after the running
+    loop had joined the joining rows' masks, processors and context starts: the next request to join took the
+    refused one's row state and its repetition_penalty, and gave other tokens than model.generate (silently), or the
+    running request died a step later with a shape error (min_new_tokens). The drafter now joins first; the refused
+    request finishes with "error" naming why (it was "cancelled", which no one asked for), and step() goes on."""
+    from speculative_kernels.generation.lookup_drafter import PromptLookupDrafter
+
+    target, _ = pair
+    refuse = {"on": False}
+
+    class Picky(PromptLookupDrafter):
+        def add_rows(self, other):
+            if refuse["on"]:
+                raise refusal("Picky cannot take these rows")
+            super().add_rows(other)
+
+    decoder = sk.SpeculativeDecoder(target, drafter=lambda: Picky(3, 2), num_speculative_tokens=GAMMA)
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    first = decoder.add_request([5, 6, 7], **greedy)
+    decoder.step()
+    refused = decoder.add_request([9, 10, 11], max_new_tokens=16, do_sample=False, repetition_penalty=50.0,
+                                  min_new_tokens=10)
+    refuse["on"] = True
+    decoder.step()  # the refused request's own first iteration, then the refused merge
+    refuse["on"] = False
+    result = decoder.result(refused)
+    assert result.finish_reason == "error" and "Picky cannot take these rows" in result.error
+    assert decoder.running == [first]
+    later = decoder.add_request([20, 21, 22], **greedy)
+    while decoder.has_work():
+        decoder.step()
+    for request_id, prompt in ((first, [5, 6, 7]), (later, [20, 21, 22])):
+        expected = target.generate(torch.tensor([prompt], device=DEVICE), **greedy)[0, len(prompt):]
+        assert decoder.result(request_id).token_ids == expected.tolist()
+
+
+def test_request_ids_are_ints_not_bools(pair):
+    """decoder.result(True) / cancel(True) / release(True) acted on request 1 (True == 1 as a dict key); a NumPy
+    integer naming an existing request was 'unknown'; releasing a queued request said it was running."""
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
+    ids = [decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False) for _ in range(2)]
+    assert ids[1] == 1
+    for method in (decoder.result, decoder.cancel, decoder.release):
+        with pytest.raises(TypeError, match="request_id must be an int"):
+            method(True)
+    with pytest.raises(TypeError, match="request_id must be an int"):
+        decoder.result("1")
+    assert decoder.result(np.int64(1)).prompt_ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="request 1 is still queued; cancel it first"):
+        decoder.release(1)
+    assert decoder.cancel(np.int64(1)) and decoder.result(1).finish_reason == "cancelled"
+    decoder.release(np.int64(1))
+    with pytest.raises(ValueError, match="unknown request_id 1"):
+        decoder.result(1)

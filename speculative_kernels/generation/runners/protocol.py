@@ -41,6 +41,10 @@ class Runner(Protocol):
         ``select_rows``. Raises ValueError, with nothing changed, when the rows cannot join (e.g. more rows than a
         static cache was allocated for); runners that never take rows (encoder-decoder) raise NotImplementedError."""
 
+    def check_add_rows(self, other: "Runner") -> None:
+        """Raise as ``add_rows(other)`` would refuse (ValueError / NotImplementedError), changing nothing; return
+        when it can take ``other``'s rows (what may still fail then is an allocation)."""
+
     def lengths_to_read(self) -> torch.Tensor | None:
         """[B] int64 on the device that this runner wants on the host, read with the loop's one host read of the
         iteration (each row's real slots: hole compaction, a capacity bound); None when it needs nothing."""

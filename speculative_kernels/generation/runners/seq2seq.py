@@ -238,6 +238,10 @@ class Seq2SeqRunner:
         """Not supported: encoder-decoder rows are right-aligned in a rectangular cache with their encoder outputs;
         joining two batches would need both realigned (``SpeculativeDecoder.add_request`` takes decoder-only
         targets)."""
+        self.check_add_rows(other)
+
+    def check_add_rows(self, other: "Seq2SeqRunner") -> None:
+        """Always NotImplementedError (see ``add_rows``)."""
         raise NotImplementedError("rows cannot join an encoder-decoder runner's batch (continuous batching supports "
                                   "decoder-only targets)")
 

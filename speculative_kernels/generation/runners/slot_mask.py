@@ -143,14 +143,18 @@ class SlotMaskRunner(abc.ABC):
         self.next_position = self.next_position.index_select(0, index)
         self.compactor.select_rows(index.shape[0], holes=self.real_from > 0)
 
-    def add_rows(self, other: "SlotMaskRunner") -> None:
-        """Append the rows of ``other`` (a runner of the same model and kind over its own rows, e.g. requests just
-        prefilled) after this runner's rows; ``other`` must not be used afterwards. The side with fewer slots is
-        padded on the left with holes, so every row keeps its slots, positions (``next_position`` [B]) and masks."""
+    def check_add_rows(self, other: "SlotMaskRunner") -> None:
+        """ValueError, with nothing changed, unless ``add_rows(other)`` can take ``other``'s rows."""
         if type(other) is not type(self) or other.model is not self.model:
             raise ValueError("add_rows needs a runner of the same kind over the same model")
         if (self._additive is None) != (other._additive is None):
             raise ValueError("add_rows needs runners built with the same attention-mask kind")
+
+    def add_rows(self, other: "SlotMaskRunner") -> None:
+        """Append the rows of ``other`` (a runner of the same model and kind over its own rows, e.g. requests just
+        prefilled) after this runner's rows; ``other`` must not be used afterwards. The side with fewer slots is
+        padded on the left with holes, so every row keeps its slots, positions (``next_position`` [B]) and masks."""
+        self.check_add_rows(other)
         slots = max(self.num_slots, other.num_slots)
         pads = (slots - self.num_slots, slots - other.num_slots)
         spare = max(r.slot_mask.shape[1] - r.num_slots for r in (self, other))

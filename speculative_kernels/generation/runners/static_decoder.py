@@ -209,17 +209,10 @@ class StaticDecoderRunner(SlotMaskRunner):
             self.truncate(0)
         self.compactor.select_rows(batch, holes=self.real_from > 0)
 
-    def add_rows(self, other: "StaticDecoderRunner") -> None:
-        """Append the rows of ``other`` (a static runner of the same model over its own rows, e.g. requests prefilled
-        and stepped on their own; consumed) after this runner's B rows: its K/V, slot mask and positions are copied
-        into the free allocated rows [B, B + B2), aligned at the shared write pointer. The side with fewer slots gets
-        holes on the left: the joining rows' slots are written after masked slots, or, when they hold more, the
-        running rows are first moved right within their rows (one transient copy of one buffer at a time).
-        Raises ValueError, with nothing changed, when the rows or the slots do not fit."""
-        if type(other) is not type(self) or other.model is not self.model:
-            raise ValueError("add_rows needs a runner of the same kind over the same model")
-        if (self._additive is None) != (other._additive is None):
-            raise ValueError("add_rows needs runners built with the same attention-mask kind")
+    def check_add_rows(self, other: "StaticDecoderRunner") -> None:
+        """ValueError, with nothing changed, unless ``add_rows(other)`` fits: the same kind, model and mask kind,
+        the allocated rows, and the slots (with an iteration's reserve)."""
+        super().check_add_rows(other)
         batch, joining = self.slot_mask.shape[0], other.slot_mask.shape[0]
         if batch + joining > self.rows:
             raise ValueError(f"cannot add {joining} rows to a static cache of {batch} rows allocated for {self.rows}")
@@ -227,6 +220,17 @@ class StaticDecoderRunner(SlotMaskRunner):
         if slots + self.reserve > self.capacity:
             raise ValueError(f"cannot add rows holding {other.num_slots} slots to a static cache of {self.capacity} "
                              f"slots ({self.num_slots} in use, {self.reserve} kept free for an iteration)")
+
+    def add_rows(self, other: "StaticDecoderRunner") -> None:
+        """Append the rows of ``other`` (a static runner of the same model over its own rows, e.g. requests prefilled
+        and stepped on their own; consumed) after this runner's B rows: its K/V, slot mask and positions are copied
+        into the free allocated rows [B, B + B2), aligned at the shared write pointer. The side with fewer slots gets
+        holes on the left: the joining rows' slots are written after masked slots, or, when they hold more, the
+        running rows are first moved right within their rows (one transient copy of one buffer at a time).
+        Raises ValueError, with nothing changed, when the rows or the slots do not fit (``check_add_rows``)."""
+        self.check_add_rows(other)
+        batch, joining = self.slot_mask.shape[0], other.slot_mask.shape[0]
+        slots = max(self.num_slots, other.num_slots)
         self._shift_right(slots - self.num_slots)
         pad, end = slots - other.num_slots, batch + joining
         for mine, theirs in zip(self.cache.buffers(), other.cache.tensors()):
