@@ -52,7 +52,9 @@ class IncrementalDetokenizer:
         self._sent = 0  # characters returned
         self._cleans_up = _cleans_up(tokenizer, decode_kwargs)
         self._byte_fallback = _has_byte_fallback(tokenizer)
-        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))  # what skip_special_tokens drops
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(
+            i for i, t in added.items() if getattr(t, "special", False))  # what skip_special_tokens drops
         self._flushed = False
 
     @property
@@ -100,12 +102,18 @@ class IncrementalDetokenizer:
         sees the ids, so a byte run goes on across them."""
         if not self._byte_fallback:
             return False
-        last = self._ids[-1]
-        if self._decode_kwargs["skip_special_tokens"]:
-            last = next((token for token in reversed(self._ids) if token not in self._special_ids), None)
-            if last is None:
-                return False
+        last = next((token for token in reversed(self._ids) if not self._dropped(token)), None)
+        if last is None:
+            return False
         return _BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(last) or "") is not None
+
+    def _dropped(self, token: int) -> bool:
+        """Whether the decode drops this id before its decoder joins byte tokens: an id outside the vocabulary
+        (a model's padded embedding rows), or, with skip_special_tokens, a special one (named, or marked special
+        in tokenizer.json's added tokens)."""
+        if self._tokenizer.convert_ids_to_tokens(token) is None:
+            return True
+        return self._decode_kwargs["skip_special_tokens"] and token in self._special_ids
 
     def _cleaned(self, final: bool) -> str:
         if final:

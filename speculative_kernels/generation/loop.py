@@ -680,7 +680,7 @@ class SpeculativeLoop:
         self.stats.new_tokens += sum(count_host)  # (after the cuts of stop strings and stopping criteria)
         if self.plan.streamer is not None and count_host[0] > 0:
             start = self.prompt_length + generated_before[0]
-            self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].cpu())
+            self.plan.streamer.put(self.sequences[:, start : start + count_host[0]].to("cpu", copy=True))
         return stopped
 
     def _count_drafts(self, count_host, accepted_host, passed_host, active_host, generated_before,
@@ -756,7 +756,7 @@ class SpeculativeLoop:
     def run(self):
         """Generate until every row finished. Returns (sequences [B, L + new], SpeculationStats)."""
         if self.plan.streamer is not None:
-            self.plan.streamer.put(self.sequences[:, : self.prompt_length].cpu())
+            self.plan.streamer.put(self.sequences[:, : self.prompt_length].to("cpu", copy=True))
         self.timer.start("total")
         running = self.plan.max_new_tokens > 0
         dropper = RowDropper(self.batching, self.sequences_fill)

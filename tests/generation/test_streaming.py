@@ -200,3 +200,65 @@ def test_a_skipped_special_token_inside_a_byte_run_holds_the_run_back():
         detokenizer = sk.IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         pieces = [detokenizer.push([token]) for token in ids]
         assert "".join(pieces) + detokenizer.flush() == full
+
+
+def test_ids_the_decode_drops_inside_a_byte_run_hold_the_run_back():
+    """As above, for the ids the decode drops that are not in all_special_ids: an id past the tokenizer (a model
+    whose embedding is padded past it, as Phi-3's 32064 rows over a 32000-token tokenizer, can sample one) and, with
+    skip_special_tokens, a token marked special in tokenizer.json but named in no tokenizer setting (as Qwen's
+    <|im_end|>-style tokens). The byte tokens are in the model's vocabulary, as in Llama 2's tokenizer.json. The
+    stream emitted text the full decode does not have, then raised RuntimeError at flush."""
+    import json
+
+    from tokenizers import AddedToken
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(["hello world, naïve café"] * 10,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    state = json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(state))
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True, normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    byte, end, past = tokenizer.convert_tokens_to_ids, tok.token_to_id("<|im_end|>"), len(tokenizer) + 5
+    assert end not in tokenizer.all_special_ids
+    for dropped, skip in ((end, True), (past, True), (past, False)):
+        for ids in ([byte("<0x5A>"), dropped, byte("<0x97>")],
+                    [byte("<0xC3>"), dropped, byte("<0xA9>"), byte("<0x5A>")]):
+            full = tokenizer.decode(ids, skip_special_tokens=skip)
+            detokenizer = sk.IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            pieces = [detokenizer.push([token]) for token in ids]
+            assert "".join(pieces) + detokenizer.flush() == full, (ids, skip)
+
+
+def test_a_streamer_that_edits_what_it_is_given_changes_nothing():
+    """On the CPU, put() was handed a view of our output buffer (``.cpu()`` copies nothing there): a streamer that
+    edits its argument in place (reuses it as a buffer) zeroed our returned tokens, and with repetition_penalty
+    changed the tokens generated. model.generate puts tensors it does not read again; so do we now."""
+    from helpers.models import perturbed
+
+    class Scribbler:
+        def __init__(self):
+            self.calls = 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:  # (HF's prompt put aliases input_ids on the CPU too)
+                value.fill_(0)
+
+        def end(self):
+            pass
+
+    target = llama()
+    draft = perturbed(target)
+    ids = torch.tensor([[5, 17, 33, 8, 61]])
+    for kwargs in (dict(), dict(repetition_penalty=1.5)):
+        expected = target.generate(ids, max_new_tokens=12, do_sample=False, **kwargs)
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=12,
+                          do_sample=False, streamer=Scribbler(), **kwargs)
+        assert torch.equal(got, expected), kwargs
