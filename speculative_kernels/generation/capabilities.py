@@ -613,11 +613,58 @@ def _dynamic_quantization_reason(model) -> str | None:
     verification forward over several does not reproduce one-token steps (measured: other greedy tokens, the target
     its own draft)."""
     quantized = sorted({type(m).__name__ for m in model.modules() if ".quantized.dynamic" in type(m).__module__})
-    if not quantized:
-        return None
-    return (f"it holds dynamically quantized modules ({', '.join(quantized)}: torch.ao.quantization.quantize_dynamic), "
-            "which quantize activations with a scale over every token of a forward, so a multi-token verification "
-            "forward gives other logits than one-token steps; use a float model")
+    if quantized:
+        return (f"it holds dynamically quantized modules ({', '.join(quantized)}: "
+                "torch.ao.quantization.quantize_dynamic), which quantize activations with a scale over every token "
+                "of a forward, so a multi-token verification forward gives other logits than one-token steps; use a "
+                "float model")
+    observing = _observing_fake_quantizers(model)
+    if observing:
+        return (f"it holds fake-quantize modules whose observers are on ({_first_names(observing)}: "
+                "quantization-aware training), which set their scales from each forward's activations, so a "
+                "multi-token verification forward gives other logits than one-token steps; call "
+                "model.apply(torch.ao.quantization.disable_observer) to keep the scales as trained")
+    per_tensor = _torchao_activation_scales(model)
+    if per_tensor:
+        return (f"its weights are torchao tensors that quantize activations with one scale over several tokens "
+                f"({_first_names(per_tensor)}), so a multi-token verification forward gives other logits than "
+                "one-token steps; quantize activations per row (granularity=PerRow()), or weights only")
+    return None
+
+
+def _first_names(names: list[str], shown: int = 3) -> str:
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _observing_fake_quantizers(model) -> list[str]:
+    """Names of torch.ao fake-quantize modules (``prepare_qat``) observing and fake-quantizing: their observers
+    update the scale at every forward, in eval mode too."""
+    from torch.ao.quantization import FakeQuantizeBase
+
+    return [name or "model" for name, module in model.named_modules()
+            if isinstance(module, FakeQuantizeBase) and bool(module.observer_enabled[0])
+            and bool(module.fake_quant_enabled[0])]
+
+
+def _torchao_activation_scales(model) -> list[str]:
+    """"name (granularity)" of each torchao weight (a tensor subclass, ``torchao.quantization.quantize_``) that
+    quantizes its layer's activations other than per row (one scale per token, exact under any width): per tensor
+    (e.g. ``Float8DynamicActivationFloat8WeightConfig``'s default), or a scheme this check cannot read."""
+    found = []
+    for name, parameter in model.named_parameters():
+        if not type(parameter).__module__.startswith("torchao"):
+            continue
+        kwargs = getattr(parameter, "act_quant_kwargs", None)
+        if kwargs is None:
+            if getattr(parameter, "input_quant_func", None) is not None:  # torchao's older activation wrapper
+                found.append(f"{name} (activation quantization of {type(parameter).__name__})")
+            continue
+        granularity = getattr(kwargs, "granularity", None)
+        per_row = type(granularity).__name__ in ("PerRow", "PerToken") and getattr(granularity, "dim", -1) == -1
+        if not per_row:
+            found.append(f"{name} ({granularity!r})")
+    return found
 
 
 def position_dependent_rope(model) -> list[tuple[str, int]]:
@@ -840,6 +887,27 @@ def check_deterministic(model) -> None:
     if found is not None:
         raise ValueError(f"{type(model).__name__} is in training mode with {found}, so every forward is random "
                          "(model.generate's too) and no output can be exact; call model.eval() before generating")
+    stateful = _training_state_updates(model)
+    if stateful:
+        raise ValueError(f"{type(model).__name__} is in training mode with spectral_norm ({_first_names(stateful)}), "
+                         "whose power iteration updates the weight at every forward: one per token in "
+                         "model.generate, one per iteration here, so the weights and the output would differ; call "
+                         "model.eval() before generating")
+
+
+def _training_state_updates(model) -> list[str]:
+    """Names of modules in training mode whose forward updates a weight (spectral_norm's power iteration, as a
+    parametrization or as the older forward pre-hook)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found = []
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if type(module).__name__ == "_SpectralNorm" or any(isinstance(hook, SpectralNorm)
+                                                          for hook in module._forward_pre_hooks.values()):
+            found.append(name or "model")
+    return found
 
 
 def _active_randomness(model) -> str | None:

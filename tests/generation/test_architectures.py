@@ -495,6 +495,63 @@ def test_dynamically_quantized_models_are_refused(monkeypatch):
     _check_refused_up_front(model, "dynamically quantized modules", batch=1, monkeypatch=monkeypatch)
 
 
+def test_quantization_aware_training_with_observers_on_is_refused(monkeypatch):
+    """prepare_qat's fake-quantize modules observe every forward's activations (in eval mode too) and set their
+    scale from them, so a verification forward over several tokens gave other greedy tokens than model.generate's
+    one-token steps, silently. With the observers disabled (the scales as trained) the model is exact."""
+    from torch.ao.quantization import disable_observer, get_default_qat_qconfig, prepare_qat
+
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES)).train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.qconfig = get_default_qat_qconfig("fbgemm")
+    prepare_qat(model, inplace=True)
+    model.eval()
+    _check_refused_up_front(model, "fake-quantize modules whose observers are on", monkeypatch=monkeypatch)
+    model.apply(disable_observer)
+    _check_exact(model, batch=2, noise=None)
+
+
+def _torchao_like_weight(weight, granularity):
+    """A weight shaped as torchao's quantized tensors present themselves to the check (a tensor subclass from a
+    torchao module with ``act_quant_kwargs.granularity``), for machines without torchao; the real one is below."""
+    subclass = type("Int8Tensor", (torch.Tensor,), {"__module__": "torchao.quantization"})
+    parameter = torch.nn.Parameter(weight.detach().as_subclass(subclass), requires_grad=False)
+    parameter.act_quant_kwargs = type("Kwargs", (), {"granularity": granularity})()
+    return parameter
+
+
+def test_activation_quantization_over_several_tokens_is_refused(monkeypatch):
+    """torchao's dynamic activation quantization per tensor (Float8DynamicActivationFloat8WeightConfig's default,
+    Int8DynamicActivationInt8WeightConfig(granularity=PerTensor())) scales a forward's activations together: a
+    verification forward gave other greedy tokens than one-token steps, silently. Per row (one scale per token) it
+    is exact and accepted."""
+    PerTensor = type("PerTensor", (), {"__repr__": lambda self: "PerTensor()"})
+    PerRow = type("PerRow", (), {"dim": -1})
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    proj = model.model.layers[0].self_attn.q_proj
+    original = proj.weight
+    proj.weight = _torchao_like_weight(original, PerTensor())
+    _check_refused_up_front(model, r"torchao tensors that quantize activations .*q_proj.weight \(PerTensor\(\)\)",
+                            monkeypatch=monkeypatch)
+    proj.weight = _torchao_like_weight(original, PerRow())
+    _check_exact(model, batch=2, noise=None)
+
+
+def test_torchao_per_tensor_activation_quantization_is_refused(monkeypatch):
+    """The same with torchao itself (skipped where it is not installed)."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    from torchao.quantization.granularity import PerRow, PerTensor
+
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(granularity=PerTensor()))
+    _check_refused_up_front(model, "torchao tensors that quantize activations", monkeypatch=monkeypatch)
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(granularity=PerRow()))
+    _check_exact(model, batch=2, noise=None)
+
+
 def test_a_forward_wrapped_without_functools_wraps_is_driven_by_the_class_signature():
     """model.forward = lambda *a, **k: original(*a, **k) (a logging wrapper) hides the keywords; it was refused as
     'a cache-less or recurrent model'. HF's generate runs it; so does this, through the class's forward keywords."""

@@ -288,6 +288,30 @@ def test_other_training_mode_randomness_is_refused():
                            model.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+def test_spectral_norm_in_training_mode_is_refused():
+    """spectral_norm runs a power iteration at every forward in training mode, so the weight depends on how many
+    forwards ran (one per token in model.generate): 2 of 6 prompts gave other tokens, silently. Refused (as the
+    parametrization and as the older hook); in eval mode it is exact."""
+    import copy
+
+    from torch.nn.utils import spectral_norm as hook_spectral_norm
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    ids = torch.tensor([[5, 17, 42, 70]])
+    for apply, where in ((spectral_norm, r"model.layers.0.self_attn.o_proj.parametrizations.weight.0"),
+                         (hook_spectral_norm, r"model.layers.0.self_attn.o_proj")):
+        model = llama()
+        for layer in model.model.layers:
+            apply(layer.self_attn.o_proj)
+        model.train()
+        with pytest.raises(ValueError, match=rf"training mode with spectral_norm \({where}.*model.eval\(\)"):
+            sk.generate(model, ids, draft_model=copy.deepcopy(model), max_new_tokens=4)
+        model.eval()
+        assert torch.equal(sk.generate(model, ids, draft_model=copy.deepcopy(model), num_speculative_tokens=2,
+                                       max_new_tokens=8, do_sample=False),
+                           model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
 def test_gradient_checkpointing_in_training_mode_is_refused():
     """gradient_checkpointing_enable() and training mode (generating inside a training loop): transformers'
     checkpointed layers drop past_key_values, so no KV cache is read or filled; this crashed deep inside the model
