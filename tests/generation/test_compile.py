@@ -211,3 +211,30 @@ def test_a_request_that_fills_a_position_table_compiles_no_wider_than_it_verifie
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3,
                       compile=TRACE_ONLY if not ON_CUDA else CompileOptions(), **kwargs)
     assert torch.equal(got, target.generate(ids, **kwargs))
+
+
+def test_a_global_module_hook_is_refused_under_compile():
+    """torch.compile does not guard global module hooks: a register_module_forward_hook made after an earlier
+    compiled call was left out of the captured steps that later calls reuse (a mix of hooked and unhooked steps,
+    silently). compile=True now refuses while one is registered; without it, the hook is honoured eagerly."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    target = llama().to(DEVICE)
+    ids = _prompt()
+    shift = torch.randn(target.config.hidden_size, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    compiled = dict(cache_implementation="static", compile=TRACE_ONLY)
+    baseline = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8,
+                           do_sample=False, **compiled)
+    assert torch.equal(baseline, target.generate(ids, max_new_tokens=8, do_sample=False))
+    handle = register_module_forward_hook(lambda module, args, out: out + shift if module is target.model.norm
+                                          else None)
+    try:
+        with pytest.raises(ValueError, match="compile=True cannot run while a global module forward hook"):
+            sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8,
+                        do_sample=False, **compiled)
+        expected = target.generate(ids, max_new_tokens=8, do_sample=False)
+        got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8,
+                          do_sample=False)
+    finally:
+        handle.remove()
+    assert torch.equal(got, expected) and not torch.equal(expected, baseline)

@@ -441,3 +441,24 @@ def test_a_target_shared_with_another_thread_keeps_its_forwards_apart(family, ca
     assert a_inside.is_set() and set(out) == {"a", "b"}
     assert torch.equal(out["b"], expected_b)
     assert torch.equal(out["a"], expected_a)
+
+
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}])
+def test_a_callers_hook_on_the_position_table_is_kept(cache):
+    """BART's decoder position table carries our hook for each forward (the true positions); it ran after a caller's
+    own forward hook and recomputed the output from the weight, dropping the caller's change (other tokens than
+    model.generate, silently). Ours now runs first."""
+    from helpers.seq2seq_models import bart, perturbed
+
+    target = bart()
+    draft = perturbed(target)
+    source = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    handle = target.model.decoder.embed_positions.register_forward_hook(lambda module, args, out: out * 0.5)
+    try:
+        expected = target.generate(source, max_new_tokens=16, do_sample=False)
+        got = sk.generate(target, source, draft_model=draft, num_speculative_tokens=4, max_new_tokens=16,
+                          do_sample=False, **cache)
+    finally:
+        handle.remove()
+    assert torch.equal(got, expected)
+    assert not torch.equal(expected, target.generate(source, max_new_tokens=16, do_sample=False))  # the hook mattered

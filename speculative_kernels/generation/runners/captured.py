@@ -42,9 +42,24 @@ def compile_step(step: Callable, options: CompileOptions, device: torch.device,
     return torch.compile(step, **options.torch_compile_kwargs(device, batch_changes))
 
 
+def check_no_global_hooks() -> None:
+    """ValueError while a global module forward hook is registered (``torch.nn.modules.module.
+    register_module_forward_hook`` / ``_pre_hook``): dynamo does not guard those, so captured steps compiled before
+    one was registered (or removed) would be reused without it (measured: a mix of hooked and unhooked steps)."""
+    from torch.nn.modules import module
+
+    if module._global_forward_hooks or module._global_forward_pre_hooks:
+        raise ValueError("compile=True cannot run while a global module forward hook is registered "
+                         "(register_module_forward_hook / register_module_forward_pre_hook, also active inside "
+                         "tools such as FlopCounterMode): torch.compile does not guard global hooks, so captured "
+                         "steps compiled without it would run without it; register the hook on the model's modules "
+                         "instead (those are guarded), or decode without compile=")
+
+
 def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
     """Run a compiled step on fresh copies of its inputs (one inference mode and one stride per shape for the guards)
     and return a copy of its output (a captured graph's outputs are overwritten by its next replay)."""
+    check_no_global_hooks()
     torch.compiler.cudagraph_mark_step_begin()
     fresh = torch.contiguous_format
     with dynamo_limits():
@@ -54,9 +69,10 @@ def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
             raise RuntimeError(
                 f"compile=True: this process has compiled the captured decoding steps for "
                 f"{_DYNAMO_LIMITS['recompile_limit']} shapes already (each model, batch size, gamma and cache size "
-                "bucket is one), dynamo's limit for them; call torch._dynamo.reset() to drop the compiled steps, or "
-                "vary fewer of those between calls (a SpeculativeDecoder with a fixed max_context serves requests "
-                "of any length with one set)") from error
+                "bucket is one; changing a model's forward hooks between calls recompiles them too), dynamo's limit "
+                "for them; call torch._dynamo.reset() to drop the compiled steps, or vary fewer of those between "
+                "calls (a SpeculativeDecoder with a fixed max_context serves requests of any length with one set)") \
+                from error
     return out.clone()
 
 
@@ -64,6 +80,7 @@ def capture_steps(steps: Sequence[tuple[CapturableRunner, Sequence[tuple[int, bo
                   device: torch.device) -> float:
     """Capture each runner's steps at its (width, last_only) shapes, then warm every runner up (compile, record CUDA
     graphs). Returns the seconds it took (``SpeculationStats.warmup_time_s``)."""
+    check_no_global_hooks()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

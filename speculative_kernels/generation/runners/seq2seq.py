@@ -139,8 +139,10 @@ class Seq2SeqRunner:
         self._hook_thread = threading.get_ident()
         if self._position_module is None:
             return []
-        return [self._position_module.register_forward_pre_hook(self._inside_table, with_kwargs=True),
-                self._position_module.register_forward_hook(self._true_positions)]
+        # (first of the module's hooks: a caller's own hooks see, and may change, the true positions' output, as
+        #  they see HF's)
+        return [self._position_module.register_forward_pre_hook(self._inside_table, with_kwargs=True, prepend=True),
+                self._position_module.register_forward_hook(self._true_positions, prepend=True)]
 
     def _inside_table(self, module, args, kwargs):
         """Forward pre-hook: HF's own lookup, whose output ``_true_positions`` replaces, reads the table from the
