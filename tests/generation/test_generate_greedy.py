@@ -370,3 +370,18 @@ def test_result_is_on_the_device_of_the_callers_ids(model_on, ids_on):
     got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8, do_sample=False)
     assert expected.device == got.device == ids.device
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("embedding, rest", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_an_input_embedding_in_another_dtype_than_the_layers(embedding, rest):
+    """The runners built their additive masks in the first parameter's dtype, the input embedding's: a bfloat16
+    embedding beside float32 layers (to save memory) failed inside SDPA, and a float32 one beside float64 layers
+    gave other tokens (torch's CPU SDPA mishandles a float32 mask on float64 queries), where model.generate runs
+    both. The mask now takes the layers' dtype."""
+    target = llama().to(rest)
+    target.model.embed_tokens.to(embedding)
+    draft = llama(seed=1)
+    ids = _prompt()
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=24, do_sample=False)
+    assert torch.equal(got, expected)

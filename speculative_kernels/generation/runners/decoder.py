@@ -11,7 +11,7 @@ import torch
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
 from .dynamic_cache import RollbackCache, append_cache_rows, crop_cache
-from .masks import decoder_mask
+from .masks import attention_dtype, decoder_mask
 from .slot_mask import SlotMaskRunner, accepts
 
 
@@ -28,7 +28,7 @@ class DecoderRunner(SlotMaskRunner):
         self.model, self.spec = model, spec
         self.cache: RollbackCache | None = None  # made by the first forward (a draft that never runs costs nothing)
         self._logits_to_keep = accepts(model, "logits_to_keep")
-        self._dtype = next(model.parameters()).dtype
+        self._dtype = attention_dtype(model)
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
         self._init_additive(spec, self._dtype)
 

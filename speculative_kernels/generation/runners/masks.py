@@ -9,6 +9,22 @@ import torch
 from ..capabilities import ModelSpec
 
 
+def attention_dtype(model) -> torch.dtype:
+    """The dtype the model's attention computes in, for its additive masks: that of its first floating parameter
+    outside the input embedding (a model may keep its embedding in another dtype, e.g. bfloat16 to save memory
+    beside float32 layers: a mask in the embedding's dtype fails inside SDPA, or is mishandled by it)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    skip = set() if embedding is None else {id(p) for p in embedding.parameters()}
+    first = None
+    for parameter in model.parameters():
+        if not parameter.is_floating_point():
+            continue
+        if id(parameter) not in skip:
+            return parameter.dtype
+        first = first or parameter.dtype
+    return first if first is not None else torch.get_default_dtype()
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """allowed [B, T, S] bool (query t may see slot s) -> the additive mask [B, 1, T, S]: 0 or dtype's minimum."""
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=allowed.device)

@@ -17,7 +17,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
 from .dynamic_cache import crop_cache
-from .masks import additive_mask, causal_slots
+from .masks import additive_mask, attention_dtype, causal_slots
 
 
 def _shift_right(tensor: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ class Seq2SeqRunner:
             if not isinstance(self._position_module, torch.nn.Embedding):
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         self._positions = None
-        self._dtype = next(model.parameters()).dtype
+        self._dtype = attention_dtype(model)
         self._four_d = spec.mask == "4d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
         self._cross_mask = encoder_mask
         if self._four_d and encoder_mask is not None:  # [B, 1, 1, S], broadcast over queries

@@ -15,7 +15,7 @@ from ..capabilities import ModelSpec
 from ..options import CompileOptions
 from .captured import call_captured, compile_step, mark_static
 from .compaction import SlotCompactor
-from .masks import decoder_mask
+from .masks import attention_dtype, decoder_mask
 from .slot_cache import CacheLayout, SlotCache
 from .slot_mask import SlotMaskRunner, accepts
 
@@ -44,7 +44,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         self.cache = SlotCache(CacheLayout.of(model, spec), batch, capacity, device, rows=rows)
         self.capacity, self.reserve = capacity, reserve  # (num_slots: the host copy of the write pointer)
         self._logits_to_keep = accepts(model, "logits_to_keep")
-        self._dtype = next(model.parameters()).dtype
+        self._dtype = attention_dtype(model)
         self._compiled = {}  # (width, last_only) -> compiled step
         self._warm_sizes: set[int] = set()  # batch sizes whose captured steps have all been warmed up
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T]
