@@ -26,14 +26,19 @@ def _module():
     return module
 
 
-@pytest.fixture(scope="module")
-def served():
+def _serve():
+    """(server, port, (target, draft, tokenizer)): the demo pair served on loopback."""
     target, draft, tokenizer = load_demo_pair()
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
     server = _module().CompletionsServer(decoder, tokenizer)
-    port = server.start_in_thread()
-    yield server, port, (target, draft, tokenizer)
-    server.stop()
+    return server, server.start_in_thread(), (target, draft, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served():
+    served = _serve()
+    yield served
+    served[0].stop()
 
 
 def _post(port, body):
@@ -381,12 +386,9 @@ def test_a_handler_that_fails_has_its_request_cancelled(served, monkeypatch):
 @pytest.fixture
 def own_server():
     """A server of its own, for tests that make the decoder fail (the module's server stays healthy)."""
-    target, draft, tokenizer = load_demo_pair()
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
-    server = _module().CompletionsServer(decoder, tokenizer)
-    port = server.start_in_thread()
-    yield server, port, (target, draft, tokenizer)
-    server.stop()
+    served = _serve()
+    yield served
+    served[0].stop()
 
 
 def _no_room(self, remaining):
