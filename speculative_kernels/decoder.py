@@ -26,6 +26,7 @@ Continuous batching (requests joining and leaving between steps, each with its o
 The design, its cost and its admission bound: ``continuous.py``.
 """
 
+import copy
 import threading
 
 import torch
@@ -104,9 +105,10 @@ class DecodeSession:
 
     @property
     def stats(self) -> SpeculationStats:
-        """The session's statistics so far (phase times included; total_time_s is prefill plus the steps)."""
+        """The session's statistics so far (phase times included; total_time_s is prefill plus the steps): a snapshot,
+        which later steps leave as it is (subtract two to measure the steps between them)."""
         with self._lock:
-            return self._loop.update_stats()
+            return copy.deepcopy(self._loop.update_stats())
 
 
 class SpeculativeDecoder:

@@ -66,7 +66,7 @@ class SpeculativeLoop:
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
-                 decode_experts: DecodeExperts | None = None):
+                 decode_experts: DecodeExperts | None = None, timer: PhaseTimer | None = None):
         check_drafter(drafter)  # (before the prefill: a factory or a class passed for the instance)
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
@@ -140,7 +140,7 @@ class SpeculativeLoop:
         self.stats = SpeculationStats(num_speculative_tokens=self.gamma, accepted_histogram=[0] * (self.gamma + 1))
         self._histogram = [0] * (self.max_gamma + 1)
         self._offsets: dict[int, torch.Tensor] = {}  # T -> arange(T) [1, T] on the device
-        self.timer = PhaseTimer(self.device)
+        self.timer = timer if timer is not None else PhaseTimer(self.device)  # (build_loop's holds the encoder's)
         self.scores = self._score_buffer() if plan.output_scores else None
         self.raw_logits = self._score_buffer() if plan.output_logits else None
         self._started = time.monotonic()  # (max_time counts from here, as HF's MaxTimeCriteria from its prefill)

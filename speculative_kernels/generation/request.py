@@ -24,6 +24,7 @@ from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import Plan, resolve_settings
+from .stats import PhaseTimer
 from .stop_strings import stop_criterion
 from .vocab import VocabBridge, logit_width
 
@@ -172,7 +173,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                device=device, static_rows=static_rows, captured=compile_options is not None)
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
-    encoded = prompt.encode() if encoder_decoder else {}
+    timer = PhaseTimer(device)  # the loop's: an encoder pass over the source is prefill time (total_time_s)
+    encoded = {}
+    if encoder_decoder:
+        timer.start("prefill")
+        encoded = prompt.encode()
+        timer.stop("prefill")
     encoder_mask = prompt.encoder_mask if encoder_decoder else None
     runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask) for m, spec in zip(models, specs)]
     target_runner = runners[0]
@@ -200,7 +206,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         batching = dataclasses.replace(batching, drop_finished_fraction=None)
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
-                           processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models))
+                           processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models),
+                           timer=timer)
 
 
 def stop_string_criterion(stop_strings, tokenizer):

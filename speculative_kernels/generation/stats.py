@@ -44,7 +44,9 @@ class SpeculationStats:
     accept_tests_passed: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
-    total_time_s: float = 0.0  # prefill + decoding; excludes warmup_time_s
+    # prefill (an encoder-decoder's encoder pass included, which prefill_forwards does not count) + decoding;
+    # excludes warmup_time_s
+    total_time_s: float = 0.0
     warmup_time_s: float = 0.0  # compile=True: compiling and recording the captured steps (not in total_time_s)
     compactions: int = 0  # hole compactions of either cache (batch > 1)
     dropped_rows: int = 0  # finished rows removed from the batch before the end

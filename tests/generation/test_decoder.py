@@ -250,3 +250,21 @@ def test_a_session_stepped_from_two_threads_runs_their_steps_one_after_the_other
     assert not errors
     # (each thread appends its step's tokens after the lock is released: their order between threads is free)
     assert torch.equal(session.sequences(), expected) and sorted(streamed) == sorted(expected[0, 3:].tolist())
+
+
+def test_session_stats_are_a_snapshot():
+    """DecodeSession.stats returned the loop's own object, which later steps updated in place: a value read earlier
+    changed under the caller, and 'after - before' came out 0."""
+    from helpers.models import llama, perturbed
+
+    target = llama()
+    ids = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    session = sk.SpeculativeDecoder(target, perturbed(target, 0.3), num_speculative_tokens=4).start(
+        ids, max_new_tokens=30, do_sample=False)
+    session.step()
+    before = session.stats
+    read = before.new_tokens
+    emitted = sum(len(tokens) for tokens in session.step())
+    after = session.stats
+    assert before.new_tokens == read and before is not after
+    assert after.new_tokens - before.new_tokens == emitted > 0
