@@ -1,7 +1,9 @@
 """Choosing the draft length gamma from the paper's speedup model (Leviathan et al. 2023, section 3): the expected
 speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (Theorem 3.8), and ``GammaCalibrator``, which measures
-alpha and c over a run's first iterations for ``num_speculative_tokens="auto"``. How: ``docs/architecture.md``."""
+alpha and c over a run's first iterations for ``num_speculative_tokens="auto"`` and then keeps re-estimating alpha.
+How: ``docs/architecture.md``."""
 
+import collections
 import dataclasses
 import math
 import statistics
@@ -10,6 +12,9 @@ MAX_GAMMA = 16
 CALIBRATION_GAMMA = 4
 CALIBRATION_WARMUP = 1  # iterations whose times are not used (first-call allocations, lazy initialisation)
 CALIBRATION_ITERATIONS = 4  # timed iterations
+RECHECK_EVERY = 8  # after the choice: alpha is re-estimated every this many iterations
+RECHECK_WINDOW = 16  # ... over this many latest iterations (c stays the calibration's)
+RECHECK_MARGIN = 0.02  # switch only to a gamma expected this much faster than the one in use
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -92,6 +97,10 @@ class GammaCalibrator:
     alpha: float | None = None
     c: float | None = None
     chosen: int | None = None
+    recheck_every: int = RECHECK_EVERY
+    recent: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=RECHECK_WINDOW))  # (counts, drafted) per iteration
+    since_check: int = 0
 
     @property
     def done(self) -> bool:
@@ -117,6 +126,35 @@ class GammaCalibrator:
         if self.seen < self.warmup + self.iterations:
             return None
         return self.finish()
+
+    def observe(self, accepted_counts, drafted) -> int | None:
+        """After the choice, every iteration drafted at the chosen gamma: the rows' accepted counts and drafts (as
+        ``record``). Every ``recheck_every`` iterations alpha is re-estimated over the latest ones (acceptance drifts:
+        a prompt-lookup or n-gram drafter finds little to copy at first and much later) and the gamma that
+        maximises the speedup at the calibration's c is returned when it is expected to be ``RECHECK_MARGIN``
+        faster than the one in use; else None. Host values only: no timing is read (on CUDA that would wait)."""
+        if not self.done:
+            raise RuntimeError("observe() follows the choice; record() calibrates")
+        accepted_counts, drafted = list(accepted_counts), list(drafted)
+        if len(drafted) != len(accepted_counts) or any(not 0 <= n <= d for n, d in zip(accepted_counts, drafted)):
+            raise ValueError(f"accepted counts {accepted_counts} do not fit the drafted counts {drafted}")
+        self.recent.append((accepted_counts, drafted))
+        self.since_check += 1
+        if self.since_check < self.recheck_every or self.c is None:
+            return None
+        self.since_check = 0
+        passed = sum(sum(counts) for counts, _ in self.recent)
+        tests = passed + sum(n < d for counts, limits in self.recent for n, d in zip(counts, limits))
+        if not tests:
+            return None
+        alpha = passed / tests
+        best = choose_gamma(alpha, self.c, self.max_gamma)
+        if best == self.chosen or \
+                expected_speedup(alpha, best, self.c) <= (1 + RECHECK_MARGIN) * expected_speedup(alpha, self.chosen,
+                                                                                               self.c):
+            return None
+        self.alpha, self.chosen = alpha, best
+        return best
 
     def finish(self) -> int:
         """Choose gamma from what was recorded (also usable early, e.g. when decoding ends during calibration)."""

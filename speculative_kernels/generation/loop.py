@@ -601,7 +601,7 @@ class SpeculativeLoop:
         # moves each row's next input to its new token.
         if not all(self._finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
-        if self.calibrator is not None and not self.calibrator.done and self.gamma == self.chosen_gamma:
+        if self.calibrator is not None and self.gamma == self.chosen_gamma:
             active = [i for i, a in enumerate(active_host) if a]
             self._calibrate([min(passed_host[i], self.last_drafted[i]) for i in active],
                             [self.last_drafted[i] for i in active])
@@ -644,11 +644,15 @@ class SpeculativeLoop:
 
     def _calibrate(self, accepted_counts: list[int], drafted: list[int]) -> None:
         """num_speculative_tokens="auto": feed this iteration to the calibrator (per active row, the drafts it
-        accepted of the ones it was drafted); switch gamma once it has chosen.
+        accepted of the ones it was drafted); switch gamma once it has chosen, and whenever its re-estimate of alpha
+        (``GammaCalibrator.observe``) picks another.
         The phase times are complete here but for the verify phase's end event, recorded after the iteration's
         host read: ``timer.last`` waits for it (it is reached at once, the stream is idle there)."""
-        chosen = self.calibrator.record(accepted_counts, self.timer.last("draft"), self.timer.last("verify"),
-                                        drafted=drafted)
+        if self.calibrator.done:  # re-estimating alpha from the counts alone (no timer read)
+            chosen = self.calibrator.observe(accepted_counts, drafted)
+        else:
+            chosen = self.calibrator.record(accepted_counts, self.timer.last("draft"), self.timer.last("verify"),
+                                            drafted=drafted)
         if chosen is not None:
             self.chosen_gamma = self.stats.num_speculative_tokens = chosen
             self._largest_gamma_used = max(self._largest_gamma_used, chosen)

@@ -8,6 +8,7 @@ import torch
 import speculative_kernels as sk
 from helpers.models import llama, perturbed
 from speculative_kernels.generation import gamma as gamma_mod
+from speculative_kernels.generation.drafter import emitted_counts
 from speculative_kernels.generation.gamma import (
     GammaCalibrator,
     alpha_from_counts,
@@ -220,3 +221,64 @@ def test_auto_calibrates_on_what_each_row_was_drafted(monkeypatch):
     while decoder.has_work():
         decoder.step()
     assert seen and seen[0] == 1.0
+
+
+def test_calibrator_keeps_reestimating_alpha_after_its_choice():
+    """Acceptance drifts (a prompt-lookup or n-gram drafter finds little to copy at first): the first choice was
+    final, so a run calibrated on rejections stayed at gamma 1. Every RECHECK_EVERY iterations alpha is re-estimated
+    over the latest ones and a gamma expected RECHECK_MARGIN faster is taken (c stays the calibration's)."""
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
+    assert cal.record([0], draft_seconds=0.04, verify_seconds=1.0) is None
+    assert cal.record([0], draft_seconds=0.04, verify_seconds=1.0) == 1  # alpha 0
+    with pytest.raises(ValueError, match="do not fit"):
+        cal.observe([2], [1])
+    for _ in range(gamma_mod.RECHECK_EVERY - 1):
+        assert cal.observe([1], [1]) is None
+    assert cal.observe([1], [1]) == choose_gamma(1.0, 0.01) == 16 and cal.alpha == 1.0
+    for _ in range(gamma_mod.RECHECK_EVERY):  # no better gamma: no switch
+        assert cal.observe([16], [16]) is None
+    assert cal.chosen == 16
+
+
+def test_auto_recovers_from_a_drafter_that_starts_badly():
+    """A drafter whose first proposals are all rejected and later ones all accepted: "auto" calibrated on the
+    rejections chose gamma 1 and kept it to the end; now it moves up once the drafts are accepted. Output stays
+    model.generate's."""
+    target = llama()
+    ids = _prompt()
+    expected = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    continuation = expected[0, ids.shape[1]:].tolist()
+
+    class LateBloomer:  # the Drafter protocol: right tokens from its 7th proposal on, wrong ones before
+        forwards = compactions = 0
+
+        def start(self, input_ids, real):
+            self.position, self.calls = 0, 0
+
+        def propose(self, gamma, choose):
+            self.calls += 1
+            tokens = [continuation[min(self.position + j, len(continuation) - 1)] for j in range(gamma)]
+            if self.calls <= 6:
+                tokens = [(token + 1) % 97 for token in tokens]
+            return torch.tensor([tokens]), None, None
+
+        def observe(self, out, accepted, finished):
+            self.position += int(emitted_counts(accepted, finished)[0])
+
+        def accept(self, *args):
+            pass
+
+        def proposal_counts(self):
+            return None
+
+        def lengths_to_read(self):
+            return None
+
+        def lengths_read(self, lengths):
+            pass
+
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, drafter=LateBloomer(), num_speculative_tokens="auto", max_new_tokens=60,
+                      do_sample=False, eos_token_id=None, speculation_stats=stats)
+    assert torch.equal(got, expected)
+    assert stats.num_speculative_tokens > 1 and stats.accepted_tokens > 0
