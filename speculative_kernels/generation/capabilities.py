@@ -49,6 +49,12 @@ CONFIG_UNSUPPORTED = {
 # has loaded them, so it is accepted only without them.
 GENERATE_ROUTES_INPUTS_ONLY = {"GraniteSpeechForConditionalGeneration", "GraniteSpeechPlusForConditionalGeneration",
                                "Nemotron3_5TranscribeForConditionalGeneration"}
+# GenerationMixin's decoding-loop methods: a transformers class overriding one decodes by another loop than the one
+# speculative_kernels reproduces (Higgs Audio's _sample reads codebooks from an audio head). Reviewed and harmless
+# for generation from token ids: CLVP's _prepare_model_inputs (it only adds conditioning embeddings when given).
+LOOP_METHODS = ("_sample", "_get_logits_processor", "_get_stopping_criteria", "_prepare_generation_config", "_prefill",
+                "_has_unfinished_sequences", "_prepare_generated_length", "_prepare_model_inputs")
+LOOP_OVERRIDES_REVIEWED = {("ClvpForCausalLM", "_prepare_model_inputs")}
 FOUR_D_ATTENTION = ("sdpa", "eager")
 # Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
 # "absolute": BART's learned table, read at each row's own positions).
@@ -56,6 +62,9 @@ POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbar
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
+# A prepare_inputs_for_generation that appends a token of its own to every step's ids (XLM, Flaubert, XLNet: a mask
+# token whose position the next token is read at)
+_APPENDS_TO_INPUT_IDS = re.compile(r"input_ids\s*=\s*torch\.cat\(\s*\[\s*input_ids\s*,")
 _BIDIRECTIONAL_MASK = re.compile(r"\bcreate_bidirectional_mask\(")
 # A decoder stack that adds layers to the cache it is given (Dory: a copy of the recurrent layers' cache per loop).
 _GROWS_CACHE_LAYERS = re.compile(r"(?:cache|past_key_values)\.layers\s*(?:\+=|\.append\(|\.extend\()")
@@ -67,6 +76,9 @@ _WIDENS_2D_MASK_AT_STEPS = re.compile(r"seq_len\s*==\s*1\s*:[\s\S]{0,600}?torch\
 # attention_mask])`` by the image tokens, which a text-only cache does not hold): the widened mask no longer lines up
 # with the cache, so model.generate's one-token steps attend to a padded row's masked slots. The 4-D masks of the
 # speculative forwards are not widened: exact where the mask masks nothing (``check_masked_slots``).
+# A decoder stack that flattens every mask it gets to [B, -1] (ImageGPT; GPT-2 and CTRL guard the same line with
+# ``ndim < 4``): a 4-D mask over several queries would become a garbled padding mask, so it takes the 2-D one.
+_FLATTENS_ANY_MASK = re.compile(r"if attention_mask is not None:\s*\n\s*attention_mask = attention_mask\.view\(")
 _WIDENS_2D_MASK_OVER_CACHE = re.compile(r"attention_mask\.ndim\s*==\s*2\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*"
                                         r"extended_attention_mask")
 
@@ -269,9 +281,14 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
                             "one shared with another layer) are supported by the dynamic cache only")
     attention = getattr(model.config, "_attn_implementation", None)
     four_d = _four_d_masks(model, name, path)
+    flattens = four_d and bool(_FLATTENS_ANY_MASK.search(_decoder_stack_source(model)[1]))
+    four_d = four_d and not flattens
     model_type = getattr(config, "model_type", "")
     alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
     alibi_slots = model_type == "mpt" or "alibi" in model_type  # (HF's MPT applies ALiBi whatever attn_config says)
+    if path != "dynamic" and flattens:
+        _refuse(name, path, "its forward flattens any attention mask to [batch, -1], so it takes no 4-D mask; the "
+                            "static cache passes explicit 4-D masks (the dynamic cache drives it with the 2-D one)")
     if path != "dynamic" and not four_d:
         _refuse(name, path, f"attn_implementation={attention!r} takes no 4-D mask; the static cache passes explicit "
                             f"4-D masks, which only {FOUR_D_ATTENTION} take")
@@ -501,9 +518,25 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
                      kv_sizes=sizes, cache_argument=cache_arg)
 
 
+def check_class(model, role: str) -> None:
+    """ValueError naming ``role`` where the model's class decodes by a loop of its own (``_own_generate_reason``):
+    read from the class alone, so it can run first (Qwen2.5-Omni's get_input_embeddings raises NotImplementedError,
+    which the prompt's vocabulary check reached before the refusal)."""
+    reason = _own_generate_reason(model)
+    if reason is not None:
+        raise ValueError(f"{role}: {type(model).__name__} cannot be driven exactly by speculative_kernels: {reason}")
+
+
 def _own_generate_reason(model) -> str | None:
-    """Why a transformers class's own generate() (steps that speculative_kernels.generate would skip) rules the
-    model out, or None. A user's own subclass may override generate: it is theirs to call or not."""
+    """Why a transformers class's own generate() or decoding-loop method (``LOOP_METHODS``: steps that
+    speculative_kernels.generate would skip) rules the model out, or None. A user's own subclass may override
+    generate: it is theirs to call or not."""
+    for method in LOOP_METHODS:
+        owner = next((klass for klass in type(model).__mro__ if method in vars(klass)), None)
+        if owner is not None and owner.__name__ != "GenerationMixin" and owner.__module__.startswith("transformers.") \
+                and (owner.__name__, method) not in LOOP_OVERRIDES_REVIEWED:
+            return (f"{owner.__name__}.{method} replaces a step of HF's generation loop (e.g. what each step reads or "
+                    "emits), which speculative_kernels does not reproduce")
     owner = next((klass for klass in type(model).__mro__ if "generate" in vars(klass)), None)
     if owner is None or owner.__name__ == "GenerationMixin" or not owner.__module__.startswith("transformers."):
         return None
@@ -524,7 +557,12 @@ def _own_positions_reason(model) -> str | None:
         if owner is None or owner in seen or not owner.__module__.startswith("transformers.models."):
             continue
         seen.add(owner)
-        if _DROPS_POSITION_IDS.search(_source(vars(owner)["prepare_inputs_for_generation"])):
+        source = _source(vars(owner)["prepare_inputs_for_generation"])
+        if _APPENDS_TO_INPUT_IDS.search(source) and not _DROPS_POSITION_IDS.search(source):
+            return (f"{owner.__name__}.prepare_inputs_for_generation appends a token of its own to every step's input "
+                    "ids (the position the next token is read at), which a verification forward over several "
+                    "drafts does not reproduce")
+        if _DROPS_POSITION_IDS.search(source):
             return (f"{owner.__name__}.prepare_inputs_for_generation drops position_ids, so its forward derives "
                     "positions itself (from the input ids and the cache length), which the verification forward's "
                     "explicit position ids do not reproduce")

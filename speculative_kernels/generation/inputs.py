@@ -3,7 +3,7 @@ and masks, the helpers, what a batch can take; and the decoder-only prompt."""
 
 import torch
 
-from .capabilities import check_pair
+from .capabilities import check_class, check_pair
 from .options import BatchingOptions
 from .settings import Plan
 from .vocab import check_ids_in_vocabulary
@@ -41,6 +41,7 @@ def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_m
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face model that generates (a PreTrainedModel with a "
                             f"generation_config: ...ForCausalLM, ...ForConditionalGeneration), got {type(m).__name__}")
+        check_class(m, name)  # (a class with a generation loop of its own, before anything touches its modules)
     for name, m in zip(names, (model, draft_model)):
         if m is not None and getattr(m, "dtype", None) == torch.float64:
             raise ValueError(f"{name} is float64: the verification takes float32, float16 or bfloat16 logits (as "

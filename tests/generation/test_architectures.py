@@ -552,6 +552,70 @@ def test_torchao_per_tensor_activation_quantization_is_refused(monkeypatch):
     _check_exact(model, batch=2, noise=None)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_imagegpt_is_driven_with_the_two_d_mask(batch, monkeypatch):
+    """ImageGPT's forward flattens any mask to [B, -1] (GPT-2 and CTRL guard that line with ndim < 4): the runners'
+    4-D mask became a garbled padding mask, and even the target as its own draft gave other tokens than
+    model.generate, silently. It now gets the 2-D mask; the static cache (explicit 4-D masks) refuses it by name."""
+    from transformers import ImageGPTConfig, ImageGPTForCausalImageModeling
+
+    config = ImageGPTConfig(vocab_size=98, n_positions=64, n_embd=32, n_layer=2, n_head=4, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)
+    model = _build(ImageGPTForCausalImageModeling, config)
+    _check_exact(model, batch=batch)
+    if batch == 1:
+        _check_refused_up_front(model, "flattens any attention mask", path="static", monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_blip_text_decoder_alone_is_exact(batch):
+    """BLIP's text decoder wraps the cache it is given in an EncoderDecoderCache (its cross-attention side empty
+    without encoder states): the first rollback failed with our own TypeError. The runner now keeps the
+    self-attention cache it wrapped."""
+    from transformers import BlipTextConfig, BlipTextLMHeadModel
+
+    config = BlipTextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, encoder_hidden_size=32, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0, sep_token_id=2)
+    _check_exact(_build(BlipTextLMHeadModel, config), batch=batch)
+
+
+def test_a_class_replacing_a_step_of_the_generation_loop_is_refused_first():
+    """Higgs Audio's generation mixin overrides _sample (codebooks from an audio head) but not generate, which was
+    all the check read: the model ran as a text LM and returned unrelated ids, silently. Any of GenerationMixin's
+    loop methods overridden by a transformers class is now refused, and first: Qwen2.5-Omni's refusal came after
+    the prompt's vocabulary check, which failed inside transformers (get_input_embeddings: NotImplementedError)."""
+    import transformers
+    from transformers.generation.utils import GenerationMixin
+
+    own_sample = type("OwnSampleMixin", (GenerationMixin,), {"_sample": lambda self, *a, **k: None,
+                                                            "__module__": "transformers.models.fake.generation"})
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    model.__class__ = type("FakeAudioForConditionalGeneration", (own_sample, LlamaForCausalLM),
+                           {"__module__": "transformers.models.fake.modeling"})
+    ids, mask = _batch(1)
+    with pytest.raises(ValueError, match=r"model: FakeAudioForConditionalGeneration cannot be driven .*"
+                                         r"OwnSampleMixin\._sample replaces a step"):
+        sk.generate(model, ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4)
+    if hasattr(transformers, "Qwen2_5OmniForConditionalGeneration"):
+        class Omni(transformers.Qwen2_5OmniForConditionalGeneration):  # its own generate, no embeddings of its own
+            __module__ = "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni"
+
+            def __init__(self):
+                torch.nn.Module.__init__(self)
+                self.config, self.generation_config = LlamaConfig(**SIZES), transformers.GenerationConfig()
+
+            def get_input_embeddings(self):
+                raise NotImplementedError("get_input_embeddings not auto-handled")
+
+            def forward(self, input_ids=None, attention_mask=None, past_key_values=None):
+                raise AssertionError("not reached")
+
+        with pytest.raises(ValueError, match=r"model: Omni cannot be driven .*Qwen2_5OmniForConditionalGeneration"
+                                             r"\.generate adds steps"):
+            sk.generate(Omni(), ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4)
+
+
 def test_a_forward_wrapped_without_functools_wraps_is_driven_by_the_class_signature():
     """model.forward = lambda *a, **k: original(*a, **k) (a logging wrapper) hides the keywords; it was refused as
     'a cache-less or recurrent model'. HF's generate runs it; so does this, through the class's forward keywords."""
@@ -836,3 +900,14 @@ def test_gpt_neo_local_layers_are_exact_at_batch_1_on_the_dynamic_cache_and_refu
         _check_refused_up_front(model, "window_size=8 over cache slots", batch=2, path=path, monkeypatch=monkeypatch)
     for path in ("static", "compile"):
         _check_refused_up_front(model, "window_size=8 over cache slots", batch=1, path=path, monkeypatch=monkeypatch)
+
+
+def test_flaubert_which_appends_a_mask_token_to_every_step_is_refused(monkeypatch):
+    """Flaubert's prepare_inputs_for_generation appends a mask token to every step's ids (as XLM's, refused for
+    dropping position_ids, and XLNet's): it failed with an AssertionError inside transformers."""
+    from transformers import FlaubertConfig, FlaubertWithLMHeadModel
+
+    config = FlaubertConfig(vocab_size=97, emb_dim=32, n_layers=2, n_heads=4, causal=True, pad_index=0,
+                            bos_index=1, eos_index=2, mask_token_id=3)
+    _check_refused_up_front(_build(FlaubertWithLMHeadModel, config), "appends a token of its own",
+                            monkeypatch=monkeypatch)

@@ -7,6 +7,7 @@ out in bulk when they pass a threshold (``docs/batching.md``).
 """
 
 import torch
+from transformers import EncoderDecoderCache
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
@@ -61,7 +62,7 @@ class DecoderRunner(SlotMaskRunner):
             **{self.spec.cache_argument: self.cache if self.cache is not None else RollbackCache(self.model.config)},
             **kwargs,
         )
-        self.cache = getattr(out, self.spec.cache_argument)
+        self.cache = _self_attention_cache(getattr(out, self.spec.cache_argument))
         self.num_slots = end
         self.next_position += width if real is None else real_i.sum(dim=1)
         logits = out.logits
@@ -108,3 +109,13 @@ class DecoderRunner(SlotMaskRunner):
     def _add_cache_rows(self, other: "DecoderRunner", pad: int, other_pad: int) -> None:
         self.cache = append_cache_rows(self.cache, self.slot_mask.shape[0], pad, other.cache,
                                        other.slot_mask.shape[0], other_pad)
+
+
+def _self_attention_cache(cache):
+    """The cache a decoder-only forward returned, unwrapped where the model wrapped ours in an EncoderDecoderCache
+    with an empty cross-attention side (BLIP's text decoder does so whether or not encoder states are given): the
+    self-attention cache is what the runner rolls back; the next forward wraps it again."""
+    cross = getattr(cache, "cross_attention_cache", None)
+    if isinstance(cache, EncoderDecoderCache) and cross is not None and cross.get_seq_length() == 0:
+        return cache.self_attention_cache
+    return cache
