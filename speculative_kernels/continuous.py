@@ -467,6 +467,8 @@ class ContinuousBatcher:
         (``SpeculativeLoop.append_rows``), whose rows emit again at the next step."""
         if self.decoder.target.training and (self._rows or self._queue):  # (put in training mode since add_request:
             check_deterministic(self.decoder.target)  # refused before anything runs or is admitted)
+        if self._loop is not None:
+            self._loop.check_before_step()
         if len(self._rows) < self.max_batch_size and self._queue:
             admitted = self._admit()
             if admitted is not None and self._loop is None:

@@ -84,6 +84,7 @@ class DecodeSession:
         target = self._loop.target_runner.model
         if target.training:  # (put in training mode since start(): refused before anything runs, as start() refuses)
             check_deterministic(target)
+        self._loop.check_before_step()
         self._stepping = True
         try:
             with torch.inference_mode():

@@ -625,12 +625,15 @@ def _two_d_mask_reason(model) -> str | None:
     return None
 
 
-def check_model(model, *, path: str = "dynamic", batch: int = 1) -> ModelSpec:
+def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = True) -> ModelSpec:
     """The ``ModelSpec`` a runner drives ``model`` by on ``path`` with ``batch`` rows, or ValueError naming the
-    architecture and the reason."""
+    architecture and the reason. target: False for a draft, whose logits may depend on the tokens beside it
+    (verification reads them as given), so activation scales set per forward do not rule it out."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
     reason = _own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
+    if reason is None and target:
+        reason = _activation_scales_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
@@ -656,6 +659,12 @@ def _dynamic_quantization_reason(model) -> str | None:
                 "torch.ao.quantization.quantize_dynamic), which quantize activations with a scale over every token "
                 "of a forward, so a multi-token verification forward gives other logits than one-token steps; use a "
                 "float model")
+    return None
+
+
+def _activation_scales_reason(model) -> str | None:
+    """A target whose activations are scaled per forward (over all its tokens): a verification forward over several
+    tokens gives other logits than one-token steps. (A draft may: its logits are read as given.)"""
     observing = _observing_fake_quantizers(model)
     if observing:
         return (f"it holds fake-quantize modules whose observers are on ({_first_names(observing)}: "
@@ -991,7 +1000,7 @@ def check_caching(model, name: str = "model") -> None:
 def check_request(target, draft, *, path: str, batch: int) -> tuple[ModelSpec, ModelSpec]:
     """Check both models of a request before anything is allocated: (target spec, draft spec), or ValueError naming
     the first refusal."""
-    return check_model(target, path=path, batch=batch), check_model(draft, path=path, batch=batch)
+    return check_model(target, path=path, batch=batch), check_model(draft, path=path, batch=batch, target=False)
 
 
 def request_path(static: bool, compiled: bool) -> str:

@@ -93,14 +93,14 @@ def generate(
     # The loop runs in inference mode (cheaper per op than no_grad); what it returns is copied out of it, so that it is
     # an ordinary tensor as model.generate's (run under no_grad): editable in place, usable in autograd (RL rollouts).
     # It is on the device of the caller's ids, as model.generate's (which keeps ids on another device than the model,
-    # e.g. the CPU, and moves only each forward's inputs): a copy either way.
+    # e.g. the CPU, and moves only each forward's inputs): a copy either way; so are scores and logits, as HF's.
     sequences = sequences.clone() if result_device in (None, sequences.device) else sequences.to(result_device)
     if speculation_stats is not None:
         for field in dataclasses.fields(SpeculationStats):
             setattr(speculation_stats, field.name, getattr(stats, field.name))
     if not loop.plan.return_dict_in_generate:
         return sequences
-    scores, logits = loop.collected_scores(sequences.shape[1] - loop.prompt_length)
+    scores, logits = loop.collected_scores(sequences.shape[1] - loop.prompt_length, result_device)
     output = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
     return output(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats)
 

@@ -26,6 +26,7 @@ from .options import BatchingOptions
 from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
+from .runners.captured import check_no_global_hooks
 from .settings import Plan
 from .stats import PhaseTimer, SpeculationStats
 from .stop_strings import completes_stop_string
@@ -502,7 +503,15 @@ class SpeculativeLoop:
             if not self._hold_decode_experts:
                 self._decode_experts.exit()
 
+    def check_before_step(self) -> None:
+        """Raise, with nothing changed, what a step would refuse now: with captured steps (compile=True), a global
+        module forward hook registered since (``runners.check_no_global_hooks``). A server calls it before a step,
+        so that the refusal ends no request."""
+        if self._captured:
+            check_no_global_hooks()
+
     def _step(self) -> bool:
+        self.check_before_step()
         self.timer.start("step")
         self.gamma = self._step_gamma()
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
@@ -970,15 +979,16 @@ class SpeculativeLoop:
         self.stats.total_time_s = self.timer.seconds("step") + self.timer.seconds("prefill")
         return self.stats
 
-    def collected_scores(self, longest: int):
+    def collected_scores(self, longest: int, device: torch.device | None = None):
         """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested: views of
-        one copy of the buffer, made by the caller's mode (outside inference mode: ordinary tensors, as HF's)."""
+        one copy of the buffer, made by the caller's mode (outside inference mode: ordinary tensors, as HF's), on
+        ``device`` (None: the loop's; model.generate's are on its ids' device)."""
         def split(buffer):
             if buffer is None:
                 return None
             check_free_memory({"copy": buffer[:, :longest].nbytes, "total": buffer[:, :longest].nbytes}, self.device,
                               f"the returned scores/logits ({self.batch} rows x {longest} steps x {self.vocab} ids)")
-            copy = buffer[:, :longest].clone()
+            copy = buffer[:, :longest].to(device or buffer.device, copy=True)
             return tuple(copy[:, s] for s in range(longest))
 
         return split(self.scores), split(self.raw_logits)

@@ -34,7 +34,7 @@ SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outp
 def check_model_as(role: str, model, path: str, batch: int):
     """``check_model``, its refusal saying which argument it is (a draft of the target's class reads the same)."""
     try:
-        return check_model(model, path=path, batch=batch)
+        return check_model(model, path=path, batch=batch, target=role in ("model", "target"))
     except ValueError as error:
         raise ValueError(f"{role}: {error}") from None
 

@@ -508,6 +508,15 @@ def test_quantization_aware_training_with_observers_on_is_refused(monkeypatch):
     prepare_qat(model, inplace=True)
     model.eval()
     _check_refused_up_front(model, "fake-quantize modules whose observers are on", monkeypatch=monkeypatch)
+    import copy
+
+    draft = copy.deepcopy(model)  # as a draft it is exact: its logits are read as given (HF's assisted runs it too)
+    ids, mask = _batch(2)
+    expected = _build(LlamaForCausalLM, LlamaConfig(**SIZES)).generate(ids, attention_mask=mask, max_new_tokens=8,
+                                                                         do_sample=False, pad_token_id=0)
+    got = sk.generate(_build(LlamaForCausalLM, LlamaConfig(**SIZES)), ids, attention_mask=mask, draft_model=draft,
+                      num_speculative_tokens=3, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
     model.apply(disable_observer)
     _check_exact(model, batch=2, noise=None)
 

@@ -147,3 +147,29 @@ def test_compile_kwargs_follow_the_batch():
     assert options.torch_compile_kwargs(torch.device("cpu"), batch_changes=True)["dynamic"] is None
     assert CompileOptions(dynamic=False).torch_compile_kwargs(torch.device("cpu"), batch_changes=True)["dynamic"] \
         is False
+
+
+def test_a_global_hook_refuses_the_step_before_it_changes_anything(pair):
+    """compile=True refuses while a global module forward hook is registered (torch.compile does not guard those);
+    the check sat inside the iteration, so registering one ended every running request with "error" (and made a
+    start() session unusable). It now refuses the step before anything runs: the request goes on, exactly, once the
+    hook is removed."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=2,
+                                    cache_implementation="static", max_context=64, compile=COMPILE)
+    request = decoder.add_request([5, 6, 7], max_new_tokens=12, do_sample=False)
+    decoder.step()
+    decoder.step()
+    handle = register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(ValueError, match="compile=True cannot run while a global module forward hook"):
+            decoder.step()
+    finally:
+        handle.remove()
+    assert decoder.running == [request]
+    while decoder.has_work():
+        decoder.step()
+    expected = target.generate(torch.tensor([[5, 6, 7]], device=DEVICE), max_new_tokens=12, do_sample=False)
+    assert decoder.result(request).token_ids == expected[0, 3:].tolist()

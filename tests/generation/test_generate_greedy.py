@@ -370,6 +370,13 @@ def test_result_is_on_the_device_of_the_callers_ids(model_on, ids_on):
     got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8, do_sample=False)
     assert expected.device == got.device == ids.device
     assert torch.equal(got, expected)
+    outputs = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, max_new_tokens=8,
+                   do_sample=False)
+    out = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, **outputs)
+    reference = target.generate(ids, **outputs)
+    for ours, theirs in ((out.scores, reference.scores), (out.logits, reference.logits)):
+        assert {s.device for s in ours} == {s.device for s in theirs} == {ids.device}
+    target.compute_transition_scores(out.sequences, out.scores)  # (mixing devices failed in it)
 
 
 @pytest.mark.parametrize("embedding, rest", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
@@ -383,5 +390,7 @@ def test_an_input_embedding_in_another_dtype_than_the_layers(embedding, rest):
     draft = llama(seed=1)
     ids = _prompt()
     expected = target.generate(ids, max_new_tokens=24, do_sample=False)
-    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=24, do_sample=False)
-    assert torch.equal(got, expected)
+    for cache in ({}, {"cache_implementation": "static"}):  # (the static cache's K/V buffers: the layers' dtype)
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=24,
+                          do_sample=False, **cache)
+        assert torch.equal(got, expected), cache

@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..capabilities import ModelSpec
+from .masks import attention_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,8 @@ class CacheLayout:
     def of(model, spec: ModelSpec) -> "CacheLayout":
         """The layout of ``model``'s static cache, from its static-path spec (``capabilities.check_model``)."""
         layers, kv_heads, head_dim = spec.kv_sizes
-        parameter = next(model.parameters())
-        return CacheLayout(spec.architecture, layers, kv_heads, head_dim, _buffer_dtype(parameter))
+        device = next(model.parameters()).device
+        return CacheLayout(spec.architecture, layers, kv_heads, head_dim, _buffer_dtype(attention_dtype(model), device))
 
     def bytes(self, batch: int, capacity: int) -> int:
         """K and V of every layer: 2 * layers * B * H_kv * C * D * element size."""
@@ -37,12 +38,12 @@ class CacheLayout:
         return 2 * self.num_layers * batch * self.kv_heads * capacity * self.head_dim * element
 
 
-def _buffer_dtype(parameter: torch.Tensor) -> torch.dtype:
+def _buffer_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The K/V buffers' dtype: the model's, or float32 for a half-precision model run under ``torch.autocast`` to
     the other half type (a float16 model under CPU autocast's bfloat16): its keys come out of the rotary embedding
     in float32 and its values in the autocast dtype, which HF's static cache keeps as given and the model's dtype
     holds neither; float32 holds both exactly, and the attention's autocast casts them as HF's hands them over."""
-    dtype, device = parameter.dtype, parameter.device.type
+    device = device.type
     if (dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device)
             and torch.get_autocast_dtype(device) != dtype):
         return torch.float32
