@@ -394,3 +394,28 @@ def test_an_input_embedding_in_another_dtype_than_the_layers(embedding, rest):
         got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=24,
                           do_sample=False, **cache)
         assert torch.equal(got, expected), cache
+
+
+def test_a_vision_language_model_with_a_tower_in_another_dtype():
+    """The mask dtype came from the first floating parameter outside the input embedding: in a vision-language model
+    that is the vision tower's (float32 beside a bfloat16 language model: transformers 5 loads per-part dtypes), so
+    bfloat16 queries got a float32 mask. It now comes from the text decoder (get_decoder)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=110))
+    model.eval().to(torch.bfloat16)
+    model.model.vision_tower.float()
+    from speculative_kernels.generation.runners.masks import attention_dtype
+
+    assert attention_dtype(model) == torch.bfloat16
+    ids = torch.tensor([[5, 17, 33, 8, 61, 9]])
+    settings = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = model.generate(ids, **settings)
+    for cache in ({}, {"cache_implementation": "static"}):
+        got = sk.generate(model, ids, draft_model=model, num_speculative_tokens=3, **settings, **cache)
+        assert torch.equal(got, expected), cache

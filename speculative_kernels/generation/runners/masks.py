@@ -4,25 +4,41 @@ HF's sdpa/eager attention takes an additive 4-D mask [B, 1, T, S] as given, so a
 it would compute alone and HF never reads a 2-D mask on the host to decide whether it may skip masking.
 """
 
+import itertools
+
 import torch
 
 from ..capabilities import ModelSpec
 
 
 def attention_dtype(model) -> torch.dtype:
-    """The dtype the model's attention computes in, for its additive masks: that of its first floating parameter
-    outside the input embedding (a model may keep its embedding in another dtype, e.g. bfloat16 to save memory
-    beside float32 layers: a mask in the embedding's dtype fails inside SDPA, or is mishandled by it)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    """The dtype the model's attention computes in, for its additive masks: that of the first floating parameter of
+    its (text) decoder outside the input embedding (a model may keep its embedding in another dtype, e.g. bfloat16
+    to save memory beside float32 layers: a mask in the embedding's dtype fails inside SDPA, or is mishandled by it;
+    a vision-language model's vision tower, which comes first, may have a dtype of its own)."""
+    embedding = _quiet(getattr(model, "get_input_embeddings", None))
     skip = set() if embedding is None else {id(p) for p in embedding.parameters()}
+    decoder = _quiet(getattr(model, "get_decoder", None))
     first = None
-    for parameter in model.parameters():
+    parameters = model.parameters()
+    if isinstance(decoder, torch.nn.Module):  # (then the whole model's, should the decoder hold none)
+        parameters = itertools.chain(decoder.parameters(), parameters)
+    for parameter in parameters:
         if not parameter.is_floating_point():
             continue
         if id(parameter) not in skip:
             return parameter.dtype
         first = first or parameter.dtype
     return first if first is not None else torch.get_default_dtype()
+
+
+def _quiet(getter):
+    """getter() or None where there is none or it raises (transformers' auto-handled getters raise
+    NotImplementedError on classes they cannot map)."""
+    try:
+        return getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
