@@ -99,7 +99,7 @@ class GammaCalibrator:
     chosen: int | None = None
     recheck_every: int = RECHECK_EVERY
     recent: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=RECHECK_WINDOW))  # (counts, drafted) per iteration
+        default_factory=lambda: collections.deque(maxlen=RECHECK_WINDOW))  # (passed, tests) per iteration
     since_check: int = 0
 
     @property
@@ -115,8 +115,7 @@ class GammaCalibrator:
             return None
         accepted_counts = list(accepted_counts)
         drafted = [self.start_gamma] * len(accepted_counts) if drafted is None else list(drafted)
-        if len(drafted) != len(accepted_counts) or any(not 0 <= n <= d for n, d in zip(accepted_counts, drafted)):
-            raise ValueError(f"accepted counts {accepted_counts} do not fit the drafted counts {drafted}")
+        _check_counts(accepted_counts, drafted)
         self.seen += 1
         self.counts.extend(accepted_counts)
         self.drafted.extend(drafted)
@@ -136,15 +135,13 @@ class GammaCalibrator:
         if not self.done:
             raise RuntimeError("observe() follows the choice; record() calibrates")
         accepted_counts, drafted = list(accepted_counts), list(drafted)
-        if len(drafted) != len(accepted_counts) or any(not 0 <= n <= d for n, d in zip(accepted_counts, drafted)):
-            raise ValueError(f"accepted counts {accepted_counts} do not fit the drafted counts {drafted}")
-        self.recent.append((accepted_counts, drafted))
+        _check_counts(accepted_counts, drafted)
+        self.recent.append(_accept_tests(accepted_counts, drafted))
         self.since_check += 1
         if self.since_check < self.recheck_every or self.c is None:
             return None
         self.since_check = 0
-        passed = sum(sum(counts) for counts, _ in self.recent)
-        tests = passed + sum(n < d for counts, limits in self.recent for n, d in zip(counts, limits))
+        passed, tests = (sum(column) for column in zip(*self.recent))
         if not tests:
             return None
         alpha = passed / tests
@@ -158,8 +155,7 @@ class GammaCalibrator:
 
     def finish(self) -> int:
         """Choose gamma from what was recorded (also usable early, e.g. when decoding ends during calibration)."""
-        passed = sum(self.counts)
-        tests = passed + sum(1 for n, d in zip(self.counts, self.drafted) if n < d)
+        passed, tests = _accept_tests(self.counts, self.drafted)
         if not tests or not self.verify_seconds:
             self.chosen = self.start_gamma
             return self.chosen
@@ -168,3 +164,14 @@ class GammaCalibrator:
         self.c = statistics.median(self.draft_seconds) / verify if verify > 0 else 0.0
         self.chosen = choose_gamma(self.alpha, self.c, self.max_gamma)
         return self.chosen
+
+
+def _check_counts(accepted_counts: list[int], drafted: list[int]) -> None:
+    if len(drafted) != len(accepted_counts) or any(not 0 <= n <= d for n, d in zip(accepted_counts, drafted)):
+        raise ValueError(f"accepted counts {accepted_counts} do not fit the drafted counts {drafted}")
+
+
+def _accept_tests(accepted_counts: list[int], drafted: list[int]) -> tuple[int, int]:
+    """(passed, made) accept tests of rows that accepted n of their d drafts: n passed, n + (n < d) made."""
+    passed = sum(accepted_counts)
+    return passed, passed + sum(n < d for n, d in zip(accepted_counts, drafted))
