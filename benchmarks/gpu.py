@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py --out DIR                                  # every phase
     python benchmarks/gpu.py --out DIR --phases env build tests profile   # lease command 1 (~4.5 minutes on an H200)
-    python benchmarks/gpu.py --out DIR --phases e2e --e2e-cases synthetic   # command 2 (~4 minutes: the targets)
+    python benchmarks/gpu.py --out DIR --phases e2e serving --e2e-cases synthetic   # command 2 (~7 minutes)
     python benchmarks/gpu.py --out DIR --phases verify counts             # command 3 when time is left (~6 minutes)
     python benchmarks/gpu.py --out DIR --phases e2e half --e2e-cases demo   # a longer lease (~9 minutes)
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
@@ -28,6 +28,10 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
   rows, compiled against HF's compiled static-cache ``generate``) and on the bundled demo pair (batching table at
   batch 1/4/16/64: ``model.generate``, HF assisted at batch 1, ours dynamic/static, compiled), with the efficiency
   against the paper's formula; the demo run adds the encoder-decoder case.
+* ``serving``: ``diagnose_serving_gpu.py`` (continuous batching on the demo pair, the same steps with the runners'
+  SDPA backends as shipped and with cuDNN attention allowed: its per-shape plans against the dynamic cache's new key
+  length at every forward), then ``serving_load.py`` (Poisson arrivals: ours on both caches, ``start()`` batches,
+  HF's continuous batching).
 * ``half``: ``half_precision.py`` on the demo pair in bfloat16 and float16: how often greedy output differs from plain
   ``model.generate`` (ours, HF assisted, HF static cache, HF batched) where GPU kernels round by query length
   (``docs/half_precision.md``).
@@ -52,11 +56,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the package, when it is not installed
-PHASES = ("env", "build", "tests", "counts", "profile", "verify", "e2e", "half")
+PHASES = ("env", "build", "tests", "counts", "profile", "verify", "e2e", "half", "serving")
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
 # The tests phase took 289 s for the second run's list; ~130 tests (compiled continuous batching, sampling
 # differential, half precision) have been added since, hence its own command with room to spare.
-LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "e2e": 540, "half": 240}
+LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "e2e": 540, "half": 240,
+          "serving": 240}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
@@ -200,6 +205,23 @@ def half_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     return cmd + ["--device", "cuda", "--dtypes", "bfloat16,float16"], {}
 
 
+def serving_commands(out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
+    """``diagnose_serving_gpu.py`` (the runners' SDPA backend choice against cuDNN's per-shape plans, same steps) and
+    ``serving_load.py`` (Poisson arrivals on the demo pair: ours continuous on both caches, start() batches, HF's
+    continuous batching)."""
+    diagnose = [sys.executable, str(HERE / "diagnose_serving_gpu.py"), "--out", str(out / "diagnose.json")]
+    demo = ROOT / "speculative_kernels" / "demo_models"
+    load = [sys.executable, str(HERE / "serving_load.py"), "--target", str(demo / "target"), "--draft",
+            str(demo / "draft"), "--json", str(out / "serving-load.json")]
+    if dry_run:
+        return [("diagnose", diagnose + ["--requests", "4", "--no-prof", "--no-micro", "--run-cap", "10"]),
+                ("load", load + ["--dtype", "float32", "--requests", "4", "--rate", "50", "--max-new", "8",
+                                 "--methods", "continuous", "static"])]
+    return [("diagnose", diagnose + ["--budget", "80"]),
+            ("load", load + ["--dtype", "bfloat16", "--requests", "24", "--rate", "8", "--methods", "continuous",
+                             "continuous_static", "static", "hf_continuous"])]
+
+
 def profile_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     """``profile_verify.py``: per-kernel metrics under ncu (memory- or arithmetic-bound?) and a cProfile of the eager
     calls (where the Triton backend's host time goes)."""
@@ -316,6 +338,20 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CA
         table = phase_dir / "half-precision.json"
         result["half_precision"] = json.loads(table.read_text())["results"] if table.exists() else None
         return result
+    if phase == "serving":
+        results = {"rc": 0, "timed_out": False, "parts": {}}
+        start = time.perf_counter()
+        for name, cmd in serving_commands(phase_dir, dry_run):
+            remaining = timeout - (time.perf_counter() - start)
+            if remaining < 20:
+                results["parts"][name] = {"skipped": "phase time limit"}
+                continue
+            part = run_logged(cmd, log, remaining)
+            results["parts"][name] = part
+            results["rc"] = results["rc"] or part["rc"]
+            results["timed_out"] = results["timed_out"] or part["timed_out"]
+        results["seconds"] = round(time.perf_counter() - start, 1)
+        return results
     if phase == "verify":
         cmd, extra = verify_command(phase_dir, dry_run)
         result = run_logged(cmd, log, timeout, extra)

@@ -226,6 +226,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new", type=int, default=48)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the untimed warm-up run of two short requests before each method")
     parser.add_argument("--methods", nargs="+", default=["continuous", "static", "hf_generate_batch"],
@@ -280,6 +281,9 @@ def main(argv=None) -> dict:
             else:
                 results["methods"][method] = run_hf_generate_batch(target, requests)
     print(json.dumps(results, indent=2))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
     return results
 
 

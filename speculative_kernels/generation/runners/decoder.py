@@ -11,6 +11,7 @@ from transformers import EncoderDecoderCache
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
+from .attention_backends import without_cudnn_attention
 from .dynamic_cache import RollbackCache, append_cache_rows, crop_cache
 from .masks import attention_dtype, decoder_mask
 from .slot_mask import SlotMaskRunner, accepts
@@ -53,15 +54,17 @@ class DecoderRunner(SlotMaskRunner):
             query_slots = torch.arange(start, end, device=self.slot_mask.device)
             mask = decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            return_dict=True,  # (as model.generate: a config's return_dict=False would give tuples)
-            **{self.spec.cache_argument: self.cache if self.cache is not None else RollbackCache(self.model.config)},
-            **kwargs,
-        )
+        with without_cudnn_attention(tokens.device):  # (a new key length at every forward: no per-shape plans)
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                return_dict=True,  # (as model.generate: a config's return_dict=False would give tuples)
+                **{self.spec.cache_argument: self.cache if self.cache is not None
+                   else RollbackCache(self.model.config)},
+                **kwargs,
+            )
         self.cache = _self_attention_cache(getattr(out, self.spec.cache_argument))
         self.num_slots = end
         self.next_position += width if real is None else real_i.sum(dim=1)

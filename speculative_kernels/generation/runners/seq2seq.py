@@ -16,6 +16,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
+from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
 from .masks import additive_mask, attention_dtype, causal_slots
 
@@ -122,15 +123,16 @@ class Seq2SeqRunner:
                 hook.remove()
 
     def _model_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            attention_mask=self._cross_mask,
-            encoder_outputs=self.encoder_outputs,
-            decoder_input_ids=tokens,
-            decoder_attention_mask=decoder_mask,
-            use_cache=True,
-            return_dict=True,
-            **{self.spec.cache_argument: self.cache},
-        )
+        with without_cudnn_attention(tokens.device):  # (the decoder's key length changes at every forward)
+            out = self.model(
+                attention_mask=self._cross_mask,
+                encoder_outputs=self.encoder_outputs,
+                decoder_input_ids=tokens,
+                decoder_attention_mask=decoder_mask,
+                use_cache=True,
+                return_dict=True,
+                **{self.spec.cache_argument: self.cache},
+            )
         self.cache = getattr(out, self.spec.cache_argument)
         return out.logits
 

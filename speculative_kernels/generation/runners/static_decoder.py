@@ -13,6 +13,7 @@ import torch
 
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
+from .attention_backends import without_cudnn_attention
 from .captured import call_captured, compile_step, mark_static
 from .compaction import SlotCompactor
 from .masks import attention_dtype, decoder_mask
@@ -89,13 +90,15 @@ class StaticDecoderRunner(SlotMaskRunner):
             self.warm_up()
         compiled = self._compiled.get((width, last_only))
         if compiled is None and real is None and self._additive is not None:
-            logits = self._real_step(tokens, last_only)
+            with without_cudnn_attention(tokens.device):  # (eager: a plan per batch size and width otherwise)
+                logits = self._real_step(tokens, last_only)
         else:
             real_i = self._all_real(tokens.shape) if real is None else real.to(torch.int64)
-            if compiled is not None:
+            if compiled is not None:  # (captured: its shapes are fixed; the backend is the one it was captured with)
                 logits = call_captured(compiled, tokens, real_i)
             else:
-                logits = self._step(tokens, real_i, last_only)
+                with without_cudnn_attention(tokens.device):
+                    logits = self._step(tokens, real_i, last_only)
             if real is not None:
                 self._mask_written(self.num_slots, self.num_slots + width)
         self.num_slots += width

@@ -1,0 +1,39 @@
+"""Which SDPA backends a runner's eager forward may use: every backend the caller has enabled except cuDNN attention,
+on CUDA, for the forwards that pass an explicit attention mask (all of a runner's forwards).
+
+torch 2.11 (its bundled cuDNN > 9.15.0) puts cuDNN attention first in SDPA's order on sm90 / sm100
+(``check_prefer_cudnn_attention`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp). Flash attention takes no
+mask, so a masked call goes to cuDNN, which builds an execution plan for every new combination of q/k/v/mask shapes
+and strides (``MHACacheKeyWrapper`` in aten/src/ATen/native/cudnn/MHA.cpp) before it runs. The runners' key length
+is their slot count: on the dynamic cache it changes at every forward (each draft step, each verification, each
+rollback, join or leave), so nearly every forward of a serving batch (or of a first ``generate`` over a new prompt)
+meets a shape cuDNN has not planned for yet. Such a plan was reported at ~0.4 s (modelscope/FunASR#3704 on a B200
+with torch 2.11, sgl-project/sglang#4650), far more than a forward; our H200 serving run's dynamic-cache steps fit
+~50 ms per new shape (benchmarks/RESULTS.md, fourth GPU run; ``benchmarks/diagnose_serving_gpu.py`` measures it).
+Mem-efficient attention takes the same additive mask with no per-shape planning.
+
+A caller who enabled only cuDNN (``with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): generate(...)``) keeps it; on other
+devices, with cuDNN attention off, or for models whose attention is not SDPA, nothing changes. The captured steps of
+``compile=True`` are not wrapped: their shapes are fixed, so cuDNN plans once. torch's backend switches are process
+state: another thread's SDPA calls during one of our forwards see the same restriction.
+"""
+
+import contextlib
+
+import torch
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # (torch without torch.nn.attention: its SDPA has no cuDNN backend either)
+    SDPBackend = sdpa_kernel = None
+
+
+def without_cudnn_attention(device: torch.device):
+    """A context for one forward on ``device``: SDPA without its cuDNN backend (see the module docstring)."""
+    if sdpa_kernel is None or device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return contextlib.nullcontext()
+    cuda = torch.backends.cuda
+    enabled = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+                                           (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+                                           (SDPBackend.MATH, cuda.math_sdp_enabled())) if on]
+    return sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
