@@ -14,6 +14,7 @@ import traceback
 from .cli_options import (
     ACCEPTANCE_LEGEND,
     DEFAULT_GAMMA,
+    DEFAULT_MAX_NEW_TOKENS,
     HelpFormatter,
     UsageError,
     add_common_options,
@@ -83,6 +84,8 @@ def run_generate(args) -> int:
                                             trust_remote_code=args.trust_remote_code)
         drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, assistant_tokenizer=draft_tokenizer)
     check_one_completion(target)
+    if args.max_new_tokens is None:  # the checkpoint's, as model.generate reads it (its max_length is not a count)
+        args.max_new_tokens = target.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     input_ids, attention_mask = encode_prompt(tokenizer, target, args.prompt, args.device)
     check_length(target, input_ids, args.max_new_tokens)
     if args.draft is not None:
@@ -117,7 +120,9 @@ def run_generate(args) -> int:
     baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
     base_tokens = completion_ids(target, input_ids, baseline)
     identical = base_tokens == new_tokens
-    print(f"model.generate: {len(base_tokens)} tokens in {base_seconds:.3f} s = "
+    lookup = " (HF prompt lookup: the checkpoint's prompt_lookup_num_tokens)" if getattr(
+        target.generation_config, "prompt_lookup_num_tokens", None) else ""
+    print(f"model.generate{lookup}: {len(base_tokens)} tokens in {base_seconds:.3f} s = "
           f"{len(base_tokens) / base_seconds:.1f} tokens/s")
     print(f"speedup {base_seconds / seconds * len(new_tokens) / max(len(base_tokens), 1):.2f}x; outputs "
           + ("identical" if identical else "differ" + (" (expected when sampling)" if args.temperature else "")))

@@ -54,7 +54,13 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def seed_arg(text: str) -> int:
@@ -162,10 +168,15 @@ def check_one_completion(model) -> None:
                          "one completion (set it to 1 in the checkpoint's generation_config.json)")
 
 
+DEFAULT_MAX_NEW_TOKENS = 64  # where neither --max-new-tokens nor the checkpoint's generation_config says
+
+
 def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA) -> None:
     """The options both commands take. gamma_default None: --gamma left unset reads None (``generate`` then tells
     it from a --gamma given where it does nothing)."""
-    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
+                        help="tokens to generate at most (default: the target checkpoint's generation_config "
+                             f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="sampling temperature; 0 = greedy decoding")
     parser.add_argument("--top-k", type=int, default=None,

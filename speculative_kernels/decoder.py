@@ -34,11 +34,12 @@ import torch
 from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
 from .generation.capabilities import check_deterministic
-from .generation.inputs import check_models
+from .generation.inputs import check_helpers, check_models
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions
 from .generation.request import build_loop
 from .generation.stats import SpeculationStats
+from .generation.vocab import VocabBridge
 
 
 # generate's keywords that a SpeculativeDecoder holds for every session: start() refuses them by name
@@ -142,6 +143,9 @@ class SpeculativeDecoder:
         # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
+        check_helpers(tokenizer, assistant_tokenizer, None)
+        if self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step
+            VocabBridge(self.target, self.draft, tokenizer, assistant_tokenizer)
         self.drafter = drafter
         self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                                                        ("max_matching_ngram_size", max_matching_ngram_size))

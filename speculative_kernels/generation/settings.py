@@ -246,7 +246,11 @@ def _is_off(value, off: tuple, default) -> bool:
     return value in off or (default is not None and value == default)
 
 
-def _check_refused(config) -> None:
+def _check_refused(config, check_schedule: bool = True) -> None:
+    """ValueError for settings that cannot be applied exactly. check_schedule: False for a schedule that only the
+    target's generation_config sets while the call gives num_speculative_tokens or uses prompt lookup (HF's assisted
+    generation reads the draft's schedule, prompt lookup none: the target's has no effect there either); the call's
+    own schedule is always checked."""
     defaults = _hf_defaults()
     for name, off in REFUSED_UNLESS.items():
         value = getattr(config, name, None)
@@ -269,9 +273,10 @@ def _check_refused(config) -> None:
                          "checkpoint saved after training with gradient checkpointing often carries it in config.json "
                          "or generation_config.json: pass use_cache=True, which gives the same tokens)")
     schedule = config.num_assistant_tokens_schedule
-    if schedule not in (None, "constant"):
-        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant; pass "
-                         "num_speculative_tokens='auto' to have it chosen from the measured acceptance and costs)")
+    if schedule not in (None, "constant") and check_schedule:
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant here): pass "
+                         "num_speculative_tokens (an int, or 'auto' to have it chosen from the measured acceptance "
+                         "and costs), or num_assistant_tokens_schedule='constant'")
     if config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported; use 'dynamic' "
                          "(default) or 'static'")
@@ -572,12 +577,21 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     _check_draft_schedule(draft_model, num_speculative_tokens)
     for source in (generation_config, kwargs):  # (HF's validate and processors fail on these unclearly)
         _check_typed_fields(source if isinstance(source, dict) else {} if source is None else vars(source))
+    if generation_config is None:  # the checkpoint's generation_config.json, where the call does not override it
+        own = {name: value for name, value in vars(model.generation_config).items() if name not in kwargs}
+        try:
+            _check_typed_fields(own)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"the model's generation_config (its generation_config.json): {error}") from error
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
         config.cache_implementation = "static"
     if zero_new:
         config.max_new_tokens = 0
-    _check_refused(config)
+    schedule_in_call = (kwargs.get("num_assistant_tokens_schedule") is not None
+                        or getattr(generation_config, "num_assistant_tokens_schedule", None) is not None)
+    _check_refused(config, check_schedule=schedule_in_call or (num_speculative_tokens is None
+                                                               and not config.prompt_lookup_num_tokens))
     model_kwargs.pop("use_cache", None)
     # None is "not given" to HF's generate (its unused-keyword check skips None values: inputs_embeds=None,
     # past_key_values=None as a continue-generation recipe passes our output's)
@@ -740,6 +754,11 @@ def _lookup_gamma(num_speculative_tokens, gamma, lookup: PromptLookup, given: bo
     if num_speculative_tokens is not None and gamma != lookup.num_tokens:
         if not given and isinstance(gamma, int):
             return gamma, PromptLookup(gamma, lookup.max_ngram)
+        if gamma == "auto":
+            source = "" if given else " (from the model's generation_config)"
+            raise ValueError(f"num_speculative_tokens='auto' is not available with prompt lookup "
+                             f"(prompt_lookup_num_tokens={lookup.num_tokens}{source}): pass an int, or leave "
+                             "num_speculative_tokens unset to propose up to prompt_lookup_num_tokens tokens")
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} and prompt_lookup_num_tokens="
                          f"{lookup.num_tokens} disagree; pass prompt_lookup_num_tokens only")
     return lookup.num_tokens, lookup

@@ -505,3 +505,26 @@ def test_a_padded_draft_vocabulary_without_a_draft_tokenizer_is_said_in_cli_term
     assert code == 2
     assert f"--draft {tmp_path / 'draft'}: the folder has no tokenizer" in err
     assert "(logits 128 vs 97 wide, config vocab_size 128 vs 97)" in err and "tokenizer=" not in err
+
+
+def test_a_checkpoints_max_new_tokens_is_the_default(pair, tmp_path, capsys):
+    """model.generate takes a checkpoint's max_new_tokens; the CLI replaced it with its own 64 (--compare said
+    "identical": both runs had 64). --max-new-tokens still overrides it; 64 where nothing sets it."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "seven", max_new_tokens=7)
+    assert main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative: 7 tokens" in out and "model.generate: 7 tokens" in out, out
+    assert main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "5"]) == 0
+    assert "speculative: 5 tokens" in capsys.readouterr().out
+
+
+def test_a_negative_ngram_size_names_the_right_bound(pair, capsys):
+    target, draft = pair
+    with pytest.raises(SystemExit) as exit_info:  # (it said ">= 1", and 0 is accepted)
+        main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
+              "--no-repeat-ngram-size", "-1"])
+    assert exit_info.value.code == 2
+    assert "--no-repeat-ngram-size: must be >= 0, got -1" in capsys.readouterr().err

@@ -372,9 +372,8 @@ def test_bad_decoder_inputs(pair, what, kwargs, error, words):
     helpers = {k: kwargs.pop(k) for k in ("tokenizer", "num_speculative_tokens") if k in kwargs}
     if "streamer" in kwargs:
         error, words = ValueError, "streamer is not available on a session"
-    decoder = sk.SpeculativeDecoder(target, draft, **helpers)
-    with pytest.raises(error, match=words):
-        decoder.start(kwargs.pop("input_ids"), **kwargs)
+    with pytest.raises(error, match=words):  # (a bad tokenizer: by the constructor, which checks the pair)
+        sk.SpeculativeDecoder(target, draft, **helpers).start(kwargs.pop("input_ids"), **kwargs)
 
 
 def _logits(*shape):
@@ -631,3 +630,29 @@ def test_output_scores_are_checked_before_they_are_copied_out(pair, monkeypatch)
                                           r"1\.5 KiB .* but only 1\.0 KiB are free"):
         sk.generate(target, P, draft_model=draft, max_new_tokens=4, do_sample=False, output_scores=True,
                     return_dict_in_generate=True)
+
+
+def test_a_targets_schedule_is_refused_only_where_it_would_decide_gamma():
+    """A target checkpoint's num_assistant_tokens_schedule: HF's assisted generation reads the draft's, prompt
+    lookup none. Refused by name when nothing else decides gamma, with a remedy that works (it named
+    num_speculative_tokens='auto', which was refused the same way); given gamma or prompt lookup, it has no effect,
+    as in HF. The call's own schedule is still refused."""
+    target, draft = llama(), llama(layers=1, seed=2)
+    target.generation_config.num_assistant_tokens_schedule = "heuristic"
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule='heuristic'.*pass num_speculative_tokens"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3)
+    expected = hf_generate(target, P, max_new_tokens=6)
+    for kwargs in ({"num_speculative_tokens": 3}, {"num_speculative_tokens": "auto"},
+                   {"prompt_lookup_num_tokens": 3, "draft_model": None}):
+        got = sk.generate(target, P, **{"draft_model": draft, **kwargs}, max_new_tokens=6)
+        assert torch.equal(got, expected), kwargs
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        sk.generate(target, P, draft_model=draft, max_new_tokens=3, num_speculative_tokens=3,
+                    num_assistant_tokens_schedule="heuristic")
+
+
+def test_auto_gamma_with_a_checkpoints_prompt_lookup_says_why():
+    target = llama()
+    target.generation_config.prompt_lookup_num_tokens = 4
+    with pytest.raises(ValueError, match="'auto' is not available with prompt lookup .*generation_config"):
+        sk.generate(target, P, max_new_tokens=3, num_speculative_tokens="auto")

@@ -268,3 +268,12 @@ def test_session_stats_are_a_snapshot():
     after = session.stats
     assert before.new_tokens == read and before is not after
     assert after.new_tokens - before.new_tokens == emitted > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused_by_the_constructor():
+    """Not accepted and then failing every request at its first step (finish_reason "error")."""
+    target, other = llama(vocab=97), llama(vocab=128, seed=1)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        sk.SpeculativeDecoder(target, other)
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer"):
+        sk.SpeculativeDecoder(target, target, tokenizer=object())

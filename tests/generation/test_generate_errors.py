@@ -456,3 +456,17 @@ def test_typed_settings_take_what_model_generate_takes(pair):
                           typical_p=torch.tensor(0.5))
     assert torch.equal(sampled, sk.generate(target, _ids(), draft_model=draft, max_new_tokens=6, do_sample=True,
                                             seed=1, typical_p=0.5))
+
+
+@pytest.mark.parametrize("name, value", [("typical_p", "0.5"), ("suppress_tokens", 5), ("repetition_penalty", "1.2"),
+                                         ("exponential_decay_length_penalty", 5)])
+def test_a_checkpoints_wrongly_typed_setting_is_named(name, value):
+    """As the call's own: a checkpoint's generation_config.json that from_pretrained loads without complaint (HF's
+    generate then fails inside transformers: "'int' object is not iterable")."""
+    target = llama()
+    setattr(target.generation_config, name, value)
+    ids = torch.tensor([[1, 5, 9, 4]])
+    with pytest.raises(TypeError, match=f"model's generation_config .*{name}"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False)
+    if name == "typical_p":  # the call's own value replaces the checkpoint's, as in model.generate
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False, typical_p=0.9)

@@ -419,3 +419,20 @@ def test_a_vision_language_model_with_a_tower_in_another_dtype():
     for cache in ({}, {"cache_implementation": "static"}):
         got = sk.generate(model, ids, draft_model=model, num_speculative_tokens=3, **settings, **cache)
         assert torch.equal(got, expected), cache
+
+
+@pytest.mark.parametrize("drafting", ["model", "lookup"])
+def test_a_gamma_far_above_what_is_left_costs_nothing(drafting):
+    """HF caps each iteration's drafts at what is left; nothing here is sized for more (10**10 slots could not be
+    allocated: the runners' slot masks, prompt lookup's context and proposal were sized by the requested gamma)."""
+    target = llama(seed=0)
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    huge = 10**10
+    draft = llama(layers=1, seed=1) if drafting == "model" else None
+    kwargs = {"num_speculative_tokens": huge} if drafting == "model" else {"prompt_lookup_num_tokens": huge}
+    out = sk.generate(target, ids, draft_model=draft, max_new_tokens=8, do_sample=False, **kwargs)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=8, do_sample=False))
+    session = sk.SpeculativeDecoder(target, draft, **kwargs).start(ids, max_new_tokens=8, do_sample=False)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), out)
