@@ -782,8 +782,9 @@ def check_positions(model, longest: int, shortest: int | None = None, overshoot:
 # Names of learned absolute-position tables (GPT-2's wpe, OPT's and BART's embed_positions, BERT-like decoders'
 # position_embeddings): an ``nn.Embedding`` that a position past its config's limit indexes out of range.
 _POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
-# Fixed tables held as buffers [positions, dim] and indexed by position (CTRL's ``pos_encoding``): the same limit.
-_POSITION_BUFFERS = ("pos_encoding",)
+# Fixed tables held as buffers [positions, dim] and indexed by position (CTRL's ``pos_encoding``, GPT-J's and
+# CodeGen's rotary sin/cos ``embed_positions``): the same limit.
+_POSITION_BUFFERS = ("pos_encoding", "embed_positions")
 
 
 def position_table_limit(model, part: str = "decoder") -> int | None:

@@ -420,6 +420,24 @@ def test_a_batch_row_near_its_end_reaches_gamma_positions_past_it():
                                          r"and this request reaches 17"):
         sk.generate(ctrl, _ids(), draft_model=ctrl, max_new_tokens=13)
 
+    # GPT-J's and CodeGen's rotary sin/cos: a buffer [n_positions, rotary_dim] indexed by position (an IndexError
+    # inside transformers, a device-side assert on CUDA, in a batch at the table's size and one past it at batch 1)
+    from transformers import CodeGenConfig, CodeGenForCausalLM, GPTJConfig, GPTJForCausalLM
+
+    for make, config in ((GPTJForCausalLM, GPTJConfig), (CodeGenForCausalLM, CodeGenConfig)):
+        torch.manual_seed(0)
+        model = make(config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=16,
+                            n_ctx=16)).eval()
+        name = make.__name__
+        with pytest.raises(ValueError, match=rf"model \({name}\) has a learned position table of 16 positions, "
+                                             r"and this request reaches 17"):
+            sk.generate(model, _ids(), draft_model=model, max_new_tokens=13)
+        assert torch.equal(sk.generate(model, _ids(), draft_model=model, max_new_tokens=12),
+                           model.generate(_ids(), max_new_tokens=12, do_sample=False))
+        with pytest.raises(ValueError, match=rf"target \({name}\) has a learned position table of 16"):
+            sk.SpeculativeDecoder(model, model, num_speculative_tokens=3).add_request([5, 17, 42, 70, 7],
+                                                                                      max_new_tokens=12)
+
 
 def test_a_float64_model_is_refused_up_front():
     """float64 target or draft: the verification takes float32/float16/bfloat16 logits; it failed after the prefill
