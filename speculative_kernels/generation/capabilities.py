@@ -812,6 +812,20 @@ def position_table_limit(model, part: str = "decoder") -> int | None:
     return None
 
 
+def slot_table_limit(model) -> int | None:
+    """The most key slots a forward of ``model`` can take, where its attention slices a table sized by its position
+    limit with the cache's key length (not with positions): GPT-Neo's causal ``bias`` buffer [1, 1, N, N] (its global
+    layers) and MPT's ALiBi, built for ``max_seq_len`` keys. None for every other model. Past it, transformers fails
+    with a size mismatch: HF's caches never hold more slots than positions, ours may (the static cache's slack)."""
+    config = model.config.get_text_config()
+    if getattr(config, "model_type", None) == "mpt":
+        return int(config.max_seq_len)
+    limits = [buffer.shape[-1] for name, buffer in model.named_buffers()
+              if name.endswith("attention.bias") and buffer.dim() == 4 and buffer.shape[-1] == buffer.shape[-2]
+              and getattr(config, "model_type", None) == "gpt_neo"]
+    return min(limits) if limits else None
+
+
 def check_position_table(model, longest: int, name: str = "model", encoder_width: int | None = None,
                          overshoot: int = 0) -> None:
     """ValueError when a request's longest row (its prompt's real tokens plus new tokens, less one; an

@@ -488,3 +488,25 @@ def test_a_checkpoints_wrongly_typed_setting_is_named(name, value):
         sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False)
     if name == "typical_p":  # the call's own value replaces the checkpoint's, as in model.generate
         sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False, typical_p=0.9)
+
+
+def test_models_that_slice_a_position_sized_table_by_key_slots_are_kept_within_it():
+    """MPT's ALiBi (built for max_seq_len keys) and GPT-Neo's global causal bias [1, 1, N, N] are sliced by the
+    cache's key length: past N, transformers fails with a size mismatch. HF's caches hold no more slots than
+    positions; the static cache holds prompt + new + 2(gamma + 1) + 2 (and compile=True rounds it up), a batch's
+    dynamic cache the holes of rejected drafts: refused by name there (it was a RuntimeError inside transformers)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM, MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    mpt = MptForCausalLM(MptConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, max_seq_len=32,
+                                   use_cache=True, pad_token_id=0)).eval()
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(1))
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=12)
+    assert torch.equal(sk.generate(mpt, ids, draft_model=mpt, num_speculative_tokens=4, **common),
+                       mpt.generate(ids, **common))
+    with pytest.raises(ValueError, match=r"model \(MptForCausalLM\) slices a table of 32 key positions .* 34 slots"):
+        sk.generate(mpt, ids, draft_model=mpt, num_speculative_tokens=4, cache_implementation="static", **common)
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                                         max_position_embeddings=24, attention_types=[[["global"], 2]])).eval()
+    with pytest.raises(ValueError, match=r"GPTNeoForCausalLM\) slices a table of 24 key positions"):
+        sk.generate(neo, ids, draft_model=neo, cache_implementation="static", **common)

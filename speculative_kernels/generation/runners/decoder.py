@@ -10,7 +10,7 @@ import torch
 from transformers import EncoderDecoderCache
 
 from ..buffers import grow_columns
-from ..capabilities import ModelSpec
+from ..capabilities import ModelSpec, slot_table_limit
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import RollbackCache, append_cache_rows, crop_cache
 from .masks import attention_dtype, decoder_mask
@@ -33,12 +33,18 @@ class DecoderRunner(SlotMaskRunner):
         self._dtype = attention_dtype(model)
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
         self._init_additive(spec, self._dtype)
+        self._slot_limit = slot_table_limit(model)  # (GPT-Neo, MPT: transformers fails past it)
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
         Returns logits [B, T, V] (or [B, 1, V] with last_only)."""
         width = tokens.shape[1]
         start, end = self.num_slots, self.num_slots + width
+        if self._slot_limit is not None and end > self._slot_limit:
+            raise ValueError(f"{type(self.model).__name__} slices a table of {self._slot_limit} key positions with "
+                             f"the cache's slot count, and this batch's cache reaches {end} slots (the rows' "
+                             "prompts, tokens and the holes rejected drafts leave until a compaction): lower "
+                             "max_new_tokens, or decode these rows one at a time")
         self._grow(end)
         if real is None:  # the common case (every draft and verification step): no mask write, no cumsum
             # (slots past num_slots are 1 already; the position ids are read before next_position moves on)

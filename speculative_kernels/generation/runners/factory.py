@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from ..capabilities import ModelSpec
+from ..capabilities import ModelSpec, slot_table_limit
 from ..memory import check_free_memory
 from ..options import BatchingOptions, StaticRows
 from .decoder import DecoderRunner
@@ -59,6 +59,16 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else rows, batching.slack)
     if captured and static_rows is None:  # (continuous batching: sized once per decoder, by max_context)
         capacity = captured_capacity(capacity)
+    for model, name in zip(models, ("model", "draft_model")):
+        limit = slot_table_limit(model)
+        if limit is not None and capacity > limit:
+            sized = ("max_context plus one iteration's slots and the batch's slack" if static_rows is not None else
+                     "prompt + max_new_tokens + 2 * (gamma + 1) + 2" + (", plus the batch's slack" if rows > 1 else "")
+                     + (", rounded up for compile=True" if captured else ""))
+            raise ValueError(f"{name} ({type(model).__name__}) slices a table of {limit} key positions with the "
+                             f"cache's slot count, and the static cache here holds {capacity} slots ({sized}): lower "
+                             f"{'max_context' if static_rows is not None else 'max_new_tokens'}, or use the dynamic "
+                             "cache (model.generate's caches hold no more slots than positions)")
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
     what = "the static decoder caches" if encoder_decoder else "the static caches"
