@@ -43,7 +43,8 @@ class DecoderRunner(SlotMaskRunner):
         if self._slot_limit is not None and end > self._slot_limit:
             raise ValueError(f"{type(self.model).__name__} slices a table of {self._slot_limit} key positions with "
                              f"the cache's slot count, and this batch's cache reaches {end} slots (the rows' "
-                             "prompts, tokens and the holes rejected drafts leave until a compaction): lower "
+                             "prompts and tokens, the drafts a row near its end is verified with beside rows with "
+                             "more left, and the holes rejected drafts leave until a compaction): lower "
                              "max_new_tokens, or decode these rows one at a time")
         self._grow(end)
         if real is None:  # the common case (every draft and verification step): no mask write, no cumsum
