@@ -11,7 +11,7 @@ import torch
 
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.randomness import DecodeRandomness
-from ..ops.sampling import RowSampling
+from ..ops.sampling import GREEDY, RowSampling
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
@@ -108,6 +108,10 @@ class SpeculativeLoop:
         self._all_greedy_rows = rows is not None and all(t == 0.0 for t in rows.temperature)  # (host values)
         self._captured = warm_up is not None
         self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
+        # A batch of requests: which rows are greedy (host facts). While every row is, the iterations run the
+        # greedy ops (``_sampling_now``): the same tokens as the sampling ops give greedy rows, without their sort
+        # of every row's logits (top-k/top-p) and per-row draws.
+        self._greedy_rows = None if rows is None else [t == 0.0 for t in rows.temperature]
         self._max_new = [plan.max_new_tokens] * self.batch if rows is None else list(rows.max_new_tokens)
         self.sequences_fill = plan.pad_token_id if plan.pad_token_id is not None else 0
         width = self._buffer_width(self.prompt_length + initial_new_tokens(plan.max_new_tokens))
@@ -246,12 +250,21 @@ class SpeculativeLoop:
         """The drafter's ``proposal_counts()``, checked (B host ints >= 0, or None)."""
         return check_proposal_counts(self.drafter, self.drafter.proposal_counts(), self.batch)
 
+    @property
+    def _sampling_now(self):
+        """This iteration's ``Sampling``: the loop's own, or plain greedy while every row of a batch of requests is
+        greedy (their per-row parameters are then temperature 0 throughout, so nothing drawn or warped differs; no
+        random-number counter advances, and greedy rows read none)."""
+        if self._greedy_rows is not None and all(self._greedy_rows):
+            return GREEDY
+        return self.sampling
+
     def _draft_limits(self) -> torch.Tensor | None:
         """Each row's draft limit this iteration: gamma, but never more than its own tokens left less one, so a row
         is drafted as many tokens as it would be alone. Returns [B] int64 on the device, or None when every
         unfinished row takes all gamma (the common case: no tensor, no op), and when every row is greedy (a draft
         past a row's end cannot change its tokens, which the host cuts at its length)."""
-        if self.sampling.greedy:
+        if self._sampling_now.greedy:
             return None
         limits = [self.gamma if f else max(0, min(self.gamma, m - g - 1))
                   for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)]
@@ -305,7 +318,7 @@ class SpeculativeLoop:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
         if self.warpers is not None:  # q is what the draft samples from: the warped logits, stored in place
             logits.copy_(self.warpers(logits.float()))
-        if self.sampling.greedy:
+        if self._sampling_now.greedy:
             # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
             # -inf) is still caught: verify checks the stored draft logits.
             return logits.float().argmax(dim=-1)
@@ -330,7 +343,7 @@ class SpeculativeLoop:
         """The target's forward over [last, drafts] and ``verify``. num_draft: [B] int64, each row's proposals (the
         rest are fillers, never accepted), or None (all gamma). Returns (out [B, gamma + 1]: the emitted tokens then
         -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
-        s = self.sampling
+        s = self._sampling_now
         self._processor_caps = {}  # row -> the drafts it may verify, where its processors raised (``process``)
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None
@@ -467,7 +480,7 @@ class SpeculativeLoop:
         check_proposal(self.drafter, tokens, logits, num_draft, batch=self.batch, gamma=self.gamma,
                        vocab=self.vocab, device=self.device)
         if not self._trusted_drafter:  # a user's drafter, the n-gram drafter
-            s = self.sampling
+            s = self._sampling_now
             temperature = None if s.greedy else s.rows.safe_temperature() if s.per_row else s.temperature
             greedy_rows = s.rows.greedy if s.per_row else None  # (q is checked on sampled rows only)
             safe, bad = flag_proposal(tokens, logits, num_draft, self.vocab, temperature, greedy_rows)
@@ -830,6 +843,8 @@ class SpeculativeLoop:
         for per_row in (self.processors, self.warpers):
             if per_row is not None:
                 per_row.select_rows(remaining)
+        if self._greedy_rows is not None:
+            self._greedy_rows = [self._greedy_rows[i] for i in remaining]
         if self.sampling.per_row:
             r = self.sampling.rows
             self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(
@@ -889,6 +904,7 @@ class SpeculativeLoop:
         self.target_runner.add_rows(other.target_runner)
         self.randomness.add_rows(other.randomness)
         self.sampling, self.last = sampling, torch.cat([self.last, other.last])
+        self._greedy_rows = self._greedy_rows + other._greedy_rows
         self.sequences, self.scores, self.raw_logits = outputs.sequences, outputs.scores, outputs.raw_logits
         self.prompt_length = prompt_length
         self.plan = dataclasses.replace(self.plan, max_new_tokens=max(self.plan.max_new_tokens,

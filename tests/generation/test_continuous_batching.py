@@ -945,3 +945,26 @@ def test_request_ids_are_ints_not_bools(pair):
     decoder.release(np.int64(1))
     with pytest.raises(ValueError, match="unknown request_id 1"):
         decoder.result(1)
+
+
+def test_a_batch_of_greedy_requests_runs_the_greedy_ops(pair, monkeypatch):
+    """While every running request is greedy, the steps run the greedy verification and draft argmax (the sampling
+    ops gave greedy rows the same tokens after a sort of every row's logits: ~3x the CPU time per step); a sampled
+    request joining switches the batch to the per-row ops, and its leaving switches it back. Tokens: each alone."""
+    from speculative_kernels.ops import reference
+
+    warped = []
+    original = reference._warped_probs
+    monkeypatch.setattr(reference, "_warped_probs", lambda *a, **k: (warped.append(1), original(*a, **k))[1])
+    target, draft = pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, backend="torch")
+    greedy = {0: [([5, 6, 7, 8], dict(max_new_tokens=12, do_sample=False)), ([9, 10], dict(max_new_tokens=9))]}
+    counts = []
+    requests, _ = run_arrivals(decoder, greedy, each_step=lambda d: counts.append(len(warped)))
+    assert warped == []
+    sampled = {**greedy, 1: [([11, 12, 13], dict(max_new_tokens=3, do_sample=True, seed=1))]}
+    counts = []
+    requests, _ = run_arrivals(decoder, sampled, each_step=lambda d: counts.append(len(warped)))
+    assert 0 < counts[-1] and counts[-1] == counts[-2]  # (the sampled request's steps only, then greedy again)
+    for request_id, (prompt, settings) in requests.items():
+        assert decoder.result(request_id).token_ids == _alone(pair, prompt, settings)
