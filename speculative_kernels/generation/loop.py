@@ -588,7 +588,10 @@ class SpeculativeLoop:
                 reason = self._bad_proposal_reason(rows[0])
                 if reason is not None:
                     raise ValueError(f"{reason} (batch rows {rows})")
-                raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, **inputs)
+                try:
+                    raise_for_invalid_rows(accepted, temperature=self.sampling.temperature, **inputs)
+                except ValueError as error:  # (the op's argument names, as the caller knows the tensors)
+                    raise ValueError(self._named_inputs(str(error))) from None
             # A batch of separate requests: the invalid rows (a request whose own settings leave no token, NaN
             # logits on its row) finish here with nothing emitted and the reason in ``failed_rows``; the others go
             # on as if those rows had been finished before this iteration.
@@ -640,6 +643,16 @@ class SpeculativeLoop:
             return None
         return describe_bad_proposal(self.drafter, tokens, logits, num_draft, self.vocab, b)
 
+    def _named_inputs(self, message: str) -> str:
+        """The verification's diagnostic with its inputs named as the caller knows them: the target's logits, and
+        the drafter's (the draft model's, for a draft model) instead of target_logits / draft_logits."""
+        model = getattr(getattr(self.drafter, "runner", None), "model", None)
+        names = {"draft_logits": f"draft_logits, the {'draft model' if model is not None else 'drafter'}'s logits "
+                                 f"({type(model if model is not None else self.drafter).__name__}),",
+                 "target_logits": f"target_logits, the target's logits ({type(self.target_runner.model).__name__}),"}
+        name = message.split(" ", 1)[0]
+        return names[name] + message[len(name):] if name in names else message
+
     def _invalid_row_reason(self, b: int, accepted: torch.Tensor, inputs: dict) -> str:
         """Why row b's verification emitted nothing (``raise_for_invalid_rows`` on that row alone), without the
         batch row it names."""
@@ -656,7 +669,7 @@ class SpeculativeLoop:
         try:
             raise_for_invalid_rows(accepted[b : b + 1], temperature=self.sampling.temperature, sampling=sampling, **row)
         except ValueError as error:
-            return "ValueError: " + str(error).replace(" in batch rows [0]", "")
+            return "ValueError: " + self._named_inputs(str(error).replace(" in batch rows [0]", ""))
         return "ValueError: the verification emitted no token"
 
     def _out_of_time(self) -> bool:

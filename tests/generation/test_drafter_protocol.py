@@ -547,6 +547,7 @@ def test_a_non_finite_q_is_ignored_greedy_and_refused_sampling(target, bad):
     got = sk.generate(target, ids, drafter=Scripted(script), num_speculative_tokens=3, max_new_tokens=8,
                       do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="draft_logits has NaN, \\+inf or an all -inf row"):
+    with pytest.raises(ValueError, match="draft_logits, the drafter's logits \\(Scripted\\), has NaN, \\+inf or an "
+                                         "all -inf row"):
         sk.generate(target, ids, drafter=Scripted(script), num_speculative_tokens=3, max_new_tokens=8,
                     do_sample=True, seed=0, eos_token_id=None, pad_token_id=0)

@@ -84,3 +84,18 @@ def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
         drawn = [v[row] for v in values["sample"]]
         assert drawn[:3] == [0, 1, 2]
         assert all(b <= a + 1 for a, b in zip(drawn, drawn[1:]))
+
+
+def test_a_draft_models_invalid_logits_are_named_as_the_draft_models():
+    """Sampling reads q: a draft whose logits hold NaN is named as the draft model (it was the op's argument name,
+    draft_logits, alone); greedy reads no q and runs, as HF's greedy assisted generation does."""
+    from helpers.models import llama
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    with torch.no_grad():
+        draft.lm_head.weight[5].fill_(float("nan"))
+    ids = torch.tensor([[1, 5, 9, 4]])
+    with pytest.raises(ValueError, match=r"draft_logits, the draft model's logits \(LlamaForCausalLM\), has NaN"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=8, do_sample=True, seed=0)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=8, do_sample=False),
+                       target.generate(ids, max_new_tokens=8, do_sample=False))
