@@ -31,7 +31,8 @@ WARM_UP_TOKENS = 16  # new tokens of the untimed call that precedes each timed p
 DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et al. 2023)."
 
 
-def check_length(model, input_ids, max_new_tokens: int, role: str = "target") -> None:
+def check_length(model, input_ids, max_new_tokens: int, role: str = "target",
+                 source: str = "--max-new-tokens") -> None:
     """A UsageError where the request passes the context length (``max_position_embeddings``) that ``model`` (the
     ``role``: target or draft) states: a decoder-only model's [1, L] prompt plus max_new_tokens; an encoder-decoder
     model's encoder input ``input_ids`` [1, L], or its decoder's start token plus max_new_tokens (BART's learned
@@ -42,12 +43,12 @@ def check_length(model, input_ids, max_new_tokens: int, role: str = "target") ->
     limit = f"the {role}'s context length ({positions} positions)"
     if not model.config.is_encoder_decoder:
         if input_ids.shape[1] + max_new_tokens > positions:
-            raise UsageError(f"--max-new-tokens {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that "
+            raise UsageError(f"{source} {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that "
                              f"exceeds {limit}")
     elif input_ids.shape[1] > positions:
         raise UsageError(f"--prompt: its {input_ids.shape[1]} tokens exceed {limit}")
     elif 1 + max_new_tokens > positions:
-        raise UsageError(f"--max-new-tokens {max_new_tokens}: with the decoder's start token that exceeds {limit}")
+        raise UsageError(f"{source} {max_new_tokens}: with the decoder's start token that exceeds {limit}")
 
 
 def check_draft_vocabulary(target, draft, folder) -> None:
@@ -84,12 +85,15 @@ def run_generate(args) -> int:
                                             trust_remote_code=args.trust_remote_code)
         drafting = dict(draft_model=draft, num_speculative_tokens=args.gamma, assistant_tokenizer=draft_tokenizer)
     check_one_completion(target)
+    source = "--max-new-tokens"
     if args.max_new_tokens is None:  # the checkpoint's, as model.generate reads it (its max_length is not a count)
         args.max_new_tokens = target.generation_config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        if target.generation_config.max_new_tokens:
+            source = "max_new_tokens (from the target's generation_config; --max-new-tokens sets another)"
     input_ids, attention_mask = encode_prompt(tokenizer, target, args.prompt, args.device)
-    check_length(target, input_ids, args.max_new_tokens)
+    check_length(target, input_ids, args.max_new_tokens, source=source)
     if args.draft is not None:
-        check_length(draft, input_ids, args.max_new_tokens, role="draft")
+        check_length(draft, input_ids, args.max_new_tokens, role="draft", source=source)
         if draft_tokenizer is None:
             check_draft_vocabulary(target, draft, args.draft)
     # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it). use_cache=True

@@ -171,12 +171,14 @@ def check_one_completion(model) -> None:
 DEFAULT_MAX_NEW_TOKENS = 64  # where neither --max-new-tokens nor the checkpoint's generation_config says
 
 
-def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA) -> None:
+def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA,
+                       max_new_tokens_default: int | None = None) -> None:
     """The options both commands take. gamma_default None: --gamma left unset reads None (``generate`` then tells
     it from a --gamma given where it does nothing)."""
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
-                        help="tokens to generate at most (default: the target checkpoint's generation_config "
-                             f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens_default,
+                        help="tokens to generate at most" + ("" if max_new_tokens_default is not None else
+                                                             " (default: the target checkpoint's generation_config "
+                                                             f"max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})"))
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
                         help="sampling temperature; 0 = greedy decoding")
     parser.add_argument("--top-k", type=int, default=None,

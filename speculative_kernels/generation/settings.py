@@ -274,9 +274,9 @@ def _check_refused(config, check_schedule: bool = True) -> None:
                          "or generation_config.json: pass use_cache=True, which gives the same tokens)")
     schedule = config.num_assistant_tokens_schedule
     if schedule not in (None, "constant") and check_schedule:
-        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant here): pass "
-                         "num_speculative_tokens (an int, or 'auto' to have it chosen from the measured acceptance "
-                         "and costs), or num_assistant_tokens_schedule='constant'")
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported (gamma is constant here): "
+                         "set it to 'constant' (or leave it unset), and pass num_speculative_tokens (an int, or "
+                         "'auto' to have gamma chosen from the measured acceptance and costs)")
     if config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(f"cache_implementation={config.cache_implementation!r} is not supported; use 'dynamic' "
                          "(default) or 'static'")
@@ -577,13 +577,15 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     _check_draft_schedule(draft_model, num_speculative_tokens)
     for source in (generation_config, kwargs):  # (HF's validate and processors fail on these unclearly)
         _check_typed_fields(source if isinstance(source, dict) else {} if source is None else vars(source))
-    if generation_config is None:  # the checkpoint's generation_config.json, where the call does not override it
-        own = {name: value for name, value in vars(model.generation_config).items() if name not in kwargs}
-        try:
-            _check_typed_fields(own)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"the model's generation_config (its generation_config.json): {error}") from error
+    # The checkpoint's generation_config.json where the call does not set the field (transformers fills a passed
+    # generation_config's unset fields from it too): first what transformers' own preparation fails on, then, on
+    # the merged settings, the rest (the warpers' fields only when sampling, as HF reads them)
+    given = vars(generation_config) if generation_config is not None else {}
+    own = {name: value for name, value in vars(model.generation_config).items()
+           if name not in kwargs and given.get(name) is None}
+    _checkpoint_fields(own, sampling=False)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    _checkpoint_fields({name: getattr(config, name, None) for name in own}, sampling=bool(config.do_sample))
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
         config.cache_implementation = "static"
     if zero_new:
@@ -649,9 +651,14 @@ def _max_time(value) -> float | None:
     return float(value)
 
 
-def _check_typed_fields(fields: dict) -> None:
+_SAMPLING_ONLY = ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h")  # HF's warpers: read when sampling
+
+
+def _check_typed_fields(fields: dict, ids: bool = True, sampling: bool = True) -> None:
     """TypeError/ValueError naming a setting of ``fields`` (a call's keywords, or a GenerationConfig's attributes)
-    whose type model.generate's own checks and processors fail on inside transformers (None: unset)."""
+    whose type model.generate's own checks and processors fail on inside transformers (None: unset). ids: also
+    check the token ids' range (a call's own; a checkpoint's negative ids HF runs with); sampling: also the warpers'
+    fields, which HF reads only when sampling."""
     copies = fields.get("num_return_sequences")
     if copies is not None and (isinstance(copies, bool) or not isinstance(copies, numbers.Integral) or copies < 1):
         raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
@@ -660,18 +667,25 @@ def _check_typed_fields(fields: dict) -> None:
         if value is not None and (isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__")
                                   or getattr(value, "ndim", 1) != 1):
             raise TypeError(f"{name} must be a list of token ids, got {type(value).__name__} {value!r}")
-        if value is not None:
+        if value is not None and ids:
             token_ids(name, [_scalar(v) for v in value])
     decay = fields.get("exponential_decay_length_penalty")
     if decay is not None and not (isinstance(decay, (list, tuple)) and len(decay) == 2
                                   and all(_is_number(v) for v in decay)):
         raise TypeError("exponential_decay_length_penalty must be a pair (start_index, decay_factor), got "
                         f"{decay!r}")
-    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h", "repetition_penalty",
-                 "encoder_repetition_penalty"):
+    for name in (*(_SAMPLING_ONLY if sampling else ()), "repetition_penalty", "encoder_repetition_penalty"):
         value = fields.get(name)
         if value is not None and not _is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _checkpoint_fields(fields: dict, sampling: bool) -> None:
+    """``_check_typed_fields`` of a checkpoint's generation_config values, naming where they come from."""
+    try:
+        _check_typed_fields(fields, ids=False, sampling=sampling)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"the model's generation_config (its generation_config.json): {error}") from error
 
 
 def _scalar(value):

@@ -528,3 +528,11 @@ def test_a_negative_ngram_size_names_the_right_bound(pair, capsys):
               "--no-repeat-ngram-size", "-1"])
     assert exit_info.value.code == 2
     assert "--no-repeat-ngram-size: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_a_checkpoints_max_new_tokens_past_the_context_is_named_as_the_checkpoints(pair, tmp_path, capsys):
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "long", max_new_tokens=100000)
+    assert main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in"]) == 2
+    assert "max_new_tokens (from the target's generation_config; --max-new-tokens sets another) 100000" in \
+        capsys.readouterr().err

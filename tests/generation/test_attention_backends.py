@@ -52,11 +52,21 @@ def test_a_callers_restrictions_are_kept(restore_flags):
     assert flags()["cudnn"] and not flags()["flash"]
 
 
-def test_cudnn_alone_is_left_as_the_caller_set_it(restore_flags):
+@pytest.mark.parametrize("flash", [False, True])
+def test_cudnn_without_a_masked_backend_is_left_as_the_caller_set_it(restore_flags, flash):
+    """cuDNN alone, or with flash, which takes no mask (every forward of ours passes one): leaving cuDNN out would
+    leave no kernel for our forwards."""
     for name in ("flash", "mem_efficient", "math"):
-        getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(name == "flash" and flash)
     with attention_backends.without_cudnn_attention(CUDA):
-        assert flags() == {"flash": False, "mem_efficient": False, "math": False, "cudnn": True}
+        assert flags() == {"flash": flash, "mem_efficient": False, "math": False, "cudnn": True}
+
+
+def test_nothing_changes_while_compiling(restore_flags, monkeypatch):
+    before = flags()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with attention_backends.without_cudnn_attention(CUDA):
+        assert flags() == before
 
 
 def test_other_devices_are_untouched(restore_flags):

@@ -485,9 +485,9 @@ def test_a_checkpoints_wrongly_typed_setting_is_named(name, value):
     setattr(target.generation_config, name, value)
     ids = torch.tensor([[1, 5, 9, 4]])
     with pytest.raises(TypeError, match=f"model's generation_config .*{name}"):
-        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False)
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=True, seed=0)
     if name == "typical_p":  # the call's own value replaces the checkpoint's, as in model.generate
-        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=False, typical_p=0.9)
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, do_sample=True, seed=0, typical_p=0.9)
 
 
 def test_models_that_slice_a_position_sized_table_by_key_slots_are_kept_within_it():
@@ -510,3 +510,42 @@ def test_models_that_slice_a_position_sized_table_by_key_slots_are_kept_within_i
                                          max_position_embeddings=24, attention_types=[[["global"], 2]])).eval()
     with pytest.raises(ValueError, match=r"GPTNeoForCausalLM\) slices a table of 24 key positions"):
         sk.generate(neo, ids, draft_model=neo, cache_implementation="static", **common)
+
+
+def test_a_checkpoints_sampling_only_setting_does_not_stop_greedy_decoding():
+    """HF reads the warpers' fields only when sampling: a checkpoint's wrongly typed typical_p does not stop a
+    greedy call (it did after the check above was added), nor does a negative id in its suppress_tokens."""
+    target = llama()
+    target.generation_config.typical_p = "0.5"
+    target.generation_config.suppress_tokens = [-1, 5]
+    ids = torch.tensor([[1, 5, 9, 4]])
+    want = target.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(sk.generate(target, ids, draft_model=target, max_new_tokens=6, do_sample=False), want)
+    with pytest.raises(TypeError, match="model's generation_config .*typical_p"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=6, do_sample=True, seed=0)
+    from transformers import GenerationConfig
+
+    target.generation_config.suppress_tokens = 5  # filled into a passed generation_config's unset field too
+    with pytest.raises(TypeError, match="model's generation_config .*suppress_tokens"):
+        sk.generate(target, ids, draft_model=target, generation_config=GenerationConfig(max_new_tokens=4))
+
+
+def test_a_batch_of_a_slot_table_model_is_compacted_before_it_passes_the_table():
+    """GPT-Neo (global layers only, 32 positions), a batch of 2 on the dynamic cache with an unrelated draft (many
+    rejections, many holes): the runner compacts before an iteration would pass 32 slots, so a request HF runs
+    is exact (it was refused mid-run at 16 new tokens)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    def neo(seed, layers=2):
+        torch.manual_seed(seed)
+        return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=97, hidden_size=32, num_layers=layers, num_heads=4,
+                                              max_position_embeddings=32, attention_types=[[["global"], layers]],
+                                              bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+
+    target, draft = neo(0), neo(7, layers=1)
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, 0
+    common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, **common),
+                       target.generate(ids, **common))

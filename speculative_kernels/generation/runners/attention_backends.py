@@ -12,10 +12,13 @@ with torch 2.11, sgl-project/sglang#4650), far more than a forward; our H200 ser
 ~50 ms per new shape (benchmarks/RESULTS.md, fourth GPU run; ``benchmarks/diagnose_serving_gpu.py`` measures it).
 Mem-efficient attention takes the same additive mask with no per-shape planning.
 
-A caller who enabled only cuDNN (``with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): generate(...)``) keeps it; on other
+A caller who enabled cuDNN and no other backend that takes a mask (mem-efficient, math) keeps it
+(``with sdpa_kernel(SDPBackend.CUDNN_ATTENTION): generate(...)``: flash takes no mask); on other
 devices, with cuDNN attention off, or for models whose attention is not SDPA, nothing changes. The captured steps of
-``compile=True`` are not wrapped: their shapes are fixed, so cuDNN plans once. torch's backend switches are process
-state: another thread's SDPA calls during one of our forwards see the same restriction.
+``compile=True`` are left as torch's default (not wrapped, or the switch does nothing while compiling): their shapes
+are fixed, so cuDNN plans once. torch's backend switches are process state: another thread's SDPA calls during one
+of our forwards see the same restriction, and another thread's own ``sdpa_kernel`` entered and left across one of
+our forwards can restore the flags in the other order (both contexts restore what they found).
 """
 
 import contextlib
@@ -30,10 +33,12 @@ except ImportError:  # (torch without torch.nn.attention: its SDPA has no cuDNN 
 
 def without_cudnn_attention(device: torch.device):
     """A context for one forward on ``device``: SDPA without its cuDNN backend (see the module docstring)."""
-    if sdpa_kernel is None or device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+    if (sdpa_kernel is None or device.type != "cuda" or torch.compiler.is_compiling()
+            or not torch.backends.cuda.cudnn_sdp_enabled()):  # (a captured step keeps torch's default)
         return contextlib.nullcontext()
     cuda = torch.backends.cuda
-    enabled = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
-                                           (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
-                                           (SDPBackend.MATH, cuda.math_sdp_enabled())) if on]
-    return sdpa_kernel(enabled) if enabled else contextlib.nullcontext()
+    masked = [backend for backend, on in ((SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+                                          (SDPBackend.MATH, cuda.math_sdp_enabled())) if on]
+    if not masked:  # (flash takes no mask: without a backend that does, cuDNN stays, as the caller set it)
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, *masked] if cuda.flash_sdp_enabled() else masked)

@@ -25,7 +25,7 @@ class DecoderRunner(SlotMaskRunner):
     """
 
     def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, *,
-                 compaction_threshold: float = 0.25, compaction_backend: str = "auto"):
+                 compaction_threshold: float = 0.25, compaction_backend: str = "auto", reserve: int = 0):
         super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
         self.cache: RollbackCache | None = None  # made by the first forward (a draft that never runs costs nothing)
@@ -34,6 +34,8 @@ class DecoderRunner(SlotMaskRunner):
         self._steps: dict[int, torch.Tensor] = {}  # T -> arange(T) (positions of an all-real forward)
         self._init_additive(spec, self._dtype)
         self._slot_limit = slot_table_limit(model)  # (GPT-Neo, MPT: transformers fails past it)
+        if self._slot_limit is not None:  # a batch's holes are compacted away before an iteration would pass it
+            self.capacity, self.reserve = self._slot_limit, reserve
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).

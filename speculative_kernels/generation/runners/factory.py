@@ -45,8 +45,8 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     width; static_rows: allocate the static caches for that many rows of that context (rows joining in place);
     captured: the steps will be compiled (the capacity is bucketed, ``sizing.captured_capacity``, so that calls of
     other lengths reuse the compiled steps)."""
-    if not static:
-        return RunnerPlan(False, batch, slots, 0, 0, batching, device)
+    if not static:  # (reserve: kept free below a model's slot table, ``DecoderRunner``)
+        return RunnerPlan(False, batch, slots, 0, gamma + 1, batching, device)
     encoder_decoder = specs[0].encoder_decoder
     rows, prefill_width = batch, prompt_width
     if static_rows is not None:
@@ -92,4 +92,4 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
     if plan.static:
         return StaticDecoderRunner(model, spec, plan.batch, plan.capacity, plan.device, reserve=plan.reserve,
                                    rows=plan.rows, **compaction)
-    return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, **compaction)
+    return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, reserve=plan.reserve, **compaction)
