@@ -184,7 +184,8 @@ def warp_valid_rows(warp, scores: torch.Tensor) -> torch.Tensor:
     """``warp(scores)`` for scores [N, V] float32, rows without a valid distribution (no finite logit, a NaN or +inf)
     passed through as they are: a block holds positions past drafts the target bans, which HF's generate never
     samples from, and where every token may be banned; some warpers raise on such a row (transformers 5.17's eta and
-    top-H warpers, through torch.distributions' argument checks). Verification flags such a row if it is reached.
+    top-H warpers, through torch.distributions' argument checks). The loop verifies a row no further than such a
+    position past its first (``SpeculativeLoop._dead_positions``), and fails at the first, as HF would.
     No host read: the rows are chosen with ``torch.where``."""
     invalid = ~torch.isfinite(scores.amax(dim=-1, keepdim=True))  # (the max is NaN with any NaN, +inf with any +inf)
     return torch.where(invalid, scores, warp(torch.where(invalid, 0.0, scores)))

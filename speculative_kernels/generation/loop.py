@@ -345,6 +345,7 @@ class SpeculativeLoop:
         -1, accepted [B] or None when gamma is 0, the processed target logits, the raw ones or None)."""
         s = self._sampling_now
         self._processor_caps = {}  # row -> the drafts it may verify, where its processors raised (``process``)
+        self._capping = None  # [B] int64: each row's drafts to verify (gamma + 1: all), where processors ran
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None
             logits = self.target_runner.forward(prompt, real, last_only=True)
@@ -363,10 +364,17 @@ class SpeculativeLoop:
             logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (the runner's: a graph's?)
             rows = self._unfinished()
             self._processor_caps = self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
-            if self._processor_caps:  # rows whose processors raised at position j (a context holding j drafts)
-                # verify j drafts (gamma + 1 for the others: never reached, see ``_drop_unprocessed_tokens``)
-                caps = [self._processor_caps.get(b, self.gamma + 1) for b in range(self.batch)]
-                caps = host_to_device(caps, torch.int64, self.device)
+            if self.gamma:
+                # Rows whose processors raised at position j, or left it with no admissible token (every logit
+                # -inf): the context there holds j drafts, one model.generate may never build (a draft to be
+                # rejected; a row past its own end beside rows with more left). Each verifies j drafts (gamma + 1
+                # for the others: never reached), and a token drawn at j is dropped (``_drop_unprocessed_tokens``).
+                # Position 0, the row's real context, is what model.generate processes: it fails there as HF would.
+                caps = self._dead_positions(logits)
+                if self._processor_caps:
+                    raised = [self._processor_caps.get(b, self.gamma + 1) for b in range(self.batch)]
+                    caps = torch.minimum(caps, host_to_device(raised, torch.int64, self.device))
+                self._capping = caps
                 capped = caps.clamp(max=self.gamma)
                 num_draft = capped if num_draft is None else torch.minimum(num_draft, capped)
         if self.warpers is not None and not self.plan.processors_warp:  # (else the rows' lists held the warpers)
@@ -393,14 +401,23 @@ class SpeculativeLoop:
         # target's own token at num_draft[b] (from p there when it accepted every proposal, else the residual).
         out, accepted = self.impl.verify(logits, q_logits, draft_tokens, s, self.randomness.verify(),
                                          num_draft_tokens=num_draft)
-        if self._processor_caps:
-            out, accepted = self._drop_unprocessed_tokens(out, accepted, caps)
+        if self._capping is not None:
+            out, accepted = self._drop_unprocessed_tokens(out, accepted, self._capping)
         if self._proposal is not None:  # rows whose proposal was invalid: flagged as the op flags invalid rows
             bad = self._proposal[3]
             out, accepted = out.masked_fill(bad.unsqueeze(1), -1), accepted.masked_fill(bad, -1)
         if not s.greedy:
             self.randomness.advance_verify()
         return out, accepted, logits, raw
+
+    def _dead_positions(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, gamma + 1, V] float32 as processed -> [B] int64: each row's first position j >= 1 with no
+        admissible token (every logit -inf), gamma + 1 where none; those positions get finite logits (0) in place,
+        so that a token drawn there (dropped after) never flags the row invalid. Device ops, no host read."""
+        dead = torch.isneginf(logits[:, 1:]).all(dim=-1)  # [B, gamma]
+        first = torch.where(dead.any(dim=1), dead.to(torch.int64).argmax(dim=1) + 1, self.gamma + 1)
+        logits[:, 1:].masked_fill_(dead.unsqueeze(-1), 0.0)
+        return first
 
     def _drop_unprocessed_tokens(self, out: torch.Tensor, accepted: torch.Tensor, caps: torch.Tensor):
         """A row whose processors raised at position j (``RowProcessors.process``) verified its first j drafts;
@@ -568,7 +585,7 @@ class SpeculativeLoop:
             if reader is self.drafter:
                 check_lengths_to_read(self.drafter, lengths, self.device)
         # (rows whose processors raised: whether the token after their capped drafts was dropped, for alpha)
-        dropped = [self._dropped] if self._processor_caps else []
+        dropped = [self._dropped, self._capping] if self._capping is not None else []
         if readers or read_drafted or dropped:
             host = torch.cat([out.flatten(), *(lengths for _, lengths in readers),
                               *([num_draft] if read_drafted else []), *dropped]).tolist()
@@ -607,6 +624,8 @@ class SpeculativeLoop:
         tail += b if read_drafted else 0
         # alpha's passed tests: a row whose token after its j capped drafts was dropped accepted all j of them
         passed_host = [n + d for n, d in zip(accepted_host, host[tail : tail + b])] if dropped else accepted_host
+        if dropped:  # each row's drafts verified (``_verify``'s caps), for the drafted counts
+            self._processor_caps = {row: c for row, c in enumerate(host[tail + b : tail + 2 * b]) if c <= self.gamma}
         active_host = [0 if b in self.failed_rows else 1 - f for b, f in enumerate(self._finished_host)]
         generated_before = self._generated_host
         self._write(out, count_host)

@@ -601,3 +601,32 @@ def test_a_processor_that_edits_in_place_then_raises_and_alpha_counts_the_accept
                  prefix_allowed_tokens_fn=lambda batch_id, seq: sorted(trie[tuple(seq[length:].tolist())]))
     assert torch.equal(got, expected)
     assert (stats.accept_tests, stats.accept_tests_passed) == (2, 2) and stats.alpha == 1.0
+
+
+def test_a_position_the_processors_leave_without_a_token_is_verified_no_further():
+    """HF's processors (no_repeat_ngram_size over a vocabulary suppress_tokens restricts) can leave no admissible
+    token at a block position j >= 1, whose context holds j drafts model.generate may never build (a draft the
+    verification rejects; in a batch, a row past its own end). The row verifies j drafts there, as where a
+    processor raises; it failed ("has NaN, +inf or an all -inf row") where model.generate completes."""
+    from helpers.models import llama
+
+    target, draft = llama(), llama(layers=1, seed=2)
+
+    def restricted(allowed, new):
+        return dict(max_new_tokens=new, no_repeat_ngram_size=2, eos_token_id=None,
+                    suppress_tokens=[t for t in range(97) if t not in allowed])
+
+    prompt = torch.tensor([[92, 92, 92, 92, 92, 15, 15, 15]])
+    settings = restricted([15, 21, 92], 6)
+    want = target.generate(prompt, do_sample=False, pad_token_id=0, **settings)
+    got = sk.generate(target, prompt, prompt_lookup_num_tokens=3, do_sample=False, pad_token_id=0, **settings)
+    assert torch.equal(got, want)
+    prompt = [96, 96, 25, 25]
+    settings = restricted([71, 96, 25], 4)
+    want = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **settings)[0, 4:].tolist()
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    decoder.add_request([9, 10, 11, 12], max_new_tokens=40, do_sample=False)
+    request = decoder.add_request(prompt, do_sample=False, **settings)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).token_ids == want
