@@ -175,7 +175,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
-                               device=device, static_rows=static_rows, captured=compile_options is not None)
+                               device=device, static_rows=static_rows, captured=compile_options is not None,
+                               encoder_width=encoder_width or 0)
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
     timer = PhaseTimer(device)  # the loop's: an encoder pass over the source is prefill time (total_time_s)

@@ -128,8 +128,12 @@ class PhaseTimer:
         self._open[phase] = self._now()
 
     def stop(self, phase: str) -> None:
-        spans = self.spans.setdefault(phase, [])
-        spans.append((self._open.pop(phase), self._now()))
+        self.spans.setdefault(phase, []).append((self._open.pop(phase), self._now()))
+        self._fold(phase)
+
+    def _fold(self, phase: str) -> None:
+        """Once the phase holds FOLD_AT spans: its completed ones but the last into the running total."""
+        spans = self.spans[phase]
         if len(spans) >= self.FOLD_AT:
             done = 0
             for _, end in spans[:-1]:
@@ -156,5 +160,6 @@ class PhaseTimer:
         """Take ``other``'s time into this timer (this timer's last spans stay the last)."""
         for phase, seconds in other.folded.items():
             self.folded[phase] = self.folded.get(phase, 0.0) + seconds
-        for phase, spans in other.spans.items():
-            self.spans[phase] = spans + self.spans.get(phase, [])
+        for phase, spans in other.spans.items():  # (folded here too: a running batch's prefill phase, which every
+            self.spans[phase] = spans + self.spans.get(phase, [])  # joining request's merges, never stops again)
+            self._fold(phase)

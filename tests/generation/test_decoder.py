@@ -277,3 +277,20 @@ def test_a_draft_of_another_vocabulary_is_refused_by_the_constructor():
         sk.SpeculativeDecoder(target, other)
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer"):
         sk.SpeculativeDecoder(target, target, tokenizer=object())
+
+
+def test_a_running_batchs_timer_stays_bounded_as_requests_join():
+    """Each joining request's timer is merged into the running loop's, whose prefill phase never stops again: its
+    spans were kept one per admission, forever (on CUDA two events each, and every merge copied the list)."""
+    from speculative_kernels.generation.stats import PhaseTimer
+
+    running = PhaseTimer(torch.device("cpu"))
+    running.start("prefill")
+    running.stop("prefill")
+    for _ in range(5 * PhaseTimer.FOLD_AT):
+        joining = PhaseTimer(torch.device("cpu"))
+        joining.start("prefill")
+        joining.stop("prefill")
+        running.merge(joining)
+    assert len(running.spans["prefill"]) < PhaseTimer.FOLD_AT
+    assert running.seconds("prefill") >= 0.0

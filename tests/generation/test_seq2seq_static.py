@@ -229,3 +229,22 @@ def test_result_is_on_the_device_of_the_callers_ids(decoder_ids):
     got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, **kwargs)
     assert got.device == torch.device("cpu")
     assert torch.equal(got, expected.cpu())
+
+
+def test_the_memory_check_counts_the_cross_attention_cache_and_the_encoder_output(monkeypatch):
+    """The static check counted the decoder's self-attention K/V only: a 250-token source's cross-attention K/V and
+    encoder output were ~13-17x the checked bound on the tiny models (found by the memory hunt)."""
+    from speculative_kernels.generation.capabilities import check_model
+    from speculative_kernels.generation.runners import factory
+    from speculative_kernels.generation.runners.slot_cache import CacheLayout
+
+    seen = []
+    monkeypatch.setattr(factory, "check_free_memory", lambda required, *args, **kwargs: seen.append(required))
+    target = t5()
+    source = torch.randint(3, 97, (1, 250), generator=torch.Generator().manual_seed(0))
+    sk.generate(target, source, draft_model=target, max_new_tokens=4, cache_implementation="static")
+    spec = seen[0]
+    layout = CacheLayout.of(target, check_model(target, path="static", batch=1))
+    assert spec["cross_attention_kv"] == 2 * layout.bytes(1, 250)  # (target and draft: the same model twice)
+    assert spec["encoder_outputs"] == 2 * 250 * target.config.d_model * 4
+    assert spec["total"] >= spec["kv_caches"] + spec["cross_attention_kv"] + spec["encoder_outputs"]

@@ -280,3 +280,19 @@ def test_transformers_deprecated_static_names_run_the_static_cache(alias, where)
     assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **common), expected)
     loop = build_loop(target, draft, ids, num_speculative_tokens=3, **common)
     assert isinstance(loop.target_runner, StaticDecoderRunner)
+
+
+def test_the_cpu_check_sees_the_process_address_space_limit():
+    """Under RLIMIT_AS (or a container's cgroup limit) the host's MemAvailable overstates what an allocation can get:
+    the static cache passed the check, then failed in torch's allocator instead of the named MemoryError."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, resource, torch\n"
+        "from speculative_kernels.generation.memory import free_bytes\n"
+        "virtual = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (virtual + 300 * 2**20, resource.RLIM_INFINITY))\n"
+        "print(free_bytes(torch.device('cpu')))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert int(out) <= 300 * 2**20

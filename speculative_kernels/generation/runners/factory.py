@@ -38,13 +38,15 @@ class RunnerPlan:
 
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
-                 device: torch.device, static_rows: StaticRows | None = None, captured: bool = False) -> RunnerPlan:
+                 device: torch.device, static_rows: StaticRows | None = None, captured: bool = False,
+                 encoder_width: int = 0) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
     hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
     specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
     width; static_rows: allocate the static caches for that many rows of that context (rows joining in place);
     captured: the steps will be compiled (the capacity is bucketed, ``sizing.captured_capacity``, so that calls of
-    other lengths reuse the compiled steps)."""
+    other lengths reuse the compiled steps); encoder_width: an encoder-decoder's source length S (its decoders'
+    cross-attention K/V, B x S per layer, are counted too)."""
     if not static:  # (reserve: kept free below a model's slot table, ``DecoderRunner``)
         return RunnerPlan(False, batch, slots, 0, gamma + 1, batching, device)
     encoder_decoder = specs[0].encoder_decoder
@@ -71,6 +73,12 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
                              "cache (model.generate's caches hold no more slots than positions)")
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
+    if encoder_decoder and encoder_width:  # each decoder's cross-attention K/V over the source (filled once), and
+        cross = sum(layout.bytes(rows, encoder_width) for layout in layouts)  # each encoder's output [B, S, H]
+        encoded = sum(rows * encoder_width * _hidden_size(model) * torch.empty((), dtype=layout.dtype).element_size()
+                      for model, layout in zip(models, layouts))
+        required = {**required, "cross_attention_kv": cross, "encoder_outputs": encoded,
+                    "total": required["total"] + cross + encoded}
     what = "the static decoder caches" if encoder_decoder else "the static caches"
     whose = "target and draft" if len(models) > 1 else "target"
     remedy = ("lower the decoder's max_batch_size or max_context" if static_rows is not None
@@ -78,6 +86,11 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     check_free_memory(required, device, f"{what} ({rows} rows x {capacity} slots, {whose})", remedy)
     return RunnerPlan(True, batch, slots, capacity, gamma + 1, batching, device,
                       rows if static_rows is not None else None)
+
+
+def _hidden_size(model) -> int:
+    config = model.config.get_text_config(decoder=False)
+    return int(getattr(config, "d_model", None) or getattr(config, "hidden_size", 0) or 0)
 
 
 def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None) -> Runner:
