@@ -105,7 +105,6 @@ class SpeculativeLoop:
             raise ValueError(f"rows must have {self.batch} entries whose largest max_new_tokens is the plan's "
                              f"({plan.max_new_tokens})")
         self.per_row = rows is not None  # a batch of separate requests: rows may join (``append_rows``)
-        self._all_greedy_rows = rows is not None and all(t == 0.0 for t in rows.temperature)  # (host values)
         self._captured = warm_up is not None
         self.sampling = plan.sampling if rows is None else rows.sampling(self.device)
         # A batch of requests: which rows are greedy (host facts). While every row is, the iterations run the
@@ -251,13 +250,16 @@ class SpeculativeLoop:
         return check_proposal_counts(self.drafter, self.drafter.proposal_counts(), self.batch)
 
     @property
+    def _all_greedy_rows(self) -> bool:
+        """A batch of requests whose rows are all greedy (host facts)."""
+        return self._greedy_rows is not None and all(self._greedy_rows)
+
+    @property
     def _sampling_now(self):
         """This iteration's ``Sampling``: the loop's own, or plain greedy while every row of a batch of requests is
         greedy (their per-row parameters are then temperature 0 throughout, so nothing drawn or warped differs; no
         random-number counter advances, and greedy rows read none)."""
-        if self._greedy_rows is not None and all(self._greedy_rows):
-            return GREEDY
-        return self.sampling
+        return GREEDY if self._all_greedy_rows else self.sampling
 
     def _draft_limits(self) -> torch.Tensor | None:
         """Each row's draft limit this iteration: gamma, but never more than its own tokens left less one, so a row
