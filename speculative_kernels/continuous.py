@@ -91,9 +91,11 @@ from .generation.drafter import Drafter
 from .generation.inputs import check_models, inferred_attention_mask, model_device
 from .generation.loop import JoinRefused, SpeculativeLoop
 from .generation.memory import is_out_of_memory
-from .generation.options import CompileOptions, StaticRows
+from .generation.options import BatchingOptions, CompileOptions, StaticRows
 from .generation.request import build_loop, check_model_as
 from .generation.row_settings import RowSettings
+from .generation.runners.factory import check_slot_tables
+from .generation.runners.sizing import static_capacity
 from .generation.context_processors import build_row_processors, build_warpers
 from .generation.settings import CONTEXT_PROCESSED, WARPERS, resolve_settings
 from .generation.settings import stop_strings as parse_stop_strings
@@ -234,6 +236,12 @@ class ContinuousBatcher:
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
                              f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
+        if self.static_rows is not None:  # (GPT-Neo, MPT: refused here, not by every request when admitted)
+            rows = self.static_rows
+            capacity = static_capacity(rows.max_context, 0, rows.gamma(plan.max_gamma), rows.rows,
+                                       BatchingOptions().slack)
+            check_slot_tables((target, self.decoder.draft), ("target", "draft"), capacity,
+                              "max_context plus one iteration's slots and the batch's slack", "the decoder's max_context")
         # (every request joins one batch, whose rows near their end are verified with drafts past their last position)
         longest = (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1
         check_positions(target, longest, overshoot=plan.max_gamma)

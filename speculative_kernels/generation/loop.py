@@ -3,6 +3,7 @@ rolls back for every row at once, with one device-to-host read (the iteration's 
 runners asked for). The walk-through of an iteration is in ``docs/architecture.md``."""
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -949,7 +950,8 @@ class SpeculativeLoop:
         # ``other`` may have run iterations of its own (a joining request's first one): its rows keep their values
         self.last_accepted = (self.last_accepted or [-1] * self.batch) + (other.last_accepted or [-1] * other.batch)
         self.last_drafted = (self.last_drafted or [0] * self.batch) + (other.last_drafted or [0] * other.batch)
-        self._histogram = [a + b for a, b in zip(self._histogram, other._histogram)]
+        self._grow_gamma(other)
+        self._histogram = [a + b for a, b in itertools.zip_longest(self._histogram, other._histogram, fillvalue=0)]
         for name in ("prefill_forwards", "target_forwards", "drafted_tokens", "accepted_tokens", "new_tokens",
                      "accept_tests", "accept_tests_passed"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(other.stats, name))
@@ -957,6 +959,22 @@ class SpeculativeLoop:
         self.timer.merge(other.timer)
         self.batch += other.batch
         self._host_tokens, self._host_counts, self._host_width = [-1] * self.batch, [0] * self.batch, 1
+
+    @property
+    def _gamma_setting(self):
+        """num_speculative_tokens as the requests set it (build_loop caps the plan's at what the rows can draft)."""
+        return self.plan.gamma_setting if self.plan.gamma_setting is not None else self.plan.num_speculative_tokens
+
+    def _grow_gamma(self, other: "SpeculativeLoop") -> None:
+        """Joining rows that may draft more than this loop's rows (a fixed gamma capped by their max_new_tokens,
+        ``build_loop``): size this loop for theirs (the output buffers' slack follows ``max_gamma`` at the next
+        ``_reserve``; the runners keep the larger reserve, ``SlotMaskRunner.add_rows``)."""
+        if other.max_gamma <= self.max_gamma:
+            return
+        self.max_gamma = other.max_gamma
+        self.plan = dataclasses.replace(self.plan, num_speculative_tokens=other.plan.num_speculative_tokens)
+        if self.calibrator is None:
+            self.chosen_gamma = self.stats.num_speculative_tokens = other.chosen_gamma
 
     def _check_joinable(self, other: "SpeculativeLoop") -> None:
         """ValueError unless ``other``'s rows can join this loop's batch (see ``append_rows``)."""
@@ -970,8 +988,8 @@ class SpeculativeLoop:
         elif (self.device, self.vocab, self._dtype, self.impl) != (other.device, other.vocab, other._dtype,
                                                                     other.impl):
             why = "the loops differ in device, vocabulary, dtype or backend"
-        elif (self.plan.num_speculative_tokens, self.plan.output_scores, self.plan.output_logits) != \
-                (other.plan.num_speculative_tokens, other.plan.output_scores, other.plan.output_logits):
+        elif (self._gamma_setting, self.plan.output_scores, self.plan.output_logits) != \
+                (other._gamma_setting, other.plan.output_scores, other.plan.output_logits):
             why = "the loops differ in num_speculative_tokens or output_scores/output_logits"
         elif any(p.stopping_criteria or p.streamer is not None for p in (self.plan, other.plan)):
             why = "stopping criteria and streamers belong to a single request"

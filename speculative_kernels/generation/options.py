@@ -99,3 +99,8 @@ class StaticRows:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def gamma(self, gamma: int) -> int:
+        """The gamma the caches are sized for: ``gamma``, capped at what a row can draft in one iteration (at most its
+        own tokens left less one, and no row has more than max_context - 1 new tokens)."""
+        return min(gamma, max(1, self.max_context - 2))

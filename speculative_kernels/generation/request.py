@@ -109,11 +109,15 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                                    inferred_from)
         if copies > 1:  # (after the prompt is made: an empty one starts from BOS, then is repeated, as in HF)
             input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
-    if rows is None and isinstance(plan.num_speculative_tokens, int):
-        # No iteration drafts more than max_new_tokens - 1 tokens (the loop caps each one, as HF does): nothing is
-        # sized for more, so a gamma far above what is left costs nothing (a batch of requests keeps the decoder's:
-        # requests joining it share one gamma).
-        plan.num_speculative_tokens = min(plan.num_speculative_tokens, max(1, plan.max_new_tokens - 1))
+    if isinstance(plan.num_speculative_tokens, int):
+        # No iteration drafts more than max_new_tokens - 1 tokens (the loop caps each one by the most tokens a row has
+        # left, as HF does, and each row of a batch of requests by its own): nothing is sized for more, so a gamma far
+        # above what is left costs nothing. A batch of requests on the static cache takes requests of up to
+        # max_context tokens; rows joining a dynamic one that may draft more grow it (SpeculativeLoop.append_rows).
+        capped = (min(plan.num_speculative_tokens, max(1, plan.max_new_tokens - 1)) if static_rows is None
+                  else static_rows.gamma(plan.num_speculative_tokens))
+        if capped < plan.num_speculative_tokens:
+            plan.gamma_setting, plan.num_speculative_tokens = plan.num_speculative_tokens, capped
     batch, width = input_ids.shape
     device = input_ids.device
     stop = None
@@ -202,7 +206,9 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy)
         steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
     elif settings.prompt_lookup is not None:
-        drafter = PromptLookupDrafter(min(settings.prompt_lookup.num_tokens, plan.max_gamma),
+        # (a batch of requests: the decoder's, which rows joining it share)
+        drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens if rows is not None
+                                      else min(settings.prompt_lookup.num_tokens, plan.max_gamma),
                                       settings.prompt_lookup.max_ngram,
                                       prefix=encoder_prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
                                       compiled=captured_layout)

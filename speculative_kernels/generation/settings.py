@@ -212,6 +212,9 @@ class Plan:
     # HF's WatermarkLogitsProcessor runs (``watermarking_config``): last in each row's list, after the warpers when
     # sampling (the rows' lists then hold HF's whole chain: ``context_processors.build_row_processors``).
     watermark: bool = False
+    # num_speculative_tokens as the request set it, where build_loop capped num_speculative_tokens at what its
+    # iterations can draft (None: not capped)
+    gamma_setting: int | None = None
 
     @property
     def processors_warp(self) -> bool:

@@ -275,3 +275,31 @@ def test_a_first_batch_of_one_token_requests_then_more(pair, drafting):
     for request_id, (prompt, settings) in requests.items():
         expected = _alone(target, prompt, settings, **drafting_kwargs)
         assert decoder.result(request_id).token_ids == expected == streamed[request_id], (prompt, settings)
+
+
+def test_a_static_batch_of_a_model_slicing_a_position_table_by_slots_is_refused_by_add_request():
+    """GPT-Neo's global layers slice a causal bias [1, 1, N, N] by the cache's slot count: a static batch whose caches
+    hold more slots (max_context plus one iteration and the slack) is refused by add_request, naming max_context
+    (each request was accepted, then ended "error" when admitted); one within the table runs as model.generate."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(0)
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                                         max_position_embeddings=32, attention_types=[[["global"], 2]],
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval().to(DEVICE)
+    decoder = sk.SpeculativeDecoder(neo, neo, num_speculative_tokens=2, max_batch_size=2,
+                                    cache_implementation="static", max_context=24)
+    with pytest.raises(ValueError, match=r"target \(GPTNeoForCausalLM\) slices a table of 32 key positions .*the "
+                                         r"decoder's max_context"):
+        decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    assert decoder.queued == [] and decoder.running == []
+    decoder = sk.SpeculativeDecoder(neo, neo, num_speculative_tokens=2, max_batch_size=2,
+                                    cache_implementation="static", max_context=16)
+    ids = [decoder.add_request(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)
+           for prompt in ([5, 6, 7], [8, 9])]
+    while decoder.has_work():
+        decoder.step()
+    for request_id, prompt in zip(ids, ([5, 6, 7], [8, 9])):
+        want = neo.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=6, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        assert decoder.result(request_id).token_ids == want[0, len(prompt):].tolist()

@@ -36,6 +36,19 @@ class RunnerPlan:
     rows: int | None = None
 
 
+def check_slot_tables(models, names, capacity: int, sized: str, lower: str) -> None:
+    """ValueError when a model slices a table sized by its position limit with the cache's slot count
+    (``capabilities.slot_table_limit``: GPT-Neo, MPT) and a static cache of ``capacity`` slots (``sized``: how they
+    add up) would pass it; the remedy names ``lower``."""
+    for model, name in zip(models, names):
+        limit = None if model is None else slot_table_limit(model)
+        if limit is not None and capacity > limit:
+            raise ValueError(f"{name} ({type(model).__name__}) slices a table of {limit} key positions with the "
+                             f"cache's slot count, and the static cache here holds {capacity} slots ({sized}): lower "
+                             f"{lower}, or use the dynamic cache (model.generate's caches hold no more slots than "
+                             "positions)")
+
+
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
                  device: torch.device, static_rows: StaticRows | None = None, captured: bool = False,
@@ -61,16 +74,11 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     capacity = static_capacity(prompt_width, max_new_tokens, gamma, 1 if encoder_decoder else rows, batching.slack)
     if captured and static_rows is None:  # (continuous batching: sized once per decoder, by max_context)
         capacity = captured_capacity(capacity)
-    for model, name in zip(models, ("model", "draft_model")):
-        limit = slot_table_limit(model)
-        if limit is not None and capacity > limit:
-            sized = ("max_context plus one iteration's slots and the batch's slack" if static_rows is not None else
-                     "prompt + max_new_tokens + 2 * (gamma + 1) + 2" + (", plus the batch's slack" if rows > 1 else "")
-                     + (", rounded up for compile=True" if captured else ""))
-            raise ValueError(f"{name} ({type(model).__name__}) slices a table of {limit} key positions with the "
-                             f"cache's slot count, and the static cache here holds {capacity} slots ({sized}): lower "
-                             f"{'max_context' if static_rows is not None else 'max_new_tokens'}, or use the dynamic "
-                             "cache (model.generate's caches hold no more slots than positions)")
+    sized = ("max_context plus one iteration's slots and the batch's slack" if static_rows is not None else
+             "prompt + max_new_tokens + 2 * (gamma + 1) + 2" + (", plus the batch's slack" if rows > 1 else "")
+             + (", rounded up for compile=True" if captured else ""))
+    check_slot_tables(models, ("model", "draft_model"), capacity, sized,
+                      "max_context" if static_rows is not None else "max_new_tokens")
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
     if encoder_decoder and encoder_width:  # each decoder's cross-attention K/V over the source (filled once), and

@@ -170,6 +170,7 @@ class SlotMaskRunner(abc.ABC):
         self.next_position = torch.cat([self.next_position, other.next_position])
         self.real_from = max(r.real_from + pad for r, pad in ((self, pads[0]), (other, pads[1])))
         self.num_slots = slots
+        self.reserve = max(self.reserve, other.reserve)  # (rows that may draft more than this runner's joined it)
         self.compactor.select_rows(self.slot_mask.shape[0], holes=self.real_from > 0)
 
     @abc.abstractmethod
