@@ -170,9 +170,9 @@ DEFAULT_MAX_NEW_TOKENS = 64  # where neither --max-new-tokens nor the checkpoint
 
 
 def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GAMMA,
-                       max_new_tokens_default: int | None = None) -> None:
+                       max_new_tokens_default: int | None = None, dtype_auto: str = "the checkpoint's") -> None:
     """The options both commands take. gamma_default None: --gamma left unset reads None (``generate`` then tells
-    it from a --gamma given where it does nothing)."""
+    it from a --gamma given where it does nothing). dtype_auto: what --dtype auto loads, for its help."""
     parser.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens_default,
                         help="tokens to generate at most" + ("" if max_new_tokens_default is not None else
                                                              " (default: the target checkpoint's generation_config "
@@ -199,7 +199,7 @@ def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GA
                         help="seed of the speculative run's random numbers (generate(seed=...): the same seed, the "
                              "same output); model.generate runs after torch.manual_seed(seed)")
     parser.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, float16 or bfloat16")
+    parser.add_argument("--dtype", default="auto", help=f"auto ({dtype_auto}), float32, float16 or bfloat16")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton", "cuda"],
                         help="verification kernels (auto: cuda, then triton on a GPU; torch elsewhere)")
 

@@ -69,9 +69,10 @@ def generate(
 
     ``seed`` (ours; ``model.generate`` has no such argument): an int in [0, 2**63) that keys every random number of
     the call (draft sampling and verification), so the same seed gives the same output, without touching torch's
-    global generator. Row b draws with the key ``ops.randomness.row_keys(seed)[b]`` whatever the batch size: a row's
-    numbers do not depend on the other rows, and a batch-1 call is row 0 of a call with the same seed. None (the
-    default): a seed is drawn from torch's default generator, so ``torch.manual_seed`` makes runs repeatable.
+    global generator. Row b draws with the key ``ops.randomness.row_keys(torch.full((B,), seed))[b]`` whatever the
+    batch size B: a row's numbers do not depend on the other rows, and a batch-1 call is row 0 of a call with the
+    same seed. None (the default): a seed is drawn from torch's default generator, so ``torch.manual_seed`` makes
+    runs repeatable.
     """
     if assistant_model is not None:
         if draft_model is not None and draft_model is not assistant_model:
