@@ -65,6 +65,88 @@ __device__ __forceinline__ void visit_chunk(const T* __restrict__ row0, const T*
   }
 }
 
+// Calls f(base, x) for every element of [start, end) in groups x = row[base .. base + N) (a const T (&)[N]), each
+// thread visiting its groups in increasing base: N = VecWidth<T> for a full 16-byte vector, N = 1 for the elements of
+// a partial last vector and of an unaligned row. blockDim.x must be THREADS. A chunk of FULL elements, the common case,
+// is read with all of a thread's vectors loaded before the first call (its loads in flight together). With
+// vectorized == true, row must be 16-byte aligned and start a multiple of the vector width.
+template <int THREADS, int FULL, typename T, typename F>
+__device__ __forceinline__ void visit_groups(const T* __restrict__ row, bool vectorized, int start, int end, F&& f) {
+  constexpr int kVec = VecWidth<T>::value;
+  constexpr int kPerThread = FULL / (THREADS * kVec);
+  static_assert(FULL % (THREADS * kVec) == 0, "a full chunk must be whole vectors for every thread");
+  const int tid = static_cast<int>(threadIdx.x);
+  if (vectorized && end - start == FULL) {
+    Vec16<T> x[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      x[i] = *reinterpret_cast<const Vec16<T>*>(row + start + (i * THREADS + tid) * kVec);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) f(start + (i * THREADS + tid) * kVec, x[i].v);
+  } else if (vectorized) {
+    for (int base = start + tid * kVec; base < end; base += THREADS * kVec) {
+      if (base + kVec <= end) {
+        const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(row + base);
+        f(base, x.v);
+      } else {
+        for (int v = base; v < end; ++v) {
+          const T x[1] = {row[v]};
+          f(v, x);
+        }
+      }
+    }
+  } else {
+    for (int v = start + tid; v < end; v += THREADS) {
+      const T x[1] = {row[v]};
+      f(v, x);
+    }
+  }
+}
+
+// ---- NaN-propagating maxima -------------------------------------------------------------------------------------
+// max(a, b), NaN if either is NaN (fmaxf drops a NaN): one max.NaN on sm_80+.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float out;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(out) : "f"(a), "f"(b));
+  return out;
+#else
+  return isnan(a) || isnan(b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
+#endif
+}
+
+// NaN-propagating max of a group, as float32 (exact: every element converts exactly).
+template <typename T, int N>
+__device__ __forceinline__ float group_max_nan(const T (&x)[N]) {
+  float out = to_float(x[0]);
+#pragma unroll
+  for (int k = 1; k < N; ++k) out = fmax_nan(out, to_float(x[k]));
+  return out;
+}
+
+// A 16-byte vector of bf16 / fp16: pairs first, two elements per packed max.NaN.
+template <typename T2, typename T>
+__device__ __forceinline__ float packed_max_nan(const T (&x)[8]) {
+  T2 pairs[4];
+  memcpy(pairs, x, sizeof(pairs));
+  const T2 top = __hmax2_nan(__hmax2_nan(pairs[0], pairs[1]), __hmax2_nan(pairs[2], pairs[3]));
+  return fmax_nan(__low2float(top), __high2float(top));
+}
+__device__ __forceinline__ float group_max_nan(const __nv_bfloat16 (&x)[8]) {
+  return packed_max_nan<__nv_bfloat162>(x);
+}
+__device__ __forceinline__ float group_max_nan(const __half (&x)[8]) { return packed_max_nan<__half2>(x); }
+
+// Index in x of its first element equal to top (top: an element of x, not NaN).
+template <typename T, int N>
+__device__ __forceinline__ int first_equal(const T (&x)[N], float top) {
+  int k = N - 1;
+#pragma unroll
+  for (int i = N - 2; i >= 0; --i) k = to_float(x[i]) == top ? i : k;
+  return k;
+}
+
 // ---- reductions -------------------------------------------------------------------------------------------
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -87,6 +169,20 @@ template <typename S, typename Op>
 __device__ __forceinline__ S warp_reduce(S value, Op op) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) value = op(value, shfl_xor_struct(value, mask));
+  return value;
+}
+
+// Block-wide reduction of NUM_WARPS full warps whose result every thread gets (combined in the same fixed order in
+// each). scratch: >= NUM_WARPS entries of shared memory. Contains __syncthreads: every thread must call it.
+template <int NUM_WARPS, typename S, typename Op>
+__device__ __forceinline__ S block_all_reduce(S value, Op op, S* scratch) {
+  value = warp_reduce(value, op);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = value;
+  __syncthreads();
+  value = scratch[0];
+#pragma unroll
+  for (int w = 1; w < NUM_WARPS; ++w) value = op(value, scratch[w]);
+  __syncthreads();  // scratch may be reused by the caller
   return value;
 }
 

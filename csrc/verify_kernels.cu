@@ -25,7 +25,7 @@ struct ChunkStats {
   int raw_arg;    // its first index (INT_MAX when empty)
   float m;        // max of the kept warped logits z (-inf when none; > -inf iff some scaled z is)
   float s;        // sum of exp(z - m) over the kept z
-  int bad;        // any NaN or +inf logit (sampling: or scaled logit z = x / T)
+  int bad;        // any NaN or +inf logit (sampling: scaled logit z = x / T, which a NaN or +inf logit makes one)
 };
 
 struct Decision {
@@ -111,16 +111,6 @@ struct CombineStats {
     return combine_stats(a, b);
   }
 };
-
-// Online softmax: add exp(z - m) to s, rescaling when z is the new maximum. z must be > -inf.
-__device__ __forceinline__ void online_add(ChunkStats& acc, float z) {
-  if (z > acc.m) {
-    acc.s = __fadd_rn(__fmul_rn(acc.s, expf(__fsub_rn(acc.m, z))), 1.0f);
-    acc.m = z;
-  } else {
-    acc.s = __fadd_rn(acc.s, expf(__fsub_rn(z, acc.m)));
-  }
-}
 
 __device__ __forceinline__ RacePartial race_identity() { return {-INFINITY, INT_MAX, -INFINITY, INT_MAX, 0}; }
 
@@ -213,12 +203,18 @@ __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
   return row;
 }
 
+// Whether the top-k/top-p cut keeps element v, of warped logit z.
+template <typename T, bool HAS_CUT>
+__device__ __forceinline__ bool cut_keeps(const RowRef<T>& row, int v, float z) {
+  if constexpr (HAS_CUT) return z > row.cut_value || (z == row.cut_value && v >= row.cut_index);
+  return true;
+}
+
 // The warped logit z = x / T and whether the top-k/top-p cut keeps element v.
 template <typename T, bool HAS_CUT>
 __device__ __forceinline__ bool warp_keep(const Args<T>& a, const RowRef<T>& row, int v, float x, float* z) {
   *z = __fdiv_rn(x, row.temperature);
-  if constexpr (HAS_CUT) return *z > row.cut_value || (*z == row.cut_value && v >= row.cut_index);
-  return true;
+  return cut_keeps<T, HAS_CUT>(row, v, *z);
 }
 
 // softmax(warp(row))[v] given the row's combined (m, s): exp(z - m) / s, 0 for a cut element.
@@ -262,9 +258,111 @@ __device__ void write_outputs(const Args<T>& a, int b, int n, int next, bool inv
 }
 
 // ---- pass 1: per (logit row, chunk) statistics -------------------------------------------------------------
+struct ArgMax {
+  float value;
+  int index;
+};
+
+// argmax_prefers without its NaN cases: a thread's argmax never holds a NaN (see StatsAccumulator).
+struct CombineArgMax {
+  __device__ __forceinline__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
+    return b.value > a.value || (b.value == a.value && b.index < a.index) ? b : a;
+  }
+};
+
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return __fadd_rn(a, b); }
+};
+
+// One thread's partials of a chunk, fed its groups of elements in increasing v (visit_groups).
+//  - hi: NaN-propagating max of every z (greedy: x), so the chunk holds a NaN or +inf iff !(hi < inf). Sampling
+//    judges z alone: with a valid temperature (0 read as 1, or positive and finite) a NaN or +inf x gives a NaN or
+//    +inf z (a row with an invalid per-row temperature is flagged by the caller whatever the kernels find).
+//  - raw: argmax of x with a plain '>' over the groups in increasing v, which keeps the first of equal maxima. A NaN is
+//    never taken (it sets hi, and a flagged row's argmax is never read). raw.index is the winning group's first
+//    element until resolve() finds the element in it. Only where a row can read it: greedy launches and greedy rows
+//    of a per-row launch, whose T = 1 makes z = x.
+//  - (m, s): online softmax of the kept z, rescaled once per group (to the group's kept max), not per element.
+//  - z = x / T as x * (1/T) where 1/T is exact (T a power of two: 1, 0.5, 2, ...): both round the same real number
+//    once, so they agree bit for bit (NaN, infinities and signed zeros included), without a division per element.
 template <typename T, bool SAMPLING, bool HAS_CUT>
-__global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<T> a) {
-  __shared__ ChunkStats scratch[32];
+struct StatsAccumulator {
+  RowRef<T> row;
+  bool need_arg;
+  float inverse = __frcp_rn(row.temperature);
+  bool exact_inverse = __fmaf_rn(inverse, row.temperature, -1.0f) == 0.0f;  // fma: inverse * T - 1 rounded once
+  float hi = -INFINITY;
+  ArgMax raw = {-INFINITY, INT_MAX};
+  bool raw_in_vector = false;
+  float m = -INFINITY;
+  float s = 0.0f;
+
+  template <int N>
+  __device__ __forceinline__ void operator()(int base, const T (&x)[N]) {
+    if constexpr (!SAMPLING) {
+      const float top = group_max_nan(x);
+      hi = fmax_nan(hi, top);
+      argmax_add<N>(base, top);
+    } else {
+      float z[N];
+      if (exact_inverse) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) z[k] = __fmul_rn(to_float(x[k]), inverse);
+      } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) z[k] = __fdiv_rn(to_float(x[k]), row.temperature);
+      }
+      const float top = group_max_nan(z);
+      hi = fmax_nan(hi, top);
+      if (need_arg) argmax_add<N>(base, top);
+      float kept_max = top;  // without a cut: NaN only in a flagged chunk
+      if constexpr (HAS_CUT) {
+        kept_max = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          if (!cut_keeps<T, HAS_CUT>(row, base + k, z[k])) z[k] = -INFINITY;
+          kept_max = fmaxf(kept_max, z[k]);
+        }
+      }
+      if (kept_max > m) {
+        s = __fmul_rn(s, expf(__fsub_rn(m, kept_max)));  // m = -inf: s is 0 and stays 0
+        m = kept_max;
+      }
+      if (m > -INFINITY) {  // a cut or -inf z adds exp(-inf) = 0: s unchanged
+#pragma unroll
+        for (int k = 0; k < N; ++k) s = __fadd_rn(s, expf(__fsub_rn(z[k], m)));
+      }
+    }
+  }
+
+  // Selects, no search: a warp's 32 lanes meet a new maximum in almost every group.
+  template <int N>
+  __device__ __forceinline__ void argmax_add(int base, float top) {
+    if (top > raw.value) {
+      raw = {top, base};
+      raw_in_vector = N > 1;
+    }
+  }
+
+  // The first element of the winning vector equal to its max, from a second read of that vector (just loaded: a
+  // cache hit); z = x wherever the argmax is kept.
+  __device__ __forceinline__ void resolve() {
+    if (raw_in_vector) {
+      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(row.ptr + raw.index);
+      raw.index += first_equal(x.v, raw.value);
+    }
+  }
+};
+
+template <typename T, bool SAMPLING, bool HAS_CUT>
+__global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T> a) {
+  constexpr int kWarps = kStatsThreads / 32;
+  __shared__ ArgMax arg_scratch[kWarps];
+  __shared__ float scratch[kWarps];
   const int r = static_cast<int>(blockIdx.x);
   const int c = static_cast<int>(blockIdx.y);
   const int b = r / a.rows_per_batch;
@@ -273,27 +371,28 @@ __global__ void __launch_bounds__(kStreamThreads) chunk_stats_kernel(const Args<
     if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = stats_identity();
     return;
   }
-  const RowRef<T> row = logit_row<T, HAS_CUT>(a, b, j);
   const int start = c * kChunkSize;
   const int end = min(start + kChunkSize, a.vocab);
+  StatsAccumulator<T, SAMPLING, HAS_CUT> acc{logit_row<T, HAS_CUT>(a, b, j), !SAMPLING || row_greedy(a, b)};
+  visit_groups<kStatsThreads, kChunkSize>(acc.row.ptr, acc.row.vec, start, end, acc);
 
-  ChunkStats acc = stats_identity();
-  acc.bad = static_cast<int>(!row.cut_ok);  // a cut source outside [0, V) invalidates the row
-  visit_chunk(row.ptr, static_cast<const T*>(nullptr), row.vec, start, end, [&](int v, float x, float) {
-    acc.bad |= static_cast<int>(isnan(x) || x == INFINITY);
-    if (argmax_prefers(x, v, acc.raw_max, acc.raw_arg)) {
-      acc.raw_max = x;
-      acc.raw_arg = v;
-    }
-    if constexpr (SAMPLING) {
-      float z;
-      const bool keep = warp_keep<T, HAS_CUT>(a, row, v, x, &z);
-      acc.bad |= static_cast<int>(isnan(z) || z == INFINITY);  // overflows when scaled: invalid (reference.py)
-      if (keep && z > -INFINITY) online_add(acc, z);
-    }
-  });
-  acc = block_reduce(acc, CombineStats{}, stats_identity(), scratch);
-  if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = acc;
+  // Block totals: each thread's s rescaled once to the block's max m and summed (one expf per thread, not one per
+  // reduction step), the argmax only where it is read, the flag by a barrier vote.
+  ChunkStats out = stats_identity();
+  if constexpr (SAMPLING) {
+    out.m = block_all_reduce<kWarps>(acc.m, MaxOp{}, scratch);
+    const float s = acc.m > -INFINITY ? __fmul_rn(acc.s, expf(__fsub_rn(acc.m, out.m))) : 0.0f;
+    out.s = block_all_reduce<kWarps>(s, SumOp{}, scratch);
+  }
+  if (acc.need_arg) {  // the same for the whole block
+    acc.resolve();
+    const ArgMax raw = block_all_reduce<kWarps>(acc.raw, CombineArgMax{}, arg_scratch);
+    out.raw_max = raw.value;
+    out.raw_arg = raw.index;
+  }
+  // A cut source outside [0, V) invalidates the row.
+  out.bad = __syncthreads_or(!(acc.hi < INFINITY) || !acc.row.cut_ok);
+  if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = out;
 }
 
 // ---- pass 2: per batch row, combine partials, validate, accept/reject ---------------------------------------
@@ -481,7 +580,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
 cudaError_t run_passes(const Args<T>& a, cudaStream_t stream) {
   const dim3 stream_grid(static_cast<unsigned>(a.batch * a.rows_per_batch), static_cast<unsigned>(a.num_chunks));
-  chunk_stats_kernel<T, SAMPLING, HAS_CUT><<<stream_grid, kStreamThreads, 0, stream>>>(a);
+  chunk_stats_kernel<T, SAMPLING, HAS_CUT><<<stream_grid, kStatsThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   decide_kernel<T, SAMPLING, HAS_CUT, HAS_DRAFT><<<a.batch, kDecideThreads, 0, stream>>>(a);

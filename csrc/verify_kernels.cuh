@@ -28,8 +28,11 @@ enum class LogitDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // Vocabulary elements per thread block in the streaming passes.
 constexpr int kChunkSize = 2048;
-// Threads per block of the streaming passes.
+// Threads per block of the race pass.
 constexpr int kStreamThreads = 256;
+// Threads per block of chunk_stats: 32 bf16 elements per thread (ncu: with 256 threads, 8 elements each, the per-thread
+// setup and the block reduction cost more instructions than the elements).
+constexpr int kStatsThreads = 64;
 
 struct VerifyParams {
   LogitDtype dtype = LogitDtype::kFloat32;  // element type of both logit tensors

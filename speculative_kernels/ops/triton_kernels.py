@@ -29,6 +29,7 @@ from .triton_random import (
 FLAG_BAD = tl.constexpr(1)  # the chunk holds NaN or +inf
 FLAG_ALIVE = tl.constexpr(2)  # the chunk holds a value > -inf
 INT_MAX = tl.constexpr(2**31 - 1)
+GROUP = tl.constexpr(8)  # pass-1 ids per tile row (``_row_chunk_stats``)
 
 
 @triton.jit
@@ -62,10 +63,12 @@ def warp_logit(x, v, temperature, cut_value, cut_index, SCALE: tl.constexpr, HAS
 
 
 @triton.jit
-def _chunk_flags(x):
-    """Validity flags of one tile of raw float32 logits (masked lanes hold -inf)."""
-    bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), 0)
-    alive = tl.max((x > float("-inf")).to(tl.int32), 0)
+def _chunk_flags(hi):
+    """Validity flags of a chunk from ``hi`` [rows, GROUP], each lane's NaN-propagating max of the values judged
+    (masked lanes hold -inf): NaN or +inf iff the lane saw one; > -inf iff it saw a value > -inf (a NaN lane leaves
+    alive unset, but its bad flag invalidates the row anyway)."""
+    bad = tl.max(tl.max(((hi != hi) | (hi == float("inf"))).to(tl.int32), 1), 0)
+    alive = tl.max(tl.max((hi > float("-inf")).to(tl.int32), 1), 0)
     return bad * FLAG_BAD + alive * FLAG_ALIVE
 
 
@@ -77,42 +80,53 @@ def _row_chunk_stats(
     BLOCK_V: tl.constexpr,
 ):
     """Partials of x[start:end] written at workspace slot ``ws``: (max z, sum exp(z - max)) or, for greedy,
-    (max x, first index of it); plus the OR of the tile flags. ``BOTH`` (per-row parameters, greedy and sampled rows
-    in one launch): the softmax partials and, in WS_R / WS_I, the greedy ones (max x, first index)."""
-    offs = tl.arange(0, BLOCK_V)
-    flags = 0
-    m = float("-inf")
-    s = 0.0
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_V], INT_MAX, tl.int32)
+    (max x, first index of it); plus the chunk's validity flags. ``BOTH`` (per-row parameters, greedy and sampled rows
+    in one launch): the softmax partials and, in WS_R / WS_I, the greedy ones (max x, first index).
+
+    A tile is [BLOCK_V // GROUP, GROUP], GROUP consecutive ids per row (one 16-byte load, which Triton keeps in one
+    thread's registers), and everything but the final combine stays per lane or per row: the validity flags (``hi``),
+    the argmax, and the online softmax, rescaled once per row and tile. No reduction across threads inside the loop
+    (sm_90 SASS: no shuffle or barrier in it)."""
+    offs = tl.arange(0, BLOCK_V // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    # Per lane: the NaN-propagating max of what validity is judged on.
+    hi = tl.full([BLOCK_V // GROUP, GROUP], float("-inf"), tl.float32)
+    best = tl.full([BLOCK_V // GROUP, GROUP], float("-inf"), tl.float32)
+    best_base = tl.full([BLOCK_V // GROUP, GROUP], -1, tl.int32)  # the tile where the lane's best was read
+    m_row = tl.full([BLOCK_V // GROUP], float("-inf"), tl.float32)
+    s_row = tl.zeros([BLOCK_V // GROUP], tl.float32)
     for base in range(start, end, BLOCK_V):
         v = base + offs
         x = tl.load(x_ptr + v.to(tl.int64) * stride_v, mask=v < end, other=float("-inf")).to(tl.float32)
         if GREEDY or BOTH:
             if GREEDY:
-                flags = flags | _chunk_flags(x)
+                hi = tl.maximum(hi, x, propagate_nan=tl.PropagateNan.ALL)
             better = x > best  # strict: a lane keeps its first (lowest) index on ties
             best = tl.where(better, x, best)
-            best_idx = tl.where(better, v, best_idx)
+            best_base = tl.where(better, base, best_base)
         if not GREEDY:
             z = _scale(x, temperature, SCALE)
-            flags = flags | _chunk_flags(z)  # judged after scaling: a logit that overflows invalidates the row
+            # judged after scaling: a logit that overflows invalidates the row
+            hi = tl.maximum(hi, z, propagate_nan=tl.PropagateNan.ALL)
             z = _cut(z, v, cut_value, cut_index, HAS_CUT)
-            m_new = tl.maximum(m, tl.max(z, 0))
+            m_new = tl.maximum(m_row, tl.max(z, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * precise_exp(m - m_safe, PRECISE) + tl.sum(precise_exp(z - m_safe, PRECISE), 0)
-            m = m_new
+            s_row = s_row * precise_exp(m_row - m_safe, PRECISE) + tl.sum(
+                precise_exp(z - m_safe[:, None], PRECISE), 1)
+            m_row = m_new
     if GREEDY or BOTH:
-        best_max = tl.max(best, 0)
-        tl.store(WS_I_ptr + ws, tl.min(tl.where(best == best_max, best_idx, INT_MAX), 0))
+        best_max = tl.max(tl.max(best, 1), 0)
+        best_idx = tl.where(best_base < 0, INT_MAX, best_base + offs)
+        tl.store(WS_I_ptr + ws, tl.min(tl.min(tl.where(best == best_max, best_idx, INT_MAX), 1), 0))
         if GREEDY:
-            m = best_max
+            tl.store(WS_M_ptr + ws, best_max)
         else:
             tl.store(WS_R_ptr + ws, best_max)
     if not GREEDY:
-        tl.store(WS_S_ptr + ws, s)
-    tl.store(WS_M_ptr + ws, m)
-    tl.store(WS_F_ptr + ws, flags)
+        m = tl.max(m_row, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(WS_S_ptr + ws, tl.sum(s_row * precise_exp(m_row - m_safe, PRECISE), 0))
+        tl.store(WS_M_ptr + ws, m)
+    tl.store(WS_F_ptr + ws, _chunk_flags(hi))
 
 
 @triton.jit

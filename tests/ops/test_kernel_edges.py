@@ -307,3 +307,128 @@ def test_no_draft_position_with_an_empty_draft(name):
     for sampling in (GREEDY, Sampling(1.0, 4, 1.0), Sampling(0.8, 0, 0.6)):
         _assert_same(verify(target, draft, tokens, sampling, randomness),
                      verify_reference(target, draft, tokens, sampling, randomness))
+
+
+# ---- the streaming passes' shortcuts: per-vector max, first index by selects, NaN/+inf by a NaN-propagating max -----
+SHORTCUT_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "triton") for dtype in DTYPES
+                for vocab, layout in ((1001, "padded"), (1001, "contiguous"), (6149, "padded"))]
+SHORTCUT_CPU = [("triton", torch.bfloat16, 1001, "padded"), ("triton-split", torch.float32, 161, "contiguous")]
+# Temperatures with an exact reciprocal (z = x * (1/T) in the CUDA pass) and without; cuts with ties at the cut.
+SHORTCUT_WARPS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (0.7, 0, 1.0), (0.25, 0, 0.5)]
+
+
+def _tie_pairs(vocab: int) -> list[tuple[int, int]]:
+    """(first, second) ids sharing a row's maximum: in one 16-byte vector, across a vector edge, in two vectors of one
+    CUDA thread (64 threads x 8 ids apart), in two threads, across the 2048-id chunk edge, in the tail, first and
+    last."""
+    pairs = [(8, 13), (7, 8), (3, 515), (5, 6 + 8 * 17), (0, vocab - 1), (vocab - 9, vocab - 1), (vocab - 2, vocab - 1)]
+    if vocab > 2048:
+        pairs += [(2047, 2048), (100, 2048 + 100), (2048, 4095)]
+    return [(a, b) for a, b in pairs if 0 <= a < b < vocab]
+
+
+def _check_shortcut_ties(name, dtype, vocab, layout):
+    """Greedy: ties go to the first id wherever the two copies sit; -0 and +0 are equal (the first wins)."""
+    verify, sample = _backend(name)
+    pairs = _tie_pairs(vocab)
+    batch, k = len(pairs) + 2, 1
+    logits = -1.0 - _noise(batch, k + 1, vocab, seed=vocab + 3).abs()  # all < 0
+    first = []
+    for b, (i, j) in enumerate(pairs):
+        logits[b, :, i] = logits[b, :, j] = WINNER
+        first.append(i)
+    zeros = pairs[0]
+    logits[-2, :, zeros[0]], logits[-2, :, zeros[1]] = -0.0, 0.0
+    logits[-1, :, zeros[0]], logits[-1, :, zeros[1]] = 0.0, -0.0
+    first += [zeros[0], zeros[0]]
+    target = _layout(logits.to(DEVICE, dtype), layout)
+    first = torch.tensor(first)
+    tokens = first.unsqueeze(1).to(DEVICE)  # accepted: the bonus is the first id again
+    randomness = _randomness(batch)
+    out, n = verify(target, None, tokens, GREEDY, randomness)
+    assert (n == k).all() and torch.equal(out.cpu(), first.unsqueeze(1).expand(-1, k + 1))
+    _assert_same((out, n), verify_reference(target, None, tokens, GREEDY, randomness))
+    assert torch.equal(sample(target[:, 0], GREEDY, randomness).cpu(), first)
+
+
+def _check_shortcut_flags(name, dtype, vocab, layout, warps=SHORTCUT_WARPS):
+    """NaN / +inf next to the maximum, before and after it in its vector, at the first, last, tail and chunk-edge ids,
+    and all--inf positions: the row is invalid (-1) in greedy and at every temperature (exact reciprocal or not); the
+    other rows are exact uniform distributions ({0, -inf} logits), so every row must equal the reference."""
+    verify, sample = _backend(name)
+    k = 2
+    places = {0, 1, 6, 7, 8, 9, vocab // 2, vocab - 9, vocab - 2, vocab - 1} | ({2047, 2048} if vocab > 2048 else set())
+    places = sorted(places)
+    bad = [(value, place) for value in (float("nan"), float("inf")) for place in places] + [("-inf row", 0)]
+    batch = len(bad) + 3  # three clean rows
+    g = torch.Generator().manual_seed(vocab + 11)
+    logits = _support_logits(batch, k + 1, vocab, max(2, vocab // 3), g)
+    for b, (value, place) in enumerate(bad):
+        j = b % (k + 1)
+        if value == "-inf row":
+            logits[b, j] = float("-inf")
+        else:
+            logits[b, j, max(place - 1, 0)] = logits[b, j, min(place + 1, vocab - 1)] = 0.0  # the max beside it
+            logits[b, j, place] = value
+    target = _layout(logits.to(DEVICE, dtype), layout)
+    draft = _layout(logits[:, :k].flip(0).to(DEVICE, dtype), layout)  # bad values in draft rows too
+    tokens = torch.zeros(batch, k, dtype=torch.int64, device=DEVICE)
+    for i, sampling in enumerate([GREEDY] + [Sampling(*warp) for warp in warps]):
+        randomness = _randomness(batch, salt=i)
+        for d in (draft, None):
+            got = verify(target, d, tokens, sampling, randomness)
+            assert d is not None or (got[1][:len(bad)] == -1).all(), got[1]
+            _assert_same(got, verify_reference(target, d, tokens, sampling, randomness))
+        got = sample(target[:, 0], sampling, randomness)
+        _assert_same([got], [sample_reference(target[:, 0], sampling, randomness)])
+
+
+def _check_shortcut_row_params(name, dtype, vocab, layout):
+    """Per-row parameters: a greedy row in a sampling launch takes its argmax (ties: the first id) from the pass's
+    z = x * 1; a row scaled by a power of two or not is judged on its own z (0.9 x the dtype's largest value
+    overflows at T = 0.5 and 0.7). Each row is 0 at a tied pair and -inf elsewhere: p = 1/2 exactly."""
+    from speculative_kernels.ops.validation import check_sampling
+
+    verify, sample = _backend(name)
+    pairs = _tie_pairs(vocab)
+    kinds = [(0.0, 0, 1.0), (0.5, 0, 1.0), (0.7, 2, 1.0), (1.0, 0, 0.5), (2.0, 0, 1.0)]
+    batch, k = len(pairs) * len(kinds), 1
+    logits = torch.full((batch, k + 1, vocab), float("-inf"))
+    for b in range(batch):
+        i, j = pairs[b // len(kinds)]
+        logits[b, :, i] = logits[b, :, j] = 0.0
+    huge = float(torch.finfo(dtype).max) * 0.9 if dtype != torch.float16 else None
+    if huge is not None:
+        logits[1, 0, pairs[0][1]] = logits[2, 0, pairs[0][1]] = huge  # overflows when scaled: rows 1, 2 invalid
+    t, top_k, top_p = (torch.tensor(v).repeat(len(pairs)) for v in zip(*kinds))
+    sampling = check_sampling(t.float().to(DEVICE), top_k.to(DEVICE), top_p.double().to(DEVICE), batch,
+                              torch.device(DEVICE))
+    target = _layout(logits.to(DEVICE, dtype), layout)
+    tokens = torch.tensor([pairs[b // len(kinds)][0] for b in range(batch)]).unsqueeze(1).to(DEVICE)
+    randomness = _randomness(batch)
+    got = verify(target, None, tokens, sampling, randomness)
+    _assert_same(got, verify_reference(target, None, tokens, sampling, randomness))
+    greedy = torch.arange(batch) % len(kinds) == 0
+    assert (got[1].cpu()[greedy] == k).all()
+    if huge is not None:
+        assert (got[1].cpu()[1:3] == -1).all()
+    _assert_same([sample(target[:, 0], sampling, randomness)], [sample_reference(target[:, 0], sampling, randomness)])
+
+
+@gpu
+@pytest.mark.parametrize("name,dtype,vocab,layout", SHORTCUT_GPU, ids=str)
+def test_streaming_shortcuts(name, dtype, vocab, layout):
+    _check_shortcut_ties(name, dtype, vocab, layout)
+    _check_shortcut_flags(name, dtype, vocab, layout)
+    _check_shortcut_row_params(name, dtype, vocab, layout)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,dtype,vocab,layout", SHORTCUT_CPU, ids=str)
+def test_streaming_shortcuts_small(name, dtype, vocab, layout):
+    _check_shortcut_ties(name, dtype, vocab, layout)
+    if name == "triton":  # (the interpreter is slow: one sampling case each)
+        _check_shortcut_flags(name, dtype, vocab, layout, warps=SHORTCUT_WARPS[4:])
+        _check_shortcut_row_params(name, dtype, vocab, layout)
+    else:
+        _check_shortcut_flags(name, dtype, vocab, layout, warps=SHORTCUT_WARPS[3:4])
