@@ -31,7 +31,7 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     device = model_device(model)
     encoder_outputs = _as_encoder_output(encoder_outputs, device)
     input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
-                                               device)
+                                               device, decoder_input_ids)
     batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
     if input_ids is not None:
@@ -52,12 +52,17 @@ def _as_encoder_output(encoder_outputs, device):
     return BaseModelOutput(last_hidden_state=hidden.to(device))
 
 
-def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device):
-    """(input_ids, attention_mask) for the encoders. No ids and no encoder_outputs: [[bos]], as HF does."""
+def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device, decoder_input_ids=None):
+    """(input_ids, attention_mask) for the encoders. No ids and no encoder_outputs: one bos per row, as HF does
+    (``_maybe_initialize_input_ids_for_generation``: as many rows as the attention_mask or decoder_input_ids given
+    have, else one)."""
     if input_ids is None and encoder_outputs is None:
         if bos_token_id is None:
             raise ValueError("input_ids (or encoder_outputs) is required: the model has no bos_token_id to start from")
-        input_ids = torch.full((1, 1), int(bos_token_id), dtype=torch.int64, device=device)
+        given = next((t for t in (attention_mask, decoder_input_ids) if isinstance(t, torch.Tensor) and t.dim() > 0),
+                     None)
+        batch = 1 if given is None else given.shape[0]
+        input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
     if input_ids is not None:
         input_ids = token_tensor("input_ids", input_ids, device)
         if input_ids.shape[1] == 0:

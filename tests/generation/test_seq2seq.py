@@ -82,6 +82,38 @@ def test_mt5_batch_matches_hf():
     _assert_same_as_hf(target, t5(layers=1, hidden=16, seed=5, mt5=True), ids, mask, 3, max_new_tokens=12)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_source_row_with_no_real_token_as_in_hf(attention, cache):
+    """A source row whose attention_mask is all zeros: HF's sdpa cross-attention mask is boolean and SDPA gives such
+    a row zero attention, its eager one additive (every source state weighted alike). The runners pass the mask in
+    the form HF builds for the model's attention (they passed the additive one to sdpa: other tokens, silently)."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import bart
+
+    target = bart()
+    target.set_attn_implementation(attention)
+    draft = perturbed(target, scale=0.3)
+    ids = torch.randint(3, 97, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 9, [0] * 9, [0] * 4 + [1] * 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    static = dict(cache_implementation="static") if cache == "static" else {}
+    want = target.generate(ids, **kwargs, **static)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs, **static), want)
+
+
+def test_no_input_ids_starts_one_bos_per_row_of_the_tensors_given(pairs):
+    """No input_ids: HF encodes one bos per row of the first tensor given (attention_mask [B, 1], decoder_input_ids
+    [B, L]), one row without any (a batch of 2 was refused: 'the encoder input has (1, 1)')."""
+    target, drafts = pairs["bart"]
+    draft = next(iter(drafts.values()))
+    common = dict(max_new_tokens=6, do_sample=False)
+    for given in (dict(attention_mask=torch.ones(2, 1, dtype=torch.int64)),
+                  dict(decoder_input_ids=torch.tensor([[2, 17, 40], [2, 63, 8]])), {}):
+        want = target.generate(**given, **common)
+        assert torch.equal(sk.generate(target, draft_model=draft, num_speculative_tokens=3, **given, **common), want)
+
+
 def test_self_draft_accepts_everything(pairs):
     target, _ = pairs["bart"]
     ids, mask = source_batch([5, 3, 6], pad=1)

@@ -48,6 +48,20 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, blocked).unsqueeze(1)
 
 
+def cross_attention_mask(model, encoder_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """encoder_mask [B, S] (nonzero = a real source token) -> the cross-attention mask [B, 1, 1, S], broadcast over
+    queries, in the form transformers' own mask function for the model's attention builds it: bool for sdpa's (a row
+    with no real source token then attends to nothing: SDPA returns 0 for it, as in model.generate), additive
+    otherwise (eager: such a row averages every source state, as in model.generate)."""
+    allowed = encoder_mask.to(torch.bool)[:, None, None, :]
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as mask_functions
+
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention in mask_functions and mask_functions[attention] is mask_functions.get("sdpa"):
+        return allowed
+    return additive_mask(allowed[:, :, 0], dtype)
+
+
 def causal_slots(attend: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
     """[B, T, S] bool: the query at slot q sees slot s iff s <= q and attend[b, s]. attend: [B, S] (nonzero =
     attended); query_slots: [T] (every row's queries at the same slots) or [B, T] (a slot per row and query)."""

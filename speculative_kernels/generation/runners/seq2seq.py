@@ -18,7 +18,7 @@ from ..buffers import grow_columns
 from ..capabilities import ModelSpec
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
-from .masks import additive_mask, attention_dtype, causal_slots
+from .masks import additive_mask, attention_dtype, causal_slots, cross_attention_mask
 
 
 def _shift_right(tensor: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tensor:
@@ -66,8 +66,8 @@ class Seq2SeqRunner:
         self._dtype = attention_dtype(model)
         self._four_d = spec.mask == "4d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
         self._cross_mask = encoder_mask
-        if self._four_d and encoder_mask is not None:  # [B, 1, 1, S], broadcast over queries
-            self._cross_mask = additive_mask(encoder_mask.to(torch.bool)[:, None, :], self._dtype)
+        if self._four_d and encoder_mask is not None:
+            self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
 
     # ------------------------------------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
