@@ -236,18 +236,19 @@ class ContinuousBatcher:
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:
             raise ValueError(f"prompt_ids ({len(prompt)} tokens) plus max_new_tokens ({plan.max_new_tokens}) exceed "
                              f"the decoder's max_context={self.static_rows.max_context} (its static cache's rows)")
+        # the most drafts an iteration verifies (a static batch's caches are sized for it: StaticRows.gamma)
+        gamma = plan.max_gamma if self.static_rows is None else self.static_rows.gamma(plan.max_gamma)
         if self.static_rows is not None:  # (GPT-Neo, MPT: refused here, not by every request when admitted)
             rows = self.static_rows
-            capacity = static_capacity(rows.max_context, 0, rows.gamma(plan.max_gamma), rows.rows,
-                                       BatchingOptions().slack)
+            capacity = static_capacity(rows.max_context, 0, gamma, rows.rows, BatchingOptions().slack)
             check_slot_tables((target, self.decoder.draft), ("target", "draft"), capacity,
                               "max_context plus one iteration's slots and the batch's slack", "the decoder's max_context")
         # (every request joins one batch, whose rows near their end are verified with drafts past their last position)
         longest = (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1
-        check_positions(target, longest, overshoot=plan.max_gamma)
+        check_positions(target, longest, overshoot=gamma)
         for model, name in ((target, "target"), (self.decoder.draft, "draft")):
             if model is not None:
-                check_position_table(model, longest, name, overshoot=plan.max_gamma)
+                check_position_table(model, longest, name, overshoot=gamma)
         config = plan.generation_config
         forced = [name for name in ("forced_bos_token_id", "forced_eos_token_id")
                   if getattr(config, name, None) is not None]

@@ -744,6 +744,18 @@ def position_dependent_rope(model) -> list[tuple[str, int]]:
     return found
 
 
+def _position_remedy(limit: int, longest: int, overshoot: int) -> str:
+    """What to lower so that a request reaching ``longest`` plus ``overshoot`` drafted positions fits ``limit``."""
+    room = limit + 1 - overshoot  # the most prompt + max_new_tokens can be with this overshoot
+    remedies = [f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {room}"] if room >= 2 else []
+    if overshoot and longest < limit:
+        remedies.append(f"lower num_speculative_tokens to at most {limit - longest}")
+    if not remedies:
+        remedies.append(f"lower max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1}, and "
+                        "num_speculative_tokens")
+    return ", or ".join(remedies)
+
+
 def _overshoot_note(overshoot: int) -> str:
     return (f" plus up to {overshoot} drafted positions, since in a batch a row near its end is verified beside rows "
             "with more tokens left, with drafts past its last position (never accepted, but the forward reaches them)"
@@ -773,8 +785,7 @@ def check_positions(model, longest: int, shortest: int | None = None, overshoot:
                 f"sequence passes {limit} positions and then depend on the forward's longest position; a speculative "
                 "verification forward reaches positions a one-token step has not, so past that point the output "
                 f"would differ from model.generate. This request reaches {longest + overshoot} (prompt + "
-                f"max_new_tokens - 1{_overshoot_note(overshoot)}): lower max_new_tokens (or max_length) so that "
-                f"prompt + max_new_tokens <= {limit + 1 - overshoot}"
+                f"max_new_tokens - 1{_overshoot_note(overshoot)}): {_position_remedy(limit, longest, overshoot)}"
                 + (f" (or, for one call of generate, give a prompt longer than {limit + 1} tokens: every forward then "
                    "uses the long factors)" if kind == "longrope" else ""))
 
@@ -842,8 +853,8 @@ def check_position_table(model, longest: int, name: str = "model", encoder_width
     if limit is not None and longest + overshoot > limit:
         raise ValueError(
             f"{name} ({type(model).__name__}) has a learned position table of {limit} positions, and this request "
-            f"reaches {longest + overshoot} (prompt + max_new_tokens - 1{_overshoot_note(overshoot)}): lower "
-            f"max_new_tokens (or max_length) so that prompt + max_new_tokens <= {limit + 1 - overshoot}"
+            f"reaches {longest + overshoot} (prompt + max_new_tokens - 1{_overshoot_note(overshoot)}): "
+            f"{_position_remedy(limit, longest, overshoot)}"
             + (", or use a draft with a longer context" if name in ("draft_model", "draft") else ""))
 
 

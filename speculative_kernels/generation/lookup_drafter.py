@@ -96,12 +96,21 @@ class PromptLookupDrafter:
 
     def add_rows(self, other: "PromptLookupDrafter") -> None:
         """Append ``other``'s rows (a prompt-lookup drafter with the same rule, started on them): their contexts
-        and next proposals. The host counts no longer line up (None until the next read, as after
-        ``select_rows``)."""
+        and next proposals. Drafters of different widths (``num_tokens``, capped by their rows' max_new_tokens) look
+        up every row again at the larger (a row's proposal at a smaller width is a prefix of it, and no row is
+        drafted more than its own tokens left less one). The host counts no longer line up (None until the next
+        read, as after ``select_rows``)."""
         if not isinstance(other, PromptLookupDrafter) or other.context is None or self.context is None or \
-                (other.num_tokens, other.max_ngram, other.prefer_latest, other.periodic, other.compiled) != \
-                (self.num_tokens, self.max_ngram, self.prefer_latest, self.periodic, self.compiled):
+                (other.max_ngram, other.prefer_latest, other.periodic, other.compiled) != \
+                (self.max_ngram, self.prefer_latest, self.periodic, self.compiled):
             raise ValueError("add_rows needs another started PromptLookupDrafter with the same settings")
-        proposal, count = torch.cat([self.proposal, other.proposal]), torch.cat([self.count, other.count])
+        same_width = other.num_tokens == self.num_tokens
+        if same_width:
+            proposal, count = torch.cat([self.proposal, other.proposal]), torch.cat([self.count, other.count])
         self.context.add_rows(other.context)
-        self.proposal, self.count, self._count_host = proposal, count, None
+        if same_width:
+            self.proposal, self.count = proposal, count
+        else:
+            self.num_tokens = max(self.num_tokens, other.num_tokens)
+            self._look_up()
+        self._count_host = None

@@ -206,9 +206,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy)
         steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
     elif settings.prompt_lookup is not None:
-        # (a batch of requests: the decoder's, which rows joining it share)
-        drafter = PromptLookupDrafter(settings.prompt_lookup.num_tokens if rows is not None
-                                      else min(settings.prompt_lookup.num_tokens, plan.max_gamma),
+        # (rows joining a batch of requests that may propose more widen it: ``PromptLookupDrafter.add_rows``)
+        drafter = PromptLookupDrafter(min(settings.prompt_lookup.num_tokens, plan.max_gamma),
                                       settings.prompt_lookup.max_ngram,
                                       prefix=encoder_prefix, max_new_tokens=plan.max_new_tokens, backend=backend,
                                       compiled=captured_layout)

@@ -971,21 +971,32 @@ def test_a_batch_of_greedy_requests_runs_the_greedy_ops(pair, monkeypatch):
         assert decoder.result(request_id).token_ids == _alone(pair, prompt, settings)
 
 
+@pytest.mark.parametrize("drafting", ["draft model", "prompt lookup"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_a_gamma_far_above_any_requests_length_is_sized_by_what_the_rows_can_draft(pair, cache):
-    """num_speculative_tokens=10**10 (HF caps each iteration at the tokens left, and so do we): nothing is sized for
-    it (torch's allocator failed every request; the static cache's memory check blamed max_context), and rows that
-    may draft more than the running batch's (a longer request joining short ones) grow it: each request's output
-    is its output alone, sampled ones with that gamma too (a request's drafts follow its own tokens left)."""
+def test_a_gamma_far_above_any_requests_length_is_sized_by_what_the_rows_can_draft(pair, cache, drafting):
+    """num_speculative_tokens (or prompt_lookup_num_tokens) = 10**10 (HF caps each iteration at the tokens left, and
+    so do we): nothing is sized for it (torch's allocator failed every request; the static cache's memory check
+    blamed max_context), and rows that may draft more than the running batch's (a longer request joining short ones)
+    widen it: each request's output is its output alone, sampled ones with that gamma too (a request's drafts
+    follow its own tokens left)."""
     target, draft = pair
     static = dict(cache_implementation="static", max_context=40) if cache == "static" else {}
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=10**10, max_batch_size=4, **static)
-    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=3, do_sample=True, temperature=0.9, seed=11)),
+    if drafting == "draft model":
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=10**10, max_batch_size=4, **static)
+    else:
+        decoder = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=10**10, max_batch_size=4, **static)
+    arrivals = {0: [([5, 6, 7, 5, 6], dict(max_new_tokens=3, do_sample=True, temperature=0.9, seed=11)),
                     ([8, 9], dict(max_new_tokens=2, do_sample=False))],
-                1: [([10, 11, 12, 13], dict(max_new_tokens=14, do_sample=True, top_k=6, seed=12)),
+                1: [([10, 11, 12, 10, 11], dict(max_new_tokens=14, do_sample=True, top_k=6, seed=12)),
                     ([14], dict(max_new_tokens=9, do_sample=False))]}
     requests, streamed = run_arrivals(decoder, arrivals)
     for request_id, (prompt, settings) in requests.items():
         result = decoder.result(request_id)
         assert result.finish_reason == "length", result.error
-        assert streamed[request_id] == result.token_ids == alone(target, draft, prompt, settings, 10**10, DEVICE)
+        if drafting == "draft model":
+            want = alone(target, draft, prompt, settings, 10**10, DEVICE)
+        else:
+            ids = torch.tensor([prompt], device=DEVICE)
+            want = sk.generate(target, ids, prompt_lookup_num_tokens=10**10, pad_token_id=0,
+                               **settings)[0, len(prompt):].tolist()
+        assert streamed[request_id] == result.token_ids == want

@@ -303,3 +303,21 @@ def test_a_static_batch_of_a_model_slicing_a_position_table_by_slots_is_refused_
         want = neo.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=6, do_sample=False,
                             eos_token_id=None, pad_token_id=0)
         assert decoder.result(request_id).token_ids == want[0, len(prompt):].tolist()
+
+
+def test_a_gamma_past_a_learned_position_table_is_checked_as_the_batch_drafts_it(gpt2_pair):
+    """GPT-2's 512 positions, num_speculative_tokens=600: a static batch of max_context 32 never drafts more than 30
+    (its caches are sized so), so its requests run as model.generate (every one was refused); a dynamic batch, whose
+    joining rows may draft up to 600, is refused with a remedy that can be met (it asked for prompt +
+    max_new_tokens <= -87)."""
+    target, draft = gpt2_pair
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=600, max_batch_size=2,
+                                    cache_implementation="static", max_context=32)
+    request_id = decoder.add_request([5, 6, 7], max_new_tokens=6, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request_id).token_ids == _alone(target, [5, 6, 7], dict(max_new_tokens=6))
+    dynamic = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=600)
+    with pytest.raises(ValueError, match="learned position table of 512 .*: lower num_speculative_tokens to at most "
+                                         "504$"):
+        dynamic.add_request([5, 6, 7], max_new_tokens=6, do_sample=False)
