@@ -34,20 +34,21 @@ DESCRIPTION = "Exact speculative decoding for Hugging Face models (Leviathan et 
 def check_length(model, input_ids, max_new_tokens: int, role: str = "target",
                  source: str = "--max-new-tokens") -> None:
     """A UsageError where the request passes the context length (``max_position_embeddings``) that ``model`` (the
-    ``role``: target or draft) states: a decoder-only model's [1, L] prompt plus max_new_tokens; an encoder-decoder
-    model's encoder input ``input_ids`` [1, L], or its decoder's start token plus max_new_tokens (BART's learned
-    positions fail beyond it with an IndexError, in model.generate too)."""
+    ``role``: target or draft) states: a decoder-only model's [1, L] prompt plus max_new_tokens less one (the last
+    new token is never fed back); an encoder-decoder model's encoder input ``input_ids`` [1, L], or its decoder's
+    start token plus max_new_tokens less one (BART's learned positions fail beyond it with an IndexError, in
+    model.generate too)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if positions is None:
         return
     limit = f"the {role}'s context length ({positions} positions)"
     if not model.config.is_encoder_decoder:
-        if input_ids.shape[1] + max_new_tokens > positions:
+        if input_ids.shape[1] + max_new_tokens - 1 > positions:
             raise UsageError(f"{source} {max_new_tokens}: with the {input_ids.shape[1]}-token prompt that "
                              f"exceeds {limit}")
     elif input_ids.shape[1] > positions:
         raise UsageError(f"--prompt: its {input_ids.shape[1]} tokens exceed {limit}")
-    elif 1 + max_new_tokens > positions:
+    elif max_new_tokens > positions:
         raise UsageError(f"{source} {max_new_tokens}: with the decoder's start token that exceeds {limit}")
 
 

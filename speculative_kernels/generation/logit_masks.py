@@ -5,7 +5,7 @@ from and p what HF would sample from."""
 
 import torch
 
-from .settings import Plan
+from .settings import Plan, token_ids
 
 
 class LogitMasks:
@@ -78,9 +78,9 @@ class LogitMasks:
         # (5.5: generation stops at 6 new tokens) makes max_length fractional.
         length = config.max_new_tokens if config.max_new_tokens is not None else config.max_length
         eos_at = plan.max_new_tokens - 1 if length is None or float(length).is_integer() else -1
-        for token_ids, at in ((config.forced_bos_token_id, 1 - prompt_length),
-                              (config.forced_eos_token_id, eos_at)):
-            ids = [] if token_ids is None else [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        for name, value, at in (("forced_bos_token_id", config.forced_bos_token_id, 1 - prompt_length),
+                                ("forced_eos_token_id", config.forced_eos_token_id, eos_at)):
+            ids = list(token_ids(name, value))  # (an int, a list, a numpy integer, a tensor: as HF takes them)
             if not ids or not 0 <= at <= torch.iinfo(torch.int64).max:  # (past int64: a step never reached)
                 continue
             if not all(0 <= i < vocab for i in ids):

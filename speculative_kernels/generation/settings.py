@@ -286,7 +286,7 @@ def _check_refused(config, check_schedule: bool = True) -> None:
 
 
 def token_ids(name: str, value) -> tuple[int, ...]:
-    """eos_token_id-like values (an id, a list of ids or an integer tensor) -> a tuple of ids >= 0.
+    """eos_token_id-like values (an id, a list of ids, an integer tensor or numpy array) -> a tuple of ids >= 0.
 
     Integral floats (65.0) are ids as in model.generate; strings, bools and fractional numbers are refused by name.
     """
@@ -298,6 +298,8 @@ def token_ids(name: str, value) -> tuple[int, ...]:
         items = value.flatten().tolist()
     elif isinstance(value, (list, tuple)):
         items = list(value)
+    elif getattr(value, "ndim", 0) > 0 and callable(getattr(value, "tolist", None)):  # a numpy array
+        items = value.reshape(-1).tolist()
     else:
         items = [value]
     ids = []

@@ -377,12 +377,17 @@ def test_requests_past_a_learned_position_table_are_usage_errors(tmp_path, capsy
         model.eval().save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     cases = [("bart", "bart", "def add(a, b): return a + b " * 3, "4", "--prompt: its "),
-             ("bart", "bart", "x", "16", "--max-new-tokens 16: with the decoder's start token"),
+             ("bart", "bart", "x", "17", "--max-new-tokens 17: with the decoder's start token"),
              ("gpt2", "gpt2-short", "x", "12", "exceeds the draft's context length (8 positions)")]
     for target, draft, prompt, count, message in cases:
         code = main(["generate", "--target", str(tmp_path / target), "--draft", str(tmp_path / draft),
                      "--prompt", prompt, "--max-new-tokens", count])
         assert code == 2 and message in capsys.readouterr().err
+    # At the table's end exactly (the last new token is never fed back), as model.generate runs it: no error
+    for target, count in (("bart", "16"), ("gpt2-short", "8")):
+        code = main(["generate", "--target", str(tmp_path / target), "--draft", str(tmp_path / target),
+                     "--prompt", "x", "--max-new-tokens", count, "--compare"])
+        assert code == 0, capsys.readouterr().err
 
 
 def test_compare_times_each_path_after_a_warm_up(pair, capsys, monkeypatch):

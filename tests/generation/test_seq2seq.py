@@ -114,6 +114,22 @@ def test_no_input_ids_starts_one_bos_per_row_of_the_tensors_given(pairs):
         assert torch.equal(sk.generate(target, draft_model=draft, num_speculative_tokens=3, **given, **common), want)
 
 
+def test_token_id_settings_as_numpy_values_and_tensors_as_in_hf(pairs):
+    """mBART-50 users pass the target language id as read from an array or a tensor: forced_bos_token_id /
+    forced_eos_token_id as a numpy integer or a tensor (they crashed in our logit masks without naming the
+    argument), eos_token_id and decoder_start_token_id as numpy arrays (refused)."""
+    import numpy as np
+
+    target, drafts = pairs["mbart"]
+    draft = next(iter(drafts.values()))
+    ids, mask = source_batch([7, 3], pad=1, seed=20)
+    for given in (dict(forced_bos_token_id=np.int64(7)), dict(forced_bos_token_id=torch.tensor([[5, 7]])[0, 1]),
+                  dict(forced_eos_token_id=torch.tensor([9, 10])), dict(eos_token_id=np.array([2, 9])),
+                  dict(decoder_start_token_id=np.array([2, 2]))):
+        common = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, **given)
+        assert torch.equal(sk.generate(target, ids, draft_model=draft, **common), target.generate(ids, **common))
+
+
 def test_self_draft_accepts_everything(pairs):
     target, _ = pairs["bart"]
     ids, mask = source_batch([5, 3, 6], pad=1)
