@@ -189,6 +189,26 @@ def test_compiled_bart_matches_hf(pairs):
     assert torch.equal(got, expected), (got, expected)
 
 
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_compiled_calls_of_other_source_lengths_reuse_the_compiled_steps(pairs, family):
+    """The captured steps read the cross-attention K/V, whose source length they are specialised to: the source is
+    padded to a bucket (never attended), so sources of other lengths reuse them (every new length compiled three
+    graphs, and after ~21 lengths dynamo's limit ended the process's compiled calls); outputs stay HF's, also with a
+    row whose source is all padding (not padded: T5's attention adds the mask, so such a row weighs every key)."""
+    target, draft = pairs[family]
+    common = dict(do_sample=False, max_new_tokens=8)
+    for call, lengths in enumerate(([5], [6], [9], [4, 7])):
+        ids, mask = _source(target, lengths, seed=call)
+        if call == 3:
+            mask[0] = 0
+        graphs = counters["stats"]["unique_graphs"]
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                          compile=TRACE_ONLY, **common)
+        assert torch.equal(got, target.generate(ids, attention_mask=mask, **common))
+        if call in (1, 2):  # (the first call and the first batch of 2 compile)
+            assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("family", ["mbart", "mt5"])
 def test_static_mbart_and_mt5_batches_match_hf(family):
     """The other two supported types: mBART (scaled embeddings, a forced language code) and MT5 (T5's layout in its

@@ -82,7 +82,9 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
     if encoder_decoder and encoder_width:  # each decoder's cross-attention K/V over the source (filled once), and
-        cross = sum(layout.bytes(rows, encoder_width) for layout in layouts)  # each encoder's output [B, S, H]
+        if captured:  # each encoder's output [B, S, H]; captured steps pad the source to a bucket
+            encoder_width = captured_capacity(encoder_width)
+        cross = sum(layout.bytes(rows, encoder_width) for layout in layouts)
         encoded = sum(rows * encoder_width * _hidden_size(model) * torch.empty((), dtype=layout.dtype).element_size()
                       for model, layout in zip(models, layouts))
         required = {**required, "cross_attention_kv": cross, "encoder_outputs": encoded,

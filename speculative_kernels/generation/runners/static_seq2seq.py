@@ -14,11 +14,13 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
 
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
 from .captured import call_captured, compile_step
 from .masks import additive_mask, causal_slots
+from .sizing import captured_capacity
 from .seq2seq import Seq2SeqRunner
 from .slot_cache import CacheLayout, SlotCache
 
@@ -118,13 +120,33 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
     # ------------------------------------------------------------------------------------------- capture
     def capture(self, shapes: Sequence[tuple[int, bool]], options: CompileOptions) -> None:
         """The cross-attention cache is filled first (by a rewound eager forward when no forward has run yet), so the
-        captured steps only read it."""
+        captured steps only read it; the source is padded to a bucket before (``_pad_source``)."""
         if not self.cache.cross_attention_cache.layers:
+            self._pad_source()
             self._rewound(self.forward, torch.zeros(self.batch, 1, dtype=torch.int64, device=self.attend.device))
         cross = [t for layer in self.cache.cross_attention_cache.layers for t in (layer.keys, layer.values)]
         static = (self.attend, self.next_position, *self.cache.self_attention_cache.tensors(), *cross)
         compiled = compile_step(self._step, options, self.attend.device, static)
         self._compiled.update({width: compiled for width, _ in shapes})
+
+    def _pad_source(self) -> None:
+        """Pad the encoder output (zeros) and the cross-attention mask (not attended) along the source to a bucket
+        (``sizing.captured_capacity``): the captured steps are specialised to the cross-attention K/V's source length,
+        which would compile them again for every new source length (and end a process's compiled calls at dynamo's
+        limit). Padded keys are never attended, so nothing else changes; not padded: a source without a mask (HF
+        passes none: a mask could select another attention kernel), and a batch with a row of no real source token
+        (an attention that adds the mask, eager's or T5's, weighs every source state alike there; one host read,
+        before decoding)."""
+        mask, states = self._cross_mask, self.encoder_outputs.last_hidden_state
+        extra = captured_capacity(states.shape[1]) - states.shape[1]
+        if extra == 0 or mask is None or mask.dim() != 4:
+            return
+        boolean = mask.dtype == torch.bool
+        if not bool((mask if boolean else mask == 0).any(dim=-1).all()):
+            return
+        filler = False if boolean else torch.finfo(mask.dtype).min
+        self.encoder_outputs = BaseModelOutput(last_hidden_state=torch.nn.functional.pad(states, (0, 0, 0, extra)))
+        self._cross_mask = torch.cat([mask, mask.new_full((*mask.shape[:-1], extra), filler)], dim=-1)
 
     def warm_up(self, calls: int = 3) -> None:
         for width in self._compiled:
