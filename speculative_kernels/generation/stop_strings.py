@@ -6,10 +6,17 @@ import torch
 
 
 def stop_criterion(stop_strings: tuple[str, ...], tokenizer):
-    """HF's ``StopStringCriteria`` for ``stop_strings`` (validated: ``settings.stop_strings``) on ``tokenizer``."""
+    """HF's ``StopStringCriteria`` for ``stop_strings`` (validated: ``settings.stop_strings``) on ``tokenizer``. Where
+    it cannot be built on the tokenizer (one without a decoder: "substring not found"), model.generate fails the same
+    way; the error then names stop_strings and the tokenizer."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    return StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+    try:
+        return StopStringCriteria(tokenizer=tokenizer, stop_strings=list(stop_strings))
+    except ValueError as error:
+        raise ValueError(f"stop_strings={list(stop_strings)!r}: transformers' StopStringCriteria cannot be built on "
+                         f"this tokenizer ({type(tokenizer).__name__}: {error}); model.generate fails the same way "
+                         "(it reads each token's text through the tokenizer's decoder)") from error
 
 
 def completes_stop_string(criterion, tokens: list[int]) -> bool:

@@ -549,3 +549,18 @@ def test_a_batch_of_a_slot_table_model_is_compacted_before_it_passes_the_table()
     common = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, **common),
                        target.generate(ids, **common))
+
+
+def test_stop_strings_on_a_tokenizer_hfs_criterion_cannot_read_are_named():
+    """A tokenizer without a decoder: HF's StopStringCriteria fails with 'substring not found' (model.generate too);
+    the error names stop_strings and the tokenizer."""
+    from helpers.checkpoints import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    target = llama(vocab=len(tokenizer))
+    ids = torch.tensor([[1, 5, 9]])
+    with pytest.raises(ValueError, match="substring not found"):
+        target.generate(ids, max_new_tokens=4, stop_strings=["ab"], tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"stop_strings=\['ab'\]: transformers' StopStringCriteria cannot be built on "
+                                         r"this tokenizer .*substring not found"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, stop_strings=["ab"], tokenizer=tokenizer)
