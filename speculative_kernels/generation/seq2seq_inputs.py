@@ -31,7 +31,7 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     device = model_device(model)
     encoder_outputs = _as_encoder_output(encoder_outputs, device)
     input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
-                                               device, decoder_input_ids)
+                                               device, (decoder_input_ids, decoder_attention_mask))
     batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
     if input_ids is not None:
@@ -52,14 +52,14 @@ def _as_encoder_output(encoder_outputs, device):
     return BaseModelOutput(last_hidden_state=hidden.to(device))
 
 
-def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device, decoder_input_ids=None):
+def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device, decoder_inputs=(None, None)):
     """(input_ids, attention_mask) for the encoders. No ids and no encoder_outputs: one bos per row, as HF does
-    (``_maybe_initialize_input_ids_for_generation``: as many rows as the attention_mask or decoder_input_ids given
-    have, else one)."""
+    (``_maybe_initialize_input_ids_for_generation``: as many rows as the attention_mask or the decoder_inputs
+    (decoder_input_ids, decoder_attention_mask) given have, else one)."""
     if input_ids is None and encoder_outputs is None:
         if bos_token_id is None:
             raise ValueError("input_ids (or encoder_outputs) is required: the model has no bos_token_id to start from")
-        given = next((t for t in (attention_mask, decoder_input_ids) if isinstance(t, torch.Tensor) and t.dim() > 0),
+        given = next((t for t in (attention_mask, *decoder_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0),
                      None)
         batch = 1 if given is None else given.shape[0]
         input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
@@ -86,10 +86,15 @@ def _decoder_prompt(config, decoder_ids, decoder_mask, batch: int, device):
     if start.dim() == 1 and start.shape[0] != batch:
         raise ValueError(f"decoder_start_token_id has {start.shape[0]} entries for a batch of {batch}")
     start = start.view(-1, 1).expand(batch, 1)
-    if decoder_ids is None:
-        if decoder_mask is not None:
-            raise ValueError("decoder_attention_mask was given without decoder_input_ids")
-        return start.clone(), torch.ones(batch, 1, dtype=torch.int64, device=device)
+    if decoder_ids is None:  # the start token; a decoder_attention_mask given alone is its mask, as in HF ([B, 1])
+        if decoder_mask is None:
+            return start.clone(), torch.ones(batch, 1, dtype=torch.int64, device=device)
+        decoder_mask = mask_tensor("decoder_attention_mask", decoder_mask, (batch, 1), device,
+                                   of="the decoder's start token").to(torch.int64)
+        if not bool(decoder_mask.all()):
+            raise ValueError("decoder_attention_mask given without decoder_input_ids masks the decoder's start token, "
+                             "its only token: the decoder would have nothing to attend to")
+        return start.clone(), decoder_mask
     if not isinstance(decoder_ids, torch.Tensor) or decoder_ids.dim() != 2 or decoder_ids.shape[0] != batch:
         raise ValueError(f"decoder_input_ids must be a [{batch}, length] tensor, got "
                          f"{getattr(decoder_ids, 'shape', decoder_ids)}")

@@ -298,7 +298,7 @@ def token_ids(name: str, value) -> tuple[int, ...]:
         items = value.flatten().tolist()
     elif isinstance(value, (list, tuple)):
         items = list(value)
-    elif getattr(value, "ndim", 0) > 0 and callable(getattr(value, "tolist", None)):  # a numpy array
+    elif hasattr(value, "ndim") and callable(getattr(value, "reshape", None)):  # numpy: an array or a scalar
         items = value.reshape(-1).tolist()
     else:
         items = [value]

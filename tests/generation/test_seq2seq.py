@@ -104,12 +104,14 @@ def test_a_source_row_with_no_real_token_as_in_hf(attention, cache):
 
 def test_no_input_ids_starts_one_bos_per_row_of_the_tensors_given(pairs):
     """No input_ids: HF encodes one bos per row of the first tensor given (attention_mask [B, 1], decoder_input_ids
-    [B, L]), one row without any (a batch of 2 was refused: 'the encoder input has (1, 1)')."""
+    [B, L], decoder_attention_mask [B, 1]: the start token's mask), one row without any (a batch of 2 was refused:
+    'the encoder input has (1, 1)'; a decoder_attention_mask without decoder_input_ids was refused)."""
     target, drafts = pairs["bart"]
     draft = next(iter(drafts.values()))
     common = dict(max_new_tokens=6, do_sample=False)
     for given in (dict(attention_mask=torch.ones(2, 1, dtype=torch.int64)),
-                  dict(decoder_input_ids=torch.tensor([[2, 17, 40], [2, 63, 8]])), {}):
+                  dict(decoder_input_ids=torch.tensor([[2, 17, 40], [2, 63, 8]])),
+                  dict(decoder_attention_mask=torch.ones(3, 1, dtype=torch.int64)), {}):
         want = target.generate(**given, **common)
         assert torch.equal(sk.generate(target, draft_model=draft, num_speculative_tokens=3, **given, **common), want)
 
@@ -125,7 +127,8 @@ def test_token_id_settings_as_numpy_values_and_tensors_as_in_hf(pairs):
     ids, mask = source_batch([7, 3], pad=1, seed=20)
     for given in (dict(forced_bos_token_id=np.int64(7)), dict(forced_bos_token_id=torch.tensor([[5, 7]])[0, 1]),
                   dict(forced_eos_token_id=torch.tensor([9, 10])), dict(eos_token_id=np.array([2, 9])),
-                  dict(decoder_start_token_id=np.array([2, 2]))):
+                  dict(decoder_start_token_id=np.array([2, 2])), dict(forced_bos_token_id=np.array(7)),
+                  dict(eos_token_id=np.array(2))):
         common = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, **given)
         assert torch.equal(sk.generate(target, ids, draft_model=draft, **common), target.generate(ids, **common))
 
