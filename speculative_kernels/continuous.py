@@ -242,7 +242,8 @@ class ContinuousBatcher:
             rows = self.static_rows
             capacity = static_capacity(rows.max_context, 0, gamma, rows.rows, BatchingOptions().slack)
             check_slot_tables((target, self.decoder.draft), ("target", "draft"), capacity,
-                              "max_context plus one iteration's slots and the batch's slack", "the decoder's max_context")
+                              "max_context plus one iteration's slots and the batch's slack",
+                              "the decoder's max_context")
         # (every request joins one batch, whose rows near their end are verified with drafts past their last position)
         longest = (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1
         check_positions(target, longest, overshoot=gamma)

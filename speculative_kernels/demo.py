@@ -269,7 +269,8 @@ def run_demo(args) -> int:
 def add_demo_command(subparsers) -> argparse.ArgumentParser:
     demo = subparsers.add_parser("demo", help="run the bundled target/draft pair: speculative vs plain generate",
                                  description=DESCRIPTION, formatter_class=HelpFormatter)
-    add_common_options(demo, max_new_tokens_default=96, dtype_auto="float32 on every device, where greedy identity is exact")
+    add_common_options(demo, max_new_tokens_default=96,
+                       dtype_auto="float32 on every device, where greedy identity is exact")
     demo.set_defaults(gamma=4, run=run_demo)
     demo.add_argument("--prompt", action="append",
                       help="a prompt instead of the built-in ones (repeatable)")

@@ -104,13 +104,12 @@ class PromptLookupDrafter:
                 (other.max_ngram, other.prefer_latest, other.periodic, other.compiled) != \
                 (self.max_ngram, self.prefer_latest, self.periodic, self.compiled):
             raise ValueError("add_rows needs another started PromptLookupDrafter with the same settings")
-        same_width = other.num_tokens == self.num_tokens
-        if same_width:
+        if other.num_tokens == self.num_tokens:
             proposal, count = torch.cat([self.proposal, other.proposal]), torch.cat([self.count, other.count])
-        self.context.add_rows(other.context)
-        if same_width:
+            self.context.add_rows(other.context)
             self.proposal, self.count = proposal, count
         else:
+            self.context.add_rows(other.context)
             self.num_tokens = max(self.num_tokens, other.num_tokens)
             self._look_up()
         self._count_host = None

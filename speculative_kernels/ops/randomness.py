@@ -116,9 +116,9 @@ class DecodeRandomness:
     default generator (``resolve_randomness``), so that ``torch.manual_seed`` makes runs repeatable; a given seed
     leaves torch's generators untouched. Row b of the run draws with the key ``row_keys(torch.full((B,), seed))[b]``
     for every batch size B, so no row's numbers depend on the others (rows may leave the batch) and a batch-1 run is
-    row 0 of any run with the same seed. The offsets are per-row device counters advanced in place, the draft sampler's by one per
-    token the row drafted and the verifier's by one per iteration: no host value enters an iteration's random numbers, so its steps
-    can be captured in a CUDA graph as they are.
+    row 0 of any run with the same seed. The offsets are per-row device counters advanced in place, the draft
+    sampler's by one per token the row drafted and the verifier's by one per iteration: no host value enters an
+    iteration's random numbers, so its steps can be captured in a CUDA graph as they are.
     """
 
     def __init__(self, batch: int, device: torch.device, seed: int | None = None, *,

@@ -7,6 +7,7 @@ it would compute alone and HF never reads a 2-D mask on the host to decide wheth
 import itertools
 
 import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as mask_functions
 
 from ..capabilities import ModelSpec
 
@@ -54,8 +55,6 @@ def cross_attention_mask(model, encoder_mask: torch.Tensor, dtype: torch.dtype) 
     with no real source token then attends to nothing: SDPA returns 0 for it, as in model.generate), additive
     otherwise (eager: such a row averages every source state, as in model.generate)."""
     allowed = encoder_mask.to(torch.bool)[:, None, None, :]
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as mask_functions
-
     attention = getattr(model.config, "_attn_implementation", None)
     if attention in mask_functions and mask_functions[attention] is mask_functions.get("sdpa"):
         return allowed
