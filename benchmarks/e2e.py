@@ -58,6 +58,7 @@ sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import median_run, synchronize  # noqa: E402
 from speculative_kernels.generation.gamma import expected_speedup  # noqa: E402
+from harness import cpu_name  # noqa: E402
 from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
@@ -313,6 +314,13 @@ def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) 
     fixed = gamma != "auto"
     rate = {p: measured["tokens"][p] / measured["seconds"][p] for p in measured["seconds"]}
     steps = sum(histogram)
+    # At batch 1 every target forward emits its accepted drafts plus one token: the histogram must add up to the
+    # tokens the last repeat generated (a statistics regression once printed tokens per forward it could not have)
+    emitted = sum((n + 1) * k for n, k in enumerate(histogram))
+    generated = sum(o.numel() for o in measured["outputs"]["ours"])
+    if emitted != generated:
+        raise RuntimeError(f"SpeculationStats' accepted_histogram adds up to {emitted} tokens, the outputs hold "
+                           f"{generated}: the statistics are wrong")
     passed, tests = sum(s.accept_tests_passed for s in stats), sum(s.accept_tests for s in stats)
     row = {
         "case": case, "gamma": gamma if fixed else f"auto→{'/'.join(map(str, chosen))}",
@@ -324,7 +332,7 @@ def summarize_row(case: str, gamma, measured: dict, c_info: dict, greedy: bool) 
         "accept_tests": [passed, tests],
         "accept_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "accepted_histogram": histogram,
-        "tokens_per_target_forward": sum((n + 1) * k for n, k in enumerate(histogram)) / steps if steps else None,
+        "tokens_per_target_forward": emitted / steps if steps else None,
         **c_info,
         "draft_ms_per_forward": 1e3 * sum(s.draft_time_s for s in stats) / max(1, sum(s.draft_forwards for s in stats)),
         "verify_ms_per_iteration": 1e3 * sum(s.verify_time_s for s in stats) / max(1, sum(s.target_forwards
@@ -441,7 +449,7 @@ def environment(device, dtype) -> dict:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-        f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        f"CPU ({cpu_name()}, {os.cpu_count()} cores)",
         "torch_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "verify_backend": backends.resolve("auto", device.type),

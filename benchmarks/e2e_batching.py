@@ -14,9 +14,9 @@ rows finish early, which exercises the dropping of finished rows).
 """
 
 import argparse
+import copy
 import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -25,6 +25,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import median_run, timed_runs  # noqa: E402
 from speculative_kernels import CompileOptions  # noqa: E402
@@ -130,10 +132,14 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             stats = sk.SpeculationStats()
             call = _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options)
 
-            def run(call=call):
+            snapshots = []  # the stats of each call (``generate`` overwrites them): the chosen run's are reported
+
+            def run(call=call, stats=stats, snapshots=snapshots):
                 torch.manual_seed(seed)
                 with torch.inference_mode():
-                    return call()
+                    out = call()
+                snapshots.append(copy.deepcopy(stats))
+                return out
 
             warmup_s = 0.0
             if method == "compiled":
@@ -148,13 +154,17 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             counts = [new_token_count(out[:, ids.shape[1]:], eos_token_id) for out, _ in timed]
             chosen = median_run(counts, [seconds for _, seconds in timed])  # the run of median tokens/s
             (out, seconds), new_tokens = timed[chosen], counts[chosen]
+            stats = snapshots[len(snapshots) - len(timed) + chosen]  # (the timed calls are the last ones)
             if method == "hf":
                 baseline_rate, expected = new_tokens / seconds, out
             ours = method in ("dynamic", "static", "compiled")
             rows.append({
                 "method": method, "batch": batch, "seconds": seconds, "tokens_per_s": new_tokens / seconds,
                 "speedup_vs_hf": new_tokens / seconds / baseline_rate if baseline_rate else None,
+                "gamma": gamma if ours else None,
                 "acceptance_rate": stats.acceptance_rate if ours else None,
+                # (the MLE's successes and tests, as e2e.py's rows: a prediction for this row uses its own alpha)
+                "accept_tests": [stats.accept_tests_passed, stats.accept_tests] if ours else None,
                 "tokens_per_target_forward": stats.mean_tokens_per_target_forward if ours else None,
                 "warmup_s": warmup_s if method in ("compiled", "hf_static", "draft_static") else None,
                 "compactions": stats.compactions if ours else None,
@@ -174,7 +184,7 @@ def environment(target, draft, dtype) -> dict:
         "model": f"{type(target).__name__}/{type(draft).__name__}",
         "target_params_m": sum(p.numel() for p in target.parameters()) / 1e6,
         "draft_params_m": sum(p.numel() for p in draft.parameters()) / 1e6,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
         "transformers": transformers.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }

@@ -12,7 +12,6 @@ acceptance rate says little about real checkpoints: pass ``target``/``draft`` (m
 import argparse
 import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import timed_median  # noqa: E402
 
@@ -100,12 +101,17 @@ def seq2seq_case(target=None, draft=None, *, batch: int = 1, source_length: int 
     expected, base_s = timed_median(baseline, device, repeats)
     got, spec_s = timed_median(speculative, device, repeats)
     new_tokens = batch * max_new_tokens
+    # every row-step emits its accepted drafts plus one token (EOS is off): the histogram must add up to the tokens
+    emitted = sum((n + 1) * k for n, k in enumerate(stats.accepted_histogram))
+    if emitted != new_tokens:
+        raise RuntimeError(f"SpeculationStats' accepted_histogram adds up to {emitted} tokens, not the {new_tokens} "
+                           "generated: the statistics are wrong")
     return {
         "case": "seq2seq",
         "model": f"{type(target).__name__}/{type(draft).__name__}",
         "target_params_m": sum(p.numel() for p in target.parameters()) / 1e6,
         "draft_params_m": sum(p.numel() for p in draft.parameters()) / 1e6,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "dtype": str(dtype).replace("torch.", ""),
         "batch": batch, "source_length": source_length, "max_new_tokens": max_new_tokens, "gamma": gamma,
         "do_sample": do_sample,

@@ -19,6 +19,19 @@ from typing import Callable, Sequence
 import torch
 
 
+def cpu_name() -> str:
+    """The CPU's model name ("AMD EPYC ...", "Intel(R) Xeon(R) ..."): ``platform.processor()`` says only "x86_64"
+    on Linux, and tables from different VMs must not be compared as one machine's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict:
     """Where and with what the numbers were taken (written beside every result)."""
     import triton
@@ -35,7 +48,7 @@ def environment(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = cpu_name()
     return info
 
 

@@ -12,7 +12,9 @@ mean number of tokens each verification forward carries (its width).
 Rules (K = prompt_lookup_num_tokens, n = max_matching_ngram_size):
 * ``HF's rule``: the first occurrence of the longest n-gram, its continuation cut at the context's end
   (``ops.prompt_lookup(prefer_latest=False, periodic=False)``, as the library runs it);
-* ``ours``: the most recent occurrence, continued periodically (the library's default, the same op);
+* ``ours``: the most recent occurrence, continued periodically (the library's default, the same op); each half of
+  it alone (``most recent match, cut at the end``; ``first match, periodic``), and HF's rule and ours with longer
+  n-grams (n + 1, and 8: close to the longest suffix match);
 * ``recursive``: one token at a time, each the follower of the latest occurrence of the longest n-gram of the
   context plus the tokens proposed so far (n up to 3);
 * ``adaptive length``: ours, each row's K adapted as HF adapts an assistant's (+2 after a fully accepted
@@ -133,6 +135,12 @@ def rules(k: int, n: int) -> dict:
     table = {
         f"HF's rule (K={k})": lambda c, left, s: [_lookup(c, k, n, False, False)],
         f"ours (K={k})": lambda c, left, s: [_lookup(c, k, n, True, True)],
+        # the two halves of ours alone, and other n-gram sizes (docs/drafting_without_a_model.md's rule table)
+        f"most recent match, cut at the end (K={k})": lambda c, left, s: [_lookup(c, k, n, True, False)],
+        f"first match, periodic (K={k})": lambda c, left, s: [_lookup(c, k, n, False, True)],
+        f"HF's rule, n={n + 1} (K={k})": lambda c, left, s: [_lookup(c, k, n + 1, False, False)],
+        f"ours, n={n + 1} (K={k})": lambda c, left, s: [_lookup(c, k, n + 1, True, True)],
+        f"ours, n=8 (K={k})": lambda c, left, s: [_lookup(c, k, 8, True, True)],
         f"recursive (K={k})": lambda c, left, s: [_recursive(c, k)],
         f"ours, adaptive length (K<={k})": adaptive,
     }
@@ -178,8 +186,17 @@ def main(argv=None) -> int:
             print(f"| {task} | {name} | {v['tokens'] / v['forwards']:.2f} | {v['width'] / v['iterations']:.1f} | "
                   f"{per_step:.2f} | {per_step / (hf['tokens'] / hf['cost']):.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                        indent=1))
+        import datetime
+        import platform
+
+        import transformers
+        from harness import cpu_name
+
+        environment = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                       "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+                       "python": platform.python_version(), "command": " ".join(["python", *sys.argv])}
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "environment": environment, "results": results}, indent=1))
     return 0
 
 

@@ -26,6 +26,8 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo import BUILTIN_PROMPTS  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
@@ -38,26 +40,33 @@ SETTINGS = {
 }
 
 
-def paths(target, draft, gamma: int, max_new_tokens: int, settings: dict, stats) -> dict:
-    """name -> fn(ids) -> sequences [1, L + new]; greedy, EOS off (every path generates max_new_tokens). stats: a
-    SpeculationStats ours accumulates into."""
+def paths(target, draft, gamma: int, max_new_tokens: int, settings: dict, stats_log: list) -> dict:
+    """name -> fn(ids) -> sequences [1, L + new]; greedy, EOS off (every path generates max_new_tokens). stats_log:
+    a list each call of ours appends its own SpeculationStats to (``generate`` overwrites the stats it is given)."""
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **settings)
+
+    def ours(ids):
+        stats_log.append(sk.SpeculationStats())
+        return sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma,
+                           speculation_stats=stats_log[-1], **common)
+
     return {
         "plain generate": lambda ids: target.generate(ids, **common),
         "HF assisted": lambda ids: target.generate(ids, assistant_model=draft, num_assistant_tokens=gamma,
                                                    num_assistant_tokens_schedule="constant", **common),
-        "ours": lambda ids: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma,
-                                        speculation_stats=stats, **common),
+        "ours": ours,
     }
 
 
-def run_setting(prompts, runs: dict, repeats: int, stats) -> dict:
-    """Per path: tokens, seconds (sum of per-prompt medians), tok/s, identical to plain; ours' acceptance rate."""
+def run_setting(prompts, runs: dict, repeats: int, stats_log: list) -> dict:
+    """Per path: tokens, seconds (sum of per-prompt medians), tok/s, identical to plain; ours' acceptance rate over
+    every prompt (accepted over drafted tokens, summed over the warm-up pass's calls, one per prompt)."""
     times = {name: [[] for _ in prompts] for name in runs}
     outputs = {}
     for name, fn in runs.items():  # warm-up, and the outputs compared
         outputs[name] = [fn(ids) for ids in prompts]
-    acceptance = stats.accepted_tokens / max(stats.drafted_tokens, 1)
+    calls = stats_log[: len(prompts)]
+    acceptance = sum(s.accepted_tokens for s in calls) / max(sum(s.drafted_tokens for s in calls), 1)
     for _ in range(repeats):
         for p, ids in enumerate(prompts):
             for name, fn in runs.items():
@@ -104,14 +113,14 @@ def main(argv=None) -> int:
     results = {}
     with torch.inference_mode():
         for setting, settings in SETTINGS.items():
-            stats = sk.SpeculationStats()
-            results[setting] = run_setting(
-                prompts, paths(target, draft, args.gamma, args.max_new_tokens, settings, stats), args.repeats, stats)
+            stats_log = []
+            results[setting] = run_setting(prompts, paths(target, draft, args.gamma, args.max_new_tokens, settings,
+                                                          stats_log), args.repeats, stats_log)
             print(f"{setting}: done", file=sys.stderr, flush=True)
     print(table(results))
     if args.out:
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-                "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+                "machine": cpu_name(), "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0 if all(r["same_as_plain"] for rows in results.values() for r in rows.values()) else 1

@@ -37,6 +37,8 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
 from speculative_kernels.timing import timed_generate  # noqa: E402
@@ -202,6 +204,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--name", help="JSON file stem (default: prompt-lookup-demo-cpu-<date>, and -quick with "
+                                       "--quick): a run never replaces a recorded table's file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft, tokenizer = load_demo_pair()
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
         results[f"edit, batch {len(prompts['edit'])}"] = run_batched(prompts["edit"], runs, tokenizer, counter,
                                                                       args.repeats)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+           "cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "load_average_before": load_before,
            "load_average_after": os.getloadavg(), "command": "python benchmarks/prompt_lookup.py " + " ".join(
@@ -222,7 +226,8 @@ def main(argv=None) -> int:
     print(json.dumps(env))
     print(table(results, args.k))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prompt-lookup-demo-cpu.json").write_text(json.dumps({"environment": env, "results": results},
+    stem = args.name or (f"prompt-lookup-demo-cpu-{env['date'][:10]}" + ("-quick" if args.quick else ""))
+    (args.out / f"{stem}.json").write_text(json.dumps({"environment": env, "results": results},
                                                                      indent=1))
     identical = all(r["identical"] for task in results.values() for r in task.values())
     return 0 if identical else 1

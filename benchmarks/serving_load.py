@@ -5,8 +5,10 @@ reference where the installed transformers has it.
     python benchmarks/serving_load.py --tiny --requests 24 --rate 4          # tiny random pair, CPU or first GPU
     python benchmarks/serving_load.py --target DIR --draft DIR2 --requests 200 --rate 20 --dtype bfloat16
 
-Every request is greedy with its own prompt and ``max_new_tokens`` (uniform in [min, max]), so every method produces
-the same tokens (greedy identity) and the comparison is of scheduling only. Arrival times are drawn once (Poisson
+Every request is greedy with its own prompt and ``max_new_tokens`` (uniform in [min, max]), so every method should
+produce the same tokens (greedy identity) and the comparison is of scheduling only; each method's tokens per request
+are checked against ``model.generate`` on that request alone (untimed, after the runs; ``identical_to_generate`` per
+method, and the exit status is 1 where one differs; ``--no-identity-check`` skips it). Arrival times are drawn once (Poisson
 process of ``--rate`` requests/s, seeded) and replayed in wall-clock time for each method:
 
 * ``continuous``: requests join the running batch at the first step after they arrive (``add_request``) and leave
@@ -22,10 +24,18 @@ process of ``--rate`` requests/s, seeded) and replayed in wall-clock time for ea
   paged cache and scheduler, no draft model) with the same arrivals and per-request ``max_new_tokens``, streamed,
   after one warm-up request.
 
-Reported per method: throughput (new tokens / makespan), TTFT (first token time - arrival) and inter-token latency
-p50/p99. A step emits several tokens at once; each of its k tokens is counted with latency gap / k (the gap since
-the request's previous emission), as token-level ITL is reported for multi-token steps. Times include the device
-synchronisation of each step's host read. Output: one JSON object on stdout.
+Reported per method: throughput (new tokens / makespan), TTFT (first token time - arrival) and three latencies
+after the first token, p50/p99, since a step emits several tokens at once and the conventions differ:
+
+* ``itl_ms``: per token: each of a chunk's k tokens counted with latency gap / k (the gap since the request's
+  previous emission), the token-level convention SGLang reports for multi-token steps;
+* ``itl_chunk_ms``: per emission: the gap itself, once per chunk (vLLM's ``benchmark_serving`` ITL, which times the
+  streamed chunks a client receives);
+* ``tpot_ms``: per request: (last emission - first emission) / (tokens - 1) (vLLM's TPOT).
+
+For a method that emits one token per step (HF's) the three agree up to the population they are taken over; for ours
+``itl_ms`` is the smallest. Times include the device synchronisation of each step's host read. Output: one JSON object
+on stdout.
 """
 
 import argparse
@@ -52,27 +62,33 @@ def workload(count: int, rate: float, min_new: int, max_new: int, vocab: int, se
 
 
 class Recorder:
-    """Per request: arrival time, emission times and token counts."""
+    """Per request: arrival time, emission times and the tokens emitted."""
 
     def __init__(self, requests):
         self.arrival = {i: t for i, (t, _, _) in enumerate(requests)}
         self.emissions = {i: [] for i in self.arrival}
+        self.tokens = {i: [] for i in self.arrival}
 
-    def emit(self, index: int, now: float, count: int) -> None:
-        if count:
-            self.emissions[index].append((now, count))
+    def emit(self, index: int, now: float, tokens: list[int]) -> None:
+        if tokens:
+            self.emissions[index].append((now, len(tokens)))
+            self.tokens[index].extend(int(t) for t in tokens)
 
     def summary(self, start: float, end: float) -> dict:
-        ttft, itl, tokens = [], [], 0
+        ttft, itl, itl_chunk, tpot, tokens = [], [], [], [], 0
         for index, emissions in self.emissions.items():
             if not emissions:
                 continue
             ttft.append(emissions[0][0] - start - self.arrival[index])
             previous = emissions[0][0]
-            tokens += sum(count for _, count in emissions)
+            request_tokens = sum(count for _, count in emissions)
+            tokens += request_tokens
             for now, count in emissions[1:]:
                 itl.extend([(now - previous) / count] * count)
+                itl_chunk.append(now - previous)
                 previous = now
+            if request_tokens > 1:
+                tpot.append((emissions[-1][0] - emissions[0][0]) / (request_tokens - 1))
 
         def pct(values, q):
             return round(float(np.percentile(values, q)) * 1e3, 3) if values else None
@@ -80,7 +96,24 @@ class Recorder:
         return {"new_tokens": tokens, "makespan_s": round(end - start, 3),
                 "throughput_tok_s": round(tokens / (end - start), 2),
                 "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
-                "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99)}
+                "itl_ms_p50": pct(itl, 50), "itl_ms_p99": pct(itl, 99),
+                "itl_chunk_ms_p50": pct(itl_chunk, 50), "itl_chunk_ms_p99": pct(itl_chunk, 99),
+                "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99)}
+
+
+def identity(target, requests, tokens: dict, pad: int) -> dict:
+    """Per method: True where every request's tokens equal ``model.generate``'s on that request alone (greedy, its
+    own max_new_tokens; untimed), False where one differs, None where the method gives no tokens per request."""
+    device = target.device
+    expected = {}
+    with torch.inference_mode():
+        for index, (_, prompt, new) in enumerate(requests):
+            ids = torch.tensor([prompt], device=device)
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=pad)
+            expected[index] = out[0, ids.shape[1]:].tolist()
+    return {method: None if got is None else all(got[i] == expected[i] for i in expected)
+            for method, got in tokens.items()}
 
 
 def _wait_until(start: float, at: float) -> None:
@@ -110,8 +143,8 @@ def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, sta
         emitted = decoder.step()
         now = time.perf_counter()
         for request_id, tokens in emitted.items():
-            recorder.emit(ids[request_id], now, len(tokens))
-    return recorder.summary(start, time.perf_counter())
+            recorder.emit(ids[request_id], now, tokens)
+    return recorder.summary(start, time.perf_counter()), recorder.tokens
 
 
 def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: int) -> dict:
@@ -145,8 +178,8 @@ def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: in
                 want = requests[batch[row]][2] - done[row]
                 count = min(len(tokens), max(want, 0))
                 done[row] += count
-                recorder.emit(batch[row], stamp, count)
-    return recorder.summary(start, time.perf_counter())
+                recorder.emit(batch[row], stamp, list(tokens[:count]))
+    return recorder.summary(start, time.perf_counter()), recorder.tokens
 
 
 def run_hf_generate_batch(target, requests) -> dict:
@@ -167,7 +200,7 @@ def run_hf_generate_batch(target, requests) -> dict:
     if tokens == 0:
         return {"unavailable": "generate_batch returned no tokens (its requests failed: see its log)"}
     return {"new_tokens": tokens, "makespan_s": round(seconds, 3), "throughput_tok_s": round(tokens / seconds, 2),
-            "note": "offline: all requests at t=0, max_new_tokens the largest, no draft model"}
+            "note": "offline: all requests at t=0, max_new_tokens the largest, no draft model"}, None
 
 
 def run_hf_continuous(target, requests) -> dict:
@@ -205,13 +238,14 @@ def run_hf_continuous(target, requests) -> dict:
                 continue
             if output.error:
                 return {"unavailable": f"request {output.request_id} failed: {output.error}"[:300]}
-            count = len(output.generated_tokens) - seen[output.request_id]
+            new_tokens = list(output.generated_tokens[seen[output.request_id]:])
             seen[output.request_id] = len(output.generated_tokens)
-            recorder.emit(index[output.request_id], time.perf_counter(), count)
+            recorder.emit(index[output.request_id], time.perf_counter(), new_tokens)
             finished += int(output.is_finished())
     finally:
         manager.stop(block=True)
-    return {**recorder.summary(start, time.perf_counter()), "note": "HF's continuous batching, no draft model"}
+    return ({**recorder.summary(start, time.perf_counter()), "note": "HF's continuous batching, no draft model"},
+            recorder.tokens)
 
 
 def main(argv=None) -> dict:
@@ -227,6 +261,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--no-identity-check", dest="identity_check", action="store_false",
+                        help="skip comparing each method's tokens with model.generate on each request alone")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="skip the untimed warm-up run of two short requests before each method")
     parser.add_argument("--methods", nargs="+", default=["continuous", "static", "hf_generate_batch"],
@@ -254,6 +290,7 @@ def main(argv=None) -> dict:
     results = {"device": str(device), "requests": args.requests, "rate": args.rate, "gamma": args.gamma,
                "max_batch_size": args.max_batch_size, "methods": {}}
     static_context = max(len(r[1]) for r in requests) + args.max_new
+    tokens = {}  # method -> {request index: its tokens}, or None where the method does not give them per request
     for method in args.methods:
         with torch.inference_mode(not method.startswith("hf_")):  # HF's manager updates its tensors in place
             if args.warm_up and method == "continuous_compiled":  # every batch size compiles once, untimed:
@@ -269,17 +306,20 @@ def main(argv=None) -> dict:
                     run_continuous(target, draft, warm_up, args.gamma, args.max_batch_size,
                                    static_context if method == "continuous_static" else None)
             if method == "continuous":
-                results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size)
+                outcome = run_continuous(target, draft, requests, args.gamma, args.max_batch_size)
             elif method in ("continuous_static", "continuous_compiled"):
-                results["methods"][method] = run_continuous(target, draft, requests, args.gamma, args.max_batch_size,
-                                                            static_context, compile=method == "continuous_compiled")
+                outcome = run_continuous(target, draft, requests, args.gamma, args.max_batch_size, static_context,
+                                         compile=method == "continuous_compiled")
             elif method == "static":
-                results["methods"][method] = run_static(target, draft, requests, args.gamma, args.max_batch_size,
-                                                        pad)
+                outcome = run_static(target, draft, requests, args.gamma, args.max_batch_size, pad)
             elif method == "hf_continuous":
-                results["methods"][method] = run_hf_continuous(target, requests)
+                outcome = run_hf_continuous(target, requests)
             else:
-                results["methods"][method] = run_hf_generate_batch(target, requests)
+                outcome = run_hf_generate_batch(target, requests)
+        summary, tokens[method] = outcome if isinstance(outcome, tuple) else (outcome, None)
+        results["methods"][method] = summary
+    if args.identity_check:
+        results["identical_to_generate"] = identity(target, requests, tokens, pad)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -288,4 +328,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if False not in main().get("identical_to_generate", {}).values() else 1)

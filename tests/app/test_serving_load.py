@@ -28,6 +28,19 @@ def test_workload_is_poisson_and_seeded(load):
     assert all(8 <= len(p) <= 32 and 4 <= n <= 9 for _, p, n in requests)
 
 
+def test_latency_conventions(load):
+    """Per token (gap / k, k times), per chunk (the gap once: vLLM's ITL) and per request (vLLM's TPOT)."""
+    recorder = load.Recorder([(0.0, [1], 5), (0.0, [2], 2)])
+    for now, tokens in ((1.0, [7]), (3.0, [7, 7, 7, 7])):  # first token at 1 s, then 4 tokens 2 s later
+        recorder.emit(0, now, tokens)
+    recorder.emit(1, 2.0, [5, 6])  # one chunk of 2: no gap, TPOT 0
+    summary = load.Recorder.summary(recorder, 0.0, 4.0)
+    assert summary["new_tokens"] == 7 and recorder.tokens == {0: [7] * 5, 1: [5, 6]}
+    assert summary["itl_ms_p50"] == 500.0 and summary["itl_chunk_ms_p50"] == 2000.0
+    assert summary["tpot_ms_p99"] == pytest.approx(495.0)  # TPOTs 500 ms and 0 ms: p99 by linear interpolation
+    assert summary["ttft_ms_p50"] == 1500.0
+
+
 def test_methods_serve_every_token(load, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -42,4 +55,6 @@ def test_methods_serve_every_token(load, capsys):
         summary = results["methods"][method]
         assert summary["new_tokens"] == expected, method
         assert summary["ttft_ms_p50"] is not None and summary["itl_ms_p99"] is not None
+        assert summary["itl_chunk_ms_p99"] is not None and summary["tpot_ms_p99"] is not None
+    assert results["identical_to_generate"] == {"continuous": True, "continuous_static": True, "static": True}
     assert '"continuous"' in capsys.readouterr().out
