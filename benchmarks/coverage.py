@@ -41,6 +41,25 @@ PROMPT, NEW, GAMMA, NOISE = 10, 10, 3, (0.3, 1.0, 3.0)
 LOGIT_TOLERANCE = 1e-4  # relative to the largest logit; float32 rounding was <= 3e-7 of it on 11 families
 
 
+def _wrapped_timeout(error: BaseException | None):
+    """The sweep's own per-architecture ``Timeout`` in error's chain of causes, or None (dynamo raises it again
+    wrapped, as InternalTorchDynamoError or BackendCompilerFailed)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Timeout):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _reraise_timeout(error: BaseException) -> None:
+    """Re-raise a wrapped ``Timeout``: an architecture out of time is "not checked", not an ERROR."""
+    timeout = _wrapped_timeout(error)
+    if timeout is not None:
+        raise timeout
+
+
 class Timeout(Exception):
     pass
 
@@ -200,6 +219,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
         with torch.no_grad():
             reference = target.generate(ids, **common)
     except Exception as error:  # noqa: BLE001
+        _reraise_timeout(error)
         return "not checked: model.generate itself fails (" + _short(error) + ")"
     expected = reference.sequences
     stats = sk.SpeculationStats()
@@ -213,6 +233,7 @@ def _run_one(target, draft, kind: str, column: str) -> str:
     except ValueError as error:
         return "ERROR (refused late): " + _short(error)
     except Exception as error:  # noqa: BLE001
+        _reraise_timeout(error)
         return "ERROR: " + _short(error)
     got, logits = got.sequences, got.logits
     if got.shape != expected.shape or not torch.equal(got, expected):
@@ -261,6 +282,7 @@ def _run_continuous(target, draft, static: bool = False) -> str:
     except ValueError as error:  # add_request checks the request before it joins the batch
         return "refused: " + _reason(error)
     except Exception as error:  # noqa: BLE001
+        _reraise_timeout(error)
         return "ERROR: " + _short(error)
     drafted = accepted = 0
     for prompt, request in zip(prompts, requests):
@@ -269,6 +291,7 @@ def _run_continuous(target, draft, static: bool = False) -> str:
             with torch.no_grad():
                 expected = target.generate(prompt[None], max_new_tokens=NEW, do_sample=False, pad_token_id=0)
         except Exception as error:  # noqa: BLE001 -- (e.g. a model that needs its image or audio input)
+            _reraise_timeout(error)
             return "not checked: model.generate itself fails (" + _short(error) + ")"
         if result.finish_reason == "error":  # (a request whose step raised ends so; model.generate ran)
             return "ERROR: " + result.error
@@ -313,8 +336,9 @@ def sweep(types, out, timeout: int, dtype: str = "float32", attn: str | None = N
         except Timeout:
             row.update({c: f"not checked: over {timeout} s on the CPU" for c in COLUMNS if c not in row})
         except Exception as error:  # noqa: BLE001
-            row.update({c: "not checked: building the tiny model fails (" + _short(error) + ")"
-                        for c in COLUMNS if c not in row})
+            reason = (f"over {timeout} s on the CPU" if _wrapped_timeout(error) is not None
+                      else "building the tiny model fails (" + _short(error) + ")")
+            row.update({c: "not checked: " + reason for c in COLUMNS if c not in row})
         finally:
             signal.alarm(0)
         if "architecture" not in row:  # no tiny model: does generate's up-front check refuse the default config?

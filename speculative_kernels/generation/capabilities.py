@@ -71,15 +71,16 @@ _GROWS_CACHE_LAYERS = re.compile(r"(?:cache|past_key_values)\.layers\s*(?:\+=|\.
 # A forward that widens a 2-D mask at one-token steps (GIT in transformers 5.17: ``elif past_key_values is not None
 # and seq_len == 1: ... torch.cat([extended_attention_mask, attention_mask], dim=-1)``, whatever the mask's rank).
 _WIDENS_2D_MASK_AT_STEPS = re.compile(r"seq_len\s*==\s*1\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*extended_attention_mask")
-# A forward that widens a 2-D mask once a cache holds slots (GIT from transformers 5.2x: ``elif cache is not None and
-# cache_length > 0 and attention_mask is not None and attention_mask.ndim == 2: ... torch.cat([extended_attention_mask,
-# attention_mask])`` by the image tokens, which a text-only cache does not hold): the widened mask no longer lines up
-# with the cache, so model.generate's one-token steps attend to a padded row's masked slots. The 4-D masks of the
-# speculative forwards are not widened: exact where the mask masks nothing (``check_masked_slots``).
 # A decoder stack that flattens every mask it gets to [B, -1] (ImageGPT; GPT-2 and CTRL guard the same line with
 # ``ndim < 4``): a 4-D mask over several queries would become a garbled padding mask, so it takes the 2-D one.
 _FLATTENS_ANY_MASK = re.compile(r"if attention_mask is not None:\s*\n\s*attention_mask = attention_mask\.view\(")
-_WIDENS_2D_MASK_OVER_CACHE = re.compile(r"attention_mask\.ndim\s*==\s*2\s*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*"
+# A forward that widens a 2-D mask once a cache holds slots (GIT from transformers 5.18: ``elif cache is not None and
+# cache_length > 0 and attention_mask is not None and attention_mask.ndim == 2: ... torch.cat([extended_attention_mask,
+# attention_mask])``; the condition is on one line from 5.24, in parentheses over several lines in 5.18-5.23) by the
+# image tokens, which a text-only cache does not hold: the widened mask no longer lines up with the cache, so
+# model.generate's one-token steps attend to a padded row's masked slots. The 4-D masks of the speculative forwards
+# are not widened: exact where the mask masks nothing (``check_masked_slots``).
+_WIDENS_2D_MASK_OVER_CACHE = re.compile(r"attention_mask\.ndim\s*==\s*2[\s)]*:[\s\S]{0,600}?torch\.cat\(\s*\[\s*"
                                         r"extended_attention_mask")
 
 
@@ -147,7 +148,7 @@ def cache_argument(model) -> str | None:
 
 def layer_types(config) -> tuple[list[str], list[int | None]] | None:
     """(layer type per cache layer, sliding window per layer) as HF's ``DynamicCache(config=...)`` reads them, in
-    every transformers 5.x (5.17 returns one kwargs dict, later versions one per layer); None for a config that
+    every transformers 5.x (5.17 and 5.18 return one kwargs dict, later versions one per layer); None for a config that
     states neither (e.g. BLT's, whose layers live in sub-configs)."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs

@@ -29,7 +29,7 @@ def byte_level_bpe(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet()))  # (a set: sorted)
     tok.train_from_iterator(TEXTS, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
