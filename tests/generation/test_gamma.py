@@ -282,3 +282,12 @@ def test_auto_recovers_from_a_drafter_that_starts_badly():
                       do_sample=False, eos_token_id=None, speculation_stats=stats)
     assert torch.equal(got, expected)
     assert stats.num_speculative_tokens > 1 and stats.accepted_tokens > 0
+
+
+def test_choose_gamma_takes_the_smallest_of_equal_speedups():
+    """alpha 0: every gamma gives 1 / (gamma c + 1), all 1 at c = 0: the smallest gamma (no drafting wasted); alpha 1
+    at c = 0: each larger gamma is faster, so the largest allowed."""
+    from speculative_kernels.generation.gamma import choose_gamma
+
+    assert choose_gamma(0.0, 0.0) == 1
+    assert choose_gamma(1.0, 0.0, max_gamma=8) == 8

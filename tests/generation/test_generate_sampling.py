@@ -86,6 +86,44 @@ def test_random_offsets_are_device_counters_at_fixed_addresses(monkeypatch):
         assert all(b <= a + 1 for a, b in zip(drawn, drawn[1:]))
 
 
+def test_target_only_steps_advance_the_verify_offset(monkeypatch):
+    """An iteration with nothing drafted (prompt lookup without a match) draws its token from the target at the next
+    verify offset, never at the previous one again (which would reuse the last token's race noise)."""
+    from speculative_kernels.generation.request import build_loop
+    from speculative_kernels.ops import torch_backend
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])  # no repeated n-gram: the first iterations propose nothing
+    loop = build_loop(llama(), None, ids, prompt_lookup_num_tokens=3, max_new_tokens=8, do_sample=True,
+                      temperature=1.0, pad_token_id=0, eos_token_id=None, seed=0)
+    seen = []
+    verify = torch_backend.verify
+
+    def recording_verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
+        seen.append(randomness.offset.tolist())
+        return verify(target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens)
+
+    assert loop.impl is torch_backend
+    monkeypatch.setattr(torch_backend, "verify", recording_verify)
+    while loop.step():
+        pass
+    assert len(seen) > 2 and seen == [[i] for i in range(len(seen))]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.3, 0, 0.8)])
+def test_sampled_scores_are_the_warped_logits_as_hfs(temperature, top_k, top_p):
+    """output_scores of a sampled run: the logits after HF's warpers (temperature, top-k, top-p), as
+    model.generate(do_sample=True) returns them; output_logits the raw ones."""
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    out = sk.generate(llama(), prompt, draft_model=llama(layers=1, seed=3), max_new_tokens=6, do_sample=True,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=0, eos_token_id=None,
+                      pad_token_id=0, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    warpers = hf_warpers(temperature, top_k, top_p)
+    for step, (scores, raw) in enumerate(zip(out.scores, out.logits)):
+        expected = warpers(out.sequences[:, : prompt.shape[1] + step], raw.clone())
+        assert torch.equal(scores, expected), step
+        assert int(torch.isfinite(scores).sum()) < raw.shape[-1]  # (the warping cut something)
+
+
 def test_a_draft_models_invalid_logits_are_named_as_the_draft_models():
     """Sampling reads q: a draft whose logits hold NaN is named as the draft model (it was the op's argument name,
     draft_logits, alone); greedy reads no q and runs, as HF's greedy assisted generation does."""
