@@ -3,6 +3,7 @@ ids, for byte-level BPE with multi-byte UTF-8 characters split across tokens, Se
 decoding, and a tokenizer that cleans up spaces; on real text nothing is streamed before it is final (no U+FFFD
 from a half character)."""
 
+import collections
 import random
 
 import pytest
@@ -45,15 +46,57 @@ def metaspace_bpe() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def wordpiece_with_cleanup() -> PreTrainedTokenizerFast:
-    """BERT-style: WordPiece with '##' continuations, and clean_up_tokenization_spaces (" ." -> ".")."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(TEXTS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"]))
+def wordpiece_with_cleanup(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """BERT-style: WordPiece with '##' continuations, and clean_up_tokenization_spaces (" ." -> ".").
+
+    The vocabulary is built here, in a fixed order (characters, their '##' forms, then short words and '##'
+    two-character pieces by frequency, longer words left split into pieces): WordPieceTrainer numbers its '##'
+    tokens in a hash map's per-process order (huggingface/tokenizers#1794), so a trained vocabulary, and the
+    streams these tests feed, changed with every run."""
+    normalizer, pre = normalizers.NFC(), pre_tokenizers.BertPreTokenizer()
+    words = collections.Counter(word for text in TEXTS
+                                for word, _ in pre.pre_tokenize_str(normalizer.normalize_str(text)))
+    chars = sorted({c for word in words for c in word})
+    vocab = ["[UNK]", "[SEP]"] + chars + ["##" + c for c in chars]
+    pieces = collections.Counter()
+    for word, count in words.items():
+        for i in range(1, len(word)):
+            pieces["##" + word[i:i + 2]] += count
+    short = {word: count for word, count in words.items() if len(word) <= 4}
+    by_frequency = sorted(short.items(), key=lambda kv: (-kv[1], kv[0])) + \
+        sorted(pieces.items(), key=lambda kv: (-kv[1], kv[0]))
+    for token, _ in by_frequency:
+        if len(vocab) >= vocab_size:
+            break
+        if token not in vocab:
+            vocab.append(token)
+    tok = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.WordPiece()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
                                    clean_up_tokenization_spaces=True)
+
+
+def test_the_wordpiece_tokenizer_is_the_same_in_every_process():
+    """Its vocabulary is a function of TEXTS alone (the trained one was not: compared across two processes with other
+    hash seeds), and it splits words into '##' pieces, which is what the streaming tests need of it."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    tok = wordpiece_with_cleanup()
+    ids = [i for text in TEXTS for i in tok.encode(text, add_special_tokens=False)]
+    assert any(t.startswith("##") for t in tok.convert_ids_to_tokens(ids))
+    assert tok.decode(tok.encode("stop . ok", add_special_tokens=False)) == "stop. ok"
+    here = hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
+    script = ("import hashlib; from generation.test_streaming import wordpiece_with_cleanup as w; "
+              "print(hashlib.sha256(w().backend_tokenizer.to_str().encode()).hexdigest())")
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for seed in ("1", "4"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        other = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests_dir, capture_output=True, text=True,
+                               check=True).stdout.split()[-1]
+        assert other == here, seed
 
 
 @pytest.fixture(scope="module")
