@@ -243,6 +243,7 @@ def test_a_tokenizer_row_is_a_prompt(pair):
     (lambda d: d.add_request([1, 2.0]), TypeError, "list of ints"),
     (lambda d: d.add_request("hello"), TypeError, "got str"),
     (lambda d: d.add_request([1, 500]), ValueError, r"prompt_ids must be in \[0, 97\)"),
+    (lambda d: d.add_request([1, 97]), ValueError, r"prompt_ids must be in \[0, 97\)"),  # (one past the last id)
     (lambda d: d.add_request([1, 2], seed=-1), ValueError, "seed must be in"),
     (lambda d: d.add_request([1, 2], do_sample=True, temperature=-1.0), ValueError, "temperature"),
     (lambda d: d.add_request([1, 2], max_new_tokens=-1), ValueError, "max_new_tokens"),
@@ -1000,3 +1001,25 @@ def test_a_gamma_far_above_any_requests_length_is_sized_by_what_the_rows_can_dra
             want = sk.generate(target, ids, prompt_lookup_num_tokens=10**10, pad_token_id=0,
                                **settings)[0, len(prompt):].tolist()
         assert streamed[request_id] == result.token_ids == want
+
+
+def test_rows_that_accepted_every_draft_feed_their_last_draft_beside_rows_that_did_not():
+    """An iteration where some rows accept all their drafts and others stop short (a row near its own end): each
+    all-accepted row's draft model must take its last draft as a pending input. Greedy tokens cannot show a wrong
+    draft context; with the target as its own draft every draft is accepted only if the context is right, and a
+    seeded sampled request must equal the same request alone."""
+    target = llama()
+    prompts, news = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]], [40, 6, 9]
+
+    def run(requests, settings):
+        decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=4, max_batch_size=4)
+        ids = [decoder.add_request(p, max_new_tokens=n, eos_token_id=None, **settings(i)) for i, p, n in requests]
+        while decoder.has_work():
+            decoder.step()
+        return [decoder.result(r) for r in ids]
+
+    for result in run([(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))], settings=lambda i: {}):
+        assert result.drafted_tokens > 0 and result.accepted_tokens == result.drafted_tokens
+    sampled = lambda i: dict(do_sample=True, temperature=1.0, seed=7 + i)  # noqa: E731
+    together = run([(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))], settings=sampled)
+    assert together[0].token_ids == run([(0, prompts[0], news[0])], settings=sampled)[0].token_ids

@@ -331,6 +331,8 @@ GENERATE_ROWS = [
     ("min_new_tokens=2.5", dict(min_new_tokens=2.5), TypeError, "min_new_tokens must be an int"),
     ("prompt id outside vocabulary", dict(input_ids=torch.tensor([[1, 500, 3]])), ValueError,
      "input_ids holds id 500, outside the vocabulary \\[0, 97\\)"),
+    ("prompt id = vocabulary size", dict(input_ids=torch.tensor([[1, 97, 3]])), ValueError,
+     "input_ids holds id 97, outside the vocabulary \\[0, 97\\)"),
     ("eos_token_id='65'", dict(eos_token_id="65"), TypeError, "eos_token_id must be a token id"),
     ("pad_token_id='x'", dict(pad_token_id="x"), TypeError, "pad_token_id must be a token id"),
     ("temperature=1e-40", dict(do_sample=True, temperature=1e-40), ValueError, "temperature=1e-40"),

@@ -97,3 +97,25 @@ def test_flex_attention_batch_with_holes_matches_hf_on_cuda():
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, speculation_stats=stats, **common)
     assert torch.equal(got, expected)
     assert stats.acceptance_rate < 1
+
+
+def test_runner_buffers_grown_mid_generation_keep_every_row_exact(monkeypatch):
+    """The dynamic runner's slot mask and its additive mirror start at the slots a request needs at first and grow
+    as the cache does (new columns real, 1 / 0.0): with the first allocation made as small as it can be, every
+    iteration grows them, and a left-padded batch must still equal model.generate row for row (holes from rejected
+    drafts and compaction off, at, and below the threshold)."""
+    from speculative_kernels.generation import request
+
+    monkeypatch.setattr(request, "initial_slots", lambda prompt_length, max_gamma, max_new_tokens: prompt_length + 2)
+    target = llama()
+    draft = drafts_for("llama", target)["perturbed"]
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, pad_token_id=0, eos_token_id=None, do_sample=False)
+    expected = target.generate(ids, **kwargs)
+    for threshold in (1.0, 0.25):
+        batching = BatchingOptions(compaction_threshold=threshold, drop_finished_fraction=None)
+        for drafting in (dict(draft_model=draft, num_speculative_tokens=4), dict(prompt_lookup_num_tokens=4)):
+            got = sk.generate(target, ids, batching=batching, **drafting, **kwargs)
+            assert torch.equal(got, expected), (threshold, list(drafting))
