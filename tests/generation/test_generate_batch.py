@@ -119,3 +119,32 @@ def test_runner_buffers_grown_mid_generation_keep_every_row_exact(monkeypatch):
         for drafting in (dict(draft_model=draft, num_speculative_tokens=4), dict(prompt_lookup_num_tokens=4)):
             got = sk.generate(target, ids, batching=batching, **drafting, **kwargs)
             assert torch.equal(got, expected), (threshold, list(drafting))
+
+
+def test_a_dropped_rows_tail_is_the_pad_id_after_the_buffers_grow(monkeypatch):
+    """A row that finished (EOS) and left the batch is written back into the full-size outputs; when the buffers
+    grew after it left, its new columns must hold the pad id (HF pads finished rows), here a nonzero one."""
+    from speculative_kernels.generation import buffers, context
+
+    for module in (buffers, context):  # buffers start with room for 4 new tokens, then double
+        monkeypatch.setattr(module, "INITIAL_NEW_TOKENS", 4)
+    target = llama()
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=1, eos_token_id=None)
+    # an early token of row 1 that row 0 never emits, as EOS: row 1 finishes early, row 0 runs on
+    at, early = next((j, t) for j, t in enumerate(plain[1, 6:12].tolist()) if t not in plain[0, 6:].tolist())
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=1, eos_token_id=early)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=drafts_for("llama", target)["perturbed"], num_speculative_tokens=3,
+                      batching=BatchingOptions(drop_finished_fraction=0.25), **kwargs)
+    assert (expected[1, 6 + at + 1:] == 1).all() and torch.equal(got, expected)
+
+
+def test_widen_fills_the_new_columns():
+    """``buffers.widen`` pads with ``fill``, never leaves the new columns as allocated (fresh CPU memory often reads 0,
+    which is the usual pad id: a missing fill would pass the generation tests)."""
+    from speculative_kernels.generation.buffers import widen
+
+    wide = widen(torch.ones(2, 2, dtype=torch.int64), 5, fill=7)
+    assert wide.tolist() == [[1, 1, 7, 7, 7]] * 2
+    assert widen(torch.zeros(1, 3, 2), 4, fill=-1.5)[0, 3].tolist() == [-1.5, -1.5]
