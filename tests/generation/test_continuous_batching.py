@@ -1023,3 +1023,20 @@ def test_rows_that_accepted_every_draft_feed_their_last_draft_beside_rows_that_d
     sampled = lambda i: dict(do_sample=True, temperature=1.0, seed=7 + i)  # noqa: E731
     together = run([(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))], settings=sampled)
     assert together[0].token_ids == run([(0, prompts[0], news[0])], settings=sampled)[0].token_ids
+
+
+def test_a_requests_accepted_tokens_count_what_it_kept_when_eos_cuts_a_block():
+    """The target as its own draft accepts every draft, so each step emits what it kept plus one token: when EOS
+    falls inside an accepted block the drafts after it are not kept, and accepted_tokens = tokens - iterations."""
+    target = llama()
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    at = next(j for j in range(3, len(plain)) if plain[j] not in plain[:j])  # its first occurrence, past block 1
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=4)
+    request = decoder.add_request(prompt, max_new_tokens=20, eos_token_id=plain[at])
+    while decoder.has_work():
+        decoder.step()
+    result = decoder.result(request)
+    assert result.finish_reason == "eos" and result.token_ids == plain[: at + 1]
+    assert result.accepted_tokens == len(result.token_ids) - result.iterations
