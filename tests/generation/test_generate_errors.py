@@ -105,12 +105,13 @@ def test_padded_draft_vocabulary_is_exact_with_shared_tokenizer():
             return {f"t{i}": i for i in range(90)}
 
     target = llama()
-    for draft in (llama(layers=1, vocab=90, seed=4), llama(layers=1, vocab=128, seed=4)):
-        ids = _ids()
-        expected = target.generate(ids, max_new_tokens=10, do_sample=False)
-        got = sk.generate(target, ids, draft_model=draft, tokenizer=Tok(), assistant_tokenizer=Tok(),
-                          max_new_tokens=10, do_sample=False)
-        assert torch.equal(got, expected)
+    # (the second prompt holds ids the narrower draft cannot embed, 90 (its width exactly) and up: fed to it as 0)
+    for ids in (_ids(), torch.tensor([[5, 89, 90, 91, 96, 90]])):
+        for draft in (llama(layers=1, vocab=90, seed=4), llama(layers=1, vocab=128, seed=4)):
+            expected = target.generate(ids, max_new_tokens=10, do_sample=False)
+            got = sk.generate(target, ids, draft_model=draft, tokenizer=Tok(), assistant_tokenizer=Tok(),
+                              max_new_tokens=10, do_sample=False)
+            assert torch.equal(got, expected)
 
 
 def test_empty_prompt_starts_from_bos(pair):
