@@ -206,7 +206,7 @@ def test_decoder_start_honours_processors(pair):
     assert torch.equal(session.sequences(), hf_generate(target, BATCH, attention_mask=BATCH_MASK, **GREEDY, **settings))
 
 
-@pytest.mark.parametrize("gamma", [2, 3])
+@pytest.mark.parametrize("gamma", [1, 2])  # (NEW = 3 tokens: any gamma >= 2 drafts 2, as gamma 2 does)
 def test_sampling_follows_the_processed_distribution(gamma):
     """Whole continuations (NEW tokens, every one enumerated) under repetition penalty, an n-gram ban, temperature
     and top-k: chi-square against HF's processors-then-warpers distribution."""
@@ -499,7 +499,7 @@ def test_a_prefix_fn_defined_on_valid_prefixes_only_is_exact():
             **kwargs, "prefix_allowed_tokens_fn": lambda batch_id, ids: {}[0]})
 
 
-@pytest.mark.parametrize("gamma", [2, 3])
+@pytest.mark.parametrize("gamma", [1, 2])  # (NEW = 3 tokens: any gamma >= 2 drafts 2, as gamma 2 does)
 def test_sampling_with_a_prefix_fn_defined_on_valid_prefixes_only(gamma):
     """The same trie constraint when sampling: a row whose function raises at a drafted position verifies the
     drafts before it and emits from processed positions only. Chi-square of whole continuations against HF's
