@@ -271,6 +271,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.tiny == bool(args.target or args.draft):
         parser.error("pass --tiny, or --target and --draft")
+    if not 1 <= args.min_new <= args.max_new:
+        parser.error(f"--min-new ({args.min_new}) must be >= 1 and <= --max-new ({args.max_new})")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         from e2e_batching import tiny_pair

@@ -935,3 +935,21 @@ def test_flaubert_which_appends_a_mask_token_to_every_step_is_refused(monkeypatc
                             bos_index=1, eos_index=2, mask_token_id=3)
     _check_refused_up_front(_build(FlaubertWithLMHeadModel, config), "appends a token of its own",
                             monkeypatch=monkeypatch)
+
+
+def test_the_git_mask_widening_rule_matches_every_source_form():
+    """The rule reads GIT's source: 5.24 states the condition on one line, 5.18-5.23 in parentheses over several
+    (which the rule once missed: silently other tokens there, while CI's main transformers matched). Both forms,
+    as released, must match; a 2-D check that does not widen the mask, or a 4-D one, must not."""
+    from speculative_kernels.generation.capabilities import _WIDENS_2D_MASK_OVER_CACHE as rule
+
+    widen = ("            extended_attention_mask = torch.ones((attention_mask.shape[0], 4))\n"
+             "            attention_mask = torch.cat([extended_attention_mask, attention_mask], dim=-1)\n")
+    one_line = ("        elif cache is not None and cache_length > 0 and attention_mask is not None and "
+                "attention_mask.ndim == 2:\n" + widen)
+    parenthesised = ("        elif (\n            past_key_values is not None\n            and past_key_values_length > 0\n"
+                     "            and attention_mask is not None\n            and attention_mask.ndim == 2\n"
+                     "        ):\n" + widen)
+    assert rule.search(one_line) and rule.search(parenthesised)
+    assert not rule.search(one_line.replace("ndim == 2", "ndim == 4"))
+    assert not rule.search("        if attention_mask.ndim == 2:\n            mask = attention_mask[:, None, None, :]\n")
