@@ -31,15 +31,19 @@ before the loop's own per-iteration cost; only ``prompt_lookup.py`` measures tim
 """
 
 import argparse
+import datetime
 import json
+import platform
 import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from harness import cpu_name  # noqa: E402
 from prompt_lookup import tasks  # noqa: E402
 from speculative_kernels import ops  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
@@ -186,12 +190,6 @@ def main(argv=None) -> int:
             print(f"| {task} | {name} | {v['tokens'] / v['forwards']:.2f} | {v['width'] / v['iterations']:.1f} | "
                   f"{per_step:.2f} | {per_step / (hf['tokens'] / hf['cost']):.2f} |")
     if args.json:
-        import datetime
-        import platform
-
-        import transformers
-        from harness import cpu_name
-
         environment = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
                        "cpu": cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
                        "python": platform.python_version(), "command": " ".join(["python", *sys.argv])}

@@ -123,9 +123,10 @@ def _wait_until(start: float, at: float) -> None:
 
 
 def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, static_context: int | None = None,
-                   compile: bool = False) -> dict:
+                   compile: bool = False) -> tuple[dict, dict]:
     """static_context: run on the static cache (``cache_implementation="static"``, ``max_context``), else dynamic;
-    compile: capture the batch's steps (``compile=True``; static cache only)."""
+    compile: capture the batch's steps (``compile=True``; static cache only). Like every ``run_*``: (the summary,
+    {request index: its tokens} or None where the method gives none per request)."""
     static = {} if static_context is None else dict(cache_implementation="static", max_context=static_context)
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma, max_batch_size=max_batch_size,
                                     compile=compile, **static)
@@ -147,7 +148,7 @@ def run_continuous(target, draft, requests, gamma: int, max_batch_size: int, sta
     return recorder.summary(start, time.perf_counter()), recorder.tokens
 
 
-def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: int) -> dict:
+def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: int) -> tuple[dict, dict]:
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=gamma)
     recorder, nxt = Recorder(requests), 0
     start = time.perf_counter()
@@ -182,9 +183,9 @@ def run_static(target, draft, requests, gamma: int, max_batch_size: int, pad: in
     return recorder.summary(start, time.perf_counter()), recorder.tokens
 
 
-def run_hf_generate_batch(target, requests) -> dict:
+def run_hf_generate_batch(target, requests) -> tuple[dict, None]:
     if not hasattr(target, "generate_batch"):
-        return {"unavailable": "the installed transformers has no generate_batch"}
+        return {"unavailable": "the installed transformers has no generate_batch"}, None
     from transformers import GenerationConfig
 
     try:
@@ -195,19 +196,19 @@ def run_hf_generate_batch(target, requests) -> dict:
         outputs = target.generate_batch([r[1] for r in requests], generation_config=config, progress_bar=False)
         seconds = time.perf_counter() - start
     except Exception as error:  # noqa: BLE001 - reported, not hidden: this reference is optional
-        return {"unavailable": f"{type(error).__name__}: {error}"[:300]}
+        return {"unavailable": f"{type(error).__name__}: {error}"[:300]}, None
     tokens = sum(len(out.generated_tokens) for out in outputs.values())
     if tokens == 0:
-        return {"unavailable": "generate_batch returned no tokens (its requests failed: see its log)"}
+        return {"unavailable": "generate_batch returned no tokens (its requests failed: see its log)"}, None
     return {"new_tokens": tokens, "makespan_s": round(seconds, 3), "throughput_tok_s": round(tokens / seconds, 2),
             "note": "offline: all requests at t=0, max_new_tokens the largest, no draft model"}, None
 
 
-def run_hf_continuous(target, requests) -> dict:
+def run_hf_continuous(target, requests) -> tuple[dict, dict | None]:
     """HF's own continuous batching (``init_continuous_batching``: its paged cache and scheduler, no draft model)
     driven by the same arrivals: each request added when it arrives, with its own max_new_tokens, streamed."""
     if not hasattr(target, "init_continuous_batching"):
-        return {"unavailable": "the installed transformers has no init_continuous_batching"}
+        return {"unavailable": "the installed transformers has no init_continuous_batching"}, None
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(r[2] for r in requests), do_sample=False,
@@ -221,7 +222,7 @@ def run_hf_continuous(target, requests) -> dict:
         while (output := manager.get_result(timeout=60)) is not None and output.request_id != "warm-up":
             pass
     except Exception as error:  # noqa: BLE001 - reported, not hidden: this reference is optional
-        return {"unavailable": f"{type(error).__name__}: {error}"[:300]}
+        return {"unavailable": f"{type(error).__name__}: {error}"[:300]}, None
     recorder, index, seen, finished, nxt = Recorder(requests), {}, {}, 0, 0
     start = time.perf_counter()
     try:
@@ -237,7 +238,7 @@ def run_hf_continuous(target, requests) -> dict:
             if output is None or output.request_id not in index:
                 continue
             if output.error:
-                return {"unavailable": f"request {output.request_id} failed: {output.error}"[:300]}
+                return {"unavailable": f"request {output.request_id} failed: {output.error}"[:300]}, None
             new_tokens = list(output.generated_tokens[seen[output.request_id]:])
             seen[output.request_id] = len(output.generated_tokens)
             recorder.emit(index[output.request_id], time.perf_counter(), new_tokens)
@@ -318,7 +319,7 @@ def main(argv=None) -> dict:
                 outcome = run_hf_continuous(target, requests)
             else:
                 outcome = run_hf_generate_batch(target, requests)
-        summary, tokens[method] = outcome if isinstance(outcome, tuple) else (outcome, None)
+        summary, tokens[method] = outcome
         results["methods"][method] = summary
     if args.identity_check:
         results["identical_to_generate"] = identity(target, requests, tokens, pad)
