@@ -14,7 +14,6 @@ rows finish early, which exercises the dropping of finished rows).
 """
 
 import argparse
-import copy
 import datetime
 import json
 import sys
@@ -87,19 +86,21 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options):
+def _method_call(method, target, draft, ids, mask, kwargs, gamma, compile_options):
+    """A function of one ``SpeculationStats`` (filled in by our methods, unused by HF's) that runs the method once."""
     if method == "hf":
-        return lambda: target.generate(ids, attention_mask=mask, **kwargs)
+        return lambda stats: target.generate(ids, attention_mask=mask, **kwargs)
     if method == "hf_static":
-        return lambda: target.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        return lambda stats: target.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
     if method == "draft_static":
-        return lambda: draft.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        return lambda stats: draft.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
     if method == "hf_assisted":
-        return lambda: target.generate(ids, attention_mask=mask, assistant_model=draft, num_assistant_tokens=gamma,
-                                       num_assistant_tokens_schedule="constant", **kwargs)
+        return lambda stats: target.generate(ids, attention_mask=mask, assistant_model=draft,
+                                             num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                                             **kwargs)
     extra = {"dynamic": {}, "static": {"cache_implementation": "static"}, "compiled": {"compile": compile_options}}
-    return lambda: sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=gamma,
-                               speculation_stats=stats, **extra[method], **kwargs)
+    return lambda stats: sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=gamma,
+                                     speculation_stats=stats, **extra[method], **kwargs)
 
 
 def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, methods=METHODS, max_new_tokens: int = 64,
@@ -129,22 +130,22 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             if (batch_one_only and batch != 1) or (method in ("compiled", "hf_static") and batch not in compiled_batch_sizes):
                 continue
             row_start = time.perf_counter()
-            stats = sk.SpeculationStats()
-            call = _method_call(method, target, draft, ids, mask, kwargs, gamma, stats, compile_options)
+            call = _method_call(method, target, draft, ids, mask, kwargs, gamma, compile_options)
+            # each call fills a stats object of its own, made before the timed calls (``generate`` overwrites the
+            # one it is given): the chosen run's are reported
+            unused = iter([sk.SpeculationStats() for _ in range(repeats + 3)])  # (at most 2 warm-ups + 1 + repeats)
+            used = []
 
-            snapshots = []  # the stats of each call (``generate`` overwrites them): the chosen run's are reported
-
-            def run(call=call, stats=stats, snapshots=snapshots):
+            def run(call=call, unused=unused, used=used):
+                used.append(next(unused))
                 torch.manual_seed(seed)
                 with torch.inference_mode():
-                    out = call()
-                snapshots.append(copy.deepcopy(stats))
-                return out
+                    return call(used[-1])
 
             warmup_s = 0.0
             if method == "compiled":
-                run()  # compiles and records; its warm-up time is in stats
-                warmup_s = stats.warmup_time_s
+                run()  # compiles and records; its warm-up time is in its stats
+                warmup_s = used[0].warmup_time_s
             elif method in ("hf_static", "draft_static"):
                 start = time.perf_counter()
                 run()  # HF compiles its static-cache forward on the first calls
@@ -154,7 +155,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
             counts = [new_token_count(out[:, ids.shape[1]:], eos_token_id) for out, _ in timed]
             chosen = median_run(counts, [seconds for _, seconds in timed])  # the run of median tokens/s
             (out, seconds), new_tokens = timed[chosen], counts[chosen]
-            stats = snapshots[len(snapshots) - len(timed) + chosen]  # (the timed calls are the last ones)
+            stats = used[len(used) - len(timed) + chosen]  # (the timed calls are the last ones)
             if method == "hf":
                 baseline_rate, expected = new_tokens / seconds, out
             ours = method in ("dynamic", "static", "compiled")

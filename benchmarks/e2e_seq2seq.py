@@ -86,6 +86,8 @@ def seq2seq_case(target=None, draft=None, *, batch: int = 1, source_length: int 
                   do_sample=do_sample, eos_token_id=None, forced_eos_token_id=None)
     if do_sample:
         kwargs["temperature"] = temperature
+    # generate overwrites the stats each call: they are the last run's, and every run's, since each call is seeded
+    # alike (torch.manual_seed below; with seed=None generate keys its random numbers from torch's generator)
     stats = sk.SpeculationStats()
 
     def baseline():
