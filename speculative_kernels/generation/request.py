@@ -105,8 +105,16 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         input_ids, attention_mask = prompt.decoder_ids, prompt.decoder_mask
     else:
         plan = settings.plan(model, prompt_length(input_ids))
+        from_bos = attention_mask is None and (input_ids is None or input_ids.numel() == 0)
         input_ids, attention_mask = prepare_prompt(model, input_ids, attention_mask, settings.config.bos_token_id,
                                                    inferred_from)
+        if from_bos and inferred_attention_mask(input_ids, settings.pad_token_id, settings.eos_token_ids) is not None:
+            # HF starts from [[bos]] and then infers the mask from pad_token_id: it masks the BOS it starts from
+            raise ValueError(f"input_ids is empty and bos_token_id equals pad_token_id ({settings.pad_token_id}), "
+                             "which is not an EOS id: model.generate starts from the BOS token and then masks it as "
+                             "padding (the attention mask it infers from pad_token_id), so it decodes from an "
+                             "all-padding prompt, which is refused here; pass input_ids=[[bos_token_id]] with "
+                             "attention_mask=[[1]], or another pad_token_id")
         if copies > 1:  # (after the prompt is made: an empty one starts from BOS, then is repeated, as in HF)
             input_ids, attention_mask = repeat_rows(input_ids, copies), repeat_rows(attention_mask, copies)
     if isinstance(plan.num_speculative_tokens, int):

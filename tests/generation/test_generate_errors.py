@@ -134,6 +134,32 @@ def test_empty_prompt_without_bos(pair):
         target.generation_config.bos_token_id = 1
 
 
+def test_empty_prompt_whose_bos_is_the_pad_id_is_refused(pair):
+    """bos_token_id == pad_token_id (not an EOS id): model.generate starts from [[bos]] and then infers the mask from
+    pad_token_id, which masks that BOS: it decodes from an all-padding prompt, which we refuse by name (as an
+    explicit [[pad]] prompt), for None and [1, 0] input_ids, in generate and start(). (The mask was inferred before
+    the BOS prompt was made: the BOS was attended, other tokens than model.generate's.)"""
+    target, draft = pair
+    config = target.generation_config
+    saved = config.bos_token_id, config.pad_token_id
+    config.bos_token_id = config.pad_token_id = 9
+    try:
+        for ids in (None, torch.zeros(1, 0, dtype=torch.int64)):
+            with pytest.raises(ValueError, match="bos_token_id equals pad_token_id"):
+                sk.generate(target, ids, draft_model=draft, max_new_tokens=4)
+        with pytest.raises(ValueError, match="bos_token_id equals pad_token_id"):
+            sk.SpeculativeDecoder(target, draft).start(None, max_new_tokens=4)
+        # the caller's own mask (HF infers none then), or a pad id that is an EOS id: generated from the BOS
+        got = sk.generate(target, None, attention_mask=torch.ones(1, 1, dtype=torch.int64), draft_model=draft,
+                          max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, target.generate(attention_mask=torch.ones(1, 1, dtype=torch.int64), max_new_tokens=4,
+                                                do_sample=False))
+        got = sk.generate(target, None, draft_model=draft, max_new_tokens=4, do_sample=False, eos_token_id=[2, 9])
+        assert torch.equal(got, target.generate(max_new_tokens=4, do_sample=False, eos_token_id=[2, 9]))
+    finally:
+        config.bos_token_id, config.pad_token_id = saved
+
+
 def test_right_padding_is_refused(pair):
     target, draft = pair
     ids = _ids()
