@@ -245,7 +245,9 @@ def _hf_processors(model, **kwargs):
 def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     """The request's GenerationConfig as ``model.generate`` holds it when it builds its processors: lengths
     resolved (``_prepare_generated_length``: max_length = prompt + new tokens, kept fractional when the caller's
-    length was, so that the forced EOS never fires, as in HF; the minimum as min_length), ``_eos_token_tensor`` set;
+    length was, so that the forced EOS never fires, as in HF; min_length = prompt + min_new_tokens where that is set,
+    which stays set, so that HF builds both minimum processors and a caller's MinLengthLogitsProcessor replaces only
+    its own; else the config's min_length), ``_eos_token_tensor`` set;
     without the warpers (the verification applies temperature/top-k/top-p itself) and without ``LogitNormalization``
     (applied to the returned scores only, last, as HF does)."""
     config = copy.deepcopy(plan.generation_config)
@@ -253,8 +255,8 @@ def _processor_config(plan: Plan, prompt_width: int, device: torch.device):
     fractional = given is not None and not float(given).is_integer()
     config.max_length = prompt_width + plan.max_new_tokens - (0.5 if fractional else 0)
     config.max_new_tokens = None
-    config.min_new_tokens = None
-    config.min_length = prompt_width + plan.min_new_tokens if plan.min_new_tokens else 0
+    if config.min_new_tokens is not None:
+        config.min_length = prompt_width + config.min_new_tokens
     config._eos_token_tensor = (torch.tensor(plan.eos_token_ids, device=device) if plan.eos_token_ids else None)
     config.do_sample = plan.processors_warp  # (then HF's whole chain per row: its warpers, then the watermark)
     config.renormalize_logits = False

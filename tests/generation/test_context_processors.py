@@ -169,6 +169,21 @@ def test_a_callers_processor_replaces_hf_own_of_its_type(pair):
                        expected)
 
 
+def test_a_callers_min_length_processor_leaves_min_new_tokens_in_force(pair):
+    """min_new_tokens: HF builds a MinLengthLogitsProcessor (min_length = prompt + min_new_tokens) and a
+    MinNewTokensLengthLogitsProcessor; a caller's MinLengthLogitsProcessor replaces only the first, so EOS still
+    waits min_new_tokens. (Ours folded the minimum into min_length alone, which the caller's replaced: an early
+    EOS.)"""
+    target, draft = pair
+    new = hf_generate(target, ONE, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ONE.shape[1]:].tolist()
+    eos = new[2]  # the third new token: the first place min_new_tokens=4 changes
+    kwargs = dict(GREEDY, eos_token_id=eos, min_new_tokens=4,
+                  logits_processor=LogitsProcessorList([MinLengthLogitsProcessor(ONE.shape[1] + 1, eos)]))
+    expected = hf_generate(target, ONE, **kwargs)
+    assert eos not in expected[0, ONE.shape[1]:ONE.shape[1] + 4].tolist()
+    assert torch.equal(_quiet(sk.generate, target, ONE, draft_model=draft, **kwargs), expected)
+
+
 def test_callers_logits_processor_refused_for_a_batch(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="logits_processor with a batch of 3 prompts"):
