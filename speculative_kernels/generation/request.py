@@ -133,6 +133,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         stop = stop_string_criterion(plan.stop_strings, tokenizer)
         if any(type(criterion) is type(stop) for criterion in plan.stopping_criteria):
             stop = None  # (HF's _merge_criteria_processor_list: the caller's StopStringCriteria replaces this one)
+    if plan.stop_strings and rows is None and batch > 1 and plan.generation_config.eos_token_id is None:
+        raise ValueError(f"stop_strings with a batch of {batch} rows and eos_token_id=None is not supported: without "
+                         "an EOS id model.generate pads nothing, so a row that met its stop string goes on with the "
+                         "model's own tokens until every row has stopped, which the loop does not do (it ends the "
+                         "row there); set eos_token_id (pad_token_id then fills a stopped row, as in HF), or pass "
+                         "one prompt per call (SpeculativeDecoder.add_request runs each request alone)")
     # The encoder input on the device (ids [B, S], real [B, S]) or None: prompt lookup searches it, HF's encoder
     # processors read it.
     encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None

@@ -591,3 +591,26 @@ def test_stop_strings_on_a_tokenizer_hfs_criterion_cannot_read_are_named():
     with pytest.raises(ValueError, match=r"stop_strings=\['ab'\]: transformers' StopStringCriteria cannot be built on "
                                          r"this tokenizer .*substring not found"):
         sk.generate(target, ids, draft_model=target, max_new_tokens=4, stop_strings=["ab"], tokenizer=tokenizer)
+
+
+def test_stop_strings_in_a_batch_without_an_eos_id_are_refused():
+    """Without an EOS id model.generate pads nothing: a row that met its stop string goes on with the model's own
+    tokens until every row has stopped (ours ended the row there and filled it with pad_token_id, or 0: other
+    tokens, silently). Refused by name for a batch; one prompt, or a batch with an EOS id, is model.generate's."""
+    from speculative_kernels.demo_pair import load_demo_pair
+
+    target, draft, tokenizer = load_demo_pair()
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["def fib(n):", "import os\nfor x in range(10):"], return_tensors="pt", padding=True)
+    common = dict(max_new_tokens=12, stop_strings=["list"], tokenizer=tokenizer, do_sample=False,
+                  pad_token_id=tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="stop_strings with a batch of 2 rows and eos_token_id=None"):
+        sk.generate(target, **batch, draft_model=draft, eos_token_id=None, **common)
+    with pytest.raises(ValueError, match="stop_strings with a batch of 2 rows and eos_token_id=None"):
+        start = {k: v for k, v in common.items() if k != "tokenizer"}
+        sk.SpeculativeDecoder(target, draft, tokenizer=tokenizer).start(
+            batch["input_ids"], attention_mask=batch["attention_mask"], eos_token_id=None, **start)
+    one = tokenizer(["def fib(n):"], return_tensors="pt")
+    for ids, extra in ((one, dict(eos_token_id=None)), (batch, {})):
+        assert torch.equal(sk.generate(target, **ids, draft_model=draft, **extra, **common),
+                           target.generate(**ids, **extra, **common))
