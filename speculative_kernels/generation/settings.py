@@ -568,6 +568,9 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
             _int_setting(name, kwargs[name])
     for name in _TOKEN_ID_FIELDS:
         token_ids(name, kwargs.get(name))
+    for name in ("pad_token_id", "bos_token_id"):  # (model.generate fails on a list deep inside transformers)
+        if isinstance(kwargs.get(name), (list, tuple)):
+            raise TypeError(f"{name} must be one token id (an int), got {kwargs[name]!r}")
     zero_new = kwargs.get("max_new_tokens") == 0  # HF refuses 0; here it means "return the prompt"
     if zero_new:
         kwargs["max_new_tokens"] = 1
@@ -624,13 +627,17 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
             sampling = Sampling(1.0, 0, 1.0)
     else:
         sampling = GREEDY
+    for name in _TOKEN_ID_FIELDS:  # (the call's were checked above: these come from a generation_config)
+        try:
+            token_ids(name, getattr(config, name))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{error} (from the model's or the passed generation_config: pass {name}= in the call "
+                              "to override it)") from None
     eos = token_ids("eos_token_id", config.eos_token_id)
     pad_ids = token_ids("pad_token_id", config.pad_token_id)
     if len(pad_ids) > 1:
         raise TypeError(f"pad_token_id must be one token id, got {config.pad_token_id!r}")
     pad = pad_ids[0] if pad_ids else (eos[0] if eos else None)
-    for name in _TOKEN_ID_FIELDS:
-        token_ids(name, getattr(config, name))
     for name in ("no_repeat_ngram_size", "encoder_no_repeat_ngram_size"):  # HF skips a negative size silently
         _int_setting(name, getattr(config, name, None))
     lookup = _prompt_lookup(config, lookup_given, draft_model is not None or drafter is not None)

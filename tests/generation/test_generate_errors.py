@@ -614,3 +614,25 @@ def test_stop_strings_in_a_batch_without_an_eos_id_are_refused():
     for ids, extra in ((one, dict(eos_token_id=None)), (batch, {})):
         assert torch.equal(sk.generate(target, **ids, draft_model=draft, **extra, **common),
                            target.generate(**ids, **extra, **common))
+
+
+def test_one_id_settings_given_as_lists_and_checkpoint_ids_are_named():
+    """pad_token_id / bos_token_id as a list fail inside transformers (model.generate too): a TypeError naming them
+    here. A checkpoint's invalid id (old conversions carry pad_token_id=-1) is refused saying where it came from and
+    how to override it, and the override works."""
+    target = llama()
+    ids = torch.tensor([[5, 6, 7]])
+    for name, value in (("pad_token_id", [50]), ("bos_token_id", (9,))):
+        with pytest.raises(TypeError, match=rf"{name} must be one token id \(an int\)"):
+            sk.generate(target, None if name == "bos_token_id" else ids, draft_model=target, max_new_tokens=3,
+                        **{name: value})
+    saved = target.generation_config.pad_token_id
+    target.generation_config.pad_token_id = -1
+    try:
+        with pytest.raises(ValueError, match=r"pad_token_id must be >= 0, got -1 \(from the model's or the passed "
+                                             r"generation_config: pass pad_token_id= in the call"):
+            sk.generate(target, ids, draft_model=target, max_new_tokens=3)
+        got = sk.generate(target, ids, draft_model=target, max_new_tokens=3, pad_token_id=0, do_sample=False)
+        assert torch.equal(got, target.generate(ids, max_new_tokens=3, pad_token_id=0, do_sample=False))
+    finally:
+        target.generation_config.pad_token_id = saved
