@@ -1,7 +1,8 @@
 """Choosing the draft length gamma from the paper's speedup model (Leviathan et al. 2023, section 3): the expected
 speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (Theorem 3.8), and ``GammaCalibrator``, which measures
-alpha and c over a run's first iterations for ``num_speculative_tokens="auto"`` and then keeps re-estimating alpha.
-How: ``docs/architecture.md``."""
+alpha and c over a run's first iterations for ``num_speculative_tokens="auto"`` and then keeps re-estimating alpha;
+where no gamma is expected to pay for its drafting, it pauses speculation (gamma 0: plain decoding) and probes now
+and then whether drafts have started to be accepted. How: ``docs/architecture.md``."""
 
 import collections
 import dataclasses
@@ -15,6 +16,13 @@ CALIBRATION_ITERATIONS = 4  # timed iterations
 RECHECK_EVERY = 8  # after the choice: alpha is re-estimated every this many iterations
 RECHECK_WINDOW = 16  # ... over this many latest iterations (c stays the calibration's)
 RECHECK_MARGIN = 0.02  # switch only to a gamma expected this much faster than the one in use
+# Pause (gamma 0, plain decoding) where the best gamma's expected speedup is below PAUSE_BELOW: drafting is expected
+# to cost clearly more than it saves (alpha well below c); resume where it reaches RESUME_AT. Between the two the
+# state stays: a drafter that costs almost nothing (c ~ 0.02: the n-gram drafter) keeps drafting at alpha 0 (which
+# costs it little) and so sees its acceptance rise without waiting for probes
+PAUSE_BELOW = 0.9
+RESUME_AT = 1.0
+PROBE_EVERY = 16  # while paused: one iteration at ``resume_gamma`` after this many plain ones, to re-estimate alpha
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -82,7 +90,12 @@ class GammaCalibrator:
     """Measures alpha and c over a loop's first iterations and then picks gamma (see the module docstring).
 
     The loop calls ``record`` once per iteration with host values it already has; ``record`` returns the gamma to
-    use from the next iteration on once calibration is complete, else None.
+    use from the next iteration on once calibration is complete, else None; then ``observe`` (see there).
+
+    allow_pause: a choice may be 0, plain decoding, where no gamma >= 1 is expected to reach ``PAUSE_BELOW``; the
+    loop then runs an iteration at ``resume_gamma`` whenever ``probe_due`` (its drafter catches up on the tokens
+    emitted meanwhile in its first forward: the loop's drafters take the tokens of iterations that drafted nothing
+    as pending inputs; compile=True, whose draft steps have fixed widths, refuses "auto").
     """
 
     start_gamma: int = CALIBRATION_GAMMA
@@ -101,10 +114,35 @@ class GammaCalibrator:
     recent: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=RECHECK_WINDOW))  # (passed, tests) per iteration
     since_check: int = 0
+    allow_pause: bool = True
+    resume_gamma: int | None = None  # while paused (chosen 0): the best gamma >= 1 at the latest alpha, for probes
+    since_probe: int = 0  # while paused: plain iterations since the pause or the last probe
 
     @property
     def done(self) -> bool:
         return self.chosen is not None
+
+    @property
+    def paused(self) -> bool:
+        """Speculation is paused: the chosen gamma is 0 (plain decoding)."""
+        return self.chosen == 0
+
+    @property
+    def probe_due(self) -> bool:
+        """While paused: the next iteration drafts ``resume_gamma`` tokens, to re-estimate alpha."""
+        return self.paused and self.since_probe >= PROBE_EVERY
+
+    def _choose(self, alpha: float) -> int:
+        """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s, or 0 (where pausing is
+        allowed) when even that one is expected to be slower than ``PAUSE_BELOW`` times plain decoding (while
+        paused: to stay below ``RESUME_AT``)."""
+        best = choose_gamma(alpha, self.c, self.max_gamma)
+        self.resume_gamma = best
+        threshold = RESUME_AT if self.paused else PAUSE_BELOW
+        if self.allow_pause and expected_speedup(alpha, best, self.c) < threshold:
+            self.since_probe = 0
+            return 0
+        return best
 
     def record(self, accepted_counts, draft_seconds: float, verify_seconds: float, drafted=None) -> int | None:
         """accepted_counts: n of each row still generating in this iteration; drafted: the drafts d >= n each of
@@ -131,11 +169,28 @@ class GammaCalibrator:
         ``record``). Every ``recheck_every`` iterations alpha is re-estimated over the latest ones (acceptance drifts:
         a prompt-lookup or n-gram drafter finds little to copy at first and much later) and the gamma that
         maximises the speedup at the calibration's c is returned when it is expected to be ``RECHECK_MARGIN``
-        faster than the one in use; else None. Host values only: no timing is read (on CUDA that would wait)."""
+        faster than the one in use (or 0, a pause, where even the best is expected below ``PAUSE_BELOW``); else None.
+        While paused, every iteration is observed: a plain one (nothing drafted) counts towards the next probe; a
+        probe's tests join the window, and speculation resumes at the gamma the window's alpha picks unless that is
+        0 again (it is until some gamma is expected to reach ``RESUME_AT``). Host values only: no timing is read (on
+        CUDA that would wait)."""
         if not self.done:
             raise RuntimeError("observe() follows the choice; record() calibrates")
         accepted_counts, drafted = list(accepted_counts), list(drafted)
         _check_counts(accepted_counts, drafted)
+        if self.paused:
+            if not any(drafted):
+                self.since_probe += 1
+                return None
+            self.since_probe = 0
+            self.recent.append(_accept_tests(accepted_counts, drafted))
+            passed, tests = (sum(column) for column in zip(*self.recent))
+            self.alpha = passed / tests
+            best = self._choose(self.alpha)
+            if best == 0:
+                return None
+            self.chosen, self.since_check = best, 0
+            return best
         self.recent.append(_accept_tests(accepted_counts, drafted))
         self.since_check += 1
         if self.since_check < self.recheck_every or self.c is None:
@@ -145,8 +200,8 @@ class GammaCalibrator:
         if not tests:
             return None
         alpha = passed / tests
-        best = choose_gamma(alpha, self.c, self.max_gamma)
-        if best == self.chosen or \
+        best = self._choose(alpha)
+        if best == self.chosen or best != 0 and \
                 expected_speedup(alpha, best, self.c) <= (1 + RECHECK_MARGIN) * expected_speedup(alpha, self.chosen,
                                                                                                self.c):
             return None
@@ -162,7 +217,9 @@ class GammaCalibrator:
         self.alpha = passed / tests  # the maximum-likelihood estimate, as alpha_from_counts, each row with its d
         verify = statistics.median(self.verify_seconds)
         self.c = statistics.median(self.draft_seconds) / verify if verify > 0 else 0.0
-        self.chosen = choose_gamma(self.alpha, self.c, self.max_gamma)
+        self.chosen = self._choose(self.alpha)
+        if self.paused:  # the probes' alpha starts from the calibration's evidence
+            self.recent.append((passed, tests))
         return self.chosen
 
 

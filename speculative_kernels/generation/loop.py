@@ -240,7 +240,10 @@ class SpeculativeLoop:
             return 0
         left = max((m - g for m, g, f in zip(self._max_new, self._generated_host, self._finished_host)
                     if not f), default=1)
-        gamma = max(0, min(self.chosen_gamma, left - 1))
+        chosen = self.chosen_gamma
+        if self.calibrator is not None and self.calibrator.probe_due:  # "auto" paused: a probe of the drafts
+            chosen = self.calibrator.resume_gamma
+        gamma = max(0, min(chosen, left - 1))
         proposals = self._proposal_counts()  # a drafter without a model: no longer than its longest proposal
         if proposals is not None:
             gamma = min(gamma, max((c for c, f in zip(proposals, self._finished_host) if not f), default=0))
@@ -547,6 +550,7 @@ class SpeculativeLoop:
         self.check_before_step()
         self.timer.start("step")
         self.gamma = self._step_gamma()
+        self._largest_gamma_used = max(self._largest_gamma_used, self.gamma)  # (a paused "auto"'s probe)
         self._reserve(self.prompt_length + max(self._generated_host) + 1)
         self.timer.start("draft")
         proposals = self._proposal_counts()
@@ -648,7 +652,8 @@ class SpeculativeLoop:
         # moves each row's next input to its new token.
         if not all(self._finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
-        if self.calibrator is not None and self.gamma == self.chosen_gamma:
+        # (while "auto" is paused every iteration is observed: the plain ones count towards the next probe)
+        if self.calibrator is not None and (self.gamma == self.chosen_gamma or self.calibrator.paused):
             active = [i for i, a in enumerate(active_host) if a]
             self._calibrate([min(passed_host[i], self.last_drafted[i]) for i in active],
                             [self.last_drafted[i] for i in active])

@@ -95,6 +95,7 @@ def test_auto_switches_gamma_and_stays_greedy_identical(monkeypatch, forced):
     """Whatever gamma the calibration picks (forced here; timing decides it for real), greedy output is the
     target's, the switch happens after warm-up + measured iterations, and the statistics follow it."""
     monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
+    monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target = llama()
     draft = perturbed(target, scale=0.05)
     ids = _prompt(batch=3)
@@ -119,6 +120,7 @@ def test_alpha_counts_each_iteration_with_its_own_gamma(monkeypatch, forced):
     (a calibration iteration accepting its 4 of 4 counted as a rejection at 16: 0.93; at 1, a full γ=1 step as a
     rejection of 4)."""
     monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
+    monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target = llama()
     ids = _prompt(batch=2)
     runs = []
@@ -149,6 +151,7 @@ def test_auto_session_one_host_read_and_sampling(monkeypatch):
     from speculative_kernels.ops import torch_backend  # what the loop calls on the CPU
 
     monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 6)
+    monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target, draft = llama(), llama(layers=1, seed=4)
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens="auto").start(
         _prompt(batch=2), max_new_tokens=30, do_sample=True, temperature=0.8, pad_token_id=0)
@@ -291,3 +294,120 @@ def test_choose_gamma_takes_the_smallest_of_equal_speedups():
 
     assert choose_gamma(0.0, 0.0) == 1
     assert choose_gamma(1.0, 0.0, max_gamma=8) == 8
+
+
+def test_calibrator_pauses_where_no_gamma_pays_and_probes():
+    """alpha well below c: every gamma is expected clearly slower than plain decoding (the paper's speedup below
+    PAUSE_BELOW), so "auto" pauses speculation (gamma 0) rather than take the least bad gamma; while paused it probes
+    at the best gamma every PROBE_EVERY plain iterations, and resumes once the window's alpha makes some gamma reach
+    RESUME_AT."""
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
+    assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) is None  # c = 0.5
+    assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) == 0  # alpha 0: 1 / (gamma 0.5 + 1) < 0.9
+    assert cal.paused and cal.resume_gamma == choose_gamma(0.0, 0.5) == 1 and not cal.probe_due
+    for _ in range(gamma_mod.PROBE_EVERY):  # plain iterations: nothing drafted
+        assert cal.observe([0], [0]) is None
+    assert cal.probe_due
+    assert cal.observe([0], [1]) is None  # a probe rejected: alpha 0 of 3 tests, still paused
+    assert cal.paused and not cal.probe_due and cal.alpha == 0.0
+    # Probes accepted: the calibration's 2 failed tests weigh until the window's alpha makes a gamma reach RESUME_AT
+    passed, tests = 0, 3  # the window: the calibration's 0 of 2, the rejected probe's 0 of 1
+    for _ in range(6):
+        for _ in range(gamma_mod.PROBE_EVERY):
+            cal.observe([0], [0])
+        passed, tests = passed + 1, tests + 1
+        alpha = passed / tests
+        best = choose_gamma(alpha, 0.5)
+        resumed = cal.observe([1], [1])
+        if expected_speedup(alpha, best, 0.5) >= gamma_mod.RESUME_AT:
+            break
+        assert resumed is None and cal.paused
+    assert resumed == best >= 1 and not cal.paused and passed > 1  # (not at the first accepted probe)
+    # A draft as slow as the target that is always right (c = 1, alpha 1): every gamma gives 1.0, no pause; a
+    # nearly free drafter that is never right (c = 0.02: 0.98) keeps drafting, and so learns when it starts to be
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
+    assert cal.record([4], draft_seconds=4.0, verify_seconds=1.0) == 1 and not cal.paused
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
+    assert cal.record([0], draft_seconds=0.08, verify_seconds=1.0) == 1 and not cal.paused
+    # Without pausing (allow_pause=False), the least bad gamma, as before
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, allow_pause=False)
+    assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) == 1
+
+
+def test_calibrator_pauses_on_a_reestimate_and_keeps_the_evidence():
+    """After a choice, a re-estimate whose alpha makes no gamma pay pauses; the window it was made over is the
+    probes' starting evidence."""
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
+    assert cal.record([4], draft_seconds=0.8, verify_seconds=1.0) == choose_gamma(1.0, 0.2)  # c 0.2, alpha 1
+    gamma = cal.chosen
+    changes = [cal.observe([0], [gamma]) for _ in range(gamma_mod.RECHECK_EVERY)]
+    assert changes[:-1] == [None] * (gamma_mod.RECHECK_EVERY - 1) and changes[-1] == 0 and cal.paused
+    assert cal.resume_gamma == 1 and cal.alpha == 0.0
+    for _ in range(gamma_mod.PROBE_EVERY):
+        cal.observe([0], [0])
+    assert cal.observe([1], [1]) is None  # 1 of 9 tests: alpha 0.11, 1.11 / 1.2 < RESUME_AT (and PAUSE_BELOW)
+    assert cal.paused
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_auto_paused_is_plain_decoding_and_its_probes_catch_the_draft_up(monkeypatch, batch):
+    """Paused (forced here: PAUSE_BELOW and RESUME_AT above any speedup), the loop decodes with the target alone, emitting one
+    token per forward, and every PROBE_EVERY iterations drafts resume_gamma tokens. The draft is the target: a probe's
+    drafts are all accepted exactly when the draft was fed every token emitted while paused (its first forward of
+    the probe takes them all at once), so alpha stays 1. Output is model.generate's; one host read per iteration."""
+    from helpers.host_reads import CountHostReads
+
+    monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 100.0)
+    monkeypatch.setattr(gamma_mod, "RESUME_AT", 100.0)
+    target = llama()
+    ids = _prompt(batch=batch, length=7)
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        mask[1, :3] = 0
+    new = 110  # (calibration 26 tokens, then 16 plain + a probe of up to 17, twice at least)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+    session = sk.SpeculativeDecoder(target, target, num_speculative_tokens="auto").start(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    gammas = []
+    while not session.finished:
+        with CountHostReads() as counter:
+            session.step()
+        assert counter.reads == ["tolist"]
+        gammas.append(session.loop.gamma)
+    assert torch.equal(session.sequences(), expected)
+    stats = session.stats
+    calibration = gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
+    assert gammas[:calibration] == [gamma_mod.CALIBRATION_GAMMA] * calibration
+    probes = [g for g in gammas[calibration:] if g > 0]
+    assert len(probes) >= 2 and stats.num_speculative_tokens == 0
+    assert gammas[calibration : calibration + gamma_mod.PROBE_EVERY + 1] == [0] * gamma_mod.PROBE_EVERY + probes[:1]
+    assert stats.accept_tests_passed == stats.accept_tests > 4 * batch * gamma_mod.CALIBRATION_ITERATIONS
+    assert stats.draft_forwards == 4 * calibration + sum(probes)
+
+
+def test_auto_paused_serves_joining_requests(monkeypatch):
+    """Requests joining a batch whose "auto" is paused: each is model.generate alone, and the probes' drafts (the
+    draft is the target) are all accepted, the joining rows' pending inputs padded to the batch's."""
+    monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 100.0)
+    monkeypatch.setattr(gamma_mod, "RESUME_AT", 100.0)
+    target = llama()
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens="auto", max_batch_size=4)
+    prompts = {0: [5, 6, 7, 8, 9, 10], 12: [11, 12, 13], 30: [20, 21, 22, 23, 24], 41: [30, 31]}
+    news = {0: 90, 12: 40, 30: 50, 41: 25}
+    requests, streamed, step = {}, {}, 0
+    while step == 0 or decoder.has_work():
+        if step in prompts:
+            rid = decoder.add_request(prompts[step], max_new_tokens=news[step], do_sample=False, eos_token_id=None)
+            requests[rid] = step
+        for rid, tokens in decoder.step().items():
+            streamed.setdefault(rid, []).extend(tokens)
+        step += 1
+    for rid, arrival in requests.items():
+        ids = torch.tensor([prompts[arrival]])
+        alone = target.generate(ids, max_new_tokens=news[arrival], do_sample=False, eos_token_id=None)
+        assert streamed[rid] == alone[0, ids.shape[1]:].tolist(), arrival
+        result = decoder.result(rid)
+        assert result.accepted_tokens <= result.drafted_tokens
+    results = [decoder.result(rid) for rid in requests]
+    assert sum(r.drafted_tokens for r in results) == sum(r.accepted_tokens for r in results) > 0
