@@ -51,9 +51,10 @@ def generate(
     ``num_speculative_tokens`` (gamma) is the number of draft tokens per iteration, or ``"auto"``: start at 4,
     measure the acceptance rate alpha and the cost ratio c over the first iterations and continue with the gamma in
     1..16 that maximises the paper's expected speedup, or 0 (plain decoding, probing now and then) where none is
-    expected to pay (``gamma.py``; the choice is in ``speculation_stats.num_speculative_tokens``). Not given: HF's ``num_assistant_tokens`` where it is set (the
-    call, ``generation_config``, the target's or the draft's generation_config), else 5. An iteration never drafts
-    more tokens than are left to generate (none when one is left).
+    expected to pay (``gamma.py``; the choice is in ``speculation_stats.num_speculative_tokens``). Not given: HF's
+    ``num_assistant_tokens`` where it is set (the call, ``generation_config``, the target's or the draft's
+    generation_config), else 5. An iteration never drafts more tokens than are left to generate (none when one is
+    left).
 
     ``cache_implementation="static"`` preallocates both KV caches (``runners/static_decoder.py``; for encoder-decoder
     pairs the decoders' self-attention caches, ``runners/static_seq2seq.py``). ``compile=True`` (or a
