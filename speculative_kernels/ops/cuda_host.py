@@ -1,0 +1,79 @@
+"""The host side of the CUDA backend (``cuda_backend.py``), apart from the extension: what it computes on the device
+with torch before a launch (the top-k/top-p cut as (source, index), the ops' temperature arguments) and after it (the
+rows flagged for invalid per-row parameters). ``verify_with`` / ``sample_with`` take the op to launch, so that the
+same host code also drives the CPU build of ``csrc/`` that the tests run without a GPU
+(``tests/helpers/cuda_emulation``). Why the cut is passed as an element rather than a value: ``cuda_backend.py``."""
+
+import torch
+
+from .randomness import Randomness
+from .sampling import Sampling
+from .warping import row_thresholds, warp_thresholds
+
+__all__ = ["sample_with", "verify_with"]
+
+
+def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cut_source [...] int32, cut_index [...] int32) of logits [B, ..., V]: keep v iff (z_v, v) >= (z_source, index).
+
+    Per-row parameters: z = x / (the row's temperature, 1 for a greedy row) and the row's top_k/top_p (none for a
+    greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element."""
+    rows = sampling.rows
+    if rows is None:
+        divisor = torch.full((), sampling.temperature, dtype=torch.float32, device=logits.device)
+        z = logits.to(torch.float32) / divisor
+        cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
+    else:
+        shape = (-1, *([1] * (logits.dim() - 1)))
+        z = logits.to(torch.float32) / rows.safe_temperature().view(shape)
+        lead = (-1, *([1] * (logits.dim() - 2)))
+        cut_value, cut_index = row_thresholds(z, rows.sampled_top_k().view(lead), rows.sampled_top_p().view(lead))
+    # With top-p the cut is an element, (z_i, i); with top-k alone it is (k-th largest z, 0): take the first element
+    # holding that value; with no cut (-inf, 0): the row's minimum.
+    at_index = z.gather(-1, cut_index.to(torch.int64).unsqueeze(-1)).squeeze(-1)
+    first_equal = (z == cut_value.unsqueeze(-1)).to(torch.int32).argmax(dim=-1)
+    source = torch.where(at_index == cut_value, cut_index.to(torch.int64), first_equal)
+    source = torch.where(cut_value == float("-inf"), z.argmin(dim=-1), source)
+    return source.to(torch.int32), cut_index.to(torch.int32)
+
+
+def _row_flags(sampling: Sampling, tokens: torch.Tensor, num_accepted: torch.Tensor | None = None):
+    """Rows with an invalid per-row parameter come back flagged (-1), as from every backend (reference.py)."""
+    if sampling.rows is None:
+        return
+    bad = sampling.rows.out_of_range()
+    tokens.masked_fill_(bad.view(-1, *([1] * (tokens.dim() - 1))), -1)
+    if num_accepted is not None:
+        num_accepted.masked_fill_(bad, -1)
+
+
+def _temperature(sampling: Sampling) -> tuple[float, torch.Tensor | None]:
+    """The ops' (temperature, temperature_rows) arguments."""
+    if sampling.rows is None:
+        return float(sampling.temperature), None
+    return 1.0, sampling.rows.temperature
+
+
+def verify_with(op, target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft_tokens: torch.Tensor,
+                sampling: Sampling, randomness: Randomness,
+                num_draft_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cuda_backend.verify`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.verify``)."""
+    target_cut = draft_cut = (None, None)
+    if sampling.cuts(target_logits.shape[-1]):
+        target_cut = _cut(target_logits, sampling)
+        if draft_logits is not None:
+            draft_cut = _cut(draft_logits, sampling)
+    tokens, num_accepted = op(
+        target_logits, draft_logits, draft_tokens, *_temperature(sampling), *target_cut, *draft_cut,
+        randomness.seed, randomness.offset, bool(randomness.seed_per_row), num_draft_tokens,
+    )
+    _row_flags(sampling, tokens, num_accepted)
+    return tokens, num_accepted
+
+
+def sample_with(op, logits: torch.Tensor, sampling: Sampling, randomness: Randomness) -> torch.Tensor:
+    """``cuda_backend.sample`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.sample``)."""
+    cut = _cut(logits, sampling) if sampling.cuts(logits.shape[-1]) else (None, None)
+    tokens = op(logits, *_temperature(sampling), *cut, randomness.seed, randomness.offset, bool(randomness.seed_per_row))
+    _row_flags(sampling, tokens)
+    return tokens

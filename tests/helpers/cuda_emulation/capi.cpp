@@ -1,0 +1,53 @@
+// The C entry points of the CUDA emulation (tests/helpers/cuda_emulation): guarded allocations, and verify/sample
+// launched as bindings.cpp launches them (VerifyParams, the workspace), on the host build of verify_kernels.cu.
+#include "verify_kernels.cuh"
+#include <sys/mman.h>
+#include <unistd.h>
+namespace emu { extern long long n_switches; extern int errors; }
+using namespace speculative_kernels;
+extern "C" {
+// nbytes of memory, 16-byte aligned, whose end (rounded up to 16) touches a PROT_NONE page (and one before it).
+void* emu_alloc(size_t nbytes) {
+  const size_t page = 4096;
+  const size_t rounded = (nbytes + 15) / 16 * 16;
+  const size_t data_pages = (rounded + page - 1) / page;
+  const size_t total = (data_pages + 2) * page;
+  char* m = static_cast<char*>(mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (m == MAP_FAILED) return nullptr;
+  mprotect(m, page, PROT_NONE);
+  mprotect(m + (data_pages + 1) * page, page, PROT_NONE);
+  return m + (data_pages + 1) * page - rounded;
+}
+int emu_errors() { return emu::errors; }
+long long emu_switches() { return emu::n_switches; }
+size_t emu_workspace_bytes(int batch, int num_draft, int vocab, int has_draft) {
+  return verify_workspace_bytes(batch, num_draft, vocab, has_draft != 0);
+}
+int emu_verify(int dtype, int batch, int num_draft, int vocab, const void* target, int64_t tsb, int64_t tsj,
+               const void* draft, int64_t dsb, int64_t dsj, const int64_t* draft_tokens, float temperature,
+               const float* temperature_rows, const int64_t* num_draft_tokens, const int32_t* tcs, const int32_t* tci,
+               const int32_t* dcs, const int32_t* dci, const int64_t* seed, int64_t seed_stride, const int64_t* offset,
+               int64_t offset_stride, int seed_per_row, int64_t* tokens, int64_t* num_accepted, void* ws,
+               size_t ws_bytes) {
+  VerifyParams p;
+  p.dtype = static_cast<LogitDtype>(dtype);
+  p.batch = batch; p.num_draft = num_draft; p.vocab = vocab;
+  p.target_logits = target; p.target_stride_b = tsb; p.target_stride_j = tsj;
+  p.draft_logits = draft; p.draft_stride_b = dsb; p.draft_stride_j = dsj;
+  p.draft_tokens = draft_tokens; p.temperature = temperature; p.temperature_rows = temperature_rows;
+  p.num_draft_tokens = num_draft_tokens;
+  p.target_cut_source = tcs; p.target_cut_index = tci; p.draft_cut_source = dcs; p.draft_cut_index = dci;
+  p.seed = seed; p.seed_stride = seed_stride; p.offset = offset; p.offset_stride = offset_stride;
+  p.seed_per_row = seed_per_row != 0; p.stream_base = kStreamPosition;
+  p.tokens = tokens; p.num_accepted = num_accepted;
+  return static_cast<int>(verify_launch(p, ws, ws_bytes, nullptr));
+}
+int emu_sample(int dtype, const void* logits, int batch, int vocab, int64_t stride_b, float temperature,
+               const float* temperature_rows, const int32_t* cs, const int32_t* ci, const int64_t* seed,
+               int64_t seed_stride, const int64_t* offset, int64_t offset_stride, int seed_per_row, int64_t* tokens,
+               void* ws, size_t ws_bytes) {
+  return static_cast<int>(sample_launch(static_cast<LogitDtype>(dtype), logits, batch, vocab, stride_b, temperature,
+                                        temperature_rows, cs, ci, seed, seed_stride, offset, offset_stride,
+                                        seed_per_row != 0, tokens, ws, ws_bytes, nullptr));
+}
+}
