@@ -9,6 +9,8 @@ import pytest
 
 from speculative_kernels.cli import main
 from helpers.checkpoints import save_decoder_pair
+import argparse
+from speculative_kernels import cli_options
 
 
 @pytest.fixture(scope="module")
@@ -541,3 +543,19 @@ def test_a_checkpoints_max_new_tokens_past_the_context_is_named_as_the_checkpoin
     assert main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in"]) == 2
     assert "max_new_tokens (from the target's generation_config; --max-new-tokens sets another) 100000" in \
         capsys.readouterr().err
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    cli_options.add_common_options(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_greedy_runs_keep_the_logits_processor_options():
+    kwargs = cli_options.sampling_kwargs(_parse("--repetition-penalty", "1.3", "--no-repeat-ngram-size", "2"))
+    assert kwargs == dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2)
+
+
+def test_min_p_above_one_is_a_usage_error():
+    with pytest.raises(cli_options.UsageError, match="--min-p must be in"):
+        cli_options.check_sampling_options(_parse("--temperature", "1", "--min-p", "1.5"))

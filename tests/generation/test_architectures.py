@@ -953,3 +953,19 @@ def test_the_git_mask_widening_rule_matches_every_source_form():
     assert rule.search(one_line) and rule.search(parenthesised)
     assert not rule.search(one_line.replace("ndim == 2", "ndim == 4"))
     assert not rule.search("        if attention_mask.ndim == 2:\n            mask = attention_mask[:, None, None, :]\n")
+
+
+def test_a_hole_is_refused_once_the_forwards_span_one_slot_more_than_the_window():
+    """Prompt 4 + 4 new tokens: forwards span 7 slots, the farthest key at distance 6 = the window, which HF's
+    window (in slots) drops and ours (in real positions, across the hole) keeps: refused (seed 2 gave another last
+    token when it ran). One new token fewer spans 6 slots, inside the window: exact."""
+    target = gemma2_window()
+    draft = perturbed(target, 0.3)
+    ids = torch.randint(3, 97, (1, 4), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, 2] = 0
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with pytest.raises(ValueError, match="masks tokens after the first real one"):
+        sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=4, **kwargs)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=3, **kwargs),
+                       target.generate(ids, max_new_tokens=3, **kwargs))

@@ -1040,3 +1040,17 @@ def test_a_requests_accepted_tokens_count_what_it_kept_when_eos_cuts_a_block():
     result = decoder.result(request)
     assert result.finish_reason == "eos" and result.token_ids == plain[: at + 1]
     assert result.accepted_tokens == len(result.token_ids) - result.iterations
+
+
+def test_admission_counts_the_running_rows_against_max_batch_size():
+    """One of two rows finishes while two requests wait: only one may join (max_batch_size caps running rows)."""
+    target, draft = llama(), llama(layers=1, seed=3)
+    d = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3, max_batch_size=2)
+    for n in (3, 30):
+        d.add_request([5, 6, 7, 8], max_new_tokens=n, eos_token_id=None)
+    d.step()
+    for _ in range(2):
+        d.add_request([9, 10, 11], max_new_tokens=30, eos_token_id=None)
+    while d.has_work():
+        d.step()
+        assert len(d.running) <= 2

@@ -202,3 +202,62 @@ def test_sampling_differential_on_cuda():
         except AssertionError as error:
             failures.append(f"{case}\n  {error}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_min_new_tokens_masks_an_eos_id_of_zero(pair):
+    """eos_token_id=0 (GPT-NeoX/Pythia's <|endoftext|>): masked before min_new_tokens like any EOS id. The models
+    are relabelled (ids 0 and t swapped) so that the target emits 0 as its 4th new token."""
+    import copy
+
+    target, draft = (copy.deepcopy(m) for m in pair)
+    ids = torch.tensor([[84, 39, 64, 30, 63]])
+    t = int(hf_generate(target, ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=5)[0, -1])
+    with torch.no_grad():
+        for m in (target, draft):
+            for w in (m.get_input_embeddings().weight, m.get_output_embeddings().weight):
+                w[[0, t]] = w[[t, 0]]
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=0, pad_token_id=5, min_new_tokens=6)
+    expected = hf_generate(target, ids, **kwargs)
+    assert expected.shape[1] > ids.shape[1] + 4  # 0 was masked at the 4th new token
+    for extra in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, ids, **kwargs, **extra), expected)
+
+
+def test_min_length_counts_the_prompt(pair):
+    """HF: min_length is a total length, prompt included (EOS is masked for min_length - prompt new tokens)."""
+    target, draft = pair
+    ids = torch.tensor([[84, 39, 64, 30, 63]])
+    eos = _eos_after(target, ids, 3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0, min_length=7)
+    expected = hf_generate(target, ids, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + 4  # stops at the EOS: min_length (2 new tokens) is below it
+    for extra in (dict(draft_model=draft, num_speculative_tokens=3), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(sk.generate(target, ids, **kwargs, **extra), expected)
+
+
+def test_a_max_length_criterion_one_token_past_max_length_is_refused(pair):
+    """MaxLengthCriteria(max_length=8) with max_length=7: HF generates 8 (its criterion replaces HF's own); stopping
+    at 7 would be silently one token short."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation import MaxLengthCriteria
+
+    target, draft = pair
+    ids = torch.tensor([[16, 38, 45, 85, 72, 93]])
+    kwargs = dict(do_sample=False, max_length=7, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(8)]))
+    assert hf_generate(target, ids, **kwargs).shape[1] == 8
+    with pytest.raises(ValueError, match=r"stopping_criteria holds a MaxLengthCriteria\(max_length=8\)"):
+        sk.generate(target, ids, draft_model=draft, **kwargs)
+    same = dict(kwargs, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(7)]))  # no later: exact
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **same), hf_generate(target, ids, **same))
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=5.5), dict(max_length=10.5)])
+def test_forced_eos_with_a_fractional_length_and_a_context_processor(pair, length):
+    """With repetition_penalty set, HF's own processor list runs per position, built with a fractional max_length
+    too: its ForcedEOS never fires (an integral max_length there forced token 11 last)."""
+    target, draft = pair
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    kwargs = dict(do_sample=False, forced_eos_token_id=11, repetition_penalty=1.2, **length)
+    expected = hf_generate(target, ids, **kwargs)
+    assert expected.shape[1] == 11 and expected[0, -1] != 11
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)

@@ -83,6 +83,8 @@ def test_a_proposal_of_the_wrong_shape_or_type_is_refused_by_name(target, script
     (lambda b, g: (_tokens(b, g, -3), None, None), r"outside the target's vocabulary \[0, 97\): \[-3"),
     (lambda b, g: (_tokens(b, g), None, torch.tensor([g + 5])), r"num_draft=9 tokens for a row; it must be in 0\.\.gamma"),
     (lambda b, g: (_tokens(b, g), None, torch.tensor([-2])), r"num_draft=-2"),
+    # -1 too (the loop's own marker of an invalid row: flagged, it read "invalid input in batch rows [0]")
+    (lambda b, g: (_tokens(b, g), None, torch.tensor([-1])), r"num_draft=-1"),
 ])
 def test_invalid_proposed_values_are_refused_by_name(target, script, words, do_sample):
     with pytest.raises(ValueError, match=f"the drafter Scripted proposed .*{words}"):

@@ -411,3 +411,23 @@ def test_auto_paused_serves_joining_requests(monkeypatch):
         assert result.accepted_tokens <= result.drafted_tokens
     results = [decoder.result(rid) for rid in requests]
     assert sum(r.drafted_tokens for r in results) == sum(r.accepted_tokens for r in results) > 0
+
+
+def test_the_warmup_iteration_time_is_not_measured():
+    """One warm-up and one timed iteration: c is the timed one's alone (a median over [25, 0.1] was 12.55)."""
+    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=1)
+    assert cal.record([4], draft_seconds=100.0, verify_seconds=1.0) is None
+    cal.record([4], draft_seconds=0.4, verify_seconds=1.0)
+    assert cal.c == pytest.approx(0.1) and len(cal.draft_seconds) == len(cal.verify_seconds) == 1
+
+
+def test_a_recheck_keeps_gamma_when_the_best_is_less_than_the_margin_faster():
+    """Chosen 3 at c = 0.1; acceptance 1 of 3 per iteration (alpha 0.5) makes 2 the best, only 1.1% faster:
+    below RECHECK_MARGIN, no switch."""
+    cal = GammaCalibrator(start_gamma=3)
+    cal.chosen, cal.c = 3, 0.1
+    assert choose_gamma(0.5, 0.1) == 2
+    assert 1 < expected_speedup(0.5, 2, 0.1) / expected_speedup(0.5, 3, 0.1) < 1 + gamma_mod.RECHECK_MARGIN
+    for _ in range(gamma_mod.RECHECK_EVERY):
+        assert cal.observe([1], [3]) is None
+    assert cal.chosen == 3

@@ -60,3 +60,12 @@ def test_encoder_decoder_input_is_not_masked_by_pad_id_as_inhf_generate():
     assert not torch.equal(expected, masked)  # inferring the mask here would change the output: the test can fail
     got = sk.generate(target, ids, draft_model=draft, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected)
+
+
+def test_a_pad_token_id_that_is_an_eos_id_infers_no_padding():
+    """HF's _prepare_attention_mask_for_generation: pad_token_id among the EOS ids -> the mask is all ones, so an
+    EOS/pad id inside the prompt is attended to (inferring a mask from it gave other tokens)."""
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = torch.tensor([[2, 40, 41, 2, 42, 43]])
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=2)
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), hf_generate(target, ids, **kwargs))

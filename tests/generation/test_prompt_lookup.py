@@ -326,3 +326,25 @@ def test_no_match_drafts_nothing(target):
                 do_sample=False, eos_token_id=None, speculation_stats=stats)
     assert stats.drafted_tokens == stats.accepted_tokens == stats.accept_tests == 0
     assert stats.mean_tokens_per_target_forward == 1.0 and stats.target_forwards == 4
+
+
+def test_max_matching_ngram_size_defaults_to_hfs_2(monkeypatch):
+    """The prompt ends with a 3-gram seen once (10 11 12 -> 40 41 42) and a 2-gram seen later (11 12 -> 50 51 52):
+    unset, max_matching_ngram_size is HF's 2, so the proposals are those of an explicit 2."""
+    from speculative_kernels.ops import torch_backend
+
+    verify, calls = torch_backend.verify, []
+
+    def recording(target_logits, draft_logits, draft_tokens, *args, **kwargs):
+        calls.append(draft_tokens[0].tolist())
+        return verify(target_logits, draft_logits, draft_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "verify", recording)
+    target, ids = llama(), torch.tensor([[10, 11, 12, 40, 41, 42, 20, 11, 12, 50, 51, 52, 10, 11, 12]])
+    proposals = []
+    for extra in ({}, dict(max_matching_ngram_size=2)):
+        calls.clear()
+        sk.generate(target, ids, prompt_lookup_num_tokens=3, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                    pad_token_id=0, **extra)
+        proposals.append(list(calls))
+    assert proposals[0] == proposals[1] and proposals[0][0] == [50, 51, 52]

@@ -18,7 +18,7 @@ from helpers.float_error import assert_logits_as_accurate_as_hf
 from helpers.host_reads import step_reading_once
 from helpers.models import llama
 from helpers.sampling import hf_warpers
-from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, save_t5_pair, seq2seq_drafts_for, source_batch, t5
+from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, bart, save_t5_pair, seq2seq_drafts_for, source_batch, t5
 from helpers.stats import assert_matches
 
 
@@ -537,3 +537,17 @@ def test_the_encoder_pass_is_in_total_time(monkeypatch):
     sk.generate(target, source, draft_model=target, num_speculative_tokens=3, max_new_tokens=4,
                 speculation_stats=stats)
     assert stats.total_time_s >= 0.3
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_decoder_input_ids_of_which_one_row_starts_with_the_start_token_get_none_prepended(family):
+    """HF prepends decoder_start_token_id only when no row starts with it: a batch with one row that does and one
+    that does not is taken as given (prepending to every row gave other tokens)."""
+    target = {"t5": t5, "bart": bart}[family]()
+    draft = seq2seq_drafts_for(family, target)["perturbed"]
+    start = target.generation_config.decoder_start_token_id
+    src = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(decoder_input_ids=torch.tensor([[start, 17, 23], [31, 17, 23]]), max_new_tokens=5,
+                  do_sample=False, eos_token_id=None)
+    assert torch.equal(sk.generate(target, src, draft_model=draft, num_speculative_tokens=3, **kwargs),
+                       target.generate(src, **kwargs))

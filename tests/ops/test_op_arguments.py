@@ -191,3 +191,11 @@ def test_shape_propagation_runs_without_reading_values(where):
     with FakeTensorMode() if where == "fake" else torch.device("cpu"):
         shapes = run()
     assert shapes == [((2, 4), (2,), torch.int64), (2,)] * 3
+
+
+def test_out_of_range_flags_offsets_from_2_to_the_32():
+    """Device-tensor offsets are checked with the op's result, through out_of_range (CPU tensors on entry)."""
+    from speculative_kernels.ops.randomness import Randomness
+
+    rows = Randomness(torch.tensor([0, 0, 0, -1]), torch.tensor([0, 2**32 - 1, 2**32, 0]))
+    assert rows.out_of_range().tolist() == [False, False, True, True]

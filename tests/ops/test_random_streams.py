@@ -68,3 +68,12 @@ def test_decode_randomness_counters_advance_in_place():
     torch.manual_seed(0)
     single = DecodeRandomness(1, torch.device("cpu"))  # a batch of one is keyed like row 0 of a batch
     assert single.draft().seed_per_row and torch.equal(single.seed, row_keys(drawn.reshape(1)))
+
+
+def test_row_keys_draw_their_two_halves_from_two_philox_words():
+    """A key's low 32 bits and its high 31 bits are two Philox words (streams STREAM_ROW_KEY and +1), not one word
+    twice (31 bits of key entropy)."""
+    from speculative_kernels.ops.randomness import row_keys
+
+    keys = row_keys(torch.arange(8, dtype=torch.int64) * 1000003)
+    assert not bool(((keys & 0x7FFFFFFF) == ((keys >> 32) & 0x7FFFFFFF)).all())

@@ -355,3 +355,23 @@ def test_the_scalar_temperature_divides_as_the_per_row_one_on_cuda():
         on_cuda = scale_logits(z.cuda(), temperature).cpu()
         assert torch.equal(on_cuda, scale_logits(z, temperature))
         assert torch.equal(on_cuda, (z.cuda() / torch.full((64, 1), temperature, device="cuda")).cpu())
+
+
+def test_a_scalar_top_p_still_cuts_beside_a_per_row_temperature():
+    """temperature per row (a tensor) makes every parameter per row: the scalar top_p=0.5 must become each row's
+    cut (dropped, 30% of draws fell outside the nucleus and every test passed)."""
+    from speculative_kernels import ops
+
+    logits = torch.tensor([[4.0, 3.0, 0.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)  # the nucleus of 0.5 is token 0 alone
+    tokens = ops.sample(logits, temperature=torch.ones(2000), top_p=0.5, seed=0)
+    assert bool((tokens.flatten() == 0).all())
+
+
+def test_scale_logits_divides_as_hfs_temperature_warper_bit_for_bit():
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    from speculative_kernels.ops.warping import scale_logits
+
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 7
+    for temperature in (0.7, 0.3, 1.3, 0.9, 3.0):
+        assert torch.equal(scale_logits(logits, temperature), TemperatureLogitsWarper(temperature)(None, logits.clone()))
