@@ -1053,15 +1053,16 @@ class SpeculativeLoop:
         return self.stats
 
     def collected_scores(self, longest: int, device: torch.device | None = None):
-        """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested: views of
-        one copy of the buffer, made by the caller's mode (outside inference mode: ordinary tensors, as HF's), on
-        ``device`` (None: the loop's; model.generate's are on its ids' device)."""
+        """HF-style tuples of [B, V] per generated step (``scores``, ``logits``), or None when not requested: a
+        contiguous copy per step, as HF's (views of one [B, steps, V] copy could not be ``view``-ed as HF's can, and
+        one kept step kept every step alive), made by the caller's mode (outside inference mode: ordinary tensors, as
+        HF's), on ``device`` (None: the loop's; model.generate's are on its ids' device)."""
         def split(buffer):
             if buffer is None:
                 return None
             check_free_memory({"copy": buffer[:, :longest].nbytes, "total": buffer[:, :longest].nbytes}, self.device,
                               f"the returned scores/logits ({self.batch} rows x {longest} steps x {self.vocab} ids)")
-            copy = buffer[:, :longest].to(device or buffer.device, copy=True)
-            return tuple(copy[:, s] for s in range(longest))
+            return tuple(buffer[:, s].to(device or buffer.device, copy=True, memory_format=torch.contiguous_format)
+                         for s in range(longest))
 
         return split(self.scores), split(self.raw_logits)

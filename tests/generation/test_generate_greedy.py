@@ -120,6 +120,20 @@ def test_return_dict_scores_and_logits_match_hf():
     assert got.speculation_stats.new_tokens == 9
 
 
+def test_each_steps_scores_are_a_tensor_of_their_own_as_hfs():
+    """HF returns a contiguous [B, V] tensor per step: ``view(-1)`` works, and keeping one step keeps [B, V] alive.
+    Ours were views of one [B, steps, V] copy (found at V = 262144: one kept step held all 512 steps, 4.3 GB)."""
+    target = llama()
+    ids = _prompt(batch=2)
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, pad_token_id=0)
+    got = sk.generate(target, ids, draft_model=llama(layers=1, seed=9), num_speculative_tokens=3, **kwargs)
+    for steps in (got.scores, got.logits):
+        for step in steps:
+            assert step.is_contiguous() and step.view(-1).numel() == step.numel()
+            assert step.untyped_storage().nbytes() == step.numel() * step.element_size()
+
+
 def test_scores_and_logits_of_a_finished_row_are_zeros_after_its_eos():
     """Documented difference (README): after a row of a batch has finished, model.generate keeps feeding it the pad
     id and returns the model's logits (and scores) on it; a finished row leaves our batch and its entries are zeros.
