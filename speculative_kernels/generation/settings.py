@@ -23,10 +23,15 @@ import warnings
 
 import torch
 from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
 from ..ops.sampling import GREEDY, Sampling
 from ..ops.validation import check_sampling_params
 from .gamma import MAX_GAMMA
+
+# model.generate's logger: its length warnings are given through it here too, so transformers' verbosity settings
+# govern both alike
+_HF_LOGGER = hf_logging.get_logger("transformers.generation.utils")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 # transformers' deprecated names of its static cache (``DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS`` less the offloaded
@@ -402,11 +407,41 @@ def _check_generation_config(generation_config) -> None:
                         f"passed to GenerationConfig(...) or as a keyword), got {type(watermark).__name__}")
 
 
-def _has_default_max_length(model, generation_config, kwargs: dict) -> bool:
-    """HF's test (``generate``, transformers 5.x): max_length set nowhere, so HF generates 20 *new* tokens."""
-    return (kwargs.get("max_length") is None
-            and (generation_config is None or generation_config.max_length is None)
-            and model.generation_config.max_length is None)
+def _has_default_max_length(model, generation_config, kwargs: dict, name: str = "max_length") -> bool:
+    """HF's test (``generate``, transformers 5.x): max_length set nowhere, so HF generates 20 *new* tokens (and the
+    same test of min_length, for HF's warnings)."""
+    return (kwargs.get(name) is None
+            and (generation_config is None or getattr(generation_config, name) is None)
+            and getattr(model.generation_config, name) is None)
+
+
+def _length_warnings(config, prompt_length: int, max_new: int, default_max_length: bool,
+                     default_min_length: bool) -> None:
+    """The warnings ``model.generate`` gives about the lengths (``_prepare_generated_length``,
+    ``_validate_generated_length``), with its texts, through its logger or ``warnings`` as it gives them."""
+    docs = ("Please refer to the documentation for more information. "
+            "(https://huggingface.co/docs/transformers/main/en/main_classes/text_generation)")
+    if config.max_new_tokens is not None and not default_max_length and config.max_length is not None:
+        _HF_LOGGER.warning(f"Both `max_new_tokens` (={config.max_new_tokens}) and `max_length`(={config.max_length}) "
+                           f"seem to have been set. `max_new_tokens` will take precedence. {docs}")
+    min_length = config.min_length
+    if config.min_new_tokens is not None:
+        if not default_min_length:
+            _HF_LOGGER.warning(f"Both `min_new_tokens` (={config.min_new_tokens}) and `min_length`(={config.min_length})"
+                               f" seem to have been set. `min_new_tokens` will take precedence. {docs}")
+        min_length = config.min_new_tokens + prompt_length
+    max_length = prompt_length + max_new
+    suffix = (" Generation will stop at the defined maximum length. You should decrease the minimum length and/or "
+              "increase the maximum length.")
+    if default_max_length:
+        suffix += f" Note that `max_length` is set to {max_length}, its default value."
+    if min_length is not None and min_length > max_length:
+        warnings.warn(f"Unfeasible length constraints: `min_length` ({min_length}) is larger than the maximum possible "
+                      f"length ({max_length})." + suffix, UserWarning, stacklevel=5)
+    if config.min_new_tokens is not None and config.min_new_tokens + prompt_length > max_length:
+        warnings.warn(f"Unfeasible length constraints: `min_new_tokens` ({config.min_new_tokens}), when added to the "
+                      f"prompt length ({prompt_length}), is larger than the maximum possible length ({max_length})."
+                      + suffix, UserWarning, stacklevel=5)
 
 
 def _max_new_tokens(model, config, prompt_length: int, default_max_length: bool) -> int:
@@ -493,11 +528,13 @@ class Settings:
     prefix_allowed_tokens_fn: object | None = None
     warping: bool = False  # see Plan.warping
     num_return_sequences: int = 1  # rows per prompt (sampling)
+    default_min_length: bool = True  # min_length set nowhere (for HF's warnings)
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
         config = self.config
         max_new = _max_new_tokens(model, config, prompt_length, self.default_max_length)
+        _length_warnings(config, prompt_length, max_new, self.default_max_length, self.default_min_length)
         if config.min_new_tokens is not None:  # HF: min_new_tokens takes precedence, min_length is then overwritten
             min_new = _int_setting("min_new_tokens", config.min_new_tokens)  # (``_prepare_generated_length``)
         else:
@@ -651,7 +688,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     if copies > 1 and not config.do_sample:  # (HF's own check says the same, where it runs first)
         raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
-                    logits_processor, prefix_allowed_tokens_fn, warping, copies)
+                    logits_processor, prefix_allowed_tokens_fn, warping, copies,
+                    _has_default_max_length(model, generation_config, kwargs, "min_length"))
 
 
 def _max_time(value) -> float | None:

@@ -658,3 +658,40 @@ def test_auto_gamma_with_a_checkpoints_prompt_lookup_says_why():
     target.generation_config.prompt_lookup_num_tokens = 4
     with pytest.raises(ValueError, match="'auto' is not available with prompt lookup .*generation_config"):
         sk.generate(target, P, max_new_tokens=3, num_speculative_tokens="auto")
+
+
+@pytest.mark.parametrize("lengths", [dict(max_new_tokens=4, max_length=30), dict(max_new_tokens=4, min_new_tokens=1,
+                                                                                   min_length=12),
+                                     dict(max_new_tokens=3, min_length=30), dict(max_new_tokens=3, min_new_tokens=30)],
+                         ids=["max both", "min both", "min_length over max", "min_new_tokens over max"])
+def test_length_warnings_are_hfs(lengths):
+    """model.generate's length warnings (both forms of a limit set; a minimum above the maximum) are given with its
+    texts, through its logger or warnings as it gives them (they were dropped)."""
+    import io
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from helpers.models import llama
+
+    target = llama()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+
+    def given(call):
+        stream, logger = io.StringIO(), hf_logging.get_logger()
+        handler = logging.StreamHandler(stream)
+        logger.addHandler(handler)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                call()
+        finally:
+            logger.removeHandler(handler)
+        lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
+        return sorted(line for line in lines if "length" in line)
+
+    expected = given(lambda: target.generate(ids, do_sample=False, **lengths))
+    assert expected
+    assert given(lambda: sk.generate(target, ids, draft_model=target, num_speculative_tokens=3, do_sample=False,
+                                     **lengths)) == expected
