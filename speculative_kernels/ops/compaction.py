@@ -18,6 +18,8 @@ from . import backends
 
 __all__ = ["compact_kv", "compact_kv_reference", "compaction_lengths", "compaction_sources"]
 
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integers: bits unchanged
+
 
 def compaction_lengths(slot_mask: torch.Tensor) -> torch.Tensor:
     """n [B] int64: real slots per row of slot_mask [B, S]."""
@@ -39,8 +41,10 @@ def compact_kv_reference(kv: torch.Tensor, slot_mask: torch.Tensor, source: torc
     mask's ``compaction_sources`` when the caller has them (every layer's K and V share one mask)."""
     if source is None:
         source = compaction_sources(slot_mask)
-    if kv.element_size() == 1 and kv.is_floating_point():  # float8: gather has no kernel for it; move the bits
-        kv = kv.view(torch.uint8)
+    if kv.is_floating_point() or kv.is_complex():
+        # Move the bits: gather has no float8 kernel, and torch's CPU gather converts fp16 / bf16 through float32
+        # (an fp16 signaling NaN comes back quiet, every bf16 NaN as 0xffff or 0x7fc0 by the CPU's instruction set)
+        kv = kv.view(_AS_INT.get(kv.element_size(), kv.dtype))
     index = source[:, None, :, None].expand(kv.shape)
     kv.copy_(kv.gather(2, index))
 

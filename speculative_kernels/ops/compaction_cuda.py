@@ -8,6 +8,7 @@ registered here lets ``torch.compile`` trace the in-place op.
 import torch
 
 from . import cuda_ext
+from .cuda_host import compact_kv_with
 
 cuda_ext.load()
 
@@ -20,7 +21,6 @@ def _compact_kv_fake(kv, slot_mask):
 
 
 def compact_kv(tensors, slot_mask) -> None:
-    """tensors: list of [B, H, S, D] CUDA tensors (unit stride over D); slot_mask: [B, S]. In place."""
-    mask = (slot_mask != 0).to(torch.int8).contiguous()
-    for kv in tensors:
-        torch.ops.speculative_kernels_cuda.compact_kv_(kv, mask)
+    """tensors: list of [B, H, S, D] CUDA tensors (unit stride over D); slot_mask: [B, S]. In place (the host side:
+    ``cuda_host.compact_kv_with``)."""
+    compact_kv_with(torch.ops.speculative_kernels_cuda.compact_kv_, tensors, slot_mask)

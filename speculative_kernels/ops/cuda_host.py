@@ -1,8 +1,9 @@
-"""The host side of the CUDA backend (``cuda_backend.py``), apart from the extension: what it computes on the device
-with torch before a launch (the top-k/top-p cut as (source, index), the ops' temperature arguments) and after it (the
-rows flagged for invalid per-row parameters). ``verify_with`` / ``sample_with`` take the op to launch, so that the
-same host code also drives the CPU build of ``csrc/`` that the tests run without a GPU
-(``tests/helpers/cuda_emulation``). Why the cut is passed as an element rather than a value: ``cuda_backend.py``."""
+"""The host side of the CUDA backends (``cuda_backend.py``, ``compaction_cuda.py``), apart from the extension: what
+it computes on the device with torch before a launch (the top-k/top-p cut as (source, index), the ops' temperature
+arguments, the int8 slot mask) and after it (the rows flagged for invalid per-row parameters). ``verify_with`` /
+``sample_with`` / ``compact_kv_with`` take the op to launch, so that the same host code also drives the CPU build of
+``csrc/`` that the tests run without a GPU (``tests/helpers/cuda_emulation``). Why the cut is passed as an element
+rather than a value: ``cuda_backend.py``."""
 
 import torch
 
@@ -10,7 +11,7 @@ from .randomness import Randomness
 from .sampling import Sampling
 from .warping import row_thresholds, warp_thresholds
 
-__all__ = ["sample_with", "verify_with"]
+__all__ = ["compact_kv_with", "sample_with", "verify_with"]
 
 
 def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,3 +78,12 @@ def sample_with(op, logits: torch.Tensor, sampling: Sampling, randomness: Random
     tokens = op(logits, *_temperature(sampling), *cut, randomness.seed, randomness.offset, bool(randomness.seed_per_row))
     _row_flags(sampling, tokens)
     return tokens
+
+
+def compact_kv_with(op, tensors, slot_mask: torch.Tensor) -> None:
+    """``compaction_cuda.compact_kv`` launching ``op`` (the signature of
+    ``torch.ops.speculative_kernels_cuda.compact_kv_``): the mask as contiguous int8 (nonzero = real), computed once
+    for all the tensors, each compacted in place."""
+    mask = (slot_mask != 0).to(torch.int8).contiguous()
+    for kv in tensors:
+        op(kv, mask)

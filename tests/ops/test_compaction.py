@@ -196,3 +196,18 @@ def test_rollback_bindings_syntax():
     result = subprocess.run(["g++", *flags, str(ROOT / "csrc" / "rollback_bindings.cpp")], capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.bfloat16, [0x7F81, 0x7FC1, -0x40, 0x3F80]),
+                                        (torch.float16, [0x7D00, 0x7C01, -0x200, 0x3C00])], ids=str)
+def test_the_reference_moves_bits_not_values(dtype, bits):
+    """Values are copied bit for bit (the kernels move integers): torch's CPU gather converts fp16 / bf16 through
+    float32, which quieted an fp16 signaling NaN and turned every bf16 NaN into 0xffff or 0x7fc0 by the CPU's
+    instruction set, even in slots that do not move; the reference gathers the same-width integers."""
+    kv = torch.tensor(bits, dtype=torch.int16).view(dtype).view(1, 1, 4, 1)
+    before = kv.view(torch.int16).clone()
+    compact_kv(kv, torch.ones(1, 4, dtype=torch.int64), backend="torch")
+    assert torch.equal(kv.view(torch.int16), before)
+    kv = torch.tensor(bits, dtype=torch.int16).view(dtype).view(1, 1, 4, 1)
+    compact_kv(kv, torch.tensor([[0, 1, 1, 1]]), backend="torch")  # a hole first: every slot moves left by one
+    assert torch.equal(kv.view(torch.int16)[0, 0, :3, 0], before[0, 0, 1:, 0])

@@ -1,11 +1,15 @@
 """The CUDA kernels of ``csrc/`` without a GPU: their host build (``tests/helpers/cuda_emulation``: every CUDA thread a
-fiber, barriers and shuffles checked, buffers ending at an inaccessible page) run through the backend's own host code
-(``ops.cuda_host``) against the checks a GPU runs (``test_kernel_edges.py``), at sizes the CPU affords.
+fiber, barriers, shuffles and ballots checked, buffers ending at an inaccessible page) run through the backends' own
+host code (``ops.cuda_host``) against the checks a GPU runs (``test_kernel_edges.py``, ``test_compaction.py``), at
+sizes the CPU affords.
 
 This is how a change to ``csrc/`` is checked between GPU leases: ties across vectors, threads and the 2048-id chunk
 edge, NaN/+inf flags, per-row parameters, planted winners in every race, the partial last vector and misaligned rows
-(the scalar path). Skipped where there is no g++ or no CUDA toolkit headers (nvcc's); the build takes ~40 s once per
-test session (shared by the xdist workers through a lock).
+(the scalar path); for the KV-cache compaction kernel, every byte of the cache buffer against the torch reference
+(row sizes around 16 bytes and the 1024-byte staging chunk, 576-wide bf16 latent rows, holes at the start, the end,
+everywhere and across the 32-slot tiles, strided caches, raw bit patterns), with each block's threads run in both
+orders (a missing barrier shows in one of them). Skipped where there is no g++ or no CUDA toolkit headers (nvcc's); the
+build takes ~40 s once per test session (shared by the xdist workers through a lock).
 """
 
 import fcntl
@@ -15,11 +19,13 @@ import pytest
 import torch
 
 from helpers import cuda_emulation
+from speculative_kernels.ops.compaction import compact_kv, compaction_lengths
 from speculative_kernels.ops.randomness import Randomness
 from speculative_kernels.ops.reference import sample_reference, verify_reference
 from speculative_kernels.ops.sampling import GREEDY
 
-import test_kernel_edges as edges  # (the test files are imported by name: tests/ops is on sys.path)
+import test_compaction as compaction  # (the test files are imported by name: tests/ops is on sys.path)
+import test_kernel_edges as edges
 
 REASON = cuda_emulation.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the CUDA emulation cannot be built here: {REASON}")
@@ -39,7 +45,7 @@ def emulated(tmp_path_factory):
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not library.exists():
-            built = cuda_emulation.build(root / "build")
+            built = cuda_emulation.build(root / "build", cuda_emulation.CSRC)
             built.rename(library)
     return cuda_emulation.EmulatedOps(library)
 
@@ -100,3 +106,162 @@ def test_invalid_value_flags(as_backend):
 def test_exact_replay(as_backend):
     """{0, -inf} logits: the residual and bonus races agree with the reference bit for bit."""
     edges._check_exact_replay(NAME, torch.bfloat16, 64, 2, "contiguous")
+
+
+# ------------------------------------------------------------------------------------------ compact_kv (rollback)
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _check_compaction(emulated, buffer, views, mask, as_bits=False):
+    """Compacts ``views(copy of buffer)`` (a list of [B, H, S, D] tensors over it) with the emulated CUDA op, threads
+    first-first and last-first, and with the torch reference; every byte of the buffer must agree (slots outside the
+    views and the elements between their rows included), and the real-slot counts. as_bits: the reference runs on the
+    buffer seen as integers of the same width (torch's CPU gather rewrites fp16 / bf16 NaNs)."""
+    want = buffer.clone()
+    want_lengths = compact_kv(views(want.view(_AS_INT[want.element_size()]) if as_bits else want), mask,
+                              backend="torch")
+    assert torch.equal(want_lengths, compaction_lengths(mask))
+    for reverse in (False, True):
+        got = buffer.clone()
+        emulated.set_reverse_order(reverse)
+        try:
+            emulated.compact_kv(views(got), mask)
+        finally:
+            emulated.set_reverse_order(False)
+        assert torch.equal(_bits(got), _bits(want)), f"threads {'last' if reverse else 'first'}-first"
+
+
+def _plain(buffer):
+    return [buffer]
+
+
+@pytest.mark.parametrize("size", compaction.SIZES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compact_kv_bit_exact(emulated, dtype, size):
+    """test_compaction's GPU cases: a view of a longer slot buffer (7 slots past it), a row without holes and a
+    left-padded row, partial tiles, S = 1, D = 1."""
+    buffer, kv, mask = compaction._case(*size, dtype, seed=3)
+    slots = kv.shape[2]
+    _check_compaction(emulated, buffer, lambda b: [b[:, :, :slots]], mask)
+
+
+@pytest.mark.parametrize("size,dtype", [((2, 1, 70, 576), torch.bfloat16), ((1, 2, 45, 1000), torch.float32),
+                                        ((1, 1, 40, 2100), torch.float16), ((3, 2, 97, 576), torch.bfloat16)],
+                         ids=str)
+def test_compact_kv_rows_wider_than_one_staging_chunk(emulated, size, dtype):
+    """Slot rows over the kernel's 1024-byte staging chunk: a 576-wide bf16 latent row (1152 bytes: a 1024-byte chunk
+    and a 128-byte one), a partial last chunk, several chunks."""
+    buffer, kv, mask = compaction._case(*size, dtype, seed=13)
+    slots = kv.shape[2]
+    _check_compaction(emulated, buffer, lambda b: [b[:, :, :slots]], mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compact_kv_row_bytes_around_vectors_and_the_chunk(emulated, dtype):
+    """Slot rows of 16 +- 1 element, and 1024 / 2048 bytes +- 1 element (one chunk exactly, one element into the
+    next), two rows and two heads, holes everywhere."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    for row_bytes in (16, 1024, 2048):
+        for delta in (-1, 0, 1):
+            head_dim = row_bytes // size + delta
+            buffer, kv, mask = compaction._case(2, 2, 37, head_dim, dtype, seed=row_bytes + delta)
+            slots = kv.shape[2]
+            _check_compaction(emulated, buffer, lambda b: [b[:, :, :slots]], mask)
+
+
+def _hole_patterns(slots):
+    """Masks [1, S] (name, row): holes at the start, at the end, everywhere, none, all, a single real slot first or
+    last, one hole in the second 32-slot tile, a full first tile then holes, random sparse and dense rows."""
+    s = torch.arange(slots)
+    g = torch.Generator().manual_seed(slots)
+    rows = {
+        "start": s >= slots // 3, "end": s < slots - slots // 3, "alternate": s % 2 == 0, "alternate-odd": s % 2 == 1,
+        "all-real": torch.ones(slots, dtype=torch.bool), "no-real": torch.zeros(slots, dtype=torch.bool),
+        "last-only": s == slots - 1, "first-only": s == 0, "hole-in-tile-2": s != min(40, slots - 1),
+        "tile-then-holes": (s < 32) | (s % 3 == 0), "sparse": torch.rand(slots, generator=g) < 0.1,
+        "dense": torch.rand(slots, generator=g) < 0.9,
+    }
+    return rows
+
+
+@pytest.mark.parametrize("slots", [1, 31, 32, 33, 65, 100])
+def test_compact_kv_hole_patterns_batch_one_and_several_rows(emulated, slots):
+    """Every hole pattern alone (batch 1) and all of them as the rows of one batch (each row its own count), bf16,
+    D = 9 (a partial 16-byte vector), 2 heads."""
+    patterns = _hole_patterns(slots)
+    g = torch.Generator().manual_seed(100 + slots)
+    for name, row in patterns.items():
+        buffer = torch.randn(1, 2, slots + 3, 9, generator=g).to(torch.bfloat16)
+        _check_compaction(emulated, buffer, lambda b: [b[:, :, :slots]], row.to(torch.int64)[None])
+    mask = torch.stack(list(patterns.values())).to(torch.uint8) * 3  # nonzero = real, any integer dtype
+    buffer = torch.randn(mask.shape[0], 2, slots, 9, generator=g).to(torch.bfloat16)
+    _check_compaction(emulated, buffer, _plain, mask)
+
+
+def test_compact_kv_strided_caches(emulated):
+    """Caches that are views: [B, S, H, D] memory seen as [B, H, S, D] (heads inside a slot), D a slice of a wider
+    row, every other batch row, a slice of the heads, and K and V interleaved in one buffer (two tensors of one list
+    over the same memory, disjoint elements); 576-wide bf16 and 5-wide fp32."""
+    g = torch.Generator().manual_seed(7)
+    for dtype, head_dim in ((torch.bfloat16, 576), (torch.float32, 5)):
+        batch, heads, slots = 4, 3, 45
+        mask = (torch.rand(batch, slots, generator=g) < 0.6).to(torch.int64)
+        mask[1, :20] = 0
+        bshd = torch.randn(batch, slots + 2, heads, head_dim, generator=g).to(dtype)
+        _check_compaction(emulated, bshd, lambda b: [b[:, :slots].transpose(1, 2)], mask)
+        wide = torch.randn(batch, heads, slots, head_dim + 6, generator=g).to(dtype)
+        _check_compaction(emulated, wide, lambda b: [b[..., 3 : 3 + head_dim]], mask)
+        every_other = torch.randn(2 * batch, heads, slots, head_dim, generator=g).to(dtype)
+        _check_compaction(emulated, every_other, lambda b: [b[::2]], mask)
+        some_heads = torch.randn(batch, heads + 2, slots, head_dim, generator=g).to(dtype)
+        _check_compaction(emulated, some_heads, lambda b: [b[:, 1 : 1 + heads]], mask)
+        kv_pair = torch.randn(batch, slots, 2, heads, head_dim, generator=g).to(dtype)
+        _check_compaction(emulated, kv_pair,
+                          lambda b: [b[:, :, 0].transpose(1, 2), b[:, :, 1].transpose(1, 2)], mask)
+
+
+def test_compact_kv_several_tensors_and_edge_densities(emulated):
+    """test_compaction's densities 0, 1, 0.05, 0.95 over three tensors sharing one mask."""
+    for density in (0.0, 1.0, 0.05, 0.95):
+        _, _, mask = compaction._case(3, 2, 70, 16, torch.float32, density=density, seed=11)
+        if density == 0.0:
+            mask.zero_()
+        buffer = torch.randn(3, 3, 2, 70, 16, generator=torch.Generator().manual_seed(11))
+        _check_compaction(emulated, buffer, lambda b: list(b.unbind(1)), mask)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64, torch.int8, torch.float8_e4m3fn], ids=str)
+def test_compact_kv_raw_bit_patterns(emulated, dtype):
+    """Random bytes (NaNs with payloads, signaling NaNs, -0, subnormals, infinities) move unchanged, for every element
+    size the kernel has (1, 2, 4 and 8 bytes); the reference moves the same bytes as integers."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(size)
+    raw = torch.randint(0, 256, (3 * 2 * 40 * 24 * size,), dtype=torch.uint8, generator=g)
+    buffer = raw.view(dtype).view(3, 2, 40, 24)
+    mask = torch.rand(3, 40, generator=g) < 0.5
+    _check_compaction(emulated, buffer, _plain, mask, as_bits=True)
+
+
+def test_compact_kv_empty_sizes(emulated):
+    """Zero rows, heads, slots or columns: nothing to do, no launch error."""
+    for shape in ((0, 2, 5, 4), (2, 0, 5, 4), (2, 2, 0, 4), (2, 2, 5, 0)):
+        buffer = torch.randn(*shape)
+        mask = torch.ones(shape[0], shape[2], dtype=torch.int64)
+        _check_compaction(emulated, buffer, _plain, mask)
+
+
+def test_compact_kv_op_with_a_strided_mask(emulated):
+    """The op itself (as torch.ops.speculative_kernels_cuda.compact_kv_ takes it) with an int8 mask whose rows are a
+    view of wider rows (the binding requires unit stride over slots only): each row reads its own mask row."""
+    g = torch.Generator().manual_seed(5)
+    wide = (torch.rand(3, 50, generator=g) < 0.5).to(torch.int8)
+    mask = wide[:, 3:43]
+    buffer = torch.randn(3, 2, 40, 7, generator=g)
+    want = buffer.clone()
+    compact_kv(want, mask, backend="torch")
+    emulated.op_compact_kv(buffer, mask)
+    assert torch.equal(_bits(buffer), _bits(want))

@@ -1,23 +1,29 @@
-"""The CUDA kernels of ``csrc/`` run on the CPU: a host build of the unmodified ``verify_kernels.cu`` in which every CUDA
-thread is a fiber, so the GPU tests' own checks can run where no GPU is (this project's usual machine).
+"""The CUDA kernels of ``csrc/`` run on the CPU: a host build of the unmodified ``verify_kernels.cu`` and
+``rollback_kernels.cu`` in which every CUDA thread is a fiber, so the GPU tests' own checks can run where no GPU is
+(this project's usual machine).
 
-``build(out_dir)`` compiles it (g++ and the CUDA toolkit's headers; ~40 s): ``transform`` rewrites only the four
-kernel launches (``kernel<<<grid, block, 0, stream>>>(params)`` -> ``emu::launch``) and ``cudaGetLastError()``;
-``shim.h`` (included before every source) maps the CUDA keywords and intrinsics onto the host: ``__shared__`` is
-``static`` (one block runs at a time), the ``_rn`` intrinsics are IEEE float operations, ``max.NaN.f32`` takes the
-sources' portable branch; ``runtime.cpp`` runs each block's threads as fibers: ``__syncthreads`` and full-mask warp
-shuffles are real rendezvous points, and a barrier reached at different lines or after some threads exited, a shuffle
-with an exited lane, a partial mask or a deadlock is an error (``EmulatedOps.check``). ``capi.cpp`` is the C entry
-point the ops below call through ctypes.
+``build(out_dir)`` compiles it (g++ and the CUDA toolkit's headers; ~40 s): ``transform`` rewrites only the kernel
+launches (``kernel<<<grid, block, shared, stream>>>(args)`` -> ``emu::launch``, counted per file in ``LAUNCHES``),
+``extern __shared__`` arrays (-> the launch's dynamic shared memory) and ``cudaGetLastError()``; ``shim.h`` (included
+before every source) maps the CUDA keywords and intrinsics onto the host: ``__shared__`` is ``static`` (one block runs
+at a time), the ``_rn`` intrinsics are IEEE float operations, ``max.NaN.f32`` takes the sources' portable branch;
+``runtime.cpp`` runs each block's threads as fibers: ``__syncthreads``, full-mask warp shuffles and ballots are real
+rendezvous points, and a barrier reached at different lines or after some threads exited, a shuffle with an exited
+lane, a partial mask, a deadlock or a launch configuration the device refuses (block > 1024 threads, grid.y > 65535,
+dynamic shared memory > 48 KiB) is an error (``EmulatedOps.check``). Dynamic shared memory ends at an inaccessible page
+and is refilled with garbage before each block. ``capi.cpp`` is the C entry point the ops below call through ctypes.
 
 ``EmulatedOps`` mirrors ``bindings.cpp`` (unit stride over V, mixed dtypes promoted to float32, contiguous cut and
-per-row tensors, the workspace) and copies every tensor it passes into memory whose end touches an inaccessible page,
-keeping its strides and its 16-byte alignment, so a read past a buffer faults. ``verify`` / ``sample`` are
-``cuda_backend``'s, through ``ops.cuda_host`` with these ops in place of ``torch.ops.speculative_kernels_cuda``.
+per-row tensors, the workspace) and ``rollback_bindings.cpp`` (its checks, [B, H, S, D] strides as they are) and copies
+every tensor it passes into memory whose end touches an inaccessible page, keeping its strides and its 16-byte
+alignment, so a read past a buffer faults (the in-place KV cache is copied back over its whole span, gaps between
+its rows included, so a stray store there shows). ``verify`` / ``sample`` are ``cuda_backend``'s and ``compact_kv``
+is ``compaction_cuda``'s, through ``ops.cuda_host`` with these ops in place of ``torch.ops.speculative_kernels_cuda``.
 
 What it cannot show: the real NaN-propagating max instructions (their documented semantics are emulated), CUDA's
 ``expf`` (glibc's is used: the softmax sum may differ by an ulp), anything about timing, occupancy or memory ordering
-across blocks. A GPU run still validates the kernels; this catches index, tie-break, barrier and shuffle errors first.
+across blocks (blocks run one after another, in order). A GPU run still validates the kernels; this catches index,
+tie-break, barrier and shuffle errors first.
 """
 
 import ctypes
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from speculative_kernels.ops.cuda_host import sample_with, verify_with
+from speculative_kernels.ops.cuda_host import compact_kv_with, sample_with, verify_with
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[2] / "csrc"
@@ -39,8 +45,10 @@ TORCH_FLAGS = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
 # IEEE arithmetic as the kernels' (no fused multiply-adds the source does not write, no fast math)
 CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-U_FORTIFY_SOURCE",
              "-Wno-comment", "-Wno-unknown-pragmas", "-Wno-class-memaccess")
-_LAUNCH = re.compile(r"(\w+(?:<[^;<>]*>)?)<<<([^,]+),\s*([^,]+),\s*0,\s*stream>>>\((\w+)\);")
-LAUNCHES = 4  # verify_kernels.cu's kernel launches (a new one must be counted here)
+_LAUNCH = re.compile(r"(\w+(?:<[^;<>]*>)?)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*stream>>>\(([^;]*)\);")
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s+"
+                            r"(\w+)\[\];")
+LAUNCHES = {"verify_kernels.cu": 4, "rollback_kernels.cu": 1}  # kernel launches per source (count a new one here)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc's LogitDtype
 
 
@@ -66,13 +74,20 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def transform(source: str) -> str:
-    """verify_kernels.cu -> host C++: each launch becomes ``::emu::launch``; ``cudaGetLastError()`` -> cudaSuccess."""
-    host, n = _LAUNCH.subn(lambda m: f"::emu::launch([&] {{ {m.group(1)}({m.group(4)}); }}, dim3({m.group(2)}), "
-                                     f"dim3({m.group(3)}));", source)
-    if n != LAUNCHES:
-        raise RuntimeError(f"expected {LAUNCHES} kernel launches of the form kernel<<<grid, block, 0, stream>>>(params)"
-                           f" in verify_kernels.cu, found {n}: update tests/helpers/cuda_emulation")
+def transform(source: str, name: str = "verify_kernels.cu") -> str:
+    """A kernel source of csrc/ (``name``, a key of ``LAUNCHES``) -> host C++: each launch becomes ``::emu::launch``
+    (with its dynamic shared bytes), each ``extern __shared__ T name[];`` a pointer to the launch's dynamic shared
+    memory, ``cudaGetLastError()`` -> cudaSuccess."""
+    host, n = _LAUNCH.subn(lambda m: f"::emu::launch([&] {{ {m.group(1)}({m.group(5)}); }}, dim3({m.group(2)}), "
+                                     f"dim3({m.group(3)}), {m.group(4)});", source)
+    if n != LAUNCHES[name]:
+        raise RuntimeError(f"expected {LAUNCHES[name]} kernel launches of the form kernel<<<grid, block, shared, "
+                           f"stream>>>(args) in {name}, found {n}: update tests/helpers/cuda_emulation")
+    host = _EXTERN_SHARED.sub(
+        lambda m: f"{m.group(1)}* {m.group(2)} = static_cast<{m.group(1)}*>(::emu::dynamic_shared());", host)
+    if "extern __shared__" in host:
+        raise RuntimeError(f"an extern __shared__ declaration of {name} is not of the form "
+                           "extern __shared__ [__align__(n)] T name[];: update tests/helpers/cuda_emulation")
     return host.replace("cudaGetLastError()", "cudaSuccess")
 
 
@@ -80,10 +95,12 @@ def build(out_dir: Path, csrc: Path = CSRC) -> Path:
     """Compile the emulation of ``csrc`` into ``out_dir``; returns the shared library's path. RuntimeError with the
     compiler's output if a unit does not compile."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    host = out_dir / "verify_kernels_host.cpp"
-    host.write_text(transform((csrc / "verify_kernels.cu").read_text()))
+    hosts = []
+    for name in LAUNCHES:
+        hosts.append(out_dir / f"{Path(name).stem}_host.cpp")
+        hosts[-1].write_text(transform((csrc / name).read_text(), name))
     flags = [*CXX_FLAGS, f"-I{cuda_include_dir()}", f"-I{csrc}", "-include", str(HERE / "shim.h"), *TORCH_FLAGS]
-    units = [host, HERE / "runtime.cpp", HERE / "capi.cpp"]
+    units = [*hosts, HERE / "runtime.cpp", HERE / "capi.cpp"]
     jobs = [(subprocess.Popen(["g++", *flags, "-c", str(u), "-o", str(out_dir / f"{u.stem}.o")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), u) for u in units]
     for job, unit in jobs:
@@ -110,8 +127,16 @@ class EmulatedOps:
                                    i64, i32, p, p, p, ctypes.c_size_t]
         lib.emu_sample.restype = i32
         lib.emu_sample.argtypes = [i32, p, i32, i32, i64, f32, p, p, p, p, i64, p, i64, i32, p, p, ctypes.c_size_t]
+        lib.emu_compact_kv.restype = i32
+        lib.emu_compact_kv.argtypes = [p, i32, i32, i32, i32, i32, i64, i64, i64, p, i64]
         lib.emu_errors.restype = i32
+        lib.emu_set_reverse_order.restype, lib.emu_set_reverse_order.argtypes = None, [i32]
         self._buffers = []  # guarded copies stay mapped while the ops' results may still view them (small tests)
+
+    def set_reverse_order(self, reverse: bool) -> None:
+        """Run each block's ready threads last-first (True) or first-first (the default) between rendezvous points: a
+        race that one order hides (a load after another thread's store with no barrier between) the other shows."""
+        self.lib.emu_set_reverse_order(int(bool(reverse)))
 
     def check(self) -> None:
         """RuntimeError if the emulation reported an error (a divergent barrier, a shuffle with an exited lane, ...;
@@ -202,6 +227,42 @@ class EmulatedOps:
         if error:
             raise RuntimeError(f"sample_launch returned CUDA error {error}")
         return out.clone()
+
+    def op_compact_kv(self, kv, slot_mask):
+        """rollback_bindings.cpp's compact_kv_cuda (its checks, as RuntimeError): in place on kv [B, H, S, D], run on
+        a guarded copy of kv's whole span (the elements between its rows too) that is then copied back over it."""
+        if kv.dim() != 4:
+            raise RuntimeError(f"kv must be [B, H, S, D], got shape {list(kv.shape)}")
+        if slot_mask.dim() != 2:
+            raise RuntimeError(f"slot_mask must be [B, S], got shape {list(slot_mask.shape)}")
+        if slot_mask.dtype != torch.int8:
+            raise RuntimeError(f"slot_mask must be int8, got {slot_mask.dtype}")
+        if slot_mask.shape[0] != kv.shape[0] or slot_mask.shape[1] != kv.shape[2]:
+            raise RuntimeError(f"slot_mask has shape {list(slot_mask.shape)} but kv has {list(kv.shape)} ([B, S] must "
+                               "match)")
+        if not (slot_mask.stride(1) == 1 or slot_mask.shape[1] <= 1):
+            raise RuntimeError("slot_mask must have unit stride over slots")
+        if not (kv.stride(3) == 1 or kv.shape[3] <= 1):
+            raise RuntimeError(f"kv must have unit stride over the head dimension, got strides {kv.stride()}")
+        if any(not 0 <= n <= 2**31 - 1 for n in kv.shape):
+            raise RuntimeError(f"a size of kv {list(kv.shape)} is out of the supported range [0, 2^31)")
+        if kv.element_size() not in (1, 2, 4, 8):
+            raise RuntimeError(f"kv must have 1-, 2-, 4- or 8-byte elements, got {kv.dtype}")
+        g = self._guarded(kv)
+        m = self._guarded(slot_mask)
+        batch, heads, slots, head_dim = kv.shape
+        error = self.lib.emu_compact_kv(g.data_ptr(), kv.element_size(), batch, heads, slots, head_dim, *g.stride()[:3],
+                                        m.data_ptr(), m.stride(0))
+        self.check()
+        if error:
+            raise RuntimeError(f"compact_kv_launch returned CUDA error {error}")
+        if kv.numel():
+            span = 1 + sum((n - 1) * s for n, s in zip(kv.shape, kv.stride()))
+            kv.as_strided((span,), (1,)).copy_(g.as_strided((span,), (1,)))
+
+    def compact_kv(self, tensors, slot_mask):
+        """``compaction_cuda.compact_kv`` on the emulated op (through ``ops.cuda_host``)."""
+        compact_kv_with(self.op_compact_kv, tensors, slot_mask)
 
     def verify(self, target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
         """``cuda_backend.verify`` on the emulated ops."""

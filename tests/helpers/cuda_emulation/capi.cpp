@@ -1,9 +1,11 @@
 // The C entry points of the CUDA emulation (tests/helpers/cuda_emulation): guarded allocations, and verify/sample
-// launched as bindings.cpp launches them (VerifyParams, the workspace), on the host build of verify_kernels.cu.
+// launched as bindings.cpp launches them (VerifyParams, the workspace), on the host build of verify_kernels.cu, and
+// compact_kv as rollback_bindings.cpp launches it (CompactParams), on the host build of rollback_kernels.cu.
+#include "rollback_kernels.cuh"
 #include "verify_kernels.cuh"
 #include <sys/mman.h>
 #include <unistd.h>
-namespace emu { extern long long n_switches; extern int errors; }
+namespace emu { extern long long n_switches; extern int errors; extern int reverse_order; }
 using namespace speculative_kernels;
 extern "C" {
 // nbytes of memory, 16-byte aligned, whose end (rounded up to 16) touches a PROT_NONE page (and one before it).
@@ -19,6 +21,7 @@ void* emu_alloc(size_t nbytes) {
   return m + (data_pages + 1) * page - rounded;
 }
 int emu_errors() { return emu::errors; }
+void emu_set_reverse_order(int reverse) { emu::reverse_order = reverse; }
 long long emu_switches() { return emu::n_switches; }
 size_t emu_workspace_bytes(int batch, int num_draft, int vocab, int has_draft) {
   return verify_workspace_bytes(batch, num_draft, vocab, has_draft != 0);
@@ -49,5 +52,14 @@ int emu_sample(int dtype, const void* logits, int batch, int vocab, int64_t stri
   return static_cast<int>(sample_launch(static_cast<LogitDtype>(dtype), logits, batch, vocab, stride_b, temperature,
                                         temperature_rows, cs, ci, seed, seed_stride, offset, offset_stride,
                                         seed_per_row != 0, tokens, ws, ws_bytes, nullptr));
+}
+int emu_compact_kv(void* kv, int element_bytes, int batch, int heads, int slots, int head_dim, int64_t stride_b,
+                   int64_t stride_h, int64_t stride_s, const int8_t* slot_mask, int64_t mask_stride_b) {
+  CompactParams p;
+  p.kv = kv; p.element_bytes = element_bytes;
+  p.batch = batch; p.heads = heads; p.slots = slots; p.head_dim = head_dim;
+  p.stride_b = stride_b; p.stride_h = stride_h; p.stride_s = stride_s;
+  p.slot_mask = slot_mask; p.mask_stride_b = mask_stride_b;
+  return static_cast<int>(compact_kv_launch(p, nullptr));
 }
 }

@@ -4,6 +4,7 @@
 #include <vector>
 #include <stdexcept>
 #include <string>
+#include <sys/mman.h>
 
 namespace emu {
 Idx g_thread, g_block, g_blockdim, g_griddim;
@@ -28,6 +29,10 @@ static std::vector<int> slots;
 static std::vector<int> warp_round;  // generation per warp
 long long n_switches = 0;
 int errors = 0;
+// The order the ready threads of a block run in between rendezvous points: thread 0 first, or the last first. A
+// kernel that stores before a barrier what another thread loads after it (a missing __syncthreads) reads the stored
+// value in one order or the other.
+int reverse_order = 0;
 
 void fail(const char* what, const std::source_location& loc) {
   std::fprintf(stderr, "EMU ERROR: %s at %s:%u (block %u,%u thread %u)\n", what, loc.file_name(), loc.line(),
@@ -66,6 +71,45 @@ void warp_exchange(unsigned mask, const std::source_location& loc, int value, in
   yield_to_sched();
 }
 
+unsigned warp_ballot(unsigned mask, const std::source_location& loc, int pred) {
+  if (mask != 0xffffffffu) fail("partial ballot mask not emulated", loc);
+  const int me = cur;
+  const int base = me & ~31;
+  slots[me] = pred != 0;
+  fibers[me].state = WAIT_WARP;
+  fibers[me].site = loc;
+  yield_to_sched();
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= static_cast<unsigned>(slots[base + l] != 0) << l;
+  fibers[me].state = WAIT_WARP;  // second rendezvous: nobody overwrites slots before all lanes read
+  fibers[me].site = loc;
+  yield_to_sched();
+  return bits;
+}
+
+// Dynamic shared memory: the launch's bytes at the end of a mapping whose next page is inaccessible (so a staging
+// index past the launch's size faults), refilled with a pattern before each block (so a read of an element no thread
+// of this block wrote shows up as garbage, not as the previous block's data).
+static char* shared_map = nullptr;
+static size_t shared_map_bytes = 0, shared_bytes_now = 0;
+static char* shared_base = nullptr;
+
+void* dynamic_shared() { return shared_base; }
+
+static void map_shared(size_t bytes) {
+  const size_t page = 4096;
+  const size_t rounded = (bytes + 15) / 16 * 16;
+  const size_t data_pages = (rounded + page - 1) / page;
+  const size_t total = (data_pages + 1) * page;
+  if (shared_map) munmap(shared_map, shared_map_bytes);
+  shared_map = static_cast<char*>(mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (shared_map == MAP_FAILED) { std::perror("mmap"); std::abort(); }
+  mprotect(shared_map + data_pages * page, page, PROT_NONE);
+  shared_map_bytes = total;
+  shared_base = shared_map + data_pages * page - rounded;
+  shared_bytes_now = bytes;
+}
+
 static void entry() {
   try {
     body();
@@ -98,7 +142,8 @@ static void run_block(int n) {
   }
   for (;;) {
     bool ran = false;
-    for (int i = 0; i < n; ++i) {
+    for (int k = 0; k < n; ++k) {
+      const int i = reverse_order ? n - 1 - k : k;
       if (fibers[i].state != RUN) continue;
       cur = i;
       g_thread = {static_cast<unsigned>(i), 0, 0};
@@ -160,13 +205,23 @@ static void run_block(int n) {
   }
 }
 
-void launch(const std::function<void()>& kernel, dim3 grid, dim3 block) {
+void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t shared_bytes) {
+  // the limits of sm_80 / sm_90 without opt-in attributes: a launch past them fails on the device
+  if (block.x == 0 || block.x > 1024 || block.y != 1 || block.z != 1 || grid.x == 0 || grid.x > 0x7fffffffu ||
+      grid.y == 0 || grid.y > 65535 || grid.z != 1 || shared_bytes > 48 * 1024) {
+    std::fprintf(stderr, "EMU ERROR: launch configuration grid (%u,%u,%u) block (%u,%u,%u) shared %zu bytes\n",
+                 grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
+    ++errors;
+    return;
+  }
+  if (shared_bytes) map_shared(shared_bytes);
   g_griddim = {grid.x, grid.y, grid.z};
   g_blockdim = {block.x, block.y, block.z};
   body = kernel;
   for (unsigned by = 0; by < grid.y && !errors; ++by)
     for (unsigned bx = 0; bx < grid.x && !errors; ++bx) {
       g_block = {bx, by, 0};
+      if (shared_bytes) std::memset(shared_base, 0xA5, shared_bytes);
       run_block(static_cast<int>(block.x));
     }
 }

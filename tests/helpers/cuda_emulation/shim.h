@@ -34,6 +34,8 @@ struct Idx { unsigned x, y, z; };
 extern Idx g_thread, g_block, g_blockdim, g_griddim;
 void block_wait(const std::source_location& loc, int pred, int* out);
 void warp_exchange(unsigned mask, const std::source_location& loc, int value, int src_lane, bool xor_mode, int* out);
+unsigned warp_ballot(unsigned mask, const std::source_location& loc, int pred);
+void* dynamic_shared();  // this launch's dynamic shared memory (extern __shared__), ending at an inaccessible page
 void fail(const char* what, const std::source_location& loc);
 }  // namespace emu
 
@@ -64,6 +66,10 @@ inline int __shfl_sync(unsigned mask, int v, int src, int width = 32,
   emu::warp_exchange(mask, loc, v, src, false, &out);
   return out;
 }
+inline unsigned __ballot_sync(unsigned mask, int pred, std::source_location loc = std::source_location::current()) {
+  return emu::warp_ballot(mask, loc, pred);
+}
+inline int __popc(unsigned x) { return std::popcount(x); }
 inline int atomicOr(int* p, int v) { int o = *p; *p = o | v; return o; }
 inline int atomicMin(int* p, int v) { int o = *p; *p = o < v ? o : v; return o; }
 
@@ -78,5 +84,7 @@ inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline float __uint2float_rn(unsigned x) { return static_cast<float>(x); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return static_cast<unsigned>((static_cast<uint64_t>(a) * b) >> 32); }
 namespace emu {
-void launch(const std::function<void()>& kernel, dim3 grid, dim3 block);
+// Runs every block of the grid, one after another; shared_bytes of dynamic shared memory (fresh and filled with a
+// garbage pattern for each block). A launch configuration the device would refuse is an error.
+void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t shared_bytes = 0);
 }
