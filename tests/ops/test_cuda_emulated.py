@@ -35,10 +35,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture(scope="session")
 def emulated(tmp_path_factory):
-    """EmulatedOps of this checkout's csrc/, built once per test session (the workers share one build)."""
-    sources = sorted(cuda_emulation.CSRC.glob("*.cu*")) + sorted(cuda_emulation.CSRC.glob("*.h")) + sorted(
-        cuda_emulation.HERE.glob("*.[ch]*"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    """EmulatedOps of this checkout's csrc/, built once per test session (the workers share one build). The build is
+    keyed by every file it is made from: csrc/'s and the emulation's own, its transform and flags included (a key of
+    the C++ sources alone ran a stale build after a change of the transform)."""
+    sources = [p for folder in (cuda_emulation.CSRC, cuda_emulation.HERE) for p in sorted(folder.iterdir())
+               if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".cpp", ".py")]
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
     root = tmp_path_factory.getbasetemp().parent / f"cuda-emulation-{digest}"
     root.mkdir(parents=True, exist_ok=True)
     library = root / "libcuda_emulation.so"
