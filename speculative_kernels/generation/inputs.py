@@ -124,6 +124,14 @@ def inferred_attention_mask(input_ids, pad_token_id: int | None, eos_token_ids) 
     return mask.long()
 
 
+def bos_id(bos_token_id) -> int:
+    """The BOS id a prompt starts from: one id (an int, or a one-element tensor as HF takes it); a list or tuple is a
+    TypeError naming it (model.generate fails on it inside transformers; with a prompt given, it only keeps it)."""
+    if isinstance(bos_token_id, (list, tuple)):
+        raise TypeError(f"bos_token_id must be one token id (an int) to start a prompt from, got {bos_token_id!r}")
+    return int(bos_token_id)
+
+
 def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
                    inferred_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder-only prompt: (input_ids [B, L] int64, attention_mask [B, L]) on the model's device, left-padded,
@@ -136,7 +144,7 @@ def prepare_prompt(model, input_ids, attention_mask, bos_token_id,
         batch = 1 if input_ids is None or input_ids.dim() < 2 else max(input_ids.shape[0], 1)
         if input_ids is None and attention_mask is not None:  # HF takes the batch size from the mask
             batch = _bos_batch(attention_mask)
-        input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
+        input_ids = torch.full((batch, 1), bos_id(bos_token_id), dtype=torch.int64, device=device)
         attention_mask = None
     input_ids = token_tensor("input_ids", input_ids, device)
     check_ids_in_vocabulary(model, "input_ids", input_ids)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from .inputs import mask_tensor, model_device, token_tensor
+from .inputs import bos_id, mask_tensor, model_device, token_tensor
 from .vocab import check_ids_in_vocabulary
 
 
@@ -62,7 +62,7 @@ def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, dev
         given = next((t for t in (attention_mask, *decoder_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0),
                      None)
         batch = 1 if given is None else given.shape[0]
-        input_ids = torch.full((batch, 1), int(bos_token_id), dtype=torch.int64, device=device)
+        input_ids = torch.full((batch, 1), bos_id(bos_token_id), dtype=torch.int64, device=device)
     if input_ids is not None:
         input_ids = token_tensor("input_ids", input_ids, device)
         if input_ids.shape[1] == 0:

@@ -605,9 +605,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
             _int_setting(name, kwargs[name])
     for name in _TOKEN_ID_FIELDS:
         token_ids(name, kwargs.get(name))
-    for name in ("pad_token_id", "bos_token_id"):  # (model.generate fails on a list deep inside transformers)
-        if isinstance(kwargs.get(name), (list, tuple)):
-            raise TypeError(f"{name} must be one token id (an int), got {kwargs[name]!r}")
+    if isinstance(kwargs.get("pad_token_id"), (list, tuple)):  # (model.generate fails on it inside transformers)
+        raise TypeError(f"pad_token_id must be one token id (an int), got {kwargs['pad_token_id']!r}")
     zero_new = kwargs.get("max_new_tokens") == 0  # HF refuses 0; here it means "return the prompt"
     if zero_new:
         kwargs["max_new_tokens"] = 1

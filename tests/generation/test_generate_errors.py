@@ -617,15 +617,18 @@ def test_stop_strings_in_a_batch_without_an_eos_id_are_refused():
 
 
 def test_one_id_settings_given_as_lists_and_checkpoint_ids_are_named():
-    """pad_token_id / bos_token_id as a list fail inside transformers (model.generate too): a TypeError naming them
-    here. A checkpoint's invalid id (old conversions carry pad_token_id=-1) is refused saying where it came from and
-    how to override it, and the override works."""
+    """pad_token_id as a list, and bos_token_id as one where the prompt starts from it, fail inside transformers
+    (model.generate too): a TypeError naming them here; with a prompt given HF only keeps a bos list, and so do we.
+    A checkpoint's invalid id (old conversions carry pad_token_id=-1) is refused saying where it came from and how to
+    override it, and the override works."""
     target = llama()
     ids = torch.tensor([[5, 6, 7]])
-    for name, value in (("pad_token_id", [50]), ("bos_token_id", (9,))):
-        with pytest.raises(TypeError, match=rf"{name} must be one token id \(an int\)"):
-            sk.generate(target, None if name == "bos_token_id" else ids, draft_model=target, max_new_tokens=3,
-                        **{name: value})
+    with pytest.raises(TypeError, match=r"pad_token_id must be one token id \(an int\)"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=3, pad_token_id=[50])
+    with pytest.raises(TypeError, match=r"bos_token_id must be one token id \(an int\) to start a prompt from"):
+        sk.generate(target, None, draft_model=target, max_new_tokens=3, bos_token_id=(9,))
+    assert torch.equal(sk.generate(target, ids, draft_model=target, max_new_tokens=3, do_sample=False, bos_token_id=[1]),
+                       target.generate(ids, max_new_tokens=3, do_sample=False, bos_token_id=[1]))
     saved = target.generation_config.pad_token_id
     target.generation_config.pad_token_id = -1
     try:
