@@ -69,6 +69,13 @@ def unavailable_reason() -> str | None:
     """Why the emulation cannot be built here (no C++ compiler, no CUDA headers), or None."""
     if shutil.which("g++") is None:
         return "no g++ on PATH"
+    try:
+        major = int(subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True, timeout=60).stdout
+                    .split(".")[0])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return "could not read g++'s version"
+    if major < 11:
+        return f"g++ {major} lacks C++20's <source_location> (g++ 11 or newer builds the emulation)"
     if cuda_include_dir() is None:
         return "no CUDA toolkit headers (cuda_bf16.h under CUDA_HOME, nvcc's toolkit or /usr/local/cuda)"
     return None
