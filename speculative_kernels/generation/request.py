@@ -23,7 +23,7 @@ from .options import BatchingOptions, CompileOptions, StaticRows
 from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
-from .settings import Plan, resolve_settings
+from .settings import HF_LOGGER, Plan, resolve_settings
 from .stats import PhaseTimer
 from .stop_strings import stop_criterion
 from .vocab import VocabBridge, logit_width
@@ -93,6 +93,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             settings.config.decoder_start_token_id = (
                 start.repeat_interleave(copies) if isinstance(start, torch.Tensor)
                 else [s for s in start for _ in range(copies)])
+    _warn_batch_without_mask(settings, input_ids, attention_mask)
     inferred_from = None
     if attention_mask is None and not encoder_decoder:  # as HF (decoder-only): padding marked by pad_token_id
         inferred = inferred_attention_mask(input_ids, settings.pad_token_id, settings.eos_token_ids)
@@ -270,3 +271,19 @@ def wants_static(plan: Plan, compile_options: CompileOptions | None, cache_given
                          f"compile=True need a fixed num_speculative_tokens (the cache is sized and the steps are "
                          f"captured for it), got {plan.num_speculative_tokens!r}")
     return True
+
+
+def _warn_batch_without_mask(settings, input_ids, attention_mask) -> None:
+    """model.generate's warnings (``_prepare_special_tokens``) for a batch given without an attention_mask: no
+    pad_token_id either (it pads with the EOS id), or a pad id that is an EOS id (no padding can be inferred)."""
+    batched = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
+    if attention_mask is not None or not batched or not settings.eos_token_ids:
+        return
+    if settings.config.pad_token_id is None:
+        HF_LOGGER.warning("The attention mask and the pad token id were not set, with a batched input. As a "
+                          "consequence, you may observe unexpected behavior. Please pass your input's "
+                          "`attention_mask` to obtain reliable results.")
+    if settings.pad_token_id in settings.eos_token_ids:
+        HF_LOGGER.warning_once("The attention mask is not set with a batched input, and cannot be inferred from input "
+                               "because pad token is same as eos token. As a consequence, you may observe unexpected "
+                               "behavior. Please pass your input's `attention_mask` to obtain reliable results.")

@@ -31,7 +31,7 @@ from .gamma import MAX_GAMMA
 
 # model.generate's logger: its length warnings are given through it here too, so transformers' verbosity settings
 # govern both alike
-_HF_LOGGER = hf_logging.get_logger("transformers.generation.utils")
+HF_LOGGER = hf_logging.get_logger("transformers.generation.utils")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 # transformers' deprecated names of its static cache (``DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS`` less the offloaded
@@ -422,12 +422,12 @@ def _length_warnings(config, prompt_length: int, max_new: int, default_max_lengt
     docs = ("Please refer to the documentation for more information. "
             "(https://huggingface.co/docs/transformers/main/en/main_classes/text_generation)")
     if config.max_new_tokens is not None and not default_max_length and config.max_length is not None:
-        _HF_LOGGER.warning(f"Both `max_new_tokens` (={config.max_new_tokens}) and `max_length`(={config.max_length}) "
+        HF_LOGGER.warning(f"Both `max_new_tokens` (={config.max_new_tokens}) and `max_length`(={config.max_length}) "
                            f"seem to have been set. `max_new_tokens` will take precedence. {docs}")
     min_length = config.min_length
     if config.min_new_tokens is not None:
         if not default_min_length:
-            _HF_LOGGER.warning(f"Both `min_new_tokens` (={config.min_new_tokens}) and `min_length`(={config.min_length})"
+            HF_LOGGER.warning(f"Both `min_new_tokens` (={config.min_new_tokens}) and `min_length`(={config.min_length})"
                                f" seem to have been set. `min_new_tokens` will take precedence. {docs}")
         min_length = config.min_new_tokens + prompt_length
     max_length = prompt_length + max_new
@@ -487,15 +487,26 @@ def _callables(name: str, value, kind: str, returns: str) -> tuple:
     return tuple(value)
 
 
-def _check_builtin_criteria(criteria, eos_token_ids, max_length: int) -> None:
+def _check_builtin_criteria(criteria, eos_token_ids, max_length: int, config=None) -> None:
     """HF's ``_merge_criteria_processor_list``: a stopping criterion of the very type ``generate`` builds itself
-    *replaces* that one. A ``MaxLengthCriteria`` replaces the max_length criterion (so HF generates up to its length,
-    even past max_length/max_new_tokens), an ``EosTokenCriteria`` the EOS criterion (the row stops at its ids, not
-    at eos_token_id's). Ours run besides the built-in stops, which is the same only where the given one stops no
-    later (a shorter MaxLengthCriteria) or stops at the same ids; anything else is refused by name."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+    *replaces* that one (with HF's warning, given here too). A ``MaxLengthCriteria`` replaces the max_length criterion
+    (so HF generates up to its length, even past max_length/max_new_tokens), an ``EosTokenCriteria`` the EOS
+    criterion (the row stops at its ids, not at eos_token_id's). Ours run besides the built-in stops, which is the
+    same only where the given one stops no later (a shorter MaxLengthCriteria) or stops at the same ids; anything
+    else is refused by name."""
+    from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                           StopStringCriteria)
 
+    built = {MaxLengthCriteria} | ({EosTokenCriteria} if eos_token_ids else set())
+    if config is not None:
+        built |= ({MaxTimeCriteria} if config.max_time is not None else set()) | (
+            {StopStringCriteria} if config.stop_strings is not None else set())
     for criterion in criteria:
+        if type(criterion) in built:
+            HF_LOGGER.warning_once(
+                f"A custom stopping criteria of type {type(criterion)} has been passed to `.generate()`, but it was "
+                f"also created in `.generate()`, given its parameterization. The custom {type(criterion)} will take "
+                f"precedence. Please check the docstring of {type(criterion)} to see related `.generate()` flags.")
         if type(criterion) is MaxLengthCriteria and criterion.max_length > max_length:
             raise ValueError(
                 f"stopping_criteria holds a MaxLengthCriteria(max_length={criterion.max_length}), which transformers' "
@@ -539,7 +550,7 @@ class Settings:
             min_new = _int_setting("min_new_tokens", config.min_new_tokens)  # (``_prepare_generated_length``)
         else:
             min_new = max(_int_setting("min_length", config.min_length) - prompt_length, 0)
-        _check_builtin_criteria(self.stopping_criteria, self.eos_token_ids, prompt_length + int(max_new))
+        _check_builtin_criteria(self.stopping_criteria, self.eos_token_ids, prompt_length + int(max_new), config)
         if config.exponential_decay_length_penalty is not None and not self.eos_token_ids:
             raise ValueError(f"exponential_decay_length_penalty={config.exponential_decay_length_penalty!r} needs "
                              "eos_token_id (it raises the EOS logits); none is set")

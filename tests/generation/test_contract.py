@@ -660,28 +660,39 @@ def test_auto_gamma_with_a_checkpoints_prompt_lookup_says_why():
         sk.generate(target, P, max_new_tokens=3, num_speculative_tokens="auto")
 
 
-@pytest.mark.parametrize("lengths", [dict(max_new_tokens=4, max_length=30), dict(max_new_tokens=4, min_new_tokens=1,
-                                                                                   min_length=12),
-                                     dict(max_new_tokens=3, min_length=30), dict(max_new_tokens=3, min_new_tokens=30)],
-                         ids=["max both", "min both", "min_length over max", "min_new_tokens over max"])
-def test_length_warnings_are_hfs(lengths):
-    """model.generate's length warnings (both forms of a limit set; a minimum above the maximum) are given with its
-    texts, through its logger or warnings as it gives them (they were dropped)."""
+@pytest.mark.parametrize("case", ["max both", "min both", "min_length over max", "min_new_tokens over max",
+                                  "batch without mask or pad", "custom MaxLengthCriteria"])
+def test_hfs_warnings_are_given(case):
+    """model.generate's warnings about the lengths (both forms of a limit set; a minimum above the maximum), a batch
+    without attention_mask (and pad_token_id) and a caller's criterion replacing its own are given with its texts,
+    through its logger or warnings as it gives them (they were dropped)."""
     import io
     import logging
     import warnings
 
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
     from transformers.utils import logging as hf_logging
 
     from helpers.models import llama
 
     target = llama()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
+    kwargs = {"max both": dict(max_new_tokens=4, max_length=30),
+              "min both": dict(max_new_tokens=4, min_new_tokens=1, min_length=12),
+              "min_length over max": dict(max_new_tokens=3, min_length=30),
+              "min_new_tokens over max": dict(max_new_tokens=3, min_new_tokens=30),
+              "batch without mask or pad": dict(max_new_tokens=3, pad_token_id=None),
+              "custom MaxLengthCriteria": dict(max_new_tokens=6,
+                                               stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(8)]))}[case]
+    if case == "batch without mask or pad":
+        ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    logger = hf_logging.get_logger()
 
     def given(call):
-        stream, logger = io.StringIO(), hf_logging.get_logger()
+        stream = io.StringIO()
         handler = logging.StreamHandler(stream)
         logger.addHandler(handler)
+        logger.warning_once.cache_clear()  # (each side its own first warning)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -689,9 +700,9 @@ def test_length_warnings_are_hfs(lengths):
         finally:
             logger.removeHandler(handler)
         lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
-        return sorted(line for line in lines if "length" in line)
+        return sorted(line for line in lines if any(word in line for word in ("length", "attention mask", "custom")))
 
-    expected = given(lambda: target.generate(ids, do_sample=False, **lengths))
+    expected = given(lambda: target.generate(ids, do_sample=False, **kwargs))
     assert expected
     assert given(lambda: sk.generate(target, ids, draft_model=target, num_speculative_tokens=3, do_sample=False,
-                                     **lengths)) == expected
+                                     **kwargs)) == expected
