@@ -642,6 +642,10 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     _checkpoint_fields({name: getattr(config, name, None) for name in own}, sampling=bool(config.do_sample))
     if config.cache_implementation in STATIC_ALIASES:  # what model.generate builds for them: its static cache
+        HF_LOGGER.warning_once(  # (its text, transformers 5.17 to 5.24)
+            f"Using `cache_implementation='{config.cache_implementation}' is deprecated and will be removed in v5.13. "
+            "Please only use one of ('static', 'offloaded_static'), and the layer structure will be inferred "
+            "automatically.")
         config.cache_implementation = "static"
     if zero_new:
         config.max_new_tokens = 0

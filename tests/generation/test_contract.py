@@ -661,10 +661,11 @@ def test_auto_gamma_with_a_checkpoints_prompt_lookup_says_why():
 
 
 @pytest.mark.parametrize("case", ["max both", "min both", "min_length over max", "min_new_tokens over max",
-                                  "batch without mask or pad", "custom MaxLengthCriteria"])
+                                  "batch without mask or pad", "custom MaxLengthCriteria", "deprecated cache name"])
 def test_hfs_warnings_are_given(case):
     """model.generate's warnings about the lengths (both forms of a limit set; a minimum above the maximum), a batch
-    without attention_mask (and pad_token_id) and a caller's criterion replacing its own are given with its texts,
+    without attention_mask (and pad_token_id), a caller's criterion replacing its own and a deprecated cache name are
+    given with its texts,
     through its logger or warnings as it gives them (they were dropped)."""
     import io
     import logging
@@ -683,7 +684,8 @@ def test_hfs_warnings_are_given(case):
               "min_new_tokens over max": dict(max_new_tokens=3, min_new_tokens=30),
               "batch without mask or pad": dict(max_new_tokens=3, pad_token_id=None),
               "custom MaxLengthCriteria": dict(max_new_tokens=6,
-                                               stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(8)]))}[case]
+                                               stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(8)])),
+              "deprecated cache name": dict(max_new_tokens=3, cache_implementation="sliding_window")}[case]
     if case == "batch without mask or pad":
         ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     logger = hf_logging.get_logger()
@@ -700,7 +702,8 @@ def test_hfs_warnings_are_given(case):
         finally:
             logger.removeHandler(handler)
         lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
-        return sorted(line for line in lines if any(word in line for word in ("length", "attention mask", "custom")))
+        words = ("length", "attention mask", "custom", "deprecated")
+        return sorted(line for line in lines if any(word in line for word in words))
 
     expected = given(lambda: target.generate(ids, do_sample=False, **kwargs))
     assert expected
