@@ -132,6 +132,11 @@ class GammaCalibrator:
         """While paused: the next iteration drafts ``resume_gamma`` tokens, to re-estimate alpha."""
         return self.paused and self.since_probe >= PROBE_EVERY
 
+    def _window_alpha(self) -> float | None:
+        """alpha over the window of recent iterations' accept tests (None where they made none)."""
+        passed, tests = (sum(column) for column in zip(*self.recent))
+        return passed / tests if tests else None
+
     def _choose(self, alpha: float) -> int:
         """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s, or 0 (where pausing is
         allowed) when even that one is expected to be slower than ``PAUSE_BELOW`` times plain decoding (while
@@ -184,8 +189,7 @@ class GammaCalibrator:
                 return None
             self.since_probe = 0
             self.recent.append(_accept_tests(accepted_counts, drafted))
-            passed, tests = (sum(column) for column in zip(*self.recent))
-            self.alpha = passed / tests
+            self.alpha = self._window_alpha()  # (a probe made at least one test)
             best = self._choose(self.alpha)
             if best == 0:
                 return None
@@ -196,10 +200,9 @@ class GammaCalibrator:
         if self.since_check < self.recheck_every or self.c is None:
             return None
         self.since_check = 0
-        passed, tests = (sum(column) for column in zip(*self.recent))
-        if not tests:
+        alpha = self._window_alpha()
+        if alpha is None:
             return None
-        alpha = passed / tests
         best = self._choose(alpha)
         if best == self.chosen or best != 0 and \
                 expected_speedup(alpha, best, self.c) <= (1 + RECHECK_MARGIN) * expected_speedup(alpha, self.chosen,

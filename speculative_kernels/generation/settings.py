@@ -29,8 +29,8 @@ from ..ops.sampling import GREEDY, Sampling
 from ..ops.validation import check_sampling_params
 from .gamma import MAX_GAMMA
 
-# model.generate's logger: its length warnings are given through it here too, so transformers' verbosity settings
-# govern both alike
+# model.generate's logger: its warnings are given through it here too, so transformers' verbosity settings govern
+# both alike
 HF_LOGGER = hf_logging.get_logger("transformers.generation.utils")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
@@ -407,9 +407,9 @@ def _check_generation_config(generation_config) -> None:
                         f"passed to GenerationConfig(...) or as a keyword), got {type(watermark).__name__}")
 
 
-def _has_default_max_length(model, generation_config, kwargs: dict, name: str = "max_length") -> bool:
-    """HF's test (``generate``, transformers 5.x): max_length set nowhere, so HF generates 20 *new* tokens (and the
-    same test of min_length, for HF's warnings)."""
+def _set_nowhere(name: str, model, generation_config, kwargs: dict) -> bool:
+    """HF's test (``generate``, transformers 5.x) of a length setting ("max_length": set nowhere, HF generates 20
+    *new* tokens; "min_length": for its warnings): not in the call, the passed generation_config or the model's."""
     return (kwargs.get(name) is None
             and (generation_config is None or getattr(generation_config, name) is None)
             and getattr(model.generation_config, name) is None)
@@ -487,7 +487,7 @@ def _callables(name: str, value, kind: str, returns: str) -> tuple:
     return tuple(value)
 
 
-def _check_builtin_criteria(criteria, eos_token_ids, max_length: int, config=None) -> None:
+def _check_builtin_criteria(criteria, eos_token_ids, max_length: int, config) -> None:
     """HF's ``_merge_criteria_processor_list``: a stopping criterion of the very type ``generate`` builds itself
     *replaces* that one (with HF's warning, given here too). A ``MaxLengthCriteria`` replaces the max_length criterion
     (so HF generates up to its length, even past max_length/max_new_tokens), an ``EosTokenCriteria`` the EOS
@@ -497,10 +497,9 @@ def _check_builtin_criteria(criteria, eos_token_ids, max_length: int, config=Non
     from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                            StopStringCriteria)
 
-    built = {MaxLengthCriteria} | ({EosTokenCriteria} if eos_token_ids else set())
-    if config is not None:
-        built |= ({MaxTimeCriteria} if config.max_time is not None else set()) | (
-            {StopStringCriteria} if config.stop_strings is not None else set())
+    built = {MaxLengthCriteria} | ({EosTokenCriteria} if eos_token_ids else set()) | (
+        {MaxTimeCriteria} if config.max_time is not None else set()) | (
+        {StopStringCriteria} if config.stop_strings is not None else set())
     for criterion in criteria:
         if type(criterion) in built:
             HF_LOGGER.warning_once(
@@ -621,7 +620,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     zero_new = kwargs.get("max_new_tokens") == 0  # HF refuses 0; here it means "return the prompt"
     if zero_new:
         kwargs["max_new_tokens"] = 1
-    default_max_length = _has_default_max_length(model, generation_config, kwargs)
+    default_max_length = _set_nowhere("max_length", model, generation_config, kwargs)
     lookup_given = {name: kwargs.get(name, getattr(generation_config, name, None))
                     for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size")}
     gamma = _choose_gamma(
@@ -703,7 +702,7 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
         raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
                     logits_processor, prefix_allowed_tokens_fn, warping, copies,
-                    _has_default_max_length(model, generation_config, kwargs, "min_length"))
+                    _set_nowhere("min_length", model, generation_config, kwargs))
 
 
 def _max_time(value) -> float | None:
