@@ -96,6 +96,7 @@ class DecodeSession:
         finally:
             self._stepping = False
         self.iterations += 1
+        self._loop.remind_past_positions()
         return self._loop.emitted()
 
     def sequences(self) -> torch.Tensor:

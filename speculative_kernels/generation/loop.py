@@ -28,7 +28,7 @@ from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
 from .runners.captured import check_no_global_hooks
-from .settings import Plan
+from .settings import Plan, remind_past_positions
 from .stats import PhaseTimer, SpeculationStats
 from .stop_strings import completes_stop_string
 from .transfer import host_to_device
@@ -845,9 +845,16 @@ class SpeculativeLoop:
         if self.plan.streamer is not None:
             self.plan.streamer.end()
         longest = max(self._generated_host, default=0)
+        self.remind_past_positions()
         self.update_stats()
         self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
         return self.sequences[:, : self.prompt_length + longest], self.stats
+
+    def remind_past_positions(self) -> None:
+        """model.generate's reminder, where the sequences so far have grown past the target's
+        max_position_embeddings before max_length (``settings.remind_past_positions``; run() and a DecodeSession's
+        steps call it)."""
+        remind_past_positions(self.plan, self.prompt_length, max(self._generated_host, default=0))
 
     def _drop_finished_rows(self, dropper: RowDropper) -> None:
         """Keep only the unfinished rows in every per-row state: outputs, flags, keys, runners (the row choice is

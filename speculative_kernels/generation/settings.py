@@ -23,6 +23,7 @@ import warnings
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.utils import logging as hf_logging
 
 from ..ops.sampling import GREEDY, Sampling
@@ -32,6 +33,8 @@ from .gamma import MAX_GAMMA
 # model.generate's logger: its warnings are given through it here too, so transformers' verbosity settings govern
 # both alike
 HF_LOGGER = hf_logging.get_logger("transformers.generation.utils")
+# and its stopping criteria's (``MaxLengthCriteria`` gives the reminder about max_position_embeddings)
+HF_CRITERIA_LOGGER = hf_logging.get_logger("transformers.generation.stopping_criteria")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 # transformers' deprecated names of its static cache (``DEPRECATED_STATIC_CACHE_IMPLEMENTATIONS`` less the offloaded
@@ -220,6 +223,9 @@ class Plan:
     # num_speculative_tokens as the request set it, where build_loop capped num_speculative_tokens at what its
     # iterations can draft (None: not capped)
     gamma_setting: int | None = None
+    # the target's config.max_position_embeddings (None: it has none), for HF's reminder past it
+    # (``remind_past_positions``)
+    max_position_embeddings: int | None = None
 
     @property
     def processors_warp(self) -> bool:
@@ -444,6 +450,21 @@ def _length_warnings(config, prompt_length: int, max_new: int, default_max_lengt
                       + suffix, UserWarning, stacklevel=5)
 
 
+def remind_past_positions(plan: Plan, prompt_length: int, longest: int) -> None:
+    """model.generate's reminder (its ``MaxLengthCriteria``, once per process through its logger) that a sequence
+    grew past the target's ``max_position_embeddings``: HF checks every length L from prompt_length + 1 to the
+    sequence's (prompt_length + longest new tokens) and reminds at the first with L > max_position_embeddings and
+    L < max_length (prompt_length + max_new_tokens: not at the last token)."""
+    limit = plan.max_position_embeddings
+    if limit is None:
+        return
+    if max(prompt_length + 1, limit + 1) <= min(prompt_length + longest, prompt_length + plan.max_new_tokens - 1):
+        HF_CRITERIA_LOGGER.warning_once(  # (its text, transformers 5.17 to 5.24)
+            "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
+            f"maximum length ({limit}). Depending on the model, you may observe "
+            "exceptions, performance degradation, or nothing at all.")
+
+
 def _max_new_tokens(model, config, prompt_length: int, default_max_length: bool) -> int:
     """New tokens to generate, as model.generate decides them (``_prepare_generated_length``): max_new_tokens if
     set; else, for HF's default max_length (20), 20 new tokens capped at max_position_embeddings (with HF's
@@ -494,8 +515,7 @@ def _check_builtin_criteria(criteria, eos_token_ids, max_length: int, config) ->
     criterion (the row stops at its ids, not at eos_token_id's). Ours run besides the built-in stops, which is the
     same only where the given one stops no later (a shorter MaxLengthCriteria) or stops at the same ids; anything
     else is refused by name."""
-    from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
-                                                           StopStringCriteria)
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxTimeCriteria, StopStringCriteria
 
     built = {MaxLengthCriteria} | ({EosTokenCriteria} if eos_token_ids else set()) | (
         {MaxTimeCriteria} if config.max_time is not None else set()) | (
@@ -577,6 +597,9 @@ class Settings:
             watermark=config.watermarking_config is not None,
             stop_strings=stop_strings(config.stop_strings),
             max_time=_replaced_max_time(config.max_time, self.stopping_criteria),
+            # (a caller's MaxLengthCriteria replaces HF's, and with it the reminder: it reminds by its own fields)
+            max_position_embeddings=None if any(type(c) is MaxLengthCriteria for c in self.stopping_criteria)
+            else getattr(model.config, "max_position_embeddings", None),
         )
 
 

@@ -661,18 +661,14 @@ def test_auto_gamma_with_a_checkpoints_prompt_lookup_says_why():
 
 
 @pytest.mark.parametrize("case", ["max both", "min both", "min_length over max", "min_new_tokens over max",
-                                  "batch without mask or pad", "custom MaxLengthCriteria", "deprecated cache name"])
+                                  "batch without mask or pad", "custom MaxLengthCriteria", "deprecated cache name",
+                                  "past max_position_embeddings"])
 def test_hfs_warnings_are_given(case):
     """model.generate's warnings about the lengths (both forms of a limit set; a minimum above the maximum), a batch
     without attention_mask (and pad_token_id), a caller's criterion replacing its own and a deprecated cache name are
-    given with its texts,
+    given with its texts, and so is the reminder past max_position_embeddings,
     through its logger or warnings as it gives them (they were dropped)."""
-    import io
-    import logging
-    import warnings
-
     from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
-    from transformers.utils import logging as hf_logging
 
     from helpers.models import llama
 
@@ -685,27 +681,75 @@ def test_hfs_warnings_are_given(case):
               "batch without mask or pad": dict(max_new_tokens=3, pad_token_id=None),
               "custom MaxLengthCriteria": dict(max_new_tokens=6,
                                                stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(8)])),
-              "deprecated cache name": dict(max_new_tokens=3, cache_implementation="sliding_window")}[case]
+              "deprecated cache name": dict(max_new_tokens=3, cache_implementation="sliding_window"),
+              "past max_position_embeddings": dict(max_new_tokens=6)}[case]
     if case == "batch without mask or pad":
         ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    logger = hf_logging.get_logger()
-
-    def given(call):
-        stream = io.StringIO()
-        handler = logging.StreamHandler(stream)
-        logger.addHandler(handler)
-        logger.warning_once.cache_clear()  # (each side its own first warning)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                call()
-        finally:
-            logger.removeHandler(handler)
-        lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
-        words = ("length", "attention mask", "custom", "deprecated")
-        return sorted(line for line in lines if any(word in line for word in words))
-
-    expected = given(lambda: target.generate(ids, do_sample=False, **kwargs))
+    if case == "past max_position_embeddings":  # (a rotary model: the config's number is only a reminder)
+        target.config.max_position_embeddings = 8
+    expected = _hf_warnings(lambda: target.generate(ids, do_sample=False, **kwargs))
     assert expected
-    assert given(lambda: sk.generate(target, ids, draft_model=target, num_speculative_tokens=3, do_sample=False,
-                                     **kwargs)) == expected
+    assert _hf_warnings(lambda: sk.generate(target, ids, draft_model=target, num_speculative_tokens=3,
+                                            do_sample=False, **kwargs)) == expected
+
+
+def test_hfs_reminder_past_max_position_embeddings_is_given_where_hfs_is():
+    """HF's MaxLengthCriteria reminds (once per process) when a sequence grows past config.max_position_embeddings
+    before max_length: at each length L it checks L > max_position_embeddings and L < max_length. Ours gives it for
+    the same limits, after EOS too (its length is where the sequence ended), with a DecodeSession's steps, and not
+    where a caller's MaxLengthCriteria replaces HF's (whose own fields then decide)."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+    from helpers.models import llama
+
+    target, draft = llama(), llama(layers=1, seed=2)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    plain = target.generate(ids, do_sample=False, max_new_tokens=8)
+    eos = int(plain[0, 5 + 3])  # the fourth new token: an EOS there ends the sequence at length 9
+
+    def reminded(call) -> bool:
+        return any("friendly reminder" in line for line in _hf_warnings(call))
+
+    seen = set()
+    for limit in range(3, 15):
+        for kwargs in (dict(max_new_tokens=1), dict(max_new_tokens=6), dict(max_new_tokens=8, eos_token_id=eos),
+                       dict(max_new_tokens=8, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(11)]))):
+            target.config.max_position_embeddings = limit
+            expected = reminded(lambda: target.generate(ids, do_sample=False, **kwargs))
+            assert reminded(lambda: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3,
+                                                do_sample=False, **kwargs)) == expected, (limit, kwargs)
+            seen.add(expected)
+    assert seen == {True, False}
+    target.config.max_position_embeddings = 8
+
+    def session():
+        run = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, max_new_tokens=6)
+        while not run.finished:
+            run.step()
+
+    assert reminded(session)
+
+
+def _hf_warnings(call) -> list[str]:
+    """The lines model.generate's length, mask, criteria and cache warnings give during call(), through transformers'
+    loggers and ``warnings`` (each side's first warning_once: its cache is cleared)."""
+    import io
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.warning_once.cache_clear()  # (each side its own first warning)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+    finally:
+        logger.removeHandler(handler)
+    lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
+    words = ("length", "attention mask", "custom", "deprecated")
+    return sorted(line for line in lines if any(word in line for word in words))
