@@ -14,6 +14,10 @@ build takes ~40 s once per test session (shared by the xdist workers through a l
 
 import fcntl
 import hashlib
+import os
+import shutil
+import subprocess
+import time
 
 import pytest
 import torch
@@ -36,13 +40,21 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.fixture(scope="session")
 def emulated(tmp_path_factory):
     """EmulatedOps of this checkout's csrc/, built once per test session (the workers share one build). The build is
-    keyed by every file it is made from: csrc/'s and the emulation's own, its transform and flags included (a key of
-    the C++ sources alone ran a stale build after a change of the transform)."""
+    keyed by every file it is made from (csrc/'s and the emulation's own, its transform and flags included: a key of
+    the C++ sources alone ran a stale build after a change of the transform), the compiler's version and the CUDA
+    headers' folder. Builds of other keys unused for a day are removed (they accumulated, ~1 MB each)."""
     sources = [p for folder in (cuda_emulation.CSRC, cuda_emulation.HERE) for p in sorted(folder.iterdir())
                if p.is_file() and p.suffix in (".cu", ".cuh", ".h", ".cpp", ".py")]
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
-    root = tmp_path_factory.getbasetemp().parent / f"cuda-emulation-{digest}"
+    compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
+    key = b"".join(p.name.encode() + p.read_bytes() for p in sources) + compiler.encode() + str(
+        cuda_emulation.cuda_include_dir()).encode()
+    parent = tmp_path_factory.getbasetemp().parent
+    root = parent / f"cuda-emulation-{hashlib.sha256(key).hexdigest()[:16]}"
     root.mkdir(parents=True, exist_ok=True)
+    os.utime(root)  # (in use: kept)
+    for old in parent.glob("cuda-emulation-*"):
+        if old != root and time.time() - old.stat().st_mtime > 86400:
+            shutil.rmtree(old, ignore_errors=True)
     library = root / "libcuda_emulation.so"
     with open(root / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
