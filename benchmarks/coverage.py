@@ -476,6 +476,10 @@ def render(rows, version: str) -> str:
         "language, Granite Speech with PEFT adapters loaded): refused, naming the override, since "
         "`speculative_kernels.generate` would skip its extra steps. Overrides that only route audio inputs are "
         "reviewed and accepted (`GENERATE_ROUTES_INPUTS_ONLY`).",
+        "* **Mixture-of-experts configs with `output_router_logits: true`** (a training run's load-balancing loss, kept "
+        "in a fine-tune's config.json): the runners pass `output_router_logits=False` (`capabilities.forward_flags`); "
+        "the router logits feed only that loss, never the logits. (model.generate runs such a config without an "
+        "attention_mask and fails inside transformers with one.)",
         "",
         "## Summary",
         "",

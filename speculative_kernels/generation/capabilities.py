@@ -102,6 +102,7 @@ class ModelSpec:
     (``_applies_window``): exact only for requests the window spans (``check_window_applied``).
     masked_slots_exact: False where model.generate's steps do not mask what the attention mask masks (GIT,
     ``_WIDENS_2D_MASK_OVER_CACHE``): exact only for masks without zeros (``check_masked_slots``).
+    forward_flags: keywords every forward of the runner passes (``forward_flags``).
     """
 
     architecture: str
@@ -112,6 +113,7 @@ class ModelSpec:
     cache_argument: str = "past_key_values"
     window_applied: bool = True
     masked_slots_exact: bool = True
+    forward_flags: tuple[tuple[str, object], ...] = ()
 
     @property
     def encoder_decoder(self) -> bool:
@@ -638,7 +640,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
-        return _check_encoder_decoder(model, path)
+        return dataclasses.replace(_check_encoder_decoder(model, path), forward_flags=forward_flags(model))
     reason = (_bidirectional_reason(model) or _prefix_lm_reason(model) or _two_d_mask_reason(model)
               or _input_id_positions_reason(model))
     if reason is not None:
@@ -646,7 +648,17 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     spec = _check_decoder_only(model, path, batch)
     if _WIDENS_2D_MASK_OVER_CACHE.search(_decoder_stack_source(model)[1]):
         spec = dataclasses.replace(spec, masked_slots_exact=False)
-    return spec
+    return dataclasses.replace(spec, forward_flags=forward_flags(model))
+
+
+def forward_flags(model) -> tuple[tuple[str, object], ...]:
+    """(keyword, value) pairs the runners pass to every forward of ``model``, overriding its config's defaults:
+    ``output_router_logits=False`` where the forward takes it. A mixture-of-experts config with
+    ``output_router_logits: true`` (a training run's load-balancing loss, kept in a fine-tune's config.json) makes
+    the forward multiply its router weights by the 2-D attention mask for that loss, which fails on a forward of
+    several tokens over a cache (the mask spans the cache's slots, as for model.generate's one-token steps, which
+    broadcast); the router logits feed only that loss, never the logits, so the tokens are the same."""
+    return (("output_router_logits", False),) if "output_router_logits" in _parameters(model) else ()
 
 
 def _dynamic_quantization_reason(model) -> str | None:

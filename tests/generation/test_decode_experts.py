@@ -146,3 +146,25 @@ def test_moe_on_cuda_decodes_with_transformers_own_switch():
     assert torch.equal(out, expected)
     assert hf_calls[0][2] == own[""] and {impl for _, _, impl in hf_calls[1:]} == hf_decode
     assert target.get_experts_implementation() == own
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_a_config_with_output_router_logits_true_generates_model_generates_tokens(cache):
+    """An MoE config.json with ``output_router_logits: true`` (a training run's load-balancing loss, kept by
+    fine-tuning scripts): model.generate runs without an attention_mask (its one-token steps' 2-D mask broadcasts in
+    the loss; with a mask it fails inside transformers too), ours crashed inside transformers on every call (the
+    loss multiplied the router weights of a multi-token forward by a mask over the cache's slots). The runners pass
+    output_router_logits=False (the router logits feed only that loss, never the logits): the tokens of
+    model.generate with the flag off, batch 1 and a left-padded batch, target and draft both so configured."""
+    target, draft = _mixtral(), _mixtral(seed=3)
+    ids = torch.tensor([[5, 9, 14, 3, 22, 41, 7], [0, 0, 0, 8, 30, 12, 19]])
+    mask = (ids != 0).long()
+    expected = [target.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=10, do_sample=False,
+                                pad_token_id=0) for rows in (slice(0, 1), slice(0, 2))]
+    for model in (target, draft):
+        model.config.output_router_logits = True
+    assert torch.equal(target.generate(ids[:1], max_new_tokens=10, do_sample=False, pad_token_id=0), expected[0])
+    for rows, tokens in zip((slice(0, 1), slice(0, 2)), expected):
+        out = sk.generate(target, ids[rows], attention_mask=mask[rows], draft_model=draft, max_new_tokens=10,
+                          do_sample=False, pad_token_id=0, num_speculative_tokens=3, cache_implementation=cache)
+        assert torch.equal(out, tokens), rows

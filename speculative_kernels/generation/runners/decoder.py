@@ -28,6 +28,7 @@ class DecoderRunner(SlotMaskRunner):
                  compaction_threshold: float = 0.25, compaction_backend: str = "auto", reserve: int = 0):
         super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
+        self._flags = dict(spec.forward_flags)  # (capabilities.forward_flags: output_router_logits=False)
         self.cache: RollbackCache | None = None  # made by the first forward (a draft that never runs costs nothing)
         self._logits_to_keep = accepts(model, "logits_to_keep")
         self._dtype = attention_dtype(model)
@@ -73,6 +74,7 @@ class DecoderRunner(SlotMaskRunner):
                 **{self.spec.cache_argument: self.cache if self.cache is not None
                    else RollbackCache(self.model.config)},
                 **kwargs,
+                **self._flags,
             )
         self.cache = _self_attention_cache(getattr(out, self.spec.cache_argument))
         self.num_slots = end

@@ -45,6 +45,7 @@ class Seq2SeqRunner:
     def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, encoder_outputs,
                  encoder_mask):
         self.model, self.spec, self.batch = model, spec, batch
+        self._flags = dict(spec.forward_flags)  # (capabilities.forward_flags: output_router_logits=False)
         self.encoder_outputs = encoder_outputs
         # No config: layers are created as used (a config may count the encoder's layers, e.g. T5).
         self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
@@ -132,6 +133,7 @@ class Seq2SeqRunner:
                 use_cache=True,
                 return_dict=True,
                 **{self.spec.cache_argument: self.cache},
+                **self._flags,
             )
         self.cache = getattr(out, self.spec.cache_argument)
         return out.logits

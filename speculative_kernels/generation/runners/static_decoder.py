@@ -42,6 +42,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         super().__init__(rows, capacity, device, compaction_threshold, compaction_backend)  # slot_mask [rows, C]
         self.compactor = SlotCompactor(batch, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
+        self._flags = dict(spec.forward_flags)  # (capabilities.forward_flags: output_router_logits=False)
         self.cache = SlotCache(CacheLayout.of(model, spec), batch, capacity, device, rows=rows)
         self.capacity, self.reserve = capacity, reserve  # (num_slots: the host copy of the write pointer)
         self._logits_to_keep = accepts(model, "logits_to_keep")
@@ -115,7 +116,7 @@ class StaticDecoderRunner(SlotMaskRunner):
         mask = self._additive_mask(start, start + width, self.capacity)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         return_dict=True, **{self.spec.cache_argument: self.cache}, **kwargs)
+                         return_dict=True, **{self.spec.cache_argument: self.cache}, **kwargs, **self._flags)
         self.next_position.add_(width)
         self.cache.position.add_(width)
         logits = out.logits
@@ -150,6 +151,7 @@ class StaticDecoderRunner(SlotMaskRunner):
             return_dict=True,
             **{self.spec.cache_argument: self.cache},
             **kwargs,
+            **self._flags,
         )
         self.next_position.add_(real_i.sum(dim=1))
         self.cache.position.add_(width)
