@@ -79,6 +79,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
         raise ValueError("draft_model (or assistant_model) is required, or prompt_lookup_num_tokens= (prompt lookup, "
                          "no draft model), or drafter= (a Drafter of your own)")
+    _warn_batch_without_mask(settings, input_ids, attention_mask)  # (HF's, on the caller's rows: before copies)
     copies = settings.num_return_sequences
     if copies > 1 and rows is not None:
         raise ValueError("num_return_sequences is not supported with per-row settings (a batch of separate requests)")
@@ -93,7 +94,6 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             settings.config.decoder_start_token_id = (
                 start.repeat_interleave(copies) if isinstance(start, torch.Tensor)
                 else [s for s in start for _ in range(copies)])
-    _warn_batch_without_mask(settings, input_ids, attention_mask)
     inferred_from = None
     if attention_mask is None and not encoder_decoder:  # as HF (decoder-only): padding marked by pad_token_id
         inferred = inferred_attention_mask(input_ids, settings.pad_token_id, settings.eos_token_ids)

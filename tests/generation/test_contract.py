@@ -730,6 +730,21 @@ def test_hfs_reminder_past_max_position_embeddings_is_given_where_hfs_is():
     assert reminded(session)
 
 
+def test_an_encoder_decoders_copies_of_one_prompt_get_no_batch_warning():
+    """num_return_sequences=2 of one source prompt without attention_mask or pad_token_id: model.generate tests the
+    batch size before repeating the rows (one: no warning); ours repeated the encoder input first and warned as for
+    a batch of two. A batch of two sources is warned about by both."""
+    from helpers.seq2seq_models import t5
+
+    model = t5()
+    kwargs = dict(max_new_tokens=4, do_sample=True, top_k=1, pad_token_id=None)
+    for source, copies in ((torch.tensor([[5, 6, 7, 8, 9]]), 2), (torch.tensor([[5, 6, 7], [8, 9, 10]]), 1)):
+        expected = _hf_warnings(lambda: model.generate(source, num_return_sequences=copies, **kwargs))
+        assert bool(expected) == (source.shape[0] > 1)
+        assert _hf_warnings(lambda: sk.generate(model, source, draft_model=model, num_speculative_tokens=2, seed=0,
+                                                num_return_sequences=copies, **kwargs)) == expected
+
+
 def _hf_warnings(call) -> list[str]:
     """The lines model.generate's length, mask, criteria and cache warnings give during call(), through transformers'
     loggers and ``warnings`` (each side's first warning_once: its cache is cleared)."""
