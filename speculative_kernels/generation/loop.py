@@ -670,15 +670,31 @@ class SpeculativeLoop:
             return None
         return describe_bad_proposal(self.drafter, tokens, logits, num_draft, self.vocab, b)
 
-    def _named_inputs(self, message: str) -> str:
-        """The verification's diagnostic with its inputs named as the caller knows them: the target's logits, and
-        the drafter's (the draft model's, for a draft model) instead of target_logits / draft_logits."""
+    def _named_inputs(self, message: str, row: int | None = None) -> str:
+        """The verification's diagnostic with its inputs named as the caller knows them: the target's logits (said
+        to be processed where HF's processors or warpers ran on them: of batch row ``row``, or of any row), and the
+        drafter's (the draft model's, for a draft model) instead of target_logits / draft_logits."""
         model = getattr(getattr(self.drafter, "runner", None), "model", None)
+        # (after HF's processors or warpers, the values checked are theirs: a NaN may come from them, e.g. 5.17's
+        # exponential_decay_length_penalty over min_new_tokens' -inf, with the model's own logits finite)
+        processed = (" after the logits processors and warpers of the settings"
+                     if self._processed(row) else "")
         names = {"draft_logits": f"draft_logits, the {'draft model' if model is not None else 'drafter'}'s logits "
                                  f"({type(model if model is not None else self.drafter).__name__}),",
-                 "target_logits": f"target_logits, the target's logits ({type(self.target_runner.model).__name__}),"}
+                 "target_logits": f"target_logits, the target's logits ({type(self.target_runner.model).__name__})"
+                                  f"{processed},"}
         name = message.split(" ", 1)[0]
         return names[name] + message[len(name):] if name in names else message
+
+    def _processed(self, row: int | None) -> bool:
+        """Whether the target's logits of batch row ``row`` (None: any row) go through processors or warpers before
+        the verification (the call's HF list, or a request's own)."""
+        if self.plan.context_processing or self.plan.warping:
+            return True
+        rows = range(self.batch) if row is None else [row]
+        processors, warpers = (getattr(lists, "rows", None) for lists in (self.processors, self.warpers))
+        return any((processors is not None and bool(processors[b])) or (warpers is not None and warpers[b] is not None)
+                   for b in rows)
 
     def _invalid_row_reason(self, b: int, accepted: torch.Tensor, inputs: dict) -> str:
         """Why row b's verification emitted nothing (``raise_for_invalid_rows`` on that row alone), without the
@@ -696,7 +712,7 @@ class SpeculativeLoop:
         try:
             raise_for_invalid_rows(accepted[b : b + 1], temperature=self.sampling.temperature, sampling=sampling, **row)
         except ValueError as error:
-            return "ValueError: " + self._named_inputs(str(error).replace(" in batch rows [0]", ""))
+            return "ValueError: " + self._named_inputs(str(error).replace(" in batch rows [0]", ""), b)
         return "ValueError: the verification emitted no token"
 
     def _out_of_time(self) -> bool:

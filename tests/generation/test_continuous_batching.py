@@ -544,7 +544,8 @@ def test_a_request_whose_own_settings_leave_no_token_fails_alone(pair, cache):
     for request_id in (suppressed, exhausted):
         result = decoder.result(request_id)
         assert result.finish_reason == "error"
-        assert result.error == ("ValueError: target_logits, the target's logits (LlamaForCausalLM), has NaN, +inf "
+        assert result.error == ("ValueError: target_logits, the target's logits (LlamaForCausalLM) after the logits "
+                                "processors and warpers of the settings, has NaN, +inf "
                                 "or an all -inf row; no token emitted")
     assert decoder.result(suppressed).token_ids == []
     tokens = decoder.result(exhausted).token_ids

@@ -200,6 +200,22 @@ def test_nan_logits_raise_instead_of_emitting(pair):
         sk.generate(broken, _ids(), draft_model=draft, max_new_tokens=4, do_sample=True)
 
 
+def test_invalid_target_logits_say_whether_processors_made_them(pair):
+    """The refusal names the target's logits as the model's, or, where HF's processors ran over them first, as
+    theirs after those (a NaN of transformers 5.17's exponential_decay_length_penalty over min_new_tokens' -inf
+    named the model's logits, which were finite: a user looked for a broken checkpoint)."""
+    target, draft = pair
+    broken = llama(layers=1, seed=3)
+    with torch.no_grad():
+        broken.lm_head.weight[5, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"target_logits, the target's logits \(LlamaForCausalLM\), has NaN"):
+        sk.generate(broken, _ids(), draft_model=draft, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match=r"target_logits, the target's logits \(LlamaForCausalLM\) after the logits "
+                                         r"processors and warpers of the settings, has NaN"):
+        sk.generate(target, _ids(), draft_model=draft, max_new_tokens=4, do_sample=False,
+                    sequence_bias={(7,): float("inf")})
+
+
 def test_stats_type_checked(pair):
     target, draft = pair
     with pytest.raises(TypeError, match="speculation_stats"):
