@@ -19,6 +19,7 @@ from .cli_options import (
     UsageError,
     add_common_options,
     check_one_completion,
+    checkpoint_overrides,
     completion_ids,
     encode_prompt,
     prepare_run,
@@ -100,8 +101,11 @@ def run_generate(args) -> int:
     # tokenizer= on both sides: a checkpoint's stop_strings need it (model.generate fails without it). use_cache=True
     # on both: a checkpoint saved after training with gradient checkpointing often says use_cache false, which
     # generate refuses (it rolls back the KV cache); the cache changes the speed, not the tokens
+    overrides, notes = checkpoint_overrides(target)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer,
-                  use_cache=True, **sampling_kwargs(args))
+                  use_cache=True, **sampling_kwargs(args), **overrides)
     # One short untimed call of each path before it is timed (lazy imports, backend resolution, the first launch
     # of the verification kernels: a Triton compile or the CUDA extension's build), as the demo does.
     warm_up = {**kwargs, "max_new_tokens": min(args.max_new_tokens, WARM_UP_TOKENS)}

@@ -166,6 +166,32 @@ def check_one_completion(model) -> None:
                          "one completion (set it to 1 in the checkpoint's generation_config.json)")
 
 
+def checkpoint_overrides(model) -> tuple[dict, list[str]]:
+    """generate's keywords (for both paths: ours and ``--compare``'s model.generate) that replace what the target's
+    generation_config sets and this command cannot run, with a note for each, printed: a ``num_beams`` > 1
+    (BART-large-cnn's, Pegasus's, Marian's: beam search, which model.generate would run) becomes 1, since this command
+    decodes greedily or samples (``--temperature``); a ``pad_token_id`` that is not a token id (old conversions'
+    -1) becomes the first EOS id, as model.generate pads without one (one prompt is never padded, so the tokens
+    are the same)."""
+    from .generation.settings import token_ids
+
+    config, overrides, notes = model.generation_config, {}, []
+    beams = getattr(config, "num_beams", None)
+    if beams is not None and beams != 1:
+        overrides["num_beams"] = 1
+        notes.append(f"the target's generation_config sets num_beams={beams} (beam search); this command decodes "
+                     "greedily or samples (--temperature): num_beams=1")
+    try:
+        token_ids("pad_token_id", config.pad_token_id)
+    except (TypeError, ValueError):
+        eos = token_ids("eos_token_id", config.eos_token_id)
+        if eos:
+            overrides["pad_token_id"] = eos[0]
+            notes.append(f"the target's generation_config sets pad_token_id={config.pad_token_id!r}, not a token id; "
+                         f"one prompt is never padded: pad_token_id={eos[0]} (its EOS id)")
+    return overrides, notes
+
+
 DEFAULT_MAX_NEW_TOKENS = 64  # where neither --max-new-tokens nor the checkpoint's generation_config says
 
 

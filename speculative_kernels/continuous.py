@@ -230,7 +230,9 @@ class ContinuousBatcher:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
         decoders_cache = "static" if self.static_rows is not None else "dynamic"
         if plan.cache_implementation not in (None, decoders_cache):  # (one the decoder already uses is what it asks)
-            raise ValueError(f"cache_implementation={plan.cache_implementation!r} (from the model's generation config) "
+            written = target.generation_config.cache_implementation  # (a deprecated alias names the static cache)
+            alias = "transformers' deprecated name of its static cache, " if written != plan.cache_implementation else ""
+            raise ValueError(f"cache_implementation={written!r} ({alias}from the model's generation config) "
                              f"is not the decoder's ({decoders_cache!r}), and add_request cannot change it: the "
                              "decoder's caches are chosen once, SpeculativeDecoder(..., cache_implementation=...)")
         if self.static_rows is not None and len(prompt) + plan.max_new_tokens > self.static_rows.max_context:

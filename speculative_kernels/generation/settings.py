@@ -260,17 +260,21 @@ def _is_off(value, off: tuple, default) -> bool:
     return value in off or (default is not None and value == default)
 
 
-def _check_refused(config, check_schedule: bool = True) -> None:
+def _check_refused(config, check_schedule: bool = True, from_model: frozenset = frozenset()) -> None:
     """ValueError for settings that cannot be applied exactly. check_schedule: False for a schedule that only the
     target's generation_config sets while the call gives num_speculative_tokens or uses prompt lookup (HF's assisted
     generation reads the draft's schedule, prompt lookup none: the target's has no effect there either); the call's
-    own schedule is always checked."""
+    own schedule is always checked. from_model: the fields whose value is the model's generation_config's (the
+    message says so: a checkpoint's generation_config.json sets them, e.g. BART-large-cnn's num_beams=4)."""
     defaults = _hf_defaults()
     for name, off in REFUSED_UNLESS.items():
         value = getattr(config, name, None)
         if not _is_off(value, off, defaults.get(name)):
             why = _REASONS.get(name, "it cannot be applied exactly across a speculative block")
-            raise ValueError(f"{name}={value!r} is not supported by speculative_kernels.generate ({why})")
+            source = (f"; it is the model's generation_config's (as a checkpoint's generation_config.json sets it): "
+                      f"pass {name}={off[0] if off else None!r} in the call to decode without it (model.generate "
+                      "applies it)" if name in from_model else "")
+            raise ValueError(f"{name}={value!r} is not supported by speculative_kernels.generate ({why}){source}")
     known = classified_fields()
     for name in sorted(generation_fields() - known):  # a field of a newer transformers, not yet classified here
         value = getattr(config, name, None)
@@ -674,7 +678,8 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     schedule_in_call = (kwargs.get("num_assistant_tokens_schedule") is not None
                         or getattr(generation_config, "num_assistant_tokens_schedule", None) is not None)
     _check_refused(config, check_schedule=schedule_in_call or (num_speculative_tokens is None
-                                                               and not config.prompt_lookup_num_tokens))
+                                                               and not config.prompt_lookup_num_tokens),
+                   from_model=frozenset(own))
     model_kwargs.pop("use_cache", None)
     # None is "not given" to HF's generate (its unused-keyword check skips None values: inputs_embeds=None,
     # past_key_values=None as a continue-generation recipe passes our output's)

@@ -1,5 +1,6 @@
 """The console command on a tiny model pair saved to disk with a tokenizer."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -342,6 +343,22 @@ def test_a_checkpoint_asking_for_several_sequences_is_refused_by_name(pair, tmp_
     code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
                  "--max-new-tokens", "4", "--temperature", "1"])
     assert code == 2 and "num_return_sequences=2" in capsys.readouterr().err
+
+
+def test_a_checkpoints_beam_search_and_invalid_pad_id_are_replaced_with_a_note(pair, tmp_path, capsys):
+    """A generation_config with num_beams=4 (BART-large-cnn's, Pegasus's) and pad_token_id=-1 (old Llama
+    conversions): the command decodes greedily, on both paths, with num_beams=1 and the EOS id as pad (one prompt is
+    never padded), and says so on stderr; it failed with generate's refusals, which told a command-line user to pass
+    keywords the command does not have."""
+    target, draft = pair
+    folder = _with_generation_config(target, tmp_path / "beams", num_beams=4)
+    saved = json.loads((folder / "generation_config.json").read_text())  # (save_pretrained refuses a -1 now)
+    (folder / "generation_config.json").write_text(json.dumps({**saved, "pad_token_id": -1}))
+    code = main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "for i in",
+                 "--max-new-tokens", "6", "--compare"])
+    captured = capsys.readouterr()
+    assert code == 0 and "outputs identical" in captured.out, (captured.out, captured.err)
+    assert "num_beams=4 (beam search)" in captured.err and "pad_token_id=-1, not a token id" in captured.err
 
 
 @pytest.mark.parametrize("drafting, option", [(["--prompt-lookup", "3", "--gamma", "7"], "--gamma"),

@@ -548,6 +548,11 @@ def test_add_request_takes_a_checkpoints_cache_implementation_that_is_the_decode
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
     with pytest.raises(ValueError, match=r"cache_implementation='static' .* is not the decoder's \('dynamic'\)"):
         decoder.add_request(P[0], max_new_tokens=8, do_sample=False)
+    target.generation_config.cache_implementation = "sliding_window"  # (the refusal quoted 'static', its rewrite)
+    with pytest.raises(ValueError, match=r"cache_implementation='sliding_window' \(transformers' deprecated name of "
+                                         r"its static cache, from the model's generation config\) is not the "
+                                         r"decoder's \('dynamic'\)"):
+        decoder.add_request(P[0], max_new_tokens=8, do_sample=False)
 
 
 def test_none_valued_model_inputs_are_not_given(pair):

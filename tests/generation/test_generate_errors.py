@@ -655,3 +655,17 @@ def test_one_id_settings_given_as_lists_and_checkpoint_ids_are_named():
         assert torch.equal(got, target.generate(ids, max_new_tokens=3, pad_token_id=0, do_sample=False))
     finally:
         target.generation_config.pad_token_id = saved
+
+
+def test_a_refused_setting_from_the_checkpoint_says_so(pair):
+    """num_beams=4 from the model's generation_config (BART-large-cnn's generation_config.json) is refused saying
+    where it comes from and how to decode without it; the call's own num_beams is refused without that."""
+    target, draft = pair
+    target.generation_config.num_beams = 4
+    try:
+        with pytest.raises(ValueError, match=r"num_beams=4 .*it is the model's generation_config's .*pass num_beams=1"):
+            sk.generate(target, _ids(), draft_model=draft, max_new_tokens=3)
+    finally:
+        target.generation_config.num_beams = 1
+    with pytest.raises(ValueError, match=r"num_beams=3 .*beam search is not speculative sampling\)$"):
+        sk.generate(target, _ids(), draft_model=draft, max_new_tokens=3, num_beams=3)
