@@ -811,6 +811,9 @@ class SpeculativeLoop:
             if kept < before:  # the tokens after the stop were written: fill them as a finished row's
                 start = self.prompt_length + generated_before[b]
                 self.sequences[b, start + kept : start + before] = self.sequences_fill
+                for steps in (self.scores, self.raw_logits):  # (and their steps: zeros, as a finished row's)
+                    if steps is not None:
+                        steps[b, generated_before[b] + kept : generated_before[b] + before] = 0
         self._set_generated([g + c for g, c in zip(generated_before, counts)])
         self._host_counts = counts
         self._set_finished(finished)

@@ -148,3 +148,35 @@ def test_widen_fills_the_new_columns():
     wide = widen(torch.ones(2, 2, dtype=torch.int64), 5, fill=7)
     assert wide.tolist() == [[1, 1, 7, 7, 7]] * 2
     assert widen(torch.zeros(1, 3, 2), 4, fill=-1.5)[0, 3].tolist() == [-1.5, -1.5]
+
+
+def test_a_row_cut_by_its_stop_string_mid_iteration_has_zero_scores_after_it():
+    """A batch row whose stop string ends before the iteration's last emitted token: its tokens after the stop are
+    pad (as model.generate's), and so are its scores/logits zeros there, as for any finished row (README); they held
+    the target's values at the cut draft positions (found by the fuzzer)."""
+    from tokenizers import decoders
+    from transformers import PreTrainedTokenizerFast
+    from transformers.generation import StopStringCriteria
+
+    from helpers.checkpoints import tiny_tokenizer
+
+    backend = tiny_tokenizer().backend_tokenizer
+    backend.decoder = decoders.ByteLevel()  # (HF's stop-string matching decodes the vocabulary)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    target = llama()
+    ids = torch.tensor([[0, 0, 5, 17, 42], [3, 9, 17, 42, 70]])
+    mask = (ids != 0).long()
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for cut in range(2, 7):
+        stop = tokenizer.decode(plain[0, 5 : 5 + cut])[-2:]
+        kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, stop_strings=[stop],
+                      tokenizer=tokenizer, return_dict_in_generate=True, output_logits=True, output_scores=True)
+        expected = target.generate(ids, **kwargs)
+        criterion = StopStringCriteria(tokenizer, [stop])
+        last = next(s for s in range(12) if criterion(expected.sequences[:1, : 6 + s], None)[0])  # row 0's last step
+        got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, **kwargs)  # every draft kept
+        assert torch.equal(got.sequences, expected.sequences), stop
+        for steps in (got.scores, got.logits):
+            assert all(not steps[s][0].any() for s in range(last + 1, len(steps))), (stop, last)
+            assert all(steps[s][0].any() for s in range(last + 1))
