@@ -38,6 +38,7 @@ from .generation.inputs import check_helpers, check_models
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions
 from .generation.request import build_loop
+from .generation.settings import check_lookup_gamma
 from .generation.stats import SpeculationStats
 from .generation.vocab import VocabBridge
 
@@ -151,6 +152,7 @@ class SpeculativeDecoder:
         self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
                                                        ("max_matching_ngram_size", max_matching_ngram_size))
                        if value is not None}
+        check_lookup_gamma(num_speculative_tokens, prompt_lookup_num_tokens)  # (not at each request's first step)
         self.num_speculative_tokens = num_speculative_tokens
         self.backend = backend
         self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer

@@ -267,9 +267,15 @@ def wants_static(plan: Plan, compile_options: CompileOptions | None, cache_given
     if plan.cache_implementation != "static" and compile_options is None:
         return False
     if not isinstance(plan.num_speculative_tokens, int):  # "auto": gamma changes while decoding
-        raise ValueError(f"the static cache (cache_implementation 'static', 'sliding_window' or 'hybrid_chunked') and "
-                         f"compile=True need a fixed num_speculative_tokens (the cache is sized and the steps are "
-                         f"captured for it), got {plan.num_speculative_tokens!r}")
+        if compile_options is not None:
+            what = "compile=True needs"
+        elif cache_given:
+            what = "the static cache (cache_implementation 'static', 'sliding_window' or 'hybrid_chunked') needs"
+        else:  # (the checkpoint's default, which the call may override)
+            what = ("the static cache (cache_implementation='static' from the model's generation_config; pass "
+                    "cache_implementation='dynamic' to use the dynamic one) needs")
+        raise ValueError(f"{what} a fixed num_speculative_tokens (the cache is sized and the steps are captured for "
+                         f"it), got {plan.num_speculative_tokens!r}")
     return True
 
 

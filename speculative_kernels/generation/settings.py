@@ -853,6 +853,15 @@ def _prompt_lookup(config, given: dict, drafting: bool) -> PromptLookup | None:
     return PromptLookup(int(num_tokens), int(max_ngram or DEFAULT_MAX_MATCHING_NGRAM_SIZE))
 
 
+def check_lookup_gamma(num_speculative_tokens, prompt_lookup_num_tokens) -> None:
+    """ValueError where a gamma given beside prompt lookup cannot apply ("auto", or an int other than
+    prompt_lookup_num_tokens), as ``generate`` refuses them: ``SpeculativeDecoder`` checks its pair once, rather than
+    at every request's first step."""
+    if num_speculative_tokens is not None and prompt_lookup_num_tokens is not None:
+        _lookup_gamma(num_speculative_tokens, num_speculative_tokens,
+                      PromptLookup(prompt_lookup_num_tokens, DEFAULT_MAX_MATCHING_NGRAM_SIZE), given=True)
+
+
 def _lookup_gamma(num_speculative_tokens, gamma, lookup: PromptLookup, given: bool) -> tuple[int, PromptLookup]:
     """Prompt lookup's gamma and settings: prompt_lookup_num_tokens. num_speculative_tokens, if given, must agree
     with the call's; a checkpoint's (``given`` False) yields to it, as a checkpoint's num_assistant_tokens does."""

@@ -435,3 +435,20 @@ def test_a_recheck_keeps_gamma_when_the_best_is_less_than_the_margin_faster():
     for _ in range(gamma_mod.RECHECK_EVERY):
         assert cal.observe([1], [3]) is None
     assert cal.chosen == 3
+
+
+def test_auto_with_a_checkpoints_static_cache_says_where_it_comes_from():
+    """A generation_config with cache_implementation="static" and a call with "auto": the refusal named a static
+    cache and compile=True the caller never passed; it says now that the cache is the checkpoint's and how to use the
+    dynamic one, with which the call runs (model.generate's tokens)."""
+    target = llama()
+    target.generation_config.cache_implementation = "static"
+    with pytest.raises(ValueError, match=r"static cache \(cache_implementation='static' from the model's "
+                                         r"generation_config; pass cache_implementation='dynamic'"):
+        sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"^compile=True needs a fixed num_speculative_tokens"):
+        sk.generate(llama(), _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=5,
+                    compile=True)
+    got = sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=5,
+                      cache_implementation="dynamic")
+    assert torch.equal(got, target.generate(_prompt(), max_new_tokens=5, do_sample=False))

@@ -348,3 +348,21 @@ def test_max_matching_ngram_size_defaults_to_hfs_2(monkeypatch):
                     pad_token_id=0, **extra)
         proposals.append(list(calls))
     assert proposals[0] == proposals[1] and proposals[0][0] == [50, 51, 52]
+
+
+def test_the_decoder_refuses_a_gamma_prompt_lookup_cannot_take_when_built():
+    """SpeculativeDecoder(prompt_lookup_num_tokens=3, num_speculative_tokens="auto" or 5) was accepted, and so was
+    every add_request; each request then ended with finish_reason="error" at its first step. Refused when built now,
+    as generate and start() refuse it; an equal gamma runs."""
+    target = llama()
+    for gamma, match in (("auto", "'auto' is not available with prompt lookup"), (5, "disagree")):
+        with pytest.raises(ValueError, match=match):
+            sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=3, num_speculative_tokens=gamma)
+    decoder = sk.SpeculativeDecoder(target, prompt_lookup_num_tokens=3, num_speculative_tokens=3)
+    request = decoder.add_request([5, 6, 7, 5, 6], max_new_tokens=6, do_sample=False)
+    while decoder.has_work():
+        decoder.step()
+    result = decoder.result(request)
+    assert result.finish_reason == "length"
+    assert result.token_ids == target.generate(torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=6,
+                                               do_sample=False)[0, 5:].tolist()
