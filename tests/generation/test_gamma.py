@@ -452,3 +452,40 @@ def test_auto_with_a_checkpoints_static_cache_says_where_it_comes_from():
     got = sk.generate(target, _prompt(), draft_model=target, num_speculative_tokens="auto", max_new_tokens=5,
                       cache_implementation="dynamic")
     assert torch.equal(got, target.generate(_prompt(), max_new_tokens=5, do_sample=False))
+
+
+def test_a_pause_feeds_the_draft_no_tokens_for_rows_finished_before():
+    """While "auto" pauses (gamma 0), every iteration appends each row's new token to the draft's pending inputs.
+    A row that finished before (kept in the batch: BatchingOptions(drop_finished_fraction=None), or the default's
+    tolerance) emits nothing, and its column was fed as a real token: over a pause its draft positions ran past its
+    end, and past a learned position table the request was checked against (GPT-2: IndexError in the draft's
+    position embedding at the next probe, found by the pause hunt; model.generate runs). Its column is a hole now:
+    after 30 such iterations the finished row's positions have not moved, and the other row drafts what the draft
+    alone gives on its true sequence."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from helpers.models import SPECIAL
+    from speculative_kernels.generation.capabilities import check_model
+    from speculative_kernels.generation.drafter import ModelDrafter
+    from speculative_kernels.generation.runners.decoder import DecoderRunner
+    from speculative_kernels.generation.vocab import VocabBridge
+
+    torch.manual_seed(0)
+    draft = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=40,
+                                       **SPECIAL)).eval()
+    prompts = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    runner = DecoderRunner(draft, check_model(draft, target=False), 2, 64, torch.device("cpu"))
+    drafter = ModelDrafter(runner, VocabBridge(draft, draft), torch.float32, keep_logits=False)
+    finished = torch.tensor([True, False])
+    row = prompts[1].tolist()
+    with torch.inference_mode():
+        drafter.start(prompts, torch.ones_like(prompts, dtype=torch.bool))
+        for step in range(30):  # row 0 finished before the pause: its out is -1 (it emits nothing)
+            token = 20 + step % 50
+            row.append(token)
+            drafter.observe(torch.tensor([[-1], [token]]), None, finished)
+        tokens, _, _ = drafter.propose(2, lambda logits, i: logits.argmax(-1))
+        expected = draft(torch.tensor([row])).logits[0, -1].argmax()
+    # row 0: its 4 prompt tokens and the first draft step's input (the second's was never fed), none of the 30
+    assert runner.next_position.tolist() == [4 + 1, 4 + 30 + 1]
+    assert int(tokens[1, 0]) == int(expected)
