@@ -18,6 +18,7 @@ from .cli_options import (
     HelpFormatter,
     UsageError,
     add_common_options,
+    auto_gamma_text,
     check_one_completion,
     checkpoint_overrides,
     completion_ids,
@@ -158,7 +159,7 @@ def speculation_figures(stats, gamma_auto: bool) -> str:
                 "(max_new_tokens 1, or no proposal)")
     return (f"acceptance rate {stats.acceptance_rate:.3f}, alpha {stats.alpha:.3f}, "
             f"{stats.mean_tokens_per_target_forward:.2f} tokens per target forward"
-            + (f"; gamma auto -> {stats.num_speculative_tokens}" if gamma_auto else ""))
+            + (f"; gamma auto -> {auto_gamma_text(stats.num_speculative_tokens)}" if gamma_auto else ""))
 
 
 def describe_difference(step: int, ours, reference, dtype, tokens: tuple[int, int] | None = None) -> str:

@@ -12,6 +12,11 @@ ACCEPTANCE_LEGEND = ("acceptance rate = accepted drafts / drafted tokens (the dr
 DEFAULT_GAMMA = 5
 
 
+def auto_gamma_text(gamma: int) -> str:
+    """num_speculative_tokens="auto"'s last choice, in words where it is a pause (0: the target decoding alone)."""
+    return "0 (paused: the target decodes alone, probing now and then)" if gamma == 0 else str(gamma)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written, and every option's default in its help (unless it is None or a False flag, whose
     help says what happens)."""

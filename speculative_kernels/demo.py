@@ -14,6 +14,7 @@ from .cli_options import (
     ACCEPTANCE_LEGEND,
     HelpFormatter,
     add_common_options,
+    auto_gamma_text,
     check_one_completion,
     completion_ids,
     encode_prompt,
@@ -181,7 +182,8 @@ def _report(result: PromptResult, index: int, count: int, args) -> str:
     s = result.stats
     base_rate = result.baseline_tokens / result.baseline_s
     spec_rate = result.speculative_tokens / result.speculative_s
-    gamma = f"gamma auto -> {s.num_speculative_tokens}" if args.gamma == "auto" else f"gamma {args.gamma}"
+    gamma = (f"gamma auto -> {auto_gamma_text(s.num_speculative_tokens)}" if args.gamma == "auto"
+             else f"gamma {args.gamma}")
     return "\n".join([
         f"=== prompt {index}/{count} " + "=" * 60,
         _indent(result.prompt.rstrip("\n")),

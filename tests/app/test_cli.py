@@ -576,3 +576,9 @@ def test_greedy_runs_keep_the_logits_processor_options():
 def test_min_p_above_one_is_a_usage_error():
     with pytest.raises(cli_options.UsageError, match="--min-p must be in"):
         cli_options.check_sampling_options(_parse("--temperature", "1", "--min-p", "1.5"))
+
+
+def test_a_paused_auto_gamma_is_said_in_words():
+    """'auto' ending paused printed "gamma auto -> 0", which reads as a broken setting."""
+    assert cli_options.auto_gamma_text(0).startswith("0 (paused: the target decodes alone")
+    assert cli_options.auto_gamma_text(6) == "6"
