@@ -148,7 +148,7 @@ def encode_prompt(tokenizer, model, prompt: str, device: str):
             bos = model.generation_config.bos_token_id
         if bos is None:
             raise UsageError("--prompt is empty and neither the tokenizer nor the model has a BOS token to start from")
-        input_ids = torch.tensor([[int(bos)]])
+        input_ids = torch.tensor([[int(bos)]], device="cpu")
         attention_mask = torch.ones_like(input_ids)
     return input_ids.to(device), attention_mask.to(device)
 

@@ -221,10 +221,10 @@ class ContinuousBatcher:
             stop = self._stop_criterion(list(plan.stop_strings))
         mask = self._inferred_mask(prompt, settings)
         if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
-            check_window_holes(self._target_spec, torch.tensor([mask]), len(prompt) + plan.max_new_tokens - 1,
+            rows = torch.tensor([mask], device="cpu")  # (host values: never the caller's default device)
+            check_window_holes(self._target_spec, rows, len(prompt) + plan.max_new_tokens - 1,
                                name="the attention mask inferred from pad_token_id")
-            check_masked_slots(self._target_spec, torch.tensor([mask]),
-                               name="the attention mask inferred from pad_token_id")
+            check_masked_slots(self._target_spec, rows, name="the attention mask inferred from pad_token_id")
         check_window_applied(self._target_spec, len(prompt) + plan.max_new_tokens - 1)
         if plan.stopping_criteria:
             raise ValueError("stopping criteria (e.g. the model's stop_strings) are not supported by add_request yet")
@@ -280,7 +280,7 @@ class ContinuousBatcher:
         if seed is None and s.greedy:  # nothing is random: no draw (torch's generator untouched, as in generate)
             seed = 0
         elif seed is None:  # an unseeded sampled request draws its seed from torch's default generator
-            seed = int(torch.randint(0, 2**62, ()).item())
+            seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # (the CPU generator, as generate's)
         request_id = self._next_id
         self._next_id += 1
         # (held in the batch's int64 tensors: top_k >= the vocabulary is no cut, 0; the EOS masks clamp the minimum)
@@ -361,7 +361,8 @@ class ContinuousBatcher:
     def _inferred_mask(prompt: list[int], settings) -> list[int] | None:
         """What ``model.generate`` on this prompt alone would mask (``inputs.inferred_attention_mask``: the pad id,
         when it is not an EOS id); None for none. A prompt ending with the pad id is refused, as in ``generate``."""
-        inferred = inferred_attention_mask(torch.tensor([prompt]), settings.pad_token_id, settings.eos_token_ids)
+        inferred = inferred_attention_mask(torch.tensor([prompt], device="cpu"), settings.pad_token_id,
+                                           settings.eos_token_ids)
         if inferred is None:
             return None
         mask = inferred[0].tolist()
@@ -657,11 +658,11 @@ class ContinuousBatcher:
         width = max(len(p) for p in prompts)
         pad = self._pad_id()
         device = model_device(self.decoder.target)
-        input_ids = torch.full((len(ids), width), pad, dtype=torch.int64)
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.int64, device="cpu")  # (host; moved below)
         mask = torch.zeros_like(input_ids)
         for row, (prompt, request) in enumerate(zip(prompts, requests)):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-            mask[row, width - len(prompt):] = 1 if request.mask is None else torch.tensor(request.mask)
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64, device="cpu")
+            mask[row, width - len(prompt):] = 1 if request.mask is None else torch.tensor(request.mask, device="cpu")
         rows = RowSettings(max_new_tokens=[r.max_new_tokens for r in requests], eos=[r.eos for r in requests],
                            temperature=[r.temperature for r in requests], top_k=[r.top_k for r in requests],
                            top_p=[r.top_p for r in requests], min_new_tokens=[r.min_new_tokens for r in requests],

@@ -24,4 +24,4 @@ def completes_stop_string(criterion, tokens: list[int]) -> bool:
     HF's check on the row's last ``maximum_token_len`` tokens, all it reads of them, so the cost does not grow with
     the row."""
     tail = getattr(criterion, "maximum_token_len", None)
-    return bool(criterion(torch.tensor([tokens[-tail:] if tail else tokens]), None).any())
+    return bool(criterion(torch.tensor([tokens[-tail:] if tail else tokens], device="cpu"), None).any())

@@ -108,7 +108,7 @@ def _int64_products_wrap(device_type: str) -> bool:
     words = [0xFFFFFFFF, 0xFFFFFFFE, 0x80000001, 0xD2511F53, 0x12345678, 1, 0]
     for values in (words * 5, words[:1]):
         for m in (PHILOX_M0, PHILOX_M1):
-            got = (torch.tensor(values, dtype=torch.int64) * m).tolist()
+            got = (torch.tensor(values, dtype=torch.int64, device="cpu") * m).tolist()  # (not the default device)
             if got != [(v * m + 2**63) % 2**64 - 2**63 for v in values]:
                 return False
     return True

@@ -176,4 +176,4 @@ class DecodeRandomness:
 def request_key(seed: int) -> int:
     """The Philox key of a request decoded alone with ``seed`` (row 0 of ``row_keys``): its key in any batch, so a
     request's random numbers do not depend on its batch-mates."""
-    return int(row_keys(torch.tensor([check_seed(seed)], dtype=torch.int64))[0])
+    return int(row_keys(torch.tensor([check_seed(seed)], dtype=torch.int64, device="cpu"))[0])

@@ -773,3 +773,38 @@ def _hf_warnings(call) -> list[str]:
     lines = [str(w.message) for w in caught] + stream.getvalue().splitlines()
     words = ("length", "attention mask", "custom", "deprecated")
     return sorted(line for line in lines if any(word in line for word in words))
+
+
+def test_a_default_device_other_than_the_cpu_changes_nothing():
+    """torch's default device set by the caller (``with torch.device("meta")`` while a model skeleton is built,
+    ``torch.set_default_device``): model.generate runs; our first call of a process crashed inside torch (the
+    import-time probe of the CPU's int64 products made its tensor on the default device), and add_request built its
+    host tensors there. A fresh process, since the probe runs once per process."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent("""
+        import torch
+        import speculative_kernels as sk
+        from helpers.models import llama, perturbed
+        target = llama()
+        draft = perturbed(target, scale=0.3)
+        ids = torch.tensor([[5, 9, 11, 20, 7]])
+        expected = target.generate(ids, max_new_tokens=6, do_sample=False)
+        with torch.device("meta"):
+            got = sk.generate(target, ids, draft_model=draft, max_new_tokens=6, do_sample=False)
+            decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+            request = decoder.add_request([5, 9, 11, 20, 7], max_new_tokens=6, do_sample=False)
+            while decoder.has_work():
+                decoder.step()
+        assert torch.equal(got, expected), (got, expected)
+        assert decoder.result(request).token_ids == expected[0, 5:].tolist()
+        print("ok")
+    """)
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tests)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
