@@ -17,6 +17,8 @@ soon as it is set.
 """
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -425,6 +427,36 @@ def _set_nowhere(name: str, model, generation_config, kwargs: dict) -> bool:
             and getattr(model.generation_config, name) is None)
 
 
+def hf_warn(message: str, opening: str) -> None:
+    """``warnings.warn(message, UserWarning)`` as model.generate gives it: from its module
+    (``transformers.generation.utils``, at the line of the call whose text starts with ``opening``, in its warning
+    registry), so that the caller's filters keyed on transformers' module (``filterwarnings("ignore",
+    module="transformers")``), and "default"'s once per location, act on ours as on HF's."""
+    from transformers.generation import utils as hf_utils
+
+    registry = vars(hf_utils).setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, UserWarning, hf_utils.__file__, _hf_warning_line(opening),
+                           module=hf_utils.__name__, registry=registry, module_globals=vars(hf_utils))
+
+
+@functools.cache
+def _hf_warning_line(opening: str) -> int:
+    """The line of the ``warnings.warn(`` call in transformers' generation/utils.py whose message starts with
+    ``opening`` (the line Python attributes HF's warning to); 0 where the source cannot be read or differs."""
+    from transformers.generation import utils as hf_utils
+
+    try:
+        lines = inspect.getsource(hf_utils).splitlines()
+    except (OSError, TypeError):
+        return 0
+    for number, line in enumerate(lines):
+        if opening in line:
+            for back in range(number, max(number - 4, -1), -1):
+                if "warnings.warn(" in lines[back]:
+                    return back + 1
+    return 0
+
+
 def _length_warnings(config, prompt_length: int, max_new: int, default_max_length: bool,
                      default_min_length: bool) -> None:
     """The warnings ``model.generate`` gives about the lengths (``_prepare_generated_length``,
@@ -446,12 +478,12 @@ def _length_warnings(config, prompt_length: int, max_new: int, default_max_lengt
     if default_max_length:
         suffix += f" Note that `max_length` is set to {max_length}, its default value."
     if min_length is not None and min_length > max_length:
-        warnings.warn(f"Unfeasible length constraints: `min_length` ({min_length}) is larger than the maximum possible "
-                      f"length ({max_length})." + suffix, UserWarning, stacklevel=5)
+        hf_warn(f"Unfeasible length constraints: `min_length` ({min_length}) is larger than the maximum possible "
+                f"length ({max_length})." + suffix, "Unfeasible length constraints: `min_length`")
     if config.min_new_tokens is not None and config.min_new_tokens + prompt_length > max_length:
-        warnings.warn(f"Unfeasible length constraints: `min_new_tokens` ({config.min_new_tokens}), when added to the "
-                      f"prompt length ({prompt_length}), is larger than the maximum possible length ({max_length})."
-                      + suffix, UserWarning, stacklevel=5)
+        hf_warn(f"Unfeasible length constraints: `min_new_tokens` ({config.min_new_tokens}), when added to the "
+                f"prompt length ({prompt_length}), is larger than the maximum possible length ({max_length})."
+                + suffix, "Unfeasible length constraints: `min_new_tokens`")
 
 
 def remind_past_positions(plan: Plan, prompt_length: int, longest: int) -> None:
@@ -481,9 +513,9 @@ def _max_new_tokens(model, config, prompt_length: int, default_max_length: bool)
         positions = getattr(model.config, "max_position_embeddings", None)
         if positions is not None:
             max_length = min(max_length, positions)
-        warnings.warn(f"Using the model-agnostic default `max_length` (={max_length}) to control the generation "
-                      "length. We recommend setting `max_new_tokens` to control the maximum length of the "
-                      "generation.", UserWarning, stacklevel=5)
+        hf_warn(f"Using the model-agnostic default `max_length` (={max_length}) to control the generation "
+                "length. We recommend setting `max_new_tokens` to control the maximum length of the "
+                "generation.", "Using the model-agnostic default `max_length`")
     if prompt_length >= max_length:
         name = "decoder_input_ids" if model.config.is_encoder_decoder else "input_ids"  # (max_length counts it)
         raise ValueError(f"Input length of {name} is {prompt_length}, but `max_length` is set to {max_length}; "

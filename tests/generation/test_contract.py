@@ -808,3 +808,32 @@ def test_a_default_device_other_than_the_cpu_changes_nothing():
     done = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(tests)})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_hfs_length_warnings_come_from_its_module():
+    """model.generate's length warnings (``warnings.warn`` in transformers.generation.utils) are ours with its module,
+    file and line: a filter keyed on transformers' module (``filterwarnings("ignore", module="transformers")``, a
+    common way to quiet it) silenced HF's and not ours, which were attributed to the caller's line."""
+    import warnings
+
+    from helpers.models import llama
+
+    target = llama()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    calls = [dict(min_length=30, max_new_tokens=3), dict(min_new_tokens=9, max_new_tokens=3), dict()]
+
+    def caught(call, **filters):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if filters:
+                warnings.filterwarnings("ignore", **filters)
+            call()
+        return sorted((w.filename, w.lineno, str(w.message)) for w in seen if "length" in str(w.message))
+
+    for kwargs in calls:
+        expected = caught(lambda: target.generate(ids, do_sample=False, **kwargs))
+        assert expected and all(filename.endswith("generation/utils.py") for filename, _, _ in expected)
+        assert caught(lambda: sk.generate(target, ids, draft_model=target, do_sample=False, **kwargs)) == expected
+        assert caught(lambda: sk.generate(target, ids, draft_model=target, do_sample=False, **kwargs),
+                      module="transformers") == [] == caught(lambda: target.generate(ids, do_sample=False, **kwargs),
+                                                              module="transformers")
