@@ -26,7 +26,8 @@ from helpers import cuda_emulation
 from speculative_kernels.ops.compaction import compact_kv, compaction_lengths
 from speculative_kernels.ops.randomness import Randomness
 from speculative_kernels.ops.reference import sample_reference, verify_reference
-from speculative_kernels.ops.sampling import GREEDY
+from speculative_kernels.ops.sampling import GREEDY, Sampling
+from speculative_kernels.ops.validation import check_sampling
 
 import test_compaction as compaction  # (the test files are imported by name: tests/ops is on sys.path)
 import test_kernel_edges as edges
@@ -279,3 +280,81 @@ def test_compact_kv_op_with_a_strided_mask(emulated):
     compact_kv(want, mask, backend="torch")
     emulated.op_compact_kv(buffer, mask)
     assert torch.equal(_bits(buffer), _bits(want))
+
+# The host side (``ops/cuda_host.py``) on cases the kernel-edge checks above do not make: their sampling rows are 0
+# at a tied pair and -inf elsewhere, so a wrong cut source keeps the same elements, no case verifies drafts with a
+# cut or a per-row parameter out of range, and the compaction masks are 0/1 with ordinary strides (mutation round 4:
+# mutants of cuda_host.py that passed every test; each case fails on one).
+
+
+def _host_randomness(batch):
+    return Randomness(torch.tensor([b * 7919 + 17 for b in range(batch)]), torch.full((batch,), 3), False)
+
+
+def _host_logits(batch, k, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, k + 1, vocab, generator=g) * 3, torch.randn(batch, k, vocab, generator=g) * 3, g
+
+
+def _same_outputs(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), f"\n{a}\n!=\n{b}"
+
+
+@pytest.mark.parametrize("warp", [(0.7, 50, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (0.9, 20, 0.9)], ids=str)
+def test_scalar_cuts_on_random_logits(emulated, warp):
+    """top-k alone (H2) and any cut with a draft's logits (H4): verify with and without q, and sample."""
+    batch, k, vocab = 6, 3, 1001
+    target, draft, g = _host_logits(batch, k, vocab, seed=1)
+    sampling = Sampling(*warp)
+    tokens = torch.randint(0, vocab, (batch, k), generator=g)
+    tokens[:, 0] = target[:, 0].argmax(-1)  # (some acceptance)
+    for d in (draft, None):
+        _same_outputs(emulated.verify(target, d, tokens, sampling, _host_randomness(batch)),
+                      verify_reference(target, d, tokens, sampling, _host_randomness(batch)))
+    _same_outputs([emulated.sample(target[:, 0], sampling, _host_randomness(batch))],
+                  [sample_reference(target[:, 0], sampling, _host_randomness(batch))])
+
+
+def test_per_row_rows_without_a_cut_and_out_of_range_rows(emulated):
+    """Per-row parameters on random logits: rows without any cut beside rows with one (H1: their source must be
+    their minimum), and a row whose top_p is out of range, flagged -1 in tokens and num_accepted (H3)."""
+    batch, k, vocab = 6, 2, 1001
+    target, draft, g = _host_logits(batch, k, vocab, seed=2)
+    t = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 0, 10, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9, 1.5], dtype=torch.float64)  # row 5: out of range
+    sampling = check_sampling(t, top_k, top_p, batch, torch.device("cpu"))
+    tokens = torch.randint(0, vocab, (batch, k), generator=g)
+    for d in (draft, None):
+        got = emulated.verify(target, d, tokens, sampling, _host_randomness(batch))
+        _same_outputs(got, verify_reference(target, d, tokens, sampling, _host_randomness(batch)))
+        assert got[1][5] == -1 and (got[0][5] == -1).all()
+    _same_outputs([emulated.sample(target[:, 0], sampling, _host_randomness(batch))],
+                  [sample_reference(target[:, 0], sampling, _host_randomness(batch))])
+
+
+def _host_compaction_case(mask):
+    g = torch.Generator().manual_seed(3)
+    b, s = mask.shape
+    kv = torch.randn(b, 2, s, 8, generator=g)
+    want, got = kv.clone(), kv.clone()
+    compact_kv([want], mask, backend="torch")
+    return got, want
+
+
+def test_compaction_mask_values_other_than_one(emulated):
+    """nonzero = real (compaction.py): -1 and 256 are real slots (H5, H6)."""
+    mask = torch.tensor([[0, 1, -1, 0, 256, 1, 0, 2], [256, 0, 0, -1, 1, 0, 1, 1]])
+    got, want = _host_compaction_case(mask)
+    emulated.compact_kv([got], mask)
+    assert torch.equal(got, want)
+
+
+def test_compaction_with_a_transposed_mask(emulated):
+    """A [B, S] mask that is the transpose of an [S, B] tensor (H7: the host side makes it contiguous)."""
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1, 0, 1, 1], [0, 0, 1, 1, 1, 0, 1, 1, 1]]).t().contiguous().t()
+    assert not mask.is_contiguous()
+    got, want = _host_compaction_case(mask)
+    emulated.compact_kv([got], mask)
+    assert torch.equal(got, want)
