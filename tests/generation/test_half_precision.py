@@ -198,3 +198,24 @@ def test_a_float32_draft_of_a_float16_target_keeps_its_logits():
     assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=10, do_sample=False), expected)
     sampled = sk.generate(target, ids, draft_model=draft, max_new_tokens=10, do_sample=True, seed=0)
     assert sampled.shape == expected.shape
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)],
+                         ids=["float16-under-bfloat16", "bfloat16-under-float16"])
+def test_a_request_joins_a_running_batch_under_autocast_to_the_other_half_type(dtypes):
+    """Continuous batching (dynamic cache) of a half-precision model under CPU autocast to the other half type: a
+    request joining the running batch crashed inside torch (the joined rows' masks were concatenated under the
+    caller's autocast, which fails on a cat of float16 masks), ending every request with an error; model.generate
+    runs each (found by the ambient-state hunt). Both requests now finish."""
+    model_dtype, autocast_dtype = dtypes
+    target = FAMILIES["llama"](vocab=VOCAB).to(model_dtype)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        decoder = sk.SpeculativeDecoder(target, perturbed(target, scale=0.3), num_speculative_tokens=3)
+        first = decoder.add_request([5, 9, 11, 20], max_new_tokens=6, do_sample=False)
+        decoder.step()  # running
+        second = decoder.add_request([7, 8, 9], max_new_tokens=6, do_sample=False)
+        while decoder.has_work():
+            decoder.step()  # the second joins the running batch
+    for request in (first, second):
+        result = decoder.result(request)
+        assert result.finish_reason == "length" and len(result.token_ids) == 6, result

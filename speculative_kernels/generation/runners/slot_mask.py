@@ -161,11 +161,13 @@ class SlotMaskRunner(abc.ABC):
         slot_mask = torch.cat([_left_padded(r.slot_mask, r.num_slots, pad, slots + spare, 1, 0)
                                for r, pad in ((self, pads[0]), (other, pads[1]))])
         additive = None
-        if self._additive is not None:
-            hole = -torch.finfo(self._additive.dtype).max  # as ``_mask_written`` writes a hole
-            additive = torch.cat([_left_padded(r._additive, r.num_slots, pad, slots + spare, 0.0, hole)
-                                  for r, pad in ((self, pads[0]), (other, pads[1]))])
-        self._add_cache_rows(other, *pads)  # the last step that can fail: allocates the merged cache
+        # (not under a caller's autocast: CPU autocast to bfloat16 fails on a cat of float16 masks)
+        with torch.autocast(self.slot_mask.device.type, enabled=False):
+            if self._additive is not None:
+                hole = -torch.finfo(self._additive.dtype).max  # as ``_mask_written`` writes a hole
+                additive = torch.cat([_left_padded(r._additive, r.num_slots, pad, slots + spare, 0.0, hole)
+                                      for r, pad in ((self, pads[0]), (other, pads[1]))])
+            self._add_cache_rows(other, *pads)  # the last step that can fail: allocates the merged cache
         self.slot_mask, self._additive = slot_mask, additive
         self.next_position = torch.cat([self.next_position, other.next_position])
         self.real_from = max(r.real_from + pad for r, pad in ((self, pads[0]), (other, pads[1])))
