@@ -83,6 +83,7 @@ import threading
 
 import torch
 
+from .generation.autocast_state import AutocastState
 from .generation.capabilities import (check_caching, check_deterministic, check_position_table, check_positions,
                                        check_seeded_draft,
                                        check_masked_slots, check_window_applied, check_window_holes,
@@ -194,6 +195,7 @@ class ContinuousBatcher:
         self._next_id = 0
         self._target_spec = None  # the target's ModelSpec, from the first add_request's check
         self._stepping = False  # inside step(): callbacks (hooks, drafters) must not change the batch
+        self._autocast: AutocastState | None = None  # the running batch's (``step``)
         self._lock = threading.RLock()  # held by every public method: other threads wait for a running step
 
     # ------------------------------------------------------------------------------------------- requests
@@ -466,9 +468,14 @@ class ContinuousBatcher:
             raise RuntimeError("step() is already running (called from inside a step: a hook, a drafter); call it "
                                "after the running step returns")
         self._stepping = True
+        # the running batch's forwards keep the caller's autocast of the step that started it, whatever thread
+        # steps it (autocast is per thread; other dtypes in one forward crash inside torch)
+        state = self._autocast if self._loop is not None and self._autocast is not None else AutocastState.current()
         try:
-            return self._step()
+            with state.entered():
+                return self._step()
         finally:
+            self._autocast = state if self._loop is not None else None
             self._stepping = False
 
     def _step(self) -> dict[int, list[int]]:

@@ -33,6 +33,7 @@ import torch
 
 from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
+from .generation.autocast_state import AutocastState
 from .generation.capabilities import check_deterministic
 from .generation.inputs import check_helpers, check_models
 from .generation.loop import SpeculativeLoop
@@ -60,6 +61,8 @@ class DecodeSession:
         self._failure: BaseException | None = None  # what a step raised: the loop's state is then half-updated
         self._stepping = False  # inside step(): a callback calling step() again is refused
         self._lock = threading.RLock()  # step(), sequences(), stats: another thread's call waits for a running step
+        # the caller's autocast where start() prefilled the caches: every step runs under it, whatever thread steps
+        self._autocast = AutocastState.current()
 
     @property
     def loop(self) -> SpeculativeLoop:
@@ -89,7 +92,7 @@ class DecodeSession:
         self._loop.check_before_step()
         self._stepping = True
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._autocast.entered():
                 self.finished = not self._loop.step()
         except BaseException as error:  # (a stopping criterion, streamer or forward that raised mid-iteration)
             self._failure = error

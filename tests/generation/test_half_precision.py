@@ -219,3 +219,49 @@ def test_a_request_joins_a_running_batch_under_autocast_to_the_other_half_type(d
     for request in (first, second):
         result = decoder.result(request)
         assert result.finish_reason == "length" and len(result.token_ids) == 6, result
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_session_keeps_the_autocast_it_was_started_under(cache):
+    """Autocast is per thread: a session started under autocast (a request handler's thread) and stepped on another
+    thread without it (the engine's), or stepped after the caller left its autocast, crashed inside torch (other
+    dtypes in one forward) or was refused naming the static cache. Its steps run under the autocast of its start
+    now: the tokens of a session started and stepped under it, for start() and for continuous batching."""
+    import threading
+
+    target = FAMILIES["llama"](vocab=VOCAB).to(torch.float16)
+    draft = perturbed(target, scale=0.3)
+    ids = torch.tensor([[5, 9, 11, 20]])
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, **kwargs)
+        while not session.finished:
+            session.step()
+        expected = session.sequences()
+        session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(ids, **kwargs)
+        session.step()
+    errors = []
+
+    def engine():  # another thread, without autocast
+        try:
+            while not session.finished:
+                session.step()
+        except Exception as error:  # (reported below, in the test's thread)
+            errors.append(error)
+
+    worker = threading.Thread(target=engine)
+    worker.start()
+    worker.join()
+    assert not errors and torch.equal(session.sequences(), expected), errors
+    if cache == "static":
+        return
+    decoders = [sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3) for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        requests = [decoder.add_request([5, 9, 11, 20], max_new_tokens=8, do_sample=False) for decoder in decoders]
+        while decoders[0].has_work():
+            decoders[0].step()
+        decoders[1].step()
+    while decoders[1].has_work():  # (outside the autocast)
+        decoders[1].step()
+    tokens = [decoder.result(request).token_ids for decoder, request in zip(decoders, requests)]
+    assert tokens[1] == tokens[0] and len(tokens[0]) == 8
