@@ -233,7 +233,8 @@ class ContinuousBatcher:
         decoders_cache = "static" if self.static_rows is not None else "dynamic"
         if plan.cache_implementation not in (None, decoders_cache):  # (one the decoder already uses is what it asks)
             written = target.generation_config.cache_implementation  # (a deprecated alias names the static cache)
-            alias = "transformers' deprecated name of its static cache, " if written != plan.cache_implementation else ""
+            alias = ("transformers' deprecated name of its static cache, " if written != plan.cache_implementation
+                     else "")
             raise ValueError(f"cache_implementation={written!r} ({alias}from the model's generation config) "
                              f"is not the decoder's ({decoders_cache!r}), and add_request cannot change it: the "
                              "decoder's caches are chosen once, SpeculativeDecoder(..., cache_implementation=...)")

@@ -1,4 +1,5 @@
-"""(Mutation round 4: mutants C1, C2 passed every other test.) Gaps in the processor config's minimum (context_processors._processor_config, 5d95eb9):
+"""The minimum in the processors' config (``context_processors._processor_config``): two mutants (mutation round 4,
+C1 and C2) passed every other test.
 
 C1: min_new_tokens=0 beside a min_length: HF's _prepare_generated_length sets min_length = prompt + 0 (min_new_tokens
 takes precedence), so EOS may come at once. Testing ``if config.min_new_tokens:`` instead of ``is not None`` kept the
