@@ -180,16 +180,16 @@ class ModelDrafter:
         has no ``accept``: its token out [B, 1] joins the pending inputs here."""
         if accepted is None:
             tokens, real = self.pending
-            if tokens.shape[0] > 1:  # a row finished before emits nothing: its column is a hole, not real (on
+            column = out[:, :1]
+            if tokens.shape[0] > 1:  # a row finished before emits nothing (-1): its column is a hole, not real (on
                 # every iteration of a pause, gamma = 0, its positions would otherwise run past its end, and past a
                 # learned position table the request was checked against; one row: the loop ends when it finishes)
-                emitted = ~finished.unsqueeze(1)
-                real = torch.cat([torch.ones_like(tokens, dtype=torch.bool) if real is None else real, emitted], dim=1)
-                self.pending = (torch.cat([tokens, out[:, :1].clamp(min=0)], dim=1), real)
-                return
-            if real is not None:
+                real = torch.cat([torch.ones_like(tokens, dtype=torch.bool) if real is None else real,
+                                  ~finished.unsqueeze(1)], dim=1)
+                column = column.clamp(min=0)
+            elif real is not None:
                 real = torch.cat([real, torch.ones_like(real[:, :1])], dim=1)
-            self.pending = (torch.cat([tokens, out[:, :1]], dim=1), real)
+            self.pending = (torch.cat([tokens, column], dim=1), real)
 
     def proposal_counts(self) -> None:
         return None

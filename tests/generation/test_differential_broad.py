@@ -28,15 +28,12 @@ Ported from a session's fuzzer (3,530 draws clean at 61cb7e0 under transformers 
 the stop-string scores defect fixed at cc45310, which the ``stop`` draws here catch.
 """
 
-import contextlib
 import copy
 import functools
-import logging
 import os
 import random
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -45,6 +42,7 @@ if __name__ == "__main__":  # run as a script: tests/ holds the helpers
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import speculative_kernels as sk
+from helpers.differential import quiet
 from helpers.float_error import assert_logits_as_accurate_as_hf, processor_gain
 from helpers.models import VOCAB, decoder_only_families, perturbed
 from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
@@ -57,19 +55,6 @@ NEVER = "@#@#"  # a stop string of the vocabulary's characters that these runs d
 
 
 # -- models ---------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _quiet():
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 def _make(family: str, **kwargs):
@@ -258,7 +243,7 @@ class Collect:
 
 def _hf(target, ids, **kwargs):
     target.__dict__.pop("_previous_max_cache_length", None)  # (HF keeps a static cache's size between calls)
-    with _quiet():
+    with quiet():
         return target.generate(ids, **kwargs)
 
 
@@ -446,7 +431,7 @@ def check(seed: int, verbose: bool = False) -> str:
         reference = _hf(target, ids, **{**s, "output_scores": True, "output_logits": True})
     target.__dict__.pop("_previous_max_cache_length", None)
     try:
-        with _quiet():
+        with quiet():
             got = sk.generate(target, ids, **s, **extra, **({"streamer": our_stream} if our_stream else {}))
     except (ValueError, TypeError) as error:
         assert any(name in str(error) for name in refusals), (
