@@ -204,19 +204,26 @@ def describe_difference(step: int, ours, reference, dtype, tokens: tuple[int, in
 
 
 def _drafting(args) -> dict:
-    """generate's drafting arguments without a draft model (--prompt-lookup); a UsageError unless exactly one of
-    --draft and --prompt-lookup is given, or when an option of the other one is (it would do nothing: --gamma with
-    --prompt-lookup, whose K is the draft length, --max-ngram with --draft). Fills in their defaults."""
-    if (args.draft is None) == (args.prompt_lookup is None):
-        raise UsageError("pass exactly one of --draft (a draft model) and --prompt-lookup K (no draft model)")
+    """generate's drafting arguments without a draft model (--prompt-lookup, --early-exit); a UsageError unless
+    exactly one of --draft, --prompt-lookup and --early-exit is given, or when an option of another one is (it would
+    do nothing: --gamma with --prompt-lookup, whose K is the draft length, --max-ngram without --prompt-lookup).
+    Fills in their defaults."""
+    given = [name for name, value in (("--draft", args.draft), ("--prompt-lookup", args.prompt_lookup),
+                                      ("--early-exit", args.early_exit)) if value is not None]
+    if len(given) != 1:
+        raise UsageError("pass exactly one of --draft (a draft model), --prompt-lookup K (no draft model) and "
+                         "--early-exit N (the target's first N layers draft)"
+                         + (f"; got {' and '.join(given)}" if given else ""))
     if args.prompt_lookup is None:
         if args.max_ngram is not None:
-            raise UsageError("--max-ngram only applies with --prompt-lookup; with --draft it would be ignored")
+            raise UsageError(f"--max-ngram only applies with --prompt-lookup; with {given[0]} it would be ignored")
         args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
+        if args.early_exit is not None:
+            return dict(assistant_early_exit=args.early_exit, num_speculative_tokens=args.gamma)
         return {}
     if args.gamma is not None:
-        raise UsageError("--gamma only applies with --draft; with --prompt-lookup K, K is the number of tokens "
-                         "drafted per iteration")
+        raise UsageError("--gamma only applies with --draft or --early-exit; with --prompt-lookup K, K is the number "
+                         "of tokens drafted per iteration")
     max_ngram = DEFAULT_MAX_NGRAM if args.max_ngram is None else args.max_ngram
     return dict(prompt_lookup_num_tokens=args.prompt_lookup, max_matching_ngram_size=max_ngram)
 
@@ -242,10 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local HF model folder of the target (or a PEFT adapter folder: loaded as from_pretrained "
                           "loads it, onto the base its adapter_config.json names)")
     gen.add_argument("--draft", help="local HF model folder of the draft, or a PEFT adapter folder (or "
-                                     "--prompt-lookup)")
+                                     "--prompt-lookup, or --early-exit)")
     gen.add_argument("--prompt-lookup", type=_positive, metavar="K",
                      help="no draft model: draft up to K tokens per iteration by prompt lookup (HF's "
                           "prompt_lookup_num_tokens; K replaces --gamma)")
+    gen.add_argument("--early-exit", type=_positive, metavar="N",
+                     help="no draft model: the target's first N decoder layers, its final norm and LM head draft "
+                          "(HF's assistant_early_exit; LayerSkip checkpoints are trained for it)")
     gen.add_argument("--max-ngram", type=_positive, metavar="N",
                      help="with --prompt-lookup: the longest n-gram matched (HF's max_matching_ngram_size; default "
                           f"{DEFAULT_MAX_NGRAM})")

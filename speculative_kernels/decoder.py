@@ -8,7 +8,8 @@
             send(row, tokens)
     sequences = session.sequences()
 
-Without a draft model: ``SpeculativeDecoder(target, prompt_lookup_num_tokens=10)`` (prompt lookup), or
+Without a draft model: ``SpeculativeDecoder(target, prompt_lookup_num_tokens=10)`` (prompt lookup),
+``SpeculativeDecoder(target, assistant_early_exit=4)`` (the target's first 4 decoder layers draft), or
 ``SpeculativeDecoder(target, drafter=lambda: NGramDrafter(...))`` (a new ``Drafter`` per session).
 
 ``start`` takes ``generate``'s keyword arguments (``seed=`` included: the same seed, the same tokens). Each ``step``
@@ -35,6 +36,7 @@ from .continuous import ContinuousBatcher, RequestResult
 from .generation.adapters import unwrap_adapters
 from .generation.autocast_state import AutocastState
 from .generation.capabilities import check_deterministic
+from .generation.early_exit import early_exit_draft, requested_exit_layers
 from .generation.inputs import check_helpers, check_models
 from .generation.loop import SpeculativeLoop
 from .generation.options import CompileOptions
@@ -48,7 +50,8 @@ from .generation.vocab import VocabBridge
 DECODER_ARGUMENTS = {"draft_model": "its draft argument", "assistant_model": "its draft argument",
                      "drafter": "drafter=", "num_speculative_tokens": "num_speculative_tokens=", "backend": "backend=",
                      "tokenizer": "tokenizer=, e.g. for stop_strings",
-                     "assistant_tokenizer": "assistant_tokenizer="}
+                     "assistant_tokenizer": "assistant_tokenizer=",
+                     "assistant_early_exit": "assistant_early_exit="}
 
 
 class DecodeSession:
@@ -122,8 +125,9 @@ class SpeculativeDecoder:
     """A target and what drafts for it, validated once, that starts decoding sessions.
 
     target, draft: HF causal LMs on one device sharing a vocabulary (see ``generate``); draft None with
-    ``prompt_lookup_num_tokens`` (and ``max_matching_ngram_size``: prompt lookup, HF's names) or ``drafter`` (a
-    callable returning a fresh ``Drafter`` for each session). num_speculative_tokens: an int, or "auto" to calibrate
+    ``prompt_lookup_num_tokens`` (and ``max_matching_ngram_size``: prompt lookup, HF's names), ``assistant_early_exit``
+    (an int N: the target's first N decoder layers, its final norm and LM head draft; ``generation/early_exit.py``)
+    or ``drafter`` (a callable returning a fresh ``Drafter`` for each session). num_speculative_tokens: an int, or "auto" to calibrate
     gamma per session over its first iterations (``generation/gamma.py``), or None for ``generate``'s default
     (num_assistant_tokens where set, else 5; prompt_lookup_num_tokens with prompt lookup). max_batch_size: the most
     requests ``add_request`` runs at once (the others wait in a queue). cache_implementation: the caches of
@@ -140,13 +144,20 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, *, num_speculative_tokens: int | str | None = None, backend: str = "auto",
                  tokenizer=None, assistant_tokenizer=None, prompt_lookup_num_tokens: int | None = None,
                  max_matching_ngram_size: int | None = None, drafter=None, max_batch_size: int = 16,
-                 cache_implementation: str | None = None, max_context: int | None = None, compile=False):
-        if draft is not None and (prompt_lookup_num_tokens is not None or drafter is not None):
-            raise ValueError("pass one of draft, prompt_lookup_num_tokens or drafter")
+                 cache_implementation: str | None = None, max_context: int | None = None, compile=False,
+                 assistant_early_exit: int | None = None):
+        given = [draft, prompt_lookup_num_tokens, drafter, assistant_early_exit]
+        if sum(value is not None for value in given) > 1:
+            raise ValueError("pass one of draft, prompt_lookup_num_tokens, assistant_early_exit or drafter")
         if drafter is not None and not callable(drafter):
             raise TypeError("drafter must be a callable returning a new Drafter for each session")
         # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
+        if assistant_early_exit is not None:  # (validated here, not by every request's first step)
+            check_models(self.target, None, names=("target", "draft"))
+            self.draft = early_exit_draft(
+                self.target, requested_exit_layers(self.target, None, {"assistant_early_exit": assistant_early_exit},
+                                                   drafting=False, lookup_given=False))
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         check_helpers(tokenizer, assistant_tokenizer, None)
         if self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step

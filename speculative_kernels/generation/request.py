@@ -15,6 +15,7 @@ from .capabilities import (check_caching, check_deterministic, check_masked_slot
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
+from .early_exit import early_exit_draft, requested_exit_layers
 from .inputs import (check_batch, check_helpers, check_models, check_token_type, inferred_attention_mask,
                      prepare_prompt, prompt_length, repeat_rows)
 from .lookup_drafter import PromptLookupDrafter
@@ -60,6 +61,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     """
     check_helpers(tokenizer, assistant_tokenizer, batching)
     seed = check_seed(seed)
+    lookup_given = kwargs.get("prompt_lookup_num_tokens",
+                              getattr(generation_config, "prompt_lookup_num_tokens", None)) is not None
+    exit_layers = requested_exit_layers(model, generation_config, kwargs, drafting=draft_model is not None
+                                        or drafter is not None, lookup_given=lookup_given)
+    if exit_layers is not None:  # the target's first layers draft (early_exit.py)
+        draft_model = early_exit_draft(model, exit_layers)
     check_models(model, draft_model)
     if drafter is not None and draft_model is not None:
         raise ValueError("pass either draft_model (or assistant_model) or drafter, not both")

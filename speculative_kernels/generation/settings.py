@@ -72,6 +72,8 @@ HONOURED = {
     "num_assistant_tokens_schedule": "'constant' only (gamma fixed, or num_speculative_tokens='auto')",
     "prompt_lookup_num_tokens": "drafts by prompt lookup instead of a draft model: the most tokens a row proposes",
     "max_matching_ngram_size": "prompt lookup's longest n-gram (HF's default 2)",
+    "assistant_early_exit": "the target's first N decoder layers, its final norm and LM head draft (early_exit.py; "
+                            "decoder-only models)",
     "num_return_sequences": "sampling: each prompt repeated, its rows together (HF refuses it greedy, and so do we)",
     "stop_strings": "HF's StopStringCriteria on the call's tokenizer=, per row (a row stops after the token that "
                     "completes one), any batch size",
@@ -134,7 +136,6 @@ REFUSED_UNLESS = {
     "token_healing": (False,),
     "dola_layers": (),
     "use_mtp": (False,),
-    "assistant_early_exit": (),
     "assistant_confidence_threshold": (),
     "is_assistant": (False,),
     "assistant_lookbehind": (),
@@ -153,7 +154,6 @@ _REASONS = {
     "output_hidden_states": "hidden states of the speculative forwards do not match per-step ones",
     "token_healing": "it rewrites the prompt",
     "use_mtp": "multi-token prediction is another drafting method",
-    "assistant_early_exit": "early-exit drafting is not implemented; pass draft_model=",
     "assistant_confidence_threshold": "HF's draft-confidence stopping is not implemented; gamma is fixed, or "
                                       "num_speculative_tokens='auto'",
     "is_assistant": "model.generate then runs as an assistant: it adds HF's draft-confidence stopping criterion "

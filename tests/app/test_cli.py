@@ -187,7 +187,16 @@ def test_generate_with_prompt_lookup_needs_no_draft(pair, capsys):
     assert "outputs identical" in out
 
 
-@pytest.mark.parametrize("drafting", [[], ["--draft", "DRAFT", "--prompt-lookup", "3"]])
+def test_generate_with_the_targets_first_layers_needs_no_draft(pair, capsys):
+    target, _ = pair
+    code = main(["generate", "--target", str(target), "--early-exit", "1", "--gamma", "3",
+                 "--prompt", "def add(a, b): return a + b", "--max-new-tokens", "12", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0 and "outputs identical" in out and "acceptance rate" in out
+
+
+@pytest.mark.parametrize("drafting", [[], ["--draft", "DRAFT", "--prompt-lookup", "3"],
+                                      ["--draft", "DRAFT", "--early-exit", "1"]])
 def test_exactly_one_of_draft_and_prompt_lookup(pair, capsys, drafting):
     target, draft = pair
     drafting = [str(draft) if a == "DRAFT" else a for a in drafting]
@@ -363,7 +372,8 @@ def test_a_checkpoints_beam_search_and_invalid_pad_id_are_replaced_with_a_note(p
 
 @pytest.mark.parametrize("drafting, option", [(["--prompt-lookup", "3", "--gamma", "7"], "--gamma"),
                                               (["--prompt-lookup", "3", "--gamma", "auto"], "--gamma"),
-                                              (["--draft", "DRAFT", "--max-ngram", "4"], "--max-ngram")])
+                                              (["--draft", "DRAFT", "--max-ngram", "4"], "--max-ngram"),
+                                              (["--early-exit", "1", "--max-ngram", "4"], "--max-ngram")])
 def test_an_option_of_the_other_drafting_mode_is_refused(pair, capsys, drafting, option):
     """--gamma with --prompt-lookup (K is the draft length there) and --max-ngram with --draft do nothing: refused by
     name, as --top-k with greedy decoding is (they were ignored, and --gamma auto printed "gamma auto -> K")."""

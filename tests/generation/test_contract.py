@@ -110,7 +110,7 @@ REFUSED_SAMPLES = {
     "force_words_ids": [[5]], "constraints": ["x"], "penalty_alpha": 0.6, "guidance_scale": 1.5,
     "output_attentions": True,
     "output_hidden_states": True, "token_healing": True,
-    "dola_layers": "high", "use_mtp": True, "assistant_early_exit": 1, "assistant_confidence_threshold": 0.2,
+    "dola_layers": "high", "use_mtp": True, "assistant_confidence_threshold": 0.2,
     "is_assistant": True,
     "assistant_lookbehind": 5, "target_lookbehind": 5, "assistant_ensemble_weight": 0.5,
     "cache_config": {"backend": "quanto"}, "max_cache_len": 64, "compile_config": {"fullgraph": True},
