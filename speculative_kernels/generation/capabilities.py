@@ -55,6 +55,8 @@ GENERATE_ROUTES_INPUTS_ONLY = {"GraniteSpeechForConditionalGeneration", "Granite
 LOOP_METHODS = ("_sample", "_get_logits_processor", "_get_stopping_criteria", "_prepare_generation_config", "_prefill",
                 "_has_unfinished_sequences", "_prepare_generated_length", "_prepare_model_inputs")
 LOOP_OVERRIDES_REVIEWED = {("ClvpForCausalLM", "_prepare_model_inputs")}
+# GenerationMixin's per-step methods besides LOOP_METHODS: what model.generate feeds the forward at each step.
+STEP_METHODS = ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
 FOUR_D_ATTENTION = ("sdpa", "eager")
 # Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
 # "absolute": BART's learned table, read at each row's own positions).
@@ -126,14 +128,22 @@ def _refuse(name: str, path: str, reason: str):
 
 
 def _parameters(model) -> set:
-    """The keywords ``model.forward`` takes. A forward replaced on the instance by a wrapper that hides them
-    (``model.forward = lambda *a, **k: ...`` without functools.wraps: only *args/**kwargs) passes them on to the
-    class's forward, whose keywords are read instead (HF's generate drives such a model the same way)."""
-    parameters = inspect.signature(model.forward).parameters
-    kinds = {p.kind for p in parameters.values()}
-    if parameters and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
-        parameters = inspect.signature(type(model).forward).parameters
+    """The keywords ``model.forward`` takes. A forward that hides them (only *args/**kwargs: a wrapper set on the
+    instance, ``model.forward = lambda *a, **k: ...`` without functools.wraps, or a user's subclass overriding
+    ``forward(self, *args, **kwargs)`` to call ``super().forward`` and change its output) passes them on to the next
+    forward of the class's MRO, whose keywords are read instead (HF's generate drives such a model the same way)."""
+    forwards = [model.forward, *(vars(klass)["forward"] for klass in type(model).__mro__ if "forward" in vars(klass))]
+    for forward in forwards:
+        parameters = inspect.signature(forward).parameters
+        if not _passes_everything_on(parameters):
+            break
     return set(parameters)
+
+
+def _passes_everything_on(parameters) -> bool:
+    """Whether a signature takes only *args/**kwargs (a wrapper or an override that calls ``super().forward``)."""
+    kinds = {p.kind for name, p in parameters.items() if name != "self"}
+    return bool(kinds) and kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
 
 
 # The forward's keyword for a KV cache: transformers 5.24 renamed ``past_key_values`` (and mamba's ``cache_params``)
@@ -286,6 +296,8 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     four_d = _four_d_masks(model, name, path)
     flattens = four_d and bool(_FLATTENS_ANY_MASK.search(_decoder_stack_source(model)[1]))
     four_d = four_d and not flattens
+    own_mask = _own_mask_code(model) if four_d and path == "dynamic" else None
+    four_d = four_d and own_mask is None
     model_type = getattr(config, "model_type", "")
     alibi = model_type in ALIBI_FROM_MASK and (model_type == "bloom" or bool(getattr(config, "alibi", False)))
     alibi_slots = model_type == "mpt" or "alibi" in model_type  # (HF's MPT applies ALiBi whatever attn_config says)
@@ -302,6 +314,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
             _refuse(name, path, f"its sliding-window layers have different windows {sorted(map(str, sliding))}")
         window = int(sliding.pop())
         window_applied = _applies_window(model, types)
+        if own_mask is not None:
+            _refuse(name, path, f"sliding-window layers are applied through 4-D masks, and {own_mask} is not "
+                                "transformers' code, so it is given the 2-D mask model.generate gives it")
         if not four_d:
             _refuse(name, path, f"sliding-window layers are applied through 4-D masks, which "
                                 f"attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
@@ -341,6 +356,59 @@ _CACHE_LENGTH_IN_ATTENTION = re.compile(r"get_seq_length\(\s*self\.layer_idx")
 @functools.cache
 def _reads_cache_length(forward) -> bool:
     return bool(_CACHE_LENGTH_IN_ATTENTION.search(_source(forward)))
+
+
+def _own_forward(module) -> str | None:
+    """"Class.forward" where ``module``'s forward is not transformers' code (remote code loaded with
+    trust_remote_code, a user's own model or subclass), or None."""
+    owner = next((klass for klass in type(module).__mro__ if "forward" in vars(klass)), None)
+    if owner is None or owner.__module__.startswith("transformers."):
+        return None
+    return f"{owner.__name__}.forward"
+
+
+def _own_mask_code(model) -> str | None:
+    """``_own_forward`` of the decoder stack (the forward that turns the attention mask into the attention's bias).
+    Such a forward may build its causal and padding mask from a 2-D mask whatever it is given (as pre-2024 remote
+    code does: a 4-D mask there gave other tokens at batch 1 and crashed in a batch), and 'eager' says nothing about
+    it (it is the default attn_implementation of remote code). On the dynamic cache it is given the 2-D slot mask
+    [B, S], as model.generate gives it its 2-D mask: causal over the cache's slots, holes masked as padding,
+    positions passed explicitly."""
+    return _own_forward(_decoder_stack_source(model)[0])
+
+
+def _own_forward_contract_reason(model, cache_arg: str) -> str | None:
+    """Why a forward that is not transformers' code (remote code, a user's model or subclass) cannot be driven, or
+    None: one 1-token forward, given a transformers ``DynamicCache`` as the runners give theirs, must take it and
+    return a ModelOutput with logits and a transformers ``Cache``. Remote code written for legacy caches (tuples of
+    (key, value) per layer) fails inside its own forward on a Cache ("not subscriptable"), and some return tuples
+    whatever return_dict says: both failed inside the runners' first forward (model.generate fails as well, or, in
+    transformers 5.24, recomputes every step without a cache). Offloaded weights (meta) are not probed."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
+    from transformers.utils import ModelOutput
+
+    code = _own_forward(model) or _own_mask_code(model)
+    parameter = next(model.parameters(), None)
+    if code is None or parameter is None or parameter.device.type == "meta":
+        return None
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=parameter.device)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.zeros_like(ids),
+                        use_cache=True, return_dict=True, **{cache_arg: DynamicCache()})
+    except Exception as error:  # noqa: BLE001 -- the model's own code: its failure is the reason, named
+        return (f"{code} fails when given a transformers Cache as {cache_arg} ({type(error).__name__}: {error}); "
+                "speculative decoding passes its own Cache to every forward (legacy caches, tuples of (key, value) "
+                "per layer, are not supported)")
+    if not isinstance(out, ModelOutput) or not isinstance(out.get("logits"), torch.Tensor):
+        return (f"{code} returns a {type(out).__name__}, not a ModelOutput with logits, when called with "
+                "return_dict=True (as model.generate calls it)")
+    returned = out.get(cache_arg)
+    if not isinstance(returned, Cache):
+        return (f"{code} returns its cache ({cache_arg}) as a {type(returned).__name__}, not a transformers Cache "
+                "(a legacy cache of (key, value) tuples?); speculative decoding needs the Cache it passes")
+    return None
 
 
 def _scales_by_cache_length(model) -> str | None:
@@ -549,6 +617,29 @@ def _own_generate_reason(model) -> str | None:
             "or adapters), which speculative_kernels does not reproduce")
 
 
+def _custom_step_reason(model) -> str | None:
+    """Why a target whose own code (a user's subclass, remote code loaded with trust_remote_code, a function set on
+    the instance) replaces a step of model.generate is ruled out, or None: ``prepare_inputs_for_generation`` (an
+    extra keyword for the forward, other ids or positions), ``_update_model_kwargs_for_generation`` or a
+    ``LOOP_METHODS`` method (another processor, another loop). model.generate runs it at every step; the runners call
+    the forward directly with their own ids, masks, positions and cache, so what it changes would be skipped without
+    a word. transformers' own overrides are reviewed one by one (``_own_generate_reason``, ``_own_positions_reason``).
+    A draft's may: its logits are read as given."""
+    for method in (*STEP_METHODS, *LOOP_METHODS):
+        if method in vars(model):
+            return (f"its instance attribute {method} replaces GenerationMixin's, which model.generate calls at "
+                    "every step and speculative_kernels does not (it calls the forward directly); delete the attribute "
+                    "or use model.generate")
+        owner = next((klass for klass in type(model).__mro__ if method in vars(klass)), None)
+        if owner is not None and not owner.__module__.startswith("transformers."):
+            return (f"{owner.__name__}.{method} (in {owner.__module__}, not transformers) replaces a step of "
+                    "model.generate, which speculative_kernels does not run: it calls the forward directly with its "
+                    "own ids, masks, positions and cache, so what the override adds or changes would be skipped. Move "
+                    "what it does into forward (e.g. a keyword's default), remove the override where it does only "
+                    "what GenerationMixin's does, or use model.generate")
+    return None
+
+
 def _own_positions_reason(model) -> str | None:
     """Why the model's own position rule rules it out, or None: a transformers ``prepare_inputs_for_generation`` (of
     the model or of a submodule it generates through) that removes ``position_ids``, so HF's generate never passes
@@ -636,7 +727,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
     reason = _own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
     if reason is None and target:
-        reason = _activation_scales_reason(model)
+        reason = _custom_step_reason(model) or _activation_scales_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
@@ -646,6 +737,9 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     spec = _check_decoder_only(model, path, batch)
+    reason = _own_forward_contract_reason(model, spec.cache_argument)
+    if reason is not None:
+        _refuse(type(model).__name__, path, reason)
     if _WIDENS_2D_MASK_OVER_CACHE.search(_decoder_stack_source(model)[1]):
         spec = dataclasses.replace(spec, masked_slots_exact=False)
     return dataclasses.replace(spec, forward_flags=forward_flags(model))
