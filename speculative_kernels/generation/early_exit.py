@@ -168,10 +168,14 @@ def _check_truncatable(model, path: list[str]) -> None:
 
 
 def _view_key(model, path: list[str]) -> tuple:
-    """What a view is built from: the layer list object and its modules, and the configs' contents (a model whose
-    layers or config changed gets a new view)."""
-    layers = model.get_submodule(".".join(path))
-    return id(layers), tuple(id(m) for m in layers), model.config.to_json_string(use_diff=False)
+    """What a view is built from: the modules on the path and their children (a head or an embedding replaced on the
+    target, e.g. by resize_token_embeddings), the layer list's modules, and the config's contents (a model whose
+    modules or config changed gets a new view)."""
+    owners = [model]
+    for name in path:
+        owners.append(getattr(owners[-1], name))
+    children = tuple(id(child) for owner in owners for child in owner._modules.values())
+    return children, model.config.to_json_string(use_diff=False)
 
 
 def early_exit_draft(model, exit_layers: int) -> torch.nn.Module:

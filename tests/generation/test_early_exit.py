@@ -71,6 +71,8 @@ def test_the_draft_shares_the_targets_weights_and_leaves_it_as_it_was():
     assert early_exit_draft(target, 2) is draft  # one object per (model, N): compiled steps key on it
     target.config.rms_norm_eps = 1e-5  # a changed config: a new view, that follows it
     assert early_exit_draft(target, 2) is not draft
+    target.lm_head = torch.nn.Linear(32, 97, bias=False)  # a replaced head: a new view, that drafts with it
+    assert early_exit_draft(target, 2).lm_head is target.lm_head
 
 
 @pytest.mark.parametrize("value, error, match", [
