@@ -99,9 +99,11 @@ def test_another_way_of_drafting_in_the_call_is_refused(other):
 
 def test_a_checkpoints_early_exit_drafts_and_yields_to_the_calls_draft():
     target = _deep()
-    target.generation_config.assistant_early_exit = 2  # (as a checkpoint's generation_config.json would set it)
     ids = torch.tensor([[5, 6, 7, 8]])
+    # (the reference before the default is set: transformers 5.17's model.generate then runs the model as its own
+    # assistant, whose generate assists again, and fails in its ConfidenceCriteria)
     expected = hf_generate(target, ids, max_new_tokens=NEW, do_sample=False)
+    target.generation_config.assistant_early_exit = 2  # (as a checkpoint's generation_config.json would set it)
     stats = sk.SpeculationStats()
     assert torch.equal(sk.generate(target, ids, max_new_tokens=NEW, speculation_stats=stats), expected)
     assert stats.drafted_tokens > 0
