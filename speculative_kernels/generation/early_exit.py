@@ -168,14 +168,33 @@ def _check_truncatable(model, path: list[str]) -> None:
 
 
 def _view_key(model, path: list[str]) -> tuple:
-    """What a view is built from: the modules on the path and their children (a head or an embedding replaced on the
-    target, e.g. by resize_token_embeddings), the layer list's modules, and the config's contents (a model whose
-    modules or config changed gets a new view)."""
+    """What a view is built from: the modules on the path, their children (a head or an embedding replaced on the
+    target, e.g. by resize_token_embeddings) and their own plain attributes, which the view's copies take at build
+    time (``training``: model.train() / eval(); ``gradient_checkpointing``), the layer list's modules, and the
+    config's contents with its private fields (``_attn_implementation_internal``: set_attn_implementation; not in
+    its JSON). A model whose modules, mode or config changed gets a new view."""
     owners = [model]
     for name in path:
         owners.append(getattr(owners[-1], name))
     children = tuple(id(child) for owner in owners for child in owner._modules.values())
-    return children, model.config.to_json_string(use_diff=False)
+    plain = tuple(tuple(sorted((name, value) for name, value in vars(owner).items() if _is_plain(value)))
+                  for owner in owners)
+    return children, plain, model.config.to_json_string(use_diff=False), _private_fields(model.config)
+
+
+def _is_plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _private_fields(config) -> tuple:
+    """config's and its sub-configs' private plain fields (``_attn_implementation_internal``, ...), as a tuple."""
+    fields = []
+    for name, value in sorted(vars(config).items()):
+        if name.startswith("_") and _is_plain(value):
+            fields.append((name, value))
+        elif hasattr(value, "to_json_string") and hasattr(value, "model_type"):  # (a sub-config)
+            fields.append((name, _private_fields(value)))
+    return tuple(fields)
 
 
 def early_exit_draft(model, exit_layers: int) -> torch.nn.Module:
@@ -225,5 +244,7 @@ def _build_view(model, path: list[str], exit_layers: int) -> torch.nn.Module:
     for parent, name, child in zip(copies, path, copies[1:]):
         setattr(parent, name, child)
     layers = getattr(modules[-1], path[-1])
-    setattr(copies[-1], path[-1], torch.nn.ModuleList(list(layers)[:exit_layers]))
+    first = torch.nn.ModuleList(list(layers)[:exit_layers])
+    first.training = layers.training  # (a new module is in training mode)
+    setattr(copies[-1], path[-1], first)
     return copies[0]

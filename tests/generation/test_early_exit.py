@@ -75,6 +75,25 @@ def test_the_draft_shares_the_targets_weights_and_leaves_it_as_it_was():
     assert early_exit_draft(target, 2).lm_head is target.lm_head
 
 
+def test_the_draft_follows_the_targets_mode_and_attention_implementation():
+    """The view's copies of the model and its decoder take their plain attributes (``training``) and the config's
+    private fields at build time: a target refused in training mode, then put in eval mode, drafts in eval mode (the
+    old view's decoder stayed in training mode and dropped layers (OPT's LayerDrop): a crash inside transformers'
+    attention), and one switched to eager attention drafts with eager attention."""
+    target = _deep("opt")
+    target.config.layerdrop = target.model.decoder.layerdrop = 0.5  # (a fine-tune's: LayerDrop in training mode)
+    ids, mask = left_padded([7, 4])
+    target.train()
+    with pytest.raises(ValueError, match="call model.eval"):
+        sk.generate(target, ids, attention_mask=mask, assistant_early_exit=2, max_new_tokens=NEW)
+    target.eval()
+    got = sk.generate(target, ids, attention_mask=mask, assistant_early_exit=2, max_new_tokens=NEW)
+    assert torch.equal(got, hf_generate(target, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    assert not any(module.training for module in early_exit_draft(target, 2).modules())
+    target.set_attn_implementation("eager")
+    assert early_exit_draft(target, 2).config._attn_implementation == "eager"
+
+
 @pytest.mark.parametrize("value, error, match", [
     (0, ValueError, r"assistant_early_exit=0 must be in \[1, 3\]"),
     (4, ValueError, r"assistant_early_exit=4 must be in \[1, 3\]"),
