@@ -153,11 +153,12 @@ class SpeculativeDecoder:
             raise TypeError("drafter must be a callable returning a new Drafter for each session")
         # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
+        self.exit_layers = None
         if assistant_early_exit is not None:  # (validated here, not by every request's first step)
             check_models(self.target, None, names=("target", "draft"))
-            self.draft = early_exit_draft(
-                self.target, requested_exit_layers(self.target, None, {"assistant_early_exit": assistant_early_exit},
-                                                   drafting=False, lookup_given=False))
+            self.exit_layers = requested_exit_layers(self.target, None, {"assistant_early_exit": assistant_early_exit},
+                                                     drafting=False, lookup_given=False)
+            self.draft = early_exit_draft(self.target, self.exit_layers)
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         check_helpers(tokenizer, assistant_tokenizer, None)
         if self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step
@@ -194,6 +195,7 @@ class SpeculativeDecoder:
             generation_kwargs["return_dict_in_generate"] = False
         if "compile" in generation_kwargs:  # generate's argument (the decoder's own compile= is add_request's batch)
             generation_kwargs["compile_options"] = CompileOptions.from_argument(generation_kwargs.pop("compile"))
+        self._follow_target()
         with torch.inference_mode():
             loop = build_loop(
                 self.target, self.draft, input_ids, num_speculative_tokens=self.num_speculative_tokens,
@@ -210,7 +212,15 @@ class SpeculativeDecoder:
         seed (None: one drawn from torch's default generator), eos_token_id, min_new_tokens, stop_strings (needs
         ``tokenizer=`` on the decoder; matched after every token as HF's StopStringCriteria). Anything else is refused
         by name. Returns its request id."""
+        self._follow_target()  # (a running batch goes on with its own draft; the request's rows join its runner)
         return self._batcher.add_request(prompt_ids, **kwargs)
+
+    def _follow_target(self) -> None:
+        """With assistant_early_exit: the draft view of the target as it is now (a head replaced, the embeddings
+        resized, set_attn_implementation, train()/eval() since the decoder was made: early_exit_draft builds a new view
+        for those, the same object otherwise)."""
+        if self.exit_layers is not None:
+            self.draft = early_exit_draft(self.target, self.exit_layers)
 
     def step(self) -> dict[int, list[int]]:
         """Admit queued requests (up to max_batch_size running) and return their first tokens (their prefill and

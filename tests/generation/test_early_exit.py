@@ -215,6 +215,30 @@ def test_the_decoder_object_drafts_with_the_targets_first_layers():
         sk.SpeculativeDecoder(target, assistant_early_exit=4)
 
 
+def test_the_decoder_object_drafts_with_the_target_as_it_is_at_each_session_and_request():
+    """A decoder made before the target's embeddings are resized: its sessions and requests draft with the resized
+    head (it kept the view of its construction: "draft and target have different vocabularies")."""
+    target = _deep()
+    decoder = sk.SpeculativeDecoder(target, assistant_early_exit=2, num_speculative_tokens=3)
+    target.resize_token_embeddings(128, mean_resizing=False)
+    ids, mask = left_padded([7, 4])
+    expected = hf_generate(target, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    session = decoder.start(ids, attention_mask=mask, max_new_tokens=NEW)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+    request = decoder.add_request(ids[0], max_new_tokens=NEW)
+    while decoder.has_work():
+        decoder.step()
+    tokens = decoder.result(request).token_ids
+    assert tokens == expected[0, ids.shape[1]:ids.shape[1] + len(tokens)].tolist()
+
+
+def test_a_torch_compile_wrapper_is_refused_as_such():
+    with pytest.raises(TypeError, match="model is a torch.compile wrapper"):
+        sk.generate(torch.compile(_deep()), torch.tensor([[5, 6, 7]]), assistant_early_exit=2, max_new_tokens=3)
+
+
 def test_threads_building_the_draft_get_one_object():
     target = _deep()
     views = []
