@@ -2,10 +2,11 @@
 the target's first N decoder layers, then its own final norm and LM head, draft for it.
 
 HF's ``EarlyExitCandidateGenerator`` lowers ``config.num_hidden_layers`` on the target itself around each drafting
-call, which only architectures whose forward slices their layers by it obey (the others draft with every layer) and
-which a second thread using the model sees. Here the draft is a separate module object, built once per (model, N):
-copies of the modules on the path from the model to its decoder-layer list (their own ``_modules``, a config with
-``num_hidden_layers = N``), sharing every parameter, buffer and layer module with the target (no weight is copied).
+call, which only architectures whose forward slices their layers by it obey (the others run every layer over a cache
+of N: an IndexError inside transformers, the lowered value left on the model) and which a second thread using the
+model sees. Here the draft is a separate module object, built once per (model, N): copies of the modules on the path
+from the model to its decoder-layer list (their own ``_modules``, a config with ``num_hidden_layers = N``), sharing
+every parameter, buffer and layer module with the target (no weight is copied).
 It goes through every check and runner a draft model goes through, and gets caches of its N layers.
 """
 
