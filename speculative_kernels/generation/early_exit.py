@@ -170,16 +170,17 @@ def _check_truncatable(model, path: list[str]) -> None:
 
 def _view_key(model, path: list[str]) -> tuple:
     """What a view is built from: the modules on the path, their children (a head or an embedding replaced on the
-    target, e.g. by resize_token_embeddings) and their own plain attributes, which the view's copies take at build
-    time (``training``: model.train() / eval(); ``gradient_checkpointing``), the layer list's modules, and the
+    target, e.g. by resize_token_embeddings) and their own public plain attributes, which the view's copies take at
+    build time (``training``: model.train() / eval(); ``gradient_checkpointing``), the layer list's modules, and the
     config's contents with its private fields (``_attn_implementation_internal``: set_attn_implementation; not in
     its JSON). A model whose modules, mode or config changed gets a new view."""
     owners = [model]
     for name in path:
         owners.append(getattr(owners[-1], name))
     children = tuple(id(child) for owner in owners for child in owner._modules.values())
-    plain = tuple(tuple(sorted((name, value) for name, value in vars(owner).items() if _is_plain(value)))
-                  for owner in owners)
+    plain = tuple(tuple(sorted((name, value) for name, value in vars(owner).items()
+                               if not name.startswith("_") and _is_plain(value)))
+                  for owner in owners)  # (not the private ones: generate's bookkeeping, _previous_max_cache_length)
     return children, plain, model.config.to_json_string(use_diff=False), _private_fields(model.config)
 
 

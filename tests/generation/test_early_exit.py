@@ -90,6 +90,9 @@ def test_the_draft_follows_the_targets_mode_and_attention_implementation():
     got = sk.generate(target, ids, attention_mask=mask, assistant_early_exit=2, max_new_tokens=NEW)
     assert torch.equal(got, hf_generate(target, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
     assert not any(module.training for module in early_exit_draft(target, 2).modules())
+    draft = early_exit_draft(target, 2)
+    hf_generate(target, ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static")
+    assert early_exit_draft(target, 2) is draft  # (generate's bookkeeping on the model, not a change of its mode)
     target.set_attn_implementation("eager")
     assert early_exit_draft(target, 2).config._attn_implementation == "eager"
 
