@@ -186,6 +186,9 @@ class SpeculativeDecoder:
                 raise ValueError(f"{name} is a setting of the decoder, not of start(): pass it to "
                                  f"SpeculativeDecoder(...) ({DECODER_ARGUMENTS.get(name, f'{name}=')})")
         config = generation_kwargs.get("generation_config")
+        if getattr(config, "assistant_early_exit", None) is not None:  # (else: "pass either ... or draft_model")
+            raise ValueError("assistant_early_exit (in generation_config) is a setting of the decoder, not of start(): "
+                             "pass it to SpeculativeDecoder(...) (assistant_early_exit=)")
         for name in ("streamer", "return_dict_in_generate", "output_scores", "output_logits"):
             if generation_kwargs.get(name) or getattr(config, name, None):
                 where = "" if generation_kwargs.get(name) else " (in generation_config)"

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+from transformers import GenerationConfig
 from transformers.models.llama.modeling_llama import LlamaModel
 
 import speculative_kernels as sk
@@ -212,6 +213,8 @@ def test_the_decoder_object_drafts_with_the_targets_first_layers():
         assert (expected[row, ids.shape[1] + len(tokens):] == 0).all()
     with pytest.raises(ValueError, match="assistant_early_exit is a setting of the decoder"):
         decoder.start(ids, attention_mask=mask, assistant_early_exit=1)
+    with pytest.raises(ValueError, match=r"assistant_early_exit \(in generation_config\) is a setting of the decoder"):
+        decoder.start(ids, attention_mask=mask, generation_config=GenerationConfig(assistant_early_exit=2))
     with pytest.raises(ValueError, match="pass one of draft, prompt_lookup_num_tokens, assistant_early_exit"):
         sk.SpeculativeDecoder(target, llama(layers=1), assistant_early_exit=2)
     with pytest.raises(ValueError, match=r"assistant_early_exit=4 must be in \[1, 3\]"):
