@@ -6,6 +6,7 @@
     python benchmarks/e2e.py --synthetic --alpha 0.8                          # Llama-3-8B / 3.2-1B shapes (GPU)
     python benchmarks/e2e.py --synthetic --alpha 0.8 --device cpu             # scaled-down shapes (CPU)
     python benchmarks/e2e.py --pair demo --batch-sizes 1,4,16 --seq2seq       # + batching / encoder-decoder tables
+    python benchmarks/e2e.py --pair layered --early-exit      # HF's assistant_early_exit against ours
 
 Per row (one gamma): measured alpha, c, tokens per target forward, tokens/s of the three paths on the same prompts
 (batch 1, greedy unless --temperature), the speedup over plain ``model.generate`` and over HF assisted generation
@@ -152,7 +153,10 @@ def synthetic_pair(alpha: float, target_shape: str, draft_shape: str, device, dt
 LAYERED_SHAPE = dict(hidden=256, intermediate=768, layers=12, heads=8, kv_heads=2, vocab=1024, tied=False)
 
 
-def layered_pair(device, dtype, draft_layers: int = 3, scale: float = 0.003, seed: int = 0):
+LAYERED_DRAFT_LAYERS = 3
+
+
+def layered_pair(device, dtype, draft_layers: int = LAYERED_DRAFT_LAYERS, scale: float = 0.003, seed: int = 0):
     """(target, draft): a random-weight 12-layer Llama whose layers past the first ``draft_layers`` write
     ``scale`` times less into the residual stream (their o_proj and down_proj scaled down), and as its draft its first
     ``draft_layers`` layers with the same embeddings, final norm and head (an early-exit draft: high acceptance,
@@ -240,7 +244,18 @@ def measure_c(target, draft, prompt: torch.Tensor, steps: int = 32, repeats: int
     return {"c": draft_s / target_s, "draft_step_ms": draft_s * 1e3, "target_step_ms": target_s * 1e3}
 
 
+_early_exit: int | None = None  # --early-exit: both speculative paths draft with the target's first layers
+
+
 def _calls(target, draft, ids, gamma, kwargs, stats):
+    if _early_exit is not None:  # HF's self-speculation against ours, with the same layers
+        return {
+            "hf": lambda: target.generate(ids, **kwargs),
+            "assisted": lambda: target.generate(ids, assistant_early_exit=_early_exit, num_assistant_tokens=gamma,
+                                                num_assistant_tokens_schedule="constant", **kwargs),
+            "ours": lambda: sk.generate(target, ids, assistant_early_exit=_early_exit, num_speculative_tokens=gamma,
+                                        speculation_stats=stats, **kwargs),
+        }
     return {
         "hf": lambda: target.generate(ids, **kwargs),
         "assisted": lambda: target.generate(ids, assistant_model=draft, num_assistant_tokens=gamma,
@@ -524,6 +539,10 @@ def parse_args(argv=None):
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall: time.perf_counter; process: the process's CPU time (CPU runs on a loaded machine)")
     p.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
+    p.add_argument("--early-exit", action="store_true",
+                   help="with --pair layered: draft with the target's own first layers (assistant_early_exit) on "
+                        "both speculative paths, HF's (model.generate(assistant_early_exit=...)) and ours, instead "
+                        "of a separate copy of them")
     p.add_argument("--batch-sizes", type=lambda t: [int(b) for b in t.split(",")],
                    help="also the batching table (benchmarks/e2e_batching.py), e.g. 1,4,16")
     p.add_argument("--batch-gamma", type=int, default=4, help="gamma of the batching and seq2seq cases")
@@ -533,6 +552,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         p.error("--target and --draft go together")
+    if args.early_exit and args.pair != "layered":
+        p.error("--early-exit needs --pair layered (a target whose first layers draft)")
     return args
 
 
@@ -548,6 +569,12 @@ def load_case(args, device, dtype):
     if args.pair == "layered":
         target, draft = layered_pair(device, dtype)
         prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, device)
+        if args.early_exit:  # (the draft measured for c: the same computation as the copy)
+            from speculative_kernels.generation.early_exit import early_exit_draft
+
+            draft = early_exit_draft(target, LAYERED_DRAFT_LAYERS)
+            return ("layered pair, early exit (12-layer random target drafting with its first 3 layers: "
+                    "assistant_early_exit=3)", target, draft, prompts, 0)
         return "layered pair (12-layer random target, its first 3 layers as the draft)", target, draft, prompts, 0
     from speculative_kernels.demo import BUILTIN_PROMPTS
     from speculative_kernels.model_loading import load_model
@@ -572,8 +599,9 @@ def load_case(args, device, dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    global _clock
+    global _clock, _early_exit
     _clock = CLOCKS[args.clock]
+    _early_exit = LAYERED_DRAFT_LAYERS if args.early_exit else None
     device = torch.device(args.device)
     if args.clock == "process" and device.type != "cpu":
         raise SystemExit("--clock process times CPU work only: use it with --device cpu")
@@ -589,6 +617,7 @@ def main(argv=None) -> int:
     env = environment(device, dtype)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     kind = 'synthetic' if args.synthetic else 'user' if args.target else args.pair or 'demo'
+    kind += '-early-exit' if args.early_exit else ''
     stem = args.out / (args.name or f"e2e-{kind}-"
                                     f"{device.type}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"  # names may hold dots

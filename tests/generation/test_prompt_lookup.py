@@ -202,7 +202,7 @@ def test_errors(target, kwargs, words):
 
 
 def test_decoder_refuses_two_drafting_methods(target):
-    with pytest.raises(ValueError, match="pass one of draft, prompt_lookup_num_tokens or drafter"):
+    with pytest.raises(ValueError, match="pass one of draft, prompt_lookup_num_tokens, assistant_early_exit or drafter"):
         sk.SpeculativeDecoder(target, target, prompt_lookup_num_tokens=3)
 
 
