@@ -84,7 +84,8 @@ def generate(
     if speculation_stats is not None and not isinstance(speculation_stats, SpeculationStats):
         raise TypeError(f"speculation_stats must be a SpeculationStats, got {type(speculation_stats).__name__}")
     compile_options = CompileOptions.from_argument(compile)
-    result_device = _result_device(input_ids, kwargs.get("decoder_input_ids"), model.config.is_encoder_decoder)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))  # (not a model:
+    result_device = _result_device(input_ids, kwargs.get("decoder_input_ids"), encoder_decoder)  # build_loop says so)
     with torch.inference_mode():
         loop = build_loop(
             model, draft_model, input_ids, num_speculative_tokens=num_speculative_tokens, tokenizer=tokenizer,

@@ -155,6 +155,9 @@ def test_the_decoder_refuses_what_is_not_a_generating_model_when_built():
     with pytest.raises(TypeError, match="draft_model must be a Hugging Face model that generates .* got "
                                         "LlamaForSequenceClassification"):
         sk.generate(target, torch.tensor([[5, 6]]), draft_model=classifier)
+    # (generate read model.config before any check: an AttributeError)
+    with pytest.raises(TypeError, match="model must be a Hugging Face model that generates .* got str"):
+        sk.generate("not a model", torch.tensor([[5, 6]]), draft_model=target)
 
 
 def test_a_session_whose_step_raised_refuses_to_go_on():
