@@ -725,7 +725,8 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     (verification reads them as given), so activation scales set per forward do not rule it out."""
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
-    reason = _own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
+    reason = (_own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
+              or _inference_mode_reason(model))
     if reason is None and target:
         reason = _custom_step_reason(model) or _activation_scales_reason(model)
     if reason is not None:
@@ -769,6 +770,21 @@ def _dynamic_quantization_reason(model) -> str | None:
     return None
 
 
+def _inference_mode_reason(model) -> str | None:
+    """optimum-quanto's 2- and 4-bit weights (``WeightQBitsTensor``, ``quantize(model, weights=qint4)`` or
+    ``QuantoConfig(weights="int4")``) fail in every forward under ``torch.inference_mode``, which the loop runs in
+    (model.generate runs under no_grad): "Cannot set version_counter for inference tensor" from inside quanto
+    (optimum-quanto issue #304)."""
+    names = [name for name, parameter in model.named_parameters()
+             if any(cls.__name__ == "WeightQBitsTensor" and cls.__module__.startswith("optimum.quanto")
+                    for cls in type(parameter).__mro__)]
+    if names:
+        return (f"its weights are optimum-quanto 2/4-bit tensors ({_first_names(names)}: WeightQBitsTensor), whose "
+                "forward fails under torch.inference_mode, which speculative_kernels runs in (optimum-quanto issue "
+                "#304); quantize weights to qint8 or qfloat8")
+    return None
+
+
 def _activation_scales_reason(model) -> str | None:
     """A target whose activations are scaled per forward (over all its tokens): a verification forward over several
     tokens gives other logits than one-token steps. (A draft may: its logits are read as given.)"""
@@ -778,11 +794,13 @@ def _activation_scales_reason(model) -> str | None:
                 "quantization-aware training), which set their scales from each forward's activations, so a "
                 "multi-token verification forward gives other logits than one-token steps; call "
                 "model.apply(torch.ao.quantization.disable_observer) to keep the scales as trained")
-    per_tensor = _torchao_activation_scales(model)
-    if per_tensor:
-        return (f"its weights are torchao tensors that quantize activations with one scale over several tokens "
-                f"({_first_names(per_tensor)}), so a multi-token verification forward gives other logits than "
-                "one-token steps; quantize activations per row (granularity=PerRow()), or weights only")
+    quantized = _torchao_quantized_activations(model)
+    if quantized:
+        return (f"its weights are torchao tensors that quantize activations ({_first_names(quantized)}): "
+                "a per-tensor scale spans several tokens, and even per row (one scale per token) rounding to the "
+                "quantization grid turns the float rounding by which a multi-token verification forward differs "
+                "from one-token steps (1e-7) into whole quantization steps (measured: 1e-2 at a logit scale of 0.75, "
+                "other greedy tokens); quantize weights only (e.g. Int8WeightOnlyConfig), or use it as the draft")
     return None
 
 
@@ -801,23 +819,28 @@ def _observing_fake_quantizers(model) -> list[str]:
             and bool(module.fake_quant_enabled[0])]
 
 
-def _torchao_activation_scales(model) -> list[str]:
-    """"name (granularity)" of each torchao weight (a tensor subclass, ``torchao.quantization.quantize_``) that
-    quantizes its layer's activations other than per row (one scale per token, exact under any width): per tensor
-    (e.g. ``Float8DynamicActivationFloat8WeightConfig``'s default), or a scheme this check cannot read."""
+def _torchao_quantized_activations(model) -> list[str]:
+    """"name (scheme)" of each torchao weight (a tensor subclass, ``torchao.quantization.quantize_``) that quantizes
+    its layer's activations: ``act_quant_kwargs`` (``Int8DynamicActivationInt8WeightConfig`` per row or per tensor,
+    ``Float8DynamicActivationFloat8WeightConfig``; with a static ``act_quant_scale`` too, which rounds to a grid
+    alike), ``activation_quantization`` (``Int8DynamicActivationIntxWeightConfig``: per token), or torchao's older
+    ``input_quant_func`` wrapper. One linear layer alone is exact per row (identical
+    rows give identical outputs at any width), but the model's inputs to it are not: attention rounds a forward of
+    several query tokens differently from one (1e-7), and a value at a rounding boundary moves a whole step (measured
+    on a tiny Llama, per row: 1e-2 of the logits' scale, other greedy tokens in 7 of 20 prompts; weight-only: 3e-7,
+    as the float model)."""
     found = []
     for name, parameter in model.named_parameters():
         if not type(parameter).__module__.startswith("torchao"):
             continue
         kwargs = getattr(parameter, "act_quant_kwargs", None)
-        if kwargs is None:
-            if getattr(parameter, "input_quant_func", None) is not None:  # torchao's older activation wrapper
-                found.append(f"{name} (activation quantization of {type(parameter).__name__})")
-            continue
-        granularity = getattr(kwargs, "granularity", None)
-        per_row = type(granularity).__name__ in ("PerRow", "PerToken") and getattr(granularity, "dim", -1) == -1
-        if not per_row:
-            found.append(f"{name} ({granularity!r})")
+        per_token = getattr(parameter, "activation_quantization", None)
+        if kwargs is not None:
+            found.append(f"{name} ({getattr(kwargs, 'granularity', None)!r})")
+        elif per_token is not None:
+            found.append(f"{name} ({getattr(per_token, 'value', per_token)})")
+        elif getattr(parameter, "input_quant_func", None) is not None:  # torchao's older activation wrapper
+            found.append(f"{name} (activation quantization of {type(parameter).__name__})")
     return found
 
 

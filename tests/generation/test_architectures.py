@@ -534,13 +534,15 @@ def _torchao_like_weight(weight, granularity):
     return parameter
 
 
-def test_activation_quantization_over_several_tokens_is_refused(monkeypatch):
-    """torchao's dynamic activation quantization per tensor (Float8DynamicActivationFloat8WeightConfig's default,
-    Int8DynamicActivationInt8WeightConfig(granularity=PerTensor())) scales a forward's activations together: a
-    verification forward gave other greedy tokens than one-token steps, silently. Per row (one scale per token) it
-    is exact and accepted."""
+def test_activation_quantization_is_refused(monkeypatch):
+    """torchao's activation quantization rounds a target's activations to a grid: per tensor
+    (Float8DynamicActivationFloat8WeightConfig's default, Int8DynamicActivationInt8WeightConfig(granularity=PerTensor()))
+    the scale spans a forward's tokens; per row (Int8DynamicActivationInt8WeightConfig's default PerRow(), and
+    Int8DynamicActivationIntxWeightConfig's int8_asym_per_token) a value that attention's width-dependent rounding
+    puts at a grid boundary moves a whole step: a verification forward gave other greedy tokens than one-token steps
+    in 7 of 20 prompts, silently (PerRow was accepted as exact). Weight-only torchao tensors are exact."""
     PerTensor = type("PerTensor", (), {"__repr__": lambda self: "PerTensor()"})
-    PerRow = type("PerRow", (), {"dim": -1})
+    PerRow = type("PerRow", (), {"dim": -1, "__repr__": lambda self: "PerRow(dim=-1)"})
     model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
     proj = model.model.layers[0].self_attn.q_proj
     original = proj.weight
@@ -548,20 +550,79 @@ def test_activation_quantization_over_several_tokens_is_refused(monkeypatch):
     _check_refused_up_front(model, r"torchao tensors that quantize activations .*q_proj.weight \(PerTensor\(\)\)",
                             monkeypatch=monkeypatch)
     proj.weight = _torchao_like_weight(original, PerRow())
+    _check_refused_up_front(model, r"torchao tensors that quantize activations .*q_proj.weight \(PerRow\(dim=-1\)\)",
+                            monkeypatch=monkeypatch)
+    proj.weight = _torchao_like_weight(original, None)
+    del proj.weight.act_quant_kwargs
+    proj.weight.activation_quantization = "int8_asym_per_token"  # IntxUnpackedToInt8Tensor's per-token scheme
+    _check_refused_up_front(model, r"q_proj.weight \(int8_asym_per_token\)", monkeypatch=monkeypatch)
+    proj.weight.activation_quantization = None  # weight-only
     _check_exact(model, batch=2, noise=None)
 
 
-def test_torchao_per_tensor_activation_quantization_is_refused(monkeypatch):
+def test_torchao_activation_quantization_is_refused(monkeypatch):
     """The same with torchao itself (skipped where it is not installed)."""
     pytest.importorskip("torchao")
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
-    from torchao.quantization.granularity import PerRow, PerTensor
+    from torchao.quantization import (Int8DynamicActivationInt8WeightConfig, Int8DynamicActivationIntxWeightConfig,
+                                      Int8WeightOnlyConfig, quantize_)
+    from torchao.quantization.granularity import PerTensor
 
+    for config in (Int8DynamicActivationInt8WeightConfig(granularity=PerTensor()),
+                   Int8DynamicActivationInt8WeightConfig(), Int8DynamicActivationIntxWeightConfig()):
+        model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+        quantize_(model, config)
+        _check_refused_up_front(model, "torchao tensors that quantize activations", monkeypatch=monkeypatch)
+    draft = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quantize_(draft, Int8DynamicActivationInt8WeightConfig())  # as a draft it is exact: its logits are read as given
+    ids, mask = _batch(2)
+    target = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                      max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
     model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(granularity=PerTensor()))
-    _check_refused_up_front(model, "torchao tensors that quantize activations", monkeypatch=monkeypatch)
+    quantize_(model, Int8WeightOnlyConfig())
+    _check_exact(model, batch=2, noise=None)
+
+
+def _quanto_like_weight(weight):
+    """A weight shaped as optimum-quanto's 2/4-bit tensors present themselves to the check (a subclass of a class
+    named WeightQBitsTensor from optimum.quanto), for machines without optimum-quanto; the real one is below."""
+    qbits = type("WeightQBitsTensor", (torch.Tensor,), {"__module__": "optimum.quanto.tensor.weights.qbits"})
+    subclass = type("TinyGemmWeightQBitsTensor", (qbits,), {"__module__": "optimum.quanto.tensor.weights.tinygemm"})
+    return torch.nn.Parameter(weight.detach().as_subclass(subclass), requires_grad=False)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_quanto_four_bit_weights_are_refused(role, monkeypatch):
+    """optimum-quanto's 2/4-bit weights (WeightQBitsTensor) fail in every forward under torch.inference_mode, which
+    the loop runs in: "Cannot set version_counter for inference tensor" from inside quanto (its issue #304), for a
+    target and a draft alike; model.generate runs under no_grad. Refused by name; quanto's int8 weights run."""
     model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
-    quantize_(model, Int8DynamicActivationInt8WeightConfig(granularity=PerRow()))
+    proj = model.model.layers[0].mlp.down_proj
+    proj.weight = _quanto_like_weight(proj.weight)
+    float_model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    target, draft = (model, float_model) if role == "target" else (float_model, model)
+    ids, mask = _batch(1)
+    name = "model" if role == "target" else "draft_model"
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match=f"{name}: .*optimum-quanto 2/4-bit tensors "
+                                                                         r"\(model.layers.0.mlp.down_proj.weight"):
+        patch.setattr(request_module, "make_runner", _no_loop)
+        patch.setattr(request_module, "SpeculativeLoop", _no_loop)
+        sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3, max_new_tokens=4,
+                    pad_token_id=0)
+
+
+def test_quanto_weights(monkeypatch):
+    """The same with optimum-quanto itself (skipped where it is not installed): qint4 refused, qint8 exact."""
+    quanto = pytest.importorskip("optimum.quanto")
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quanto.quantize(model, weights=quanto.qint4)
+    quanto.freeze(model)
+    _check_refused_up_front(model, "optimum-quanto 2/4-bit tensors", monkeypatch=monkeypatch)
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quanto.quantize(model, weights=quanto.qint8)
+    quanto.freeze(model)
     _check_exact(model, batch=2, noise=None)
 
 
