@@ -502,7 +502,9 @@ def test_dynamically_quantized_models_are_refused(monkeypatch):
 def test_quantization_aware_training_with_observers_on_is_refused(monkeypatch):
     """prepare_qat's fake-quantize modules observe every forward's activations (in eval mode too) and set their
     scale from them, so a verification forward over several tokens gave other greedy tokens than model.generate's
-    one-token steps, silently. With the observers disabled (the scales as trained) the model is exact."""
+    one-token steps, silently. With the observers disabled (the scales as trained) the model is refused too:
+    rounding activations to the grid turns width-dependent float rounding into whole quantization steps (another top
+    token at 1 of 60 prompts, measured); as a draft it runs."""
     from torch.ao.quantization import disable_observer, get_default_qat_qconfig, prepare_qat
 
     model = _build(LlamaForCausalLM, LlamaConfig(**SIZES)).train()
@@ -522,7 +524,7 @@ def test_quantization_aware_training_with_observers_on_is_refused(monkeypatch):
                       num_speculative_tokens=3, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
     model.apply(disable_observer)
-    _check_exact(model, batch=2, noise=None)
+    _check_refused_up_front(model, r"fake-quantize modules \(.*the scales as trained", monkeypatch=monkeypatch)
 
 
 def _torchao_like_weight(weight, granularity):
@@ -624,6 +626,24 @@ def test_quanto_weights(monkeypatch):
     quanto.quantize(model, weights=quanto.qint8)
     quanto.freeze(model)
     _check_exact(model, batch=2, noise=None)
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    quanto.quantize(model, weights=quanto.qint8, activations=quanto.qint8)
+    quanto.freeze(model)
+    _check_refused_up_front(model, "optimum-quanto modules that quantize activations", monkeypatch=monkeypatch)
+
+
+def test_quanto_activation_quantization_is_refused(monkeypatch):
+    """optimum-quanto's activation quantization (quantize(model, activations=qint8 / qfloat8), QuantoConfig(
+    activations=...)) rounds a target's activations to a grid with calibrated scales: width-dependent float rounding
+    becomes whole quantization steps (qfloat8: 2.2e-2 at a logit scale of 0.75, measured). Refused by name for a
+    target; a module shaped as quanto's (for machines without it; the real one above)."""
+    model = _build(LlamaForCausalLM, LlamaConfig(**SIZES))
+    mixin = type("QModuleMixin", (), {"__module__": "optimum.quanto.nn.qmodule"})
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.__class__ = type("QLinear", (type(proj), mixin), {"__module__": "optimum.quanto.nn.qlinear"})
+    proj.activation_qtype = "qint8"
+    _check_refused_up_front(model, r"optimum-quanto modules that quantize activations \(model.layers.0.self_attn."
+                                   r"q_proj \(qint8\)", monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
