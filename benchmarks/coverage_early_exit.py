@@ -86,7 +86,7 @@ def summary(rows) -> str:
     for row in rows:
         for name, _, _ in CELLS:
             cell = row.get(name, "")
-            status = cell.split(" ")[0].rstrip(":")
+            status = "not checked" if cell.startswith("not checked") else cell.split(" ")[0].rstrip(":")
             counts[status] += 1
             if status in ("DIFFERENT", "ERROR"):
                 defects.append(f"{row['model_type']} {name}: {cell}")
