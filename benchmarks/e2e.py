@@ -248,19 +248,14 @@ _early_exit: int | None = None  # --early-exit: both speculative paths draft wit
 
 
 def _calls(target, draft, ids, gamma, kwargs, stats):
-    if _early_exit is not None:  # HF's self-speculation against ours, with the same layers
-        return {
-            "hf": lambda: target.generate(ids, **kwargs),
-            "assisted": lambda: target.generate(ids, assistant_early_exit=_early_exit, num_assistant_tokens=gamma,
-                                                num_assistant_tokens_schedule="constant", **kwargs),
-            "ours": lambda: sk.generate(target, ids, assistant_early_exit=_early_exit, num_speculative_tokens=gamma,
-                                        speculation_stats=stats, **kwargs),
-        }
+    # (--early-exit: HF's self-speculation against ours, with the same layers; else the draft model on both)
+    hf_drafting = {"assistant_model": draft} if _early_exit is None else {"assistant_early_exit": _early_exit}
+    our_drafting = {"draft_model": draft} if _early_exit is None else {"assistant_early_exit": _early_exit}
     return {
         "hf": lambda: target.generate(ids, **kwargs),
-        "assisted": lambda: target.generate(ids, assistant_model=draft, num_assistant_tokens=gamma,
+        "assisted": lambda: target.generate(ids, **hf_drafting, num_assistant_tokens=gamma,
                                             num_assistant_tokens_schedule="constant", **kwargs),
-        "ours": lambda: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=gamma,
+        "ours": lambda: sk.generate(target, ids, **our_drafting, num_speculative_tokens=gamma,
                                     speculation_stats=stats, **kwargs),
     }
 
