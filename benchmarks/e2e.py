@@ -136,7 +136,7 @@ class ControlledAcceptance:
 
     def attach(self, target, draft) -> list:
         """Register the hooks; returns their handles (``.remove()`` restores the models)."""
-        return [target.register_forward_hook(self._hook(self.target_next), with_kwargs=True),
+        return [target.register_forward_hook(sk.per_token_hook(self._hook(self.target_next)), with_kwargs=True),
                 draft.register_forward_hook(self._hook(self.draft_next), with_kwargs=True)]
 
 

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speculative_kernels.decoder import DecodeSession  # noqa: E402
+from speculative_kernels.generation.hooks import per_token_hook  # noqa: E402
 from speculative_kernels.generation.options import CompileOptions  # noqa: E402
 from speculative_kernels.generation.request import build_loop  # noqa: E402
 
@@ -69,7 +70,8 @@ class OpCounter(TorchDispatchMode):
                 self.paused -= 1
 
         for model in models:
-            self._handles += [model.register_forward_pre_hook(pause), model.register_forward_hook(resume)]
+            self._handles += [model.register_forward_pre_hook(per_token_hook(pause)),
+                              model.register_forward_hook(per_token_hook(resume))]
         return self
 
     def unwatch(self) -> None:
@@ -200,7 +202,8 @@ class KernelCounter:
                 self._ranges.pop().__exit__(None, None, None)
 
         for model in models:
-            self._handles += [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+            self._handles += [model.register_forward_pre_hook(per_token_hook(enter)),
+                              model.register_forward_hook(per_token_hook(leave))]
         return self
 
     def unwatch(self) -> None:

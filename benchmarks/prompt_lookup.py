@@ -82,7 +82,7 @@ class ForwardCounter:
 
     def __init__(self, model):
         self.calls = 0
-        model.register_forward_hook(self._hook)
+        model.register_forward_hook(sk.per_token_hook(self._hook))  # counts calls only
 
     def _hook(self, module, args, output):
         self.calls += 1

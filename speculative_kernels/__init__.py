@@ -10,6 +10,7 @@ import threading
 __version__ = "0.1.0"
 _EXPORTS = {
     "generate": ".generation",
+    "per_token_hook": ".generation",
     "SpeculationStats": ".generation",
     "SpeculativeDecoderOnlyOutput": ".generation",
     "SpeculativeEncoderDecoderOutput": ".generation",
@@ -23,7 +24,7 @@ _EXPORTS = {
     "DecodeSession": ".decoder",
     "IncrementalDetokenizer": ".streaming",
 }
-__all__ = ["generate", "ops", "SpeculativeDecoder", "DecodeSession", "IncrementalDetokenizer", "SpeculationStats",
+__all__ = ["generate", "per_token_hook", "ops", "SpeculativeDecoder", "DecodeSession", "IncrementalDetokenizer", "SpeculationStats",
            "SpeculativeDecoderOnlyOutput", "SpeculativeEncoderDecoderOutput", "BatchingOptions", "CompileOptions",
            "Drafter", "emitted_counts", "NGramDrafter", "PromptLookupDrafter", "__version__"]
 

@@ -12,6 +12,8 @@ import re
 
 import torch
 
+from .hooks import hooks_reason
+
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # Layers without a cache of their own (MoE/MLP-only layers, KV-sharing consumers).
@@ -728,7 +730,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     reason = (_own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
               or _inference_mode_reason(model))
     if reason is None and target:
-        reason = _custom_step_reason(model) or _activation_scales_reason(model)
+        reason = _custom_step_reason(model) or _activation_scales_reason(model) or hooks_reason(model)
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):

@@ -98,7 +98,7 @@ def inside_flags(models, state) -> list:
     """For each forward of ``models`` (top level) from now on: whether it ran inside the switch."""
     seen = []
     for model in models:
-        model.register_forward_pre_hook(lambda module, args: seen.append(state["inside"]))
+        model.register_forward_pre_hook(sk.per_token_hook(lambda module, args: seen.append(state["inside"])))
     return seen
 
 

@@ -84,8 +84,8 @@ def test_a_hook_registered_after_capture_is_applied(llama_pair):
 
     assert torch.equal(ours(), target.generate(ids, **kwargs))
     steer = torch.randn(target.config.hidden_size, generator=torch.Generator().manual_seed(9)).to(DEVICE) * 2
-    handle = target.model.layers[0].register_forward_hook(
-        lambda module, args, output: (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer)
+    handle = target.model.layers[0].register_forward_hook(sk.per_token_hook(
+        lambda module, args, output: (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer))
     try:
         expected = target.generate(ids, **kwargs)
         got = ours()
@@ -226,8 +226,8 @@ def test_a_global_module_hook_is_refused_under_compile():
     baseline = sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8,
                            do_sample=False, **compiled)
     assert torch.equal(baseline, target.generate(ids, max_new_tokens=8, do_sample=False))
-    handle = register_module_forward_hook(lambda module, args, out: out + shift if module is target.model.norm
-                                          else None)
+    handle = register_module_forward_hook(sk.per_token_hook(lambda module, args, out: out + shift
+                                                            if module is target.model.norm else None))
     try:
         with pytest.raises(ValueError, match="compile=True cannot run while a global module forward hook"):
             sk.generate(target, ids, draft_model=target, num_speculative_tokens=2, max_new_tokens=8,

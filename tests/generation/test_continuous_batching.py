@@ -290,7 +290,7 @@ def _forward_shapes(model):
         ids = kwargs.get("input_ids", args[0] if args else None)
         shapes.append(tuple(ids.shape))
 
-    return shapes, model.register_forward_pre_hook(hook, with_kwargs=True)
+    return shapes, model.register_forward_pre_hook(sk.per_token_hook(hook), with_kwargs=True)
 
 
 def test_a_joining_request_gets_its_first_tokens_from_the_admitting_step_on_its_own_rows(pair):
@@ -698,7 +698,7 @@ def test_a_step_that_raises_midway_ends_its_batch_and_the_decoder_goes_on(pair, 
         if calls["n"] == 2:  # the second target forward of the step: after the first wrote to the caches
             raise torch.OutOfMemoryError("simulated")
 
-    handle = target.model.layers[0].register_forward_hook(out_of_memory)
+    handle = target.model.layers[0].register_forward_hook(sk.per_token_hook(out_of_memory))
     try:
         with pytest.raises(torch.OutOfMemoryError):
             while True:
@@ -806,7 +806,7 @@ def test_a_step_or_cancel_from_inside_a_step_is_refused_by_name(pair, call):
             calls.append(1)
             decoder.step() if call == "step" else decoder.cancel(second)
 
-    handle = target.model.layers[0].register_forward_hook(reenter)
+    handle = target.model.layers[0].register_forward_hook(sk.per_token_hook(reenter))
     try:
         with pytest.raises(RuntimeError, match="step\\(\\) is already running" if call == "step" else
                            "cannot cancel request .* from inside a running step\\(\\)"):
@@ -850,7 +850,7 @@ def test_other_threads_calls_wait_for_the_running_step(pair):
         other["added"] = decoder.add_request([11, 12, 13], max_new_tokens=6, do_sample=False)
         other["result"] = decoder.result(first)
 
-    handle = target.model.layers[0].register_forward_hook(hold)
+    handle = target.model.layers[0].register_forward_hook(sk.per_token_hook(hold))
     thread = threading.Thread(target=handler)
     try:
         thread.start()

@@ -162,7 +162,7 @@ def test_a_global_hook_refuses_the_step_before_it_changes_anything(pair):
     request = decoder.add_request([5, 6, 7], max_new_tokens=12, do_sample=False)
     decoder.step()
     decoder.step()
-    handle = register_module_forward_hook(lambda module, args, out: None)
+    handle = register_module_forward_hook(sk.per_token_hook(lambda module, args, out: None))
     try:
         with pytest.raises(ValueError, match="compile=True cannot run while a global module forward hook"):
             decoder.step()

@@ -49,7 +49,7 @@ def _record(model):
         ids = kwargs.get("input_ids", args[0] if args else None)
         calls.append((ids.shape[1], getattr(module, "_decoding", False), module.config._experts_implementation))
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_pre_hook(sk.per_token_hook(hook), with_kwargs=True)
     return calls
 
 

@@ -238,7 +238,7 @@ def test_a_session_stepped_from_two_threads_runs_their_steps_one_after_the_other
                     errors.append(error)
                 return
 
-    handle = target.model.layers[0].register_forward_hook(hold)
+    handle = target.model.layers[0].register_forward_hook(sk.per_token_hook(hold))
     threads = [threading.Thread(target=stepper) for _ in range(2)]
     try:
         for thread in threads:

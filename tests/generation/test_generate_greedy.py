@@ -250,7 +250,7 @@ def test_no_iteration_after_a_stopping_criterion_fires():
 
     target = llama()
     forwards = []
-    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    target.register_forward_pre_hook(sk.per_token_hook(lambda module, args: forwards.append(1)))
     fired_at = []
 
     class StopAtLength(StoppingCriteria):

@@ -295,7 +295,7 @@ def test_statistics_count_the_proposals_and_every_target_forward(target, monkeyp
 
     monkeypatch.setattr(torch_backend, "verify", recording_verify)
     forwards = []
-    hook = target.register_forward_hook(lambda module, args, output: forwards.append(1))
+    hook = target.register_forward_hook(sk.per_token_hook(lambda module, args, output: forwards.append(1)))
     # a prompt without repeats, then its own continuation: no match at first, then long ones
     ids = _random(length=12, seed=7)
     extra = dict(cache_implementation="static", compile=sk.CompileOptions(backend="aot_eager")) if compiled else {}

@@ -479,8 +479,8 @@ def test_a_target_shared_with_another_thread_keeps_its_forwards_apart(family, ca
         finally:
             b_done.set()
 
-    holder = target.get_decoder().block[0].register_forward_hook(hold_a) if family == "t5" else \
-        target.get_decoder().layers[0].register_forward_hook(hold_a)
+    holder = target.get_decoder().block[0].register_forward_hook(sk.per_token_hook(hold_a)) if family == "t5" else \
+        target.get_decoder().layers[0].register_forward_hook(sk.per_token_hook(hold_a))
     try:
         threads = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
         for thread in threads:
@@ -504,7 +504,7 @@ def test_a_callers_hook_on_the_position_table_is_kept(cache):
     target = bart()
     draft = perturbed(target)
     source = torch.randint(3, 97, (1, 8), generator=torch.Generator().manual_seed(2))
-    handle = target.model.decoder.embed_positions.register_forward_hook(lambda module, args, out: out * 0.5)
+    handle = target.model.decoder.embed_positions.register_forward_hook(sk.per_token_hook(lambda module, args, out: out * 0.5))
     try:
         expected = target.generate(source, max_new_tokens=16, do_sample=False)
         got = sk.generate(target, source, draft_model=draft, num_speculative_tokens=4, max_new_tokens=16,

@@ -1,0 +1,88 @@
+"""Forward hooks on the target. model.generate runs one token per forward after the prefill; verification runs
+several (and a prefill of the prompt), so a hook that treats the forward's last position, its call count or the
+last ``position_ids`` specially acts on other tokens than in model.generate (measured: a logit bias on
+``logits[:, -1]``, steering ``out[0][:, -1] += v``, a bias on the Nth call gave other tokens, silently). A hook that
+acts on every position alike (steering all positions, an ablation, recording) is exact, but which kind a hook is
+cannot be read from it: the target's hooks are refused by name unless marked with ``per_token_hook``. Hooks on a
+draft model change only which tokens are accepted (exact) and are not checked."""
+
+import functools
+
+import torch
+
+_MARK = "_speculative_kernels_per_token"
+
+# Hooks that libraries register on the models they build, each acting on every position alike: transformers'
+# output recorders (installed on every decoder layer; they record only while output_hidden_states/attentions is
+# requested) and its input-embedding requires_grad hook (PEFT's alike), torch's weight_norm pre-hook (recomputes
+# the weight from its parts), NEFTune's embedding noise (only in training mode, refused elsewhere).
+_KNOWN_PER_TOKEN = {
+    ("transformers.utils.output_capturing", "install_output_capuring_hook.<locals>.output_capturing_hook"),
+    ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
+    ("peft.mixed_model", "_prepare_model_for_gradient_checkpointing.<locals>.make_inputs_require_grad"),
+    ("transformers.integrations.neftune", "neftune_post_forward_hook"),
+    ("torch.nn.utils.weight_norm", "WeightNorm"),
+}
+
+
+def per_token_hook(hook):
+    """``hook``, marked as acting on each position of a forward alike, whatever the forward's width and however
+    often it is called (steering every position, an ablation, recording): a target carrying it is then run.
+    ``module.register_forward_hook(speculative_kernels.per_token_hook(hook))``. It is the caller's assertion: a
+    hook that reads the last position, counts calls or reads the last ``position_ids`` gives other tokens than
+    model.generate (several tokens are verified per forward); recording hooks see those multi-token forwards,
+    rejected tokens included."""
+    try:
+        setattr(hook, _MARK, True)
+        return hook
+    except (AttributeError, TypeError):  # a bound method, or an object without a __dict__: wrapped
+        @functools.wraps(hook)
+        def marked(*args, **kwargs):
+            return hook(*args, **kwargs)
+
+        setattr(marked, _MARK, True)
+        return marked
+
+
+def _name(hook) -> str:
+    function = getattr(hook, "func", hook)  # functools.partial
+    return getattr(function, "__qualname__", None) or type(function).__qualname__
+
+
+def _per_token(hook) -> bool:
+    function = getattr(hook, "func", hook)
+    if getattr(hook, _MARK, False) or getattr(function, _MARK, False):
+        return True
+    module = getattr(function, "__module__", None) or type(function).__module__
+    if module.startswith("speculative_kernels."):  # our own runners' hooks (seq2seq positions), inside a forward
+        return True
+    return (module, _name(function)) in _KNOWN_PER_TOKEN or (type(function).__module__, type(function).__qualname__) \
+        in _KNOWN_PER_TOKEN
+
+
+def unmarked_hooks(model) -> list[str]:
+    """"module (kind hook)" for each forward hook or pre-hook on ``model``'s modules, and each global module hook,
+    that is not known or marked to act per position."""
+    found = []
+    for name, module in model.named_modules():
+        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+            found += [f"{name or 'model'} ({kind} {_name(hook)})" for hook in hooks.values() if not _per_token(hook)]
+    module_hooks = torch.nn.modules.module
+    for kind, hooks in (("global forward pre-hook", module_hooks._global_forward_pre_hooks),
+                        ("global forward hook", module_hooks._global_forward_hooks)):
+        found += [f"every module ({kind} {_name(hook)})" for hook in hooks.values() if not _per_token(hook)]
+    return found
+
+
+def hooks_reason(model) -> str | None:
+    """Why the target's hooks rule it out (``unmarked_hooks``), or None."""
+    found = unmarked_hooks(model)
+    if not found:
+        return None
+    names = ", ".join(found[:4]) + (f", and {len(found) - 4} more" if len(found) > 4 else "")
+    return (f"it carries forward hooks that may change its outputs ({names}): speculative decoding verifies several "
+            "tokens per forward where model.generate runs one, so a hook that acts on the last position (logits[:, "
+            "-1], out[0][:, -1] += v), counts its calls or reads the last position_ids acts on other tokens "
+            "(other output, silently); a hook that acts on every position alike (steering all positions, an "
+            "ablation, recording) is exact: register it as speculative_kernels.per_token_hook(hook), remove it, or "
+            "put it on the draft model (a draft's hooks change only which tokens are accepted)")
