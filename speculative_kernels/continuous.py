@@ -93,6 +93,7 @@ from .generation.inputs import check_models, inferred_attention_mask, model_devi
 from .generation.loop import JoinRefused, SpeculativeLoop
 from .generation.memory import is_out_of_memory
 from .generation.options import BatchingOptions, CompileOptions, StaticRows
+from .generation.hooks import hooks_reason
 from .generation.request import build_loop, check_model_as
 from .generation.row_settings import RowSettings
 from .generation.runners.factory import check_slot_tables
@@ -301,8 +302,13 @@ class ContinuousBatcher:
     def _check_models(self) -> None:
         """The architecture check ``generate`` runs (``capabilities.check_model``), once per decoder and for a batch,
         since every request joins one running batch: a model the runners cannot drive exactly is refused by the
-        first add_request, before anything is queued or allocated (not by a later step())."""
+        first add_request, before anything is queued or allocated (not by a later step()). The target's forward hooks
+        are checked at every add_request (``hooks.hooks_reason``): one may be registered after the first."""
         if self._target_spec is not None:
+            reason = hooks_reason(self.decoder.target)
+            if reason is not None:
+                raise ValueError(f"target: {type(self.decoder.target).__name__} cannot be driven exactly by "
+                                 f"speculative_kernels: {reason}")
             return
         d = self.decoder
         check_models(d.target, d.draft, names=("target", "draft"))

@@ -184,3 +184,17 @@ def test_per_token_hook_marks_a_bound_method():
     finally:
         handle.remove()
     assert torch.equal(got, target.generate(ids, **KWARGS)) and recorder.shapes
+
+
+def test_a_hook_registered_after_the_first_request_is_refused_by_the_next():
+    """SpeculativeDecoder checks the models once, at its first add_request: a hook registered after it ran."""
+    target = llama()
+    decoder = sk.SpeculativeDecoder(target, perturbed(target), num_speculative_tokens=3, max_batch_size=2)
+    decoder.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    handle = target.lm_head.register_forward_hook(_logit_bias_last(target)[1])
+    try:
+        with pytest.raises(ValueError, match=r"target: LlamaForCausalLM cannot .*lm_head \(forward hook"):
+            decoder.add_request([5, 6, 8], max_new_tokens=4, do_sample=False)
+    finally:
+        handle.remove()
+    decoder.add_request([5, 6, 8], max_new_tokens=4, do_sample=False)
