@@ -167,6 +167,18 @@ def test_hooks_libraries_register_are_known_per_token():
     assert torch.equal(got, target.generate(ids, **KWARGS))
 
 
+def test_generating_under_torchs_flop_counter_runs():
+    """FlopCounterMode (torch's module tracker) registers global hooks that only record which module runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    target = llama()
+    ids, _ = _ids(1)
+    with FlopCounterMode(display=False) as counter:
+        got = sk.generate(target, ids, draft_model=perturbed(target), num_speculative_tokens=3, **KWARGS)
+    assert counter.get_total_flops() > 0
+    assert torch.equal(got, target.generate(ids, **KWARGS))
+
+
 def test_per_token_hook_marks_a_bound_method():
     class Recorder:
         def __init__(self):
