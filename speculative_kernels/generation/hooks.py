@@ -15,14 +15,17 @@ _MARK = "_speculative_kernels_per_token"
 # Hooks that libraries register on the models they build, each acting on every position alike: transformers'
 # output recorders (installed on every decoder layer; they record only while output_hidden_states/attentions is
 # requested) and its input-embedding requires_grad hook (PEFT's alike), torch's weight_norm pre-hook (recomputes
-# the weight from its parts), NEFTune's embedding noise (only in training mode, refused elsewhere), torch's module
-# tracker.
+# the weight from its parts) and the older spectral_norm's, NEFTune's embedding noise (only in training mode,
+# refused elsewhere), torch's module tracker.
 _KNOWN_PER_TOKEN = {
     ("transformers.utils.output_capturing", "install_output_capuring_hook.<locals>.output_capturing_hook"),
     ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
     ("peft.mixed_model", "_prepare_model_for_gradient_checkpointing.<locals>.make_inputs_require_grad"),
     ("transformers.integrations.neftune", "neftune_post_forward_hook"),
     ("torch.nn.utils.weight_norm", "WeightNorm"),
+    # the older spectral_norm's pre-hook: recomputes the weight (its power iteration only in training mode, which
+    # check_deterministic refuses by name)
+    ("torch.nn.utils.spectral_norm", "SpectralNorm"),
     # torch's module stack tracker (FlopCounterMode, memory trackers): global hooks that only record which module runs
     ("torch.utils.module_tracker", "ModuleTracker._fw_pre_hook"),
     ("torch.utils.module_tracker", "ModuleTracker._fw_post_hook"),
