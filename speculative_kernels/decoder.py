@@ -155,7 +155,7 @@ class SpeculativeDecoder:
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
         self.exit_layers = None
         if assistant_early_exit is not None:  # (validated here, not by every request's first step)
-            check_models(self.target, None, names=("target", "draft"))
+            check_models(self.target, None, names=("target", "draft"), early_exit=True)
             self.exit_layers = requested_exit_layers(self.target, None, {"assistant_early_exit": assistant_early_exit},
                                                      drafting=False, lookup_given=False)
             self.draft = early_exit_draft(self.target, self.exit_layers)

@@ -26,18 +26,20 @@ def model_device(model, name: str = "model") -> torch.device:
                      "hook to load them); load its weights")
 
 
-def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_model")) -> None:
+def check_models(model, draft_model, names: tuple[str, str] = ("model", "draft_model"),
+                 early_exit: bool = False) -> None:
     """Two HF models on one device, both decoder-only or both encoder-decoders of a supported type (or the target
     alone: draft_model None, for drafting without a model; ``request.build_loop`` checks that something drafts).
-    names: the arguments' names in the errors (``SpeculativeDecoder``'s are target and draft)."""
+    names: the arguments' names in the errors (``SpeculativeDecoder``'s are target and draft). early_exit: the
+    target's first layers will draft (a forward compiled on the instance is refused then: not suggested)."""
     for name, m in zip(names, (model, draft_model)):
         if m is None and name == names[1]:
             break
         inner = getattr(m, "_orig_mod", None)
         if isinstance(inner, torch.nn.Module) and type(m).__name__ == "OptimizedModule":
+            forward = "" if early_exit else f" (or compile its forward: {name}.forward = torch.compile({name}.forward))"
             raise TypeError(f"{name} is a torch.compile wrapper (OptimizedModule) of {type(inner).__name__}; pass the "
-                            f"model itself ({name}._orig_mod) and compile=True to capture the decoding steps (or "
-                            f"compile its forward: {name}.forward = torch.compile({name}.forward))")
+                            f"model itself ({name}._orig_mod) and compile=True to capture the decoding steps{forward}")
         if not hasattr(m, "generation_config") or not callable(getattr(m, "forward", None)):
             raise TypeError(f"{name} must be a Hugging Face model that generates (a PreTrainedModel with a "
                             f"generation_config: ...ForCausalLM, ...ForConditionalGeneration), got {type(m).__name__}")

@@ -66,7 +66,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     exit_layers = requested_exit_layers(model, generation_config, kwargs, drafting=draft_model is not None
                                         or drafter is not None, lookup_given=lookup_given)
     if exit_layers is not None:  # the target's first layers draft (early_exit.py)
-        check_models(model, None)  # (a torch.compile wrapper or a non-model refused as such, before its view)
+        check_models(model, None, early_exit=True)  # (a torch.compile wrapper or a non-model refused as such, before its view)
         draft_model = early_exit_draft(model, exit_layers)
     check_models(model, draft_model)
     if drafter is not None and draft_model is not None:

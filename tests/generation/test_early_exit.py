@@ -241,8 +241,13 @@ def test_the_decoder_object_drafts_with_the_target_as_it_is_at_each_session_and_
 
 
 def test_a_torch_compile_wrapper_is_refused_as_such():
-    with pytest.raises(TypeError, match="model is a torch.compile wrapper"):
+    """Without suggesting to compile the forward on the instance, which early exit refuses in turn."""
+    with pytest.raises(TypeError, match="model is a torch.compile wrapper") as error:
         sk.generate(torch.compile(_deep()), torch.tensor([[5, 6, 7]]), assistant_early_exit=2, max_new_tokens=3)
+    assert "model.forward = torch.compile" not in str(error.value)
+    with pytest.raises(TypeError, match="target is a torch.compile wrapper") as error:
+        sk.SpeculativeDecoder(torch.compile(_deep()), assistant_early_exit=2)
+    assert "target.forward = torch.compile" not in str(error.value)
 
 
 def test_threads_building_the_draft_get_one_object():
