@@ -790,19 +790,20 @@ def _inference_mode_reason(model) -> str | None:
 def _activation_scales_reason(model) -> str | None:
     """A target whose activations are scaled per forward (over all its tokens): a verification forward over several
     tokens gives other logits than one-token steps. (A draft may: its logits are read as given.)"""
-    observing = _observing_fake_quantizers(model)
+    fake = _fake_quantizers(model)
+    observing = [name for name, observes in fake if observes]
     if observing:
         return (f"it holds fake-quantize modules whose observers are on ({_first_names(observing)}: "
                 "quantization-aware training), which set their scales from each forward's activations, so a "
                 "multi-token verification forward gives other logits than one-token steps; use it as the draft "
                 "(with the float model as the target), or model.generate")
-    fake = _fake_quantizers(model)
     if fake:
-        return (f"it holds fake-quantize modules ({_first_names(fake)}: quantization-aware training, the scales as "
-                f"trained), which round activations to a grid: that turns the float rounding by which a "
-                f"multi-token verification forward differs from one-token steps (1e-7) into whole quantization "
-                f"steps (measured: 1.4e-2 at a logit scale of 0.75, another top token at 1 of 60 prompts); use it "
-                f"as the draft (with the float model as the target), or model.generate")
+        names = _first_names([name for name, _ in fake])
+        return (f"it holds fake-quantize modules ({names}: quantization-aware training, the scales as trained), "
+                "which round activations to a grid: that turns the float rounding by which a multi-token "
+                "verification forward differs from one-token steps (1e-7) into whole quantization steps (measured: "
+                "1.4e-2 at a logit scale of 0.75, another top token at 1 of 60 prompts); use it as the draft (with "
+                "the float model as the target), or model.generate")
     quanto = _quanto_quantized_activations(model)
     if quanto:
         return (f"its layers are optimum-quanto modules that quantize activations ({_first_names(quanto)}), which "
@@ -825,21 +826,12 @@ def _first_names(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _observing_fake_quantizers(model) -> list[str]:
-    """Names of torch.ao fake-quantize modules (``prepare_qat``) observing and fake-quantizing: their observers
-    update the scale at every forward, in eval mode too."""
+def _fake_quantizers(model) -> list[tuple[str, bool]]:
+    """(name, observing) of each torch.ao fake-quantize module (``prepare_qat``) fake-quantizing; observing: its
+    observer is on too, updating the scale at every forward (in eval mode too)."""
     from torch.ao.quantization import FakeQuantizeBase
 
-    return [name or "model" for name, module in model.named_modules()
-            if isinstance(module, FakeQuantizeBase) and bool(module.observer_enabled[0])
-            and bool(module.fake_quant_enabled[0])]
-
-
-def _fake_quantizers(model) -> list[str]:
-    """Names of torch.ao fake-quantize modules (``prepare_qat``) fake-quantizing, observers on or off."""
-    from torch.ao.quantization import FakeQuantizeBase
-
-    return [name or "model" for name, module in model.named_modules()
+    return [(name or "model", bool(module.observer_enabled[0])) for name, module in model.named_modules()
             if isinstance(module, FakeQuantizeBase) and bool(module.fake_quant_enabled[0])]
 
 

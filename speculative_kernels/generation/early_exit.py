@@ -158,14 +158,19 @@ def _check_truncatable(model, path: list[str]) -> None:
         if getattr(text, name, None):
             raise ValueError(f"assistant_early_exit is not supported for {type(model).__name__}: {what} ({name}="
                              f"{getattr(text, name)!r}); pass draft_model=")
-    owners = [model]
-    for name in path[:-1]:
-        owners.append(getattr(owners[-1], name))
-    reads = [read for owner in owners for read in _layer_count_reads(type(owner))]
+    reads = [read for owner in _modules_on(model, path[:-1]) for read in _layer_count_reads(type(owner))]
     if reads:
         raise ValueError(f"assistant_early_exit is not supported for {type(model).__name__}: "
                          f"{', '.join(dict.fromkeys(reads))} read(s) num_hidden_layers beyond the loop over the "
                          "first layers, so the target's first layers could not run alone; pass draft_model=")
+
+
+def _modules_on(model, path: list[str]) -> list[torch.nn.Module]:
+    """model and each module along the attribute path below it."""
+    modules = [model]
+    for name in path:
+        modules.append(getattr(modules[-1], name))
+    return modules
 
 
 def _view_key(model, path: list[str]) -> tuple:
@@ -174,9 +179,7 @@ def _view_key(model, path: list[str]) -> tuple:
     build time (``training``: model.train() / eval(); ``gradient_checkpointing``), the layer list's modules, and the
     config's contents with its private fields (``_attn_implementation_internal``: set_attn_implementation; not in
     its JSON). A model whose modules, mode or config changed gets a new view."""
-    owners = [model]
-    for name in path:
-        owners.append(getattr(owners[-1], name))
+    owners = _modules_on(model, path)
     children = tuple(id(child) for owner in owners for child in owner._modules.values())
     plain = tuple(tuple(sorted((name, value) for name, value in vars(owner).items()
                                if not name.startswith("_") and _is_plain(value)))
@@ -202,8 +205,8 @@ def _private_fields(config) -> tuple:
 def early_exit_draft(model, exit_layers: int) -> torch.nn.Module:
     """The draft of ``assistant_early_exit=exit_layers``: model (a decoder-only causal LM) running only its first
     exit_layers decoder layers, then its final norm and LM head. Same inputs and outputs as model ([B, T] ids ->
-    logits [B, T, V]); every parameter and buffer is model's own. The same object while the model's layer list and
-    config stay the same."""
+    logits [B, T, V]); every parameter and buffer is model's own. The same object while nothing ``_view_key`` reads
+    changes (the path's modules, their mode, the config)."""
     path = _layer_path(model, _layer_count(model))
     key = _view_key(model, path)
     _check_truncatable(model, path)
@@ -222,14 +225,11 @@ def _build_view(model, path: list[str], exit_layers: int) -> torch.nn.Module:
     old_text = _text_config(model.config)
     count = text.num_hidden_layers
     text.num_hidden_layers = exit_layers
-    for name in ("layer_types",):  # per-layer lists the caches are built from (a list of num_hidden_layers)
-        value = getattr(text, name, None)
-        if isinstance(value, (list, tuple)) and len(value) == count:
-            setattr(text, name, type(value)(value[:exit_layers]))
+    layer_types = getattr(text, "layer_types", None)  # (the caches are built from it: one entry per layer)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) == count:
+        text.layer_types = type(layer_types)(layer_types[:exit_layers])
     configs = {id(model.config): config, id(old_text): text}
-    modules = [model]
-    for name in path[:-1]:
-        modules.append(getattr(modules[-1], name))
+    modules = _modules_on(model, path[:-1])
     for module in modules:
         if "forward" in vars(module):
             raise ValueError(f"assistant_early_exit: {type(module).__name__}.forward is replaced on the instance (e.g. "
