@@ -40,6 +40,7 @@ on stdout.
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -101,19 +102,46 @@ class Recorder:
                 "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99)}
 
 
-def identity(target, requests, tokens: dict, pad: int) -> dict:
+def identity(target, requests, tokens: dict, pad: int) -> tuple[dict, dict]:
     """Per method: True where every request's tokens equal ``model.generate``'s on that request alone (greedy, its
-    own max_new_tokens; untimed), False where one differs, None where the method gives no tokens per request."""
+    own max_new_tokens; untimed), False where one differs, None where the method gives no tokens per request.
+
+    Also returns, per method, where each differing request first differs: its index, the step, the token
+    ``model.generate`` chose and the one the method emitted, and ``model.generate``'s own logits there (the chosen
+    token's logit, the emitted token's, their gap, and the gap in units of the logits' dtype's spacing at the chosen
+    logit's magnitude): a gap of a few units is a near-tie that rounding by batch shape can flip in half precision
+    (docs/half_precision.md); a wide one is a defect."""
     device = target.device
-    expected = {}
+    expected, logits = {}, {}
     with torch.inference_mode():
         for index, (_, prompt, new) in enumerate(requests):
             ids = torch.tensor([prompt], device=device)
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                  pad_token_id=pad)
-            expected[index] = out[0, ids.shape[1]:].tolist()
-    return {method: None if got is None else all(got[i] == expected[i] for i in expected)
+                                  pad_token_id=pad, return_dict_in_generate=True, output_logits=True)
+            expected[index] = out.sequences[0, ids.shape[1]:].tolist()
+            logits[index] = [step[0] for step in out.logits]
+    same = {method: None if got is None else all(got[i] == expected[i] for i in expected)
             for method, got in tokens.items()}
+    differences = {method: [first_difference(i, expected[i], got[i], logits[i], target.dtype) for i in expected
+                            if got[i] != expected[i]]
+                   for method, got in tokens.items() if got is not None and not same[method]}
+    return same, differences
+
+
+def first_difference(index: int, expected: list, got: list, logits: list, dtype: torch.dtype) -> dict:
+    """Where ``got`` first departs from ``expected`` (request ``index``), with the reference's logits there
+    (``logits``: one [V] tensor per generated step, as ``model.generate`` returned them, float32 copies of logits
+    computed in ``dtype``, the model's: the spacing is that dtype's)."""
+    step = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    record = {"request": index, "step": step, "expected_len": len(expected), "got_len": len(got)}
+    if step < len(expected) and step < len(got):
+        row = logits[step]
+        chosen, emitted = float(row[expected[step]]), float(row[got[step]])
+        spacing = 2.0 ** (math.frexp(abs(chosen))[1] - 1) * torch.finfo(dtype).eps if chosen else 0.0
+        record.update(expected_token=expected[step], got_token=got[step], expected_logit=chosen,
+                      got_logit=emitted, gap=chosen - emitted,
+                      gap_in_spacings=(chosen - emitted) / spacing if spacing else None, dtype=str(dtype))
+    return record
 
 
 def _wait_until(start: float, at: float) -> None:
@@ -322,7 +350,7 @@ def main(argv=None) -> dict:
         summary, tokens[method] = outcome
         results["methods"][method] = summary
     if args.identity_check:
-        results["identical_to_generate"] = identity(target, requests, tokens, pad)
+        results["identical_to_generate"], results["first_differences"] = identity(target, requests, tokens, pad)
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -58,3 +58,17 @@ def test_methods_serve_every_token(load, capsys):
         assert summary["itl_chunk_ms_p99"] is not None and summary["tpot_ms_p99"] is not None
     assert results["identical_to_generate"] == {"continuous": True, "continuous_static": True, "static": True}
     assert '"continuous"' in capsys.readouterr().out
+    assert results["first_differences"] == {}
+
+
+def test_first_difference_reports_the_reference_logits_there(load):
+    """A method's first departure from model.generate: the step, both tokens, and the gap between their logits in
+    model.generate's own step, in units of the model dtype's spacing at the chosen logit (a near-tie or not)."""
+    logits = [torch.tensor([0.0, 5.0, 1.0]), torch.tensor([3.0, 0.0, 2.984375])]  # step 1: tokens 0 and 2
+    record = load.first_difference(4, [1, 0, 2], [1, 2, 2], logits, torch.bfloat16)
+    assert record["request"] == 4 and record["step"] == 1
+    assert record["expected_token"] == 0 and record["got_token"] == 2
+    assert record["gap"] == pytest.approx(0.015625)
+    assert record["gap_in_spacings"] == pytest.approx(1.0)  # bf16 spacing in [2, 4): 2^1 * 2^-7
+    shorter = load.first_difference(0, [1, 0], [1], logits, torch.bfloat16)  # stopped early: no token to compare
+    assert shorter["step"] == 1 and "gap" not in shorter
