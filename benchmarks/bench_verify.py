@@ -6,8 +6,9 @@
     python benchmarks/bench_verify.py --device cpu --backends torch  # CPU smoke test (tiny sizes)
 
 Backends: ``cuda`` (csrc extension), ``triton``, ``torch`` (the reference, ``reference.verify_reference``) and
-``torch-compile`` (``torch.compile(fullgraph=True)`` of the reference). An unavailable backend is skipped with the
-reason printed. Reports µs/call, effective GB/s against the bytes the op must read (sampling: target + draft logits,
+``torch-compile`` (``torch.compile(fullgraph=True)`` of the reference); on request ``cuda-split`` / ``cuda-fused``
+(the CUDA kernels with their split or fused sampling passes at every batch size: ``--backends cuda-split cuda-fused
+torch --modes sampling`` compares them). An unavailable backend is skipped with the reason printed. Reports µs/call, effective GB/s against the bytes the op must read (sampling: target + draft logits,
 (2K+1)·V·2 per batch row in bf16; greedy with ``draft_logits=None``: (K+1)·V·2) and the speed-up over the torch
 reference; prints a markdown table and writes CSV, JSON and a plot of µs vs batch size to ``--out``.
 """
@@ -15,6 +16,7 @@ reference; prints a markdown table and writes CSV, JSON and a plot of µs vs bat
 import argparse
 import functools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from speculative_kernels.ops.reference import verify_reference  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
 ALL_BACKENDS = ("cuda", "triton", "torch", "torch-compile")
+# The CUDA kernels with one pass structure at every batch size (``cuda`` picks by batch size: fused up to B = 4).
+PASS_VARIANTS = ("cuda-split", "cuda-fused")
 FULL = dict(batch=[1, 4, 16, 64, 256], k=[1, 4, 8], vocab=[32000, 128256, 151936])
 QUICK = dict(batch=[1, 16, 64], k=[4], vocab=[32000, 128256])
 CPU = dict(batch=[1, 4], k=[1, 4], vocab=[1000])
@@ -42,10 +46,30 @@ def load_backend(name: str, device: str):
         return verify_reference, None
     if name == "torch-compile":
         return torch.compile(verify_reference, fullgraph=True, dynamic=False), None
+    if name in PASS_VARIANTS:
+        verify, reason = load_backend("cuda", device)
+        return (None, reason) if verify is None else (with_passes(name.removeprefix("cuda-"), verify), None)
     try:
         return backends.implementation(name, device).verify, None
     except (RuntimeError, ImportError, OSError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
+
+
+def with_passes(passes: str, verify):
+    """``verify`` run with SPECULATIVE_KERNELS_VERIFY_PASSES=passes (read by the CUDA launcher at each launch, so
+    also while a CUDA graph captures)."""
+    @functools.wraps(verify)
+    def run(*args, **kwargs):
+        previous = os.environ.get("SPECULATIVE_KERNELS_VERIFY_PASSES")
+        os.environ["SPECULATIVE_KERNELS_VERIFY_PASSES"] = passes
+        try:
+            return verify(*args, **kwargs)
+        finally:
+            if previous is None:
+                os.environ.pop("SPECULATIVE_KERNELS_VERIFY_PASSES")
+            else:
+                os.environ["SPECULATIVE_KERNELS_VERIFY_PASSES"] = previous
+    return run
 
 
 def triton_variant(spec: str, device: str):
@@ -113,7 +137,7 @@ def bench_config(args, fns, batch, k, vocab, mode, timing) -> list[dict]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    p.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=ALL_BACKENDS)
+    p.add_argument("--backends", nargs="+", default=list(ALL_BACKENDS), choices=ALL_BACKENDS + PASS_VARIANTS)
     p.add_argument("--modes", nargs="+", default=["greedy", "sampling"], choices=["greedy", "sampling"])
     p.add_argument("--batch", type=int, nargs="+")
     p.add_argument("--k", type=int, nargs="+")

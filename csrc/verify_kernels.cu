@@ -10,12 +10,20 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace speculative_kernels {
 namespace {
 
 constexpr int kDecideThreads = 256;
 constexpr int kFinalizeThreads = 32;
+// The fused sampling pass (decide_race_kernel): used up to this batch size, with races of this many elements per
+// block (smaller than kChunkSize so that a batch of one fills the SMs: 251 blocks at V = 128256, not 63), while
+// the row's R stats fit this much shared memory.
+constexpr int kFusedMaxBatch = 4;
+constexpr int kFusedRaceChunk = 512;
+constexpr size_t kFusedMaxSharedBytes = 32 * 1024;
 constexpr int kMaxGridY = 65535;
 constexpr size_t kWorkspaceAlign = 256;
 
@@ -44,9 +52,10 @@ struct RacePartial {
 
 struct Workspace {
   ChunkStats* chunk_stats;  // [B * R, num_chunks]
-  ChunkStats* row_stats;    // [B * R]
-  Decision* decisions;      // [B]
-  RacePartial* race;        // [B, num_chunks]
+  ChunkStats* row_stats;    // [B * R] (split passes)
+  Decision* decisions;      // [B] (split passes)
+  RacePartial* race;        // [B, num_race_chunks]
+  int* race_tickets;        // [B]: race blocks of the row done (fused passes; zeroed by chunk_stats), else nullptr
 };
 
 // Logit rows of one batch row b are ordered j = 0..K (target positions) then K+1..2K (draft positions, only
@@ -60,6 +69,7 @@ struct Args {
   bool target_vec, draft_vec;  // rows are 16-byte aligned: vector loads allowed
   const int64_t* draft_tokens;
   int batch, num_draft, vocab, rows_per_batch, num_chunks;
+  int race_chunk, num_race_chunks;  // the race pass's vocabulary elements per block (kChunkSize or kFusedRaceChunk)
   float temperature;
   const float* temperature_rows;  // [B] or nullptr
   const int64_t* draft_limit;     // num_draft_tokens [B] or nullptr
@@ -365,6 +375,9 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T
   __shared__ float scratch[kWarps];
   const int r = static_cast<int>(blockIdx.x);
   const int c = static_cast<int>(blockIdx.y);
+  if (a.ws.race_tickets != nullptr && r == 0 && c == 0) {  // the fused pass's tickets start at 0 (a kernel later)
+    for (int i = static_cast<int>(threadIdx.x); i < a.batch; i += static_cast<int>(blockDim.x)) a.ws.race_tickets[i] = 0;
+  }
   const int b = r / a.rows_per_batch;
   const int j = r % a.rows_per_batch;
   if (!row_used(a, b, j)) {  // past the row's draft limit: never read (decide ignores the partials)
@@ -396,23 +409,22 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T
 }
 
 // ---- pass 2: per batch row, combine partials, validate, accept/reject ---------------------------------------
+// Batch row b's decision: its chunk partials combined into row_stats (R entries: the workspace's for the split
+// passes, shared memory in the fused one), the row validated, its accept tests run. Every thread of the block must
+// call it (barriers); all get the same result, a fixed function of the partials (a fixed combine order).
 template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
-__global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a) {
-  __shared__ int s_invalid;
-  __shared__ int s_first_reject;
-  const int b = static_cast<int>(blockIdx.x);
+__device__ Decision decide_row(const Args<T>& a, int b, ChunkStats* row_stats, int* s_invalid, int* s_first_reject) {
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int num_warps = static_cast<int>(blockDim.x) >> 5;
   const int num_positions = a.num_draft + 1;
-  ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
   bool bad_limit;
   const int limit = row_limit(a, b, &bad_limit);  // n_b: drafts past it are never accepted
   const bool greedy = !SAMPLING || row_greedy(a, b);
   if (tid == 0) {
-    s_invalid = bad_limit ? 1 : 0;
-    s_first_reject = limit;
+    *s_invalid = bad_limit ? 1 : 0;
+    *s_first_reject = limit;
   }
 
   // One warp per logit row: fixed-order combine of its chunk partials.
@@ -431,12 +443,12 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
     const ChunkStats s = row_stats[j];
     // NaN/+inf, or the whole row is -inf (sampling: of the scaled z, whose kept max is m; greedy: of the logits)
     const float alive = SAMPLING ? s.m : s.raw_max;
-    if (s.bad || !(alive > -INFINITY)) atomicOr(&s_invalid, 1);
+    if (s.bad || !(alive > -INFINITY)) atomicOr(s_invalid, 1);
   }
   for (int i = tid; i < limit; i += static_cast<int>(blockDim.x)) {
     const int64_t token = a.draft_tokens[static_cast<int64_t>(b) * a.num_draft + i];
     if (token < 0 || token >= a.vocab) {
-      atomicOr(&s_invalid, 1);
+      atomicOr(s_invalid, 1);
       continue;
     }
     const int x = static_cast<int>(token);
@@ -455,31 +467,34 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
       }
       accept = q_x > 0.0f && __fmul_rn(r, q_x) < p_x;
     }
-    if (!accept) atomicMin(&s_first_reject, i);
+    if (!accept) atomicMin(s_first_reject, i);
   }
   __syncthreads();
+  return Decision{*s_first_reject, *s_invalid != 0 ? 1 : 0};  // n in 0..K
+}
 
-  const bool invalid = s_invalid != 0;
-  const int n = s_first_reject;  // in 0..K
-  if (tid == 0) a.ws.decisions[b] = Decision{n, invalid ? 1 : 0};
-  if (greedy) write_outputs(a, b, n, row_stats[n].raw_arg, invalid);  // race and finalize skip greedy rows
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a) {
+  __shared__ int s_invalid;
+  __shared__ int s_first_reject;
+  const int b = static_cast<int>(blockIdx.x);
+  ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+  const Decision decision = decide_row<T, SAMPLING, HAS_CUT, HAS_DRAFT>(a, b, row_stats, &s_invalid, &s_first_reject);
+  if (threadIdx.x == 0) a.ws.decisions[b] = decision;
+  if (!SAMPLING || row_greedy(a, b)) {  // race and finalize skip greedy rows
+    write_outputs(a, b, decision.n, row_stats[decision.n].raw_arg, decision.invalid != 0);
+  }
 }
 
 // ---- pass 3: exponential race over the residual (and over p for the zero-residual fallback) -----------------
+// The race over [start, end) of batch row b, whose decision accepted n drafts; row_stats: the row's R combined
+// stats. Reduced over the block: the result is valid in thread 0. Every thread must call it (barriers).
 template <typename T, bool HAS_CUT, bool HAS_DRAFT>
-__global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
-  __shared__ RacePartial scratch[32];
-  const int b = static_cast<int>(blockIdx.x);
-  const int c = static_cast<int>(blockIdx.y);
-  const Decision decision = a.ws.decisions[b];
-  // The same for the whole block: finalize writes -1 without reading partials; decide wrote a greedy row.
-  if (decision.invalid || row_greedy(a, b)) return;
-  const int n = decision.n;
+__device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkStats* row_stats, int start, int end,
+                                  RacePartial* scratch) {
   const int num_positions = a.num_draft + 1;
   bool bad_limit;
   const int limit = row_limit(a, b, &bad_limit);
-  const ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
-
   const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
   const ChunkStats p_stats = row_stats[n];
   const bool has_q = n < limit;  // q := 0 once all n_b drafts are accepted: the bonus token is drawn from p_n
@@ -499,8 +514,6 @@ __global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
   const uint32_t offset = row_offset(a, b);
   const uint32_t rid = row_id(a, b);
   const uint32_t stream = a.stream_base + static_cast<uint32_t>(n);
-  const int start = c * kChunkSize;
-  const int end = min(start + kChunkSize, a.vocab);
 
   RacePartial acc = race_identity();
   visit_chunk(p_row.ptr, q_row.ptr, vec, start, end, [&](int v, float x, float y) {
@@ -525,37 +538,112 @@ __global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
     }
     acc.any_positive |= static_cast<int>(residual > 0.0f);
   });
-  acc = block_reduce(acc, CombineRace{}, race_identity(), scratch);
-  if (threadIdx.x == 0) a.ws.race[static_cast<int64_t>(b) * a.num_chunks + c] = acc;
+  return block_reduce(acc, CombineRace{}, race_identity(), scratch);
+}
+
+template <typename T, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kStreamThreads) race_kernel(const Args<T> a) {
+  __shared__ RacePartial scratch[32];
+  const int b = static_cast<int>(blockIdx.x);
+  const int c = static_cast<int>(blockIdx.y);
+  const Decision decision = a.ws.decisions[b];
+  // The same for the whole block: finalize writes -1 without reading partials; decide wrote a greedy row.
+  if (decision.invalid || row_greedy(a, b)) return;
+  const ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+  const int start = c * a.race_chunk;
+  const int end = min(start + a.race_chunk, a.vocab);
+  const RacePartial acc = race_range<T, HAS_CUT, HAS_DRAFT>(a, b, decision.n, row_stats, start, end, scratch);
+  if (threadIdx.x == 0) a.ws.race[static_cast<int64_t>(b) * a.num_race_chunks + c] = acc;
 }
 
 // ---- pass 4: combine the race partials, write the outputs ---------------------------------------------------
+// A race partial read from L2 (ld.global.cg): in the fused pass another block wrote it during this kernel.
+__device__ __forceinline__ RacePartial load_race_partial(const RacePartial* p) {
+  RacePartial out;
+  out.residual_value = __ldcg(&p->residual_value);
+  out.residual_index = __ldcg(&p->residual_index);
+  out.p_value = __ldcg(&p->p_value);
+  out.p_index = __ldcg(&p->p_index);
+  out.any_positive = __ldcg(&p->any_positive);
+  return out;
+}
+
+// The race's winner from a row's partials, combined in chunk order (never arrival order): called by one full warp,
+// every lane gets the token. The residual race unless every residual is 0, then the race over p (reference: weights
+// = where(max > 0, residual, p)).
+__device__ __forceinline__ int race_winner(const RacePartial* partials, int count) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  RacePartial acc = race_identity();
+  for (int c = lane; c < count; c += 32) acc = combine_race(acc, load_race_partial(partials + c));
+  acc = warp_reduce(acc, CombineRace{});
+  return __shfl_sync(kFullMask, acc.any_positive ? acc.residual_index : acc.p_index, 0);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Args<T> a) {
   const int b = static_cast<int>(blockIdx.x);
-  const int lane = static_cast<int>(threadIdx.x);
   if (row_greedy(a, b)) return;  // decide wrote it
   const Decision decision = a.ws.decisions[b];
   int next = -1;
-  if (!decision.invalid) {
-    const RacePartial* partials = a.ws.race + static_cast<int64_t>(b) * a.num_chunks;
-    RacePartial acc = race_identity();
-    for (int c = lane; c < a.num_chunks; c += 32) acc = combine_race(acc, partials[c]);
-    acc = warp_reduce(acc, CombineRace{});
-    // Residual race unless every residual is 0, then the race over p (reference: weights = where(max > 0, ...)).
-    next = __shfl_sync(kFullMask, acc.any_positive ? acc.residual_index : acc.p_index, 0);
-  }
+  if (!decision.invalid) next = race_winner(a.ws.race + static_cast<int64_t>(b) * a.num_race_chunks, a.num_race_chunks);
   write_outputs(a, b, decision.n, next, decision.invalid != 0);
+}
+
+// ---- passes 2-4 fused (small batches, sampling): one kernel after chunk_stats --------------------------------
+// Block (b, c) decides row b itself (every block of the row computes the same decision from the partials: a few
+// KiB of L2 reads, cheaper at small B than two more dependent launches), races its kRaceChunk elements, and the
+// row's last block to finish (a ticket taken after a __threadfence, as CUDA's threadFenceReduction sample does)
+// combines the partials in chunk order and writes the outputs. The tickets start at 0: chunk_stats zeroes them.
+template <typename T, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kStreamThreads) decide_race_kernel(const Args<T> a) {
+  extern __shared__ ChunkStats fused_row_stats[];  // [R]
+  __shared__ int s_invalid;
+  __shared__ int s_first_reject;
+  __shared__ int s_last;
+  __shared__ int s_next;
+  __shared__ RacePartial scratch[32];
+  const int b = static_cast<int>(blockIdx.x);
+  const int c = static_cast<int>(blockIdx.y);
+  const Decision decision =
+      decide_row<T, true, HAS_CUT, HAS_DRAFT>(a, b, fused_row_stats, &s_invalid, &s_first_reject);
+  const bool greedy = row_greedy(a, b);
+  if (decision.invalid || greedy) {  // the same for the whole row: its first block writes it, no race
+    if (c == 0) {
+      write_outputs(a, b, decision.n, greedy ? fused_row_stats[decision.n].raw_arg : -1, decision.invalid != 0);
+    }
+    return;
+  }
+  const int start = c * a.race_chunk;
+  const int end = min(start + a.race_chunk, a.vocab);
+  const RacePartial acc =
+      race_range<T, HAS_CUT, HAS_DRAFT>(a, b, decision.n, fused_row_stats, start, end, scratch);
+  RacePartial* partials = a.ws.race + static_cast<int64_t>(b) * a.num_race_chunks;
+  if (threadIdx.x == 0) {
+    partials[c] = acc;
+    __threadfence();  // the partial is visible device-wide before the ticket says so
+    s_last = atomicAdd(a.ws.race_tickets + b, 1) == a.num_race_chunks - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x < 32) {
+    const int next = race_winner(partials, a.num_race_chunks);
+    if (threadIdx.x == 0) s_next = next;
+  }
+  __syncthreads();
+  write_outputs(a, b, decision.n, s_next, false);
 }
 
 // ---- host side ---------------------------------------------------------------------------------------------------
 struct Layout {
-  size_t chunk_stats, row_stats, decisions, race, total;
+  size_t chunk_stats, row_stats, decisions, race, race_tickets, total;
 };
 
 size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 int num_chunks_for(int vocab) { return (vocab + kChunkSize - 1) / kChunkSize; }
+
+int num_fused_race_chunks_for(int vocab) { return (vocab + kFusedRaceChunk - 1) / kFusedRaceChunk; }
 
 // False when the sizes exceed what the grids can address.
 bool make_layout(int batch, int num_draft, int vocab, bool has_draft, Layout* out) {
@@ -571,11 +659,26 @@ bool make_layout(int batch, int num_draft, int vocab, bool has_draft, Layout* ou
   out->row_stats = out->chunk_stats + align_up(rows * chunks * sizeof(ChunkStats));
   out->decisions = out->row_stats + align_up(rows * sizeof(ChunkStats));
   out->race = out->decisions + align_up(b * sizeof(Decision));
-  out->total = out->race + align_up(b * chunks * sizeof(RacePartial));
+  // room for either pass structure's partials (the fused pass's chunks are smaller)
+  const size_t race_chunks = static_cast<size_t>(num_fused_race_chunks_for(vocab));
+  out->race_tickets = out->race + align_up(b * race_chunks * sizeof(RacePartial));
+  out->total = out->race_tickets + align_up(b * sizeof(int));
   return true;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether a sampling launch of these sizes fuses passes 2-4 into one kernel (decide_race_kernel).
+// SPECULATIVE_KERNELS_VERIFY_PASSES=split or =fused overrides the batch-size rule (benchmarks compare both;
+// the emulated tests run both).
+bool use_fused_passes(int batch, int rows_per_batch, int vocab) {
+  if (static_cast<size_t>(rows_per_batch) * sizeof(ChunkStats) > kFusedMaxSharedBytes) return false;
+  if (num_fused_race_chunks_for(vocab) > kMaxGridY) return false;
+  const char* setting = std::getenv("SPECULATIVE_KERNELS_VERIFY_PASSES");
+  if (setting != nullptr && std::strcmp(setting, "split") == 0) return false;
+  if (setting != nullptr && std::strcmp(setting, "fused") == 0) return true;
+  return batch <= kFusedMaxBatch;
+}
 
 template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
 cudaError_t run_passes(const Args<T>& a, cudaStream_t stream) {
@@ -583,10 +686,16 @@ cudaError_t run_passes(const Args<T>& a, cudaStream_t stream) {
   chunk_stats_kernel<T, SAMPLING, HAS_CUT><<<stream_grid, kStatsThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
+  if (SAMPLING && a.ws.race_tickets != nullptr) {
+    const dim3 fused_grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_race_chunks));
+    const size_t shared_bytes = static_cast<size_t>(a.rows_per_batch) * sizeof(ChunkStats);
+    decide_race_kernel<T, HAS_CUT, HAS_DRAFT><<<fused_grid, kStreamThreads, shared_bytes, stream>>>(a);
+    return cudaGetLastError();
+  }
   decide_kernel<T, SAMPLING, HAS_CUT, HAS_DRAFT><<<a.batch, kDecideThreads, 0, stream>>>(a);
   err = cudaGetLastError();
   if (err != cudaSuccess || !SAMPLING) return err;  // greedy: decide wrote the outputs
-  const dim3 race_grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_chunks));
+  const dim3 race_grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_race_chunks));
   race_kernel<T, HAS_CUT, HAS_DRAFT><<<race_grid, kStreamThreads, 0, stream>>>(a);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
@@ -635,6 +744,10 @@ cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* work
   a.ws.row_stats = reinterpret_cast<ChunkStats*>(base + layout.row_stats);
   a.ws.decisions = reinterpret_cast<Decision*>(base + layout.decisions);
   a.ws.race = reinterpret_cast<RacePartial*>(base + layout.race);
+  const bool fused = sampling && use_fused_passes(p.batch, a.rows_per_batch, p.vocab);
+  a.ws.race_tickets = fused ? reinterpret_cast<int*>(base + layout.race_tickets) : nullptr;
+  a.race_chunk = fused ? kFusedRaceChunk : kChunkSize;
+  a.num_race_chunks = fused ? num_fused_race_chunks_for(p.vocab) : a.num_chunks;
 
   if (!sampling) {  // top-k/top-p cannot change an argmax
     return SK_BOOL_SWITCH(has_draft, kHasDraft, [&] { return run_passes<T, false, false, kHasDraft>(a, stream); });

@@ -65,10 +65,12 @@ def emulated(tmp_path_factory):
     return cuda_emulation.EmulatedOps(library)
 
 
-@pytest.fixture
-def as_backend(emulated, monkeypatch):
-    """test_kernel_edges' checks with ``name`` = "cuda-emulated" run the emulated CUDA backend."""
+@pytest.fixture(params=["split", "fused"])
+def as_backend(request, emulated, monkeypatch):
+    """test_kernel_edges' checks with ``name`` = "cuda-emulated" run the emulated CUDA backend, with the sampling
+    passes split (chunk_stats, decide, race, finalize) and fused (chunk_stats, decide_race) at every batch size."""
     real = edges._backend
+    monkeypatch.setenv(edges.PASSES_VARIABLE, request.param)
     monkeypatch.setattr(edges, "_backend",
                         lambda name: (emulated.verify, emulated.sample) if name == NAME else real(name))
     return emulated

@@ -21,6 +21,7 @@ its default tiling and with small split tiles) and the torch reference, so the s
 
 import functools
 import importlib
+import os
 
 import pytest
 import torch
@@ -51,8 +52,9 @@ def _tuning(name: str):
 
 @functools.cache
 def _backend(name: str):
-    """(verify, sample) with the reference's contract: "cuda", "triton", "triton-split" (small tiles, many chunks),
-    "torch" (the reference itself: the planted-id checks still test it against the definition)."""
+    """(verify, sample) with the reference's contract: "cuda", "cuda-fused" / "cuda-split" (the CUDA kernels' fused /
+    split sampling passes at every batch size; "cuda" picks by batch size), "triton", "triton-split" (small tiles, many chunks), "torch" (the reference itself: the planted-id checks
+    still test it against the definition)."""
     if name == "torch":
         return verify_reference, sample_reference
     if name.startswith("triton"):
@@ -62,18 +64,42 @@ def _backend(name: str):
         return (functools.partial(triton_backend.launch_verify, tuning=tuning),
                 functools.partial(triton_backend.launch_sample, tuning=tuning))
     module = importlib.import_module("speculative_kernels.ops.cuda_backend")  # loads or JIT-builds the extension
+    if name in ("cuda-fused", "cuda-split"):
+        passes = name.removeprefix("cuda-")
+        return with_verify_passes(passes, module.verify), with_verify_passes(passes, module.sample)
     return module.verify, module.sample
+
+
+def with_verify_passes(passes: str, function):
+    """``function`` run with SPECULATIVE_KERNELS_VERIFY_PASSES=passes ("split" / "fused": which pass structure the
+    CUDA kernels launch, read at each launch)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        previous = os.environ.get(PASSES_VARIABLE)
+        os.environ[PASSES_VARIABLE] = passes
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if previous is None:
+                del os.environ[PASSES_VARIABLE]
+            else:
+                os.environ[PASSES_VARIABLE] = previous
+    return run
+
+
+PASSES_VARIABLE = "SPECULATIVE_KERNELS_VERIFY_PASSES"
 
 
 def _chunk_widths(name: str, batch: int, k: int, vocab: int) -> set[int]:
     """The widths whose multiples are tile or chunk boundaries in backend ``name`` at this size: Triton's tiles and
-    chunk sizes of both passes (from its plan, for verify with K drafts and for the sampler), CUDA's 2048-id chunk."""
+    chunk sizes of both passes (from its plan, for verify with K drafts and for the sampler), CUDA's 2048-id chunk
+    and its fused sampling pass's 512-id race chunk."""
     if name.startswith("triton"):
         from speculative_kernels.ops import triton_backend
 
         plans = [triton_backend.make_plan(batch, positions, vocab, _tuning(name)) for positions in (k + 1, 1)]
         return {w for plan in plans for w in (plan.block_v, plan.chunk_size, plan.race_block_v, plan.race_chunk_size)}
-    return {2048} if name == "cuda" else {32, 1024, 2048}
+    return {512, 2048} if name in ("cuda", "cuda-fused", "cuda-split") else {32, 512, 1024, 2048}
 
 
 def _rows(values) -> torch.Tensor:
@@ -123,7 +149,7 @@ def _assert_same(got, want):
 
 
 # ---- planted winners ----------------------------------------------------------------------------------------------
-PLANTED_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "triton") for dtype in DTYPES
+PLANTED_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "cuda-fused", "triton") for dtype in DTYPES
                for vocab, layout in ((1001, "padded"), (1001, "contiguous"), (6149, "padded"), (151936, "contiguous"),
                                      (256000, "padded"))]
 PLANTED_CPU = [("triton", torch.bfloat16, 1001, "padded"),  # one chunk per row: the tail and the last vector
@@ -259,7 +285,7 @@ def _check_exact_replay(name, dtype, batch, vocab, layout, warps=EXACT_WARPS):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["cuda", "triton"])
+@pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"])
 @pytest.mark.parametrize("batch,vocab,layout", [(64, 2, "contiguous"), (64, 1001, "padded"), (16, 6144, "padded"),
                                                 (256, 32000, "contiguous"), (4, 256000, "padded")], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,7 +302,7 @@ def test_exact_replay_small(name, dtype, batch, vocab, layout):
 
 
 # ---- a vocabulary of one id -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["cuda", "triton"] if ON_CUDA else ["triton"])
+@pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"] if ON_CUDA else ["triton"])
 def test_vocabulary_of_one(name):
     """V = 1: every draft is the only id, p = q = 1, so all are accepted and the bonus token is 0, in every mode."""
     verify, sample = _backend(name)
@@ -293,7 +319,7 @@ def test_vocabulary_of_one(name):
 
 
 # ---- no draft position ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["cuda", "triton"] if ON_CUDA else ["triton"])
+@pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"] if ON_CUDA else ["triton"])
 def test_no_draft_position_with_an_empty_draft(name):
     """K = 0 with a draft tensor [B, 0, V] (the backends' own entry points take it; ops.verify refuses K < 1): only
     the bonus token, drawn from p. With a top-k/top-p cut the Triton race read the draft's cut at index -1 (a
@@ -310,7 +336,7 @@ def test_no_draft_position_with_an_empty_draft(name):
 
 
 # ---- the streaming passes' shortcuts: per-vector max, first index by selects, NaN/+inf by a NaN-propagating max -----
-SHORTCUT_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "triton") for dtype in DTYPES
+SHORTCUT_GPU = [(backend, dtype, vocab, layout) for backend in ("cuda", "cuda-fused", "triton") for dtype in DTYPES
                 for vocab, layout in ((1001, "padded"), (1001, "contiguous"), (6149, "padded"))]
 SHORTCUT_CPU = [("triton", torch.bfloat16, 1001, "padded"), ("triton-split", torch.float32, 161, "contiguous")]
 # Temperatures with an exact reciprocal (z = x * (1/T) in the CUDA pass) and without; cuts with ties at the cut.

@@ -72,6 +72,10 @@ inline unsigned __ballot_sync(unsigned mask, int pred, std::source_location loc 
 inline int __popc(unsigned x) { return std::popcount(x); }
 inline int atomicOr(int* p, int v) { int o = *p; *p = o | v; return o; }
 inline int atomicMin(int* p, int v) { int o = *p; *p = o < v ? o : v; return o; }
+inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+inline void __threadfence() {}  // one block runs at a time: its writes are visible to the blocks after it
+template <typename V>
+inline V __ldcg(const V* p) { return *p; }
 
 // IEEE round-to-nearest float ops (compiled with -ffp-contract=off -fno-fast-math: no fusion)
 inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
