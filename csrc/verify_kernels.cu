@@ -591,7 +591,7 @@ __global__ void __launch_bounds__(kFinalizeThreads) finalize_kernel(const Args<T
 
 // ---- passes 2-4 fused (small batches, sampling): one kernel after chunk_stats --------------------------------
 // Block (b, c) decides row b itself (every block of the row computes the same decision from the partials: a few
-// KiB of L2 reads, cheaper at small B than two more dependent launches), races its kRaceChunk elements, and the
+// KiB of L2 reads, cheaper at small B than two more dependent launches), races its kFusedRaceChunk ids, and the
 // row's last block to finish (a ticket taken after a __threadfence, as CUDA's threadFenceReduction sample does)
 // combines the partials in chunk order and writes the outputs. The tickets start at 0: chunk_stats zeroes them.
 template <typename T, bool HAS_CUT, bool HAS_DRAFT>
