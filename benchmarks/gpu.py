@@ -205,6 +205,19 @@ def half_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
     return cmd + ["--device", "cuda", "--dtypes", "bfloat16,float16"], {}
 
 
+def serving_identity(path: Path) -> dict | None:
+    """From serving_load.py's JSON: each method's identity with model.generate, how many requests differ, and the
+    widest first difference in units of the model dtype's rounding (0-1: ties, which batch shapes decide in half
+    precision; docs/half_precision.md; many: a defect). None when the file is missing."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    differences = [d for records in (data.get("first_differences") or {}).values() for d in records]
+    gaps = [abs(d["gap_in_spacings"]) for d in differences if d.get("gap_in_spacings") is not None]
+    return {"identical": data.get("identical_to_generate"), "differing_requests": len(differences),
+            "max_gap_in_spacings": max(gaps) if gaps else None}
+
+
 def serving_commands(out: Path, dry_run: bool) -> list[tuple[str, list[str]]]:
     """``diagnose_serving_gpu.py`` (the runners' SDPA backend choice against cuDNN's per-shape plans, same steps) and
     ``serving_load.py`` (Poisson arrivals on the demo pair: ours continuous on both caches, start() batches, HF's
@@ -351,6 +364,7 @@ def run_phase(phase: str, out: Path, dry_run: bool, timeout: float, cases=E2E_CA
             results["rc"] = results["rc"] or part["rc"]
             results["timed_out"] = results["timed_out"] or part["timed_out"]
         results["seconds"] = round(time.perf_counter() - start, 1)
+        results["identity"] = serving_identity(phase_dir / "serving-load.json")
         return results
     if phase == "verify":
         cmd, extra = verify_command(phase_dir, dry_run)
@@ -499,6 +513,10 @@ def summarize(out: Path, results: dict, dry_run: bool) -> str:
             detail = ", ".join(r.get("libraries", [])) + (f" {r['error']}" if r.get("error") else "")
         if phase == "e2e":
             detail = ", ".join(f"{k}: rc {v.get('rc', v.get('skipped'))}" for k, v in r["cases"].items())
+        if phase == "serving" and r.get("identity"):
+            i = r["identity"]
+            detail = (f"same as model.generate: {i['identical']}; {i['differing_requests']} differing requests, the "
+                      f"widest first difference {i['max_gap_in_spacings']} roundings apart in model.generate's logits")
         lines.append(f"| {phase} | {r['rc']} | {r['seconds']} | {r['timed_out']} | {detail} |")
     failed = (results.get("tests") or {}).get("junit") or {}
     if failed.get("failed"):

@@ -81,3 +81,16 @@ def test_every_test_file_with_cuda_only_tests_runs_in_the_tests_phase(gpu):
     missing = [str(path.relative_to(root)) for path in sorted((root / "tests").rglob("test_*.py"))
                if cuda_only.search(path.read_text()) and str(path.relative_to(root)) not in listed]
     assert missing == []
+
+
+def test_serving_identity_reports_the_widest_first_difference(gpu, tmp_path):
+    """The serving phase's summary: identity per method, and how far apart model.generate's logits were where a
+    method first differed (ties and one rounding: half precision; many roundings: a defect)."""
+    path = tmp_path / "serving-load.json"
+    assert gpu.serving_identity(path) is None
+    path.write_text('{"identical_to_generate": {"continuous": false, "static": true}, "first_differences": '
+                    '{"continuous": [{"request": 3, "gap_in_spacings": 0.0}, {"request": 5, "gap_in_spacings": 1.0},'
+                    ' {"request": 7, "step": 2}]}}')
+    got = gpu.serving_identity(path)
+    assert got == {"identical": {"continuous": False, "static": True}, "differing_requests": 3,
+                   "max_gap_in_spacings": 1.0}
