@@ -515,8 +515,10 @@ def summarize(out: Path, results: dict, dry_run: bool) -> str:
             detail = ", ".join(f"{k}: rc {v.get('rc', v.get('skipped'))}" for k, v in r["cases"].items())
         if phase == "serving" and r.get("identity"):
             i = r["identity"]
-            detail = (f"same as model.generate: {i['identical']}; {i['differing_requests']} differing requests, the "
-                      f"widest first difference {i['max_gap_in_spacings']} roundings apart in model.generate's logits")
+            detail = f"same as model.generate: {i['identical']}"
+            if i["differing_requests"]:
+                detail += (f"; {i['differing_requests']} differing requests, the widest first difference "
+                           f"{i['max_gap_in_spacings']} roundings apart in model.generate's logits")
         lines.append(f"| {phase} | {r['rc']} | {r['seconds']} | {r['timed_out']} | {detail} |")
     failed = (results.get("tests") or {}).get("junit") or {}
     if failed.get("failed"):
