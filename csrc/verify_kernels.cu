@@ -518,6 +518,19 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
   RacePartial acc = race_identity();
   visit_chunk(p_row.ptr, q_row.ptr, vec, start, end, [&](int v, float x, float y) {
     const float p = prob<T, HAS_CUT>(a, p_row, p_stats, v, x);
+    if (p == 0.0f) {
+      // Cut by top-k/top-p (or underflowed): the residual max(0, 0 - q) is 0 and both keys are 0 / E = +0 whatever E
+      // is (E > 0), so no random number is drawn. Most of the vocabulary under a cut: ~20 instructions, not ~250.
+      if (argmax_prefers(0.0f, v, acc.residual_value, acc.residual_index)) {
+        acc.residual_value = 0.0f;
+        acc.residual_index = v;
+      }
+      if (argmax_prefers(0.0f, v, acc.p_value, acc.p_index)) {
+        acc.p_value = 0.0f;
+        acc.p_index = v;
+      }
+      return;
+    }
     float q = 0.0f;
     if (has_q) {
       if constexpr (HAS_DRAFT) q = prob<T, HAS_CUT>(a, q_row, q_stats, v, y);

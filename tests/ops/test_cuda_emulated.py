@@ -120,6 +120,12 @@ def test_invalid_value_flags(as_backend):
     edges._check_shortcut_flags(NAME, torch.bfloat16, 1001, "padded")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_residual_fallback(as_backend, dtype):
+    """Every residual 0 (q == p, a draft token outside the top-k): the race over p, bit for bit."""
+    edges._check_zero_residual_fallback(NAME, dtype, 1001, "padded")
+
+
 def test_exact_replay(as_backend):
     """{0, -inf} logits: the residual and bonus races agree with the reference bit for bit."""
     edges._check_exact_replay(NAME, torch.bfloat16, 64, 2, "contiguous")

@@ -284,6 +284,34 @@ def _check_exact_replay(name, dtype, batch, vocab, layout, warps=EXACT_WARPS):
     assert vocab <= 2 or rejected > 0  # the residual race ran
 
 
+def _check_zero_residual_fallback(name, dtype, vocab, layout, batch=32):
+    """q == p and a draft token outside the top-k (p = q = 0): rejected at 0 with an all-zero residual, so the next
+    token is the race over p_0 (the residual race would give id 0, kept out of the top-k here), bit for bit; the
+    cut ids, whose p is 0, take the race's no-random-number shortcut (a cut id given a positive key there wins a
+    row's race with probability exp(-2) at key 1/2: 32 rows see it)."""
+    verify, _ = _backend(name)
+    k = 2
+    g = torch.Generator().manual_seed(vocab + 29)
+    target = torch.randn(batch, k + 1, vocab, generator=g) * 2.0
+    target[..., 0] = -20.0
+    tokens = target[:, :k].argmin(dim=-1)
+    target = _layout(target.to(DEVICE, dtype), layout)
+    draft = _layout(target[:, :k].clone(), layout)
+    args = (Sampling(0.9, 5, 1.0), _randomness(batch, salt=13))
+    out, n = verify(target, draft, tokens.to(DEVICE), *args)
+    assert (n == 0).all(), n
+    kth = target[:, 0].float().topk(5, dim=-1).values[:, -1]  # ties with the 5th value are kept too
+    assert (target[:, 0].float().gather(1, out[:, :1]).squeeze(1) >= kth).all()
+    _assert_same((out, n), verify_reference(target, draft, tokens.to(DEVICE), *args))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_residual_falls_back_to_p_bit_for_bit(name, dtype):
+    _check_zero_residual_fallback(name, dtype, 6149, "padded")
+
+
 @gpu
 @pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"])
 @pytest.mark.parametrize("batch,vocab,layout", [(64, 2, "contiguous"), (64, 1001, "padded"), (16, 6144, "padded"),
