@@ -158,7 +158,10 @@ def race_kernel(
         mask = v < end
         logit = tl.load(t_row + v.to(tl.int64) * stride_tv, mask=mask, other=float("-inf")).to(tl.float32)
         p = _prob(warp_logit(logit, v, t, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
-        e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
+        if tl.max(p, 0) > 0:
+            e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
+        else:  # every p of the tile 0 (cut by top-k/top-p, or underflowed): residual 0 too, so every key is 0 / E
+            e = tl.full([BLOCK_V], 1.0, tl.float32)  # = 0 / 1 bit for bit (E > 0): no random numbers drawn
         w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
         better = w_p > best_p  # strict: a lane keeps its first (lowest) index on ties
         best_p = tl.where(better, w_p, best_p)
