@@ -96,6 +96,8 @@ struct RowRef {
   float cut_value;    // z of the cut's source element
   int cut_index;
   float temperature;  // the row's divisor (1 for a greedy row of a per-row launch)
+  float inverse;      // 1 / temperature, rounded
+  bool exact_inverse; // inverse is exactly 1 / temperature (a power of two): x * inverse == x / temperature, bitwise
 };
 
 // ---- small device functions ----------------------------------------------------------------------------------
@@ -183,6 +185,8 @@ template <typename T, bool HAS_CUT>
 __device__ __forceinline__ RowRef<T> logit_row(const Args<T>& a, int b, int j) {
   RowRef<T> row;
   row.temperature = row_temperature(a, b);
+  row.inverse = __frcp_rn(row.temperature);
+  row.exact_inverse = __fmaf_rn(row.inverse, row.temperature, -1.0f) == 0.0f;  // inverse * T - 1, rounded once
   row.cut_ok = true;
   row.cut_value = -INFINITY;
   row.cut_index = 0;
@@ -220,10 +224,11 @@ __device__ __forceinline__ bool cut_keeps(const RowRef<T>& row, int v, float z) 
   return true;
 }
 
-// The warped logit z = x / T and whether the top-k/top-p cut keeps element v.
+// The warped logit z = x / T and whether the top-k/top-p cut keeps element v. z = x * (1/T) where 1/T is exact (T = 1,
+// 0.5, 2, ...): the same real number rounded once, so bit for bit x / T (see StatsAccumulator), without a division.
 template <typename T, bool HAS_CUT>
 __device__ __forceinline__ bool warp_keep(const Args<T>& a, const RowRef<T>& row, int v, float x, float* z) {
-  *z = __fdiv_rn(x, row.temperature);
+  *z = row.exact_inverse ? __fmul_rn(x, row.inverse) : __fdiv_rn(x, row.temperature);
   return cut_keeps<T, HAS_CUT>(row, v, *z);
 }
 
@@ -498,7 +503,7 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
   const RowRef<T> p_row = logit_row<T, HAS_CUT>(a, b, n);
   const ChunkStats p_stats = row_stats[n];
   const bool has_q = n < limit;  // q := 0 once all n_b drafts are accepted: the bonus token is drawn from p_n
-  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0, 1.0f};
+  RowRef<T> q_row{nullptr, true, true, -INFINITY, 0, 1.0f, 1.0f, true};
   ChunkStats q_stats = stats_identity();
   int q_token = -1;
   if (has_q) {
