@@ -111,4 +111,18 @@ def unwrap_adapters(model, name: str = "model"):
         raise ValueError(f"{name} is a PEFT {type(model).__name__} driven by {type(tuner_model).__name__}, which "
                          f"speculative_kernels cannot drive exactly ({why}); merge it where PEFT can, or use "
                          "model.generate")
-    return unwrap_adapters(_inner_model(model), name)
+    inner = _inner_model(model)
+    _hand_over_generation_config(model, inner)
+    return unwrap_adapters(inner, name)
+
+
+def _hand_over_generation_config(wrapper, inner) -> None:
+    """A generation_config set on a PeftModelForCausalLM itself (``peft_model.generation_config = ...``; reading it
+    otherwise reads the inner model's): its generate assigns it to the inner model at every call, so it is the one
+    that applies. Done here too, with the same lasting effect (peft does not restore the inner model's). HF's assisted
+    generation runs an assistant through its own generate, so a draft's is handed over alike."""
+    own = vars(wrapper).get("generation_config")
+    hands_over = any(klass.__name__ == "PeftModelForCausalLM" and klass.__module__.split(".")[0] == "peft"
+                     for klass in type(wrapper).__mro__)
+    if hands_over and own is not None and own is not getattr(inner, "generation_config", None):
+        inner.generation_config = own

@@ -127,3 +127,31 @@ def test_an_x_lora_wrapper_is_refused_by_name(tmp_path):
                                                        adapters=adapters)).eval()
     with pytest.raises(ValueError, match="model is a PEFT PeftModelForCausalLM driven by XLoraModel.*classifier pass"):
         sk.generate(xlora, torch.tensor([[5, 17, 42]]), draft_model=llama(layers=1, seed=4), max_new_tokens=6)
+
+
+def test_a_generation_config_set_on_the_causal_lm_wrapper_applies_as_in_its_generate():
+    """PeftModelForCausalLM.generate hands the wrapper's generation_config to the inner model at every call; one set
+    on the wrapper (``peft_model.generation_config = GenerationConfig(...)``) was ignored (the inner model's was
+    used: 20 new tokens instead of 6, do_sample and repetition_penalty ignored, silently). Target and draft (HF's
+    assisted generation reads the assistant's generation_config off the object it is given)."""
+    from transformers import GenerationConfig
+
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    settings = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    wrapped = _lora(target, task_type="CAUSAL_LM")
+    reference = copy.deepcopy(wrapped)
+    for model in (wrapped, reference):
+        model.generation_config = GenerationConfig(max_new_tokens=6, repetition_penalty=1.8, **settings)
+    got = sk.generate(wrapped, ids, draft_model=draft)
+    assert got.shape[1] == 11 and torch.equal(got, reference.generate(input_ids=ids))
+    sampled = _lora(target, task_type="CAUSAL_LM")
+    sampled.generation_config = GenerationConfig(do_sample=True, top_k=2, max_new_tokens=30, **settings)
+    runs = {tuple(sk.generate(sampled, ids, draft_model=draft, seed=s)[0].tolist()) for s in range(4)}
+    assert len(runs) > 1  # sampled, not greedy
+    plain = _lora(target, task_type="CAUSAL_LM")
+    draft_wrapper = _lora(draft, modules=("q_proj",), task_type="CAUSAL_LM")
+    draft_wrapper.generation_config = GenerationConfig(num_assistant_tokens=2, **settings)
+    stats = sk.SpeculationStats()
+    sk.generate(plain, ids, draft_model=draft_wrapper, max_new_tokens=8, speculation_stats=stats)
+    assert stats.num_speculative_tokens == 2
