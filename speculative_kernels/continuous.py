@@ -93,7 +93,7 @@ from .generation.inputs import check_models, inferred_attention_mask, model_devi
 from .generation.loop import JoinRefused, SpeculativeLoop
 from .generation.memory import is_out_of_memory
 from .generation.options import BatchingOptions, CompileOptions, StaticRows
-from .generation.hooks import hooks_reason
+from .generation.hooks import hooks_reason, row_hooks_reason
 from .generation.request import build_loop, check_model_as
 from .generation.row_settings import RowSettings
 from .generation.runners.factory import check_slot_tables
@@ -305,10 +305,12 @@ class ContinuousBatcher:
         first add_request, before anything is queued or allocated (not by a later step()). The target's forward hooks
         are checked at every add_request (``hooks.hooks_reason``): one may be registered after the first."""
         if self._target_spec is not None:
-            reason = hooks_reason(self.decoder.target)
-            if reason is not None:
-                raise ValueError(f"target: {type(self.decoder.target).__name__} cannot be driven exactly by "
-                                 f"speculative_kernels: {reason}")
+            for role, model in (("target", self.decoder.target), ("draft", self.decoder.draft)):
+                reason = None if model is None else (row_hooks_reason(model) or (
+                    hooks_reason(model) if role == "target" else None))
+                if reason is not None:
+                    raise ValueError(f"{role}: {type(model).__name__} cannot be driven exactly by "
+                                     f"speculative_kernels: {reason}")
             return
         d = self.decoder
         check_models(d.target, d.draft, names=("target", "draft"))

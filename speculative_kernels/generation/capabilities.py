@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from .hooks import hooks_reason
+from .hooks import hooks_reason, row_hooks_reason
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -728,7 +728,7 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     if path not in PATHS:
         raise ValueError(f"unknown cache path {path!r}; expected one of {PATHS}")
     reason = (_own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
-              or _inference_mode_reason(model))
+              or _inference_mode_reason(model) or row_hooks_reason(model))
     if reason is None and target:
         reason = _custom_step_reason(model) or _activation_scales_reason(model) or hooks_reason(model)
     if reason is not None:

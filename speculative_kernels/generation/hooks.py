@@ -31,6 +31,16 @@ _KNOWN_PER_TOKEN = {
     ("torch.utils.module_tracker", "ModuleTracker._fw_post_hook"),
 }
 
+# Hooks that route each row of a forward by its index in the batch: peft's mixed-batch pre-hooks (LoRA, GLoRA,
+# RoAd), installed on its layers for the length of PeftModel.generate(adapter_names=[...]) (one adapter per row) or
+# of aLoRA's generate (each row's activation offset). Refused on a draft too, even marked: speculative decoding's
+# forwards do not hold the caller's rows in the caller's order (finished rows leave the batch, rows are prefilled
+# apart), so a row would run another row's adapter, or peft fails on the count.
+_PER_ROW = {
+    "_adapter_names_pre_forward_hook": "peft's per-row adapter hook (adapter_names=[...], one adapter per row)",
+    "_alora_offsets_pre_forward_hook": "peft's activated-LoRA offsets hook (one offset per row)",
+}
+
 
 def per_token_hook(hook):
     """``hook``, marked as acting on each position of a forward alike, whatever the forward's width and however
@@ -79,6 +89,28 @@ def unmarked_hooks(model) -> list[str]:
                         ("global forward hook", module_hooks._global_forward_hooks)):
         found += [f"every module ({kind} {_name(hook)})" for hook in hooks.values() if not _per_token(hook)]
     return found
+
+
+def _row_hook(hook) -> str | None:
+    """What a hook of ``_PER_ROW`` is, or None for any other hook."""
+    function = getattr(hook, "func", hook)
+    module = getattr(function, "__module__", None) or ""
+    return _PER_ROW.get(_name(function)) if module.startswith("peft.") else None
+
+
+def row_hooks_reason(model) -> str | None:
+    """Why ``model`` (target or draft) is ruled out by a hook that routes each row by its index in the batch
+    (``_PER_ROW``), or None."""
+    for name, module in model.named_modules():
+        for hook in module._forward_pre_hooks.values():
+            what = _row_hook(hook)
+            if what is not None:
+                return (f"it carries {what} on {name or 'model'}: each row of a forward runs what the hook holds for "
+                        "its index in the batch, and speculative decoding's forwards do not hold the caller's rows in "
+                        "the caller's order (finished rows leave the batch, rows are prefilled apart), so a row would "
+                        "run another row's adapter. Generate each adapter's rows in a call of their own "
+                        "(set_adapter), or use model.generate")
+    return None
 
 
 def hooks_reason(model) -> str | None:

@@ -155,3 +155,34 @@ def test_a_generation_config_set_on_the_causal_lm_wrapper_applies_as_in_its_gene
     stats = sk.SpeculationStats()
     sk.generate(plain, ids, draft_model=draft_wrapper, max_new_tokens=8, speculation_stats=stats)
     assert stats.num_speculative_tokens == 2
+
+
+def test_peft_per_row_adapter_hooks_are_refused_by_name_on_target_and_draft():
+    """peft's mixed-batch adapter_names=[...] installs pre-hooks on its layers that give each row of a forward the
+    adapter at its index in the batch (``PeftModel.generate(adapter_names=...)``, or its ``_enable_peft_forward_hooks``
+    context around a call). The speculative forwards do not hold the caller's rows in order (finished rows leave,
+    prefills run apart): as a draft this crashed inside peft ("Length of `adapter_names` should be the same as the
+    number of inputs"); as a target it was refused as an unmarked hook, with advice to mark it per-token (which
+    would not be exact). Refused by name, target or draft, also marked, in generate and SpeculativeDecoder."""
+    target, draft = llama(), llama(layers=1, seed=4)
+    wrapped = _lora(target, task_type="CAUSAL_LM")
+    wrapped.add_adapter("other", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    wrapped.eval()
+    ids = torch.tensor([[0, 0, 5, 17, 42], [9, 33, 21, 64, 8]])
+    mask = (ids != 0).long()
+    decoder = sk.SpeculativeDecoder(wrapped, draft)
+    decoder.add_request([5, 6, 7], max_new_tokens=2)  # (checked before the hooks exist)
+    with wrapped.base_model._enable_peft_forward_hooks(adapter_names=["default", "other"]):
+        hook = next(h for m in wrapped.modules() for h in m._forward_pre_hooks.values())
+        sk.per_token_hook(hook)  # (a mark does not make it exact)
+        with pytest.raises(ValueError, match=r"model: LlamaForCausalLM .*peft's per-row adapter hook "
+                                             r"\(adapter_names=.*on model.layers.0.self_attn.q_proj"):
+            sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=6)
+        with pytest.raises(ValueError, match=r"draft_model: LlamaForCausalLM .*peft's per-row adapter hook"):
+            sk.generate(target, ids, attention_mask=mask, draft_model=wrapped, max_new_tokens=6)
+        with pytest.raises(ValueError, match=r"target: LlamaForCausalLM .*peft's per-row adapter hook"):
+            decoder.add_request([5, 6, 7], max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"draft: LlamaForCausalLM .*peft's per-row adapter hook"):
+            sk.SpeculativeDecoder(target, wrapped).add_request([5, 6, 7], max_new_tokens=2)
+    expected = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=6), expected)
