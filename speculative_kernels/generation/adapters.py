@@ -6,7 +6,8 @@ wrapper's forward only calls that model's; ``model.generate`` on the wrapper run
 So the inner model, driven directly, computes exactly what the wrapper computes. Three kinds of adapter change the
 forward itself and are refused by name: prompt learning (prompt/prefix/p-tuning: virtual tokens or a prefix KV
 cache the wrapper prepends), activated LoRA (the wrapper computes each row's offsets from the prompt) and Poly (the
-wrapper passes ``task_ids``). peft is not imported: its wrappers are recognised by their class's module.
+wrapper passes ``task_ids``); prompt learning inside ``disable_adapter()`` is driven (the wrapper's forward is then
+the base model's). peft is not imported: its wrappers are recognised by their class's module.
 
 Every other tuner must be one audited as per-token (``PER_TOKEN_TUNERS``: each token's output computed from that
 token alone, as the frozen layers compute it, so a verification forward over gamma + 1 tokens gives each the logits
@@ -100,6 +101,8 @@ def unwrap_adapters(model, name: str = "model"):
     active = active() if callable(active) else active
     for adapter in [active] if isinstance(active, str) else list(active):
         config = model.peft_config.get(adapter)
+        if getattr(config, "is_prompt_learning", False) and getattr(model, "_adapters_disabled", False):
+            continue  # (inside disable_adapter(): the wrapper's forward is the base model's)
         why = _refusal(config)
         if why is not None:
             raise ValueError(f"{name} is a PEFT {type(model).__name__} with the {type(config).__name__} adapter "
@@ -111,18 +114,20 @@ def unwrap_adapters(model, name: str = "model"):
         raise ValueError(f"{name} is a PEFT {type(model).__name__} driven by {type(tuner_model).__name__}, which "
                          f"speculative_kernels cannot drive exactly ({why}); merge it where PEFT can, or use "
                          "model.generate")
-    inner = _inner_model(model)
-    _hand_over_generation_config(model, inner)
-    return unwrap_adapters(inner, name)
+    _hand_over_generation_config(model)
+    return unwrap_adapters(_inner_model(model), name)
 
 
-def _hand_over_generation_config(wrapper, inner) -> None:
+def _hand_over_generation_config(wrapper) -> None:
     """A generation_config set on a PeftModelForCausalLM itself (``peft_model.generation_config = ...``; reading it
-    otherwise reads the inner model's): its generate assigns it to the inner model at every call, so it is the one
-    that applies. Done here too, with the same lasting effect (peft does not restore the inner model's). HF's assisted
-    generation runs an assistant through its own generate, so a draft's is handed over alike."""
+    otherwise reads the inner model's): its generate assigns it to ``base_model.model`` (the transformers model inside
+    a tuner) at every call, so it is the one that applies. Done here too, to the same module, with the same lasting
+    effect (peft does not restore the one it replaced). HF's assisted generation runs an assistant through its own
+    generate, so a draft's is handed over alike."""
     own = vars(wrapper).get("generation_config")
     hands_over = any(klass.__name__ == "PeftModelForCausalLM" and klass.__module__.split(".")[0] == "peft"
                      for klass in type(wrapper).__mro__)
-    if hands_over and own is not None and own is not getattr(inner, "generation_config", None):
-        inner.generation_config = own
+    if hands_over and own is not None:
+        holder = getattr(wrapper.base_model, "model", wrapper.base_model)  # (as peft's generate picks it)
+        if getattr(holder, "generation_config", None) is not own:
+            holder.generation_config = own

@@ -619,6 +619,15 @@ def _own_generate_reason(model) -> str | None:
             "or adapters), which speculative_kernels does not reproduce")
 
 
+def _own_bound_method(model, method: str) -> bool:
+    """Whether the instance attribute ``method`` is the class's own method bound to ``model``: it changes nothing
+    (a PEFT prompt-learning wrapper's generate leaves its base model's prepare_inputs_for_generation so, restored as
+    the bound method it saved)."""
+    value = vars(model)[method]
+    return getattr(value, "__self__", None) is model and getattr(value, "__func__", None) is getattr(type(model),
+                                                                                                   method, None)
+
+
 def _custom_step_reason(model) -> str | None:
     """Why a target whose own code (a user's subclass, remote code loaded with trust_remote_code, a function set on
     the instance) replaces a step of model.generate is ruled out, or None: ``prepare_inputs_for_generation`` (an
@@ -628,7 +637,7 @@ def _custom_step_reason(model) -> str | None:
     a word. transformers' own overrides are reviewed one by one (``_own_generate_reason``, ``_own_positions_reason``).
     A draft's may: its logits are read as given."""
     for method in (*STEP_METHODS, *LOOP_METHODS):
-        if method in vars(model):
+        if method in vars(model) and not _own_bound_method(model, method):
             return (f"its instance attribute {method} replaces GenerationMixin's, which model.generate calls at "
                     "every step and speculative_kernels does not (it calls the forward directly); delete the attribute "
                     "or use model.generate")

@@ -186,3 +186,33 @@ def test_peft_per_row_adapter_hooks_are_refused_by_name_on_target_and_draft():
             sk.SpeculativeDecoder(target, wrapped).add_request([5, 6, 7], max_new_tokens=2)
     expected = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=6), expected)
+
+
+def test_prompt_learning_inside_disable_adapter_runs_as_the_wrapper_generates():
+    """Inside ``disable_adapter()`` a prompt-learning wrapper's forward is its base model's (peft swaps it): its
+    generate gives the base model's tokens. It was refused as prompt learning; it is driven (target, draft,
+    SpeculativeDecoder), and refused again once the context is left. A generation_config set on such a wrapper is
+    not the inner model's in peft's generate (it hands it to the inner model's ``.model``): still ignored here."""
+    from transformers import GenerationConfig
+
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.tensor([[0, 0, 5, 17, 42], [9, 33, 21, 64, 8]])
+    mask = (ids != 0).long()
+    for config in (peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+                   peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)):
+        wrapped = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), config))
+        wrapped.generation_config = GenerationConfig(max_new_tokens=3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        with wrapped.disable_adapter():
+            expected = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+            assert torch.equal(expected, target.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+            assert torch.equal(sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=8),
+                               expected)
+            assert torch.equal(sk.generate(target, ids, attention_mask=mask, draft_model=wrapped, max_new_tokens=8),
+                               expected)
+            default_length = wrapped.generate(input_ids=ids, attention_mask=mask, do_sample=False)
+            assert default_length.shape[1] == 25  # (20 new: the wrapper's max_new_tokens=3 is not applied)
+            assert torch.equal(sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft), default_length)
+        assert not torch.equal(wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                                do_sample=False), expected)  # (the adapter acts)
+        with pytest.raises(ValueError, match="prompt learning"):
+            sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=8)

@@ -219,10 +219,22 @@ def test_subclass_prepare_inputs_for_generation_refused_as_target():
     model.prepare_inputs_for_generation = lambda *args, **kwargs: {}  # (on the instance)
     with pytest.raises(ValueError, match="instance attribute prepare_inputs_for_generation"):
         check_model(model)
+    model.prepare_inputs_for_generation = llama(seed=5).prepare_inputs_for_generation  # (another model's)
+    with pytest.raises(ValueError, match="instance attribute prepare_inputs_for_generation"):
+        check_model(model)
     del model.prepare_inputs_for_generation
     draft = llama(layers=1, seed=3)
     draft.__class__ = BoostingLlama
     _check_exact(model, draft, 2, 3)
+
+
+def test_the_class_own_method_bound_on_the_instance_runs():
+    """``model.prepare_inputs_for_generation = model.prepare_inputs_for_generation`` changes nothing; a PEFT
+    prompt-learning wrapper's generate leaves its base model so (it restores the bound method it saved), and the
+    base model was refused after any such call (``get_base_model()``, or inside ``disable_adapter()``)."""
+    model = llama()
+    model.prepare_inputs_for_generation = model.prepare_inputs_for_generation
+    _check_exact(model, llama(layers=1, seed=3), 2, 3)
 
 
 class LegacyCacheLlama(LlamaForCausalLM):
