@@ -153,6 +153,7 @@ class SpeculativeDecoder:
             raise TypeError("drafter must be a callable returning a new Drafter for each session")
         # (a PEFT wrapper (LoRA, ...) runs the transformers model inside it: drive that one, generation/adapters.py)
         self.target, self.draft = unwrap_adapters(target, "target"), unwrap_adapters(draft, "draft")
+        self._given = (target, draft)  # (read again at each start/add_request: _follow_target)
         self.exit_layers = None
         if assistant_early_exit is not None:  # (validated here, not by every request's first step)
             check_models(self.target, None, names=("target", "draft"), early_exit=True)
@@ -219,9 +220,16 @@ class SpeculativeDecoder:
         return self._batcher.add_request(prompt_ids, **kwargs)
 
     def _follow_target(self) -> None:
-        """With assistant_early_exit: the draft view of the target as it is now (a head replaced, the embeddings
-        resized, set_attn_implementation, train()/eval() since the decoder was made: early_exit_draft builds a new view
-        for those, the same object otherwise)."""
+        """The models as they are now. A PEFT wrapper's adapters are read again (``unwrap_adapters``): one switched
+        to since the decoder was made (set_adapter, leaving disable_adapter()) is refused as ``generate`` refuses it,
+        and a generation_config set on the wrapper since is handed over as its generate does. With
+        assistant_early_exit: the draft view of the target as it is now (a head replaced, the embeddings resized,
+        set_attn_implementation, train()/eval() since the decoder was made: early_exit_draft builds a new view for
+        those, the same object otherwise)."""
+        for role, given, driven in (("target", self._given[0], self.target), ("draft", self._given[1], self.draft)):
+            if given is not None and unwrap_adapters(given, role) is not driven:
+                raise ValueError(f"the {role}'s PEFT wrapper holds another model than when the decoder was made "
+                                 "(merge_and_unload, an adapter of another kind set); make a new SpeculativeDecoder")
         if self.exit_layers is not None:
             self.draft = early_exit_draft(self.target, self.exit_layers)
 

@@ -216,3 +216,31 @@ def test_prompt_learning_inside_disable_adapter_runs_as_the_wrapper_generates():
                                                 do_sample=False), expected)  # (the adapter acts)
         with pytest.raises(ValueError, match="prompt learning"):
             sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, max_new_tokens=8)
+
+
+def test_a_decoder_reads_its_peft_wrappers_again_at_each_request():
+    """A SpeculativeDecoder read its PEFT wrappers once, when made: a generation_config set on the wrapper afterwards
+    (applied by the wrapper's generate) was ignored (20 new tokens instead of 3, silently), and a prompt-learning
+    wrapper whose decoder was made inside disable_adapter() ran the base model after the context was left, where
+    peft applies the prompt. Each add_request (and start) reads the wrappers again."""
+    from transformers import GenerationConfig
+
+    target, draft = llama(), llama(layers=1, seed=4)
+    prompt = [5, 17, 42, 70, 7]
+    wrapped = _lora(target, task_type="CAUSAL_LM")
+    decoder = sk.SpeculativeDecoder(wrapped, draft, num_speculative_tokens=3)
+    wrapped.generation_config = GenerationConfig(max_new_tokens=3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    request = decoder.add_request(prompt)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).token_ids == wrapped.generate(input_ids=torch.tensor([prompt]))[0, 5:].tolist()
+    assert len(decoder.result(request).token_ids) == 3
+    prefix = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), peft.PrefixTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=3)))
+    with prefix.disable_adapter():
+        decoder = sk.SpeculativeDecoder(prefix, draft)
+        decoder.add_request(prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="target is a PEFT .*PrefixTuningConfig.*prompt learning"):
+        decoder.add_request(prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="target is a PEFT .*prompt learning"):
+        decoder.start(torch.tensor([prompt]), max_new_tokens=4)
