@@ -131,3 +131,33 @@ def _hand_over_generation_config(wrapper) -> None:
         holder = getattr(wrapper.base_model, "model", wrapper.base_model)  # (as peft's generate picks it)
         if getattr(holder, "generation_config", None) is not own:
             holder.generation_config = own
+
+
+def _active_values(module, attribute: str) -> list:
+    """The values of a peft layer's per-adapter dict ``attribute`` for its active adapters (none when its adapters
+    are disabled)."""
+    values = getattr(module, attribute, None)  # (a dict, a ParameterDict or a ModuleDict)
+    if not callable(getattr(values, "keys", None)) or getattr(module, "disable_adapters", False):
+        return []
+    return [values[name] for name in getattr(module, "active_adapters", ()) if name in values]
+
+
+def adapter_randomness(module) -> str | None:
+    """What makes a peft layer's forward random where torch's dropout modules do not show it ("rank_dropout=0.5"),
+    or None: in training mode LyCORIS' rank and module dropout (LoHa, LoKr: floats per adapter), PVeRA's sampled
+    projection and MonteCLoRA's sampled weights; PVeRA with sample_at_inference=True in any mode."""
+    if type(module).__module__.split(".")[0] != "peft":
+        return None
+    if any(_active_values(module, "sample_at_inference")):
+        return "sample_at_inference=True (PVeRA draws its projection at every forward, also in eval mode)"
+    if not module.training:
+        return None
+    for attribute in ("rank_dropout", "module_dropout"):
+        p = max((v for v in _active_values(module, attribute) if isinstance(v, float)), default=0.0)
+        if p > 0:
+            return f"{attribute}={p}"
+    if _active_values(module, "pvera_lambda_d"):
+        return "PVeRA's sampled projection"
+    if _active_values(module, "lora_monteclora_sampler"):
+        return "MonteCLoRA's sampled weights"
+    return None

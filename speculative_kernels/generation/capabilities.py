@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from .adapters import adapter_randomness
 from .hooks import hooks_reason, row_hooks_reason
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
@@ -1122,8 +1123,11 @@ def check_deterministic(model) -> None:
     reads as given. Any module in training mode counts (a model in eval mode with a submodule left in training)."""
     found = _active_randomness(model)
     if found is not None:
-        raise ValueError(f"{type(model).__name__} is in training mode with {found}, so every forward is random "
-                         "(model.generate's too) and no output can be exact; call model.eval() before generating")
+        at_inference = "sample_at_inference" in found
+        raise ValueError(f"{type(model).__name__} {'runs' if at_inference else 'is in training mode'} with {found}, "
+                         "so every forward is random (model.generate's too) and no output can be exact; "
+                         + ("build the adapter with sample_at_inference=False (its mean)" if at_inference else
+                            "call model.eval() before generating"))
     stateful = _training_state_updates(model)
     if stateful:
         raise ValueError(f"{type(model).__name__} is in training mode with spectral_norm ({_first_names(stateful)}), "
@@ -1149,7 +1153,11 @@ def _training_state_updates(model) -> list[str]:
 
 def _active_randomness(model) -> str | None:
     """The first randomness active in ``model``'s modules in training mode ("dropout active (layers.0: p=0.1)"), or
-    None."""
+    None; and a PEFT layer's own (``adapters.adapter_randomness``: some in eval mode too)."""
+    adapter = next(((name, why) for name, module in model.named_modules()
+                    if (why := adapter_randomness(module)) is not None), None)
+    if adapter is not None:
+        return f"a PEFT layer's randomness active ({adapter[0]}: {adapter[1]})"
     found = next(((name, randomness) for via_config in (False, True) for name, module in model.named_modules()
                   if module.training and (randomness := _training_randomness(module, via_config)) is not None), None)
     if found is None:
@@ -1167,9 +1175,12 @@ def check_seeded_draft(draft, seed: int | None, name: str = "draft_model") -> No
         return
     found = _active_randomness(draft)
     if found is not None:
-        raise ValueError(f"seed={seed} cannot make this run reproducible: {name} ({type(draft).__name__}) is in "
-                         f"training mode with {found}, whose forwards draw from torch's global generator; call "
-                         f"{name}.eval(), or pass no seed")
+        at_inference = "sample_at_inference" in found
+        raise ValueError(f"seed={seed} cannot make this run reproducible: {name} ({type(draft).__name__}) "
+                         f"{'runs' if at_inference else 'is in training mode'} with {found}, whose forwards draw "
+                         "random numbers that seed does not key; "
+                         f"{'build its adapter with sample_at_inference=False' if at_inference else f'call {name}.eval()'}"
+                         ", or pass no seed")
 
 
 def check_caching(model, name: str = "model") -> None:

@@ -244,3 +244,39 @@ def test_a_decoder_reads_its_peft_wrappers_again_at_each_request():
         decoder.add_request(prompt, max_new_tokens=4)
     with pytest.raises(ValueError, match="target is a PEFT .*prompt learning"):
         decoder.start(torch.tensor([prompt]), max_new_tokens=4)
+
+
+def test_randomness_of_peft_layers_is_refused_by_name():
+    """Some peft layers draw random numbers in their forward where no torch dropout module shows it: LoHa's and
+    LoKr's rank_dropout/module_dropout (floats per adapter) and PVeRA's sampled projection in training mode, PVeRA
+    with sample_at_inference=True in eval mode too. model.generate's output is then random (its draws follow its
+    one-token forwards); the target ran, giving other tokens, silently. Refused by name as training-mode dropout
+    is; the same adapters without their randomness run exactly."""
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    modules = dict(target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    training = {"rank_dropout=0.5": peft.LoHaConfig(r=4, rank_dropout=0.5, **modules),
+                "module_dropout=0.3": peft.LoKrConfig(r=4, module_dropout=0.3, **modules),
+                "PVeRA's sampled projection": peft.PveraConfig(r=4, **modules)}
+    for what, config in training.items():
+        wrapped = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), config)).train()
+        with pytest.raises(ValueError, match=rf"is in training mode with a PEFT layer's randomness active \("
+                                             rf"model.layers.0.self_attn.q_proj: {what}\).*model.eval\(\)"):
+            sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8)
+        wrapped.eval()
+        assert torch.equal(sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8),
+                           wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False))
+    sampling = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), peft.PveraConfig(
+        r=4, sample_at_inference=True, **modules)))
+    with pytest.raises(ValueError, match=r"runs with a PEFT layer's randomness active .*sample_at_inference=True"):
+        sk.generate(sampling, ids, draft_model=draft, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"sample_at_inference=True"):
+        sk.SpeculativeDecoder(sampling, draft).add_request(ids[0].tolist(), max_new_tokens=8)
+    with sampling.disable_adapter():  # (no adapter, no draws)
+        assert torch.equal(sk.generate(sampling, ids, draft_model=draft, max_new_tokens=8),
+                           target.generate(ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(sk.generate(target, ids, draft_model=sampling, max_new_tokens=8),  # (a draft's may be random)
+                       target.generate(ids, max_new_tokens=8, do_sample=False))
+    with pytest.raises(ValueError, match=r"seed=3 cannot make this run reproducible: draft_model \(LlamaForCausalLM\) "
+                                         r"runs with .*sample_at_inference=True"):
+        sk.generate(target, ids, draft_model=sampling, max_new_tokens=8, do_sample=True, seed=3)
