@@ -180,6 +180,9 @@ _MODEL_INPUT_HINTS = {
     "input_features": _MULTIMODAL,
     "position_ids": "position_ids are computed from attention_mask, as model.generate computes them",
     "token_type_ids": "token_type_ids are not passed on to the model's forward",
+    "adapter_names": "PEFT's adapter_names (one adapter per row) is not supported: its hooks give each row the "
+                     "adapter at its index in the batch, and the speculative forwards do not keep the caller's rows in "
+                     "order; generate each adapter's rows in a call of their own (peft_model.set_adapter(name))",
 }
 
 

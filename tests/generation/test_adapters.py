@@ -170,6 +170,9 @@ def test_peft_per_row_adapter_hooks_are_refused_by_name_on_target_and_draft():
     wrapped.eval()
     ids = torch.tensor([[0, 0, 5, 17, 42], [9, 33, 21, 64, 8]])
     mask = (ids != 0).long()
+    with pytest.raises(ValueError, match=r"unsupported keyword arguments .*\['adapter_names'\]; PEFT's adapter_names "
+                                         r"\(one adapter per row\) is not supported.*set_adapter"):
+        sk.generate(wrapped, ids, attention_mask=mask, draft_model=draft, adapter_names=["default", "other"])
     decoder = sk.SpeculativeDecoder(wrapped, draft)
     decoder.add_request([5, 6, 7], max_new_tokens=2)  # (checked before the hooks exist)
     with wrapped.base_model._enable_peft_forward_hooks(adapter_names=["default", "other"]):
