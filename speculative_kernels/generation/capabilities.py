@@ -1176,11 +1176,10 @@ def check_seeded_draft(draft, seed: int | None, name: str = "draft_model") -> No
     found = _active_randomness(draft)
     if found is not None:
         at_inference = "sample_at_inference" in found
+        fix = "build its adapter with sample_at_inference=False" if at_inference else f"call {name}.eval()"
         raise ValueError(f"seed={seed} cannot make this run reproducible: {name} ({type(draft).__name__}) "
                          f"{'runs' if at_inference else 'is in training mode'} with {found}, whose forwards draw "
-                         "random numbers that seed does not key; "
-                         f"{'build its adapter with sample_at_inference=False' if at_inference else f'call {name}.eval()'}"
-                         ", or pass no seed")
+                         f"random numbers that seed does not key; {fix}, or pass no seed")
 
 
 def check_caching(model, name: str = "model") -> None:
