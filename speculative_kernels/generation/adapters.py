@@ -105,9 +105,10 @@ def unwrap_adapters(model, name: str = "model"):
             continue  # (inside disable_adapter(): the wrapper's forward is the base model's)
         why = _refusal(config)
         if why is not None:
+            fix = ("it has no weights to merge: use model.generate" if getattr(config, "is_prompt_learning", False)
+                   else f"merge it ({name}.merge_and_unload()) where PEFT can, or use model.generate")
             raise ValueError(f"{name} is a PEFT {type(model).__name__} with the {type(config).__name__} adapter "
-                             f"{adapter!r}, which speculative_kernels cannot drive exactly ({why}); merge it "
-                             f"({name}.merge_and_unload()) where PEFT can, or use model.generate")
+                             f"{adapter!r}, which speculative_kernels cannot drive exactly ({why}); {fix}")
     tuner_model = getattr(model, "base_model", model)  # (a PeftModel's tuner model, e.g. X-LoRA's; a tuner: itself)
     why = _class_tuner_reason(tuner_model)
     if why is not None:
