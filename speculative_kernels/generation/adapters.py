@@ -88,8 +88,9 @@ def unwrap_adapters(model, name: str = "model"):
     """``model``, or for a PEFT wrapper the transformers model whose forward the wrapper runs (its adapters active
     as set on the wrapper: ``set_adapter``, ``disable_adapter()``, ... act on the injected layers). ValueError
     naming an active adapter that changes the forward itself."""
-    if model is None:
-        return model
+    if model is None or (type(model).__name__ == "OptimizedModule"
+                         and isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)):
+        return model  # (a torch.compile wrapper: check_models refuses it, naming _orig_mod to pass instead)
     if not _is_peft_wrapper(model):  # (a transformers model: peft layers may be injected without a wrapper)
         injected = _injected_tuner(model) if isinstance(model, torch.nn.Module) else None
         if injected is not None:

@@ -61,6 +61,9 @@ def test_adapters_that_change_the_forward_are_refused():
         sk.generate(target, ids, draft_model=prefix, max_new_tokens=3)
     with pytest.raises(ValueError, match=r"target is a PEFT .*prompt learning"):
         sk.SpeculativeDecoder(prefix, target)
+    # (a torch.compile wrapper of it: refused as one, naming _orig_mod, not as an unaudited 'prefix_tuning' module)
+    with pytest.raises(TypeError, match=r"model is a torch.compile wrapper \(OptimizedModule\) of PeftModelForCausalLM"):
+        sk.generate(torch.compile(prefix), ids, draft_model=target, max_new_tokens=3)
     activated = _lora(target, task_type="CAUSAL_LM", alora_invocation_tokens=[17])
     with pytest.raises(ValueError, match=r"activated LoRA"):
         sk.generate(activated, ids, draft_model=target, max_new_tokens=3)
