@@ -11,6 +11,7 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -82,6 +83,12 @@ at::Tensor optional_row_tensor(const std::optional<at::Tensor>& t, const char* n
   TORCH_CHECK(t->scalar_type() == dtype, name, " must be ", dtype, ", got ", t->scalar_type());
   check_shape(*t, name, {batch});
   return t->contiguous();
+}
+
+// A benchmarking knob, but a typo must not silently mean "the default".
+void check_passes_setting() {
+  TORCH_CHECK_VALUE(verify_passes_setting_valid(), kVerifyPassesVariable, " must be 'split', 'fused' or unset, got '",
+                    std::getenv(kVerifyPassesVariable), "'");
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -180,6 +187,7 @@ std::tuple<at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits_i
   p.tokens = tokens.data_ptr<int64_t>();
   p.num_accepted = num_accepted.data_ptr<int64_t>();
 
+  check_passes_setting();
   const size_t workspace_bytes = verify_workspace_bytes(p.batch, p.num_draft, p.vocab, draft_logits.defined());
   TORCH_CHECK(workspace_bytes > 0, "verify: sizes B=", batch, " K=", num_draft, " V=", vocab,
               " exceed the kernels' grid limits");
@@ -217,6 +225,7 @@ at::Tensor sample_cuda(const at::Tensor& logits_in, double temperature_in,
   if (batch == 0) return tokens;
   const int b = checked_int(batch, "batch size");
   const int v = checked_int(vocab, "vocabulary size");
+  check_passes_setting();
   const size_t workspace_bytes = verify_workspace_bytes(b, 0, v, false);
   TORCH_CHECK(workspace_bytes > 0, "sample: sizes B=", batch, " V=", vocab, " exceed the kernels' grid limits");
   at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, logits.options().dtype(at::kByte));

@@ -692,7 +692,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 bool use_fused_passes(int batch, int rows_per_batch, int vocab) {
   if (static_cast<size_t>(rows_per_batch) * sizeof(ChunkStats) > kFusedMaxSharedBytes) return false;
   if (num_fused_race_chunks_for(vocab) > kMaxGridY) return false;
-  const char* setting = std::getenv("SPECULATIVE_KERNELS_VERIFY_PASSES");
+  const char* setting = std::getenv(kVerifyPassesVariable);
   if (setting != nullptr && std::strcmp(setting, "split") == 0) return false;
   if (setting != nullptr && std::strcmp(setting, "fused") == 0) return true;
   return batch <= kFusedMaxBatch;
@@ -789,6 +789,12 @@ bool params_ok(const VerifyParams& p) {
 }
 
 }  // namespace
+
+bool verify_passes_setting_valid() {
+  const char* setting = std::getenv(kVerifyPassesVariable);
+  return setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "split") == 0 ||
+         std::strcmp(setting, "fused") == 0;
+}
 
 size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draft_logits) {
   Layout layout;

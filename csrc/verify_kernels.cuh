@@ -83,6 +83,11 @@ struct VerifyParams {
   int64_t* num_accepted = nullptr;
 };
 
+// The environment variable that forces the sampling passes' structure ("split" or "fused"; unset or empty: by batch
+// size), and whether its current value is one of those (the bindings refuse a launch otherwise, naming it).
+constexpr const char* kVerifyPassesVariable = "SPECULATIVE_KERNELS_VERIFY_PASSES";
+bool verify_passes_setting_valid();
+
 // Bytes of workspace verify_launch needs for these sizes (0 on invalid sizes).
 size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draft_logits);
 

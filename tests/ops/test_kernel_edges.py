@@ -486,3 +486,20 @@ def test_streaming_shortcuts_small(name, dtype, vocab, layout):
         _check_shortcut_row_params(name, dtype, vocab, layout)
     else:
         _check_shortcut_flags(name, dtype, vocab, layout, warps=SHORTCUT_WARPS[3:4])
+
+
+@gpu
+def test_an_unknown_passes_setting_is_refused_by_name(monkeypatch):
+    """SPECULATIVE_KERNELS_VERIFY_PASSES is a benchmarking knob, but a typo must not silently mean the default."""
+    verify, sample = _backend("cuda")
+    target = torch.randn(2, 3, 64, device=DEVICE)
+    tokens = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    monkeypatch.setenv(PASSES_VARIABLE, "fuse")
+    with pytest.raises(ValueError, match="SPECULATIVE_KERNELS_VERIFY_PASSES must be 'split', 'fused' or unset"):
+        verify(target, None, tokens, Sampling(1.0, 0, 1.0), _randomness(2))
+    with pytest.raises(ValueError, match="SPECULATIVE_KERNELS_VERIFY_PASSES"):
+        sample(target[:, 0], Sampling(1.0, 0, 1.0), _randomness(2))
+    for value in ("split", "fused", ""):
+        monkeypatch.setenv(PASSES_VARIABLE, value)
+        _assert_same(verify(target, None, tokens, Sampling(1.0, 0, 1.0), _randomness(2)),
+                     verify_reference(target, None, tokens, Sampling(1.0, 0, 1.0), _randomness(2)))
