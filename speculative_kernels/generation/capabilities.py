@@ -1085,9 +1085,13 @@ def check_window_applied(spec: ModelSpec, longest: int) -> None:
         "set model.config.sliding_window = None (and the draft's) where the checkpoint has no window")
 
 
-# Attributes through which HF attention modules apply dropout functionally (``dropout=0.0 if not self.training else
-# self.attention_dropout``) rather than through an nn.Dropout module.
+# Attributes through which HF modules apply dropout functionally (``dropout=0.0 if not self.training else
+# self.attention_dropout``, ``F.dropout(x, p=self.activation_dropout, training=self.training)``) rather than through an
+# nn.Dropout module: these by name (a property counts too), and any float attribute named for dropout
+# (activation_dropout: BART, BioGPT, Whisper, ...; residual_dropout and embedding_dropout: Starcoder2; hidden_dropout:
+# MPT; resid_pdrop: DBRX).
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout")
+_DROPOUT_NAME = re.compile(r"dropout|pdrop$")
 # Other randomness transformers applies in training mode only: LayerDrop (``if self.training and self.layerdrop >
 # 0.0``, also read from the module's config), router/input jitter noise (Mixtral, Qwen-MoE, DBRX, ...), drop-path.
 _TRAINING_NOISE_ATTRIBUTES = ("layerdrop", "jitter_noise", "router_jitter_noise", "input_jitter_noise",
@@ -1103,8 +1107,8 @@ def _training_randomness(module, via_config: bool) -> str | None:
         if isinstance(getattr(module, "p", None), float) and "Dropout" in type(module).__name__:
             p = module.p
         else:
-            p = max((v for k in _DROPOUT_ATTRIBUTES if isinstance(v := getattr(module, k, None), float)),
-                    default=0.0)
+            names = {*_DROPOUT_ATTRIBUTES, *(k for k in vars(module) if _DROPOUT_NAME.search(k))}
+            p = max((v for k in names if isinstance(v := getattr(module, k, None), float)), default=0.0)
         if p > 0:
             return f"dropout p={p}"
         source = module
