@@ -13,7 +13,7 @@ import re
 import torch
 
 from .adapters import adapter_randomness
-from .hooks import hooks_reason, row_hooks_reason
+from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -1111,6 +1111,9 @@ def _training_randomness(module, via_config: bool) -> str | None:
             p = max((v for k in names if isinstance(v := getattr(module, k, None), float)), default=0.0)
         if p > 0:
             return f"dropout p={p}"
+        alpha = neftune_alpha(module)
+        if isinstance(alpha, (int, float)) and alpha > 0:
+            return f"NEFTune noise, neftune_noise_alpha={alpha}"
         source = module
     for attribute in _TRAINING_NOISE_ATTRIBUTES:
         value = getattr(source, attribute, None)

@@ -16,7 +16,7 @@ _MARK = "_speculative_kernels_per_token"
 # output recorders (installed on every decoder layer; they record only while output_hidden_states/attentions is
 # requested) and its input-embedding requires_grad hook (PEFT's alike), torch's weight_norm pre-hook (recomputes
 # the weight from its parts) and the older spectral_norm's, NEFTune's embedding noise (only in training mode,
-# refused elsewhere), torch's module tracker.
+# which check_deterministic refuses by name: ``neftune_alpha``), torch's module tracker.
 _KNOWN_PER_TOKEN = {
     ("transformers.utils.output_capturing", "install_output_capuring_hook.<locals>.output_capturing_hook"),
     ("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
@@ -75,6 +75,16 @@ def _per_token(hook) -> bool:
         return True
     return (module, _name(function)) in _KNOWN_PER_TOKEN or (type(function).__module__, type(function).__qualname__) \
         in _KNOWN_PER_TOKEN
+
+
+def neftune_alpha(module) -> float | None:
+    """The noise scale of NEFTune's forward hook on ``module`` (``transformers.integrations.neftune``:
+    ``activate_neftune``, the Trainer's ``neftune_noise_alpha``), or None: in training mode it adds uniform noise to
+    the embeddings at every forward, so the forward is random (in eval mode it returns them unchanged)."""
+    if any(getattr(hook, "__module__", None) == "transformers.integrations.neftune"
+           and _name(hook) == "neftune_post_forward_hook" for hook in module._forward_hooks.values()):
+        return getattr(module, "neftune_noise_alpha", None)
+    return None
 
 
 def unmarked_hooks(model) -> list[str]:
