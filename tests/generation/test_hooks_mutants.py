@@ -157,3 +157,56 @@ def test_a_hook_on_the_model_itself_and_many_hooks_are_named():
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.parametrize("family,cache", [("bart", None), ("t5", "static")])
+def test_our_own_position_hooks_do_not_refuse_another_threads_call(family, cache):
+    """The seq2seq runners' position hooks sit on the model's shared submodules during each forward. Another
+    thread's speculative_kernels.generate on the same model meanwhile (a threaded server) checks the target's hooks:
+    ours are not the caller's and are not refused; both calls are exact."""
+    import threading
+
+    from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, seq2seq_drafts_for, source_batch
+
+    target = SEQ2SEQ_FAMILIES[family]()
+    draft = seq2seq_drafts_for(family, target)["perturbed"]
+    pad = target.config.pad_token_id
+    (ids_a, mask_a), (ids_b, mask_b) = source_batch([6, 8], seed=1, pad=pad), source_batch([9, 4], seed=2, pad=pad)
+    kwargs = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
+    expected_a = target.generate(ids_a, attention_mask=mask_a, **kwargs)
+    expected_b = target.generate(ids_b, attention_mask=mask_b, **kwargs)
+    a_inside, b_done, out = threading.Event(), threading.Event(), {}
+
+    def hold_a(module, args, output):  # (inside A's first decoder forward, our position hooks registered)
+        if threading.current_thread().name == "A" and not a_inside.is_set():
+            a_inside.set()
+            b_done.wait(60)
+
+    def thread_a():
+        out["a"] = sk.generate(target, ids_a, attention_mask=mask_a, draft_model=draft, num_speculative_tokens=3,
+                               cache_implementation=cache, **kwargs)
+
+    def thread_b():
+        a_inside.wait(60)
+        try:
+            out["b"] = sk.generate(target, ids_b, attention_mask=mask_b, draft_model=draft, num_speculative_tokens=3,
+                                   **kwargs)
+        except ValueError as error:
+            out["b"] = error
+        finally:
+            b_done.set()
+
+    decoder = target.get_decoder()
+    holder = (decoder.block[0] if family == "t5" else decoder.layers[0]).register_forward_hook(sk.per_token_hook(hold_a))
+    try:
+        threads = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        holder.remove()
+    assert a_inside.is_set() and set(out) == {"a", "b"}
+    assert not isinstance(out["b"], ValueError), out["b"]
+    assert torch.equal(out["b"], expected_b)
+    assert torch.equal(out["a"], expected_a)
