@@ -858,8 +858,9 @@ def _torchao_quantized_activations(model) -> list[str]:
     """"name (scheme)" of each torchao weight (a tensor subclass, ``torchao.quantization.quantize_``) that quantizes
     its layer's activations: ``act_quant_kwargs`` (``Int8DynamicActivationInt8WeightConfig`` per row or per tensor,
     ``Float8DynamicActivationFloat8WeightConfig``; with a static ``act_quant_scale`` too, which rounds to a grid
-    alike), ``activation_quantization`` (``Int8DynamicActivationIntxWeightConfig``: per token), or torchao's older
-    ``input_quant_func`` wrapper. One linear layer alone is exact per row (identical
+    alike), ``activation_quantization`` (``Int8DynamicActivationIntxWeightConfig``: per token), its packed CPU layouts
+    (``IntxOpaqueTensor``, packed from per-token ones only; ``Int4OpaqueTensor`` with ``act_mapping_type``: the
+    prototype ``Int8DynamicActivationInt4WeightConfig``, DA8W4), or torchao's older ``input_quant_func`` wrapper. One linear layer alone is exact per row (identical
     rows give identical outputs at any width), but the model's inputs to it are not: attention rounds a forward of
     several query tokens differently from one (1e-7), and a value at a rounding boundary moves a whole step (measured
     on a tiny Llama, per row: 1e-2 of the logits' scale, other greedy tokens in 7 of 20 prompts; weight-only: 3e-7,
@@ -876,6 +877,10 @@ def _torchao_quantized_activations(model) -> list[str]:
             found.append(f"{name} ({getattr(per_token, 'value', per_token)})")
         elif getattr(parameter, "input_quant_func", None) is not None:  # torchao's older activation wrapper
             found.append(f"{name} (activation quantization of {type(parameter).__name__})")
+        elif getattr(parameter, "act_mapping_type", None) is not None:  # Int4OpaqueTensor's DA8W4 (x86 CPU)
+            found.append(f"{name} (int8 {parameter.act_mapping_type} activations of {type(parameter).__name__})")
+        elif type(parameter).__name__ == "IntxOpaqueTensor":  # packed from int8_asym_per_token weights only
+            found.append(f"{name} (int8_asym_per_token of IntxOpaqueTensor)")
     return found
 
 
