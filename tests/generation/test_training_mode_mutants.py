@@ -31,11 +31,20 @@ def _biogpt(**dropouts):
                                  "activation_dropout": 0.0, **dropouts}, **SIZES))
 
 
+def _dbrx(**dropouts):
+    return transformers.DbrxForCausalLM(transformers.DbrxConfig(
+        d_model=32, n_heads=4, n_layers=2, vocab_size=97, max_seq_len=64,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+        **{"resid_pdrop": 0.0, "emb_pdrop": 0.0, **dropouts}))
+
+
 DROPOUT_ATTRIBUTES = {  # (model, the module named in the refusal) for dropout read from another float attribute
     "starcoder2 residual_dropout": (lambda: _starcoder2(residual_dropout=0.3), r"model.layers.0.self_attn: p=0.3"),
     "starcoder2 embedding_dropout": (lambda: _starcoder2(embedding_dropout=0.3), r"model: p=0.3"),
     "biogpt activation_dropout": (lambda: _biogpt(activation_dropout=0.3), r"biogpt.layers.0: p=0.3"),
     "bart activation_dropout": (lambda: _bart(activation_dropout=0.3), r"model.encoder.layers.0: p=0.3"),
+    "dbrx resid_pdrop": (lambda: _dbrx(resid_pdrop=0.3), r"transformer.blocks.0: p=0.3"),
 }
 
 
