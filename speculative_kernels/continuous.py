@@ -106,7 +106,7 @@ from .generation.vocab import logit_width, vocabulary_size
 from .ops.randomness import check_seed, request_key
 
 REQUEST_KEYWORDS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed",
-                    "eos_token_id", "stop_strings", *CONTEXT_PROCESSED, *WARPERS)
+                    "eos_token_id", "stop_strings", "prefill_chunk_size", *CONTEXT_PROCESSED, *WARPERS)
 DECODER_SETTINGS = {  # keyword -> where it goes instead of add_request
     "compile": "the batch's steps are captured or not for every request: pass compile=True to SpeculativeDecoder "
                "(with cache_implementation='static' and max_context)",
@@ -152,6 +152,9 @@ class _Request:
     mask: list[int] | None = None  # the prompt's attention mask where HF infers one from pad_token_id, else None
     processors: list = dataclasses.field(default_factory=list)  # HF's logits processors of the request alone
     warpers: object | None = None  # HF's warper chain (Warpers), when a warper the ops lack is set
+    # HF's prefill_chunk_size (the request's, else the model's generation_config's): requests admitted together
+    # are prefilled together, in chunks of the smallest one given among them (None: one forward)
+    prefill_chunk_size: int | None = None
 
 
 def _locked(method):
@@ -292,7 +295,8 @@ class ContinuousBatcher:
         result = RequestResult(request_id, prompt, [], None)
         self._requests[request_id] = _Request(
             result, plan.max_new_tokens, frozenset(plan.eos_token_ids or ()), 0.0 if s.greedy else s.temperature,
-            top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask, processors, warpers)
+            top_k, s.top_p, plan.min_new_tokens, request_key(seed), stop, mask, processors, warpers,
+            plan.prefill_chunk_size)
         if plan.max_new_tokens == 0:
             result.finish_reason = "length"
         else:
@@ -686,6 +690,7 @@ class ContinuousBatcher:
                            processors=[r.processors for r in requests], warpers=[r.warpers for r in requests],
                            prompt_lengths=[len(p) for p in prompts])
         d = self.decoder
+        chunks = [r.prefill_chunk_size for r in requests if r.prefill_chunk_size is not None]
         static = {}
         if self.static_rows is not None:  # the running loop's caches hold every row; a joining loop's, its own
             running = self._loop is None
@@ -705,6 +710,7 @@ class ContinuousBatcher:
                 num_speculative_tokens=d.num_speculative_tokens, tokenizer=d.tokenizer,
                 assistant_tokenizer=d.assistant_tokenizer, backend=d.backend,
                 drafter=drafter, max_new_tokens=max(rows.max_new_tokens),
+                prefill_chunk_size=min(chunks, default=None),
                 do_sample=False, num_return_sequences=1, pad_token_id=pad, rows=rows, **static, **d.lookup,
                 return_dict_in_generate=False)  # (tokens only: the model's own output defaults collect no scores)
 

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from .runners import Runner
+from .runners.prefill import prefill
 from .transfer import host_to_device
 from .vocab import VocabBridge
 
@@ -141,8 +142,10 @@ class ModelDrafter:
     # ``compile=True`` captures.
     CAPTURED_SHAPES = ((1, True), (2, True))
 
-    def __init__(self, runner: Runner, bridge: VocabBridge, dtype: torch.dtype, keep_logits: bool = True):
+    def __init__(self, runner: Runner, bridge: VocabBridge, dtype: torch.dtype, keep_logits: bool = True,
+                 prefill_chunk_size: int | None = None):
         self.runner, self.bridge, self.dtype = runner, bridge, dtype
+        self.prefill_chunk_size = prefill_chunk_size  # HF's: the most prompt tokens of one prefill forward (None: all)
         # False when nothing reads q (a greedy request: greedy verification takes no q): propose returns no logits,
         # which saves a [B, V] copy per draft step and the [B, gamma, V] buffer
         self.keep_logits = keep_logits
@@ -151,7 +154,7 @@ class ModelDrafter:
 
     def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
         if input_ids.shape[1] > 1:
-            self.runner.forward(self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], last_only=True)
+            prefill(self.runner, self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], self.prefill_chunk_size)
         self.pending = (input_ids[:, -1:], None)
 
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None, None]:

@@ -28,6 +28,7 @@ from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
 from .runners.captured import check_no_global_hooks
+from .runners.prefill import prefill, prefill_forwards
 from .settings import Plan, remind_past_positions
 from .stats import PhaseTimer, SpeculationStats
 from .stop_strings import completes_stop_string
@@ -305,11 +306,11 @@ class SpeculativeLoop:
         start_drafter, self._drafter_started = not self._drafter_started, True
         if self.prompt_length > 1:
             self.timer.start("prefill")
-            self.target_runner.forward(input_ids[:, :-1], real[:, :-1], last_only=True)
+            prefill(self.target_runner, input_ids[:, :-1], real[:, :-1], self.plan.prefill_chunk_size)
             if start_drafter:
                 self.drafter.start(input_ids, real)
             self.timer.stop("prefill")
-            self.stats.prefill_forwards += 1
+            self.stats.prefill_forwards += prefill_forwards(self.prompt_length - 1, self.plan.prefill_chunk_size)
         elif start_drafter:
             self.drafter.start(input_ids, real)
         self.last = input_ids[:, -1:]  # [B, 1]: each row's last token, the target's next input
@@ -353,8 +354,9 @@ class SpeculativeLoop:
         self._processor_caps = {}  # row -> the drafts it may verify, where its processors raised (``process``)
         self._capping = None  # [B] int64: each row's drafts to verify (gamma + 1: all), where processors ran
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
-            (prompt, real), self._prompt = self._prompt, None
-            logits = self.target_runner.forward(prompt, real, last_only=True)
+            (prompt, real), self._prompt = self._prompt, None  # (or one per chunk: the last gives the token)
+            logits = prefill(self.target_runner, prompt, real, self.plan.prefill_chunk_size)
+            self.stats.prefill_forwards += prefill_forwards(prompt.shape[1], self.plan.prefill_chunk_size) - 1
         else:
             target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last
             logits = self.target_runner.forward(target_in)

@@ -203,6 +203,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
                                device=device, static_rows=static_rows, captured=compile_options is not None,
+                               prefill_chunk_size=plan.prefill_chunk_size,
                                encoder_width=encoder_width or 0)
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
@@ -226,7 +227,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)
-        drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy)
+        drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy,
+                               prefill_chunk_size=plan.prefill_chunk_size)
         steps.append((runners[1], ModelDrafter.CAPTURED_SHAPES))
     elif settings.prompt_lookup is not None:
         # (rows joining a batch of requests that may propose more widen it: ``PromptLookupDrafter.add_rows``)

@@ -79,6 +79,9 @@ HONOURED = {
                     "completes one), any batch size",
     "max_time": "every row stops after the iteration in which max_time seconds have passed since the prefill began "
                 "(HF: after the step): a prefix of the output, as HF's",
+    "prefill_chunk_size": "HF's chunked prefill: every prefill of the prompts (the target's, the draft model's, an "
+                          "encoder-decoder's decoder prompt) runs in forwards of at most this many tokens "
+                          "(``runners.prefill``)",
 }
 # Field -> its "off" values. Honoured by HF's own logits processors, which read the tokens so far, run at every
 # position of a speculative block with the tokens before it (``context_processors.py``); part of ``HONOURED``.
@@ -144,7 +147,6 @@ REFUSED_UNLESS = {
     "cache_config": (),
     "max_cache_len": (),
     "compile_config": (),
-    "prefill_chunk_size": (),
     "continuous_batching_config": (),
     "speculation_type": (),
 }
@@ -164,7 +166,6 @@ _REASONS = {
     "cache_config": "the caches are speculative_kernels' own (cache_implementation='dynamic' or 'static')",
     "max_cache_len": "the static cache is sized by speculative_kernels",
     "compile_config": "pass compile=True or a CompileOptions instead",
-    "prefill_chunk_size": "the prompt is prefilled in one forward",
     "continuous_batching_config": "continuous batching is not implemented; see SpeculativeDecoder",
     "speculation_type": "HF's other speculation methods are not implemented; pass draft_model=",
 }
@@ -231,6 +232,8 @@ class Plan:
     # the target's config.max_position_embeddings (None: it has none), for HF's reminder past it
     # (``remind_past_positions``)
     max_position_embeddings: int | None = None
+    # HF's prefill_chunk_size: the most tokens of one prefill forward (None: the whole prompt in one)
+    prefill_chunk_size: int | None = None
 
     @property
     def processors_warp(self) -> bool:
@@ -598,6 +601,7 @@ class Settings:
     warping: bool = False  # see Plan.warping
     num_return_sequences: int = 1  # rows per prompt (sampling)
     default_min_length: bool = True  # min_length set nowhere (for HF's warnings)
+    prefill_chunk_size: int | None = None  # see Plan.prefill_chunk_size
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -639,6 +643,7 @@ class Settings:
             # (a caller's MaxLengthCriteria replaces HF's, and with it the reminder: it reminds by its own fields)
             max_position_embeddings=None if any(type(c) is MaxLengthCriteria for c in self.stopping_criteria)
             else getattr(model.config, "max_position_embeddings", None),
+            prefill_chunk_size=self.prefill_chunk_size,
         )
 
 
@@ -763,9 +768,27 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     copies = int(copies or 1)
     if copies > 1 and not config.do_sample:  # (HF's own check says the same, where it runs first)
         raise ValueError(f"num_return_sequences={copies} needs do_sample=True: greedy decoding gives one sequence")
+    chunk = prefill_chunk_size(config.prefill_chunk_size, from_model="prefill_chunk_size" in own)
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
                     logits_processor, prefix_allowed_tokens_fn, warping, copies,
-                    _set_nowhere("min_length", model, generation_config, kwargs))
+                    _set_nowhere("min_length", model, generation_config, kwargs), chunk)
+
+
+def prefill_chunk_size(value, from_model: bool = False) -> int | None:
+    """HF's ``prefill_chunk_size``: None, or an int >= 1 (a NumPy or 0-d tensor integer too). HF's validate checks
+    nothing and ``torch.split`` fails on the rest inside its prefill (0, -1: RuntimeError; True, 2.5, "3":
+    TypeError); here they are refused by name before anything runs. from_model: the value is the model's
+    generation_config's (the message says so)."""
+    if value is None:
+        return None
+    source = " (from the model's generation_config)" if from_model else ""
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"prefill_chunk_size must be an int >= 1 or None, got {type(value).__name__} "
+                        f"{value!r}{source}")
+    if value < 1:
+        raise ValueError(f"prefill_chunk_size must be an int >= 1 or None, got {value!r}{source}")
+    return int(value)
 
 
 def _max_time(value) -> float | None:

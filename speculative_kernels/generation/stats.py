@@ -27,8 +27,9 @@ class SpeculationStats:
     # prefill_forwards
     target_forwards: int = 0
     draft_forwards: int = 0  # the draft model's forwards while drafting (its prefill is in prefill_forwards)
-    # prefill forwards over the prompts: 1 for the target's and the draft's together (0 when the prompt has one
-    # token, or the target's prefill is the forward that gives the first token, counted in target_forwards)
+    # prefill forwards over the prompts: the target's (1, or one per chunk with prefill_chunk_size), the draft's
+    # running beside them (0 when the prompt has one token; where the target's prefill is the forward that gives the
+    # first token, its last forward is counted in target_forwards)
     prefill_forwards: int = 0
     # drafts verified, per row-step at most the row's tokens left less one (drafts past its end are not counted),
     # and only those the drafter proposed (prompt lookup's fillers are not counted)

@@ -114,7 +114,7 @@ REFUSED_SAMPLES = {
     "is_assistant": True,
     "assistant_lookbehind": 5, "target_lookbehind": 5, "assistant_ensemble_weight": 0.5,
     "cache_config": {"backend": "quanto"}, "max_cache_len": 64, "compile_config": {"fullgraph": True},
-    "prefill_chunk_size": 4, "continuous_batching_config": {"x": 1}, "speculation_type": "dflash",
+    "continuous_batching_config": {"x": 1}, "speculation_type": "dflash",
 }
 
 

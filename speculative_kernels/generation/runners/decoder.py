@@ -38,9 +38,11 @@ class DecoderRunner(SlotMaskRunner):
         if self._slot_limit is not None:  # a batch's holes are compacted away before an iteration would pass it
             self.capacity, self.reserve = self._slot_limit, reserve
 
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
+                prompt: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
-        Returns logits [B, T, V] (or [B, 1, V] with last_only)."""
+        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: no difference here (a pad and a filler are
+        both holes)."""
         width = tokens.shape[1]
         start, end = self.num_slots, self.num_slots + width
         if self._slot_limit is not None and end > self._slot_limit:

@@ -52,18 +52,19 @@ def check_slot_tables(models, names, capacity: int, sized: str, lower: str) -> N
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
                  device: torch.device, static_rows: StaticRows | None = None, captured: bool = False,
-                 encoder_width: int = 0) -> RunnerPlan:
+                 encoder_width: int = 0, prefill_chunk_size: int | None = None) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
     hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
     specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
     width; static_rows: allocate the static caches for that many rows of that context (rows joining in place);
     captured: the steps will be compiled (the capacity is bucketed, ``sizing.captured_capacity``, so that calls of
     other lengths reuse the compiled steps); encoder_width: an encoder-decoder's source length S (its decoders'
-    cross-attention K/V, B x S per layer, are counted too)."""
+    cross-attention K/V, B x S per layer, are counted too); prefill_chunk_size: the most tokens of one prefill
+    forward (HF's; None: the whole prompt), which bounds the prefill's transient masks."""
     if not static:  # (reserve: kept free below a model's slot table, ``DecoderRunner``)
         return RunnerPlan(False, batch, slots, 0, gamma + 1, batching, device)
     encoder_decoder = specs[0].encoder_decoder
-    rows, prefill_width = batch, prompt_width
+    rows, prefill_width = batch, prompt_width if prefill_chunk_size is None else min(prompt_width, prefill_chunk_size)
     if static_rows is not None:
         # (each row's prompt plus max_new_tokens is at most max_context: the caller's check, per row)
         if encoder_decoder or static_rows.rows < batch or prompt_width > static_rows.max_context:

@@ -20,10 +20,12 @@ class Runner(Protocol):
     num_slots: int
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, prompt: bool = False) -> torch.Tensor:
         """Run tokens [B, T] int64 at the next T slots. real: [B, T] bool, False where a row has nothing to feed (a
         left pad of the prompt, a filler); None: every token is real. Returns logits [B, T, V], or [B, 1, V] (the
-        last position) with last_only."""
+        last position) with last_only. prompt: the tokens are (a chunk of) the prompts, which a forward at slot 0
+        always is (``prefill.prefill`` passes it for every chunk): an encoder-decoder's decoder prompt keeps its
+        pads' positions, where a later False is a filler that takes none."""
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int,
                     kept_host: list[int] | None = None) -> None:

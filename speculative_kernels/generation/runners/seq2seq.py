@@ -35,9 +35,10 @@ class Seq2SeqRunner:
     """A ``Runner`` for one encoder-decoder model with its encoder output.
 
     The loop's slot numbering is kept in ``slot_mask`` (which of its slots held a real token, to count what a
-    rollback drops). The first forward is the decoder prompt: there ``real`` is the decoder attention mask and every
-    token keeps its position (pads are masked but counted, as in HF). Later, ``real`` False marks a filler, which
-    takes no position and is dropped right after the forward.
+    rollback drops). The first forward is the decoder prompt (or its first chunk, the others are forwards with
+    ``prompt=True``): there ``real`` is the decoder attention mask and every token keeps its position (pads are
+    masked but counted, as in HF). Later, ``real`` False marks a filler, which takes no position and is dropped right
+    after the forward.
     spec: from ``capabilities.check_model``; encoder_outputs: BaseModelOutput with last_hidden_state [B, S, H];
     encoder_mask: [B, S] or None.
     """
@@ -71,13 +72,15 @@ class Seq2SeqRunner:
             self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
 
     # ------------------------------------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
+                prompt: bool = False):
         """Run tokens [B, T] after each row's tokens. Returns logits [B, T, V] (or [B, 1, V] with last_only) in the
-        loop's order."""
+        loop's order. prompt: (a chunk of) the decoder prompt, as the first forward always is: its False ``real``
+        are pads, which keep their positions."""
         width = tokens.shape[1]
         start, end = self.num_slots, self.num_slots + width
         self.slot_mask = grow_columns(self.slot_mask, end)
-        prompt = start == 0
+        prompt = prompt or start == 0
         fillers = real is not None and not prompt
         occupied = real.to(torch.int64) if fillers else torch.ones_like(tokens)
         attend_new = real.to(torch.int64) if (real is not None and prompt) else occupied

@@ -81,9 +81,11 @@ class StaticDecoderRunner(SlotMaskRunner):
         return (self.slot_mask, self.next_position, self.cache.position, *self.cache.tensors())
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
+                prompt: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
-        Returns logits [B, T, V] (or [B, 1, V] with last_only)."""
+        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: no difference here (a pad and a filler are
+        both holes)."""
         width = tokens.shape[1]
         if self.num_slots + width > self.capacity:
             raise RuntimeError(f"static cache exhausted ({self.num_slots + width} > {self.capacity} slots)")

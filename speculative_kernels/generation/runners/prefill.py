@@ -1,0 +1,27 @@
+"""``prefill``: a runner's forward over prompts, in chunks of at most ``chunk_size`` tokens (HF's
+``prefill_chunk_size``: ``GenerationMixin._prefill`` splits the prompt with ``torch.split`` along the sequence and
+runs one forward per chunk, filling the cache; the last chunk's logits give the next token). Every prefill forward
+of the package goes through it: the peak activation memory of a long prompt's prefill is then a chunk's."""
+
+import torch
+
+from .protocol import Runner
+
+
+def prefill(runner: Runner, tokens: torch.Tensor, real: torch.Tensor | None,
+            chunk_size: int | None) -> torch.Tensor:
+    """Run tokens [B, L] (real [B, L] bool: False at a left pad; None: all real) at the runner's next L slots, in
+    forwards of at most ``chunk_size`` tokens (None: one forward). Returns the last position's logits [B, 1, V]."""
+    width = tokens.shape[1]
+    step = max(width, 1) if chunk_size is None else chunk_size
+    logits = None
+    for start in range(0, max(width, 1), step):  # (an empty prompt: one forward, as without chunks)
+        end = min(start + step, width)
+        chunk_real = None if real is None else real[:, start:end]
+        logits = runner.forward(tokens[:, start:end], chunk_real, last_only=True, prompt=True)
+    return logits
+
+
+def prefill_forwards(width: int, chunk_size: int | None) -> int:
+    """The forwards ``prefill`` runs over a prompt ``width`` tokens wide: ceil(width / chunk_size)."""
+    return 1 if chunk_size is None else max(1, -(-width // chunk_size))
