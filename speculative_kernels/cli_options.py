@@ -83,9 +83,11 @@ def gamma_arg(text: str):
 
 
 def sampling_kwargs(args) -> dict:
-    """generate's keywords for the sampling and logits-processor options (an option left unset: the checkpoint's
-    generation_config decides, as in model.generate; e.g. top_k 50 where it says nothing, HF's default)."""
-    processors = {name: getattr(args, name) for name in ("repetition_penalty", "no_repeat_ngram_size", "min_p")
+    """generate's keywords for the sampling, logits-processor and --prefill-chunk-size options (an option left
+    unset: the checkpoint's generation_config decides, as in model.generate; e.g. top_k 50 where it says nothing,
+    HF's default)."""
+    processors = {name: getattr(args, name) for name in ("repetition_penalty", "no_repeat_ngram_size", "min_p",
+                                                           "prefill_chunk_size")
                   if getattr(args, name, None) is not None}
     if args.temperature == 0.0:
         return dict(do_sample=False, **processors)
@@ -223,6 +225,9 @@ def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GA
     parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=None,
                         help="never repeat an n-gram of this size (HF's no_repeat_ngram_size; default: the "
                              "checkpoint's)")
+    parser.add_argument("--prefill-chunk-size", type=positive_int, default=None,
+                        help="prefill the prompt in forwards of at most this many tokens (HF's prefill_chunk_size: "
+                             "less activation memory for long prompts; default: the checkpoint's, else one forward)")
     parser.add_argument("--gamma", type=gamma_arg, default=gamma_default,
                         help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)"
                              + ("" if gamma_default else f" (default: {DEFAULT_GAMMA}, with a draft model)"))

@@ -583,6 +583,18 @@ def test_greedy_runs_keep_the_logits_processor_options():
     assert kwargs == dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2)
 
 
+def test_prefill_chunk_size_option(pair, capsys):
+    """--prefill-chunk-size is HF's prefill_chunk_size on both paths (greedy: identical); 0 is a usage error."""
+    assert cli_options.sampling_kwargs(_parse("--prefill-chunk-size", "3")) == dict(do_sample=False,
+                                                                                    prefill_chunk_size=3)
+    target, draft = pair
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "12", "--gamma", "3", "--prefill-chunk-size", "2", "--compare"])
+    assert code == 0 and "outputs identical" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        _parse("--prefill-chunk-size", "0")
+
+
 def test_min_p_above_one_is_a_usage_error():
     with pytest.raises(cli_options.UsageError, match="--min-p must be in"):
         cli_options.check_sampling_options(_parse("--temperature", "1", "--min-p", "1.5"))
