@@ -213,11 +213,13 @@ def test_encoder_decoder_chunks_the_decoder_prompt(make, chunk, cache):
     assert widths[: len(prompt)] == prompt, widths
 
 
-def test_session_start_and_continuous_batching(pair):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_session_start_and_continuous_batching(pair, cache):
     target, draft = pair
     ids, mask = _prompts(3)
     expected = hf_generate(target, ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+    static = dict(cache_implementation="static", max_context=48) if cache == "static" else {}
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3, **static)
     widths, hook = _widths(target)
     try:
         session = decoder.start(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, prefill_chunk_size=4)
@@ -269,3 +271,40 @@ def test_static_memory_check_counts_a_chunks_masks(pair, monkeypatch):
         sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=2, do_sample=False,
                     cache_implementation="static", prefill_chunk_size=chunk)
     assert seen[1] * 20 == seen[0]
+
+
+def test_compiled_steps_after_a_chunked_prefill(pair):
+    """compile=True (dynamo's aot_eager backend on the CPU: cheap to build): the prefill chunks run eagerly before
+    the steps are captured, including chunk widths equal to the captured draft widths (1, 2)."""
+    from speculative_kernels import CompileOptions
+
+    target, draft = pair
+    ids, mask = _prompts(3)
+    plain = hf_generate(target, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    for chunk in (1, 2, 4):
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                          max_new_tokens=10, do_sample=False, prefill_chunk_size=chunk,
+                          compile=CompileOptions(backend="aot_eager"), speculation_stats=stats)
+        assert torch.equal(got, plain)
+        assert stats.prefill_forwards == math.ceil((LENGTH - 1) / chunk)
+
+
+def test_one_new_token_comes_from_the_last_chunk(pair):
+    """max_new_tokens=1: nothing is drafted and the target runs over the whole prompt, as model.generate does: in
+    chunks, the last one's logits giving the token (the draft is never prefilled)."""
+    target, draft = pair
+    ids, mask = _prompts(3)
+    expected = hf_generate(target, ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    widths, hook = _widths(target)
+    draft_widths, draft_hook = _widths(draft)
+    stats = sk.SpeculationStats()
+    try:
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=1, do_sample=False,
+                          prefill_chunk_size=4, speculation_stats=stats)
+    finally:
+        hook.remove()
+        draft_hook.remove()
+    assert torch.equal(got, expected)
+    assert widths == [4, 4, 1] and draft_widths == []
+    assert (stats.prefill_forwards, stats.target_forwards) == (2, 1)
