@@ -1,6 +1,6 @@
-"""HF's ``prefill_chunk_size``: every prefill of the prompts (target, draft model, early-exit draft, an encoder-decoder's
-decoder prompt, continuous batching's admission) runs in forwards of at most N tokens (``runners.prefill``), with
-model.generate's tokens; bad values are refused by name."""
+"""HF's ``prefill_chunk_size``: every prefill of the prompts (target, draft model, early-exit draft, an
+encoder-decoder's decoder prompt, continuous batching's admission) runs in forwards of at most N tokens
+(``runners.prefill``), with model.generate's tokens; bad values are refused by name."""
 
 import math
 

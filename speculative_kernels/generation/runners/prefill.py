@@ -1,7 +1,8 @@
 """``prefill``: a runner's forward over prompts, in chunks of at most ``chunk_size`` tokens (HF's
 ``prefill_chunk_size``: ``GenerationMixin._prefill`` splits the prompt with ``torch.split`` along the sequence and
 runs one forward per chunk, filling the cache; the last chunk's logits give the next token). Every prefill forward
-of the package goes through it: the peak activation memory of a long prompt's prefill is then a chunk's."""
+of the package goes through it: a long prompt's prefill then holds the activations and attention masks of at
+most chunk_size queries at a time."""
 
 import torch
 
