@@ -108,7 +108,7 @@ def test_a_marked_partial_runs_exactly(marked):
 
 def _steer_last_input(vector):
     def hook(*args):  # a forward pre-hook: (module, args), global or per module
-        module, inputs = args[0], args[1]
+        inputs = args[1]
         if inputs and torch.is_tensor(inputs[0]) and inputs[0].is_floating_point():
             inputs[0][:, -1] += vector
     return hook
