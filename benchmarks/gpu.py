@@ -76,6 +76,7 @@ GPU_TESTS = [
     "tests/generation/test_continuous_processors.py", "tests/generation/test_half_precision.py",
     "tests/generation/test_decode_experts.py",
     "tests/generation/test_differential.py::test_sampling_differential_on_cuda",
+    "tests/generation/test_prefill_chunks.py::test_chunked_prefill_on_cuda_matches_hf",
 ]
 
 
