@@ -308,8 +308,6 @@ template <typename T, bool SAMPLING, bool HAS_CUT>
 struct StatsAccumulator {
   RowRef<T> row;
   bool need_arg;
-  float inverse = __frcp_rn(row.temperature);
-  bool exact_inverse = __fmaf_rn(inverse, row.temperature, -1.0f) == 0.0f;  // fma: inverse * T - 1 rounded once
   float hi = -INFINITY;
   ArgMax raw = {-INFINITY, INT_MAX};
   bool raw_in_vector = false;
@@ -324,9 +322,9 @@ struct StatsAccumulator {
       argmax_add<N>(base, top);
     } else {
       float z[N];
-      if (exact_inverse) {
+      if (row.exact_inverse) {  // (logit_row's 1/T and its exactness)
 #pragma unroll
-        for (int k = 0; k < N; ++k) z[k] = __fmul_rn(to_float(x[k]), inverse);
+        for (int k = 0; k < N; ++k) z[k] = __fmul_rn(to_float(x[k]), row.inverse);
       } else {
 #pragma unroll
         for (int k = 0; k < N; ++k) z[k] = __fdiv_rn(to_float(x[k]), row.temperature);
