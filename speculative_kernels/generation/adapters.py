@@ -137,9 +137,10 @@ def _hand_over_generation_config(wrapper) -> None:
 
 def _active_values(module, attribute: str) -> list:
     """The values of a peft layer's per-adapter dict ``attribute`` for its active adapters (none when its adapters
-    are disabled)."""
+    are disabled or merged: its forward then runs the base layer alone, which draws nothing)."""
     values = getattr(module, attribute, None)  # (a dict, a ParameterDict or a ModuleDict)
-    if not callable(getattr(values, "keys", None)) or getattr(module, "disable_adapters", False):
+    if (not callable(getattr(values, "keys", None)) or getattr(module, "disable_adapters", False)
+            or getattr(module, "merged", False)):
         return []
     return [values[name] for name in getattr(module, "active_adapters", ()) if name in values]
 

@@ -286,3 +286,20 @@ def test_randomness_of_peft_layers_is_refused_by_name():
     with pytest.raises(ValueError, match=r"seed=3 cannot make this run reproducible: draft_model \(LlamaForCausalLM\) "
                                          r"runs with .*sample_at_inference=True"):
         sk.generate(target, ids, draft_model=sampling, max_new_tokens=8, do_sample=True, seed=3)
+
+
+def test_merged_lycoris_adapters_in_training_mode_run_exactly():
+    """A merged LoHa/LoKr layer's forward is its base layer alone (the merged weights): its rank_dropout and
+    module_dropout draw nothing, so a merged wrapper in training mode generates deterministically and is driven
+    exactly (it was refused as random, falsely)."""
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    modules = dict(target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    for config in (peft.LoHaConfig(r=4, rank_dropout=0.5, module_dropout=0.3, **modules),
+                   peft.LoKrConfig(r=4, module_dropout=0.3, **modules)):
+        wrapped = _perturbed_adapter(peft.get_peft_model(copy.deepcopy(target), config))
+        wrapped.merge_adapter()  # (in eval mode: the merge itself draws no rank dropout)
+        wrapped.train()
+        expected = wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False), expected)
+        assert torch.equal(sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8), expected)
