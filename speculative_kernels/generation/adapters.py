@@ -135,12 +135,30 @@ def _hand_over_generation_config(wrapper) -> None:
             holder.generation_config = own
 
 
+def _adapters_idle(module) -> bool:
+    """Whether a peft layer's forward runs its base layer alone: its adapters disabled or merged (peft's
+    ``if self.disable_adapters: ... elif self.merged: result = self.base_layer(x)``)."""
+    return bool(getattr(module, "disable_adapters", False) or getattr(module, "merged", False))
+
+
+def idle_adapter_modules(model) -> set[int]:
+    """ids of the modules of ``model`` that sit in a peft layer whose adapters are disabled or merged, outside its
+    base layer: never called (their dropout, e.g. ``lora_dropout``, draws nothing)."""
+    idle = set()
+    for module in model.modules():
+        if type(module).__module__.split(".")[0] != "peft" or not _adapters_idle(module):
+            continue
+        base = getattr(module, "base_layer", None)
+        kept = {id(m) for m in base.modules()} if isinstance(base, torch.nn.Module) else set()
+        idle.update(id(m) for m in module.modules() if m is not module and id(m) not in kept)
+    return idle
+
+
 def _active_values(module, attribute: str) -> list:
     """The values of a peft layer's per-adapter dict ``attribute`` for its active adapters (none when its adapters
     are disabled or merged: its forward then runs the base layer alone, which draws nothing)."""
     values = getattr(module, attribute, None)  # (a dict, a ParameterDict or a ModuleDict)
-    if (not callable(getattr(values, "keys", None)) or getattr(module, "disable_adapters", False)
-            or getattr(module, "merged", False)):
+    if not callable(getattr(values, "keys", None)) or _adapters_idle(module):
         return []
     return [values[name] for name in getattr(module, "active_adapters", ()) if name in values]
 

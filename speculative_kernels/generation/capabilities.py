@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from .adapters import adapter_randomness
+from .adapters import adapter_randomness, idle_adapter_modules
 from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
@@ -1170,8 +1170,10 @@ def _active_randomness(model) -> str | None:
                     if (why := adapter_randomness(module)) is not None), None)
     if adapter is not None:
         return f"a PEFT layer's randomness active ({adapter[0]}: {adapter[1]})"
+    idle = idle_adapter_modules(model)  # (a merged or disabled adapter's lora_dropout is never called)
     found = next(((name, randomness) for via_config in (False, True) for name, module in model.named_modules()
-                  if module.training and (randomness := _training_randomness(module, via_config)) is not None), None)
+                  if module.training and id(module) not in idle
+                  and (randomness := _training_randomness(module, via_config)) is not None), None)
     if found is None:
         return None
     name, randomness = found

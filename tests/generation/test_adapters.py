@@ -303,3 +303,22 @@ def test_merged_lycoris_adapters_in_training_mode_run_exactly():
         expected = wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False), expected)
         assert torch.equal(sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8), expected)
+
+
+def test_lora_dropout_of_a_merged_or_disabled_adapter_in_training_mode_is_not_refused():
+    """A LoRA layer whose adapter is merged or disabled runs its base layer alone: its lora_dropout module is never
+    called, so the wrapper in training mode generates deterministically and is driven exactly (it was refused as
+    dropout active, falsely); with the adapter active the dropout acts and stays refused."""
+    target, draft = llama(), llama(layers=1, seed=4)
+    ids = torch.tensor([[5, 17, 42, 70, 7]])
+    wrapped = _lora(target, modules=("q_proj",), lora_dropout=0.1).train()
+    with pytest.raises(ValueError, match=r"dropout active \(model.layers.0.self_attn.q_proj.lora_dropout.default"):
+        sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8)
+    with wrapped.disable_adapter():
+        assert torch.equal(sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8),
+                           target.generate(ids, max_new_tokens=8, do_sample=False))
+    wrapped.eval().merge_adapter()
+    wrapped.train()
+    expected = wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(wrapped.generate(input_ids=ids, max_new_tokens=8, do_sample=False), expected)
+    assert torch.equal(sk.generate(wrapped, ids, draft_model=draft, max_new_tokens=8), expected)
