@@ -131,6 +131,21 @@ def test_exact_replay(as_backend):
     edges._check_exact_replay(NAME, torch.bfloat16, 64, 2, "contiguous")
 
 
+@pytest.fixture
+def blocks_last_first(emulated):
+    emulated.set_reverse_blocks(True)
+    yield
+    emulated.set_reverse_blocks(False)
+
+
+def test_races_with_blocks_last_first(as_backend, blocks_last_first):
+    """A GPU runs a grid's blocks in any order, so any race block of a row may take the fused pass's last ticket and
+    combine the partials: here they run last-first (chunk 0 combines), planted winners and the zero-residual
+    fallback over two 512-id chunks still bit for bit (the emulation cannot show memory ordering, only the order)."""
+    edges._check_planted_races(NAME, torch.float32, 1001, "padded", edges.PLANTED_WARPS[1])
+    edges._check_zero_residual_fallback(NAME, torch.float32, 1001, "padded", batch=4)
+
+
 # ------------------------------------------------------------------------------------------ compact_kv (rollback)
 def _bits(t):
     return t.contiguous().view(torch.uint8)

@@ -22,7 +22,7 @@ is ``compaction_cuda``'s, through ``ops.cuda_host`` with these ops in place of `
 
 What it cannot show: the real NaN-propagating max instructions (their documented semantics are emulated), CUDA's
 ``expf`` (glibc's is used: the softmax sum may differ by an ulp), anything about timing, occupancy or memory ordering
-across blocks (blocks run one after another, in order). A GPU run still validates the kernels; this catches index,
+across blocks (blocks run one after another: in order, or last-first with ``set_reverse_blocks``). A GPU run still validates the kernels; this catches index,
 tie-break, barrier and shuffle errors first.
 """
 
@@ -144,12 +144,19 @@ class EmulatedOps:
         lib.emu_compact_kv.argtypes = [p, i32, i32, i32, i32, i32, i64, i64, i64, p, i64]
         lib.emu_errors.restype = i32
         lib.emu_set_reverse_order.restype, lib.emu_set_reverse_order.argtypes = None, [i32]
+        lib.emu_set_reverse_blocks.restype, lib.emu_set_reverse_blocks.argtypes = None, [i32]
         self._buffers = []  # guarded copies stay mapped while the ops' results may still view them (small tests)
 
     def set_reverse_order(self, reverse: bool) -> None:
         """Run each block's ready threads last-first (True) or first-first (the default) between rendezvous points: a
         race that one order hides (a load after another thread's store with no barrier between) the other shows."""
         self.lib.emu_set_reverse_order(int(bool(reverse)))
+
+    def set_reverse_blocks(self, reverse: bool) -> None:
+        """Run each grid's blocks last-first (True) or from block (0, 0) (the default). A GPU runs them in any order
+        and any of them may finish last: a kernel that counted on the order (the fused pass's combine taking the
+        highest chunk for the row's last block) shows in one of the two."""
+        self.lib.emu_set_reverse_blocks(int(bool(reverse)))
 
     def check(self) -> None:
         """RuntimeError if the emulation reported an error (a divergent barrier, a shuffle with an exited lane, ...;

@@ -5,7 +5,7 @@
 #include "verify_kernels.cuh"
 #include <sys/mman.h>
 #include <unistd.h>
-namespace emu { extern long long n_switches; extern int errors; extern int reverse_order; }
+namespace emu { extern long long n_switches; extern int errors; extern int reverse_order; extern int reverse_blocks; }
 using namespace speculative_kernels;
 extern "C" {
 // nbytes of memory, 16-byte aligned, whose end (rounded up to 16) touches a PROT_NONE page (and one before it).
@@ -22,6 +22,7 @@ void* emu_alloc(size_t nbytes) {
 }
 int emu_errors() { return emu::errors; }
 void emu_set_reverse_order(int reverse) { emu::reverse_order = reverse; }
+void emu_set_reverse_blocks(int reverse) { emu::reverse_blocks = reverse; }
 long long emu_switches() { return emu::n_switches; }
 size_t emu_workspace_bytes(int batch, int num_draft, int vocab, int has_draft) {
   return verify_workspace_bytes(batch, num_draft, vocab, has_draft != 0);

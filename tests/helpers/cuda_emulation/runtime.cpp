@@ -33,6 +33,9 @@ int errors = 0;
 // kernel that stores before a barrier what another thread loads after it (a missing __syncthreads) reads the stored
 // value in one order or the other.
 int reverse_order = 0;
+// The order the blocks of a grid run in: (0, 0) first, or the last first. On a GPU any block may finish last; a
+// kernel whose last-block-combines step assumed an order (the highest chunk last) shows in one of them.
+int reverse_blocks = 0;
 
 void fail(const char* what, const std::source_location& loc) {
   std::fprintf(stderr, "EMU ERROR: %s at %s:%u (block %u,%u thread %u)\n", what, loc.file_name(), loc.line(),
@@ -218,8 +221,10 @@ void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t s
   g_griddim = {grid.x, grid.y, grid.z};
   g_blockdim = {block.x, block.y, block.z};
   body = kernel;
-  for (unsigned by = 0; by < grid.y && !errors; ++by)
-    for (unsigned bx = 0; bx < grid.x && !errors; ++bx) {
+  for (unsigned iy = 0; iy < grid.y && !errors; ++iy)
+    for (unsigned ix = 0; ix < grid.x && !errors; ++ix) {
+      const unsigned bx = reverse_blocks ? grid.x - 1 - ix : ix;
+      const unsigned by = reverse_blocks ? grid.y - 1 - iy : iy;
       g_block = {bx, by, 0};
       if (shared_bytes) std::memset(shared_base, 0xA5, shared_bytes);
       run_block(static_cast<int>(block.x));
