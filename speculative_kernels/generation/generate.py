@@ -39,6 +39,10 @@ def generate(
     cache field (``cache``; ``past_key_values`` before transformers 5.24) is None (our caches hold rolled-back
     slots), and in a batch, ``scores``/``logits`` of a row at steps after it finished (where its sequence holds
     pad_token_id) are zeros, where HF keeps running the finished row on its pad tokens and returns those logits.
+    ``past_key_values`` (``cache`` from transformers 5.24): a ``DynamicCache`` of the prompt's first P tokens, as
+    ``model.generate`` takes it (HF's prompt-cache recipe): the target forwards the other tokens only, as HF does
+    (the draft prefills the whole prompt); the caller's cache is left as it was (HF extends it in place), and the
+    output's cache field stays None. What it does not support is refused by name (``prompt_cache.py``).
     ``assistant_model`` is another name for ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded
     draft vocabulary be checked and used.
 

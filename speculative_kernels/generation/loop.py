@@ -96,6 +96,9 @@ class SpeculativeLoop:
         self.impl, self.batching, self.vocab, self._dtype = impl, batching, vocab, dtype
         self.device = input_ids.device
         self.batch, self.prompt_length = input_ids.shape
+        # The prompt's first tokens the target's runner holds already (a caller's prompt cache, ``prompt_cache.py``):
+        # the target's prefill forwards the rest only, as model.generate does
+        self.prompt_cached = target.num_slots
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
         self.calibrator = GammaCalibrator(max_gamma=plan.max_gamma) if plan.num_speculative_tokens == "auto" else None
@@ -290,7 +293,7 @@ class SpeculativeLoop:
         self._drafter_started = False
         first_from_prompt = self._all_greedy_rows and not self._captured
         if self.plan.max_new_tokens == 1 or first_from_prompt:
-            self._prompt = (input_ids, real)
+            self._prompt = (input_ids[:, self.prompt_cached:], real[:, self.prompt_cached:])
             self.last = input_ids[:, -1:]
             if self.plan.max_new_tokens > 1:
                 self.timer.start("prefill")
@@ -302,15 +305,18 @@ class SpeculativeLoop:
 
     def _prefill_models(self, input_ids, real) -> None:
         """The target (and the drafter, unless already started) condition on the prompts [B, L] but their last
-        tokens (real [B, L] bool)."""
+        tokens (real [B, L] bool); the target forwards those past ``prompt_cached``."""
         start_drafter, self._drafter_started = not self._drafter_started, True
+        cached = self.prompt_cached
         if self.prompt_length > 1:
             self.timer.start("prefill")
-            prefill(self.target_runner, input_ids[:, :-1], real[:, :-1], self.plan.prefill_chunk_size)
+            if self.prompt_length - 1 > cached:
+                prefill(self.target_runner, input_ids[:, cached:-1], real[:, cached:-1], self.plan.prefill_chunk_size)
+                self.stats.prefill_forwards += prefill_forwards(self.prompt_length - 1 - cached,
+                                                                self.plan.prefill_chunk_size)
             if start_drafter:
                 self.drafter.start(input_ids, real)
             self.timer.stop("prefill")
-            self.stats.prefill_forwards += prefill_forwards(self.prompt_length - 1, self.plan.prefill_chunk_size)
         elif start_drafter:
             self.drafter.start(input_ids, real)
         self.last = input_ids[:, -1:]  # [B, 1]: each row's last token, the target's next input

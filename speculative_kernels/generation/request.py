@@ -21,6 +21,7 @@ from .inputs import (check_batch, check_helpers, check_models, check_token_type,
 from .lookup_drafter import PromptLookupDrafter
 from .loop import SpeculativeLoop
 from .options import BatchingOptions, CompileOptions, StaticRows
+from .prompt_cache import check_prompt_cache, check_prompt_path, take_prompt_cache
 from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
 from .seq2seq_inputs import prepare_seq2seq
@@ -81,7 +82,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
     # the call's own cache_implementation, as opposed to a checkpoint default (which compile overrides)
     cache_given = bool(kwargs.get("cache_implementation") or getattr(generation_config, "cache_implementation", None))
+    prompt_cache = take_prompt_cache(kwargs)  # (name, cache) or None: past_key_values / cache
     settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model, drafter)
+    if prompt_cache is not None:
+        check_prompt_path(prompt_cache[0], encoder_decoder=encoder_decoder,
+                          cache_implementation=settings.config.cache_implementation,
+                          compiled=compile_options is not None or joins_captured, rows=rows is not None)
     if settings.prompt_lookup is not None and drafter is not None:
         raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
@@ -158,6 +164,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     else:
         processors = warpers = None
     static = wants_static(plan, compile_options, cache_given)
+    prefix = None if prompt_cache is None else check_prompt_cache(*prompt_cache, model, input_ids, attention_mask,
+                                                                    copies)
     if static_rows is not None and (not static or rows is None):
         raise ValueError("static_rows needs cache_implementation='static' and per-row settings (rows=)")
     if joins_captured and (compile_options is not None or not static or rows is None):
@@ -214,7 +222,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         encoded = prompt.encode()
         timer.stop("prefill")
     encoder_mask = prompt.encoder_mask if encoder_decoder else None
-    runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask) for m, spec in zip(models, specs)]
+    runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask, prefix=prefix if i == 0 else None)
+               for i, (m, spec) in enumerate(zip(models, specs))]  # (the draft prefills the whole prompt)
     target_runner = runners[0]
     dtype = next(model.parameters()).dtype  # verification runs in the target's dtype
     # (one call's iterations never verify more than max_new_tokens - 1 drafts: capture and warm up no wider, or the

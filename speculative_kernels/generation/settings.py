@@ -669,11 +669,15 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     # HF's generate reads trust_remote_code only to load a custom_generate (refused below), and drops it otherwise
     if not isinstance(kwargs.pop("trust_remote_code", None), (bool, type(None))):
         raise TypeError("trust_remote_code must be a bool or None")
+    # (build_loop takes past_key_values / cache, a DynamicCache of the prompt's first tokens: ``prompt_cache.py``;
+    # reaching here, they came another way)
     for name in ("past_key_values", "cache", "cache_params"):  # transformers 5.24 names it cache (older: the others)
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} (a cache of the prompt's first tokens, as model.generate takes) is not "
-                             "supported: speculative_kernels builds its own caches, which it rolls back; pass the "
-                             "whole prompt without it (the output is the same, the prompt's prefill is not skipped)")
+                             "supported here (speculative_kernels.generate and SpeculativeDecoder.start take a "
+                             "DynamicCache as past_key_values or cache; cache_params, a state-space model's, never): "
+                             "pass the whole prompt without it (the output is the same, the prompt's prefill is not "
+                             "skipped)")
     for name in ("max_new_tokens", "max_length"):  # before HF's own checks, which fail on odd types unclearly
         if kwargs.get(name) is not None:
             kwargs[name] = _length(name, _unwrap_scalar(kwargs[name]))

@@ -12,7 +12,7 @@ from transformers import EncoderDecoderCache
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec, slot_table_limit
 from .attention_backends import without_cudnn_attention
-from .dynamic_cache import RollbackCache, append_cache_rows, crop_cache
+from .dynamic_cache import CachedPrefix, RollbackCache, append_cache_rows, crop_cache
 from .masks import attention_dtype, decoder_mask
 from .slot_mask import SlotMaskRunner, accepts
 
@@ -21,11 +21,15 @@ class DecoderRunner(SlotMaskRunner):
     """A ``Runner`` for one decoder-only model on HF's dynamic cache.
 
     spec: from ``capabilities.check_model``; batch: B; max_slots: the slot mask's initial width (it grows as needed);
-    compaction_threshold / compaction_backend: hole compaction for batch > 1 (``options.BatchingOptions``).
+    compaction_threshold / compaction_backend: hole compaction for batch > 1 (``options.BatchingOptions``);
+    prefix: the prompt's first P tokens, cached by the caller (``dynamic_cache.CachedPrefix``, built by
+    ``prompt_cache.py``): the runner starts with them in its first P slots (a copy of their keys and values; holes
+    where the prefix is left padding).
     """
 
     def __init__(self, model, spec: ModelSpec, batch: int, max_slots: int, device: torch.device, *,
-                 compaction_threshold: float = 0.25, compaction_backend: str = "auto", reserve: int = 0):
+                 compaction_threshold: float = 0.25, compaction_backend: str = "auto", reserve: int = 0,
+                 prefix: CachedPrefix | None = None):
         super().__init__(batch, max_slots, device, compaction_threshold, compaction_backend)
         self.model, self.spec = model, spec
         self._flags = dict(spec.forward_flags)  # (capabilities.forward_flags: output_router_logits=False)
@@ -37,6 +41,18 @@ class DecoderRunner(SlotMaskRunner):
         self._slot_limit = slot_table_limit(model)  # (GPT-Neo, MPT: transformers fails past it)
         if self._slot_limit is not None:  # a batch's holes are compacted away before an iteration would pass it
             self.capacity, self.reserve = self._slot_limit, reserve
+        if prefix is not None:
+            self._start_from(prefix)
+
+    def _start_from(self, prefix: CachedPrefix) -> None:
+        """Take the caller's cached prompt prefix as slots [0, P): its keys and values, its mask, its positions."""
+        width = prefix.length
+        self.cache = RollbackCache(self.model.config, prefix.layers)
+        self._grow(width)
+        self.slot_mask[:, :width] = prefix.real.to(torch.int64)
+        self._mask_written(0, width)
+        self.num_slots = width
+        self.next_position = prefix.real.sum(dim=1)
 
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
                 prompt: bool = False):

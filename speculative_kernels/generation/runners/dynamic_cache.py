@@ -2,9 +2,27 @@
 (``crop_cache``; transformers' own ``crop`` changed meaning across 5.x), the rows of two batches joined
 (``append_cache_rows``: requests joining a running batch)."""
 
+import dataclasses
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPrefix:
+    """The KV of the prompt's first P tokens, as the target's runner starts from it.
+
+    layers: one entry per layer of the target's ``RollbackCache``: (keys, values) [B, H, P, D] (the caller's tensors,
+    where the caller's cache holds them, not copied yet: the runner copies them), or None for a layer with no cache
+    of its own; real: [B, P] bool, the attention mask's first P columns (False at a left pad)."""
+
+    layers: tuple
+    real: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.real.shape[1]
 
 
 class RollbackCache(DynamicCache):
@@ -15,12 +33,19 @@ class RollbackCache(DynamicCache):
     is applied by the runner's masks (``masks.window_mask``). Memory grows as for full attention. Other layer kinds
     (cache-less layers of MoE-only or KV-sharing models) stay as HF builds them; ``capabilities.check_model`` refuses
     the kinds a rollback cannot handle before this is built.
+
+    prefix: per layer, (keys, values) [B, H, P, D] of the prompt's first P tokens to start from (copied: the caller's
+    tensors are never written), or None for a layer that holds nothing (``CachedPrefix.layers``, checked against these
+    layers).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, prefix: tuple | None = None):
         super().__init__(config=config)
         self.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
                        for layer in self.layers]
+        for layer, kv in zip(self.layers, prefix or ()):
+            if kv is not None:
+                layer.update(*kv)  # (its first update concatenates onto an empty tensor: a copy)
 
 
 def crop_cache(cache, num_slots: int) -> None:

@@ -9,6 +9,7 @@ from ..capabilities import ModelSpec, slot_table_limit
 from ..memory import check_free_memory
 from ..options import BatchingOptions, StaticRows
 from .decoder import DecoderRunner
+from .dynamic_cache import CachedPrefix
 from .protocol import Runner
 from .seq2seq import Seq2SeqRunner
 from .sizing import captured_capacity, static_capacity, static_memory_bytes
@@ -104,8 +105,13 @@ def _hidden_size(model) -> int:
     return int(getattr(config, "d_model", None) or getattr(config, "hidden_size", 0) or 0)
 
 
-def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None) -> Runner:
-    """The runner of one model. Encoder-decoder models take their encoder output [B, S, H] and mask [B, S]."""
+def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, encoder_mask=None,
+                prefix: CachedPrefix | None = None) -> Runner:
+    """The runner of one model. Encoder-decoder models take their encoder output [B, S, H] and mask [B, S]. prefix:
+    the prompt's first tokens cached by the caller, which only the dynamic decoder-only runner starts from
+    (``prompt_cache.check_prompt_path`` refuses the others first)."""
+    if prefix is not None and (spec.encoder_decoder or plan.static):
+        raise ValueError("a cache of the prompt's first tokens runs on the dynamic cache of a decoder-only model only")
     if spec.encoder_decoder:
         if plan.static:
             return StaticSeq2SeqRunner(model, spec, plan.batch, plan.slots, plan.device, encoder_outputs, encoder_mask,
@@ -116,4 +122,5 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
     if plan.static:
         return StaticDecoderRunner(model, spec, plan.batch, plan.capacity, plan.device, reserve=plan.reserve,
                                    rows=plan.rows, **compaction)
-    return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, reserve=plan.reserve, **compaction)
+    return DecoderRunner(model, spec, plan.batch, plan.slots, plan.device, reserve=plan.reserve, prefix=prefix,
+                         **compaction)

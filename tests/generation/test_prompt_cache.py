@@ -1,0 +1,256 @@
+"""A cache of the prompt's first tokens (``past_key_values=`` / ``cache=``: HF's prompt-cache recipe,
+``generation/prompt_cache.py``): the target forwards only the uncached tokens, as ``model.generate`` does.
+
+The caches here are built over *other* tokens than the prompt's first ones (HF uses the cache as given, whatever the
+ids it stands for), so a run that ignored the cache and prefilled the whole prompt would give other tokens: each
+comparison with ``model.generate(..., past_key_values=deepcopy(cache))`` checks that the cache was used, and used
+as HF uses it.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+
+import speculative_kernels as sk
+from helpers.models import FAMILIES, hf_generate, llama, more_families, perturbed
+from helpers.prompts import left_padded
+from helpers.sampling import NEW, VOCAB, hf_warpers, peaky
+from helpers.seq2seq_models import t5
+from helpers.stats import assert_matches
+
+WIDTH, NEW_TOKENS = 12, 16
+
+
+def prompt_cache(model, ids, mask=None, config=False) -> DynamicCache:
+    """HF's recipe: a DynamicCache filled by one forward of ``model`` over ids [B, P] (mask [B, P])."""
+    cache = DynamicCache(config=model.config) if config else DynamicCache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    return cache
+
+
+def kv_snapshot(cache) -> list[torch.Tensor]:
+    return [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def assert_untouched(cache, snapshot) -> None:
+    """The caller's cache holds what it held before the call (HF extends it in place; we leave it as it was)."""
+    now = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert len(now) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(now, snapshot))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = llama()
+    return target, perturbed(target)
+
+
+@pytest.mark.parametrize("cached", [1, 6, WIDTH - 1])
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_greedy_batch_one_is_model_generate_with_the_cache(pair, cached, name):
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=1)[0]
+    other = left_padded([WIDTH], seed=2)[0][:, :cached]  # the cache stands for other tokens: it must be used
+    cache = prompt_cache(target, other)
+    snapshot = kv_snapshot(cache)
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                           past_key_values=copy.deepcopy(cache))
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=NEW_TOKENS,
+                      do_sample=False, **{name: cache})
+    assert torch.equal(got, expected)
+    assert_untouched(cache, snapshot)
+    if cached > 1:  # (the cache changes the tokens: a run that ignored it would fail above)
+        assert not torch.equal(expected, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False))
+
+
+@pytest.mark.parametrize("cached", [2, 5, 9])
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_left_padded_batch_is_model_generate_with_the_cache(family, cached, chunk):
+    """The mask's first P columns mark the cached pads (holes), and the uncached tokens take the positions the
+    whole mask gives them, as in HF; with prefill_chunk_size the uncached tokens are prefilled in chunks. These tiny
+    models' greedy tokens hardly depend on positions, so the logits are compared too (to 1e-5, against ~1e-7 of
+    rounding: a position shifted by the cached pads moves them by 1e-3 on Llama, 0.3 on GPT-2)."""
+    target = FAMILIES[family]()
+    draft = perturbed(target)
+    ids, mask = left_padded([WIDTH, 9, 4], seed=3)
+    other = left_padded([WIDTH, 9, 4], seed=4)[0][:, :cached]
+    cache = prompt_cache(target, other, mask[:, :cached])
+    settings = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, prefill_chunk_size=chunk,
+                    return_dict_in_generate=True, output_logits=True)
+    expected = hf_generate(target, ids, past_key_values=copy.deepcopy(cache), **settings)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, past_key_values=cache, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [False, True])
+def test_sliding_window_layers_that_dropped_nothing(config):
+    """A Mistral-like target (window 4): its DynamicCache(config=...) has sliding-window layers, which hold every
+    token while the prefix is shorter than the window."""
+    target = more_families()["mistral"]()  # (a window of 4 tokens)
+    ids, mask = left_padded([WIDTH, 8], seed=5)
+    cache = prompt_cache(target, left_padded([WIDTH, 8], seed=6)[0][:, :3], mask[:, :3], config=config)
+    expected = hf_generate(target, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                           past_key_values=copy.deepcopy(cache))
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=perturbed(target), max_new_tokens=NEW_TOKENS,
+                      do_sample=False, past_key_values=cache)
+    assert torch.equal(got, expected)
+
+
+def _drafting(kind, target):
+    return {"prompt lookup": dict(prompt_lookup_num_tokens=3),
+            "ngram": dict(drafter=sk.NGramDrafter(97, order=2)),
+            "early exit": dict(assistant_early_exit=1),
+            "max_new_tokens=1": dict(draft_model=perturbed(target), max_new_tokens=1)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["prompt lookup", "ngram", "early exit", "max_new_tokens=1"])
+def test_other_drafters_and_one_new_token(pair, kind):
+    """Drafters without a model, the target's first layers as draft, and max_new_tokens=1 (one target forward over
+    the uncached tokens, nothing drafted)."""
+    target, _ = pair
+    ids, mask = left_padded([WIDTH, 7], seed=7)
+    cache = prompt_cache(target, left_padded([WIDTH, 7], seed=8)[0][:, :5], mask[:, :5])
+    drafting = {"max_new_tokens": NEW_TOKENS, **_drafting(kind, target)}
+    settings = dict(attention_mask=mask, do_sample=False, max_new_tokens=drafting.pop("max_new_tokens"),
+                    return_dict_in_generate=True, output_logits=True)
+    expected = hf_generate(target, ids, past_key_values=copy.deepcopy(cache), **settings)
+    got = sk.generate(target, ids, past_key_values=cache, **settings, **drafting)
+    assert torch.equal(got.sequences, expected.sequences)  # (and the logits: see the padded test)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+
+
+def test_session_start_takes_it(pair):
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=9)[0]
+    cache = prompt_cache(target, left_padded([WIDTH], seed=10)[0][:, :7])
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                           past_key_values=copy.deepcopy(cache))
+    session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
+        ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=cache)
+    while not session.finished:
+        session.step()
+    assert torch.equal(session.sequences(), expected)
+
+
+def test_dict_output_keeps_no_cache_and_the_statistics_count_the_uncached_prefill(pair):
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=11)[0]
+    cache = prompt_cache(target, left_padded([WIDTH], seed=12)[0][:, :8])
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True, past_key_values=copy.deepcopy(cache))
+    out = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                      return_dict_in_generate=True, past_key_values=cache, prefill_chunk_size=1)
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
+    assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+    assert out.speculation_stats.prefill_forwards == WIDTH - 8 - 1  # tokens 8..10, one per chunk (11: verified)
+
+
+def _probs_with_cache(model, cache, prompt, warpers):
+    """Exact probability of every NEW-token continuation of prompt [1, L] under HF's sampling, the prompt's first P
+    tokens read from ``cache`` (P of them, forwarded no more): numpy [VOCAB**NEW] in itertools.product order."""
+    import itertools
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+    cached = cache.get_seq_length()
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    rows = copy.deepcopy(cache)
+    rows.batch_repeat_interleave(len(seqs))
+    with torch.no_grad():
+        logits = model(ids[:, cached:], past_key_values=rows).logits.float()
+    logp = torch.zeros(len(seqs), dtype=torch.float64)
+    first = prompt.shape[1] - cached - 1  # the last prompt token's index among the forwarded ones
+    for t in range(NEW):
+        step = warpers(ids[:, : prompt.shape[1] + t], logits[:, first + t].clone())
+        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t: t + 1]).squeeze(1)
+    return logp.exp().numpy()
+
+
+def test_sampling_follows_the_targets_distribution_given_the_cache():
+    """Sampled continuations are distributed as HF samples them from the target given the cache (a chi-square
+    test over every 3-token continuation; without the cache the distribution is far from it)."""
+    target, draft = peaky(0, 2), peaky(7, 1)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    cache = prompt_cache(target, torch.tensor([[2, 0, 5]]))
+    warpers = hf_warpers(1.0, 0, 1.0)
+    probs = _probs_with_cache(target, cache, prompt, warpers)
+    unused = _probs_with_cache(target, DynamicCache(), prompt, warpers)
+    assert 0.5 * np.abs(probs - unused).sum() > 0.2  # the test can tell a run that ignores the cache
+    rows = 6000
+    batch_cache = copy.deepcopy(cache)
+    batch_cache.batch_repeat_interleave(rows)
+    out = sk.generate(target, prompt.expand(rows, -1), draft_model=draft, num_speculative_tokens=2, do_sample=True,
+                      max_new_tokens=NEW, pad_token_id=0, seed=5, past_key_values=batch_cache)
+    new = out[:, prompt.shape[1]:].numpy()
+    codes = (new * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
+
+
+def _refused_call(case, target, draft):
+    """(call kwargs, the words the ValueError must hold) of each refused case."""
+    ids = left_padded([WIDTH], seed=13)[0]
+    cache = prompt_cache(target, ids[:, :5])
+    static = StaticCache(config=target.config, max_cache_len=40)
+    with torch.no_grad():
+        target(ids[:, :5], past_key_values=static)
+    cases = {
+        "static cache object": (dict(past_key_values=static), "StaticCache"),
+        "cache_implementation": (dict(past_key_values=cache, cache_implementation="static"), "cache_implementation"),
+        "compile": (dict(past_key_values=cache, compile=True), "compile=True"),
+        "as long as the prompt": (dict(past_key_values=prompt_cache(target, ids)), "fewer tokens than the prompt"),
+        "longer than the prompt": (dict(past_key_values=prompt_cache(target, torch.cat([ids, ids], 1))),
+                                   "fewer tokens than the prompt"),
+        "batch size": (dict(past_key_values=prompt_cache(target, ids[:, :5].expand(2, -1))), "rows"),
+        "num_return_sequences": (dict(past_key_values=cache, num_return_sequences=2, do_sample=True),
+                                 "num_return_sequences"),
+        "layer count": (dict(past_key_values=prompt_cache(llama(layers=1), ids[:, :5])), "layers"),
+        "both names": (dict(past_key_values=cache, cache=cache), "not both"),
+    }
+    kwargs, words = cases[case]
+    return ids, {"draft_model": draft, "max_new_tokens": 4, **kwargs}, words
+
+
+@pytest.mark.parametrize("case", ["static cache object", "cache_implementation", "compile", "as long as the prompt",
+                                  "longer than the prompt", "batch size", "num_return_sequences", "layer count",
+                                  "both names"])
+def test_refused_by_name(pair, case):
+    target, draft = pair
+    ids, kwargs, words = _refused_call(case, target, draft)
+    name = "cache" if "cache" in kwargs and "past_key_values" not in kwargs else "past_key_values"
+    with pytest.raises(ValueError, match=name) as error:
+        sk.generate(target, ids, **kwargs)
+    assert words in str(error.value)
+
+
+def test_sliding_window_layers_that_dropped_tokens_are_refused():
+    target = more_families()["mistral"]()  # (a window of 4 tokens)
+    ids = left_padded([WIDTH], seed=14)[0]
+    cache = prompt_cache(target, ids[:, :7], config=True)
+    with pytest.raises(ValueError, match="past_key_values's layer 0 is a sliding-window layer that has dropped"):
+        sk.generate(target, ids, draft_model=target, max_new_tokens=4, past_key_values=cache)
+
+
+def test_encoder_decoder_refused_by_name():
+    target = t5()
+    source = torch.tensor([[5, 6, 7, 8]])
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with torch.no_grad():
+        target(input_ids=source, decoder_input_ids=torch.tensor([[0, 9]]), past_key_values=cache)
+    with pytest.raises(ValueError, match="past_key_values is not supported for encoder-decoder models"):
+        sk.generate(target, source, draft_model=target, max_new_tokens=4, past_key_values=cache,
+                    decoder_input_ids=torch.tensor([[0, 9, 10]]))
+
+
+def test_an_empty_cache_is_no_cache(pair):
+    """An unused DynamicCache() (HF fills it from the whole prompt): the output of a call without it, the cache
+    left empty."""
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=15)[0]
+    cache = DynamicCache()
+    got = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False, cache=cache)
+    assert torch.equal(got, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False))
+    assert cache.get_seq_length() == 0
