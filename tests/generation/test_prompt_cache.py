@@ -190,6 +190,17 @@ def test_sampling_follows_the_targets_distribution_given_the_cache():
     assert_matches(np.bincount(codes, minlength=VOCAB**NEW), probs)
 
 
+def _edited(cache, keep=None, offloading=False):
+    """A copy of ``cache`` whose last layer keeps its first ``keep`` tokens (None: all), marked offloaded or not
+    (an offloaded DynamicCache is filled on CUDA only)."""
+    edited = copy.deepcopy(cache)
+    if keep is not None:
+        last = edited.layers[-1]
+        last.keys, last.values = last.keys[:, :, :keep], last.values[:, :, :keep]
+    edited.offloading = offloading
+    return edited
+
+
 def _refused_call(case, target, draft):
     """(call kwargs, the words the ValueError must hold) of each refused case."""
     ids = left_padded([WIDTH], seed=13)[0]
@@ -209,6 +220,9 @@ def _refused_call(case, target, draft):
                                  "num_return_sequences"),
         "layer count": (dict(past_key_values=prompt_cache(llama(layers=1), ids[:, :5])), "layers"),
         "both names": (dict(past_key_values=cache, cache=cache), "not both"),
+        "layers of different lengths": (dict(past_key_values=_edited(cache, keep=3)), "different numbers of tokens"),
+        "an empty layer": (dict(past_key_values=_edited(cache, keep=0)), "holds no tokens where other layers do"),
+        "offloaded": (dict(past_key_values=_edited(cache, offloading=True)), "offloaded"),
     }
     kwargs, words = cases[case]
     return ids, {"draft_model": draft, "max_new_tokens": 4, **kwargs}, words
@@ -216,7 +230,7 @@ def _refused_call(case, target, draft):
 
 @pytest.mark.parametrize("case", ["static cache object", "cache_implementation", "compile", "as long as the prompt",
                                   "longer than the prompt", "batch size", "num_return_sequences", "layer count",
-                                  "both names"])
+                                  "both names", "layers of different lengths", "an empty layer", "offloaded"])
 def test_refused_by_name(pair, case):
     target, draft = pair
     ids, kwargs, words = _refused_call(case, target, draft)
