@@ -73,16 +73,19 @@ def test_greedy_left_padded_batch_is_model_generate_with_the_cache(family, cache
     """The mask's first P columns mark the cached pads (holes), and the uncached tokens take the positions the
     whole mask gives them, as in HF; with prefill_chunk_size the uncached tokens are prefilled in chunks. These tiny
     models' greedy tokens hardly depend on positions, so the logits are compared too (to 1e-5, against ~1e-7 of
-    rounding: a position shifted by the cached pads moves them by 1e-3 on Llama, 0.3 on GPT-2)."""
+    rounding: a position shifted by the cached pads moves them by 1e-3 on Llama, 0.3 on GPT-2). The reference is
+    model.generate with the cache and without chunks, which transformers 5.24's chunked prefill gives too; 5.17's
+    chunked prefill over a prompt cache gives other tokens than its own unchunked one (its defect, since fixed)."""
     target = FAMILIES[family]()
     draft = perturbed(target)
     ids, mask = left_padded([WIDTH, 9, 4], seed=3)
     other = left_padded([WIDTH, 9, 4], seed=4)[0][:, :cached]
     cache = prompt_cache(target, other, mask[:, :cached])
-    settings = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, prefill_chunk_size=chunk,
-                    return_dict_in_generate=True, output_logits=True)
+    settings = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                    output_logits=True)
     expected = hf_generate(target, ids, past_key_values=copy.deepcopy(cache), **settings)
-    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, past_key_values=cache, **settings)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, past_key_values=cache,
+                      prefill_chunk_size=chunk, **settings)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
 
