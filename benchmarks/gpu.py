@@ -550,6 +550,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required="--_env" not in (argv or sys.argv))
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--skip", nargs="+", default=[], choices=PHASES, metavar="PHASE",
+                   help="phases not to run (of --phases; CI runs the build alone first, the others beside other work)")
     p.add_argument("--dry-run", action="store_true", help="every phase on the CPU at toy sizes")
     p.add_argument("--e2e-cases", nargs="+", default=list(E2E_CASES), choices=E2E_CASES,
                    help="which end-to-end cases the e2e phase runs (the synthetic 8B/1B case at batch 1 took ~4 "
@@ -573,7 +575,7 @@ def main(argv=None) -> int:
         limits[phase] = float(seconds)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for phase in [ph for ph in PHASES if ph in args.phases]:
+    for phase in [ph for ph in PHASES if ph in args.phases and ph not in args.skip]:
         print(f"\n===== phase {phase} =====", flush=True)
         results[phase] = run_phase(phase, args.out, args.dry_run, limits[phase] * (3 if args.dry_run else 1),
                                    args.e2e_cases)
