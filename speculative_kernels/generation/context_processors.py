@@ -86,6 +86,7 @@ class RowProcessors(_PerRow):
                                                      scores)
                         else:
                             scores = processor(tokens[:, : start + j], scores)
+                        scores = _as_score_row(scores, processor, logits.shape[-1])
                 except Exception:
                     if j == 0:
                         raise
@@ -94,7 +95,9 @@ class RowProcessors(_PerRow):
                     # draws a token there, dropped after, so it gets finite logits, never an invalid row's)
                     logits[b : b + 1, j] = 0.0
                     break
-                logits[b : b + 1, j] = scores
+                row = logits[b : b + 1, j]
+                if scores.data_ptr() != row.data_ptr():  # (else it is the row itself, edited in place, or a view of it)
+                    row.copy_(scores)
         return caps
 
 
@@ -178,6 +181,20 @@ def _parameters(processor) -> list:
         return list(inspect.signature(processor).parameters)
     except (TypeError, ValueError):  # a builtin without a signature: taken as (input_ids, scores)
         return ["input_ids", "scores"]
+
+
+def _as_score_row(scores, processor, vocab_size: int) -> torch.Tensor:
+    """A processor's return value as the row [1, V] it replaces. model.generate hands it on as it is: a [V] tensor
+    (``scores[0]``) is chosen from there when greedy, and taken here. Anything else is named here: None (a processor
+    without ``return scores``) fails inside torch there, another width makes it choose among the ids kept."""
+    name = getattr(processor, "__name__", None) or type(processor).__name__
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"logits processor {name} returned {type(scores).__name__}, not the "
+                        f"scores tensor [1, {vocab_size}]")
+    if scores.shape[-1:] != (vocab_size,) or scores.numel() != vocab_size:
+        raise ValueError(f"logits processor {name} returned scores of shape "
+                         f"{tuple(scores.shape)}, not [1, {vocab_size}] (one row of the vocabulary)")
+    return scores.reshape(1, vocab_size)
 
 
 def warp_valid_rows(warp, scores: torch.Tensor) -> torch.Tensor:

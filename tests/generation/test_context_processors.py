@@ -195,6 +195,43 @@ def test_callers_logits_processor_refused_for_a_batch(pair):
         sk.generate(target, ONE, draft_model=draft, **GREEDY, prefix_allowed_tokens_fn=[3])
 
 
+def test_a_callers_processor_returning_its_row_as_a_vector_is_taken_as_model_generate_takes_it(pair):
+    """A processor returning ``scores[0]`` ([V], a view of the row it was given): model.generate's greedy choice reads
+    it as it is; ours failed inside torch writing the view back over its own row (overlapping memory)."""
+    target, draft = pair
+
+    def banned_as_vector(input_ids, scores):
+        return _Ban()(input_ids, scores)[0]
+
+    def vector_view(input_ids, scores):
+        return scores[0]
+
+    for processor in (banned_as_vector, vector_view):
+        expected = hf_generate(target, ONE, **GREEDY, logits_processor=LogitsProcessorList([processor]))
+        for extra in (dict(draft_model=draft), dict(prompt_lookup_num_tokens=4)):
+            got = _quiet(sk.generate, target, ONE, **GREEDY, logits_processor=LogitsProcessorList([processor]),
+                         **extra)
+            assert torch.equal(got, expected)
+
+
+def test_a_callers_processor_returning_no_scores_row_is_named(pair):
+    """None (a processor without ``return scores``) or another width: model.generate fails inside torch (or, for a
+    narrower row, picks among the first ids only); the error here names the processor."""
+    target, draft = pair
+
+    def forgets_to_return(input_ids, scores):
+        scores[:, 0] = float("-inf")
+
+    def drops_the_last_id(input_ids, scores):
+        return scores[:, :-1]
+
+    with pytest.raises(TypeError, match="logits processor forgets_to_return returned NoneType"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[forgets_to_return])
+    narrower = target.config.vocab_size - 1
+    with pytest.raises(ValueError, match=rf"drops_the_last_id returned scores of shape \(1, {narrower}\)"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[drops_the_last_id])
+
+
 @pytest.mark.parametrize("make", [t5, bart])
 def test_encoder_decoder(make):
     target = make()
