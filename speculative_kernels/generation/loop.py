@@ -838,7 +838,7 @@ class SpeculativeLoop:
         for j in range(count_host[0]):
             ids = self.sequences[:, : start + j + 1]
             scores = None if steps is None else steps[: generated_before[0] + j + 1]
-            if any(bool(torch.as_tensor(c(ids, scores)).any()) for c in self.plan.stopping_criteria):
+            if any(criterion_fired(c, ids, scores) for c in self.plan.stopping_criteria):
                 self.sequences[:, start + j + 1 : start + count_host[0]] = self.plan.pad_token_id or 0
                 self._set_generated([generated_before[0] + j + 1])
                 self._host_counts = [j + 1]
@@ -1100,3 +1100,21 @@ class SpeculativeLoop:
                          for s in range(longest))
 
         return split(self.scores), split(self.raw_logits)
+
+
+def criterion_fired(criterion, input_ids: torch.Tensor, scores) -> bool:
+    """Whether a caller's stopping criterion stops the row input_ids [1, L] (scores: HF's tuple or None). Its answer
+    is one value, as HF reads it for a batch of one (a bool tensor [1]; a bool or a one-element list is taken too).
+    What HF cannot read is named here: None (a torch error there), or several values for the one row (model.generate
+    fails on them inside torch; they were read as "any of them")."""
+    name = getattr(criterion, "__name__", None) or type(criterion).__name__
+    answer = criterion(input_ids, scores)
+    try:
+        fired = torch.as_tensor(answer)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"stopping criterion {name} returned {type(answer).__name__}, not a bool tensor [1] (one "
+                        "value per row; generate's stopping_criteria run at batch size 1)") from error
+    if fired.numel() != 1:
+        raise ValueError(f"stopping criterion {name} returned {fired.numel()} values for the one row it was given "
+                         f"(shape {tuple(fired.shape)}); it must return a bool tensor [1]")
+    return bool(fired.item())

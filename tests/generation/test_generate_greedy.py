@@ -270,6 +270,32 @@ def test_no_iteration_after_a_stopping_criterion_fires():
     assert stats.target_forwards == len(forwards) - stats.prefill_forwards
 
 
+def test_a_stopping_criterion_answering_other_than_one_value_is_named():
+    """A criterion returns one value for the one row (a bool, a bool tensor [1]). None (a criterion without a return)
+    failed inside torch, and two values were read as 'any of them' and stopped the call; model.generate fails on
+    both inside torch. Each is named here."""
+    target, draft = llama(), llama(layers=1, seed=3)
+    ids = _prompt()
+
+    def returns_nothing(input_ids, scores):
+        pass
+
+    def answers_for_two_rows(input_ids, scores):
+        return torch.tensor([False, input_ids.shape[1] > ids.shape[1] + 2])
+
+    def plain_bool(input_ids, scores):
+        return input_ids.shape[1] >= ids.shape[1] + 4
+
+    with pytest.raises(TypeError, match="stopping criterion returns_nothing returned NoneType"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[returns_nothing])
+    with pytest.raises(ValueError, match="stopping criterion answers_for_two_rows returned 2 values"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[answers_for_two_rows])
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False, stopping_criteria=[plain_bool])
+    assert expected.shape[1] == ids.shape[1] + 4
+    assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[plain_bool]),
+                       expected)
+
+
 def test_assistant_model_alias_and_padded_prompt():
     target = llama()
     ids = _prompt()
