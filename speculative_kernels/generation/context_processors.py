@@ -22,6 +22,7 @@ then rejected: they must be functions of their arguments (no state carried from 
 """
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -81,12 +82,11 @@ class RowProcessors(_PerRow):
                 scores = logits[b : b + 1, j]
                 try:
                     for processor in self.rows[b]:
+                        run = functools.partial(_run_processor, processor, tokens[:, : start + j])
                         if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
-                            scores = warp_valid_rows(lambda s, p=processor, t=tokens[:, : start + j]: p(t, s),
-                                                     scores)
+                            scores = warp_valid_rows(run, scores)
                         else:
-                            scores = processor(tokens[:, : start + j], scores)
-                        scores = _as_score_row(scores, processor, logits.shape[-1])
+                            scores = run(scores)
                 except Exception:
                     if j == 0:
                         raise
@@ -183,10 +183,13 @@ def _parameters(processor) -> list:
         return ["input_ids", "scores"]
 
 
-def _as_score_row(scores, processor, vocab_size: int) -> torch.Tensor:
-    """A processor's return value as the row [1, V] it replaces. model.generate hands it on as it is: a [V] tensor
-    (``scores[0]``) is chosen from there when greedy, and taken here. Anything else is named here: None (a processor
-    without ``return scores``) fails inside torch there, another width makes it choose among the ids kept."""
+def _run_processor(processor, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``processor(input_ids, scores)`` (input_ids [1, L], scores [1, V]) as the row [1, V] it replaces.
+    model.generate hands the return value on as it is: a [V] tensor (``scores[0]``) is chosen from there when greedy,
+    and taken here. Anything else is named here: None (a processor without ``return scores``) fails inside torch
+    there, another width makes it choose among the ids kept."""
+    vocab_size = scores.shape[-1]
+    scores = processor(input_ids, scores)
     name = getattr(processor, "__name__", None) or type(processor).__name__
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"logits processor {name} returned {type(scores).__name__}, not the "

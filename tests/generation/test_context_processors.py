@@ -225,8 +225,14 @@ def test_a_callers_processor_returning_no_scores_row_is_named(pair):
     def drops_the_last_id(input_ids, scores):
         return scores[:, :-1]
 
+    class ForgetfulWarper(LogitsProcessor):  # (a warper by HF's naming: run on the rows with a distribution)
+        def __call__(self, input_ids, scores):
+            forgets_to_return(input_ids, scores)
+
     with pytest.raises(TypeError, match="logits processor forgets_to_return returned NoneType"):
         sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[forgets_to_return])
+    with pytest.raises(TypeError, match="logits processor ForgetfulWarper returned NoneType"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[ForgetfulWarper()])
     narrower = target.config.vocab_size - 1
     with pytest.raises(ValueError, match=rf"drops_the_last_id returned scores of shape \(1, {narrower}\)"):
         sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[drops_the_last_id])
