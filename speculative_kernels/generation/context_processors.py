@@ -53,9 +53,10 @@ class RowProcessors(_PerRow):
     def __init__(self, lists: list):
         for processors in lists:
             for processor in processors:
-                if len(_parameters(processor)) > 2:
-                    raise ValueError(f"logits processor {type(processor).__name__} takes more arguments than "
-                                     "(input_ids, scores); generate passes it none, as model.generate would not")
+                if _needs_more_arguments(processor):
+                    name = getattr(processor, "__name__", None) or type(processor).__name__
+                    raise ValueError(f"logits processor {name} takes more arguments than (input_ids, scores); "
+                                     "generate passes it none, as model.generate would not")
         self.rows = [list(processors) for processors in lists]
 
     def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None,
@@ -175,12 +176,23 @@ def _shared_processor_types() -> tuple:
 _SHARED = _shared_processor_types()
 
 
-def _parameters(processor) -> list:
-    """The parameters a processor is called with (a function's own; a LogitsProcessor's ``__call__``'s)."""
+def _needs_more_arguments(processor) -> bool:
+    """Whether a processor called with (input_ids, scores) alone fails: HF's ``LogitsProcessorList`` refuses one
+    whose ``__call__`` has more parameters (a LogitsProcessor's own; a plain function's ``__call__`` is
+    ``*args, **kwargs``), and a function that requires a third argument fails when called. A function's third
+    parameter with a default is fine, as in model.generate."""
+    return len(_parameters(processor.__call__)) > 2 or len(_parameters(processor, required=True)) > 2
+
+
+def _parameters(function, required: bool = False) -> list:
+    """The names of ``function``'s parameters (required: only the positional ones without a default)."""
     try:
-        return list(inspect.signature(processor).parameters)
+        parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: taken as (input_ids, scores)
         return ["input_ids", "scores"]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters
+            if not required or (p.kind in positional and p.default is inspect.Parameter.empty)]
 
 
 def _run_processor(processor, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

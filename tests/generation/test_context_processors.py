@@ -214,6 +214,23 @@ def test_a_callers_processor_returning_its_row_as_a_vector_is_taken_as_model_gen
             assert torch.equal(got, expected)
 
 
+def test_a_callers_function_with_a_defaulted_third_parameter_runs_as_in_model_generate(pair):
+    """HF's LogitsProcessorList reads a processor's ``__call__``: a plain function's is (*args, **kwargs), so it is
+    called with (input_ids, scores) and its own defaults; ours read the function's parameters and refused it."""
+    target, draft = pair
+
+    def ban_the_top(input_ids, scores, how_many=1):
+        for _ in range(how_many):
+            scores = scores.scatter(1, scores.argmax(-1, keepdim=True), float("-inf"))
+        return scores
+
+    expected = hf_generate(target, ONE, **GREEDY, logits_processor=LogitsProcessorList([ban_the_top]))
+    assert not torch.equal(expected, hf_generate(target, ONE, **GREEDY))
+    got = _quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY,
+                 logits_processor=LogitsProcessorList([ban_the_top]))
+    assert torch.equal(got, expected)
+
+
 def test_a_callers_processor_returning_no_scores_row_is_named(pair):
     """None (a processor without ``return scores``) or another width: model.generate fails inside torch (or, for a
     narrower row, picks among the first ids only); the error here names the processor."""
