@@ -102,6 +102,9 @@ class DecodeSession:
             raise
         finally:
             self._stepping = False
+        if self.finished:  # (a prompt cache passed to start(): extended as model.generate leaves it, at batch 1)
+            with torch.no_grad():
+                self._loop.extend_caller_cache(stacklevel=3)  # (step() -> the caller)
         self.iterations += 1
         self._loop.remind_past_positions()
         return self._loop.emitted()
@@ -181,7 +184,9 @@ class SpeculativeDecoder:
         (``DECODER_ARGUMENTS``: tokenizer, num_speculative_tokens, ..., refused by name). A session yields token ids
         (``step``, ``sequences``): an output object, scores, logits or a streamer asked for (as keywords or in a
         ``generation_config`` passed here) are refused by name; the model's own generation_config defaults for them
-        do not apply to a session."""
+        do not apply to a session. A prompt cache (``past_key_values``/``cache``, as ``generate`` takes it) is
+        extended as ``generate`` extends it (batch 1; else a warning) by the step that finishes the session; a session
+        that raised or is abandoned leaves it as it was."""
         for name in [*DECODER_ARGUMENTS, *self.lookup]:  # (they reached build_loop twice: "got multiple values")
             if name in generation_kwargs:
                 raise ValueError(f"{name} is a setting of the decoder, not of start(): pass it to "

@@ -7,7 +7,7 @@ import torch
 
 from .adapters import unwrap_adapters
 from .options import BatchingOptions, CompileOptions
-from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput, cache_field
 from .request import build_loop
 from .stats import SpeculationStats
 
@@ -37,12 +37,15 @@ def generate(
     ``return_dict_in_generate=True``, whose ``speculation_stats`` holds the statistics. With a tensor result, pass
     ``speculation_stats=SpeculationStats()`` to have it filled in. Two differences from HF's output object: its
     cache field (``cache``; ``past_key_values`` before transformers 5.24) is None (our caches hold rolled-back
-    slots), and in a batch, ``scores``/``logits`` of a row at steps after it finished (where its sequence holds
+    slots; a prompt cache extended by the call is returned there, as HF returns it), and in a batch, ``scores``/``logits`` of a row at steps after it finished (where its sequence holds
     pad_token_id) are zeros, where HF keeps running the finished row on its pad tokens and returns those logits.
     ``past_key_values`` (``cache`` from transformers 5.24): a ``DynamicCache`` of the prompt's first P tokens, as
     ``model.generate`` takes it (HF's prompt-cache recipe): the target forwards the other tokens only, as HF does
-    (the draft prefills the whole prompt); the caller's cache is left as it was (HF extends it in place), and the
-    output's cache field stays None. What it does not support is refused by name (``prompt_cache.py``).
+    (the draft prefills the whole prompt). When the call returns, a batch-1 caller's cache is extended in place as
+    model.generate extends it (the K/V of the prompt and of every new token but the last; HF's multi-turn recipe
+    passes one cache to every turn) and is the output's cache field; at batch > 1 it is left as it was, with a
+    UserWarning (HF's also holds the K/V of the pads it feeds finished rows), and a call that raises leaves it as it
+    was. What it does not support is refused by name (``prompt_cache.py``).
     ``assistant_model`` is another name for ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded
     draft vocabulary be checked and used.
 
@@ -97,6 +100,8 @@ def generate(
             batching=batching, compile_options=compile_options, drafter=drafter, seed=seed, **kwargs
         )
         sequences, stats = loop.run()
+    with torch.no_grad():  # (outside inference mode, as model.generate: the caller's cache holds ordinary tensors)
+        caller_cache = loop.extend_caller_cache(stacklevel=2)
     # The loop runs in inference mode (cheaper per op than no_grad); what it returns is copied out of it, so that it is
     # an ordinary tensor as model.generate's (run under no_grad): editable in place, usable in autograd (RL rollouts).
     # It is on the device of the caller's ids, as model.generate's (which keeps ids on another device than the model,
@@ -109,7 +114,8 @@ def generate(
         return sequences
     scores, logits = loop.collected_scores(sequences.shape[1] - loop.prompt_length, result_device)
     output = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
-    return output(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats)
+    return output(sequences=sequences, scores=scores, logits=logits, speculation_stats=stats,
+                  **{cache_field(output): caller_cache})
 
 
 def _result_device(input_ids, decoder_input_ids, encoder_decoder: bool) -> torch.device | None:

@@ -24,6 +24,7 @@ from .gamma import GammaCalibrator
 from .logit_masks import LogitMasks
 from .memory import check_free_memory
 from .options import BatchingOptions
+from .prompt_cache import extend_caller_cache
 from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
@@ -58,7 +59,8 @@ class SpeculativeLoop:
     whose own warping is then neutral. decode_experts: the models' decode-time experts implementation
     (``decode_experts.py``: what ``model.generate`` switches an MoE model to after its prefill), entered for the
     iterations that verify drafts, never for the prefills; ``run`` holds it until the end, ``step`` leaves the models
-    as they were after each iteration.
+    as they were after each iteration. caller_cache: (the argument's name, the caller's DynamicCache) of a prompt
+    cache (``prompt_cache.py``), extended after the last step by ``extend_caller_cache``.
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -69,7 +71,8 @@ class SpeculativeLoop:
                  batching: BatchingOptions = BatchingOptions(), warm_up: Callable[[], float] | None = None,
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
-                 decode_experts: DecodeExperts | None = None, timer: PhaseTimer | None = None):
+                 decode_experts: DecodeExperts | None = None, timer: PhaseTimer | None = None,
+                 caller_cache: tuple | None = None):
         check_drafter(drafter)  # (before the prefill: a factory or a class passed for the instance)
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
@@ -99,6 +102,7 @@ class SpeculativeLoop:
         # The prompt's first tokens the target's runner holds already (a caller's prompt cache, ``prompt_cache.py``):
         # the target's prefill forwards the rest only, as model.generate does
         self.prompt_cached = target.num_slots
+        self.caller_cache = caller_cache
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
         self.calibrator = GammaCalibrator(max_gamma=plan.max_gamma) if plan.num_speculative_tokens == "auto" else None
@@ -876,6 +880,18 @@ class SpeculativeLoop:
         self.update_stats()
         self.stats.total_time_s = self.timer.seconds("total") + self.timer.seconds("prefill")
         return self.sequences[:, : self.prompt_length + longest], self.stats
+
+    def extend_caller_cache(self, stacklevel: int = 2):
+        """After the last step: the caller's prompt cache extended as model.generate leaves it
+        (``prompt_cache.extend_caller_cache``; batch 1, else a warning from the caller's ``stacklevel``). Returns the
+        cache object when extended, else None."""
+        if self.caller_cache is None:
+            return None
+        name, cache = self.caller_cache
+        end = self.prompt_length + max(self._generated_host, default=0) - 1
+        extended = extend_caller_cache(name, cache, self.target_runner.cache, self.batch, self.prompt_cached, end,
+                                       stacklevel=stacklevel + 1)
+        return cache if extended else None
 
     def remind_past_positions(self) -> None:
         """model.generate's reminder, where the sequences so far have grown past the target's

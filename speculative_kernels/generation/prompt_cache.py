@@ -6,19 +6,22 @@ argument is named ``cache`` from transformers 5.24).
 the whole prompt's attention mask gives them, and attends to the cached keys as the mask's first P columns say. The
 target's runner does the same: it starts from a copy of the cached keys and values (``DecoderRunner``'s ``prefix``),
 with the mask's first P columns as its first P slots, and the loop prefills the rest. The draft has no such cache:
-it prefills the whole prompt. The caller's cache object is left as it was (HF extends it in place, hence the
-``copy.deepcopy`` in its recipe): the runner writes to its own copy, which it rolls back.
+it prefills the whole prompt. The runner writes to its own copy, which it rolls back; when the call returns, the
+caller's cache is extended as ``model.generate`` extends it in place (``extend_caller_cache``: at batch 1; at batch > 1
+it is left as it was, with a warning), so HF's multi-turn recipe (one cache passed to every turn) goes on as in HF.
 
 Supported: a ``DynamicCache`` (its full-attention layers, and sliding-window layers that have dropped nothing yet),
 one row per prompt row, fewer tokens than the prompt, on the dynamic-cache path of a decoder-only model. Everything
 else is refused by name before anything runs (``check_prompt_cache``).
 """
 
+import warnings
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .runners.dynamic_cache import CachedPrefix, RollbackCache
+from .runners.dynamic_cache import CachedPrefix, RollbackCache, cache_slots
 
 # The generate keywords of a cache of the prompt's first tokens: transformers 5.24 names it cache (before:
 # past_key_values, which 5.24 still takes, deprecated)
@@ -71,12 +74,12 @@ def check_prompt_cache(name: str, cache, model, input_ids: torch.Tensor, attenti
     if getattr(cache, "offloading", False):
         raise ValueError(f"{name} is an offloaded DynamicCache (offloading=True), which is not supported: pass one "
                          "whose layers are on the model's devices")
-    if not any(_filled(layer) for layer in cache.layers):
-        return None
     ours = RollbackCache(model.config).layers  # the layers the target's runner uses (no tensors yet)
-    if len(cache.layers) != len(ours):
+    if cache.layers and len(cache.layers) != len(ours):  # (an empty one too: it is extended after the call)
         raise ValueError(f"{name} holds {len(cache.layers)} layers and the model ({type(model).__name__}) has "
                          f"{len(ours)}: it is not a cache of this model")
+    if not any(_filled(layer) for layer in cache.layers):
+        return None
     layers = tuple(_layer_kv(name, i, theirs, mine) for i, (theirs, mine) in enumerate(zip(cache.layers, ours)))
     _check_extent(name, [kv[0] for kv in layers if kv is not None], input_ids.shape, num_return_sequences)
     return CachedPrefix(layers, attention_mask[:, : _prefix_length(layers)].to(torch.bool))
@@ -136,3 +139,27 @@ def _layer_kv(name: str, index: int, theirs, mine) -> tuple[torch.Tensor, torch.
                          "cached token (its rollbacks); build the cache over a prefix shorter than the window, or "
                          "pass the whole prompt without it")
     return keys, theirs.values
+
+
+def extend_caller_cache(name: str, cache: DynamicCache, runner_cache, batch: int, cached: int, end: int,
+                        stacklevel: int = 2) -> bool:
+    """After a call that returned: extend the caller's ``cache`` (the call's ``name`` argument, holding the prompt's
+    first ``cached`` tokens) as model.generate leaves it, holding the K/V of the prompt and of every generated token
+    but the last: slots [0, end), end = L + n - 1. Returns whether it was extended.
+
+    At batch 1 the target's runner (``runner_cache``, its ``RollbackCache``) holds them as model.generate does, one
+    slot per token from the sequence's start (the prompt's pads included; its rollbacks cut, leaving no holes): its
+    slots [cached, end) are appended through each layer's own ``update`` (a sliding-window layer keeps its last
+    window - 1 tokens, as HF's); slots past end (drafts verified past the last token) are never written. At batch > 1
+    HF's cache also holds the K/V of the pad tokens it feeds rows that finished early, which we never compute: the
+    cache is left as it was, and a UserWarning says so (``stacklevel``: the caller's frame, as ``warnings.warn``'s)."""
+    if batch > 1:
+        warnings.warn(f"{name} was not extended: model.generate extends the cache passed to it in place (with the K/V "
+                      "of the prompts and of the generated tokens, and of the pad tokens it feeds rows that finished "
+                      f"early), speculative_kernels at batch 1 only; this batch of {batch} rows left it holding the "
+                      "prompts' first tokens, as before the call", UserWarning, stacklevel=stacklevel + 1)
+        return False
+    for index, kv in enumerate(cache_slots(runner_cache, cached, end)):
+        if kv is not None:  # (a layer with no cache of its own: HF's forwards do not update it either)
+            cache.update(*kv, index)
+    return True

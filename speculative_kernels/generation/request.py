@@ -253,7 +253,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
                            processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models),
-                           timer=timer)
+                           timer=timer, caller_cache=prompt_cache)
 
 
 def stop_string_criterion(stop_strings, tokenizer):

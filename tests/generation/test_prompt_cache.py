@@ -8,11 +8,13 @@ as HF uses it.
 """
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import speculative_kernels as sk
 from helpers.models import FAMILIES, hf_generate, llama, more_families, perturbed
@@ -22,6 +24,9 @@ from helpers.seq2seq_models import t5
 from helpers.stats import assert_matches
 
 WIDTH, NEW_TOKENS = 12, 16
+# the output's cache field: cache from transformers 5.24, past_key_values before
+CACHE_FIELD = next(f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)
+                   if f.name in ("cache", "past_key_values"))
 
 
 def prompt_cache(model, ids, mask=None, config=False) -> DynamicCache:
@@ -37,9 +42,22 @@ def kv_snapshot(cache) -> list[torch.Tensor]:
 
 
 def assert_untouched(cache, snapshot) -> None:
-    """The caller's cache holds what it held before the call (HF extends it in place; we leave it as it was)."""
+    """The caller's cache holds what it held before the call (a call that raised, or a batch > 1)."""
     now = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     assert len(now) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(now, snapshot))
+
+
+def assert_extended_as_hf(ours, hf, real=None) -> None:
+    """The caller's cache after our call holds what model.generate left in its copy: as many tokens, their keys and
+    values equal up to float rounding (ours from multi-token verification forwards, HF's from one-token steps).
+    real: [S] bool, the slots compared (None: all; a left pad's K/V are masked in every later call, and differ)."""
+    assert ours.get_seq_length() == hf.get_seq_length()
+    assert len(ours.layers) == len(hf.layers)
+    for mine, theirs in zip(ours.layers, hf.layers):
+        assert type(mine) is type(theirs) and mine.keys.shape == theirs.keys.shape
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            keep = slice(None) if real is None else real
+            torch.testing.assert_close(a[:, :, keep], b[:, :, keep], rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +73,12 @@ def test_greedy_batch_one_is_model_generate_with_the_cache(pair, cached, name):
     ids = left_padded([WIDTH], seed=1)[0]
     other = left_padded([WIDTH], seed=2)[0][:, :cached]  # the cache stands for other tokens: it must be used
     cache = prompt_cache(target, other)
-    snapshot = kv_snapshot(cache)
-    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                           past_key_values=copy.deepcopy(cache))
+    hf_cache = copy.deepcopy(cache)
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=hf_cache)
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=NEW_TOKENS,
                       do_sample=False, **{name: cache})
     assert torch.equal(got, expected)
-    assert_untouched(cache, snapshot)
+    assert_extended_as_hf(cache, hf_cache)  # (HF extends it in place: prompt and new tokens but the last)
     if cached > 1:  # (the cache changes the tokens: a run that ignored it would fail above)
         assert not torch.equal(expected, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False))
 
@@ -104,6 +121,140 @@ def test_sliding_window_layers_that_dropped_nothing(config):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("cached, new, eos", [(0, NEW_TOKENS, None), (4, 1, None), (4, 2, None), (9, 40, 7),
+                                               (3, 40, 50)])
+def test_the_callers_cache_is_extended_as_model_generate_extends_it(pair, cached, new, eos):
+    """After the call the caller's cache holds the K/V of the prompt and of every new token but the last, as HF's
+    does: never those of the drafts verified past the last token (gamma 4 here), nor past an EOS in the middle of
+    an iteration's accepted drafts."""
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=16)[0]
+    cache = prompt_cache(target, left_padded([WIDTH], seed=17)[0][:, :cached]) if cached else DynamicCache()
+    hf_cache = copy.deepcopy(cache)
+    settings = dict(max_new_tokens=new, do_sample=False, eos_token_id=eos)
+    expected = hf_generate(target, ids, past_key_values=hf_cache, **settings)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, past_key_values=cache, **settings)
+    assert torch.equal(got, expected)
+    assert hf_cache.get_seq_length() == expected.shape[1] - 1
+    assert_extended_as_hf(cache, hf_cache)
+
+
+def test_a_left_padded_prompt_of_one_row_keeps_its_pads_slots(pair):
+    """A batch-1 prompt with left padding: HF's cache holds a slot for each pad (masked in every later call), ours
+    too; the real slots' K/V are HF's."""
+    target, draft = pair
+    ids, mask = left_padded([WIDTH], seed=18)
+    mask[:, :3] = 0
+    cache = prompt_cache(target, left_padded([WIDTH], seed=19)[0][:, :2], mask[:, :2])
+    hf_cache = copy.deepcopy(cache)
+    settings = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = hf_generate(target, ids, past_key_values=hf_cache, **settings)
+    got = sk.generate(target, ids, draft_model=draft, past_key_values=cache, **settings)
+    assert torch.equal(got, expected)
+    real = torch.ones(expected.shape[1] - 1, dtype=torch.bool)
+    real[:3] = False
+    assert_extended_as_hf(cache, hf_cache, real)
+
+
+def test_sliding_window_layers_of_the_callers_cache_drop_as_hfs_do():
+    """A Mistral-like target (window 4) with DynamicCache(config=...): the caller's sliding-window layers keep their
+    last window - 1 tokens after the call, as HF's (their own update drops the rest)."""
+    target = more_families()["mistral"]()
+    ids = left_padded([WIDTH], seed=20)[0]
+    cache = prompt_cache(target, left_padded([WIDTH], seed=21)[0][:, :3], config=True)
+    hf_cache = copy.deepcopy(cache)
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=hf_cache)
+    got = sk.generate(target, ids, draft_model=perturbed(target), max_new_tokens=NEW_TOKENS, do_sample=False,
+                      past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert cache.layers[0].keys.shape[-2] < cache.get_seq_length()  # (it dropped tokens)
+    assert_extended_as_hf(cache, hf_cache)
+
+
+def _turn_prompts(turns: int):
+    """HF's multi-turn recipe on token ids: each turn's prompt is the last turn's prompt, its reply (edited on odd
+    turns: its first two tokens replaced, as a user editing it or a chat template rendering it otherwise), then a
+    new message. Returns a function of the previous output ([1, L + n] or None) and the turn -> the prompt [1, L']."""
+    messages = [left_padded([5], seed=30 + turn)[0] for turn in range(turns)]
+
+    def prompt(previous, turn):
+        if previous is None:
+            return messages[0]
+        reply = previous.clone()
+        if turn % 2:
+            reply[:, -NEW_TOKENS: -NEW_TOKENS + 2] = torch.tensor([[5, 6]])
+        return torch.cat([reply, messages[turn]], dim=1)
+    return prompt
+
+
+def _chat(generate, turns: int = 4) -> list[torch.Tensor]:
+    """Each turn's new tokens, with one DynamicCache passed to every turn (HF's KV-cache guide)."""
+    prompt, cache, previous, replies = _turn_prompts(turns), DynamicCache(), None, []
+    for turn in range(turns):
+        ids = prompt(previous, turn)
+        previous = generate(ids, cache)
+        replies.append(previous[:, ids.shape[1]:])
+    return replies
+
+
+def test_hfs_multi_turn_recipe_gives_model_generates_tokens_every_turn(pair):
+    """One cache object for every turn: where a turn's prompt does not start with what the cache holds (an edited
+    reply), model.generate continues from it as it is, and so must we (with the cache left as it was, each turn
+    would prefill in full and give the tokens of a call without a cache)."""
+    target, draft = pair
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = _chat(lambda ids, cache: hf_generate(target, ids, past_key_values=cache, **settings))
+    got = _chat(lambda ids, cache: sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3,
+                                               past_key_values=cache, **settings))
+    fresh = _chat(lambda ids, cache: hf_generate(target, ids, **settings))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh, expected))  # (the stale cache changes the tokens)
+
+
+def test_a_batch_leaves_the_cache_as_it_was_with_a_warning(pair):
+    """At batch > 1 HF's cache also holds the K/V of the pads it feeds finished rows: not reproduced, so the cache
+    is left as it was, the output's cache field is None, and a UserWarning says so (not silently)."""
+    target, draft = pair
+    ids, mask = left_padded([WIDTH, 7], seed=22)
+    cache = prompt_cache(target, left_padded([WIDTH, 7], seed=23)[0][:, :5], mask[:, :5])
+    snapshot = kv_snapshot(cache)
+    with pytest.warns(UserWarning, match="past_key_values was not extended") as caught:
+        out = sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=NEW_TOKENS,
+                          do_sample=False, past_key_values=cache, return_dict_in_generate=True)
+    assert any(w.filename == __file__ for w in caught)  # (pointing at the call)
+    assert getattr(out, CACHE_FIELD) is None
+    assert_untouched(cache, snapshot)
+
+
+class _RaisingCriterion:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("criterion failed")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_call_that_raises_leaves_the_cache_as_it_was(pair):
+    """A call that raises (here a stopping criterion, after the first iteration) writes nothing to the caller's cache
+    (HF's holds the steps it ran), so the same call can be run again on it, and extends it as model.generate."""
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=24)[0]
+    cache = prompt_cache(target, ids[:, :6])
+    snapshot, hf_cache = kv_snapshot(cache), copy.deepcopy(cache)
+    with pytest.raises(RuntimeError, match="criterion failed"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False,
+                    past_key_values=cache, stopping_criteria=[_RaisingCriterion()])
+    assert_untouched(cache, snapshot)
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=hf_cache)
+    got = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False,
+                      past_key_values=cache)
+    assert torch.equal(got, expected)
+    assert_extended_as_hf(cache, hf_cache)
+
+
 def _drafting(kind, target):
     return {"prompt lookup": dict(prompt_lookup_num_tokens=3),
             "ngram": dict(drafter=sk.NGramDrafter(97, order=2)),
@@ -131,27 +282,38 @@ def test_session_start_takes_it(pair):
     target, draft = pair
     ids = left_padded([WIDTH], seed=9)[0]
     cache = prompt_cache(target, left_padded([WIDTH], seed=10)[0][:, :7])
-    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                           past_key_values=copy.deepcopy(cache))
+    hf_cache = copy.deepcopy(cache)
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=hf_cache)
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3).start(
         ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=cache)
     while not session.finished:
         session.step()
     assert torch.equal(session.sequences(), expected)
+    assert_extended_as_hf(cache, hf_cache)  # (when the session finished)
 
 
-def test_dict_output_keeps_no_cache_and_the_statistics_count_the_uncached_prefill(pair):
+def test_dict_output_returns_the_callers_cache_and_the_statistics_count_the_uncached_prefill(pair):
+    """As HF, the output's cache field is the caller's cache object, extended."""
     target, draft = pair
     ids = left_padded([WIDTH], seed=11)[0]
     cache = prompt_cache(target, left_padded([WIDTH], seed=12)[0][:, :8])
+    hf_cache = copy.deepcopy(cache)
     expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, past_key_values=copy.deepcopy(cache))
+                           return_dict_in_generate=True, past_key_values=hf_cache)
     out = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
                       return_dict_in_generate=True, past_key_values=cache, prefill_chunk_size=1)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
-    assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+    assert getattr(expected, CACHE_FIELD) is hf_cache and getattr(out, CACHE_FIELD) is cache
+    assert_extended_as_hf(cache, hf_cache)
     assert out.speculation_stats.prefill_forwards == WIDTH - 8 - 1  # tokens 8..10, one per chunk (11: verified)
+
+
+def test_dict_output_without_a_cache_keeps_none(pair):
+    target, draft = pair
+    out = sk.generate(target, left_padded([WIDTH], seed=11)[0], draft_model=draft, max_new_tokens=4,
+                      do_sample=False, return_dict_in_generate=True)
+    assert getattr(out, CACHE_FIELD) is None
 
 
 def _probs_with_cache(model, cache, prompt, warpers):
@@ -222,6 +384,7 @@ def _refused_call(case, target, draft):
         "num_return_sequences": (dict(past_key_values=cache, num_return_sequences=2, do_sample=True),
                                  "num_return_sequences"),
         "layer count": (dict(past_key_values=prompt_cache(llama(layers=1), ids[:, :5])), "layers"),
+        "layer count of an empty cache": (dict(past_key_values=DynamicCache(config=llama(layers=1).config)), "layers"),
         "both names": (dict(past_key_values=cache, cache=cache), "not both"),
         "layers of different lengths": (dict(past_key_values=_edited(cache, keep=3)), "different numbers of tokens"),
         "an empty layer": (dict(past_key_values=_edited(cache, keep=0)), "holds no tokens where other layers do"),
@@ -233,6 +396,7 @@ def _refused_call(case, target, draft):
 
 @pytest.mark.parametrize("case", ["static cache object", "cache_implementation", "compile", "as long as the prompt",
                                   "longer than the prompt", "batch size", "num_return_sequences", "layer count",
+                                  "layer count of an empty cache",
                                   "both names", "layers of different lengths", "an empty layer", "offloaded"])
 def test_refused_by_name(pair, case):
     target, draft = pair
@@ -262,12 +426,15 @@ def test_encoder_decoder_refused_by_name():
                     decoder_input_ids=torch.tensor([[0, 9, 10]]))
 
 
-def test_an_empty_cache_is_no_cache(pair):
+@pytest.mark.parametrize("config", [False, True])
+def test_an_empty_cache_is_no_cache_and_is_filled_as_hf_fills_it(pair, config):
     """An unused DynamicCache() (HF fills it from the whole prompt): the output of a call without it, the cache
-    left empty."""
+    filled as model.generate fills it (its layers made by update, as HF's forwards make them)."""
     target, draft = pair
     ids = left_padded([WIDTH], seed=15)[0]
-    cache = DynamicCache()
+    cache, hf_cache = (DynamicCache(config=target.config) if config else DynamicCache() for _ in range(2))
+    expected = hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=hf_cache)
     got = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False, cache=cache)
     assert torch.equal(got, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False))
-    assert cache.get_seq_length() == 0
+    assert torch.equal(got, expected)
+    assert_extended_as_hf(cache, hf_cache)

@@ -77,6 +77,13 @@ def _kv(layer):
     return keys, layer.values
 
 
+def cache_slots(cache, start: int, end: int) -> list:
+    """Per layer of a runner's dynamic cache, (keys, values) [B, H, end - start, D] of its slots [start, end) (views),
+    or None for a layer with no cache of its own (or none written)."""
+    layers = [] if cache is None else cache.layers
+    return [None if kv is None else (kv[0][:, :, start:end], kv[1][:, :, start:end]) for kv in map(_kv, layers)]
+
+
 def _left_padded(tensor, rows: int, pad: int, like):
     """tensor [rows, H, S, D] (None: no slots) with ``pad`` zero slots prepended; ``like`` gives H, D, dtype, device."""
     if tensor is None:
