@@ -156,10 +156,14 @@ def extend_caller_cache(name: str, cache: DynamicCache, runner_cache, batch: int
     if batch > 1:
         warnings.warn(f"{name} was not extended: model.generate extends the cache passed to it in place (with the K/V "
                       "of the prompts and of the generated tokens, and of the pad tokens it feeds rows that finished "
-                      f"early), speculative_kernels at batch 1 only; this batch of {batch} rows left it holding the "
-                      "prompts' first tokens, as before the call", UserWarning, stacklevel=stacklevel + 1)
+                      f"early), speculative_kernels at batch 1 only: this batch of {batch} rows left it as it was "
+                      "before the call", UserWarning, stacklevel=stacklevel + 1)
         return False
-    for index, kv in enumerate(cache_slots(runner_cache, cached, end)):
+    slots = cache_slots(runner_cache, cached, end)
+    if any(kv is not None and kv[0].shape[-2] != end - cached for kv in slots):  # (before any layer is written)
+        raise RuntimeError(f"the target's cache holds fewer than the {end} tokens {name} is to be extended to "
+                           "(an internal error: please report it)")
+    for index, kv in enumerate(slots):
         if kv is not None:  # (a layer with no cache of its own: HF's forwards do not update it either)
             cache.update(*kv, index)
     return True
