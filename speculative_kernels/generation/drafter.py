@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from .runners import Runner
-from .runners.prefill import prefill
+from .runners.prefill import prefill, prompt_real
 from .transfer import host_to_device
 from .vocab import VocabBridge
 
@@ -154,7 +154,8 @@ class ModelDrafter:
 
     def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
         if input_ids.shape[1] > 1:
-            prefill(self.runner, self.bridge.draft_inputs(input_ids[:, :-1]), real[:, :-1], self.prefill_chunk_size)
+            prompt = prompt_real(real[:, :-1], bool(real.all()))
+            prefill(self.runner, self.bridge.draft_inputs(input_ids[:, :-1]), prompt, self.prefill_chunk_size)
         self.pending = (input_ids[:, -1:], None)
 
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None, None]:

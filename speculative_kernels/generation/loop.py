@@ -29,7 +29,7 @@ from .row_settings import RowSettings
 from .rows import Outputs, RowDropper
 from .runners import Runner
 from .runners.captured import check_no_global_hooks
-from .runners.prefill import prefill, prefill_forwards
+from .runners.prefill import prefill, prefill_forwards, prompt_real
 from .settings import Plan, remind_past_positions
 from .stats import PhaseTimer, SpeculationStats
 from .stop_strings import completes_stop_string
@@ -293,6 +293,7 @@ class SpeculativeLoop:
         from its prefill, as in ``model.generate``; only the draft is prefilled here. (Sampled rows keep the
         drafted first iteration: their random numbers are those of the request alone.)"""
         real = attention_mask.to(torch.bool)
+        self._all_real = bool(real.all())  # (read here, at setup: an unpadded prompt's forwards get no 4-D mask)
         self._prompt = None
         self._drafter_started = False
         first_from_prompt = self._all_greedy_rows and not self._captured
@@ -315,7 +316,8 @@ class SpeculativeLoop:
         if self.prompt_length > 1:
             self.timer.start("prefill")
             if self.prompt_length - 1 > cached:
-                prefill(self.target_runner, input_ids[:, cached:-1], real[:, cached:-1], self.plan.prefill_chunk_size)
+                prefill(self.target_runner, input_ids[:, cached:-1], prompt_real(real[:, cached:-1], self._all_real),
+                        self.plan.prefill_chunk_size)
                 self.stats.prefill_forwards += prefill_forwards(self.prompt_length - 1 - cached,
                                                                 self.plan.prefill_chunk_size)
             if start_drafter:
@@ -365,6 +367,7 @@ class SpeculativeLoop:
         self._capping = None  # [B] int64: each row's drafts to verify (gamma + 1: all), where processors ran
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None  # (or one per chunk: the last gives the token)
+            real = prompt_real(real, self._all_real)
             logits = prefill(self.target_runner, prompt, real, self.plan.prefill_chunk_size)
             self.stats.prefill_forwards += prefill_forwards(prompt.shape[1], self.plan.prefill_chunk_size) - 1
         else:

@@ -54,6 +54,39 @@ def test_greedy_matches_hf_chunked_and_plain(pair, chunk, batch, cache):
     assert torch.equal(got, plain)
 
 
+def _masks(model) -> tuple[list, object]:
+    """A recording pre-hook on ``model``: the attention_mask each of its forwards gets (marked per-token)."""
+    masks = []
+
+    def record(module, args, kwargs):
+        masks.append(kwargs.get("attention_mask"))
+
+    return masks, model.register_forward_pre_hook(sk.per_token_hook(record), with_kwargs=True)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_an_unpadded_prompt_is_prefilled_without_a_square_mask(pair, chunk, batch):
+    """The first prefill forward of an unpadded prompt (the target's and the draft's) gets no 4-D mask, as
+    model.generate's prefill gets none: transformers makes the causal mask, or none under SDPA (its causal kernel).
+    The runners' [B, 1, T, T] mask cost T * T writes and kept SDPA on its masked kernel: a 4000-token prompt took
+    ~3x model.generate's time to first token. A padded batch's prefill keeps its 4-D mask (the padding); tokens are
+    model.generate's either way."""
+    target, draft = pair
+    ids, mask = _prompts(batch)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=chunk)
+    plain = hf_generate(target, ids, **kwargs)
+    (target_masks, target_hook), (draft_masks, draft_hook) = _masks(target), _masks(draft)
+    try:
+        got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    finally:
+        target_hook.remove()
+        draft_hook.remove()
+    assert torch.equal(got, plain)
+    for first in (target_masks[0], draft_masks[0]):
+        assert (first is None) == (batch == 1), None if first is None else first.shape
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("chunk", [1, 3, LENGTH])
 def test_sampled_prefill_path_runs_and_is_near_greedy(pair, chunk, cache):

@@ -57,8 +57,8 @@ class DecoderRunner(SlotMaskRunner):
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
                 prompt: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
-        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: no difference here (a pad and a filler are
-        both holes)."""
+        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: (a chunk of) the prompts: its mask is built
+        as ``_mask`` says (a pad and a filler are both holes)."""
         width = tokens.shape[1]
         start, end = self.num_slots, self.num_slots + width
         if self._slot_limit is not None and end > self._slot_limit:
@@ -73,14 +73,12 @@ class DecoderRunner(SlotMaskRunner):
             positions = self.next_position.unsqueeze(1)
             if width > 1:
                 positions = positions + self._step_offsets(width)
-            mask = self._real_mask(start, end)
         else:
             real_i = real.to(torch.int64)
             self.slot_mask[:, start:end] = real_i
             self._mask_written(start, end)
             positions = (self.next_position.unsqueeze(1) + real_i.cumsum(dim=1) - 1).clamp(min=0)
-            query_slots = torch.arange(start, end, device=self.slot_mask.device)
-            mask = decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype)
+        mask = self._mask(start, end, all_real=real is None, prompt=prompt)
         kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
         with without_cudnn_attention(tokens.device):  # (a new key length at every forward: no per-shape plans)
             out = self.model(
@@ -99,6 +97,22 @@ class DecoderRunner(SlotMaskRunner):
         self.next_position += width if real is None else real_i.sum(dim=1)
         logits = out.logits
         return logits[:, -1:] if last_only else logits
+
+    def _mask(self, start: int, end: int, all_real: bool, prompt: bool):
+        """The attention mask of a forward at slots [start, end) whose real tokens slot_mask marks.
+
+        The prompt's forward at slot 0 of an unpadded prompt (or its first chunk; ``prefill.prompt_real``) gets none
+        where the model takes 4-D masks, as ``model.generate``'s prefill gets a 2-D mask of ones: transformers then
+        builds the causal mask itself, or none (SDPA's causal kernel, GQA without copying K/V). The 4-D mask
+        [B, 1, T, T] would cost T * T writes and keep SDPA on its masked kernel: several times slower over a long
+        prompt. None, unlike a 2-D mask, is not read on the host to decide that. Other prompt forwards build their
+        mask from slot_mask (not the cached causal blocks of the draft and verification widths)."""
+        if all_real and not prompt:
+            return self._real_mask(start, end)
+        if all_real and start == 0 and self.spec.mask != "2d":
+            return None
+        query_slots = torch.arange(start, end, device=self.slot_mask.device)
+        return decoder_mask(self.slot_mask[:, :end], query_slots, self.spec, self._dtype)
 
     def _real_mask(self, start: int, end: int):
         """The attention mask of a forward of real tokens at slots [start, end) (``masks.decoder_mask``'s value)."""

@@ -23,6 +23,13 @@ def prefill(runner: Runner, tokens: torch.Tensor, real: torch.Tensor | None,
     return logits
 
 
+def prompt_real(real: torch.Tensor, all_real: bool) -> torch.Tensor | None:
+    """What ``prefill`` takes for prompts with real [B, L] bool (False at a left pad or a masked token): None where
+    ``all_real`` (a host fact, ``bool(real.all())`` read once while setting up, not in an iteration), so that an
+    unpadded prompt's forward gets no 4-D mask (``DecoderRunner._mask``); else real."""
+    return None if all_real else real
+
+
 def prefill_forwards(width: int, chunk_size: int | None) -> int:
     """The forwards ``prefill`` runs over a prompt ``width`` tokens wide: ceil(width / chunk_size)."""
     return 1 if chunk_size is None else max(1, -(-width // chunk_size))

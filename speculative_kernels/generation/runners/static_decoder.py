@@ -84,15 +84,16 @@ class StaticDecoderRunner(SlotMaskRunner):
     def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
                 prompt: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
-        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: no difference here (a pad and a filler are
-        both holes)."""
+        Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: (a chunk of) the prompts, whose mask is
+        built from slot_mask (a pad and a filler are both holes)."""
         width = tokens.shape[1]
         if self.num_slots + width > self.capacity:
             raise RuntimeError(f"static cache exhausted ({self.num_slots + width} > {self.capacity} slots)")
         if self._compiled and tokens.shape[0] not in self._warm_sizes:  # a batch size new to the captured steps
             self.warm_up()
         compiled = self._compiled.get((width, last_only))
-        if compiled is None and real is None and self._additive is not None:
+        if compiled is None and real is None and not prompt and self._additive is not None:  # (not a prompt's:
+            # no cached causal block [T, T + capacity] of its width)
             with without_cudnn_attention(tokens.device):  # (eager: a plan per batch size and width otherwise)
                 logits = self._real_step(tokens, last_only)
         else:
