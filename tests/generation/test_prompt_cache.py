@@ -438,3 +438,28 @@ def test_an_empty_cache_is_no_cache_and_is_filled_as_hf_fills_it(pair, config):
     assert torch.equal(got, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False))
     assert torch.equal(got, expected)
     assert_extended_as_hf(cache, hf_cache)
+
+
+def test_the_draft_prefills_the_whole_prompt_not_the_targets_cache(pair):
+    """The caller's cache is the target's: only the target's runner starts from it; the draft's first forward is
+    its prefill of the whole prompt (but its last token) from an empty cache at positions 0.., as without the cache.
+    (A draft started from the cache too sees the cached tokens twice and proposes from that context: the tokens
+    stay the target's, the speed-up is lost silently; tiny random models accept its drafts all the same.)"""
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=25)[0]
+    cache = prompt_cache(target, ids[:, :6])
+    seen = []
+
+    def record(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # (its name in transformers 5.24 / before)
+        seen.append((cache.get_seq_length(), kwargs["position_ids"][0, 0].item(), kwargs["input_ids"].shape[1]))
+
+    hook = draft.register_forward_pre_hook(sk.per_token_hook(record), with_kwargs=True)
+    try:
+        got = sk.generate(target, ids, draft_model=draft, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          past_key_values=cache)
+    finally:
+        hook.remove()
+    assert seen[0] == (0, 0, WIDTH - 1)
+    assert torch.equal(got, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        past_key_values=copy.deepcopy(prompt_cache(target, ids[:, :6]))))
