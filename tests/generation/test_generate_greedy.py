@@ -286,10 +286,15 @@ def test_a_stopping_criterion_answering_other_than_one_value_is_named():
     def plain_bool(input_ids, scores):
         return input_ids.shape[1] >= ids.shape[1] + 4
 
+    def answers_for_no_row(input_ids, scores):
+        return torch.zeros(0, dtype=torch.bool)
+
     with pytest.raises(TypeError, match="stopping criterion returns_nothing returned NoneType"):
         sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[returns_nothing])
     with pytest.raises(ValueError, match="stopping criterion answers_for_two_rows returned 2 values"):
         sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[answers_for_two_rows])
+    with pytest.raises(ValueError, match=r"stopping criterion answers_for_no_row returned 0 values .*shape \(0,\)"):
+        sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[answers_for_no_row])
     expected = target.generate(ids, max_new_tokens=8, do_sample=False, stopping_criteria=[plain_bool])
     assert expected.shape[1] == ids.shape[1] + 4
     assert torch.equal(sk.generate(target, ids, draft_model=draft, max_new_tokens=8, stopping_criteria=[plain_bool]),
