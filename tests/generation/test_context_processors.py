@@ -231,6 +231,32 @@ def test_a_callers_function_with_a_defaulted_third_parameter_runs_as_in_model_ge
     assert torch.equal(got, expected)
 
 
+
+def test_a_callers_processor_that_needs_more_arguments_is_refused_by_name(pair):
+    """generate passes a processor (input_ids, scores) alone, as model.generate does: a LogitsProcessor whose
+    ``__call__`` takes more (HF's LogitsProcessorList refuses it, with a default too) and a function that requires a third argument
+    (it fails when called) are refused by name before anything runs; a function taking more positional arguments
+    optionally (``*rest``) runs as in model.generate."""
+    target, draft = pair
+
+    class NeedsLength(LogitsProcessor):
+        def __call__(self, input_ids, scores, cur_len=0):  # (HF's list refuses it, default or not)
+            return scores
+
+    def needs_length(input_ids, scores, cur_len):
+        return scores
+
+    def ban_the_top(input_ids, scores, *rest):
+        return scores.scatter(1, scores.argmax(-1, keepdim=True), float("-inf"))
+
+    for processor, name in ((NeedsLength(), "NeedsLength"), (needs_length, "needs_length")):
+        with pytest.raises(ValueError, match=f"logits processor {name} takes more arguments than"):
+            sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[processor])
+    expected = hf_generate(target, ONE, **GREEDY, logits_processor=LogitsProcessorList([ban_the_top]))
+    got = _quiet(sk.generate, target, ONE, draft_model=draft, **GREEDY,
+                 logits_processor=LogitsProcessorList([ban_the_top]))
+    assert torch.equal(got, expected)
+
 def test_a_callers_processor_returning_no_scores_row_is_named(pair):
     """None (a processor without ``return scores``) or another width: model.generate fails inside torch (or, for a
     narrower row, picks among the first ids only); the error here names the processor."""
