@@ -22,6 +22,8 @@ from helpers.prompts import left_padded
 from helpers.sampling import NEW, VOCAB, hf_warpers, peaky
 from helpers.seq2seq_models import t5
 from helpers.stats import assert_matches
+from speculative_kernels.generation.prompt_cache import extend_caller_cache
+from speculative_kernels.generation.runners.dynamic_cache import RollbackCache
 
 WIDTH, NEW_TOKENS = 12, 16
 # the output's cache field: cache from transformers 5.24, past_key_values before
@@ -405,6 +407,8 @@ def test_refused_by_name(pair, case):
     with pytest.raises(ValueError, match=name) as error:
         sk.generate(target, ids, **kwargs)
     assert words in str(error.value)
+    if case == "batch size":  # (the num_return_sequences hint only where it was passed)
+        assert "num_return_sequences" not in str(error.value)
 
 
 def test_sliding_window_layers_that_dropped_tokens_are_refused():
@@ -463,3 +467,20 @@ def test_the_draft_prefills_the_whole_prompt_not_the_targets_cache(pair):
     assert seen[0] == (0, 0, WIDTH - 1)
     assert torch.equal(got, hf_generate(target, ids, max_new_tokens=NEW_TOKENS, do_sample=False,
                                         past_key_values=copy.deepcopy(prompt_cache(target, ids[:, :6]))))
+
+
+def test_a_target_cache_short_of_the_extension_raises_before_writing_any_layer(pair):
+    """An internal invariant (the batch-1 runner holds a slot for every token up to the last new one): were it
+    broken, the caller's cache would be extended short, silently; it raises instead, with no layer written."""
+    target, _ = pair
+    ids = left_padded([WIDTH], seed=26)[0]
+    cache = prompt_cache(target, ids[:, :2])
+    snapshot = kv_snapshot(cache)
+    runner_cache = RollbackCache(target.config)
+    with torch.no_grad():
+        target(ids[:, :3], past_key_values=runner_cache)  # (3 slots; the extension to 6 needs 6)
+    with pytest.raises(RuntimeError, match="holds fewer than the 6 tokens past_key_values is to be extended to"):
+        extend_caller_cache("past_key_values", cache, runner_cache, batch=1, cached=2, end=6)
+    assert_untouched(cache, snapshot)
+    assert extend_caller_cache("past_key_values", cache, runner_cache, batch=1, cached=2, end=3)
+    assert cache.get_seq_length() == 3
