@@ -87,6 +87,27 @@ def test_an_unpadded_prompt_is_prefilled_without_a_square_mask(pair, chunk, batc
         assert (first is None) == (batch == 1), None if first is None else first.shape
 
 
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_targets_prompt_forward_of_one_new_token_or_a_greedy_request_gets_no_square_mask(pair, batch):
+    """The other prompt path (``loop._prompt``: max_new_tokens=1, and a greedy request of a batch of separate
+    requests, whose first token comes from the target's forward over the whole prompt): an unpadded prompt's
+    forward gets no 4-D mask there too."""
+    target, draft = pair
+    ids, mask = _prompts(batch)
+    plain = hf_generate(target, ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    masks, hook = _masks(target)
+    try:
+        got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, max_new_tokens=1, do_sample=False)
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=3)
+        decoder.add_request(ids[0, -5:].tolist(), max_new_tokens=4, do_sample=False)
+        decoder.step()
+    finally:
+        hook.remove()
+    assert torch.equal(got, plain)
+    assert (masks[0] is None) == (batch == 1), None if masks[0] is None else masks[0].shape
+    assert masks[1] is None  # (the request: one unpadded row, left-aligned on its own)
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("chunk", [1, 3, LENGTH])
 def test_sampled_prefill_path_runs_and_is_near_greedy(pair, chunk, cache):
