@@ -280,6 +280,12 @@ def test_a_callers_processor_returning_no_scores_row_is_named(pair):
     with pytest.raises(ValueError, match=rf"drops_the_last_id returned scores of shape \(1, {narrower}\)"):
         sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[drops_the_last_id])
 
+    def answers_for_two_rows(input_ids, scores):
+        return scores.expand(2, -1)
+
+    with pytest.raises(ValueError, match=r"answers_for_two_rows returned scores of shape \(2, \d+\), not \[1, \d+\]"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[answers_for_two_rows])
+
 
 @pytest.mark.parametrize("make", [t5, bart])
 def test_encoder_decoder(make):

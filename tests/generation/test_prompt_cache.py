@@ -484,3 +484,17 @@ def test_a_target_cache_short_of_the_extension_raises_before_writing_any_layer(p
     assert_untouched(cache, snapshot)
     assert extend_caller_cache("past_key_values", cache, runner_cache, batch=1, cached=2, end=3)
     assert cache.get_seq_length() == 3
+
+
+def test_one_new_token_in_chunks_counts_the_uncached_chunks(pair):
+    """max_new_tokens=1 (the target's one forward over the uncached tokens, in chunks of 1): the statistics count
+    the chunks before the last (which gives the token) over the uncached tokens only, not over the whole prompt."""
+    target, draft = pair
+    ids = left_padded([WIDTH], seed=27)[0]
+    cache = prompt_cache(target, ids[:, :8])
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=draft, max_new_tokens=1, do_sample=False, past_key_values=cache,
+                      prefill_chunk_size=1, speculation_stats=stats)
+    assert torch.equal(got, hf_generate(target, ids, max_new_tokens=1, do_sample=False,
+                                        past_key_values=prompt_cache(target, ids[:, :8])))
+    assert stats.prefill_forwards == WIDTH - 8 - 1  # tokens 8..10, one per chunk (11: the forward of the token)
