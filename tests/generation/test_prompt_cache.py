@@ -498,3 +498,25 @@ def test_one_new_token_in_chunks_counts_the_uncached_chunks(pair):
     assert torch.equal(got, hf_generate(target, ids, max_new_tokens=1, do_sample=False,
                                         past_key_values=prompt_cache(target, ids[:, :8])))
     assert stats.prefill_forwards == WIDTH - 8 - 1  # tokens 8..10, one per chunk (11: the forward of the token)
+
+
+def test_an_eos_inside_an_accepted_block_extends_the_cache_to_the_eos_only(pair):
+    """The target as its own draft accepts every draft (blocks of gamma + 1 tokens): an EOS at each position of the
+    continuation lands inside a block too, where the runner holds the block's slots past it. The caller's cache
+    is extended as HF's, to the EOS (never with the slots verified past it)."""
+    target, _ = pair
+    ids = left_padded([WIDTH], seed=28)[0]
+    cache = prompt_cache(target, ids[:, :5])
+    plain = hf_generate(target, ids, max_new_tokens=8, do_sample=False, past_key_values=copy.deepcopy(cache))
+    new = plain[0, WIDTH:].tolist()
+    for position in range(1, 6):
+        eos = new[position]
+        if eos in new[:position]:
+            continue
+        ours, hf_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+        expected = hf_generate(target, ids, max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                               past_key_values=hf_cache)
+        got = sk.generate(target, ids, draft_model=target, num_speculative_tokens=4, max_new_tokens=8,
+                          do_sample=False, eos_token_id=eos, past_key_values=ours)
+        assert torch.equal(got, expected)
+        assert_extended_as_hf(ours, hf_cache)
