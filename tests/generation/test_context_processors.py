@@ -286,6 +286,12 @@ def test_a_callers_processor_returning_no_scores_row_is_named(pair):
     with pytest.raises(ValueError, match=r"answers_for_two_rows returned scores of shape \(2, \d+\), not \[1, \d+\]"):
         sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[answers_for_two_rows])
 
+    def transposes(input_ids, scores):  # ([V, 1]: as many values, V rows of one; model.generate fails on it)
+        return scores.T
+
+    with pytest.raises(ValueError, match=r"transposes returned scores of shape \(\d+, 1\), not \[1, \d+\]"):
+        sk.generate(target, ONE, draft_model=draft, **GREEDY, logits_processor=[transposes])
+
 
 @pytest.mark.parametrize("make", [t5, bart])
 def test_encoder_decoder(make):
