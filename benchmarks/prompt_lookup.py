@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,7 +42,6 @@ sys.path.insert(0, str(HERE))
 from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
-from speculative_kernels.timing import timed_generate  # noqa: E402
 
 # Functions of 100 to 200 tokens: two copies and the new tokens fit the demo target's 512 positions.
 FUNCTIONS = ["textwrap.indent", "shutil.copyfileobj", "fnmatch.filter", "string.capwords"]
@@ -78,25 +78,29 @@ def tasks(tokenizer, quick: bool) -> dict:
 
 
 class ForwardCounter:
-    """Counts the target's forward calls (HF's paths report no statistics of their own)."""
+    """Counts the target's forward calls (HF's paths report no statistics of their own). Removed for the compiled
+    phase: a compiled step traces the hook, and its guard on ``calls`` fails at every call (a recompile per call)."""
 
     def __init__(self, model):
         self.calls = 0
-        model.register_forward_hook(sk.per_token_hook(self._hook))  # counts calls only
+        self.handle = model.register_forward_hook(sk.per_token_hook(self._hook))  # counts calls only
 
     def _hook(self, module, args, output):
         self.calls += 1
 
 
-def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int) -> dict:
-    """name -> fn(ids, mask, stats) running one path; stats is a SpeculationStats for ours, None for HF's."""
+def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int, compiled: bool = False) -> dict:
+    """name -> fn(ids, mask, stats) running one path; stats is a SpeculationStats for ours, None for HF's.
+    compiled: the compiled phase's paths instead: plain ``model.generate`` eager and on HF's static cache compiled
+    (HF's own compiled decoding, which it allows on the CPU through ``CompileConfig``; its prompt lookup refuses a
+    static cache), HF's prompt lookup, ours with prompt lookup eager and with ``compile=True``."""
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
 
     def ours(**extra):
         return lambda ids, mask, stats: sk.generate(target, ids, attention_mask=mask, speculation_stats=stats,
                                                    **common, **extra)
 
-    return {
+    runs = {
         "plain generate": lambda ids, mask, stats: target.generate(ids, attention_mask=mask, **common),
         f"HF prompt lookup (K={k})": lambda ids, mask, stats: target.generate(
             ids, attention_mask=mask, prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram, **common),
@@ -110,9 +114,31 @@ def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int) ->
             drafter=sk.NGramDrafter.for_model(target, order=2), **common),
         f"ours, demo draft model (γ={gamma})": ours(draft_model=draft, num_speculative_tokens=gamma),
     }
+    if compiled:  # (the compiled phase: see main)
+        hf_compile = transformers.CompileConfig()
+        hf_compile._compile_all_devices = True  # (HF compiles on CUDA only by default; a class attribute, not an argument)
+        runs = {name: runs[name] for name in ("plain generate", f"HF prompt lookup (K={k})",
+                                             f"ours, prompt lookup (K={k})")}
+        runs["plain generate, HF static cache compiled"] = lambda ids, mask, stats: target.generate(
+            ids, attention_mask=mask, cache_implementation="static", compile_config=hf_compile, **common)
+        runs[f"ours, prompt lookup, compile=True (K={k})"] = ours(prompt_lookup_num_tokens=k,
+                                                                  max_matching_ngram_size=ngram, compile=True)
+    return runs
 
 
-def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: int) -> dict:
+_clock = time.perf_counter  # set by --clock
+
+
+def _timed(fn):
+    """(result, seconds) of fn() on the --clock (the CPU: nothing to synchronise)."""
+    start = _clock()
+    result = fn()
+    return result, _clock() - start
+
+
+def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter | None, repeats: int) -> dict:
+    """The paths on each prompt, interleaved. Without a counter (the compiled phase), target forwards come from our
+    statistics, and plain decoding's are its new tokens (one forward each); HF's prompt lookup's are not known."""
     results = {name: {"seconds": 0.0, "tokens": 0, "forwards": 0, "identical": True, "tests": [0, 0]}
                for name in runs}
     for text in prompts:
@@ -125,17 +151,21 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: i
         for _ in range(repeats):  # the paths interleaved, so a change of the machine's load hits them alike
             for name, run in runs.items():
                 stats = sk.SpeculationStats()
-                counter.calls = 0
-                out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu")
+                if counter is not None:
+                    counter.calls = 0
+                out, seconds = _timed(lambda: run(ids, mask, stats))
                 times[name].append(seconds)
-                last[name] = (out, stats, counter.calls)
+                calls = counter.calls if counter is not None else (
+                    stats.target_forwards + stats.prefill_forwards if name.startswith("ours")
+                    else out.shape[1] - ids.shape[1] if name.startswith("plain") else None)
+                last[name] = (out, stats, calls)
         for name in runs:
             out, stats, calls = last[name]
             r = results[name]
             new = out.shape[1] - ids.shape[1]
             r["seconds"] += statistics.median(times[name])
             r["tokens"] += new
-            r["forwards"] += calls  # of the last repeat (greedy: every repeat is the same)
+            r["forwards"] = None if calls is None or r["forwards"] is None else r["forwards"] + calls  # (the last repeat's)
             r["accepted"] = r.get("accepted", 0) + stats.accepted_tokens
             r["drafted"] = r.get("drafted", 0) + stats.drafted_tokens
             if reference is None:
@@ -144,7 +174,7 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats: i
             r["tests"] = [r["tests"][0] + stats.accept_tests_passed, r["tests"][1] + stats.accept_tests]
     for name, r in results.items():
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        r["tokens_per_target_forward"] = r["tokens"] / max(r["forwards"], 1)
+        r["tokens_per_target_forward"] = None if r["forwards"] is None else r["tokens"] / max(r["forwards"], 1)
         passed, tests = r.pop("tests")
         fixed_gamma = "drafter" in name or "draft model" in name
         r["alpha"] = passed / tests if tests and fixed_gamma else None
@@ -166,7 +196,7 @@ def run_batched(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats
         for _ in range(repeats):
             stats = sk.SpeculationStats()
             counter.calls = 0
-            out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu")
+            out, seconds = _timed(lambda: run(ids, mask, stats))
             times.append(seconds)
         reference = out if reference is None else reference
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -187,7 +217,8 @@ def table(all_results: dict, k: int) -> str:
         for name, r in results.items():
             alpha = "" if r["alpha"] is None else f"{r['alpha']:.2f}"
             rate = "" if r["accept_rate"] is None else f"{r['accept_rate']:.2f}"
-            lines.append(f"| {task} | {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_target_forward']:.2f} | "
+            per_forward = "" if r["tokens_per_target_forward"] is None else f"{r['tokens_per_target_forward']:.2f}"
+            lines.append(f"| {task} | {name} | {r['tokens_per_s']:.1f} | {per_forward} | "
                          f"{rate} | {alpha} | {r['tokens_per_s'] / plain:.2f} | "
                          f"{'n/a' if hf is None else format(r['tokens_per_s'] / hf, '.2f')} | "
                          f"{'yes' if r['identical'] else 'NO'} |")
@@ -203,20 +234,36 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the CPU is shared)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--compiled", choices=("no", "also", "only"), default="no",
+                        help="a compiled phase after the main one (also) or alone (only): plain generate eager and "
+                             "on HF's compiled static cache, HF's prompt lookup, ours eager and with compile=True, "
+                             "interleaved, without the forward-counting hook (each prompt's first call of a "
+                             "compiled path compiles: about 20-40 s on the CPU)")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="process: this process's CPU time (a machine shared with other work)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--name", help="JSON file stem (default: prompt-lookup-demo-cpu-<date>, and -quick with "
                                        "--quick): a run never replaces a recorded table's file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global _clock
+    _clock = time.process_time if args.clock == "process" else time.perf_counter
     target, draft, tokenizer = load_demo_pair()
     counter = ForwardCounter(target)
     runs = paths(target, draft, args.k, args.ngram, args.gamma, args.max_new_tokens)
     load_before = os.getloadavg()
+    results = {}
     with torch.inference_mode():
         prompts = tasks(tokenizer, args.quick)
-        results = {task: run_task(p, runs, tokenizer, counter, args.repeats) for task, p in prompts.items()}
-        results[f"edit, batch {len(prompts['edit'])}"] = run_batched(prompts["edit"], runs, tokenizer, counter,
-                                                                      args.repeats)
+        if args.compiled != "only":
+            results = {task: run_task(p, runs, tokenizer, counter, args.repeats) for task, p in prompts.items()}
+            results[f"edit, batch {len(prompts['edit'])}"] = run_batched(prompts["edit"], runs, tokenizer, counter,
+                                                                          args.repeats)
+        if args.compiled != "no":
+            counter.handle.remove()
+            compiled = paths(target, draft, args.k, args.ngram, args.gamma, args.max_new_tokens, compiled=True)
+            for task, p in prompts.items():
+                results[f"{task}, compiled phase"] = run_task(p, compiled, tokenizer, None, args.repeats)
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads,
            "torch": torch.__version__, "transformers": transformers.__version__,

@@ -68,7 +68,9 @@ def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
             raise RuntimeError(
                 f"compile=True: this process has compiled the captured decoding steps for "
                 f"{_DYNAMO_LIMITS['recompile_limit']} shapes already (each model, batch size, gamma and cache size "
-                "bucket is one; changing a model's forward hooks between calls recompiles them too), dynamo's limit "
+                "bucket is one; changing a model's forward hooks between calls recompiles them too, as does a "
+                "hook whose Python state changes at every call, such as a call counter: the step traces the hook "
+                "and guards on that state), dynamo's limit "
                 "for them; call torch._dynamo.reset() to drop the compiled steps, or vary fewer of those between "
                 "calls (a SpeculativeDecoder with a fixed max_context serves requests of any length with one set)") \
                 from error
