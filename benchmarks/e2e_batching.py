@@ -30,7 +30,8 @@ import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import median_run, timed_runs  # noqa: E402
 from speculative_kernels import CompileOptions  # noqa: E402
 
-# hf_static: model.generate with HF's static cache (which HF compiles on CUDA): the baseline of our compiled path.
+# hf_static: model.generate with HF's static cache, compiled (HF compiles it on its own on CUDA; on other devices
+# through a CompileConfig allowing them): the baseline of our compiled path.
 # draft_static: the draft alone the same way, at batch 1: with hf_static it gives c for compiled decoding.
 METHODS = ("hf", "hf_assisted", "hf_static", "draft_static", "dynamic", "static", "compiled")
 
@@ -86,14 +87,24 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
+def _hf_compile_config():
+    """HF's default ``CompileConfig``, allowed on every device: HF compiles a static-cache ``generate`` on its own on
+    CUDA only, so on the CPU the hf_static row would otherwise be eager decoding, not our compiled path's peer."""
+    config = transformers.CompileConfig()
+    config._compile_all_devices = True  # (a class attribute of CompileConfig, not a constructor argument)
+    return config
+
+
 def _method_call(method, target, draft, ids, mask, kwargs, gamma, compile_options):
     """A function of one ``SpeculationStats`` (filled in by our methods, unused by HF's) that runs the method once."""
     if method == "hf":
         return lambda stats: target.generate(ids, attention_mask=mask, **kwargs)
     if method == "hf_static":
-        return lambda stats: target.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        return lambda stats: target.generate(ids, attention_mask=mask, cache_implementation="static",
+                                             compile_config=_hf_compile_config(), **kwargs)
     if method == "draft_static":
-        return lambda stats: draft.generate(ids, attention_mask=mask, cache_implementation="static", **kwargs)
+        return lambda stats: draft.generate(ids, attention_mask=mask, cache_implementation="static",
+                                            compile_config=_hf_compile_config(), **kwargs)
     if method == "hf_assisted":
         return lambda stats: target.generate(ids, attention_mask=mask, assistant_model=draft,
                                              num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
