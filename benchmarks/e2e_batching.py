@@ -87,6 +87,20 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
+_clock = None  # --clock process: time.process_time (CPU only), else the wall clock of timed_runs
+
+
+def _process_timed_runs(fn, repeats: int) -> list:
+    """timed_runs on this process's CPU time (a shared CPU), after one untimed warm-up call."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = _clock()
+        result = fn()
+        runs.append((result, _clock() - start))
+    return runs
+
+
 def _hf_compile_config():
     """HF's default ``CompileConfig``, allowed on every device: HF compiles a static-cache ``generate`` on its own on
     CUDA only, so on the CPU the hf_static row would otherwise be eager decoding, not our compiled path's peer."""
@@ -162,7 +176,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
                 run()  # HF compiles its static-cache forward on the first calls
                 run()
                 warmup_s = time.perf_counter() - start
-            timed = timed_runs(run, device, repeats)
+            timed = timed_runs(run, device, repeats) if _clock is None else _process_timed_runs(run, repeats)
             counts = [new_token_count(out[:, ids.shape[1]:], eos_token_id) for out, _ in timed]
             chosen = median_run(counts, [seconds for _, seconds in timed])  # the run of median tokens/s
             (out, seconds), new_tokens = timed[chosen], counts[chosen]
@@ -239,8 +253,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the rows and the environment to this file")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="process: this process's CPU time (--device cpu on a shared machine)")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = time.process_time if args.clock == "process" else None
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.clock == "process" and device.type != "cpu":
+        parser.error("--clock process times CPU work only: use it with --device cpu")
     dtype = getattr(torch, args.dtype)
     if args.target:
         target, draft = _load(args.target, device, dtype), _load(args.draft, device, dtype)
