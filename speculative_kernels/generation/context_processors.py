@@ -28,7 +28,9 @@ import inspect
 import torch
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
+from .block_processors import block_tokens, fast_op
 from .settings import Plan
+from .transfer import host_to_device
 
 
 class _PerRow:
@@ -46,9 +48,11 @@ class _PerRow:
 
 
 class RowProcessors(_PerRow):
-    """One HF ``LogitsProcessorList`` per row (``build_row_processors``), called processor by processor as
-    ``LogitsProcessorList.__call__`` calls them (without its per-call signature inspection: a processor that needs
-    more arguments than (input_ids, scores) is refused here, where HF's list would raise at its first call)."""
+    """One HF ``LogitsProcessorList`` per row (``build_row_processors``), applied in its order in stages
+    (``split_into_stages``): a run of HF's common processors over the block of every row of the same stages at once
+    (``block_processors``), any other processor called per row and position as ``LogitsProcessorList.__call__``
+    calls it (without its per-call signature inspection: a processor that needs more arguments than
+    (input_ids, scores) is refused here, where HF's list would raise at its first call)."""
 
     def __init__(self, lists: list):
         for processors in lists:
@@ -58,6 +62,15 @@ class RowProcessors(_PerRow):
                     raise ValueError(f"logits processor {name} takes more arguments than (input_ids, scores); "
                                      "generate passes it none, as model.generate would not")
         self.rows = [list(processors) for processors in lists]
+        self.stages = [split_into_stages(processors) for processors in self.rows]
+
+    def select_rows(self, remaining: list[int]) -> None:
+        super().select_rows(remaining)
+        self.stages = [self.stages[i] for i in remaining]
+
+    def add_rows(self, other: "RowProcessors") -> None:
+        super().add_rows(other)
+        self.stages = self.stages + other.stages
 
     def process(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None,
                 rows: list[int]) -> dict[int, int]:
@@ -68,38 +81,116 @@ class RowProcessors(_PerRow):
         Returns {row: j} for the rows whose processors raised at a position j >= 1: there the context holds j draft
         tokens, a sequence ``model.generate`` may never build (a ``prefix_allowed_tokens_fn`` defined on valid
         prefixes only, as in constrained decoding; a processor's own bug on some inputs). Positions 0..j-1 are
-        processed, so the row's first j drafts can be verified as usual; its positions from j on are left
-        unprocessed, and the loop drops a token drawn there (``SpeculativeLoop._verify``). At position 0, whose
-        context is the row's real tokens, what ``model.generate`` would process too, the error propagates."""
-        width = logits.shape[1]
+        processed, so the row's first j drafts can be verified as usual; position j is set to 0 (finite logits)
+        and the later stages leave the positions from j on as they are: the loop drops a token drawn there
+        (``SpeculativeLoop._verify``). At position 0, whose context is the row's real tokens, what
+        ``model.generate`` would process too, the error propagates."""
         caps = {}
+        groups = {}  # rows whose lists have the same stages, processed together
         for b in rows:
-            if not self.rows[b]:  # (a row of a batch of requests without processors of its own)
-                continue
-            context = contexts[b]
-            tokens = context if width == 1 else torch.cat([context, block[b : b + 1, : width - 1]], dim=1)
-            start = context.shape[1]
-            for j in range(width):
-                scores = logits[b : b + 1, j]
-                try:
-                    for processor in self.rows[b]:
-                        run = functools.partial(_run_processor, processor, tokens[:, : start + j])
-                        if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
-                            scores = warp_valid_rows(run, scores)
-                        else:
-                            scores = run(scores)
-                except Exception:
-                    if j == 0:
-                        raise
-                    caps[b] = j
-                    # (a processor may have edited the position in place before raising: the verification still
-                    # draws a token there, dropped after, so it gets finite logits, never an invalid row's)
-                    logits[b : b + 1, j] = 0.0
-                    break
-                row = logits[b : b + 1, j]
-                if scores.data_ptr() != row.data_ptr():  # (else it is the row itself, edited in place, or a view of it)
-                    row.copy_(scores)
+            if self.rows[b]:  # (a row of a batch of requests without processors of its own: none)
+                groups.setdefault(_stages_key(self.stages[b]), []).append(b)
+        for members in groups.values():
+            _StageRunner(logits, contexts, block, members, caps).run([self.stages[b] for b in members])
         return caps
+
+
+class _StageRunner:
+    """One call's processing of rows with the same stages (``RowProcessors.process``); caps: {row: j}, filled."""
+
+    def __init__(self, logits: torch.Tensor, contexts: list, block: torch.Tensor | None, members: list[int],
+                 caps: dict):
+        self.logits, self.contexts, self.block, self.members, self.caps = logits, contexts, block, members, caps
+        self.width = logits.shape[1]
+        self._block_tokens = None  # (built at the first fast stage)
+        self._row_tokens = {}  # row -> [1, L_b + T - 1] (built at the row's first per-row stage)
+
+    def run(self, stages_per_row: list) -> None:
+        for s, (fast, _) in enumerate(stages_per_row[0]):
+            processors = [stages[s][1] for stages in stages_per_row]  # per member row: its processors of stage s
+            if fast:
+                self._fast(processors)
+            else:
+                for b, row_processors in zip(self.members, processors):
+                    self._per_row(b, row_processors)
+
+    def _fast(self, processors: list) -> None:
+        """The stage's processors over the members' whole block at once; per row where one raises (an id HF's own
+        indexing refuses: the per-row calls then do what HF does)."""
+        members = self.members
+        every = members == list(range(self.logits.shape[0]))
+        index = None if every else host_to_device(members, torch.int64, self.logits.device)
+        old = self.logits if every else self.logits.index_select(0, index)
+        try:
+            if self._block_tokens is None:
+                block = None if self.block is None or every else self.block.index_select(0, index)
+                self._block_tokens = block_tokens([self.contexts[b] for b in members],
+                                                  self.block if every else block, self.width)
+            new = old
+            for i in range(len(processors[0])):
+                row_processors = [p[i] for p in processors]
+                new = fast_op(row_processors[0])(new, self._block_tokens, row_processors)
+        except (IndexError, RuntimeError):
+            for b, row_processors in zip(members, processors):
+                self._per_row(b, row_processors)
+            return
+        for r, b in enumerate(members):  # (a row that raised at j keeps its positions from j on as they are)
+            if b in self.caps:
+                new[r, self.caps[b]:] = old[r, self.caps[b]:]
+        if every:
+            self.logits.copy_(new)
+        else:
+            self.logits.index_copy_(0, index, new)
+
+    def _per_row(self, b: int, processors: tuple) -> None:
+        """Row b's ``processors`` called at each of its positions (those before a position where an earlier stage
+        raised), as ``LogitsProcessorList`` calls them."""
+        logits, width = self.logits, self.width
+        tokens = self._row_tokens.get(b)
+        if tokens is None:
+            context = self.contexts[b]
+            tokens = context if width == 1 else torch.cat([context, self.block[b : b + 1, : width - 1]], dim=1)
+            self._row_tokens[b] = tokens
+        start = self.contexts[b].shape[1]
+        for j in range(self.caps.get(b, width)):
+            scores = logits[b : b + 1, j]
+            try:
+                for processor in processors:
+                    run = functools.partial(_run_processor, processor, tokens[:, : start + j])
+                    if type(processor).__name__.endswith("Warper"):  # (HF's warpers' naming)
+                        scores = warp_valid_rows(run, scores)
+                    else:
+                        scores = run(scores)
+            except Exception:
+                if j == 0:
+                    raise
+                self.caps[b] = j
+                # (a processor may have edited the position in place before raising: the verification still
+                # draws a token there, dropped after, so it gets finite logits, never an invalid row's)
+                logits[b : b + 1, j] = 0.0
+                return
+            row = logits[b : b + 1, j]
+            if scores.data_ptr() != row.data_ptr():  # (else it is the row itself, edited in place, or a view of it)
+                row.copy_(scores)
+
+
+def split_into_stages(processors: list) -> list:
+    """A row's processor list as its runs in order: [(fast, (processors, ...))], fast runs those ``block_processors``
+    applies to a whole block at once (``fast_op``), the others called per row and position. HF's order is kept:
+    each processor acts on what the ones before it returned."""
+    stages = []
+    for processor in processors:
+        fast = fast_op(processor) is not None
+        if stages and stages[-1][0] == fast:
+            stages[-1] = (fast, stages[-1][1] + (processor,))
+        else:
+            stages.append((fast, (processor,)))
+    return stages
+
+
+def _stages_key(stages: list) -> tuple:
+    """What rows processed together must share: each stage's kind, and a fast stage's processor classes in order."""
+    return tuple((fast, tuple(type(p) for p in processors) if fast else None) for fast, processors in stages)
 
 
 class RowWarpers(_PerRow):

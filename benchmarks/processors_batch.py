@@ -1,0 +1,175 @@
+"""HF's logits processors at batch > 1: plain ``model.generate`` against ours, with the processors' fast path
+(``generation/context_processors.py``: runs of HF's common processors over the whole block at once) and without it
+(every processor called per row and position, as before the fast path).
+
+    OMP_NUM_THREADS=1 python benchmarks/processors_batch.py --out benchmarks/results/processors-batch-cpu.json
+    python benchmarks/processors_batch.py --quick          # batch 1 and 4, one repeat, 16 tokens (a smoke test)
+
+The demo pair, greedy, γ --gamma; prompts: ``half_precision.stdlib_prompts`` (two lines of a standard-library
+``def``), left-padded with the tokenizer's pad id and its attention mask. Every row generates --max-new-tokens
+tokens: EOS off for the repetition penalty; for the n-gram ban the EOS is set and ``min_new_tokens`` equals
+--max-new-tokens, so HF's MinLength/MinNewTokens processors run at every step and the EOS is never drawn. Per batch
+size and setting, the paths run interleaved --repeats times after one warm-up each (whose outputs are compared with
+plain ``generate``: token identity); reported: tokens/s from the median time, the ratio to plain ``generate``, and
+for ours the acceptance rate (accepted / drafted tokens of the warm-up call). ``--profile`` prints a cProfile of
+ours per-row at the largest batch instead. A markdown table on stdout, JSON under --out.
+"""
+
+import argparse
+import cProfile
+import contextlib
+import datetime
+import json
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from half_precision import stdlib_prompts  # noqa: E402
+from harness import cpu_name  # noqa: E402
+import speculative_kernels as sk  # noqa: E402
+from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
+from speculative_kernels.generation import context_processors  # noqa: E402
+
+
+def settings(eos: int, max_new_tokens: int) -> dict:
+    """name -> generate keywords (besides the common ones)."""
+    return {
+        "repetition_penalty=1.05": dict(repetition_penalty=1.05, eos_token_id=None),
+        "no_repeat_ngram_size=3, min_new_tokens": dict(no_repeat_ngram_size=3, eos_token_id=eos,
+                                                       min_new_tokens=max_new_tokens),
+    }
+
+
+@contextlib.contextmanager
+def per_row_only():
+    """Ours without the fast path: every processor called per row and position (the code before it)."""
+    split = context_processors.split_into_stages
+    context_processors.split_into_stages = lambda processors: [(False, tuple(processors))] if processors else []
+    try:
+        yield
+    finally:
+        context_processors.split_into_stages = split
+
+
+def paths(target, draft, gamma: int, common: dict, stats: list) -> dict:
+    """name -> fn(ids, mask) -> sequences. stats: each call of ours appends its SpeculationStats."""
+
+    def ours(ids, mask):
+        stats.append(sk.SpeculationStats())
+        return sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=gamma,
+                           speculation_stats=stats[-1], **common)
+
+    def ours_per_row(ids, mask):
+        with per_row_only():
+            return ours(ids, mask)
+
+    return {"plain generate": lambda ids, mask: target.generate(ids, attention_mask=mask, **common),
+            "ours": ours, "ours, per-row processors": ours_per_row}
+
+
+def run_case(runs: dict, ids, mask, repeats: int, stats: list) -> dict:
+    """Per path: tokens, median seconds, tok/s, same as plain; ours' acceptance (its warm-up call)."""
+    outputs = {name: fn(ids, mask) for name, fn in runs.items()}  # (warm-up; ours' call is stats[0])
+    acceptance = stats[0].accepted_tokens / max(stats[0].drafted_tokens, 1)
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            start = time.process_time() if CLOCK == "process" else time.perf_counter()
+            fn(ids, mask)
+            times[name].append((time.process_time() if CLOCK == "process" else time.perf_counter()) - start)
+    result = {}
+    for name in runs:
+        tokens = outputs[name].numel() - ids.numel()
+        seconds = statistics.median(times[name])
+        result[name] = {"tokens": tokens, "seconds": seconds, "times": times[name], "tok_s": tokens / seconds,
+                        "same_as_plain": torch.equal(outputs[name], outputs["plain generate"])}
+    for name in runs:
+        result[name]["x_plain"] = result[name]["tok_s"] / result["plain generate"]["tok_s"]
+    result["ours"]["x_per_row"] = result["ours"]["tok_s"] / result["ours, per-row processors"]["tok_s"]
+    result["ours"]["acceptance_rate"] = acceptance
+    return result
+
+
+def table(results: list) -> str:
+    lines = ["| batch | setting | path | tok/s | × plain | same as plain | acceptance |",
+             "|---:|---|---|---:|---:|---|---:|"]
+    for r in results:
+        for name, row in r["paths"].items():
+            accept = f"{row['acceptance_rate']:.3f}" if "acceptance_rate" in row else ""
+            lines.append(f"| {r['batch']} | {r['setting']} | {name} | {row['tok_s']:.1f} | {row['x_plain']:.2f} | "
+                         f"{'yes' if row['same_as_plain'] else 'NO'} | {accept} |")
+    return "\n".join(lines)
+
+
+CLOCK = "wall"
+
+
+def main(argv=None) -> int:
+    global CLOCK
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=["wall", "process"], default="wall",
+                        help="process: this process's CPU time (a machine shared with other jobs)")
+    parser.add_argument("--quick", action="store_true", help="batch 1 and 4, one repeat, 16 new tokens")
+    parser.add_argument("--profile", action="store_true", help="cProfile ours per-row at the largest batch")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.repeats, args.max_new_tokens = [1, 4], 1, 16
+    CLOCK = args.clock
+    torch.set_num_threads(args.threads)
+    target, draft, tokenizer = load_demo_pair()
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(stdlib_prompts(max(args.batch)), return_tensors="pt", padding=True)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    cases = settings(tokenizer.eos_token_id, args.max_new_tokens)
+    results = []
+    with torch.inference_mode():
+        if args.profile:
+            return profile(target, draft, encoded, max(args.batch), args, common, cases)
+        for batch in args.batch:
+            ids, mask = encoded.input_ids[:batch], encoded.attention_mask[:batch]
+            for name, setting in cases.items():
+                stats = []
+                runs = paths(target, draft, args.gamma, {**common, **setting}, stats)
+                results.append({"batch": batch, "setting": name,
+                                "paths": run_case(runs, ids, mask, args.repeats, stats)})
+                print(f"batch {batch}, {name}: done", file=sys.stderr, flush=True)
+    print(table(results))
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                "machine": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "args": vars(args), "command": " ".join(sys.argv)}
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0 if all(p["same_as_plain"] for r in results for p in r["paths"].values()) else 1
+
+
+def profile(target, draft, encoded, batch: int, args, common: dict, cases: dict) -> int:
+    """cProfile of ours with per-row processors and with the fast path, each setting, at ``batch``."""
+    ids, mask = encoded.input_ids[:batch], encoded.attention_mask[:batch]
+    for name, setting in cases.items():
+        runs = paths(target, draft, args.gamma, {**common, **setting}, [])
+        for path in ("ours, per-row processors", "ours"):
+            runs[path](ids, mask)
+            profiler = cProfile.Profile()
+            profiler.runcall(runs[path], ids, mask)
+            print(f"=== {name}: {path}, batch {batch}")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""HF's most common logits processors over a whole speculative block at once: logits [R, T, V], every row and
+position in a few tensor ops, with exactly the scores that calling the processor per row and position gives
+(``context_processors.RowProcessors``' per-row path: position j of row r processed with input_ids [1, L_r + j],
+the row's L_r tokens so far and the block's first j drafts).
+
+Which: HF's repetition penalty, n-gram ban, minimum length, minimum new tokens, suppressed tokens and suppressed
+tokens at the first position (``fast_op``), whose class is exactly HF's and whose settings are of the types HF's
+``generate`` builds them with; anything else (a subclass, a caller's processor, sequence bias and bad words, whose
+float sums follow each transformers version's own order) is called per row. Each op does the float operations
+HF's ``__call__`` does, elementwise on the same values with the same scalar operands (``x * penalty``,
+``x / penalty`` with the Python float, ``-inf`` fills), so the processed scores are bit-identical; the parts that
+differ between transformers versions are read off the installed one (``_CLAMPS_*``). An id HF's own indexing
+would refuse raises here too (scatter's bounds check), and the caller then runs the processors per row, which does
+what HF does.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+from .transfer import host_to_device
+
+
+@dataclass
+class BlockTokens:
+    """What each position of a block is processed with, for R rows at once.
+
+    tokens: [R, W] int64, row r's context (its L_r tokens so far), then its T - 1 drafts, then filler (0);
+    lengths: [R] int64, L_r; cur: [R, T] int64, L_r + j, the length of input_ids at position j."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    cur: torch.Tensor
+
+
+def block_tokens(contexts: list, block: torch.Tensor | None, width: int) -> BlockTokens:
+    """contexts: R tensors [1, L_r] int64 (the rows' tokens so far); block [R, >= width - 1] int64 (the drafts at
+    positions 0..width-2; None when width is 1)."""
+    device = contexts[0].device
+    tokens = pad_sequence([c[0] for c in contexts], batch_first=True, padding_value=0)
+    lengths = host_to_device([c.shape[1] for c in contexts], torch.int64, device)
+    if width > 1:
+        tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], width - 1)], dim=1)
+        columns = lengths[:, None] + torch.arange(width - 1, device=device)
+        tokens.scatter_(1, columns, block[:, : width - 1])
+    return BlockTokens(tokens, lengths, lengths[:, None] + torch.arange(width, device=device))
+
+
+def _groups(processors: list, key) -> list:
+    """[(a processor of the group, its rows: a host list of R bools, or None for all rows)]: the rows' processors
+    grouped by ``key`` (their settings; one group in a call's batch, several in a batch of requests)."""
+    keys = [key(p) for p in processors]
+    if all(k == keys[0] for k in keys):
+        return [(processors[0], None)]
+    groups = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    return [(processors[members[0]], [r in members for r in range(len(keys))]) for members in groups.values()]
+
+
+def _rows_mask(rows: list | None, device) -> torch.Tensor | None:
+    """[R, 1, 1] bool of a group's rows (None: all)."""
+    return None if rows is None else host_to_device(rows, torch.bool, device)[:, None, None]
+
+
+def _and(mask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return mask if rows is None else mask & rows
+
+
+def _row_values(processors: list, read, device) -> torch.Tensor:
+    """[R] int64: ``read(p)`` of each row's processor."""
+    return host_to_device([int(read(p)) for p in processors], torch.int64, device)
+
+
+def _vocab_mask(ids: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """[V] bool: the vocabulary's ids among ``ids`` (as HF: ``isin(arange(V), ids)``)."""
+    return torch.isin(torch.arange(vocab, device=device), ids.to(device))
+
+
+# ------------------------------------------------------------------------------------------------ the processors
+def _repetition_penalty(x: torch.Tensor, block: BlockTokens, processors: list) -> torch.Tensor:
+    """x [R, T, V] float32 -> penalised where the token is among the position's input_ids (less a row's ignored
+    first ``prompt_ignore_length`` ids): ``where(x < 0, x * penalty, x / penalty)``, HF's gather/scatter
+    elementwise."""
+    rows, steps, vocab = x.shape
+    device = x.device
+    ignore = _ignore_lengths(processors, device)  # [R]
+    tokens = block.tokens
+    # Ids past the output vocabulary: transformers >= 5.24 leaves them out (a spare column V); older ones index
+    # with them, which raises: -1 makes the scatter below raise there too
+    ids = tokens.clamp(max=vocab) if _CLAMPS_PENALTY else tokens.masked_fill(tokens >= vocab, -1)
+    columns = torch.arange(tokens.shape[1], device=device)
+    counted = columns >= ignore[:, None]  # [R, W]
+    in_context = (columns < block.lengths[:, None]) & counted
+    present = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
+    present.scatter_(1, torch.where(in_context, ids, vocab), True)
+    present = present[:, None, :].repeat(1, steps, 1)  # [R, T, V + 1]
+    if steps > 1:  # position j's input_ids hold the drafts i < j too
+        draft_columns = block.lengths[:, None] + torch.arange(steps - 1, device=device)  # [R, T - 1]
+        drafts = ids.gather(1, draft_columns)
+        before = torch.arange(steps - 1, device=device)[None, :] < torch.arange(steps, device=device)[:, None]
+        seen = before[None] & counted.gather(1, draft_columns)[:, None, :]  # [R, T, T - 1]
+        present.scatter_(2, torch.where(seen, drafts[:, None, :], vocab), True)
+    present = present[..., :vocab]
+    for processor, rows_in in _groups(processors, lambda p: p.penalty):
+        penalty = processor.penalty
+        penalised = torch.where(x < 0, x * penalty, x / penalty)
+        x = torch.where(_and(present, _rows_mask(rows_in, device)), penalised, x)
+    return x
+
+
+def _ignore_lengths(processors: list, device) -> torch.Tensor:
+    """[R] int64: each row's ``prompt_ignore_length`` (None: 0; an int; a one-row tensor, as 5.24's generate builds
+    from the row's attention mask: its left padding)."""
+    values = [p.prompt_ignore_length for p in processors]
+    if all(not isinstance(v, torch.Tensor) for v in values):
+        return host_to_device([v or 0 for v in values], torch.int64, device)
+    return torch.cat([v.to(device, torch.int64) if isinstance(v, torch.Tensor)
+                      else torch.tensor([v or 0], device=device) for v in values])
+
+
+def _no_repeat_ngram(x: torch.Tensor, block: BlockTokens, processors: list) -> torch.Tensor:
+    """x [R, T, V] -> -inf at each token that would complete an n-gram already in the position's input_ids."""
+    for processor, rows_in in _groups(processors, lambda p: p.ngram_size):
+        banned = _ngram_bans(block, processor.ngram_size, x.shape[-1])
+        if banned is not None:
+            x = x.masked_fill(_and(banned, _rows_mask(rows_in, x.device)), -float("inf"))
+    return x
+
+
+def _ngram_bans(block: BlockTokens, n: int, vocab: int) -> torch.Tensor | None:
+    """[R, T, V] bool: at position j of row r, the last tokens of the n-token windows inside its input_ids
+    (tokens[r, : cur]) whose first n - 1 tokens are the input_ids' last n - 1 (HF's rule; None: no window fits)."""
+    tokens, cur = block.tokens, block.cur
+    rows, steps = cur.shape
+    if tokens.shape[1] < n:
+        return None
+    device = tokens.device
+    windows = tokens.unfold(1, n, 1)  # [R, S, n]
+    suffix = (cur[..., None] - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0)  # [R, T, n - 1]
+    suffix = tokens.gather(1, suffix.reshape(rows, -1)).reshape(rows, steps, n - 1)
+    matches = (windows[:, None, :, :-1] == suffix[:, :, None, :]).all(dim=-1)  # [R, T, S]
+    starts = torch.arange(windows.shape[1], device=device)
+    matches &= starts + n <= cur[..., None]  # (whole windows before position j only)
+    last = windows[..., -1]
+    if _CLAMPS_NGRAM:  # (else an id past V + 1 raises in the scatter, as in HF's)
+        last = last.clamp(max=vocab)
+    banned = torch.zeros(rows, steps, vocab + 1, dtype=torch.bool, device=device)
+    banned.scatter_(2, torch.where(matches, last[:, None, :], vocab), True)
+    return banned[..., :vocab]
+
+
+def _eos_ban(x: torch.Tensor, processors: list, short: torch.Tensor, ids) -> torch.Tensor:
+    """x with -inf at the ids ``ids(p)`` of each row's processor, at the positions ``short`` [R, T] bool."""
+    for processor, rows_in in _groups(processors, lambda p: id(ids(p))):
+        ban = short[..., None] & _vocab_mask(ids(processor), x.shape[-1], x.device)
+        x = x.masked_fill(_and(ban, _rows_mask(rows_in, x.device)), -math.inf)
+    return x
+
+
+def _min_length(x, block: BlockTokens, processors: list) -> torch.Tensor:
+    """EOS banned while input_ids are shorter than min_length."""
+    short = block.cur < _row_values(processors, lambda p: p.min_length, x.device)[:, None]
+    return _eos_ban(x, processors, short, lambda p: p.eos_token_id)
+
+
+def _min_new_tokens(x, block: BlockTokens, processors: list) -> torch.Tensor:
+    """EOS banned while fewer than min_new_tokens follow the prompt_length_to_skip first ids."""
+    skip = _row_values(processors, lambda p: p.prompt_length_to_skip, x.device)
+    least = _row_values(processors, lambda p: p.min_new_tokens, x.device)
+    short = block.cur - skip[:, None] < least[:, None]
+    return _eos_ban(x, processors, short, lambda p: p.eos_token_id)
+
+
+def _suppress_tokens(x, block: BlockTokens, processors: list) -> torch.Tensor:
+    """The suppressed ids -inf at every position."""
+    everywhere = torch.ones(block.cur.shape, dtype=torch.bool, device=x.device)
+    return _eos_ban(x, processors, everywhere, lambda p: p.suppress_tokens)
+
+
+def _suppress_tokens_at_begin(x, block: BlockTokens, processors: list) -> torch.Tensor:
+    """The suppressed ids -inf where input_ids are begin_index long."""
+    first = block.cur == _row_values(processors, lambda p: p.begin_index, x.device)[:, None]
+    return _eos_ban(x, processors, first, lambda p: p.begin_suppress_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ eligibility
+def _int(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _ids(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() <= 1
+
+
+def _ignore_ok(value) -> bool:
+    """None, an int, or a one-row integer tensor (what HF's generate builds, per transformers version)."""
+    if value is None or _int(value):
+        return True
+    return isinstance(value, torch.Tensor) and value.shape == (1,) and not value.is_floating_point()
+
+
+_OPS = {
+    RepetitionPenaltyLogitsProcessor: (
+        _repetition_penalty,
+        lambda p: type(p.penalty) is float and p.penalty > 0 and _ignore_ok(p.prompt_ignore_length)),
+    NoRepeatNGramLogitsProcessor: (_no_repeat_ngram, lambda p: _int(p.ngram_size) and p.ngram_size > 0),
+    MinLengthLogitsProcessor: (_min_length, lambda p: _int(p.min_length) and _ids(p.eos_token_id)),
+    MinNewTokensLengthLogitsProcessor: (
+        _min_new_tokens,
+        lambda p: _int(p.prompt_length_to_skip) and _int(p.min_new_tokens) and _ids(p.eos_token_id)),
+    SuppressTokensLogitsProcessor: (_suppress_tokens, lambda p: _ids(p.suppress_tokens)),
+    SuppressTokensAtBeginLogitsProcessor: (
+        _suppress_tokens_at_begin, lambda p: _int(p.begin_index) and _ids(p.begin_suppress_tokens)),
+}
+
+
+def fast_op(processor):
+    """The block op for ``processor`` (fn(x [R, T, V], BlockTokens, one processor per row) -> x processed), or None
+    where it is called per row: its class is not exactly one of HF's handled here, or a setting is of a type HF's
+    generate does not build it with."""
+    entry = _OPS.get(type(processor))
+    if entry is None:
+        return None
+    op, eligible = entry
+    try:
+        return op if eligible(processor) else None
+    except AttributeError:  # (a transformers whose processor lacks an attribute read here)
+        return None
+
+
+def _clamps_out_of_vocab_ids(processor) -> bool:
+    """Whether the installed transformers' ``processor`` skips an id past the output vocabulary (>= 5.24: clamped to
+    a spare column) rather than indexing with it (older: an index error)."""
+    try:
+        processor(torch.tensor([[3]]), torch.zeros(1, 2))
+    except (IndexError, RuntimeError):
+        return False
+    return True
+
+
+_CLAMPS_PENALTY = _clamps_out_of_vocab_ids(RepetitionPenaltyLogitsProcessor(2.0))
+_CLAMPS_NGRAM = _clamps_out_of_vocab_ids(NoRepeatNGramLogitsProcessor(1))
+
+__all__ = ["BlockTokens", "block_tokens", "fast_op"]
