@@ -68,13 +68,9 @@ def _groups(processors: list, key) -> list:
     return [(processors[members[0]], [r in members for r in range(len(keys))]) for members in groups.values()]
 
 
-def _rows_mask(rows: list | None, device) -> torch.Tensor | None:
-    """[R, 1, 1] bool of a group's rows (None: all)."""
-    return None if rows is None else host_to_device(rows, torch.bool, device)[:, None, None]
-
-
-def _and(mask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    return mask if rows is None else mask & rows
+def _rows_mask(rows: list | None, device, dims: int) -> torch.Tensor | None:
+    """[R, 1, ...] bool (``dims`` dimensions) of a group's rows (None: all)."""
+    return None if rows is None else host_to_device(rows, torch.bool, device).reshape(-1, *([1] * (dims - 1)))
 
 
 def _row_values(processors: list, read, device) -> torch.Tensor:
@@ -82,41 +78,37 @@ def _row_values(processors: list, read, device) -> torch.Tensor:
     return host_to_device([int(read(p)) for p in processors], torch.int64, device)
 
 
-def _vocab_mask(ids: torch.Tensor, vocab: int, device) -> torch.Tensor:
-    """[V] bool: the vocabulary's ids among ``ids`` (as HF: ``isin(arange(V), ids)``)."""
-    return torch.isin(torch.arange(vocab, device=device), ids.to(device))
+def _fill(x: torch.Tensor, where: torch.Tensor, ids: torch.Tensor) -> None:
+    """-inf in place at x[r, j, ids[k]] for where[r, j] (HF's ``where(isin(arange(V), ids), -inf, scores)`` at those
+    positions; ids outside [0, V) match nothing there, so they go to the spare column V here)."""
+    spare = x.shape[-1] - 1
+    ids = ids.to(x.device, torch.int64).reshape(-1)
+    ids = torch.where((ids >= 0) & (ids < spare), ids, spare)
+    x.scatter_(2, torch.where(where[..., None], ids, spare), -math.inf)
 
 
 # ------------------------------------------------------------------------------------------------ the processors
-def _repetition_penalty(x: torch.Tensor, block: BlockTokens, processors: list) -> torch.Tensor:
-    """x [R, T, V] float32 -> penalised where the token is among the position's input_ids (less a row's ignored
-    first ``prompt_ignore_length`` ids): ``where(x < 0, x * penalty, x / penalty)``, HF's gather/scatter
-    elementwise."""
-    rows, steps, vocab = x.shape
-    device = x.device
-    ignore = _ignore_lengths(processors, device)  # [R]
-    tokens = block.tokens
-    # Ids past the output vocabulary: transformers >= 5.24 leaves them out (a spare column V); older ones index
-    # with them, which raises: -1 makes the scatter below raise there too
-    ids = tokens.clamp(max=vocab) if _CLAMPS_PENALTY else tokens.masked_fill(tokens >= vocab, -1)
+# Each op: fn(x [R, T, V + 1] float32, the scores with a spare last column, edited in place; BlockTokens; the rows'
+# processors, one per row, of one class).
+def _repetition_penalty(x: torch.Tensor, block: BlockTokens, processors: list) -> None:
+    """Penalised where the token is among the position's input_ids (less a row's ignored first
+    ``prompt_ignore_length`` ids): HF's gather, ``where(score < 0, score * penalty, score / penalty)``, scatter,
+    with each position's ids [R, T, W] (the others at the spare column)."""
+    spare, device, tokens = x.shape[-1] - 1, x.device, block.tokens
+    # Ids past the output vocabulary: transformers >= 5.24 leaves them out (the spare column); older ones index
+    # with them, which raises: -1 makes the gather below raise there too
+    ids = tokens.clamp(max=spare) if _CLAMPS_PENALTY else tokens.masked_fill(tokens >= spare, -1)
     columns = torch.arange(tokens.shape[1], device=device)
-    counted = columns >= ignore[:, None]  # [R, W]
-    in_context = (columns < block.lengths[:, None]) & counted
-    present = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
-    present.scatter_(1, torch.where(in_context, ids, vocab), True)
-    present = present[:, None, :].repeat(1, steps, 1)  # [R, T, V + 1]
-    if steps > 1:  # position j's input_ids hold the drafts i < j too
-        draft_columns = block.lengths[:, None] + torch.arange(steps - 1, device=device)  # [R, T - 1]
-        drafts = ids.gather(1, draft_columns)
-        before = torch.arange(steps - 1, device=device)[None, :] < torch.arange(steps, device=device)[:, None]
-        seen = before[None] & counted.gather(1, draft_columns)[:, None, :]  # [R, T, T - 1]
-        present.scatter_(2, torch.where(seen, drafts[:, None, :], vocab), True)
-    present = present[..., :vocab]
+    ignore = _ignore_lengths(processors, device)  # [R]
+    seen = (columns < block.cur[..., None]) & (columns >= ignore[:, None, None])  # [R, T, W]
+    index = torch.where(seen, ids[:, None, :], spare)
+    score = x.gather(2, index)
     for processor, rows_in in _groups(processors, lambda p: p.penalty):
         penalty = processor.penalty
-        penalised = torch.where(x < 0, x * penalty, x / penalty)
-        x = torch.where(_and(present, _rows_mask(rows_in, device)), penalised, x)
-    return x
+        penalised = torch.where(score < 0, score * penalty, score / penalty)
+        mask = _rows_mask(rows_in, device, 3)
+        score = penalised if mask is None else torch.where(mask, penalised, score)
+    x.scatter_(2, index, score)
 
 
 def _ignore_lengths(processors: list, device) -> torch.Tensor:
@@ -129,69 +121,65 @@ def _ignore_lengths(processors: list, device) -> torch.Tensor:
                       else torch.tensor([v or 0], device=device) for v in values])
 
 
-def _no_repeat_ngram(x: torch.Tensor, block: BlockTokens, processors: list) -> torch.Tensor:
-    """x [R, T, V] -> -inf at each token that would complete an n-gram already in the position's input_ids."""
+def _no_repeat_ngram(x: torch.Tensor, block: BlockTokens, processors: list) -> None:
+    """-inf at each token that would complete an n-gram already in the position's input_ids."""
     for processor, rows_in in _groups(processors, lambda p: p.ngram_size):
-        banned = _ngram_bans(block, processor.ngram_size, x.shape[-1])
-        if banned is not None:
-            x = x.masked_fill(_and(banned, _rows_mask(rows_in, x.device)), -float("inf"))
-    return x
+        _ban_ngrams(x, block, processor.ngram_size, _rows_mask(rows_in, x.device, 3))
 
 
-def _ngram_bans(block: BlockTokens, n: int, vocab: int) -> torch.Tensor | None:
-    """[R, T, V] bool: at position j of row r, the last tokens of the n-token windows inside its input_ids
-    (tokens[r, : cur]) whose first n - 1 tokens are the input_ids' last n - 1 (HF's rule; None: no window fits)."""
+def _ban_ngrams(x: torch.Tensor, block: BlockTokens, n: int, rows_in: torch.Tensor | None) -> None:
+    """At position j of row r, -inf at the last tokens of the n-token windows inside its input_ids
+    (tokens[r, : cur]) whose first n - 1 tokens are the input_ids' last n - 1 (HF's rule)."""
     tokens, cur = block.tokens, block.cur
     rows, steps = cur.shape
-    if tokens.shape[1] < n:
-        return None
-    device = tokens.device
+    if tokens.shape[1] < n:  # (no window fits)
+        return
+    device, spare = tokens.device, x.shape[-1] - 1
     windows = tokens.unfold(1, n, 1)  # [R, S, n]
     suffix = (cur[..., None] - (n - 1) + torch.arange(n - 1, device=device)).clamp(min=0)  # [R, T, n - 1]
     suffix = tokens.gather(1, suffix.reshape(rows, -1)).reshape(rows, steps, n - 1)
     matches = (windows[:, None, :, :-1] == suffix[:, :, None, :]).all(dim=-1)  # [R, T, S]
     starts = torch.arange(windows.shape[1], device=device)
     matches &= starts + n <= cur[..., None]  # (whole windows before position j only)
+    if rows_in is not None:
+        matches &= rows_in
     last = windows[..., -1]
     if _CLAMPS_NGRAM:  # (else an id past V + 1 raises in the scatter, as in HF's)
-        last = last.clamp(max=vocab)
-    banned = torch.zeros(rows, steps, vocab + 1, dtype=torch.bool, device=device)
-    banned.scatter_(2, torch.where(matches, last[:, None, :], vocab), True)
-    return banned[..., :vocab]
+        last = last.clamp(max=spare)
+    x.scatter_(2, torch.where(matches, last[:, None, :], spare), -float("inf"))
 
 
-def _eos_ban(x: torch.Tensor, processors: list, short: torch.Tensor, ids) -> torch.Tensor:
-    """x with -inf at the ids ``ids(p)`` of each row's processor, at the positions ``short`` [R, T] bool."""
+def _ban_ids(x: torch.Tensor, processors: list, where: torch.Tensor, ids) -> None:
+    """-inf at the ids ``ids(p)`` of each row's processor, at the positions ``where`` [R, T] bool."""
     for processor, rows_in in _groups(processors, lambda p: id(ids(p))):
-        ban = short[..., None] & _vocab_mask(ids(processor), x.shape[-1], x.device)
-        x = x.masked_fill(_and(ban, _rows_mask(rows_in, x.device)), -math.inf)
-    return x
+        mask = _rows_mask(rows_in, x.device, 2)
+        _fill(x, where if mask is None else where & mask, ids(processor))
 
 
-def _min_length(x, block: BlockTokens, processors: list) -> torch.Tensor:
+def _min_length(x, block: BlockTokens, processors: list) -> None:
     """EOS banned while input_ids are shorter than min_length."""
     short = block.cur < _row_values(processors, lambda p: p.min_length, x.device)[:, None]
-    return _eos_ban(x, processors, short, lambda p: p.eos_token_id)
+    _ban_ids(x, processors, short, lambda p: p.eos_token_id)
 
 
-def _min_new_tokens(x, block: BlockTokens, processors: list) -> torch.Tensor:
+def _min_new_tokens(x, block: BlockTokens, processors: list) -> None:
     """EOS banned while fewer than min_new_tokens follow the prompt_length_to_skip first ids."""
     skip = _row_values(processors, lambda p: p.prompt_length_to_skip, x.device)
     least = _row_values(processors, lambda p: p.min_new_tokens, x.device)
     short = block.cur - skip[:, None] < least[:, None]
-    return _eos_ban(x, processors, short, lambda p: p.eos_token_id)
+    _ban_ids(x, processors, short, lambda p: p.eos_token_id)
 
 
-def _suppress_tokens(x, block: BlockTokens, processors: list) -> torch.Tensor:
+def _suppress_tokens(x, block: BlockTokens, processors: list) -> None:
     """The suppressed ids -inf at every position."""
     everywhere = torch.ones(block.cur.shape, dtype=torch.bool, device=x.device)
-    return _eos_ban(x, processors, everywhere, lambda p: p.suppress_tokens)
+    _ban_ids(x, processors, everywhere, lambda p: p.suppress_tokens)
 
 
-def _suppress_tokens_at_begin(x, block: BlockTokens, processors: list) -> torch.Tensor:
+def _suppress_tokens_at_begin(x, block: BlockTokens, processors: list) -> None:
     """The suppressed ids -inf where input_ids are begin_index long."""
     first = block.cur == _row_values(processors, lambda p: p.begin_index, x.device)[:, None]
-    return _eos_ban(x, processors, first, lambda p: p.begin_suppress_tokens)
+    _ban_ids(x, processors, first, lambda p: p.begin_suppress_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ eligibility
@@ -226,7 +214,7 @@ _OPS = {
 
 
 def fast_op(processor):
-    """The block op for ``processor`` (fn(x [R, T, V], BlockTokens, one processor per row) -> x processed), or None
+    """The block op for ``processor`` (see "the processors" above), or None
     where it is called per row: its class is not exactly one of HF's handled here, or a setting is of a type HF's
     generate does not build it with."""
     entry = _OPS.get(type(processor))

@@ -13,8 +13,12 @@ the demo pair processing each draft step cost more time than the acceptance it b
 
 The lists are HF's own (``model._get_logits_processor``), built once per row on that row's inputs, so the
 processors, their order and their details are the installed transformers' (e.g. whether the repetition penalty
-skips left padding). Each row is processed alone, with input_ids [1, L] of that row's own length: rows of a batch
-accept different numbers of tokens, so they are at different steps. HF's processors treat rows independently;
+skips left padding). Rows of a batch accept different numbers of tokens, so they are at different steps: each row's
+list is applied in its order in runs (``split_into_stages``). A run of HF's common processors (repetition penalty,
+n-gram ban, minimum length and new tokens, suppressed tokens: ``block_processors.py``) is applied to the whole block
+of every row with such a run at once, [B, T, V] in a few tensor ops, with the scores HF's own calls give at each row
+and position, bit for bit; any other processor is called for each row alone, with input_ids [1, L] of that row's own
+length (B x T Python calls per processor per iteration). HF's processors treat rows independently;
 ``prefix_allowed_tokens_fn`` is called with the row's index in the caller's batch, as in ``model.generate``. A
 caller's ``logits_processor`` is taken at batch 1 only (a processor of its own may mix rows, which per-row calls
 would silently change). As in HF's assisted generation, processors are also called at positions whose tokens are
@@ -126,14 +130,15 @@ class _StageRunner:
                 block = None if self.block is None or every else self.block.index_select(0, index)
                 self._block_tokens = block_tokens([self.contexts[b] for b in members],
                                                   self.block if every else block, self.width)
-            new = old
+            new = torch.nn.functional.pad(old, (0, 1))  # [R, T, V + 1]: a spare column for ids banned nowhere
             for i in range(len(processors[0])):
                 row_processors = [p[i] for p in processors]
-                new = fast_op(row_processors[0])(new, self._block_tokens, row_processors)
+                fast_op(row_processors[0])(new, self._block_tokens, row_processors)
         except (IndexError, RuntimeError):
             for b, row_processors in zip(members, processors):
                 self._per_row(b, row_processors)
             return
+        new = new[..., :-1]
         for r, b in enumerate(members):  # (a row that raised at j keeps its positions from j on as they are)
             if b in self.caps:
                 new[r, self.caps[b]:] = old[r, self.caps[b]:]

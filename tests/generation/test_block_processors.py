@@ -51,7 +51,7 @@ def _lists(same_settings: bool) -> list:
             _AddLength(),
             MinLengthLogitsProcessor([len(context) + 2, 9, 14, 3][vary], EOS),
             MinNewTokensLengthLogitsProcessor(len(context), [3, 1, 2, 4][vary], EOS),
-            SuppressTokensLogitsProcessor([11, 12]),
+            SuppressTokensLogitsProcessor([11, 12, V + 5]),  # (an id past V matches nothing, as in HF)
             SuppressTokensAtBeginLogitsProcessor([4, 13], len(context) + [1, 0, 2, 3][vary]),
         ])
     return lists
