@@ -7,11 +7,13 @@
 
 The demo pair, greedy, γ --gamma; prompts: ``half_precision.stdlib_prompts`` (two lines of a standard-library
 ``def``), left-padded with the tokenizer's pad id and its attention mask. Every row generates --max-new-tokens
-tokens: EOS off for the repetition penalty; for the n-gram ban the EOS is set and ``min_new_tokens`` equals
+tokens: EOS off for the repetition penalty alone; with the n-gram ban (and in "all three": the penalty, the ban
+and the minimum) the EOS is set and ``min_new_tokens`` equals
 --max-new-tokens, so HF's MinLength/MinNewTokens processors run at every step and the EOS is never drawn. Per batch
 size and setting, the paths run interleaved --repeats times after one warm-up each (whose outputs are compared with
 plain ``generate``: token identity); reported: tokens/s from the median time, the ratio to plain ``generate``, and
-for ours the acceptance rate (accepted / drafted tokens of the warm-up call). ``--profile`` prints a cProfile of
+for ours the time in ``RowProcessors.process`` per iteration (median over the runs of each run's mean) and the
+acceptance rate (accepted / drafted tokens of the warm-up call). ``--profile`` prints a cProfile of
 ours per-row at the largest batch instead. A markdown table on stdout, JSON under --out.
 """
 
@@ -46,6 +48,8 @@ def settings(eos: int, max_new_tokens: int) -> dict:
         "repetition_penalty=1.05": dict(repetition_penalty=1.05, eos_token_id=None),
         "no_repeat_ngram_size=3, min_new_tokens": dict(no_repeat_ngram_size=3, eos_token_id=eos,
                                                        min_new_tokens=max_new_tokens),
+        "all three": dict(repetition_penalty=1.05, no_repeat_ngram_size=3, eos_token_id=eos,
+                          min_new_tokens=max_new_tokens),
     }
 
 
@@ -58,6 +62,29 @@ def per_row_only():
         yield
     finally:
         context_processors.split_into_stages = split
+
+
+@contextlib.contextmanager
+def processing_clock(spent: list):
+    """Adds each ``RowProcessors.process`` call's seconds (--clock's) to ``spent``."""
+    process = context_processors.RowProcessors.process
+
+    def timed(self, *args):
+        start = _now()
+        try:
+            return process(self, *args)
+        finally:
+            spent.append(_now() - start)
+
+    context_processors.RowProcessors.process = timed
+    try:
+        yield
+    finally:
+        context_processors.RowProcessors.process = process
+
+
+def _now() -> float:
+    return time.process_time() if CLOCK == "process" else time.perf_counter()
 
 
 def paths(target, draft, gamma: int, common: dict, stats: list) -> dict:
@@ -77,21 +104,29 @@ def paths(target, draft, gamma: int, common: dict, stats: list) -> dict:
 
 
 def run_case(runs: dict, ids, mask, repeats: int, stats: list) -> dict:
-    """Per path: tokens, median seconds, tok/s, same as plain; ours' acceptance (its warm-up call)."""
+    """Per path: tokens, median seconds, tok/s, same as plain, and for ours the median over runs of the mean
+    seconds per ``RowProcessors.process`` call (one per iteration); ours' acceptance (its warm-up call)."""
     outputs = {name: fn(ids, mask) for name, fn in runs.items()}  # (warm-up; ours' call is stats[0])
     acceptance = stats[0].accepted_tokens / max(stats[0].drafted_tokens, 1)
     times = {name: [] for name in runs}
+    processing = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
-            start = time.process_time() if CLOCK == "process" else time.perf_counter()
-            fn(ids, mask)
-            times[name].append((time.process_time() if CLOCK == "process" else time.perf_counter()) - start)
+            spent = []
+            with processing_clock(spent):
+                start = _now()
+                fn(ids, mask)
+                times[name].append(_now() - start)
+            if spent:
+                processing[name].append(sum(spent) / len(spent))
     result = {}
     for name in runs:
         tokens = outputs[name].numel() - ids.numel()
         seconds = statistics.median(times[name])
         result[name] = {"tokens": tokens, "seconds": seconds, "times": times[name], "tok_s": tokens / seconds,
                         "same_as_plain": torch.equal(outputs[name], outputs["plain generate"])}
+        if processing[name]:
+            result[name]["process_ms"] = 1e3 * statistics.median(processing[name])
     for name in runs:
         result[name]["x_plain"] = result[name]["tok_s"] / result["plain generate"]["tok_s"]
     result["ours"]["x_per_row"] = result["ours"]["tok_s"] / result["ours, per-row processors"]["tok_s"]
@@ -100,13 +135,14 @@ def run_case(runs: dict, ids, mask, repeats: int, stats: list) -> dict:
 
 
 def table(results: list) -> str:
-    lines = ["| batch | setting | path | tok/s | × plain | same as plain | acceptance |",
-             "|---:|---|---|---:|---:|---|---:|"]
+    lines = ["| batch | setting | path | tok/s | × plain | processors, ms per iteration | same as plain | acceptance |",
+             "|---:|---|---|---:|---:|---:|---|---:|"]
     for r in results:
         for name, row in r["paths"].items():
             accept = f"{row['acceptance_rate']:.3f}" if "acceptance_rate" in row else ""
+            spent = f"{row['process_ms']:.2f}" if "process_ms" in row else ""
             lines.append(f"| {r['batch']} | {r['setting']} | {name} | {row['tok_s']:.1f} | {row['x_plain']:.2f} | "
-                         f"{'yes' if row['same_as_plain'] else 'NO'} | {accept} |")
+                         f"{spent} | {'yes' if row['same_as_plain'] else 'NO'} | {accept} |")
     return "\n".join(lines)
 
 

@@ -27,8 +27,11 @@ def test_one_host_read_per_iteration_with_gpu_kernels(backend):
 
 
 def _check_one_read_per_iteration(**session_kwargs):
+    # (the third: HF's processors over the whole block, ``block_processors.py``, the rows at different lengths)
     for batch, kwargs in ((1, dict(do_sample=False)), (4, dict(do_sample=True, temperature=0.8, top_k=10,
-                                                                 top_p=0.9, min_new_tokens=5))):
+                                                                 top_p=0.9, min_new_tokens=5)),
+                          (4, dict(do_sample=False, repetition_penalty=1.2, no_repeat_ngram_size=2, min_new_tokens=5,
+                                   eos_token_id=2, suppress_tokens=[7]))):
         session = _session(batch, **session_kwargs, **kwargs)
         steps = step_reading_once(session)
         assert steps > 1
