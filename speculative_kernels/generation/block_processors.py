@@ -3,10 +3,11 @@ position in a few tensor ops, with exactly the scores that calling the processor
 (``context_processors.RowProcessors``' per-row path: position j of row r processed with input_ids [1, L_r + j],
 the row's L_r tokens so far and the block's first j drafts).
 
-Which: HF's repetition penalty, n-gram ban, minimum length, minimum new tokens, suppressed tokens and suppressed
-tokens at the first position (``fast_op``), whose class is exactly HF's and whose settings are of the types HF's
-``generate`` builds them with; anything else (a subclass, a caller's processor, sequence bias and bad words, whose
-float sums follow each transformers version's own order) is called per row. Each op does the float operations
+Which: HF's repetition penalty, n-gram ban, minimum length, minimum new tokens, suppressed tokens, suppressed
+tokens at the first position, and sequence bias / bad words of single tokens (``fast_op``), whose class is exactly
+HF's and whose settings are of the types HF's ``generate`` builds them with; anything else (a subclass, a caller's
+processor, sequence bias and bad words with longer sequences, whose float sums follow each transformers version's
+own order) is called per row. Each op does the float operations
 HF's ``__call__`` does, elementwise on the same values with the same scalar operands (``x * penalty``,
 ``x / penalty`` with the Python float, ``-inf`` fills), so the processed scores are bit-identical; the parts that
 differ between transformers versions are read off the installed one (``_CLAMPS_*``). An id HF's own indexing
@@ -22,8 +23,10 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
@@ -182,6 +185,27 @@ def _suppress_tokens_at_begin(x, block: BlockTokens, processors: list) -> None:
     _ban_ids(x, processors, first, lambda p: p.begin_suppress_tokens)
 
 
+class Unprepared(RuntimeError):
+    """A bias processor before its first call (which checks its ids against the vocabulary and builds its bias):
+    that call is left to HF's own code, per row."""
+
+
+def _single_token_bias(x, block: BlockTokens, processors: list) -> None:
+    """Sequence bias / bad words of single tokens only: scores + bias, the bias HF's builds at every call (zeros plus
+    its length-1 bias [V]: the biases, -inf for bad words)."""
+    scores = x[..., :-1]
+    for processor, rows_in in _groups(processors, id):
+        if not processor.prepared_bias_variables:
+            raise Unprepared(type(processor).__name__)
+        bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=x.device)
+        bias += processor.length_1_bias
+        mask = _rows_mask(rows_in, x.device, 3)
+        if mask is None:
+            scores.add_(bias)
+        else:
+            scores.copy_(torch.where(mask, scores + bias, scores))
+
+
 # ------------------------------------------------------------------------------------------------ eligibility
 def _int(value) -> bool:
     return type(value) is int and value >= 0
@@ -189,6 +213,11 @@ def _int(value) -> bool:
 
 def _ids(value) -> bool:
     return isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() <= 1
+
+
+def _single_tokens(sequence_bias) -> bool:
+    """Biases of single tokens only (longer sequences: their sums follow each transformers version's own order)."""
+    return isinstance(sequence_bias, dict) and all(type(k) is tuple and len(k) == 1 for k in sequence_bias)
 
 
 def _ignore_ok(value) -> bool:
@@ -208,6 +237,8 @@ _OPS = {
         _min_new_tokens,
         lambda p: _int(p.prompt_length_to_skip) and _int(p.min_new_tokens) and _ids(p.eos_token_id)),
     SuppressTokensLogitsProcessor: (_suppress_tokens, lambda p: _ids(p.suppress_tokens)),
+    SequenceBiasLogitsProcessor: (_single_token_bias, lambda p: _single_tokens(p.sequence_bias)),
+    NoBadWordsLogitsProcessor: (_single_token_bias, lambda p: _single_tokens(p.sequence_bias)),
     SuppressTokensAtBeginLogitsProcessor: (
         _suppress_tokens_at_begin, lambda p: _int(p.begin_index) and _ids(p.begin_suppress_tokens)),
 }

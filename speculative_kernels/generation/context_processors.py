@@ -15,7 +15,8 @@ The lists are HF's own (``model._get_logits_processor``), built once per row on 
 processors, their order and their details are the installed transformers' (e.g. whether the repetition penalty
 skips left padding). Rows of a batch accept different numbers of tokens, so they are at different steps: each row's
 list is applied in its order in runs (``split_into_stages``). A run of HF's common processors (repetition penalty,
-n-gram ban, minimum length and new tokens, suppressed tokens: ``block_processors.py``) is applied to the whole block
+n-gram ban, minimum length and new tokens, suppressed tokens, single-token bad words and sequence bias:
+``block_processors.py``) is applied to the whole block
 of every row with such a run at once, [B, T, V] in a few tensor ops, with the scores HF's own calls give at each row
 and position, bit for bit; any other processor is called for each row alone, with input_ids [1, L] of that row's own
 length (B x T Python calls per processor per iteration). HF's processors treat rows independently;

@@ -11,8 +11,10 @@ from transformers import LogitsProcessor
 from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
+    NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
 )
@@ -37,9 +39,20 @@ class _AddLength(LogitsProcessor):
         return scores + 0.125 * input_ids.shape[-1]
 
 
+def _prepared(processor):
+    """A bias processor after its first call (which checks its ids and builds its bias, in HF's own code)."""
+    processor(torch.tensor([[1]]), torch.zeros(1, V))
+    return processor
+
+
 def _lists(same_settings: bool) -> list:
     """Per row, HF's processors in one order (the caller's own between them): the same settings for every row, or
-    settings differing by row (a batch of requests)."""
+    settings differing by row (a batch of requests; row 3's sequence bias has a two-token sequence, which is called
+    per row: its stages differ from the other rows')."""
+    bad_words = _prepared(NoBadWordsLogitsProcessor([[11], [13]], EOS))  # (one instance for the batch, as HF's)
+    bias = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (9,): 2.5, (20,): -0.0}))
+    other = _prepared(SequenceBiasLogitsProcessor({(9,): -1.5, (6,): 4.0}))  # (a request's own: row 1)
+    longer = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (4, 5): 1.5}))
     lists = []
     for b, context in enumerate(CONTEXTS):
         vary = 0 if same_settings else b
@@ -48,6 +61,8 @@ def _lists(same_settings: bool) -> list:
             RepetitionPenaltyLogitsProcessor([1.3, 0.7, 1.3, 2.0][vary], prompt_ignore_length=ignore)
             if isinstance(ignore, (int, type(None))) else _penalty_with_tensor(1.3, ignore),
             NoRepeatNGramLogitsProcessor([2, 3, 2, 1][vary]),
+            bad_words,
+            bias if same_settings or b in (0, 2) else other if b == 1 else longer,
             _AddLength(),
             MinLengthLogitsProcessor([len(context) + 2, 9, 14, 3][vary], EOS),
             MinNewTokensLengthLogitsProcessor(len(context), [3, 1, 2, 4][vary], EOS),
@@ -64,10 +79,11 @@ def _penalty_with_tensor(penalty: float, ignore: torch.Tensor):
 
 
 def _scores(seed: int = 0) -> torch.Tensor:
-    """[B, T, V] float32 of both signs, with exact zeros."""
+    """[B, T, V] float32 of both signs, with exact zeros of both signs (HF's bias adds +0.0: -0.0 becomes +0.0)."""
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(len(CONTEXTS), T, V, generator=g) * 3
-    return scores.masked_fill(torch.rand(scores.shape, generator=g) < 0.05, 0.0)
+    draw = torch.rand(scores.shape, generator=g)
+    return scores.masked_fill(draw < 0.05, 0.0).masked_fill(draw < 0.025, -0.0)
 
 
 def _per_row_reference(lists: list, scores: torch.Tensor) -> torch.Tensor:
@@ -92,14 +108,17 @@ def _processed(lists: list, scores: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("same_settings", [True, False])
 def test_block_processing_is_bit_identical_to_per_row_calls(same_settings, monkeypatch):
-    scores = _scores()
+    scores, lists = _scores(), _lists(same_settings)
     expected = _per_row_reference(_lists(same_settings), scores)
     assert (expected == float("-inf")).sum() > 20 and not torch.equal(expected, scores)
     handled = (RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, MinLengthLogitsProcessor,
-               MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor)
+               MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
+               NoBadWordsLogitsProcessor)
     for cls in handled:  # (the block path runs: HF's own __call__ is never reached)
         monkeypatch.setattr(cls, "__call__", lambda self, ids, s: pytest.fail(f"{type(self).__name__} called"))
-    got = _processed(_lists(same_settings), scores)
+    if same_settings:  # (else row 3's two-token sequence bias is HF's own call)
+        monkeypatch.setattr(SequenceBiasLogitsProcessor, "__call__", lambda self, ids, s: pytest.fail("called"))
+    got = _processed(lists, scores)
     assert torch.equal(got, expected)
     assert torch.equal(torch.signbit(got), torch.signbit(expected))  # (bitwise: -0.0 stays -0.0)
 
@@ -111,6 +130,19 @@ def test_rows_of_a_subset_are_processed_and_the_others_left_alone():
     contexts = [torch.tensor([c]) for c in CONTEXTS]
     RowProcessors(lists).process(logits, contexts, DRAFTS, [1, 3])
     assert torch.equal(logits[[1, 3]], expected[[1, 3]]) and torch.equal(logits[[0, 2]], scores[[0, 2]])
+
+
+def test_a_bias_processor_before_its_first_call_is_prepared_by_hf_own_call():
+    """Its first call checks its ids against the vocabulary (and builds its bias): HF's own, per row, so an id past V
+    is named by HF's ValueError, as in model.generate; after it, the block path applies the bias."""
+    contexts = [torch.tensor([c]) for c in CONTEXTS]
+    with pytest.raises(ValueError, match="vocabulary size"):
+        RowProcessors([[NoBadWordsLogitsProcessor([[V + 1]])]] * 4).process(_scores(), contexts, DRAFTS, [0, 1, 2, 3])
+    lists = [[NoBadWordsLogitsProcessor([[3], [V - 1]])]] * 4
+    expected = _per_row_reference(lists, _scores())
+    got = _processed(lists, _scores())
+    assert torch.equal(got, expected) and (expected == float("-inf")).sum() == 2 * 4 * T
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))  # (HF adds its +0.0 bias everywhere: no -0.0)
 
 
 @pytest.mark.parametrize("penalty", [True, False])
