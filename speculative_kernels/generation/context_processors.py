@@ -16,10 +16,10 @@ processors, their order and their details are the installed transformers' (e.g. 
 skips left padding). Rows of a batch accept different numbers of tokens, so they are at different steps: each row's
 list is applied in its order in runs (``split_into_stages``). A run of HF's common processors (repetition penalty,
 n-gram ban, minimum length and new tokens, suppressed tokens, single-token bad words and sequence bias:
-``block_processors.py``) is applied to the whole block
-of every row with such a run at once, [B, T, V] in a few tensor ops, with the scores HF's own calls give at each row
-and position, bit for bit; any other processor is called for each row alone, with input_ids [1, L] of that row's own
-length (B x T Python calls per processor per iteration). HF's processors treat rows independently;
+``block_processors.py``) is applied to the whole block of every row with such a run at once, [B, T, V] in a few
+tensor ops, with the scores HF's own calls give at each row and position, bit for bit; any other processor is called
+for each row alone, with input_ids [1, L] of that row's own length (B x T Python calls per processor per
+iteration). HF's processors treat rows independently;
 ``prefix_allowed_tokens_fn`` is called with the row's index in the caller's batch, as in ``model.generate``. A
 caller's ``logits_processor`` is taken at batch 1 only (a processor of its own may mix rows, which per-row calls
 would silently change). As in HF's assisted generation, processors are also called at positions whose tokens are
@@ -121,7 +121,8 @@ class _StageRunner:
 
     def _fast(self, processors: list) -> None:
         """The stage's processors over the members' whole block at once; per row where one raises (an id HF's own
-        indexing refuses: the per-row calls then do what HF does)."""
+        indexing refuses; a bias processor before its first call, ``block_processors.Unprepared``): the per-row
+        calls then do what HF does."""
         members = self.members
         every = members == list(range(self.logits.shape[0]))
         index = None if every else host_to_device(members, torch.int64, self.logits.device)
