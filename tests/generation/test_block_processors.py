@@ -39,24 +39,25 @@ class _AddLength(LogitsProcessor):
         return scores + 0.125 * input_ids.shape[-1]
 
 
-def _prepared(processor):
+def _prepared(processor, device="cpu"):
     """A bias processor after its first call (which checks its ids and builds its bias, in HF's own code)."""
-    processor(torch.tensor([[1]]), torch.zeros(1, V))
+    processor(torch.tensor([[1]], device=device), torch.zeros(1, V, device=device))
     return processor
 
 
-def _lists(same_settings: bool) -> list:
+def _lists(same_settings: bool, device="cpu") -> list:
     """Per row, HF's processors in one order (the caller's own between them): the same settings for every row, or
     settings differing by row (a batch of requests; row 3's sequence bias has a two-token sequence, which is called
     per row: its stages differ from the other rows')."""
-    bad_words = _prepared(NoBadWordsLogitsProcessor([[11], [13]], EOS))  # (one instance for the batch, as HF's)
-    bias = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (9,): 2.5, (20,): -0.0}))
-    other = _prepared(SequenceBiasLogitsProcessor({(9,): -1.5, (6,): 4.0}))  # (a request's own: row 1)
-    longer = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (4, 5): 1.5}))
+    eos = EOS.to(device)
+    bad_words = _prepared(NoBadWordsLogitsProcessor([[11], [13]], EOS), device)  # (one for the batch, as HF's)
+    bias = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (9,): 2.5, (20,): -0.0}), device)
+    other = _prepared(SequenceBiasLogitsProcessor({(9,): -1.5, (6,): 4.0}), device)  # (a request's own: row 1)
+    longer = _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (4, 5): 1.5}), device)
     lists = []
     for b, context in enumerate(CONTEXTS):
         vary = 0 if same_settings else b
-        ignore = [None, 3, torch.tensor([2], dtype=torch.int32), 0][vary]  # (5.24 builds a [1] tensor per row)
+        ignore = [None, 3, torch.tensor([2], dtype=torch.int32, device=device), 0][vary]  # (5.24 builds a [1] tensor per row)
         lists.append([
             RepetitionPenaltyLogitsProcessor([1.3, 0.7, 1.3, 2.0][vary], prompt_ignore_length=ignore)
             if isinstance(ignore, (int, type(None))) else _penalty_with_tensor(1.3, ignore),
@@ -64,10 +65,10 @@ def _lists(same_settings: bool) -> list:
             bad_words,
             bias if same_settings or b in (0, 2) else other if b == 1 else longer,
             _AddLength(),
-            MinLengthLogitsProcessor([len(context) + 2, 9, 14, 3][vary], EOS),
-            MinNewTokensLengthLogitsProcessor(len(context), [3, 1, 2, 4][vary], EOS),
-            SuppressTokensLogitsProcessor([11, 12, V + 5]),  # (an id past V matches nothing, as in HF)
-            SuppressTokensAtBeginLogitsProcessor([4, 13], len(context) + [1, 0, 2, 3][vary]),
+            MinLengthLogitsProcessor([len(context) + 2, 9, 14, 3][vary], eos),
+            MinNewTokensLengthLogitsProcessor(len(context), [3, 1, 2, 4][vary], eos),
+            SuppressTokensLogitsProcessor([11, 12, V + 5], device=device),  # (an id past V: matches nothing, as HF)
+            SuppressTokensAtBeginLogitsProcessor([4, 13], len(context) + [1, 0, 2, 3][vary], device=device),
         ])
     return lists
 
@@ -91,7 +92,7 @@ def _per_row_reference(lists: list, scores: torch.Tensor) -> torch.Tensor:
     out = scores.clone()
     for b, processors in enumerate(lists):
         for j in range(T):
-            ids = torch.tensor([CONTEXTS[b] + DRAFTS[b, :j].tolist()])
+            ids = torch.tensor([CONTEXTS[b] + DRAFTS[b, :j].tolist()], device=scores.device)
             row = scores[b : b + 1, j].clone()
             for processor in processors:
                 row = processor(ids, row)
@@ -100,16 +101,19 @@ def _per_row_reference(lists: list, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _processed(lists: list, scores: torch.Tensor) -> torch.Tensor:
-    logits = scores.clone()
-    contexts = [torch.tensor([c]) for c in CONTEXTS]
-    assert RowProcessors(lists).process(logits, contexts, DRAFTS, list(range(len(CONTEXTS)))) == {}
+    logits, device = scores.clone(), scores.device
+    contexts = [torch.tensor([c], device=device) for c in CONTEXTS]
+    assert RowProcessors(lists).process(logits, contexts, DRAFTS.to(device), list(range(len(CONTEXTS)))) == {}
     return logits
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("same_settings", [True, False])
-def test_block_processing_is_bit_identical_to_per_row_calls(same_settings, monkeypatch):
-    scores, lists = _scores(), _lists(same_settings)
-    expected = _per_row_reference(_lists(same_settings), scores)
+def test_block_processing_is_bit_identical_to_per_row_calls(same_settings, device, monkeypatch):
+    """(On CUDA too: ``x / penalty`` with a Python float is a reciprocal multiply there, in HF's calls as here.)"""
+    scores, lists = _scores().to(device), _lists(same_settings, device)
+    expected = _per_row_reference(_lists(same_settings, device), scores)
     assert (expected == float("-inf")).sum() > 20 and not torch.equal(expected, scores)
     handled = (RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, MinLengthLogitsProcessor,
                MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor, SuppressTokensAtBeginLogitsProcessor,
