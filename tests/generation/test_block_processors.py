@@ -136,6 +136,34 @@ def test_rows_of_a_subset_are_processed_and_the_others_left_alone():
     assert torch.equal(logits[[1, 3]], expected[[1, 3]]) and torch.equal(logits[[0, 2]], scores[[0, 2]])
 
 
+class _RaiseAfter(LogitsProcessor):
+    """A caller's processor that raises once input_ids are longer than ``length`` (a context with drafts)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[-1] > self.length:
+            raise KeyError("no such prefix")
+        return scores
+
+
+def test_a_row_capped_by_a_per_row_stage_keeps_its_position_finite_through_later_block_stages():
+    """Row 1's own processor raises at position 2: the row is capped there (``RowProcessors.process``), position 2
+    holds 0 (finite: a token drawn there is dropped), and the suppressed-token stage after it leaves that position
+    and the later ones as they were; the other rows are processed as HF's calls process them."""
+    lists = [[RepetitionPenaltyLogitsProcessor(1.3), _RaiseAfter(len(c) + (1 if b == 1 else T)),
+              SuppressTokensLogitsProcessor(list(range(V)))] for b, c in enumerate(CONTEXTS)]
+    scores = _scores(3)
+    logits = scores.clone()
+    caps = RowProcessors(lists).process(logits, [torch.tensor([c]) for c in CONTEXTS], DRAFTS, [0, 1, 2, 3])
+    assert caps == {1: 2}
+    assert torch.equal(logits[1, 2], torch.zeros(V))
+    expected = _per_row_reference([p if b != 1 else p[:1] for b, p in enumerate(lists)], scores)
+    assert torch.equal(logits[1, 3:], expected[1, 3:])  # (the penalty's stage only)
+    assert torch.isneginf(logits[[0, 2, 3]]).all() and torch.isneginf(logits[1, :2]).all()
+
+
 def test_a_bias_processor_before_its_first_call_is_prepared_by_hf_own_call():
     """Its first call checks its ids against the vocabulary (and builds its bias): HF's own, per row, so an id past V
     is named by HF's ValueError, as in model.generate; after it, the block path applies the bias."""
