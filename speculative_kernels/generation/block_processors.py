@@ -271,4 +271,4 @@ def _clamps_out_of_vocab_ids(processor) -> bool:
 _CLAMPS_PENALTY = _clamps_out_of_vocab_ids(RepetitionPenaltyLogitsProcessor(2.0))
 _CLAMPS_NGRAM = _clamps_out_of_vocab_ids(NoRepeatNGramLogitsProcessor(1))
 
-__all__ = ["BlockTokens", "block_tokens", "fast_op"]
+__all__ = ["BlockTokens", "Unprepared", "block_tokens", "fast_op"]
