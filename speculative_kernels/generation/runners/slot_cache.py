@@ -6,6 +6,7 @@ pointer. It also allocates eagerly (the memory check runs first) and checks ever
 config does not describe fails with the architecture's name (``docs/batching.md``).
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -66,7 +67,9 @@ def _autocast_states(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class SlotCacheLayer(CacheLayerMixin):
     """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's write pointer: ``position`` is a 0-dim
-    tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T))."""
+    tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T)).
+    ``read_to`` (host int, or None: all C slots): the slots [0, read_to) that ``update`` hands the attention and
+    ``get_mask_sizes`` reports, set for one eager forward by ``SlotCache.reading``."""
 
     is_compileable = True
     is_sliding = False
@@ -78,12 +81,14 @@ class SlotCacheLayer(CacheLayerMixin):
         self.architecture = architecture
         self.is_initialized = True
         self.dtype, self.device = keys.dtype, keys.device
+        self.read_to: int | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise AssertionError("SlotCacheLayer is allocated eagerly")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write key/value_states [B, H_kv, T, D] at slots position + [0, T); return the whole buffers."""
+        """Write key/value_states [B, H_kv, T, D] at slots position + [0, T); return the buffers' slots
+        [0, read_to) ([B, H_kv, read_to, D] views; all C slots where read_to is None)."""
         expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], self.keys.shape[3])
         key_states, value_states = _autocast_states(key_states, self.dtype), _autocast_states(value_states, self.dtype)
         if tuple(key_states.shape) != expected or key_states.dtype != self.dtype or value_states.dtype != self.dtype:
@@ -101,10 +106,13 @@ class SlotCacheLayer(CacheLayerMixin):
             slots = (self.position.unsqueeze(1) + steps).view(key_states.shape[0], 1, -1, 1)  # [B, 1, T, 1]
             self.keys.scatter_(2, slots.expand_as(key_states), key_states)
             self.values.scatter_(2, slots.expand_as(value_states), value_states)
+        if self.read_to is not None:
+            return self.keys[:, :, : self.read_to], self.values[:, :, : self.read_to]
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_cache_len, 0
+        """(key length, key offset) of the attention: the slots ``update`` hands it, from slot 0."""
+        return (self.max_cache_len if self.read_to is None else self.read_to), 0
 
     def get_seq_length(self):
         """The write pointer; with a pointer per row, the shortest row's (HF wants one length; a per-row runner gives
@@ -134,6 +142,22 @@ class SlotCache(Cache):
         super().__init__(layers=layers)
         self.capacity = capacity
         self._row_views = {batch: [(layer.keys, layer.values) for layer in layers]}  # B -> views (use_rows)
+
+    @contextlib.contextmanager
+    def reading(self, end: int):
+        """A context for one eager forward that writes slots below ``end`` (host int) and attends to nothing past
+        it: every layer hands its attention K/V slots [0, end) only, and reports that key length to the model's mask
+        code, so the attention costs what it would over a cache of ``end`` slots (the forward's mask, if it passes
+        one, spans ``end`` keys). Not for captured steps, whose shapes stay [.., C, ..]; one write pointer only."""
+        if self.position.dim() != 0 or not 0 < end <= self.capacity:
+            raise ValueError(f"reading({end}) needs one write pointer and 0 < end <= {self.capacity}")
+        for layer in self.layers:
+            layer.read_to = end
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.read_to = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every K and V buffer [B, H_kv, C, D] (the rows in use)."""
