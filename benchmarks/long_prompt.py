@@ -1,11 +1,13 @@
 """Prefill-dominated requests: a long prompt and a few new tokens, `model.generate` against ours, interleaved.
 
-    python benchmarks/long_prompt.py --pair random --lengths 500 1000 2000 4000 --new 8 [--static] [--json OUT]
+    python benchmarks/long_prompt.py --pair random --lengths 500 1000 2000 4000 --new 8 [--static] [--padded]
+        [--json OUT]
 
 Times each call by the process's CPU time (one torch thread), HF then ours in each round, and prints the medians and
 their ratio per prompt length; every output is compared with `model.generate`'s. The random pair is a 4-layer Llama
 target (hidden 128, 4 heads / 2 KV heads, 8192 positions, vocabulary 512) and a 1-layer draft (hidden 64); the demo
 pair has 512 positions (lengths up to 500). Greedy, gamma 4, `min_new_tokens` = `max_new_tokens` (no early EOS).
+`--padded`: a batch of two rows, the second left-padded to half the length (an attention mask on both paths).
 """
 
 import argparse
@@ -47,10 +49,15 @@ def cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
-def measure(target, draft, vocab: int, length: int, new: int, repeats: int, static: bool) -> dict:
+def measure(target, draft, vocab: int, length: int, new: int, repeats: int, static: bool, padded: bool) -> dict:
     torch.manual_seed(1)
-    ids = torch.randint(3, vocab, (1, length))
+    ids = torch.randint(3, vocab, (2 if padded else 1, length))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if padded:  # row 1: its first half is left padding
+        mask = torch.ones_like(ids)
+        mask[1, : length // 2] = 0
+        ids[1, : length // 2] = 0
+        kwargs["attention_mask"] = mask
     if static:
         kwargs["cache_implementation"] = "static"
 
@@ -66,7 +73,7 @@ def measure(target, draft, vocab: int, length: int, new: int, repeats: int, stat
         hf_s.append(cpu_seconds(hf))
         ours_s.append(cpu_seconds(ours))
     hf_median, ours_median = statistics.median(hf_s), statistics.median(ours_s)
-    return {"length": length, "new_tokens": new, "static": static, "hf_s": round(hf_median, 4),
+    return {"length": length, "new_tokens": new, "static": static, "padded": padded, "hf_s": round(hf_median, 4),
             "ours_s": round(ours_median, 4), "ours_x_hf": round(hf_median / ours_median, 2), "same_as_hf": same}
 
 
@@ -78,6 +85,7 @@ def main(argv=None) -> None:
     parser.add_argument("--new", type=int, default=8, help="new tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--static", action="store_true", help="cache_implementation='static' on both paths")
+    parser.add_argument("--padded", action="store_true", help="two rows, the second left-padded to half the length")
     parser.add_argument("--json", help="write the rows and the environment here")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -88,7 +96,8 @@ def main(argv=None) -> None:
     lengths = args.lengths or ([100, 250, 500] if args.pair == "demo" else [500, 1000, 2000, 4000])
     rows = []
     for length in lengths:
-        rows.append({"pair": args.pair, **measure(target, draft, vocab, length, args.new, args.repeats, args.static)})
+        rows.append({"pair": args.pair, **measure(target, draft, vocab, length, args.new, args.repeats, args.static,
+                                                     args.padded)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
