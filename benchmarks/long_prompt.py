@@ -8,6 +8,7 @@ their ratio per prompt length; every output is compared with `model.generate`'s.
 target (hidden 128, 4 heads / 2 KV heads, 8192 positions, vocabulary 512) and a 1-layer draft (hidden 64); the demo
 pair has 512 positions (lengths up to 500). Greedy, gamma 4, `min_new_tokens` = `max_new_tokens` (no early EOS).
 `--padded`: a batch of two rows, the second left-padded to half the length (an attention mask on both paths).
+`--self-draft`: the target drafts for itself (every draft accepted: the decode steps' cost, with many new tokens).
 """
 
 import argparse
@@ -49,7 +50,8 @@ def cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
-def measure(target, draft, vocab: int, length: int, new: int, repeats: int, static: bool, padded: bool) -> dict:
+def measure(target, draft, vocab: int, length: int, new: int, repeats: int, static: bool, padded: bool,
+            self_draft: bool = False) -> dict:
     torch.manual_seed(1)
     ids = torch.randint(3, vocab, (2 if padded else 1, length))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -65,7 +67,8 @@ def measure(target, draft, vocab: int, length: int, new: int, repeats: int, stat
         return target.generate(ids, **kwargs)
 
     def ours():
-        return speculative_kernels.generate(target, ids, draft_model=draft, num_speculative_tokens=4, **kwargs)
+        return speculative_kernels.generate(target, ids, draft_model=target if self_draft else draft,
+                                            num_speculative_tokens=4, **kwargs)
 
     same = torch.equal(hf(), ours())  # (also the warm-up)
     hf_s, ours_s = [], []
@@ -73,7 +76,8 @@ def measure(target, draft, vocab: int, length: int, new: int, repeats: int, stat
         hf_s.append(cpu_seconds(hf))
         ours_s.append(cpu_seconds(ours))
     hf_median, ours_median = statistics.median(hf_s), statistics.median(ours_s)
-    return {"length": length, "new_tokens": new, "static": static, "padded": padded, "hf_s": round(hf_median, 4),
+    return {"length": length, "new_tokens": new, "static": static, "padded": padded,
+            "self_draft": self_draft, "hf_s": round(hf_median, 4),
             "ours_s": round(ours_median, 4), "ours_x_hf": round(hf_median / ours_median, 2), "same_as_hf": same}
 
 
@@ -86,6 +90,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--static", action="store_true", help="cache_implementation='static' on both paths")
     parser.add_argument("--padded", action="store_true", help="two rows, the second left-padded to half the length")
+    parser.add_argument("--self-draft", action="store_true", help="the target as its own draft (all accepted)")
     parser.add_argument("--json", help="write the rows and the environment here")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -97,7 +102,7 @@ def main(argv=None) -> None:
     rows = []
     for length in lengths:
         rows.append({"pair": args.pair, **measure(target, draft, vocab, length, args.new, args.repeats, args.static,
-                                                     args.padded)})
+                                                     args.padded, args.self_draft)})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),

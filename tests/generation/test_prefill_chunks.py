@@ -331,8 +331,8 @@ def test_static_memory_check_counts_a_chunks_masks(pair, monkeypatch):
 def test_a_static_unpadded_prefill_caches_no_causal_block_of_the_prompts_width(pair, monkeypatch):
     """On the static cache an unpadded prompt's forward (no 4-D mask, ``real`` None) builds its mask from slot_mask,
     as a padded one's: the additive causal blocks cached for the draft and verification widths (kept for the call,
-    [T, T + capacity] each) are never made for the prompt's width, which the free-memory check does not count (a
-    4000-token prompt's would be 4000 x 8000 floats). Tokens are model.generate's."""
+    [T, T] each) are never made for the prompt's width, which the free-memory check does not count (a 4000-token
+    prompt's would be 4000 x 4000 floats). Tokens are model.generate's."""
     from speculative_kernels.generation.runners.slot_mask import SlotMaskRunner
 
     target, draft = pair
@@ -340,9 +340,9 @@ def test_a_static_unpadded_prefill_caches_no_causal_block_of_the_prompts_width(p
     widths = []
     additive_mask = SlotMaskRunner._additive_mask
 
-    def record(self, start, end, width=None):
+    def record(self, start, end):
         widths.append(end - start)
-        return additive_mask(self, start, end, width)
+        return additive_mask(self, start, end)
 
     monkeypatch.setattr(SlotMaskRunner, "_additive_mask", record)
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, max_new_tokens=6, do_sample=False,

@@ -22,17 +22,18 @@ def _prompts(batch):
     return left_padded([LENGTH, 4, 6])
 
 
-def _record_prompt_attention(monkeypatch, models) -> list:
-    """Every attention call inside a static runner's prompt forward, as (slots written by the end of that forward,
-    query length, key length, mask shape or None, is_causal): SDPA's arguments, or under eager attention the
-    attention weights [B, H, T, S] its modules return and the mask transformers gave them."""
+def _record_attention(monkeypatch, models, prompt: bool) -> list:
+    """Every attention call inside a static runner's prompt forwards (``prompt``), or its other forwards, as (slots
+    written by the end of that forward, query length, key length, mask shape or None, is_causal): SDPA's arguments,
+    or under eager attention the attention weights [B, H, T, S] its modules return and the mask transformers gave
+    them."""
     calls, inside = [], []
     forward, sdpa = StaticDecoderRunner.forward, torch.nn.functional.scaled_dot_product_attention
 
-    def prompt_forward(self, tokens, real=None, last_only=False, prompt=False):
-        inside.append(self.num_slots + tokens.shape[1] if prompt else None)
+    def recorded_forward(self, tokens, real=None, last_only=False, prompt_=False):
+        inside.append(self.num_slots + tokens.shape[1] if prompt_ == prompt else None)
         try:
-            return forward(self, tokens, real, last_only, prompt)
+            return forward(self, tokens, real, last_only, prompt_)
         finally:
             inside.pop()
 
@@ -47,7 +48,8 @@ def _record_prompt_attention(monkeypatch, models) -> list:
             mask = kwargs["attention_mask"]
             calls.append((inside[-1], output[1].shape[2], output[1].shape[3], tuple(mask.shape), False))
 
-    monkeypatch.setattr(StaticDecoderRunner, "forward", prompt_forward)
+    monkeypatch.setattr(StaticDecoderRunner, "forward", lambda self, tokens, real=None, last_only=False,
+                        prompt=False: recorded_forward(self, tokens, real, last_only, prompt))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
     for model in models:  # (the test's own models: the hooks stay on them; marked per-token: they only record)
         for layer in model.model.layers:
@@ -85,7 +87,7 @@ def test_prompt_forwards_attend_to_the_written_slots_only(attention, batch, chun
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, prefill_chunk_size=chunk,
                   cache_implementation="static")
     expected = hf_generate(target, ids, **kwargs)
-    calls = _record_prompt_attention(monkeypatch, (target, draft))
+    calls = _record_attention(monkeypatch, (target, draft), prompt=True)
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
     monkeypatch.undo()
     assert torch.equal(got, expected)
@@ -98,3 +100,22 @@ def test_prompt_forwards_attend_to_the_written_slots_only(attention, batch, chun
             assert mask_shape is None and is_causal
         else:
             assert mask_shape == (batch, 1, queries, end) and not is_causal
+
+
+@pytest.mark.parametrize("attention,batch", [("sdpa", 1), ("sdpa", 3), ("eager", 3), ("sliding", 3)])
+def test_draft_and_verification_forwards_attend_to_the_written_slots_only(attention, batch, monkeypatch):
+    """The forwards after the prompt's (draft steps, verifications, a padded batch's fillers) are eager here too:
+    each reads keys [0, end), with a mask over those slots, not all C slots of the cache (model.generate's static
+    steps read all C: with many new tokens most of them unwritten). Tokens are model.generate's."""
+    target, draft = _pair(attention)
+    ids, mask = _prompts(batch)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    expected = hf_generate(target, ids, **kwargs)
+    calls = _record_attention(monkeypatch, (target, draft), prompt=False)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    monkeypatch.undo()
+    assert torch.equal(got, expected)
+    assert len(calls) > 3 * 2  # (2 + 1 layers; drafts and verifications)
+    for end, queries, keys, mask_shape, is_causal in calls:
+        # (one-token steps: transformers packs GQA into the query axis, [B, H_kv, groups, D], beside a [.., 1, S] mask)
+        assert keys == end and mask_shape[-1] == end and not is_causal, (end, keys, mask_shape)

@@ -47,7 +47,7 @@ def static_memory_bytes(layouts: list[CacheLayout], specs: list[ModelSpec], batc
     """Bytes the static path allocates beyond the models: K/V caches, slot masks (and the additive mirror of models
     that take a plain 4-D mask, ``SlotMask._init_additive``), and the largest forward's transient masks.
     queries: the most query tokens of one forward, max(gamma + 1, the prefill's prompt width): a bound on the
-    prefill's masks, [B, 1, P, C] at most, which for long prompts outweigh the K/V (they grow as P * C). (A prompt
+    prefill's masks, [B, 1, P, C] at most, which for long prompts outweigh the K/V (they grow as P * C). (An eager
     forward's masks span the slots written so far, ``SlotCache.reading``, and an unpadded prompt's first forward
     passes none; '2d'-mask models get the [B, C] slot mask: the bound is kept for all.)"""
     caches = sum(layout.bytes(batch, capacity) for layout in layouts)

@@ -70,23 +70,21 @@ class SlotMaskRunner(abc.ABC):
         if spec.mask == "2d" or spec.sliding_window is not None:
             return
         self._additive = torch.zeros(self.slot_mask.shape, dtype=dtype, device=self.slot_mask.device)
-        self._causal: dict[int, torch.Tensor] = {}  # T -> [1, 1, T, T + S] additive: causal, then blocked
+        self._causal: dict[int, torch.Tensor] = {}  # T -> [1, 1, T, T] additive, causal
 
-    def _additive_mask(self, start: int, end: int, width: int | None = None) -> torch.Tensor:
-        """[B, 1, T, width] additive mask of T = end - start real queries at slots [start, end) over ``width`` key
-        slots (default: end): the mirror for the slots before start, causal among the queries, blocked after end."""
-        queries, tail = end - start, (end if width is None else width) - end
+    def _additive_mask(self, start: int, end: int) -> torch.Tensor:
+        """[B, 1, T, end] additive mask of T = end - start real queries at slots [start, end) over key slots
+        [0, end): the mirror for the slots before start, causal among the queries."""
+        queries = end - start
         block = self._causal.get(queries)
-        if block is None or block.shape[-1] < queries + tail:
-            allowed = torch.ones(queries, queries + self.slot_mask.shape[1], dtype=torch.bool,
-                                 device=self.slot_mask.device).tril()
+        if block is None:
+            allowed = torch.ones(queries, queries, dtype=torch.bool, device=self.slot_mask.device).tril()
             block = self._causal[queries] = additive_mask(allowed.unsqueeze(0), self._additive.dtype)
-        block = block[..., : queries + tail]
         batch = self.slot_mask.shape[0]
         prefix = self._additive[:, None, None, :start].expand(batch, 1, queries, start)
         # (not under a caller's autocast: CPU autocast to bfloat16 fails on a cat of float16 masks)
         with torch.autocast(self.slot_mask.device.type, enabled=False):
-            return torch.cat([prefix, block.expand(batch, 1, queries, queries + tail)], dim=-1)
+            return torch.cat([prefix, block.expand(batch, 1, queries, queries)], dim=-1)
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int, kept_host: list[int] | None = None) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes and the

@@ -85,55 +85,56 @@ class StaticDecoderRunner(SlotMaskRunner):
                 prompt: bool = False):
         """Run tokens [B, T] at the next T slots; real [B, T] bool marks real tokens (None: all real).
         Returns logits [B, T, V] (or [B, 1, V] with last_only). prompt: (a chunk of) the prompts, whose mask is
-        built from slot_mask (a pad and a filler are both holes) over the slots written so far (``_prompt_step``)."""
+        built from slot_mask (a pad and a filler are both holes). Eager forwards attend to the slots written so far
+        only (``_eager_step``); captured ones to all C slots (fixed shapes)."""
         width = tokens.shape[1]
         if self.num_slots + width > self.capacity:
             raise RuntimeError(f"static cache exhausted ({self.num_slots + width} > {self.capacity} slots)")
         if self._compiled and tokens.shape[0] not in self._warm_sizes:  # a batch size new to the captured steps
             self.warm_up()
         compiled = self._compiled.get((width, last_only))
-        if compiled is None and prompt and width and self.spec.mask != "2d":  # (see _prompt_step)
+        if compiled is None and width and self.spec.mask != "2d":  # (see _eager_step)
             with without_cudnn_attention(tokens.device), self.cache.reading(self.num_slots + width):
-                logits = self._prompt_step(tokens, real, last_only)
-            if real is not None:
-                self._mask_written(self.num_slots, self.num_slots + width)
-        elif compiled is None and real is None and not prompt and self._additive is not None:  # (not a prompt's:
-            # no cached causal block [T, T + capacity] of its width)
-            mask = self._additive_mask(self.num_slots, self.num_slots + width, self.capacity)
-            with without_cudnn_attention(tokens.device):  # (eager: a plan per batch size and width otherwise)
-                logits = self._real_step(tokens, mask, last_only)
+                logits = self._eager_step(tokens, real, last_only, prompt)
         else:
             real_i = self._all_real(tokens.shape) if real is None else real.to(torch.int64)
             if compiled is not None:  # (captured: its shapes are fixed; the backend is the one it was captured with)
                 logits = call_captured(compiled, tokens, real_i)
-            else:
+            else:  # ('2d' masks: the slot mask [B, C] over all C slots)
                 with without_cudnn_attention(tokens.device):
                     logits = self._step(tokens, real_i, last_only)
-            if real is not None:
-                self._mask_written(self.num_slots, self.num_slots + width)
+        if real is not None:
+            self._mask_written(self.num_slots, self.num_slots + width)
         self.num_slots += width
         return logits
 
-    def _prompt_step(self, tokens: torch.Tensor, real: torch.Tensor | None, last_only: bool) -> torch.Tensor:
-        """Eager forward of (a chunk of) the prompts, inside ``cache.reading(num_slots + T)``: the attention reads
-        the slots written so far and these T only, never the unwritten rest of the cache.
+    def _eager_step(self, tokens: torch.Tensor, real: torch.Tensor | None, last_only: bool, prompt: bool
+                    ) -> torch.Tensor:
+        """A forward that is not captured, inside ``cache.reading(num_slots + T)``: the attention reads the slots
+        written so far and these T only, never the unwritten rest of the cache, and its mask spans those slots
+        (the columns past them were all masked: every real query attends to the same slots as over all C).
 
         An unpadded prompt's forward at slot 0 (or its first chunk; ``prefill.prompt_real`` gives real=None) then
         sees exactly what the dynamic cache's first forward sees, T keys, and gets no mask, as there
         (``DecoderRunner._mask``): the model's mask code makes it causal (SDPA's causal kernel, GQA without copying
         K/V), as ``model.generate``'s static prefill does. A mask [B, 1, T, C] over the whole cache costs T * C
-        writes and SDPA's masked kernel over all C keys (about three times the prefill at T = 4000). Other prompt
-        forwards (left padding, a later chunk) get ``decoder_mask`` over the slots read, [B, 1, T, num_slots + T]:
-        the columns past them were all masked, so every real query attends to the same slots."""
-        if real is None and self.num_slots == 0:
+        writes and SDPA's masked kernel over all C keys (about three times the prefill at T = 4000). A forward of
+        real tokens past the prompt (draft and verification steps) joins the additive mirror to a cached causal
+        block (``_additive_mask``); the rest (left padding, a later prompt chunk, fillers, sliding windows) get
+        ``decoder_mask`` from slot_mask."""
+        start, end = self.num_slots, self.num_slots + tokens.shape[1]
+        if real is None and prompt and start == 0:
             return self._real_step(tokens, None, last_only)
+        if real is None and not prompt and self._additive is not None:  # (not a prompt's: no cached causal
+            # block of its width)
+            return self._real_step(tokens, self._additive_mask(start, end), last_only)
         real_i = self._all_real(tokens.shape) if real is None else real.to(torch.int64)
-        return self._step(tokens, real_i, last_only, read=self.num_slots + tokens.shape[1])
+        return self._step(tokens, real_i, last_only, read=end)
 
     def _real_step(self, tokens: torch.Tensor, mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
         """Eager ``_step`` for real tokens only, with host slot numbers: no mask write (the slots past num_slots are
         1), the positions next_position + [0, T); mask: [B, 1, T, S] from the additive mirror (``_additive_mask``),
-        or None (the model's own causal mask: ``_prompt_step``)."""
+        or None (the model's own causal mask: ``_eager_step``)."""
         width = tokens.shape[1]
         positions = self.next_position.unsqueeze(1)
         if width > 1:
