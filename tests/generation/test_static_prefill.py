@@ -1,7 +1,8 @@
-"""The static cache's prompt forwards read the slots written so far only (``SlotCache.reading``): an unpadded
-prompt's first forward gets SDPA's causal kernel over its T keys, as ``model.generate``'s static prefill does, and a
-padded or later chunk's forward a mask over the slots written, never the whole preallocated cache; tokens are
-``model.generate``'s (``cache_implementation="static"``) at batch 1 and in a left-padded batch, SDPA and eager."""
+"""The static cache's eager forwards read the slots written so far only (``SlotCache.reading``): an unpadded
+prompt's first forward gets SDPA's causal kernel over its T keys, as ``model.generate``'s static prefill does; a
+padded or later chunk's forward, and the draft and verification steps, a mask over the slots written, never the
+whole preallocated cache. Tokens are ``model.generate``'s (``cache_implementation="static"``) at batch 1 and in a
+left-padded batch, SDPA and eager."""
 
 import pytest
 import torch
