@@ -26,3 +26,52 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     capability = torch.backends.cpu.get_cpu_capability().lower()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_uid{os.getuid()}_{capability}")
+
+
+def _share_the_interpreters_language_patch():
+    """The Triton interpreter patches triton.language (``inspect.getmembers`` over its modules) around every launch
+    and again at every call of a @triton.jit helper inside the kernel, where the launch's patch is in place already.
+    A helper whose language modules are patched in the running launch reuses that patch (the interpreter's own
+    helper patch sets the same attributes again and is never restored; the launch's scope restores them): about a
+    third of an interpreted kernel's CPU time. A helper that needs another module (``triton.language.core`` for
+    tl.zeros) is patched as the interpreter does. Interpreter internals: applied only where they have the expected
+    form (Triton 3.x), else left alone."""
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or scope_type is None or not hasattr(scope_type, "restore"):
+        return
+    launch = {"patched": None}  # the language modules patched in the running launch (None between launches)
+
+    def languages(fn):
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang(fn):
+        langs, patched = languages(fn), launch["patched"]
+        if patched is not None:  # a helper called inside a launch
+            if langs <= patched:
+                return scope_type()  # (its scope is discarded by the interpreter)
+            patched |= langs
+            return original(fn)
+        scope = original(fn)
+        launch["patched"] = langs
+        restore = scope.restore
+
+        def restore_and_end():
+            launch["patched"] = None
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _share_the_interpreters_language_patch()
