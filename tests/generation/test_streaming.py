@@ -77,8 +77,8 @@ def wordpiece_with_cleanup(vocab_size: int = 300) -> PreTrainedTokenizerFast:
 
 
 def test_the_wordpiece_tokenizer_is_the_same_in_every_process():
-    """Its vocabulary is a function of TEXTS alone (the trained one was not: compared across two processes with other
-    hash seeds), and it splits words into '##' pieces, which is what the streaming tests need of it."""
+    """Its vocabulary is a function of TEXTS alone (the trained one was not: compared with a process of another hash
+    seed than this one's), and it splits words into '##' pieces, which is what the streaming tests need of it."""
     import hashlib
     import os
     import subprocess
@@ -92,11 +92,13 @@ def test_the_wordpiece_tokenizer_is_the_same_in_every_process():
     script = ("import hashlib; from generation.test_streaming import wordpiece_with_cleanup as w; "
               "print(hashlib.sha256(w().backend_tokenizer.to_str().encode()).hexdigest())")
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for seed in ("1", "4"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        other = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests_dir, capture_output=True, text=True,
-                               check=True).stdout.split()[-1]
-        assert other == here, seed
+    # one other process (each imports torch and transformers: ~5 s), with a hash seed this one's is not: this one's
+    # is random (unset) or the one it was given
+    seed = "4" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    other = subprocess.run([sys.executable, "-c", script], env=env, cwd=tests_dir, capture_output=True, text=True,
+                           check=True).stdout.split()[-1]
+    assert other == here, seed
 
 
 @pytest.fixture(scope="module")
