@@ -57,7 +57,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 import speculative_kernels as sk  # noqa: E402
-from speculative_kernels.timing import median_run, synchronize  # noqa: E402
+from speculative_kernels import timing  # noqa: E402
+from speculative_kernels.timing import median_run  # noqa: E402
 from speculative_kernels.generation.gamma import expected_speedup  # noqa: E402
 from harness import cpu_name  # noqa: E402
 from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
@@ -187,14 +188,10 @@ _clock = time.perf_counter  # set by --clock
 
 
 def timed_generate(fn, device):
-    """(result, seconds) of fn() with the device synchronised around it, on the --clock: wall (time.perf_counter),
-    or process (time.process_time: the CPU time of this process, the figure that holds on a shared CPU when torch
-    runs one thread; not for a GPU, whose work it does not see)."""
-    synchronize(device)
-    start = _clock()
-    result = fn()
-    synchronize(device)
-    return result, _clock() - start
+    """(result, seconds) of fn() on the --clock: wall (time.perf_counter), or process (time.process_time: the CPU
+    time of this process, the figure that holds on a shared CPU when torch runs one thread; not for a GPU, whose work
+    it does not see)."""
+    return timing.timed_generate(fn, device, _clock)
 
 
 @torch.inference_mode()

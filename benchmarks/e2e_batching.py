@@ -25,7 +25,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import cpu_name  # noqa: E402
+from harness import cpu_name, hf_compile_config  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.timing import median_run, timed_runs  # noqa: E402
 from speculative_kernels import CompileOptions  # noqa: E402
@@ -87,26 +87,7 @@ def left_padded(prompts: list, batch: int, pad: int, device) -> tuple[torch.Tens
     return ids.to(device), mask.to(device)
 
 
-_clock = None  # --clock process: time.process_time (CPU only), else the wall clock of timed_runs
-
-
-def _process_timed_runs(fn, repeats: int) -> list:
-    """timed_runs on this process's CPU time (a shared CPU), after one untimed warm-up call."""
-    fn()
-    runs = []
-    for _ in range(repeats):
-        start = _clock()
-        result = fn()
-        runs.append((result, _clock() - start))
-    return runs
-
-
-def _hf_compile_config():
-    """HF's default ``CompileConfig``, allowed on every device: HF compiles a static-cache ``generate`` on its own on
-    CUDA only, so on the CPU the hf_static row would otherwise be eager decoding, not our compiled path's peer."""
-    config = transformers.CompileConfig()
-    config._compile_all_devices = True  # (a class attribute of CompileConfig, not a constructor argument)
-    return config
+_clock = time.perf_counter  # set by --clock (process: time.process_time, this process's CPU time)
 
 
 def _method_call(method, target, draft, ids, mask, kwargs, gamma, compile_options):
@@ -115,10 +96,10 @@ def _method_call(method, target, draft, ids, mask, kwargs, gamma, compile_option
         return lambda stats: target.generate(ids, attention_mask=mask, **kwargs)
     if method == "hf_static":
         return lambda stats: target.generate(ids, attention_mask=mask, cache_implementation="static",
-                                             compile_config=_hf_compile_config(), **kwargs)
+                                             compile_config=hf_compile_config(), **kwargs)
     if method == "draft_static":
         return lambda stats: draft.generate(ids, attention_mask=mask, cache_implementation="static",
-                                            compile_config=_hf_compile_config(), **kwargs)
+                                            compile_config=hf_compile_config(), **kwargs)
     if method == "hf_assisted":
         return lambda stats: target.generate(ids, attention_mask=mask, assistant_model=draft,
                                              num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
@@ -176,7 +157,7 @@ def batching_cases(target, draft, prompts, batch_sizes=(1, 4, 16, 64), *, method
                 run()  # HF compiles its static-cache forward on the first calls
                 run()
                 warmup_s = time.perf_counter() - start
-            timed = timed_runs(run, device, repeats) if _clock is None else _process_timed_runs(run, repeats)
+            timed = timed_runs(run, device, repeats, _clock)
             counts = [new_token_count(out[:, ids.shape[1]:], eos_token_id) for out, _ in timed]
             chosen = median_run(counts, [seconds for _, seconds in timed])  # the run of median tokens/s
             (out, seconds), new_tokens = timed[chosen], counts[chosen]
@@ -257,7 +238,7 @@ def main(argv=None) -> int:
                         help="process: this process's CPU time (--device cpu on a shared machine)")
     args = parser.parse_args(argv)
     global _clock
-    _clock = time.process_time if args.clock == "process" else None
+    _clock = time.process_time if args.clock == "process" else time.perf_counter
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.clock == "process" and device.type != "cpu":
         parser.error("--clock process times CPU work only: use it with --device cpu")

@@ -32,6 +32,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def hf_compile_config():
+    """HF's default ``CompileConfig``, allowed on every device: HF compiles a static-cache ``generate`` on its own on
+    CUDA only, so on the CPU a static-cache ``model.generate`` would otherwise decode eagerly, not as the compiled
+    peer of ``compile=True``."""
+    import transformers
+
+    config = transformers.CompileConfig()
+    config._compile_all_devices = True  # (a class attribute of CompileConfig, not a constructor argument)
+    return config
+
+
 def environment(device: str) -> dict:
     """Where and with what the numbers were taken (written beside every result)."""
     import triton

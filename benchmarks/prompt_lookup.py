@@ -39,8 +39,9 @@ import transformers
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from harness import cpu_name  # noqa: E402
+from harness import cpu_name, hf_compile_config  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
+from speculative_kernels.timing import timed_generate  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
 
 # Functions of 100 to 200 tokens: two copies and the new tokens fit the demo target's 512 positions.
@@ -115,8 +116,7 @@ def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int, co
         f"ours, demo draft model (γ={gamma})": ours(draft_model=draft, num_speculative_tokens=gamma),
     }
     if compiled:  # (the compiled phase: see main)
-        hf_compile = transformers.CompileConfig()
-        hf_compile._compile_all_devices = True  # (HF compiles on CUDA only by default; a class attribute, not an argument)
+        hf_compile = hf_compile_config()
         runs = {name: runs[name] for name in ("plain generate", f"HF prompt lookup (K={k})",
                                              f"ours, prompt lookup (K={k})")}
         runs["plain generate, HF static cache compiled"] = lambda ids, mask, stats: target.generate(
@@ -127,13 +127,6 @@ def paths(target, draft, k: int, ngram: int, gamma: int, max_new_tokens: int, co
 
 
 _clock = time.perf_counter  # set by --clock
-
-
-def _timed(fn):
-    """(result, seconds) of fn() on the --clock (the CPU: nothing to synchronise)."""
-    start = _clock()
-    result = fn()
-    return result, _clock() - start
 
 
 def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter | None, repeats: int) -> dict:
@@ -153,7 +146,7 @@ def run_task(prompts, runs: dict, tokenizer, counter: ForwardCounter | None, rep
                 stats = sk.SpeculationStats()
                 if counter is not None:
                     counter.calls = 0
-                out, seconds = _timed(lambda: run(ids, mask, stats))
+                out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu", _clock)
                 times[name].append(seconds)
                 calls = counter.calls if counter is not None else (
                     stats.target_forwards + stats.prefill_forwards if name.startswith("ours")
@@ -196,7 +189,7 @@ def run_batched(prompts, runs: dict, tokenizer, counter: ForwardCounter, repeats
         for _ in range(repeats):
             stats = sk.SpeculationStats()
             counter.calls = 0
-            out, seconds = _timed(lambda: run(ids, mask, stats))
+            out, seconds = timed_generate(lambda: run(ids, mask, stats), "cpu", _clock)
             times.append(seconds)
         reference = out if reference is None else reference
         tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
