@@ -84,6 +84,17 @@ class Drafter(Protocol):
         raise NotImplementedError(f"{type(self).__name__} does not implement Drafter.add_rows, which continuous "
                                   "batching calls when requests join a running batch")
 
+    # Optional: a drafter that needs the emitted token ids on the host (re-tokenizing them: ``retokenizing_drafter``)
+    # sets READS_EMITTED_TOKENS = True and implements ``emitted_read``; the loop then hands it its own host copy of the
+    # iteration's tokens, so no second read is needed for them. Others leave it False and need no such method.
+    READS_EMITTED_TOKENS: bool = False
+
+    def emitted_read(self, emitted: list[list[int]], finished: list[int]) -> None:
+        """Only for a drafter with READS_EMITTED_TOKENS = True: after the iteration's one host read (and its EOS,
+        length and stop-string cuts), emitted[b] lists the token ids row b emitted (host ints; [] for a row that
+        emitted nothing) and finished[b] is 1 for a row that has finished (it emits nothing more). Called after
+        ``observe`` and before ``accept``, also in an iteration with nothing drafted (no ``accept`` follows)."""
+
     def lengths_to_read(self) -> torch.Tensor | None:
         """As ``Runner.lengths_to_read``: [N] int64 (any N) wanted from the iteration's host read, or None."""
         return None
@@ -106,6 +117,11 @@ class Drafter(Protocol):
 _CALLED = ("start", "propose", "observe", "accept", "proposal_counts", "lengths_to_read", "lengths_read")
 
 
+def reads_emitted_tokens(drafter) -> bool:
+    """Whether ``drafter`` asks for the emitted tokens on the host (``Drafter.READS_EMITTED_TOKENS`` is True)."""
+    return getattr(drafter, "READS_EMITTED_TOKENS", False) is True
+
+
 def check_drafter(drafter) -> None:
     """TypeError naming what was passed unless ``drafter`` is a ``Drafter`` instance (its methods callable), before
     anything runs: ``generate`` takes an instance, ``SpeculativeDecoder(drafter=...)`` a callable returning a new
@@ -115,7 +131,8 @@ def check_drafter(drafter) -> None:
         raise TypeError(f"drafter= takes a Drafter instance here; got the class {drafter.__name__}: pass "
                         f"{drafter.__name__}(...) (SpeculativeDecoder(drafter=...) is the one that takes a callable "
                         "returning a new Drafter per session)")
-    missing = [name for name in _CALLED if not callable(getattr(drafter, name, None))]
+    called = _CALLED + (("emitted_read",) if reads_emitted_tokens(drafter) else ())
+    missing = [name for name in called if not callable(getattr(drafter, name, None))]
     if missing:
         factory = (" (a callable: generate() takes a Drafter instance, SpeculativeDecoder(drafter=...) a callable "
                    "returning a new one per session)") if callable(drafter) else ""

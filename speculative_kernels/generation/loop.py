@@ -17,7 +17,7 @@ from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
-from .drafter import Drafter, check_drafter
+from .drafter import Drafter, check_drafter, reads_emitted_tokens
 from .proposal import (check_choose_logits, check_lengths_to_read, check_proposal, check_proposal_counts,
                        describe_bad_proposal, flag_proposal)
 from .gamma import GammaCalibrator
@@ -81,6 +81,7 @@ class SpeculativeLoop:
         # Our own drafters' ids and logits are valid by construction (read on the exact class: a subclass, which may
         # override propose, is checked as a user's drafter)
         self._trusted_drafter = bool(type(drafter).__dict__.get("PROPOSES_VALID_IDS", False))
+        self._hands_emitted = reads_emitted_tokens(drafter)  # (Drafter.emitted_read: the read's host tokens)
         self.processors, self.warpers = processors, warpers
         # stop: HF's StopStringCriteria (``stop_strings``), checked per row after every emitted token on a host
         # copy of the row's tokens (prompt rows read once here; the new tokens are the iterations' reads).
@@ -663,6 +664,8 @@ class SpeculativeLoop:
                                    drafted_host)
         if stopped or self._out_of_time():
             self._set_finished([1] * b)  # a stopping criterion ended the (batch-1) request, or max_time passed
+        if self._hands_emitted and self._drafter_started:  # (the host copy above: no read of its own)
+            self.drafter.emitted_read(self.emitted(), self.finished_host)
         # No rollback when nothing runs after; gamma 0 mid-run (a drafter without a model proposed nothing) still
         # moves each row's next input to its new token.
         if not all(self._finished_host):

@@ -28,7 +28,9 @@ from .seq2seq_inputs import prepare_seq2seq
 from .settings import HF_LOGGER, Plan, resolve_settings
 from .stats import PhaseTimer
 from .stop_strings import stop_criterion
-from .vocab import VocabBridge, logit_width
+from .retokenize import TokenizerPair
+from .retokenizing_drafter import RetokenizingDrafter
+from .vocab import VocabBridge, logit_width, tokenizers_differ
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -88,6 +90,14 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         check_prompt_path(prompt_cache[0], encoder_decoder=encoder_decoder,
                           cache_implementation=settings.config.cache_implementation,
                           compiled=compile_options is not None or joins_captured, rows=rows is not None)
+    retokenize = draft_model is not None and tokenizers_differ(tokenizer, assistant_tokenizer)
+    if retokenize:
+        check_retokenizing(model, draft_model, exit_layers is not None, settings, compile_options, rows,
+                           joins_captured)
+    elif settings.lookbehind.given:
+        name = settings.lookbehind.given[0]
+        raise ValueError(f"{name} applies to a draft model with another tokenizer (draft_model= with tokenizer= and "
+                         "a different assistant_tokenizer=) only; it would change nothing here")
     if settings.prompt_lookup is not None and drafter is not None:
         raise ValueError("pass either drafter or prompt_lookup_num_tokens, not both")
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
@@ -233,7 +243,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         gamma = plan.num_speculative_tokens
         captured_gamma = gamma if rows is not None else min(gamma, max(0, plan.max_new_tokens - 1))
         steps = [(target_runner, [(captured_gamma + 1, False)])]
-    if draft_model is not None:
+    if retokenize:  # (the target's text re-tokenized for the draft: ``retokenizing_drafter.py``)
+        drafter = RetokenizingDrafter(runners[1], tokenizer_pair(tokenizer, assistant_tokenizer, draft_model,
+                                                                 settings), device,
+                                      prefill_chunk_size=plan.prefill_chunk_size)
+    elif draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)
         drafter = ModelDrafter(runners[1], bridge, dtype, keep_logits=rows is not None or not plan.sampling.greedy,
@@ -254,6 +268,41 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
                            processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models),
                            timer=timer, caller_cache=prompt_cache)
+
+
+def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_options, rows,
+                       joins_captured: bool) -> None:
+    """ValueError naming what a draft with another tokenizer (``retokenizing_drafter.py``) does not support."""
+    what = "a draft model with another tokenizer (assistant_tokenizer= with another vocabulary than tokenizer=)"
+    if early_exit:
+        raise ValueError(f"assistant_early_exit drafts with the target's own vocabulary; {what} is another draft: "
+                         "pass one of them")
+    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
+        raise ValueError(f"{what} is supported for decoder-only models only (an encoder-decoder target or draft "
+                         "was given)")
+    if settings.config.cache_implementation == "static":
+        raise ValueError(f"cache_implementation='static' is not supported with {what}: its draft's cache grows by "
+                         "a varying number of tokens per iteration; use the dynamic cache")
+    if compile_options is not None:
+        raise ValueError(f"compile=True is not supported with {what} (its draft feeds a varying number of tokens "
+                         "per iteration)")
+    if rows is not None or joins_captured:
+        raise ValueError(f"SpeculativeDecoder (a batch of requests, add_request) is not supported with {what}; use "
+                         "speculative_kernels.generate")
+
+
+def tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings) -> TokenizerPair:
+    """The re-tokenizing drafter's tokenizers and settings: the draft's EOS ids (its tokenizer's and its
+    generation_config's), the target's first EOS id proposed in their place, the lookbehind windows."""
+    draft_eos = set()
+    for value in (assistant_tokenizer.eos_token_id, getattr(draft_model.generation_config, "eos_token_id", None)):
+        draft_eos.update(value if isinstance(value, (list, tuple)) else () if value is None else (value,))
+    starter = next((t for t in (assistant_tokenizer.bos_token_id, assistant_tokenizer.eos_token_id) if t is not None),
+                   0)
+    target_eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
+    return TokenizerPair(tokenizer, assistant_tokenizer, target_lookbehind=settings.lookbehind.target,
+                         assistant_lookbehind=settings.lookbehind.assistant, draft_eos=frozenset(draft_eos),
+                         target_eos=target_eos, starter=starter)
 
 
 def stop_string_criterion(stop_strings, tokenizer):

@@ -79,6 +79,11 @@ HONOURED = {
                     "completes one), any batch size",
     "max_time": "every row stops after the iteration in which max_time seconds have passed since the prefill began "
                 "(HF: after the step): a prefix of the output, as HF's",
+    "assistant_lookbehind": "a draft with another tokenizer (retokenize.py): the draft tokens decoded with each "
+                            "proposal's (HF's default 10); refused when set otherwise without such a draft",
+    "target_lookbehind": "a draft with another tokenizer (retokenize.py): the target tokens decoded with the new ones "
+                         "before the draft's are re-encoded (HF's default 10); refused when set otherwise without "
+                         "such a draft",
     "prefill_chunk_size": "HF's chunked prefill: every prefill of the prompts (the target's, the draft model's, an "
                           "encoder-decoder's decoder prompt) runs in forwards of at most this many tokens "
                           "(``runners.prefill``)",
@@ -141,8 +146,6 @@ REFUSED_UNLESS = {
     "use_mtp": (False,),
     "assistant_confidence_threshold": (),
     "is_assistant": (False,),
-    "assistant_lookbehind": (),
-    "target_lookbehind": (),
     "assistant_ensemble_weight": (),
     "cache_config": (),
     "max_cache_len": (),
@@ -160,8 +163,6 @@ _REASONS = {
                                       "num_speculative_tokens='auto'",
     "is_assistant": "model.generate then runs as an assistant: it adds HF's draft-confidence stopping criterion "
                     "(assistant_confidence_threshold, default 0.4)",
-    "assistant_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
-    "target_lookbehind": "universal assisted generation (different tokenizers) is not implemented",
     "assistant_ensemble_weight": "an ensemble of draft and target is not the target's distribution",
     "cache_config": "the caches are speculative_kernels' own (cache_implementation='dynamic' or 'static')",
     "max_cache_len": "the static cache is sized by speculative_kernels",
@@ -193,6 +194,17 @@ class PromptLookup:
 
     num_tokens: int
     max_ngram: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookbehind:
+    """HF's ``assistant_lookbehind`` and ``target_lookbehind`` (ints >= 0; 10, HF's default, where unset), used by a
+    draft with another tokenizer (``retokenize.py``); ``given``: the fields set to another value than HF's default
+    (refused without such a draft: they would change nothing)."""
+
+    assistant: int = 10
+    target: int = 10
+    given: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -602,6 +614,7 @@ class Settings:
     num_return_sequences: int = 1  # rows per prompt (sampling)
     default_min_length: bool = True  # min_length set nowhere (for HF's warnings)
     prefill_chunk_size: int | None = None  # see Plan.prefill_chunk_size
+    lookbehind: Lookbehind = Lookbehind()  # HF's assistant_lookbehind / target_lookbehind (a draft with another tokenizer)
 
     def plan(self, model, prompt_length: int) -> Plan:
         """The ``Plan`` for a (decoder) prompt of ``prompt_length`` tokens: how many new tokens, at least and most."""
@@ -775,7 +788,23 @@ def resolve_settings(model, num_speculative_tokens, generation_config, kwargs: d
     chunk = prefill_chunk_size(config.prefill_chunk_size, from_model="prefill_chunk_size" in own)
     return Settings(config, sampling, gamma, eos, pad, streamer, criteria, default_max_length, lookup,
                     logits_processor, prefix_allowed_tokens_fn, warping, copies,
-                    _set_nowhere("min_length", model, generation_config, kwargs), chunk)
+                    _set_nowhere("min_length", model, generation_config, kwargs), chunk, _lookbehind(config))
+
+
+def _lookbehind(config) -> Lookbehind:
+    """HF's lookbehind windows, checked (ints >= 0; None is HF's default, 10)."""
+    values, given = {}, []
+    defaults = _hf_defaults()
+    for name in ("assistant_lookbehind", "target_lookbehind"):
+        value = _scalar(getattr(config, name, None))
+        if value is None:
+            value = defaults.get(name, 10)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (HF's default 10), got {value!r}")
+        if value != defaults.get(name, 10):
+            given.append(name)
+        values[name] = int(value)
+    return Lookbehind(values["assistant_lookbehind"], values["target_lookbehind"], tuple(given))
 
 
 def prefill_chunk_size(value, from_model: bool = False) -> int | None:

@@ -36,6 +36,14 @@ def check_tokenizers(tokenizer, assistant_tokenizer) -> None:
         )
 
 
+def tokenizers_differ(tokenizer, assistant_tokenizer) -> bool:
+    """Whether both tokenizers are given and assign ids differently (a draft with another tokenizer: its text is
+    re-tokenized, ``retokenizing_drafter.py``; tokenizers that agree keep one vocabulary, ``VocabBridge``)."""
+    if tokenizer is None or assistant_tokenizer is None or tokenizer is assistant_tokenizer:
+        return False
+    return tokenizer.get_vocab() != assistant_tokenizer.get_vocab()
+
+
 def vocabulary_size(model) -> int:
     """The number of ids the input embedding of ``model`` takes (its text config's vocab_size without one)."""
     embeddings = model.get_input_embeddings()

@@ -112,7 +112,7 @@ REFUSED_SAMPLES = {
     "output_hidden_states": True, "token_healing": True,
     "dola_layers": "high", "use_mtp": True, "assistant_confidence_threshold": 0.2,
     "is_assistant": True,
-    "assistant_lookbehind": 5, "target_lookbehind": 5, "assistant_ensemble_weight": 0.5,
+    "assistant_ensemble_weight": 0.5,
     "cache_config": {"backend": "quanto"}, "max_cache_len": 64, "compile_config": {"fullgraph": True},
     "continuous_batching_config": {"x": 1}, "speculation_type": "dflash",
 }
@@ -129,11 +129,13 @@ def test_each_refused_field_raises_naming_it(pair, name):
         sk.generate(target, P, draft_model=draft, max_new_tokens=3, **{name: REFUSED_SAMPLES[name]})
 
 
-@pytest.mark.parametrize("name", ["num_assistant_tokens_schedule", "cache_implementation", "use_cache"])
+@pytest.mark.parametrize("name", ["num_assistant_tokens_schedule", "cache_implementation", "use_cache",
+                                  "assistant_lookbehind", "target_lookbehind"])
 def test_honoured_fields_refuse_what_they_cannot_do(pair, name):
     target, draft = pair
+    # (the lookbehinds: a draft with another tokenizer's; with this pair's one vocabulary they would do nothing)
     value = {"num_assistant_tokens_schedule": "heuristic", "cache_implementation": "offloaded",
-             "use_cache": False}[name]
+             "use_cache": False, "assistant_lookbehind": 5, "target_lookbehind": 5}[name]
     with pytest.raises(ValueError, match=name):
         sk.generate(target, P, draft_model=draft, max_new_tokens=3, **{name: value})
 

@@ -1,0 +1,128 @@
+"""Host-side text bookkeeping of the re-tokenizing drafter (``retokenizing_drafter.py``): one row's text, the
+target's tokens of it and the draft's own tokens of it, kept in step incrementally with two lookbehind windows
+(HF's ``target_lookbehind`` and ``assistant_lookbehind``, default 10 each).
+
+Everything here is plain Python on host ints and strings (tokenizer calls): the work of universal assisted generation
+(UAD) that HF also does on the host at every iteration. None of it decides what the output is: the target verifies
+every proposal, so a poor re-tokenization lowers the acceptance rate and nothing else.
+
+Marks tie the three together: a mark (i, j, c) says target_ids[:i] decodes to text[:c] and draft_ids[:j] encodes
+text[:c]. New target tokens are decoded together with the target tokens since the latest mark at least
+``target_lookbehind`` tokens back (a token's text may depend on the one before: a byte-level character split over two
+tokens, a word-initial space), and the draft's tokens from that mark on are re-encoded from the text (a new word may
+merge with the last tokens); the draft's cache keeps what did not change (``DraftSlots``). Draft tokens become target
+tokens the same way: decoded with the draft tokens since the latest mark at least ``assistant_lookbehind`` tokens
+back, and the text since that mark re-encoded with the target's tokenizer; the tokens past the target's own are the
+proposal.
+"""
+
+import dataclasses
+
+REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character split across tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerPair:
+    """The target's and the draft's tokenizers with the call's settings. target_lookbehind, assistant_lookbehind:
+    HF's (ints >= 0); draft_eos: the draft's EOS ids (a draft stops proposing at one); target_eos: the target id
+    proposed in its place (None: nothing); starter: a draft id to start from when the prompt's text encodes to no
+    draft token at all (the draft needs one input)."""
+
+    target: object
+    draft: object
+    target_lookbehind: int = 10
+    assistant_lookbehind: int = 10
+    draft_eos: frozenset = frozenset()
+    target_eos: int | None = None
+    starter: int = 0
+
+    def decode_target(self, ids: list[int]) -> str:
+        return self.target.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_draft(self, ids: list[int]) -> str:
+        return self.draft.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def encode_target(self, text: str, first: bool) -> list[int]:
+        """first: the text starts the sequence (the tokenizer's special tokens, e.g. BOS, are added)."""
+        return list(self.target(text, add_special_tokens=first)["input_ids"]) if text or first else []
+
+    def encode_draft(self, text: str, first: bool) -> list[int]:
+        ids = list(self.draft(text, add_special_tokens=first)["input_ids"]) if text or first else []
+        return ids or ([self.starter] if first else [])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
+class RowText:
+    """One row on the host: target_ids (its real prompt tokens, then every emitted token), text (the target's
+    decoding of target_ids[:synced], special tokens skipped as in HF), draft_ids (the draft's tokens of text) and
+    the marks (i, j, c) of the module docstring, in increasing order."""
+
+    def __init__(self, pair: TokenizerPair, prompt: list[int]):
+        self.pair = pair
+        self.target_ids = list(prompt)
+        self.text = pair.decode_target(self.target_ids)
+        self.synced = len(self.target_ids)
+        self.draft_ids = pair.encode_draft(self.text, first=True)
+        self.marks = [(0, 0, 0), (self.synced, len(self.draft_ids), len(self.text))]
+
+    def _mark_before(self, index: int, limit: int) -> tuple[int, int, int]:
+        """The latest mark whose entry ``index`` (0: target, 1: draft) is at most ``limit``."""
+        for mark in reversed(self.marks):
+            if mark[index] <= limit:
+                return mark
+        return self.marks[0]
+
+    def extend(self, new_ids: list[int]) -> None:
+        """The target emitted new_ids: extend the text, and re-encode the draft's tokens from a mark at least
+        target_lookbehind target tokens back. Tokens whose text is not complete yet (a character split across
+        tokens) wait for the next ones."""
+        self.target_ids.extend(new_ids)
+        i0, j0, c0 = self._mark_before(0, self.synced - self.pair.target_lookbehind)
+        piece = self.pair.decode_target(self.target_ids[i0:])
+        if not piece.startswith(self.text[c0:]):  # decoding depends on more context: decode the whole row
+            i0, j0, c0 = self.marks[0]
+            piece = self.pair.decode_target(self.target_ids)
+            if not piece.startswith(self.text):  # the text so far changed: start the draft's tokens over
+                self.text, self.marks = "", self.marks[:1]
+        if piece.endswith(REPLACEMENT):
+            return
+        self.text = self.text[:c0] + piece
+        self.synced = len(self.target_ids)
+        tail = self.pair.encode_draft(self.text[c0:], first=j0 == 0)
+        same = common_prefix(tail, self.draft_ids[j0:])
+        self.draft_ids = self.draft_ids[:j0] + tail
+        # marks inside the draft tokens that stayed the same are still marks
+        self.marks = [m for m in self.marks if m[1] <= j0 + same and m[2] <= len(self.text)]
+        mark = (self.synced, len(self.draft_ids), len(self.text))
+        if mark != self.marks[-1]:
+            self.marks.append(mark)
+
+    def proposal(self, drafts: list[int], gamma: int) -> list[int]:
+        """The target tokens (at most gamma) that continue target_ids with the text of the draft's tokens
+        ``drafts`` (which follow draft_ids); [] when there are none."""
+        if self.synced < len(self.target_ids):  # a character still incomplete: the text has no clean end
+            return []
+        cut = next((k for k, t in enumerate(drafts) if t in self.pair.draft_eos), None)
+        words = drafts if cut is None else drafts[:cut]
+        i1, j1, c1 = self._mark_before(1, len(self.draft_ids) - self.pair.assistant_lookbehind)
+        piece = self.pair.decode_draft(self.draft_ids[j1:] + words)
+        known = self.text[c1:]
+        new_text = piece[len(known):].rstrip(REPLACEMENT) if piece.startswith(known) else ""
+        tokens = []
+        if new_text:
+            window = self.pair.encode_target(known + new_text, first=i1 == 0)
+            have = self.target_ids[i1:]
+            if window[: len(have)] == have:
+                tokens = window[len(have):]
+            else:  # the new text merges with the target's last tokens: propose its own tokens
+                tokens = self.pair.encode_target(new_text, first=False)
+        if cut is not None and self.pair.target_eos is not None:
+            tokens = tokens + [self.pair.target_eos]
+        return tokens[:gamma]

@@ -1,0 +1,196 @@
+"""Universal assisted generation: a ``Drafter`` whose draft model has another tokenizer than the target (HF's
+``model.generate(..., assistant_model=draft, tokenizer=tok, assistant_tokenizer=draft_tok)``).
+
+The draft reads its own tokenization of the text so far and drafts gamma tokens greedily; their text becomes target
+tokens, which are proposed without a distribution (q one-hot: ``ops.verify`` with ``draft_logits=None``). Each
+iteration:
+
+1. the loop's one host read of the emitted tokens is handed to the drafter (``emitted_read``; the drafter asks for it
+   with ``READS_EMITTED_TOKENS``): each row's text grows and the draft's tokens of it are re-encoded from a lookbehind
+   mark (``retokenize.RowText``);
+2. ``propose``: the draft's cache keeps the common prefix of what it holds and its new tokens (``DraftSlots``), the
+   changed tail is fed in one forward (rows left-padded with holes), then gamma - 1 one-token steps; the gamma draft
+   tokens are read to the host (the drafter's own read: their text is needed to make target tokens, as in HF) and
+   turned into each row's proposal, num_draft[b] <= gamma tokens (0 where nothing maps).
+
+Exactness, greedy: the verification emits the target's argmax whatever is proposed. Sampling: a proposal x drawn
+independently of the verification's random numbers (here a deterministic function of the emitted tokens) is
+accepted with probability p(x) and, on rejection, the token is drawn from the residual p restricted to v != x,
+renormalised: P(emit v) = [v = x] p(x) + (1 - p(x)) p(v) [v != x] / (1 - p(x)) = p(v) for every x (p(x) = 1: always
+accepted, P = p), so each position is distributed as p given the tokens before it, and so is the sequence.
+
+The re-tokenization is host work per row and iteration (tokenizer calls over a window of about
+``target_lookbehind`` + ``assistant_lookbehind`` tokens and the new ones, as in HF), and the draft tokens cost a
+second device-to-host read per iteration beside the loop's. Rows leaving the batch read their index once
+(``select_rows``). Not supported (refused by name in ``request.py``): the static cache, ``compile=True``, batches of
+requests (``SpeculativeDecoder``), encoder-decoder models.
+"""
+
+import torch
+
+from .drafter import ChooseToken
+from .retokenize import RowText, TokenizerPair, common_prefix
+from .runners import Runner
+from .runners.prefill import prefill
+from .transfer import host_to_device
+
+
+class DraftSlots:
+    """The draft runner's slots on the host: per row, the draft ids it holds (``fed``) and whether each slot is real
+    (``layout``, ``runner.num_slots`` long), so that a row can drop its last tokens whatever the holes between them
+    (``keep_prefix`` addresses slots). After a hole compaction (``runner.compactions`` grew) each row's real slots are
+    its first ones."""
+
+    def __init__(self, runner: Runner, batch: int, device: torch.device, chunk_size: int | None):
+        self.runner, self.device, self.chunk_size = runner, device, chunk_size  # (chunk_size: of the prompt's prefill)
+        self.fed: list[list[int]] = [[] for _ in range(batch)]
+        self.layout: list[list[bool]] = [[] for _ in range(batch)]
+        self._compactions = runner.compactions
+
+    def forward(self, tokens: list[list[int]], last_only: bool = True, prompt: bool = False) -> torch.Tensor:
+        """Feed each row's tokens (host lists, rows left-padded with holes to the longest). Returns the last
+        position's logits [B, 1, V_d]."""
+        width = max(len(t) for t in tokens)
+        pads = [width - len(t) for t in tokens]
+        ids = [[0] * p + t for p, t in zip(pads, tokens)]
+        device = self.device
+        real = None
+        if any(pads):
+            real = host_to_device([[k >= p for k in range(width)] for p in pads], torch.bool, device)
+        if prompt:
+            logits = prefill(self.runner, host_to_device(ids, torch.int64, device), real, self.chunk_size)
+        else:
+            logits = self.runner.forward(host_to_device(ids, torch.int64, device), real, last_only=last_only)
+        self.appended(tokens, pads)
+        return logits
+
+    def appended(self, tokens: list[list[int]], pads: list[int]) -> None:
+        for fed, layout, t, p in zip(self.fed, self.layout, tokens, pads):
+            fed.extend(t)
+            layout.extend([False] * p + [True] * len(t))
+
+    def keep(self, counts: list[int]) -> None:
+        """Row b keeps its first counts[b] fed tokens (<= what it holds)."""
+        slots = self.runner.num_slots
+        cuts = []
+        for fed, layout, n in zip(self.fed, self.layout, counts):
+            drop, cut = len(fed) - n, slots
+            while drop > 0:  # (walk back over the row's last slots: holes and the real ones it drops)
+                cut -= 1
+                drop -= layout[cut]
+            cuts.append(cut)
+        start = min(cuts)
+        if start == slots:
+            return
+        kept = [c - start for c in cuts]
+        self.runner.keep_prefix(slots - start, host_to_device(kept, torch.int64, self.device), max(kept),
+                                kept)
+        slots = self.runner.num_slots
+        for b, (n, cut) in enumerate(zip(counts, cuts)):
+            del self.fed[b][n:]
+            layout = self.layout[b][:cut]
+            self.layout[b] = (layout + [False] * (slots - len(layout)))[:slots]
+        if self.runner.compactions != self._compactions:  # squeezed: every row's real slots first
+            self._compactions = self.runner.compactions
+            self.layout = [[k < len(fed) for k in range(slots)] for fed in self.fed]
+
+    def select(self, rows: list[int]) -> None:
+        self.fed = [self.fed[b] for b in rows]
+        self.layout = [self.layout[b] for b in rows]
+
+
+class RetokenizingDrafter:
+    """A ``Drafter`` for a draft model with its own tokenizer. runner: the draft model's (dynamic cache); pair: the
+    two tokenizers and the lookbehinds; prefill_chunk_size: HF's, for the draft's prompt. One object serves one call."""
+
+    READS_EMITTED_TOKENS = True  # the loop calls emitted_read with its host copy of the iteration's tokens
+
+    def __init__(self, runner: Runner, pair: TokenizerPair, device: torch.device,
+                 prefill_chunk_size: int | None = None):
+        self.runner, self.pair, self.device = runner, pair, device
+        self.prefill_chunk_size = prefill_chunk_size
+        self.rows: list[RowText] = []
+        self.finished: list[int] = []
+        self.slots: DraftSlots | None = None
+        self._forwards = 0
+
+    def start(self, input_ids: torch.Tensor, real: torch.Tensor) -> None:
+        """Decode each row's real prompt tokens (one host read of the prompts, before decoding starts) and prefill
+        the draft with its tokens of that text but the last."""
+        ids, mask = input_ids.tolist(), real.tolist()
+        self.rows = [RowText(self.pair, [t for t, r in zip(row, m) if r]) for row, m in zip(ids, mask)]
+        self.finished = [0] * len(self.rows)
+        self.slots = DraftSlots(self.runner, len(self.rows), self.device, self.prefill_chunk_size)
+        prompts = [row.draft_ids[:-1] for row in self.rows]
+        if any(prompts):
+            self.slots.forward(prompts, prompt=True)
+
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, None, torch.Tensor]:
+        """gamma greedy draft steps from each row's draft tokens; returns the target tokens [B, gamma] (fillers 0
+        past num_draft), None (no q) and num_draft [B]."""
+        tails = self._sync()
+        logits = self.slots.forward(tails)
+        drafts = [logits[:, -1].argmax(dim=-1)]
+        for _ in range(gamma - 1):
+            logits = self.runner.forward(drafts[-1].unsqueeze(1), None, last_only=True)
+            drafts.append(logits[:, -1].argmax(dim=-1))
+        self._forwards += gamma
+        drafted = torch.stack(drafts, dim=1).tolist()  # the drafter's own read: [B, gamma] draft ids
+        self.slots.appended([d[:-1] for d in drafted], [0] * len(drafted))
+        proposals = [[] if f else row.proposal(d, gamma) for row, d, f in zip(self.rows, drafted, self.finished)]
+        tokens = host_to_device([p + [0] * (gamma - len(p)) for p in proposals], torch.int64, self.device)
+        return tokens, None, host_to_device([len(p) for p in proposals], torch.int64, self.device)
+
+    def _sync(self) -> list[list[int]]:
+        """Roll the draft's cache back to the common prefix of what it holds and each row's draft tokens (keeping
+        the last token out, to feed it); returns each row's tokens to feed (a finished row: its last one again)."""
+        keep, tails = [], []
+        for row, fed, f in zip(self.rows, self.slots.fed, self.finished):
+            target = fed[-1:] if f else row.draft_ids
+            n = len(fed) if f else min(common_prefix(fed, target), len(target) - 1)
+            keep.append(n)
+            tails.append(target if f else target[n:])
+        self.slots.keep(keep)
+        return tails
+
+    def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
+        """Nothing on the device: the emitted tokens arrive on the host (``emitted_read``)."""
+
+    def emitted_read(self, emitted: list[list[int]], finished: list[int]) -> None:
+        """After the loop's host read: each row's emitted tokens (host ints, after its EOS and length cuts) and the
+        finished flags. The text grows here; the draft catches up in the next ``propose``."""
+        for row, tokens, f in zip(self.rows, emitted, finished):
+            if not f:
+                row.extend(tokens)
+        self.finished = list(finished)
+
+    def accept(self, draft_tokens, accepted, accepted_host, next_token, finished) -> None:
+        """Nothing to roll back here: ``propose`` re-synchronises the draft's cache with the text."""
+
+    def proposal_counts(self) -> None:
+        return None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        rows = index.tolist()  # (rows leave between iterations, rarely: one read of their index)
+        self.runner.select_rows(index)
+        self.rows = [self.rows[b] for b in rows]
+        self.finished = [self.finished[b] for b in rows]
+        self.slots.select(rows)
+
+    def add_rows(self, other) -> None:
+        raise NotImplementedError("RetokenizingDrafter (a draft with another tokenizer) does not take rows joining "
+                                  "a running batch")
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        return self.runner.lengths_to_read()
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        self.runner.lengths_read(lengths)
+
+    @property
+    def forwards(self) -> int:
+        return self._forwards
+
+    @property
+    def compactions(self) -> int:
+        return self.runner.compactions

@@ -1,0 +1,84 @@
+"""Tiny tokenizers built locally with the ``tokenizers`` library (nothing is downloaded), wrapped as transformers'
+``PreTrainedTokenizerFast``: a character tokenizer, a byte-level BPE trained on a few sentences, and any of them with
+its ids permuted (the same tokens under other ids: a draft that is the target's own model under another vocabulary,
+``permuted_model``)."""
+
+import json
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+SENTENCES = [
+    "the cat sat on the mat and the dog sat on the log",
+    "a quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts tokens and the target checks them",
+    "def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)",
+    "the draft proposes and the target disposes",
+]
+SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: the tiny models' pad, bos and eos (helpers.models.SPECIAL)
+
+
+def _wrap(tokenizer: Tokenizer, specials: bool = True) -> PreTrainedTokenizerFast:
+    names = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>") if specials else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names)
+
+
+def char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
+    """One token per character of ``chars`` (ids in that order), no special tokens; decoding joins them."""
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return _wrap(tokenizer, specials=False)
+
+
+def byte_bpe(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder) trained on ``sentences``, with SPECIALS first: 259 ids
+    are the bytes and specials (no merges), more are merges."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(sentences, trainer)
+    return _wrap(tokenizer)
+
+
+def permuted(tokenizer: PreTrainedTokenizerFast, perm: list[int], extra: tuple[str, ...] = ()):
+    """The same tokenizer with token id i renamed perm[i] (special tokens keep their ids: perm must fix them), plus
+    ``extra`` tokens after the others (tokens no text encodes to, so they only widen the vocabulary)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    spec["model"]["vocab"] = {token: perm[i] for token, i in vocab.items()}
+    for token in spec["added_tokens"]:
+        assert perm[token["id"]] == token["id"]
+    for k, token in enumerate(extra):
+        spec["model"]["vocab"][token] = len(perm) + k
+    has_specials = tokenizer.eos_token is not None
+    return _wrap(Tokenizer.from_str(json.dumps(spec)), specials=has_specials)
+
+
+def permutation(size: int, fixed: int = 0, seed: int = 0) -> list[int]:
+    """A random permutation of range(size) that keeps the first ``fixed`` ids."""
+    rest = torch.randperm(size - fixed, generator=torch.Generator().manual_seed(seed)) + fixed
+    return list(range(fixed)) + rest.tolist()
+
+
+def permuted_model(model, perm: list[int], extra: int = 0):
+    """A copy of a Llama-style ``model`` over the permuted vocabulary: new id perm[i] embeds and scores as id i did;
+    ``extra`` more ids after them score as id 0 does, which a greedy argmax never picks over it (first index on
+    ties), and embed as id 0."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    inverse = [0] * len(perm)
+    for old, new in enumerate(perm):
+        inverse[new] = old
+    index = torch.tensor(inverse + [0] * extra)
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight[index].clone()
+        head = model.get_output_embeddings().weight[index].clone()
+    draft.resize_token_embeddings(len(index), mean_resizing=False)
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(embed)
+        draft.get_output_embeddings().weight.copy_(head)
+    return draft.eval()
