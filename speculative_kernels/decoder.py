@@ -43,7 +43,7 @@ from .generation.options import CompileOptions
 from .generation.request import build_loop
 from .generation.settings import check_lookup_gamma
 from .generation.stats import SpeculationStats
-from .generation.vocab import VocabBridge
+from .generation.vocab import VocabBridge, tokenizers_differ
 
 
 # generate's keywords that a SpeculativeDecoder holds for every session: start() refuses them by name
@@ -165,6 +165,10 @@ class SpeculativeDecoder:
             self.draft = early_exit_draft(self.target, self.exit_layers)
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         check_helpers(tokenizer, assistant_tokenizer, None)
+        if self.draft is not None and tokenizers_differ(tokenizer, assistant_tokenizer):
+            raise ValueError("SpeculativeDecoder does not support a draft model with another tokenizer "
+                             "(assistant_tokenizer= with another vocabulary than tokenizer=); "
+                             "speculative_kernels.generate does (universal assisted generation)")
         if self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step
             VocabBridge(self.target, self.draft, tokenizer, assistant_tokenizer)
         self.drafter = drafter

@@ -1,0 +1,220 @@
+"""A draft model with another tokenizer (universal assisted generation, ``retokenizing_drafter.py``): greedy output
+token-identical to ``model.generate`` plain and to HF's own UAD, batches with left padding, drafts accepted, sampled
+continuations distributed as the target's, the host reads per iteration, and what it refuses by name. Tokenizers are
+built locally (``helpers.tiny_tokenizers``)."""
+
+import numpy as np
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.host_reads import count_reads_per_loop_step
+from helpers.models import hf_generate, llama
+from helpers.sampling import NEW, peaky
+from helpers.stats import assert_matches
+from helpers.tiny_tokenizers import byte_bpe, char_tokenizer, permutation, permuted, permuted_model
+from speculative_kernels.generation.retokenize import RowText, TokenizerPair
+
+CHARS = "abcdefghij klmnop"
+
+
+@pytest.fixture(scope="module")
+def bpe_pair():
+    """A byte-level BPE target (300 ids) and a random draft on a byte tokenizer without merges (259 ids)."""
+    target_tok, draft_tok = byte_bpe(300), byte_bpe(259)
+    return llama(vocab=len(target_tok)), llama(layers=1, vocab=len(draft_tok), seed=4), target_tok, draft_tok
+
+
+@pytest.fixture(scope="module")
+def self_pair():
+    """A character target, and the target itself as the draft under a permuted vocabulary with two more ids (the
+    draft computes the target's distribution on its own ids)."""
+    target_tok = char_tokenizer(CHARS)
+    perm = permutation(len(CHARS), seed=3)
+    target = llama(vocab=len(CHARS))
+    target.generation_config.eos_token_id = None
+    return target, permuted_model(target, perm, extra=2), target_tok, permuted(target_tok, perm, extra=("X", "Y"))
+
+
+def _left_padded(tokenizer, texts):
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_greedy_matches_model_generate_and_hfs_universal_assisted_generation(bpe_pair):
+    target, draft, target_tok, draft_tok = bpe_pair
+    ids = target_tok("the cat sat on", return_tensors="pt").input_ids
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+    hf_uad = hf_generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                         max_new_tokens=16, do_sample=False)
+    assert torch.equal(hf_uad, expected)
+    for lookbehind in ({}, dict(target_lookbehind=0, assistant_lookbehind=1)):
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                          max_new_tokens=16, do_sample=False, speculation_stats=stats, **lookbehind)
+        assert torch.equal(got, expected)
+        assert stats.drafted_tokens > 0 and stats.draft_forwards > 0
+
+
+def test_the_target_as_its_own_draft_under_another_vocabulary_has_every_draft_accepted(self_pair):
+    """The draft sees its own tokens of the target's text: with the target's weights on permuted ids, every draft is
+    the target's own choice, at batch 1 and in a left-padded batch (its cache holds holes, rows drop what they fed
+    past a mismatch)."""
+    target, draft, target_tok, draft_tok = self_pair
+    for texts in (["abc de"], ["abc de", "fg", "hij kl mno"]):
+        ids, mask = _left_padded(target_tok, texts)
+        expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, attention_mask=mask, assistant_model=draft, tokenizer=target_tok,
+                          assistant_tokenizer=draft_tok, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                          num_speculative_tokens=4, speculation_stats=stats)
+        assert torch.equal(got, expected)
+        assert stats.accepted_tokens == stats.drafted_tokens > 0
+
+
+def test_rejections_roll_the_drafts_cache_back_as_a_shared_vocabulary_would(self_pair):
+    """With a repetition penalty on the target alone, drafts of the target's own weights are rejected now and then
+    and the draft's cache rolls back (rows by different counts, around the holes of the left padding). On the
+    character tokenizer the draft's tokens are the target's own, so every iteration must propose and accept
+    exactly what the same weights as an ordinary draft model (one vocabulary) do."""
+    target, draft, target_tok, draft_tok = self_pair
+    ids, mask = _left_padded(target_tok, ["abc de", "fg", "hij kl mno"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, repetition_penalty=2.0,
+                  num_speculative_tokens=4)
+    expected = target.generate(ids, **{k: v for k, v in kwargs.items() if k != "num_speculative_tokens"})
+    shared, retokenized = sk.SpeculationStats(), sk.SpeculationStats()
+    assert torch.equal(sk.generate(target, ids, draft_model=target, speculation_stats=shared, **kwargs), expected)
+    got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                      speculation_stats=retokenized, **kwargs)
+    assert torch.equal(got, expected)
+    assert 0 < shared.accepted_tokens < shared.drafted_tokens
+    assert (retokenized.accepted_histogram, retokenized.drafted_tokens) == (shared.accepted_histogram,
+                                                                             shared.drafted_tokens)
+
+
+def test_left_padded_batch_with_rows_finishing_early_matches_model_generate(bpe_pair, self_pair):
+    """Batch 3, left-padded, one row ending at an EOS early (it leaves the batch: the drafter keeps the others'
+    rows), the random draft and the target's own weights under another vocabulary."""
+    for target, draft, target_tok, draft_tok in (bpe_pair, self_pair):
+        ids, mask = _left_padded(target_tok, ["the cat sat", "a dog", "fib(n - 1) + the"] if len(target_tok) > 100
+                                 else ["abc de", "fg", "hij kl mno"])
+        plain = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                                eos_token_id=None)
+        eos = int(plain[1, ids.shape[1] + 2])  # row 1's third new token ends it
+        expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                                   eos_token_id=eos)
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, attention_mask=mask, assistant_model=draft, tokenizer=target_tok,
+                          assistant_tokenizer=draft_tok, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          eos_token_id=eos, num_speculative_tokens=3, speculation_stats=stats)
+        assert torch.equal(got, expected)
+        assert stats.dropped_rows >= 1
+
+
+def test_sampled_continuations_follow_the_targets_distribution():
+    """A sharp 6-token target sampled at T = 1.3 with the target itself as its draft under another vocabulary: whole
+    continuations of NEW tokens follow the target's distribution (chi-square), with drafts accepted."""
+    chars = "abcdef"
+    target_tok = char_tokenizer(chars)
+    perm = permutation(len(chars), seed=5)
+    target = peaky(0, 2)
+    draft, draft_tok = permuted_model(target, perm, extra=1), permuted(target_tok, perm, extra=("z",))
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    from helpers.sampling import continuation_probs, hf_warpers
+    _, probs = continuation_probs(target, prompt, hf_warpers(1.3, 0, 1.0))
+    rows = 3000
+    stats = sk.SpeculationStats()
+    out = sk.generate(target, prompt.expand(rows, -1), assistant_model=draft, tokenizer=target_tok,
+                      assistant_tokenizer=draft_tok, do_sample=True, temperature=1.3, top_k=0, max_new_tokens=NEW,
+                      pad_token_id=0, num_speculative_tokens=2, seed=11, speculation_stats=stats)
+    new = out[:, prompt.shape[1]:].numpy()
+    codes = (new * len(chars) ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=len(chars) ** NEW), probs)
+    assert stats.accepted_tokens > rows // 2
+
+
+def test_host_reads_per_iteration_are_the_loops_and_the_drafts(self_pair, monkeypatch):
+    """The emitted tokens come from the loop's one read (``Drafter.emitted_read``); the drafter's only read of its
+    own is its gamma draft tokens (their text makes the target tokens). Nothing else reads the device."""
+    target, draft, target_tok, draft_tok = self_pair
+    reads = count_reads_per_loop_step(monkeypatch)
+    ids, mask = _left_padded(target_tok, ["abc de", "fg"])
+    sk.generate(target, ids, attention_mask=mask, assistant_model=draft, tokenizer=target_tok,
+                assistant_tokenizer=draft_tok, max_new_tokens=12, do_sample=True, pad_token_id=0, seed=0)
+    # (the last iteration, one token left, drafts nothing: the loop's read alone)
+    assert len(reads) > 2 and reads[-1] == ["tolist"]
+    assert all(r == ["tolist", "tolist"] for r in reads[:-1]), reads
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_draft_slots_drop_tokens_across_holes(compact):
+    """DraftSlots on a real runner: rows fed tails of different lengths (left-padded with holes), then dropping more
+    tokens than the last forward fed, across holes (a re-encoding that changed earlier draft tokens), with or
+    without a hole compaction before a later drop: each step's logits are those of the row's kept tokens alone."""
+    from speculative_kernels.generation.capabilities import check_model
+    from speculative_kernels.generation.retokenizing_drafter import DraftSlots
+    from speculative_kernels.generation.runners.decoder import DecoderRunner
+
+    model = llama(layers=1, seed=4)
+    runner = DecoderRunner(model, check_model(model, target=False), 2, 64, torch.device("cpu"),
+                           compaction_threshold=0.0 if compact else 1.0)
+    slots = DraftSlots(runner, 2, torch.device("cpu"), None)
+
+    def step(tokens, expected):
+        logits = slots.forward(tokens)[:, -1]
+        with torch.no_grad():
+            for row, kept in enumerate(expected):
+                torch.testing.assert_close(logits[row], model(torch.tensor([kept])).logits[0, -1])
+
+    slots.forward([[5, 6, 7], [8]], prompt=True)
+    slots.forward([[9], [10, 11, 12]])
+    slots.forward([[13, 14], [15]])
+    slots.keep([2, 2])  # row 0 drops 7, 9, 13, 14 (across its holes), row 1 drops 11, 12, 15 (across one)
+    step([[16], [17, 18]], ([5, 6, 16], [8, 10, 17, 18]))
+    runner.lengths_read([len(f) for f in slots.fed])  # (the loop's read, which lets the compactor act)
+    slots.keep([3, 3])
+    assert runner.compactions == int(compact)
+    slots.keep([2, 3])  # after the compaction: every row's real slots first
+    step([[21], [22]], ([5, 6, 21], [8, 10, 17, 22]))
+
+
+def test_a_split_character_waits_for_its_last_byte():
+    """RowText: a character whose bytes come in two target tokens enters the text when both have (no replacement
+    character), whatever the lookbehind; the draft's tokens follow the text."""
+    target_tok, draft_tok = byte_bpe(259), byte_bpe(300)
+    for lookbehind in (0, 10):
+        row = RowText(TokenizerPair(target_tok, draft_tok, target_lookbehind=lookbehind), target_tok("a")["input_ids"])
+        first, second = target_tok("é")["input_ids"]
+        row.extend([first])
+        assert row.text == "a" and row.proposal([5], 3) == []
+        row.extend([second])
+        assert row.text == "aé" and draft_tok.decode(row.draft_ids) == "aé"
+
+
+@pytest.mark.parametrize("setting,words", [
+    (dict(cache_implementation="static"), "cache_implementation='static'"),
+    (dict(compile=True), "compile=True"),
+    (dict(target_lookbehind=-1), "target_lookbehind must be an int >= 0"),
+    (dict(assistant_lookbehind=2.5), "assistant_lookbehind must be an int >= 0"),
+])
+def test_what_it_cannot_do_is_refused_by_name(self_pair, setting, words):
+    target, draft, target_tok, draft_tok = self_pair
+    ids = target_tok("abc", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match=words):
+        sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                    max_new_tokens=4, num_speculative_tokens=2, **setting)
+
+
+def test_batches_of_requests_and_encoder_decoders_are_refused_by_name(self_pair):
+    from helpers.seq2seq_models import t5
+
+    target, draft, target_tok, draft_tok = self_pair
+    with pytest.raises(ValueError, match="SpeculativeDecoder"):
+        sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok)
+    seq2seq = t5(vocab=len(CHARS))
+    with pytest.raises(ValueError, match="decoder-only"):
+        sk.generate(seq2seq, target_tok("abc", return_tensors="pt").input_ids, assistant_model=t5(vocab=19, seed=2),
+                    tokenizer=target_tok, assistant_tokenizer=draft_tok, max_new_tokens=4)
