@@ -29,7 +29,7 @@ from .settings import HF_LOGGER, Plan, resolve_settings
 from .stats import PhaseTimer
 from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
-from .retokenizing_drafter import RetokenizingDrafter
+from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
 from .vocab import VocabBridge, logit_width, tokenizers_differ
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
@@ -244,9 +244,17 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         captured_gamma = gamma if rows is not None else min(gamma, max(0, plan.max_new_tokens - 1))
         steps = [(target_runner, [(captured_gamma + 1, False)])]
     if retokenize:  # (the target's text re-tokenized for the draft: ``retokenizing_drafter.py``)
-        drafter = RetokenizingDrafter(runners[1], tokenizer_pair(tokenizer, assistant_tokenizer, draft_model,
-                                                                 settings), device,
-                                      prefill_chunk_size=plan.prefill_chunk_size)
+        pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings)
+        if plan.sampling.greedy:  # HF's UAD: drafts turned into target tokens through their text
+            drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size)
+        else:  # HF's USD: drafts drawn from the draft's q over the tokens both vocabularies have
+            vocabulary = VocabularyMap(tokenizer, assistant_tokenizer, logit_width(model), logit_width(draft_model),
+                                       device)
+            if vocabulary.size == 0:
+                raise ValueError("tokenizer and assistant_tokenizer have no token in common: do_sample=True drafts "
+                                 "from the draft's distribution over the tokens both vocabularies have (HF's USD)")
+            drafter = MappedVocabularyDrafter(runners[1], pair, vocabulary, logit_width(model), dtype, device,
+                                              prefill_chunk_size=plan.prefill_chunk_size)
     elif draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)

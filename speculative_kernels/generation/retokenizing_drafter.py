@@ -194,3 +194,109 @@ class RetokenizingDrafter:
     @property
     def compactions(self) -> int:
         return self.runner.compactions
+
+
+class VocabularyMap:
+    """Ids of one token in both vocabularies (HF's ``AssistantToTargetTranslator``: the same token string, the
+    draft's word-initial space sign written as the target's). to_target: [V_d] int64, the target id of each draft
+    id or -1; to_draft: [V_t] int64, the draft id of each target id or -1 (V_d, V_t: the models' logit widths).
+    Built on the host once per call (one pass over both vocabularies)."""
+
+    def __init__(self, tokenizer, assistant_tokenizer, target_width: int, draft_width: int, device: torch.device):
+        target_vocab = tokenizer.get_vocab()
+        draft_vocab = assistant_tokenizer.get_vocab()
+        sign, draft_sign = _space_sign(tokenizer), _space_sign(assistant_tokenizer)
+        to_target, to_draft = [-1] * draft_width, [-1] * target_width
+        for token, d in draft_vocab.items():
+            if draft_sign and sign and draft_sign != sign and token.startswith(draft_sign):
+                token = sign + token[len(draft_sign):]
+            t = target_vocab.get(token)
+            if t is not None and d < draft_width and t < target_width:
+                to_target[d], to_draft[t] = t, d
+        self.to_target = host_to_device(to_target, torch.int64, device)
+        self.to_draft = host_to_device(to_draft, torch.int64, device)
+        self.shared_draft_ids = torch.nonzero(self.to_target >= 0).squeeze(1)  # (at construction, not per iteration)
+        self.shared_target_ids = self.to_target[self.shared_draft_ids]
+        self.size = int(self.shared_draft_ids.numel())
+
+    def target_logits(self, logits: torch.Tensor, width: int) -> torch.Tensor:
+        """Draft logits [B, V_d] -> [B, width] over the target's ids: -inf where no draft token maps (q = 0)."""
+        out = logits.new_full((logits.shape[0], width), float("-inf"))
+        out[:, self.shared_target_ids] = logits[:, self.shared_draft_ids]
+        return out
+
+    def draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids -> the draft's (an id with none, only an invalid row's filler: 0)."""
+        return self.to_draft[tokens].clamp(min=0)
+
+
+def _space_sign(tokenizer) -> str:
+    """The character a tokenizer writes for a word-initial space in its tokens (GPT-2's "Ġ", SentencePiece's "▁", a
+    plain " "), or "" (none: a tokenizer that splits at spaces): what its normalizer and pre-tokenizer make of
+    " x", else (a tokenizer without a ``backend_tokenizer``) the first character of its token for " ", as HF reads it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = " x" if backend.normalizer is None else backend.normalizer.normalize_str(" x")
+        if backend.pre_tokenizer is not None:
+            pieces = backend.pre_tokenizer.pre_tokenize_str(text)
+            text = pieces[-1][0] if pieces else ""
+        return text[-2] if len(text) >= 2 and text.endswith("x") else ""
+    ids = tokenizer(" ", add_special_tokens=False)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids[:1]) if ids else []
+    return tokens[0][:1] if tokens and tokens[0] else ""
+
+
+class MappedVocabularyDrafter(RetokenizingDrafter):
+    """HF's universal speculative decoding (USD; its choice with ``do_sample=True``): the draft's logits restricted
+    to the tokens both vocabularies have (``VocabularyMap``) are q over the target's ids, each draft token is drawn
+    from them through the loop's ``choose`` and verified with that q (the paper's min(1, p/q) rule: exact), and is
+    fed back to the draft as its own id. No read of its own: the draft ids it fed ride along the loop's one read
+    (``lengths_to_read``), and the emitted tokens re-synchronise the draft's text as in ``RetokenizingDrafter``.
+    target_width: the target's logit width V; keep_logits: False for a greedy request (no q needed)."""
+
+    PROPOSES_VALID_IDS = True  # drawn by the loop's choose: ids in [0, V)
+
+    def __init__(self, runner: Runner, pair: TokenizerPair, vocabulary: VocabularyMap, target_width: int,
+                 dtype: torch.dtype, device: torch.device, keep_logits: bool = True,
+                 prefill_chunk_size: int | None = None):
+        super().__init__(runner, pair, device, prefill_chunk_size)
+        self.vocabulary, self.width, self.dtype, self.keep_logits = vocabulary, target_width, dtype, keep_logits
+        self._fed: torch.Tensor | None = None  # [B, gamma - 1] draft ids fed while drafting, read with the loop's
+        self._runner_reads = False  # the last lengths_to_read() began with the runner's lengths
+
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        logits = self.slots.forward(self._sync())[:, -1]
+        batch = logits.shape[0]
+        tokens = torch.empty(batch, gamma, dtype=torch.int64, device=self.device)
+        q = None
+        for i in range(gamma):
+            mapped = self.vocabulary.target_logits(logits.to(torch.promote_types(self.dtype, logits.dtype)),
+                                                   self.width)
+            tokens[:, i] = choose(mapped, i)
+            if self.keep_logits:
+                if q is None:
+                    q = torch.empty(batch, gamma, self.width, dtype=mapped.dtype, device=self.device)
+                q[:, i] = mapped
+            if i < gamma - 1:
+                logits = self.runner.forward(self.vocabulary.draft_ids(tokens[:, i : i + 1]), None,
+                                             last_only=True)[:, -1]
+        self._forwards += gamma
+        self._fed = self.vocabulary.draft_ids(tokens[:, :-1])
+        return tokens, q, None
+
+    def lengths_to_read(self) -> torch.Tensor | None:
+        runner = self.runner.lengths_to_read()
+        self._runner_reads = runner is not None
+        parts = [p for p in (runner, None if self._fed is None else self._fed.flatten()) if p is not None]
+        return torch.cat(parts) if parts else None
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        """The runner's lengths, then the draft ids fed while drafting ([B, gamma - 1], row by row)."""
+        if self._runner_reads:
+            self.runner.lengths_read(lengths[: len(self.rows)])
+            lengths = lengths[len(self.rows):]
+        if self._fed is not None:
+            width = self._fed.shape[1]
+            self.slots.appended([lengths[b * width : (b + 1) * width] for b in range(len(self.rows))],
+                                [0] * len(self.rows))
+            self._fed = None

@@ -73,6 +73,12 @@ def test_the_target_as_its_own_draft_under_another_vocabulary_has_every_draft_ac
                           num_speculative_tokens=4, speculation_stats=stats)
         assert torch.equal(got, expected)
         assert stats.accepted_tokens == stats.drafted_tokens > 0
+        # sampling (HF's USD: q over the shared tokens, p itself here): every draft accepted too
+        sampled = sk.SpeculationStats()
+        sk.generate(target, ids, attention_mask=mask, assistant_model=draft, tokenizer=target_tok,
+                    assistant_tokenizer=draft_tok, max_new_tokens=12, do_sample=True, pad_token_id=0, seed=3,
+                    num_speculative_tokens=4, speculation_stats=sampled)
+        assert sampled.accepted_tokens == sampled.drafted_tokens > 0
 
 
 def test_rejections_roll_the_drafts_cache_back_as_a_shared_vocabulary_would(self_pair):
@@ -115,8 +121,9 @@ def test_left_padded_batch_with_rows_finishing_early_matches_model_generate(bpe_
 
 
 def test_sampled_continuations_follow_the_targets_distribution():
-    """A sharp 6-token target sampled at T = 1.3 with the target itself as its draft under another vocabulary: whole
-    continuations of NEW tokens follow the target's distribution (chi-square), with drafts accepted."""
+    """A sharp 6-token target sampled at T = 1.3 with the target itself as its draft under another vocabulary
+    (``MappedVocabularyDrafter``, HF's USD: q is the draft's distribution over the shared tokens, here p itself):
+    whole continuations of NEW tokens follow the target's distribution (chi-square), and every draft is accepted."""
     chars = "abcdef"
     target_tok = char_tokenizer(chars)
     perm = permutation(len(chars), seed=5)
@@ -133,20 +140,44 @@ def test_sampled_continuations_follow_the_targets_distribution():
     new = out[:, prompt.shape[1]:].numpy()
     codes = (new * len(chars) ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
     assert_matches(np.bincount(codes, minlength=len(chars) ** NEW), probs)
-    assert stats.accepted_tokens > rows // 2
+    assert stats.accepted_tokens == stats.drafted_tokens > rows
 
 
-def test_host_reads_per_iteration_are_the_loops_and_the_drafts(self_pair, monkeypatch):
-    """The emitted tokens come from the loop's one read (``Drafter.emitted_read``); the drafter's only read of its
-    own is its gamma draft tokens (their text makes the target tokens). Nothing else reads the device."""
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_host_reads_per_iteration(self_pair, monkeypatch, do_sample):
+    """The emitted tokens come from the loop's one read (``Drafter.emitted_read``). Greedy (text re-encoding): the
+    drafter's only read of its own is its gamma draft tokens (their text makes the target tokens). Sampling (the
+    shared tokens' q): none, the draft ids it fed ride along the loop's read. Nothing else reads the device."""
     target, draft, target_tok, draft_tok = self_pair
     reads = count_reads_per_loop_step(monkeypatch)
     ids, mask = _left_padded(target_tok, ["abc de", "fg"])
     sk.generate(target, ids, attention_mask=mask, assistant_model=draft, tokenizer=target_tok,
-                assistant_tokenizer=draft_tok, max_new_tokens=12, do_sample=True, pad_token_id=0, seed=0)
-    # (the last iteration, one token left, drafts nothing: the loop's read alone)
-    assert len(reads) > 2 and reads[-1] == ["tolist"]
-    assert all(r == ["tolist", "tolist"] for r in reads[:-1]), reads
+                assistant_tokenizer=draft_tok, max_new_tokens=20, do_sample=do_sample, pad_token_id=0, seed=0,
+                repetition_penalty=2.0, num_speculative_tokens=3)  # (rejections: the draft's cache rolls back)
+    # (an iteration that drafts nothing, one token left, has the loop's read alone)
+    drafting = [r for r in reads if r != ["tolist"]]
+    assert len(reads) > 3 and drafting == ([] if do_sample else [["tolist", "tolist"]] * len(drafting))
+    assert do_sample or len(drafting) >= len(reads) - 1, reads
+
+
+def test_vocabulary_map_writes_the_drafts_space_sign_as_the_targets():
+    """A SentencePiece-style draft ("▁the") and a byte-level target ("Ġthe"): the same words map to each other, and
+    a word the target lacks maps to nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from speculative_kernels.generation.retokenizing_drafter import VocabularyMap
+
+    target_tok = byte_bpe(300)
+    words = ["▁the", "▁dog", "the", "zz"]
+    sentencepiece = Tokenizer(models.BPE(vocab={w: i for i, w in enumerate(words)}, merges=[]))
+    sentencepiece.pre_tokenizer = pre_tokenizers.Metaspace()
+    sentencepiece.decoder = decoders.Metaspace()
+    draft_tok = PreTrainedTokenizerFast(tokenizer_object=sentencepiece)
+    vocab = target_tok.get_vocab()
+    mapped = VocabularyMap(target_tok, draft_tok, 300, 4, torch.device("cpu"))
+    assert mapped.to_target.tolist() == [vocab["Ġthe"], vocab["Ġdog"], vocab["the"], -1]
+    assert mapped.to_draft[vocab["Ġthe"]] == 0 and mapped.size == 3
 
 
 @pytest.mark.parametrize("compact", [False, True])
