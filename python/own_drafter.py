@@ -7,7 +7,8 @@ A drafter implements ``speculative_kernels.Drafter`` (``generation/drafter.py``)
 (gamma tokens per row; q's logits or None for a proposal without a distribution; per-row counts or None),
 ``observe`` (the tokens emitted, before the iteration's one host read), ``accept``, ``proposal_counts``,
 ``select_rows``, ``add_rows`` (rows joining a running batch), ``lengths_to_read``/``lengths_read``, ``forwards``,
-``compactions``. A proposal without a distribution must be a deterministic function of the row's context (here: the
+``compactions`` (and, optionally, ``READS_EMITTED_TOKENS = True`` with ``emitted_read``: the iteration's emitted
+tokens as host lists, from the loop's own read). A proposal without a distribution must be a deterministic function of the row's context (here: the
 context and the cache), which makes the one-hot q exact. Everything stays on the device: no ``.item()``/``.tolist()``
 in ``propose`` or ``observe``.
 """
