@@ -9,7 +9,8 @@ Exactness only needs q to be the distribution the draft token was drawn from, ov
   the output distribution, only the acceptance rate.
 
 Different widths are only accepted when both tokenizers are given and map every token to the same id; otherwise
-different ``vocab_size``s are an error, as are tokenizers that disagree.
+different ``vocab_size``s are an error. Tokenizers that disagree are another path: the draft re-tokenizes the text
+(``retokenizing_drafter.py``; ``tokenizers_differ``), and ``VocabBridge`` refuses them.
 """
 
 import torch
@@ -79,7 +80,8 @@ class VocabBridge:
                 f"draft and target have different vocabularies: the draft's logits are {self.draft_width} wide "
                 f"(config vocab_size {draft_size}), the target's {self.target_width} (config vocab_size "
                 f"{target_size}); if they share a tokenizer and differ only by padding, pass tokenizer= and "
-                "assistant_tokenizer= so the ids can be checked"
+                "assistant_tokenizer= so the ids can be checked (with tokenizers of different vocabularies the "
+                "draft then drafts on its own tokenization of the text: universal assisted generation)"
             )
 
     @property

@@ -604,3 +604,20 @@ def test_a_paused_auto_gamma_is_said_in_words():
     """'auto' ending paused printed "gamma auto -> 0", which reads as a broken setting."""
     assert cli_options.auto_gamma_text(0).startswith("0 (paused: the target decodes alone")
     assert cli_options.auto_gamma_text(6) == "6"
+
+
+def test_a_draft_with_another_tokenizer_drafts_through_the_text(tmp_path, capsys):
+    """A draft folder whose tokenizer has another vocabulary than the target's (the command passes both tokenizers):
+    universal assisted generation, greedy output identical to model.generate (it was refused as "different
+    vocabularies")."""
+    from helpers.models import llama
+    from helpers.tiny_tokenizers import byte_bpe
+
+    for name, tokenizer, model in (("target", byte_bpe(300), llama(vocab=300)),
+                                   ("draft", byte_bpe(259), llama(layers=1, vocab=259, seed=4))):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    code = main(["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt",
+                 "the cat sat", "--max-new-tokens", "8", "--gamma", "3", "--compare"])
+    captured = capsys.readouterr()
+    assert code == 0 and "outputs identical" in captured.out, captured.err
