@@ -53,8 +53,9 @@ def permuted(tokenizer: PreTrainedTokenizerFast, perm: list[int], extra: tuple[s
         assert perm[token["id"]] == token["id"]
     for k, token in enumerate(extra):
         spec["model"]["vocab"][token] = len(perm) + k
-    has_specials = tokenizer.eos_token is not None
-    return _wrap(Tokenizer.from_str(json.dumps(spec)), specials=has_specials)
+    names = {f"{kind}_token": getattr(tokenizer, f"{kind}_token") for kind in ("bos", "eos", "pad")}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   **{k: v for k, v in names.items() if v is not None})
 
 
 def permutation(size: int, fixed: int = 0, seed: int = 0) -> list[int]:
