@@ -10,10 +10,9 @@ import torch
 import speculative_kernels as sk
 from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import hf_generate, llama
-from helpers.sampling import NEW, peaky
+from helpers.sampling import NEW, continuation_probs, hf_warpers, peaky
 from helpers.stats import assert_matches
 from helpers.tiny_tokenizers import byte_bpe, char_tokenizer, permutation, permuted, permuted_model
-from speculative_kernels.generation.retokenize import RowText, TokenizerPair
 
 CHARS = "abcdefghij klmnop"
 
@@ -130,7 +129,6 @@ def test_sampled_continuations_follow_the_targets_distribution():
     target = peaky(0, 2)
     draft, draft_tok = permuted_model(target, perm, extra=1), permuted(target_tok, perm, extra=("z",))
     prompt = torch.tensor([[1, 4, 3, 5]])
-    from helpers.sampling import continuation_probs, hf_warpers
     _, probs = continuation_probs(target, prompt, hf_warpers(1.3, 0, 1.0))
     rows = 3000
     stats = sk.SpeculationStats()
@@ -215,6 +213,8 @@ def test_draft_slots_drop_tokens_across_holes(compact):
 def test_a_split_character_waits_for_its_last_byte():
     """RowText: a character whose bytes come in two target tokens enters the text when both have (no replacement
     character), whatever the lookbehind; the draft's tokens follow the text."""
+    from speculative_kernels.generation.retokenize import RowText, TokenizerPair
+
     target_tok, draft_tok = byte_bpe(259), byte_bpe(300)
     for lookbehind in (0, 10):
         row = RowText(TokenizerPair(target_tok, draft_tok, target_lookbehind=lookbehind), target_tok("a")["input_ids"])
