@@ -47,7 +47,8 @@ def generate(
     UserWarning (HF's also holds the K/V of the pads it feeds finished rows), and a call that raises leaves it as it
     was. What it does not support is refused by name (``prompt_cache.py``).
     ``assistant_model`` is another name for ``draft_model``; ``tokenizer``/``assistant_tokenizer`` let a padded
-    draft vocabulary be checked and used.
+    draft vocabulary be checked and used, and where their vocabularies differ the draft works on its own tokenization
+    of the text (HF's universal assisted generation: ``retokenizing_drafter.py``, ``docs/different_tokenizers.md``).
 
     Encoder-decoder pairs (T5/MT5, BART/mBART; ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids and
     attention_mask are the encoder input (right-padded as usual); the decoder starts from ``decoder_start_token_id``
