@@ -71,6 +71,13 @@ class RowText:
         self.synced = len(self.target_ids)
         self.draft_ids = pair.encode_draft(self.text, first=True)
         self.marks = [(0, 0, 0), (self.synced, len(self.draft_ids), len(self.text))]
+        self.unchanged = 0  # draft_ids[:unchanged] has not changed since the last ``take_unchanged``
+
+    def take_unchanged(self) -> int:
+        """How many first draft ids have not changed since the last call (the draft's cache compares its tokens
+        from there on only: host work per iteration bounded by the lookbehind, not the row's length)."""
+        unchanged, self.unchanged = self.unchanged, len(self.draft_ids)
+        return unchanged
 
     def _mark_before(self, index: int, limit: int) -> tuple[int, int, int]:
         """The latest mark whose entry ``index`` (0: target, 1: draft) is at most ``limit``."""
@@ -89,17 +96,20 @@ class RowText:
         if not piece.startswith(self.text[c0:]):  # decoding depends on more context: decode the whole row
             i0, j0, c0 = self.marks[0]
             piece = self.pair.decode_target(self.target_ids)
-            if not piece.startswith(self.text):  # the text so far changed: start the draft's tokens over
-                self.text, self.marks = "", self.marks[:1]
         if piece.endswith(REPLACEMENT):
             return
-        self.text = self.text[:c0] + piece
+        if piece.startswith(self.text[c0:]):
+            self.text += piece[len(self.text) - c0:]
+        else:  # the text so far changed: start the draft's tokens over
+            self.text, self.marks = piece, self.marks[:1]
         self.synced = len(self.target_ids)
         tail = self.pair.encode_draft(self.text[c0:], first=j0 == 0)
         same = common_prefix(tail, self.draft_ids[j0:])
-        self.draft_ids = self.draft_ids[:j0] + tail
-        # marks inside the draft tokens that stayed the same are still marks
-        self.marks = [m for m in self.marks if m[1] <= j0 + same and m[2] <= len(self.text)]
+        del self.draft_ids[j0:]
+        self.draft_ids.extend(tail)
+        self.unchanged = min(self.unchanged, j0 + same)
+        while self.marks[-1][1] > j0 + same:  # marks inside the draft tokens that stayed the same are still marks
+            self.marks.pop()
         mark = (self.synced, len(self.draft_ids), len(self.text))
         if mark != self.marks[-1]:
             self.marks.append(mark)

@@ -86,10 +86,10 @@ class DraftSlots:
         self.runner.keep_prefix(slots - start, host_to_device(kept, torch.int64, self.device), max(kept),
                                 kept)
         slots = self.runner.num_slots
-        for b, (n, cut) in enumerate(zip(counts, cuts)):
-            del self.fed[b][n:]
-            layout = self.layout[b][:cut]
-            self.layout[b] = (layout + [False] * (slots - len(layout)))[:slots]
+        for fed, layout, n, cut in zip(self.fed, self.layout, counts, cuts):
+            del fed[n:]
+            del layout[min(cut, slots):]
+            layout.extend([False] * (slots - len(layout)))
         if self.runner.compactions != self._compactions:  # squeezed: every row's real slots first
             self._compactions = self.runner.compactions
             self.layout = [[k < len(fed) for k in range(slots)] for fed in self.fed]
@@ -146,10 +146,15 @@ class RetokenizingDrafter:
         the last token out, to feed it); returns each row's tokens to feed (a finished row: its last one again)."""
         keep, tails = [], []
         for row, fed, f in zip(self.rows, self.slots.fed, self.finished):
-            target = fed[-1:] if f else row.draft_ids
-            n = len(fed) if f else min(common_prefix(fed, target), len(target) - 1)
+            if f:
+                keep.append(len(fed))
+                tails.append(fed[-1:])
+                continue
+            target = row.draft_ids
+            start = min(row.take_unchanged(), len(fed))  # (fed[:start] == target[:start] since the last sync)
+            n = min(start + common_prefix(fed[start:], target[start:]), len(target) - 1)
             keep.append(n)
-            tails.append(target if f else target[n:])
+            tails.append(target[n:])
         self.slots.keep(keep)
         return tails
 

@@ -237,6 +237,23 @@ def test_a_split_character_waits_for_its_last_byte():
         assert row.text == "aé" and draft_tok.decode(row.draft_ids) == "aé"
 
 
+def test_a_new_word_merging_with_the_last_draft_tokens_is_re_encoded():
+    """RowText: " th" then "e" from a byte-level target; the draft's BPE writes " the" as one token, so its last
+    tokens change: they are re-encoded from the lookbehind mark (the draft's tokens are then the tokenizer's own for
+    the whole text), and ``take_unchanged`` reports where they changed (the draft's cache refeeds from there)."""
+    from speculative_kernels.generation.retokenize import RowText, TokenizerPair, common_prefix
+
+    target_tok, draft_tok = byte_bpe(259), byte_bpe(300)
+    row = RowText(TokenizerPair(target_tok, draft_tok), target_tok("a dog")["input_ids"])
+    row.take_unchanged()
+    row.extend(target_tok(" th")["input_ids"])
+    middle, _ = list(row.draft_ids), row.take_unchanged()
+    row.extend(target_tok("e")["input_ids"])
+    assert row.draft_ids == draft_tok("a dog the")["input_ids"] and row.text == "a dog the"
+    changed = row.take_unchanged()
+    assert changed == common_prefix(middle, row.draft_ids) < len(middle)
+
+
 @pytest.mark.parametrize("setting,words", [
     (dict(cache_implementation="static"), "cache_implementation='static'"),
     (dict(compile=True), "compile=True"),
