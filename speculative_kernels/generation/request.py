@@ -11,7 +11,8 @@ from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_position_table,
-                           check_positions, check_seeded_draft, check_window_applied, check_window_holes, request_path)
+                           check_positions, check_seeded_draft, check_window_applied, check_window_holes,
+                           position_table_limit, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -214,7 +215,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
                     shortest=max(real) - 1 if rows is None else None, overshoot=overshoot)
     encoder_width = None if encoder_input[0] is None or not encoder_decoder else encoder_input[0].shape[1]
-    for m, name in zip(models, ("model", "draft_model")):
+    # (a draft with another tokenizer counts other tokens: its drafter stops drafting a row at its table's end)
+    for m, name in zip(models[:1] if retokenize else models, ("model", "draft_model")):
         check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width, overshoot=overshoot)
     batching = batching or BatchingOptions()
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
@@ -245,8 +247,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         steps = [(target_runner, [(captured_gamma + 1, False)])]
     if retokenize:  # (the target's text re-tokenized for the draft: ``retokenizing_drafter.py``)
         pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings)
+        limit = position_table_limit(draft_model)
         if plan.sampling.greedy:  # HF's UAD: drafts turned into target tokens through their text
-            drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size)
+            drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size,
+                                          position_limit=limit)
         else:  # HF's USD: drafts drawn from the draft's q over the tokens both vocabularies have
             vocabulary = VocabularyMap(tokenizer, assistant_tokenizer, logit_width(model), logit_width(draft_model),
                                        device)
@@ -254,7 +258,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                 raise ValueError("tokenizer and assistant_tokenizer have no token in common: do_sample=True drafts "
                                  "from the draft's distribution over the tokens both vocabularies have (HF's USD)")
             drafter = MappedVocabularyDrafter(runners[1], pair, vocabulary, logit_width(model), dtype, device,
-                                              prefill_chunk_size=plan.prefill_chunk_size)
+                                              prefill_chunk_size=plan.prefill_chunk_size, position_limit=limit)
     elif draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)

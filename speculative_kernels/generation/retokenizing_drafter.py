@@ -106,9 +106,12 @@ class RetokenizingDrafter:
     READS_EMITTED_TOKENS = True  # the loop calls emitted_read with its host copy of the iteration's tokens
 
     def __init__(self, runner: Runner, pair: TokenizerPair, device: torch.device,
-                 prefill_chunk_size: int | None = None):
+                 prefill_chunk_size: int | None = None, position_limit: int | None = None):
         self.runner, self.pair, self.device = runner, pair, device
         self.prefill_chunk_size = prefill_chunk_size
+        # the draft's learned position table (``capabilities.position_table_limit``), or None: a row whose draft
+        # tokens would pass it drafts no more (the target goes on alone for it)
+        self.position_limit = position_limit
         self.rows: list[RowText] = []
         self.finished: list[int] = []
         self.slots: DraftSlots | None = None
@@ -119,6 +122,11 @@ class RetokenizingDrafter:
         the draft with its tokens of that text but the last."""
         ids, mask = input_ids.tolist(), real.tolist()
         self.rows = [RowText(self.pair, [t for t, r in zip(row, m) if r]) for row, m in zip(ids, mask)]
+        longest = max(len(row.draft_ids) for row in self.rows)
+        if self.position_limit is not None and longest > self.position_limit:
+            raise ValueError(f"draft_model has a learned position table of {self.position_limit} positions, and a "
+                             f"prompt's text is {longest} of its tokens (assistant_tokenizer's): shorten the prompt, "
+                             "or use a draft with a longer context")
         self.finished = [0] * len(self.rows)
         self.slots = DraftSlots(self.runner, len(self.rows), self.device, self.prefill_chunk_size)
         prompts = [row.draft_ids[:-1] for row in self.rows]
@@ -128,35 +136,50 @@ class RetokenizingDrafter:
     def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, None, torch.Tensor]:
         """gamma greedy draft steps from each row's draft tokens; returns the target tokens [B, gamma] (fillers 0
         past num_draft), None (no q) and num_draft [B]."""
-        tails = self._sync()
-        logits = self.slots.forward(tails)
-        drafts = [logits[:, -1].argmax(dim=-1)]
-        for _ in range(gamma - 1):
-            logits = self.runner.forward(drafts[-1].unsqueeze(1), None, last_only=True)
-            drafts.append(logits[:, -1].argmax(dim=-1))
-        self._forwards += gamma
-        drafted = torch.stack(drafts, dim=1).tolist()  # the drafter's own read: [B, gamma] draft ids
-        self.slots.appended([d[:-1] for d in drafted], [0] * len(drafted))
-        proposals = [[] if f else row.proposal(d, gamma) for row, d, f in zip(self.rows, drafted, self.finished)]
+        tails, active = self._sync(gamma)
+        proposals = [[] for _ in active]
+        if any(active):
+            logits = self.slots.forward(tails)
+            drafts = [logits[:, -1].argmax(dim=-1)]
+            real = self._steps_real(active)
+            for _ in range(gamma - 1):
+                logits = self.runner.forward(drafts[-1].unsqueeze(1), real, last_only=True)
+                drafts.append(logits[:, -1].argmax(dim=-1))
+            self._forwards += gamma
+            drafted = torch.stack(drafts, dim=1).tolist()  # the drafter's own read: [B, gamma] draft ids
+            self._fed_steps([d[:-1] for d in drafted], active)
+            proposals = [row.proposal(d, gamma) if a else [] for row, d, a in zip(self.rows, drafted, active)]
         tokens = host_to_device([p + [0] * (gamma - len(p)) for p in proposals], torch.int64, self.device)
         return tokens, None, host_to_device([len(p) for p in proposals], torch.int64, self.device)
 
-    def _sync(self) -> list[list[int]]:
+    def _sync(self, gamma: int) -> tuple[list[list[int]], list[bool]]:
         """Roll the draft's cache back to the common prefix of what it holds and each row's draft tokens (keeping
-        the last token out, to feed it); returns each row's tokens to feed (a finished row: its last one again)."""
-        keep, tails = [], []
+        the last token out, to feed it). Returns each row's tokens to feed and whether it drafts: a finished row,
+        and one whose gamma drafts would pass the draft's position table, feed holes and draft nothing."""
+        keep, tails, active = [], [], []
         for row, fed, f in zip(self.rows, self.slots.fed, self.finished):
-            if f:
-                keep.append(len(fed))
-                tails.append(fed[-1:])
-                continue
             target = row.draft_ids
+            if f or (self.position_limit is not None and len(target) + gamma - 1 > self.position_limit):
+                keep.append(len(fed))
+                tails.append([])
+                active.append(False)
+                continue
             start = min(row.take_unchanged(), len(fed))  # (fed[:start] == target[:start] since the last sync)
             n = min(start + common_prefix(fed[start:], target[start:]), len(target) - 1)
             keep.append(n)
             tails.append(target[n:])
+            active.append(True)
         self.slots.keep(keep)
-        return tails
+        return tails, active
+
+    def _steps_real(self, active: list[bool]) -> torch.Tensor | None:
+        """real [B, 1] of the one-token draft steps: False for the rows that draft nothing (None: every row drafts)."""
+        return None if all(active) else host_to_device([[a] for a in active], torch.bool, self.device)
+
+    def _fed_steps(self, fed: list[list[int]], active: list[bool]) -> None:
+        """The draft ids the one-token steps fed (host; gamma - 1 per row): holes for the rows that draft nothing."""
+        width = max(len(f) for f in fed)
+        self.slots.appended([f if a else [] for f, a in zip(fed, active)], [0 if a else width for a in active])
 
     def observe(self, out: torch.Tensor, accepted: torch.Tensor | None, finished: torch.Tensor) -> None:
         """Nothing on the device: the emitted tokens arrive on the host (``emitted_read``)."""
@@ -263,16 +286,25 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
 
     def __init__(self, runner: Runner, pair: TokenizerPair, vocabulary: VocabularyMap, target_width: int,
                  dtype: torch.dtype, device: torch.device, keep_logits: bool = True,
-                 prefill_chunk_size: int | None = None):
-        super().__init__(runner, pair, device, prefill_chunk_size)
+                 prefill_chunk_size: int | None = None, position_limit: int | None = None):
+        super().__init__(runner, pair, device, prefill_chunk_size, position_limit)
         self.vocabulary, self.width, self.dtype, self.keep_logits = vocabulary, target_width, dtype, keep_logits
         self._fed: torch.Tensor | None = None  # [B, gamma - 1] draft ids fed while drafting, read with the loop's
         self._runner_reads = False  # the last lengths_to_read() began with the runner's lengths
+        self._active: list[bool] = []  # the rows the last propose drafted for
 
-    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        logits = self.slots.forward(self._sync())[:, -1]
-        batch = logits.shape[0]
-        tokens = torch.empty(batch, gamma, dtype=torch.int64, device=self.device)
+    def propose(self, gamma: int, choose: ChooseToken) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                 torch.Tensor | None]:
+        """gamma drafts per row drawn from q; num_draft: None, or 0 for the rows that draft nothing (finished, or
+        at the draft's position table) and gamma for the others."""
+        tails, active = self._sync(gamma)
+        batch = len(active)
+        tokens = torch.zeros(batch, gamma, dtype=torch.int64, device=self.device)
+        if not any(active):
+            return tokens, None, torch.zeros(batch, dtype=torch.int64, device=self.device)
+        logits = self.slots.forward(tails)[:, -1]
+        real = self._steps_real(active)
+        self._active = active
         q = None
         for i in range(gamma):
             mapped = self.vocabulary.target_logits(logits.to(torch.promote_types(self.dtype, logits.dtype)),
@@ -283,11 +315,12 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
                     q = torch.empty(batch, gamma, self.width, dtype=mapped.dtype, device=self.device)
                 q[:, i] = mapped
             if i < gamma - 1:
-                logits = self.runner.forward(self.vocabulary.draft_ids(tokens[:, i : i + 1]), None,
+                logits = self.runner.forward(self.vocabulary.draft_ids(tokens[:, i : i + 1]), real,
                                              last_only=True)[:, -1]
         self._forwards += gamma
         self._fed = self.vocabulary.draft_ids(tokens[:, :-1])
-        return tokens, q, None
+        num_draft = None if real is None else host_to_device([gamma * a for a in active], torch.int64, self.device)
+        return tokens, q, num_draft
 
     def lengths_to_read(self) -> torch.Tensor | None:
         runner = self.runner.lengths_to_read()
@@ -302,6 +335,5 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
             lengths = lengths[len(self.rows):]
         if self._fed is not None:
             width = self._fed.shape[1]
-            self.slots.appended([lengths[b * width : (b + 1) * width] for b in range(len(self.rows))],
-                                [0] * len(self.rows))
+            self._fed_steps([lengths[b * width : (b + 1) * width] for b in range(len(self.rows))], self._active)
             self._fed = None

@@ -190,6 +190,32 @@ def test_vocabulary_map_writes_the_drafts_space_sign_as_the_targets():
     assert mapped.to_draft[vocab["Ġthe"]] == 0 and mapped.size == 3
 
 
+def test_rows_stop_drafting_at_the_drafts_position_table(bpe_pair):
+    """A GPT-2 draft with a 24-position table on byte tokens (about 3 per target token): each row drafts while its
+    draft tokens fit, then the target goes on alone for it (the draft is fed holes), greedy and sampled, at batch 2;
+    a prompt whose text is longer than the table in draft tokens is refused naming draft_model. (The draft's table
+    was checked against the target's token counts: 24 passed, and the draft's forward failed inside the embedding.)"""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target, _, target_tok, draft_tok = bpe_pair
+    torch.manual_seed(4)
+    draft = GPT2LMHeadModel(GPT2Config(vocab_size=len(draft_tok), n_embd=16, n_layer=1, n_head=2, n_positions=24,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    ids, mask = _left_padded(target_tok, ["the cat", "a dog sat"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, do_sample=False, **kwargs)
+    for do_sample in (False, True):
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                          do_sample=do_sample, num_speculative_tokens=3, speculation_stats=stats, seed=0, **kwargs)
+        assert do_sample or torch.equal(got, expected)
+        assert stats.drafted_tokens > 0
+    long = target_tok("the draft proposes and the target disposes", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="draft_model has a learned position table of 24 positions"):
+        sk.generate(target, long, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                    max_new_tokens=4)
+
+
 @pytest.mark.parametrize("compact", [False, True])
 def test_draft_slots_drop_tokens_across_holes(compact):
     """DraftSlots on a real runner: rows fed tails of different lengths (left-padded with holes), then dropping more
