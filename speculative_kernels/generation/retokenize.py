@@ -14,11 +14,43 @@ merge with the last tokens); the draft's cache keeps what did not change (``Draf
 tokens the same way: decoded with the draft tokens since the latest mark at least ``assistant_lookbehind`` tokens
 back, and the text since that mark re-encoded with the target's tokenizer; the tokens past the target's own are the
 proposal.
+
+Two details make a window's text and tokens those of the whole sequence: new tokens' text is what they add to the
+decoding of the window's earlier tokens (decoded with and without them: a SentencePiece decoder strips the first
+space of whatever it decodes), and a piece of text encoded mid-sequence is encoded after ``ANCHOR`` whose tokens are
+then dropped (a Llama 2 normalizer prepends "▁" to whatever it encodes: each window would add a space).
 """
 
 import dataclasses
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for the bytes of a character split across tokens
+# Text put before a piece encoded mid-sequence, whose tokens are then dropped: SentencePiece-style tokenizers
+# (Llama 2's "Prepend ▁" normalizer) otherwise start every piece with a word-initial space of their own
+ANCHOR = "\n"
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _encode(tokenizer, text: str, first: bool, anchor: list[int]) -> list[int]:
+    """Token ids of ``text``: at the start of the sequence (first: with the tokenizer's special tokens, e.g. BOS),
+    or in the middle of it (encoded after ANCHOR, whose tokens ``anchor`` are dropped, where they are a prefix)."""
+    if first:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not text:
+        return []
+    ids = list(tokenizer(ANCHOR + text, add_special_tokens=False)["input_ids"])
+    if anchor and ids[: len(anchor)] == anchor:
+        return ids[len(anchor):]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def added_text(tokenizer, context: list[int], new: list[int]) -> str | None:
+    """The text ``new`` adds after ``context`` (both token ids): decoded with and without it (a decoder may treat a
+    sequence's first token apart, e.g. strip its leading space), or None where the first is no prefix of the other."""
+    before, after = _decode(tokenizer, context), _decode(tokenizer, context + new)
+    return after[len(before):] if after.startswith(before) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +68,20 @@ class TokenizerPair:
     target_eos: int | None = None
     starter: int = 0
 
-    def decode_target(self, ids: list[int]) -> str:
-        return self.target.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def __post_init__(self):
+        for side in ("target", "draft"):  # each tokenizer's tokens of ANCHOR, once
+            tokenizer = getattr(self, side)
+            object.__setattr__(self, f"_{side}_anchor", list(tokenizer(ANCHOR, add_special_tokens=False)["input_ids"]))
 
-    def decode_draft(self, ids: list[int]) -> str:
-        return self.draft.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def decode_target(self, ids: list[int]) -> str:
+        return _decode(self.target, ids)
 
     def encode_target(self, text: str, first: bool) -> list[int]:
         """first: the text starts the sequence (the tokenizer's special tokens, e.g. BOS, are added)."""
-        return list(self.target(text, add_special_tokens=first)["input_ids"]) if text or first else []
+        return _encode(self.target, text, first, self._target_anchor)
 
     def encode_draft(self, text: str, first: bool) -> list[int]:
-        ids = list(self.draft(text, add_special_tokens=first)["input_ids"]) if text or first else []
-        return ids or ([self.starter] if first else [])
+        return _encode(self.draft, text, first, self._draft_anchor) or ([self.starter] if first else [])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -92,16 +125,16 @@ class RowText:
         tokens) wait for the next ones."""
         self.target_ids.extend(new_ids)
         i0, j0, c0 = self._mark_before(0, self.synced - self.pair.target_lookbehind)
-        piece = self.pair.decode_target(self.target_ids[i0:])
-        if not piece.startswith(self.text[c0:]):  # decoding depends on more context: decode the whole row
-            i0, j0, c0 = self.marks[0]
-            piece = self.pair.decode_target(self.target_ids)
-        if piece.endswith(REPLACEMENT):
+        added = added_text(self.pair.target, self.target_ids[i0 : self.synced], self.target_ids[self.synced:])
+        if added is None:  # decoding depends on more context: decode the whole row
+            whole = self.pair.decode_target(self.target_ids)
+            added = whole[len(self.text):] if whole.startswith(self.text) else None
+            if added is None and not whole.endswith(REPLACEMENT):  # the text so far changed: start the draft over
+                i0, j0, c0 = self.marks[0]
+                self.text, self.marks, added = "", self.marks[:1], whole
+        if added is None or added.endswith(REPLACEMENT):
             return
-        if piece.startswith(self.text[c0:]):
-            self.text += piece[len(self.text) - c0:]
-        else:  # the text so far changed: start the draft's tokens over
-            self.text, self.marks = piece, self.marks[:1]
+        self.text += added
         self.synced = len(self.target_ids)
         tail = self.pair.encode_draft(self.text[c0:], first=j0 == 0)
         same = common_prefix(tail, self.draft_ids[j0:])
@@ -122,9 +155,8 @@ class RowText:
         cut = next((k for k, t in enumerate(drafts) if t in self.pair.draft_eos), None)
         words = drafts if cut is None else drafts[:cut]
         i1, j1, c1 = self._mark_before(1, len(self.draft_ids) - self.pair.assistant_lookbehind)
-        piece = self.pair.decode_draft(self.draft_ids[j1:] + words)
         known = self.text[c1:]
-        new_text = piece[len(known):].rstrip(REPLACEMENT) if piece.startswith(known) else ""
+        new_text = (added_text(self.pair.draft, self.draft_ids[j1:], words) or "").rstrip(REPLACEMENT)
         tokens = []
         if new_text:
             window = self.pair.encode_target(known + new_text, first=i1 == 0)

@@ -12,7 +12,7 @@ from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import hf_generate, llama
 from helpers.sampling import NEW, continuation_probs, hf_warpers, peaky
 from helpers.stats import assert_matches
-from helpers.tiny_tokenizers import byte_bpe, char_tokenizer, permutation, permuted, permuted_model
+from helpers.tiny_tokenizers import byte_bpe, char_tokenizer, permutation, permuted, permuted_model, sentencepiece_like
 
 CHARS = "abcdefghij klmnop"
 
@@ -278,6 +278,32 @@ def test_a_new_word_merging_with_the_last_draft_tokens_is_re_encoded():
     assert row.draft_ids == draft_tok("a dog the")["input_ids"] and row.text == "a dog the"
     changed = row.take_unchanged()
     assert changed == common_prefix(middle, row.draft_ids) < len(middle)
+
+
+@pytest.mark.parametrize("target_kind", ["byte-level", "sentencepiece"])
+def test_text_stays_the_same_through_either_kind_of_tokenizer(target_kind):
+    """A byte-level BPE (GPT-2's "Ġ") and a SentencePiece-style one (Llama 2's: "▁" prepended by its normalizer, the
+    first space stripped by its decoder), either as the target: fed a sentence's target tokens a few at a time, the
+    draft's tokens spell the row's text exactly (no word-initial space of its own at each re-encoded window), and
+    the draft tokens of a continuation become target tokens that spell it."""
+    from speculative_kernels.generation.retokenize import RowText, TokenizerPair
+
+    tokenizers = byte_bpe(300), sentencepiece_like(400)
+    target_tok, draft_tok = tokenizers if target_kind == "byte-level" else tokenizers[::-1]
+    pair = TokenizerPair(target_tok, draft_tok, target_lookbehind=2, assistant_lookbehind=2)
+    text = "the draft proposes and the target disposes the lazy dog"
+    ids = target_tok(text, add_special_tokens=False)["input_ids"]
+    row = RowText(pair, ids[:2])
+    for k in range(2, len(ids), 3):
+        row.extend(ids[k : k + 3])
+        assert pair.decode_target(row.target_ids) == row.text
+        assert draft_tok.decode(row.draft_ids, skip_special_tokens=True) == row.text
+    assert row.text == text
+    continuation = " sat on the mat"
+    drafts = draft_tok(text + continuation, add_special_tokens=False)["input_ids"][len(row.draft_ids):]
+    assert draft_tok.decode(row.draft_ids + drafts, skip_special_tokens=True) == text + continuation
+    proposal = row.proposal(drafts, 64)
+    assert proposal and pair.decode_target(row.target_ids + proposal) == text + continuation
 
 
 @pytest.mark.parametrize("setting,words", [

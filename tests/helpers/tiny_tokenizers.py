@@ -6,7 +6,7 @@ its ids permuted (the same tokens under other ids: a draft that is the target's 
 import json
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SENTENCES = [
@@ -39,6 +39,19 @@ def byte_bpe(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokenizerFast:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(sentences, trainer)
+    return _wrap(tokenizer)
+
+
+def sentencepiece_like(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokenizerFast:
+    """A BPE built as Llama 2's fast tokenizer is: "▁" prepended and spaces written as "▁" by the normalizer, byte
+    fallback, a decoder that strips the sequence's first space; SPECIALS then the 256 byte tokens first."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=SPECIALS + [f"<0x{b:02X}>" for b in range(256)])
     tokenizer.train_from_iterator(sentences, trainer)
     return _wrap(tokenizer)
 
