@@ -80,6 +80,20 @@ def test_the_target_as_its_own_draft_under_another_vocabulary_has_every_draft_ac
         assert sampled.accepted_tokens == sampled.drafted_tokens > 0
 
 
+def test_a_sentencepiece_style_target_with_a_byte_level_draft_matches_model_generate():
+    """A Llama-2-like tokenizer for the target, a byte-level BPE for the draft (another space sign, other merges),
+    a left-padded batch of 2: greedy token-identical to model.generate, and a sampled call runs."""
+    target_tok, draft_tok = sentencepiece_like(400), byte_bpe(300)
+    target, draft = llama(vocab=len(target_tok)), llama(layers=1, vocab=len(draft_tok), seed=4)
+    ids, mask = _left_padded(target_tok, ["the cat sat", "a quick brown fox"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    expected = target.generate(ids, do_sample=False, **kwargs)
+    for do_sample in (False, True):
+        got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                          do_sample=do_sample, num_speculative_tokens=3, seed=0, **kwargs)
+        assert torch.equal(got, expected) or do_sample
+
+
 def test_rejections_roll_the_drafts_cache_back_as_a_shared_vocabulary_would(self_pair):
     """With a repetition penalty on the target alone, drafts of the target's own weights are rejected now and then
     and the draft's cache rolls back (rows by different counts, around the holes of the left padding). On the
