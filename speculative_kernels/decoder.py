@@ -166,10 +166,15 @@ class SpeculativeDecoder:
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         check_helpers(tokenizer, assistant_tokenizer, None)
         if self.draft is not None and tokenizers_differ(tokenizer, assistant_tokenizer):
-            raise ValueError("SpeculativeDecoder does not support a draft model with another tokenizer "
-                             "(assistant_tokenizer= with another vocabulary than tokenizer=); "
-                             "speculative_kernels.generate does (universal assisted generation)")
-        if self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step
+            # (a draft with another tokenizer: the dynamic cache only, refused here rather than by each request)
+            what = ("with a draft model of another tokenizer (assistant_tokenizer= with another vocabulary than "
+                    "tokenizer=)")
+            if cache_implementation not in (None, "dynamic"):
+                raise ValueError(f"cache_implementation={cache_implementation!r} is not supported {what}: its "
+                                 "draft's cache grows by a varying number of tokens per iteration")
+            if compile is not False and compile is not None:
+                raise ValueError(f"compile is not supported {what}")
+        elif self.draft is not None:  # a pair of two vocabularies: refused here, not by every request's first step
             VocabBridge(self.target, self.draft, tokenizer, assistant_tokenizer)
         self.drafter = drafter
         self.lookup = {name: value for name, value in (("prompt_lookup_num_tokens", prompt_lookup_num_tokens),

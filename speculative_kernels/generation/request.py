@@ -93,8 +93,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                           compiled=compile_options is not None or joins_captured, rows=rows is not None)
     retokenize = draft_model is not None and tokenizers_differ(tokenizer, assistant_tokenizer)
     if retokenize:
-        check_retokenizing(model, draft_model, exit_layers is not None, settings, compile_options, rows,
-                           joins_captured)
+        check_retokenizing(model, draft_model, exit_layers is not None, settings, compile_options, joins_captured)
     elif settings.lookbehind.given:
         name = settings.lookbehind.given[0]
         raise ValueError(f"{name} applies to a draft model with another tokenizer (draft_model= with tokenizer= and "
@@ -282,7 +281,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                            timer=timer, caller_cache=prompt_cache)
 
 
-def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_options, rows,
+def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_options,
                        joins_captured: bool) -> None:
     """ValueError naming what a draft with another tokenizer (``retokenizing_drafter.py``) does not support."""
     what = "a draft model with another tokenizer (assistant_tokenizer= with another vocabulary than tokenizer=)"
@@ -298,9 +297,8 @@ def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_o
     if compile_options is not None:
         raise ValueError(f"compile=True is not supported with {what} (its draft feeds a varying number of tokens "
                          "per iteration)")
-    if rows is not None or joins_captured:
-        raise ValueError(f"SpeculativeDecoder (a batch of requests, add_request) is not supported with {what}; use "
-                         "speculative_kernels.generate")
+    if joins_captured:
+        raise ValueError(f"a captured batch of requests (SpeculativeDecoder with compile) is not supported with {what}")
 
 
 def tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings) -> TokenizerPair:

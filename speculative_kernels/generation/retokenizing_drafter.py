@@ -22,8 +22,8 @@ accepted, P = p), so each position is distributed as p given the tokens before i
 The re-tokenization is host work per row and iteration (tokenizer calls over a window of about
 ``target_lookbehind`` + ``assistant_lookbehind`` tokens and the new ones, as in HF), and the draft tokens cost a
 second device-to-host read per iteration beside the loop's. Rows leaving the batch read their index once
-(``select_rows``). Not supported (refused by name in ``request.py``): the static cache, ``compile=True``, batches of
-requests (``SpeculativeDecoder``), encoder-decoder models.
+(``select_rows``); rows join a running batch (``SpeculativeDecoder.add_request``) with ``add_rows``. Not supported
+(refused by name in ``request.py``, ``decoder.py``): the static cache, ``compile=True``, encoder-decoder models.
 """
 
 import torch
@@ -97,6 +97,14 @@ class DraftSlots:
     def select(self, rows: list[int]) -> None:
         self.fed = [self.fed[b] for b in rows]
         self.layout = [self.layout[b] for b in rows]
+
+    def joined(self, other: "DraftSlots", pad: int, other_pad: int) -> None:
+        """``other``'s rows appended after the runners' ``add_rows``: each side's slots behind ``pad`` /
+        ``other_pad`` holes on the left."""
+        self.layout = ([[False] * pad + layout for layout in self.layout]
+                       + [[False] * other_pad + layout for layout in other.layout])
+        self.fed += other.fed
+        self._compactions = self.runner.compactions
 
 
 class RetokenizingDrafter:
@@ -205,9 +213,19 @@ class RetokenizingDrafter:
         self.finished = [self.finished[b] for b in rows]
         self.slots.select(rows)
 
-    def add_rows(self, other) -> None:
-        raise NotImplementedError("RetokenizingDrafter (a draft with another tokenizer) does not take rows joining "
-                                  "a running batch")
+    def add_rows(self, other: "RetokenizingDrafter") -> None:
+        """Append ``other``'s rows (a drafter of the same kind over the same draft model, started on them: requests
+        joining a running batch). The runners' rows join with holes on the left of the side with fewer slots, and
+        each row's slot layout follows; each row keeps its own text and tokenizer settings."""
+        if type(other) is not type(self) or self.slots is None or other.slots is None:
+            raise ValueError(f"add_rows needs another started {type(self).__name__}")
+        slots = max(self.runner.num_slots, other.runner.num_slots)
+        pads = slots - self.runner.num_slots, slots - other.runner.num_slots
+        self.runner.add_rows(other.runner)  # (raises with nothing changed where the rows cannot join)
+        self.slots.joined(other.slots, *pads)
+        self.rows += other.rows
+        self.finished += other.finished
+        self._forwards += other._forwards
 
     def lengths_to_read(self) -> torch.Tensor | None:
         return self.runner.lengths_to_read()

@@ -334,12 +334,56 @@ def test_what_it_cannot_do_is_refused_by_name(self_pair, setting, words):
                     max_new_tokens=4, num_speculative_tokens=2, **setting)
 
 
+def test_requests_joining_a_running_batch_match_each_request_alone(bpe_pair):
+    """SpeculativeDecoder.add_request with a draft of another tokenizer: requests joining at different steps (the
+    drafter's add_rows; rows leaving as they finish), each greedy request token-identical to model.generate alone;
+    a sampled one beside them runs to its length (the text drafter's one-hot q, exact for sampled rows too)."""
+    from helpers.continuous import alone, run_arrivals
+
+    target, draft, target_tok, draft_tok = bpe_pair
+    decoder = sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                                    num_speculative_tokens=3)
+    prompts = [target_tok(t)["input_ids"] for t in ("the cat sat", "a quick brown fox jumps", "def fib(n):")]
+    sampled = dict(max_new_tokens=7, do_sample=True, seed=5, eos_token_id=None)
+    arrivals = {0: [(prompts[0], dict(max_new_tokens=9))],
+                2: [(prompts[1], dict(max_new_tokens=6)), (prompts[2], dict(max_new_tokens=8)), (prompts[0], sampled)]}
+    requests, streamed = run_arrivals(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        if settings is sampled:
+            assert len(streamed[request_id]) == 7
+        else:
+            assert streamed[request_id] == alone(target, None, prompt, settings, 3, "cpu")
+
+
+def test_joined_rows_roll_back_as_a_shared_vocabulary_draft_would(self_pair):
+    """Requests joining a running batch, with a repetition penalty (rejections: every row's draft cache rolls back
+    around the holes the join left): per request, the target's own weights under the permuted vocabulary draft and
+    keep exactly what they do as an ordinary draft model on the shared vocabulary."""
+    from helpers.continuous import run_arrivals
+
+    target, draft, target_tok, draft_tok = self_pair
+    settings = dict(max_new_tokens=16, repetition_penalty=2.0)
+    prompts = [target_tok(t)["input_ids"] for t in ("abc de", "fg", "hij kl mno")]
+    arrivals = {0: [(prompts[0], settings)], 2: [(prompts[1], settings)], 3: [(prompts[2], settings)]}
+    counts = []
+    for decoder in (sk.SpeculativeDecoder(target, target, num_speculative_tokens=4),
+                    sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                                          num_speculative_tokens=4)):
+        requests, streamed = run_arrivals(decoder, arrivals)
+        results = [decoder.result(request_id) for request_id in sorted(requests)]
+        counts.append([(r.token_ids, r.drafted_tokens, r.accepted_tokens) for r in results])
+    assert counts[0] == counts[1]
+    assert 0 < sum(c[2] for c in counts[0]) < sum(c[1] for c in counts[0])
+
+
 def test_batches_of_requests_and_encoder_decoders_are_refused_by_name(self_pair):
     from helpers.seq2seq_models import t5
 
     target, draft, target_tok, draft_tok = self_pair
-    with pytest.raises(ValueError, match="SpeculativeDecoder"):
-        sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok)
+    for setting, words in ((dict(cache_implementation="static"), "cache_implementation='static'"),
+                           (dict(compile=True), "compile")):
+        with pytest.raises(ValueError, match=words):
+            sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok, **setting)
     seq2seq = t5(vocab=len(CHARS))
     with pytest.raises(ValueError, match="decoder-only"):
         sk.generate(seq2seq, target_tok("abc", return_tensors="pt").input_ids, assistant_model=t5(vocab=19, seed=2),
