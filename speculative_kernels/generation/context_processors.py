@@ -7,9 +7,10 @@ tokens, the exponential length penalty, inf/NaN removal, the minimum length, for
 warpers, watermark; the verification then warps nothing itself). Here position
 j of a block of T positions is processed with the row's tokens so far plus the block's first j tokens: whenever the
 token at j is emitted, those j tokens were accepted, so every processor saw exactly what ``model.generate`` would
-have shown it (HF's assisted generation does the same, at batch 1). The draft's logits are not processed (only
-``logit_masks.py``'s cheap masks): exactness does not depend on q, which is whatever the draft sampled from, and on
-the demo pair processing each draft step cost more time than the acceptance it bought (``benchmarks/processors.py``).
+have shown it (HF's assisted generation does the same, at batch 1). The draft's logits get only the bans among the
+block-processable processors (``draft_processors.py``: which, and why): exactness does not depend on q, which is
+whatever the draft sampled from, and a draft of a banned token is a certain rejection
+(``benchmarks/processors_batch.py``).
 
 The lists are HF's own (``model._get_logits_processor``), built once per row on that row's inputs, so the
 processors, their order and their details are the installed transformers' (e.g. whether the repetition penalty

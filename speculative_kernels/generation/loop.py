@@ -17,6 +17,7 @@ from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
 from .decode_experts import DecodeExperts
+from .draft_processors import DraftProcessors
 from .drafter import Drafter, check_drafter, reads_emitted_tokens
 from .proposal import (check_choose_logits, check_lengths_to_read, check_proposal, check_proposal_counts,
                        describe_bad_proposal, flag_proposal)
@@ -53,8 +54,8 @@ class SpeculativeLoop:
     offsets), replacing the plan's for every row; the plan's ``max_new_tokens`` must be their largest. processors:
     HF's logits processors per row (``context_processors.py``), which then replace ``LogitMasks`` on the target's
     logits (HF's list holds the minimum length and the forced tokens, in HF's order), processed in float32. The
-    draft's logits keep the cheap masks only: exactness does not depend on q, and running HF's processors per draft
-    step cost more time than the acceptance it bought (``benchmarks/processors.py``). warpers: HF's sampling
+    draft's logits get the lists' bans (``draft_processors.py``: an n-gram ban, suppressed tokens, ...), so that the
+    draft does not propose what the target bans; q stays what it samples from. warpers: HF's sampling
     warper chain (``Plan.warping``: a warper the ops lack, e.g. min_p), run on target and draft logits before the ops,
     whose own warping is then neutral. decode_experts: the models' decode-time experts implementation
     (``decode_experts.py``: what ``model.generate`` switches an MoE model to after its prefill), entered for the
@@ -147,6 +148,7 @@ class SpeculativeLoop:
             self.randomness = DecodeRandomness(self.batch, self.device, keys=keys,
                                                offsets=(rows.draft_offsets, rows.verify_offsets))
         self._draft_advances = 0  # draft offsets advanced in this iteration (a drafter with a model: gamma)
+        self._draft_processors: DraftProcessors | None = None  # this iteration's (``_draft``), or None
         self.last_accepted: list[int] = []  # per row, the drafts it accepted in the last step (-1: finished)
         self.last_drafted: list[int] = []  # per row, the tokens it was drafted in the last step (0: finished)
         self.failed_rows: dict[int, str] = {}  # per_row: rows whose last step emitted nothing, and why
@@ -336,17 +338,23 @@ class SpeculativeLoop:
             check_choose_logits(self.drafter, logits, i, batch=self.batch, vocab=self.vocab, device=self.device)
         if self.masks.active:
             self.masks.apply(logits.unsqueeze(1), (self.generated + i).unsqueeze(1))
+        if self._draft_processors is not None:  # HF's common processors, as the target's position i (in place)
+            self._draft_processors.process(logits, i)
         if self.warpers is not None:  # q is what the draft samples from: the warped logits, stored in place
             logits.copy_(self.warpers(logits.float()))
         if self._sampling_now.greedy:
             # The backends' greedy sample is argmax over float32 (first index on ties); an invalid row (NaN, all
             # -inf) is still caught: verify checks the stored draft logits.
-            return logits.float().argmax(dim=-1)
-        token = self.impl.sample(logits, self.sampling, self.randomness.draft())
-        self.randomness.advance_draft()
-        self._draft_advances += 1
-        # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
-        return token.clamp_(min=0)
+            token = logits.float().argmax(dim=-1)
+        else:
+            token = self.impl.sample(logits, self.sampling, self.randomness.draft())
+            self.randomness.advance_draft()
+            self._draft_advances += 1
+            # An invalid row's -1 becomes a valid id to feed; verify flags the row from its stored draft logits.
+            token = token.clamp_(min=0)
+        if self._draft_processors is not None:
+            self._draft_processors.drafted(token, i)
+        return token
 
     def _contexts(self, rows: list[int]) -> list:
         """Row b's tokens so far, [1, prompt + generated] (None for rows not in ``rows``)."""
@@ -513,8 +521,13 @@ class SpeculativeLoop:
         """gamma draft tokens per row. Returns (tokens [B, gamma] int64, q's logits [B, gamma, V] or None,
         num_draft [B] int64 or None: the drafter's per-row counts)."""
         self._proposal = None  # (tokens, logits, num_draft, bad rows) of a proposal whose values are checked
+        self._draft_processors = None
         if self.gamma == 0:
             return None, None, None
+        if self.processors is not None:  # (``draft_processors.py``: which processors, and why)
+            rows = self._unfinished()
+            self._draft_processors = DraftProcessors.start(self.processors.stages, self._contexts(rows), rows,
+                                                           self.gamma, self.device)
         tokens, logits, num_draft = self.drafter.propose(self.gamma, self._choose_draft_token)
         check_proposal(self.drafter, tokens, logits, num_draft, batch=self.batch, gamma=self.gamma,
                        vocab=self.vocab, device=self.device)
