@@ -6,20 +6,18 @@ and then whether drafts have started to be accepted. How: ``docs/architecture.md
 
 The paper prices a verification of gamma + 1 tokens as one plain step. On a CPU, and at batch > 1 anywhere the
 forward is not bound by reading the weights, it costs more (the demo target at batch 16: 1.46 steps for 5 tokens,
-bare), and the loop adds work per drafting iteration (the verification op, processors over the block); with that
-left out, "auto" kept drafting where drafting lost (0.83x plain decoding at batch 16 with an n-gram ban). So the
-calibration also times plain steps (``CALIBRATION_PLAIN_ITERATIONS``) in the same run, and measures c (a draft
-forward) and the verification (``width_cost``, w) in plain steps; a verification is then priced by
-``verification_cost``, an upper bound of what it costs at any gamma, so that "auto" pauses where speculation loses
-rather than where an optimistic price says it does not. The calibration's own choice pauses only where the paper's
-price agrees (as before: a never-right draft): its alpha comes from the run's first 5 iterations, where a drafter
-that learns from the context (the n-gram drafter) is rejected and later accepted; at the measured price such a
-drafter (c ~ 0.02, but a verification of 1.2 plain steps at batch 1 on a CPU) paused there and waited for probes.
-The re-estimates (a window of 16 iterations) pause at the measured price, except for a drafter that costs almost
-nothing to run (c below ``FREE_DRAFTER_C`` of a verification), which keeps the one-step price: its acceptance comes
-in runs (the n-gram drafter copies what the text repeats), which a window of 16 iterations and a probe every 16
-plain ones miss; at the measured price it paused between runs and lost (demo pair, batch 1: 1.24-1.58x plain
-decoding against 1.50-1.62x at the one-step price, ``benchmarks/auto_gamma.py --one-step-rows``)."""
+bare), and the loop adds work per drafting iteration (the verification op, processors over the block); priced at one
+step, "auto" kept drafting where drafting lost (0.83x plain decoding at batch 16 with an n-gram ban). So the
+calibration also times plain steps (``CALIBRATION_PLAIN_ITERATIONS``) in the same run, and the verification's cost
+in plain steps (``width_cost``, w) decides the pause: "auto" pauses where even the best gamma is expected below
+``PAUSE_BELOW`` with a verification priced by ``verification_cost`` (an upper bound of its cost at any gamma).
+Which gamma to draft stays the paper's choice (at c = a draft forward over a verification, as measured): where
+speculation wins, the choice is what it was. Two exceptions keep the one-step price for the pause: the
+calibration's own alpha (the run's first 5 iterations, where a drafter that learns from the context, the n-gram
+drafter, is rejected and later accepted), and a drafter that costs almost nothing to run (c below
+``FREE_DRAFTER_C``: n-gram, prompt lookup), whose acceptance comes in runs that a window of 16 iterations and a
+probe every 16 plain ones miss. At the measured price those paused and lost: the n-gram drafter at batch 1 on the
+demo pair, 1.24-1.58x plain decoding against 1.50-1.62x (``benchmarks/auto_gamma.py --one-step-rows``)."""
 
 import collections
 import dataclasses
@@ -71,8 +69,8 @@ def verification_cost(gamma: int, width_cost: float = 1.0, calibration_gamma: in
 def expected_speedup(alpha: float, gamma: int, c: float, width_cost: float = 1.0,
                      calibration_gamma: int = CALIBRATION_GAMMA) -> float:
     """Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); gamma >= 0 (0 is plain decoding, 1.0). With
-    a width cost w > 1 (``verification_cost``), the verification's 1 is its cost in plain steps, and c a draft
-    forward's."""
+    a width cost w > 1, the verification's 1 is its cost in plain steps (``verification_cost``), and c a draft
+    forward over a plain step."""
     if c < 0 or not math.isfinite(c):
         raise ValueError(f"c must be a finite number >= 0, got {c}")
     if gamma < 0:
@@ -80,13 +78,11 @@ def expected_speedup(alpha: float, gamma: int, c: float, width_cost: float = 1.0
     return expected_tokens(alpha, gamma) / (gamma * c + verification_cost(gamma, width_cost, calibration_gamma))
 
 
-def choose_gamma(alpha: float, c: float, max_gamma: int = MAX_GAMMA, width_cost: float = 1.0,
-                 calibration_gamma: int = CALIBRATION_GAMMA) -> int:
+def choose_gamma(alpha: float, c: float, max_gamma: int = MAX_GAMMA) -> int:
     """The gamma in 1..max_gamma with the largest expected speedup (the smallest such gamma on ties)."""
     if max_gamma < 1:
         raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
-    return max(range(1, max_gamma + 1),
-               key=lambda g: (expected_speedup(alpha, g, c, width_cost, calibration_gamma), -g))
+    return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))
 
 
 def alpha_from_counts(accepted_counts, gamma: int) -> float:
@@ -133,9 +129,9 @@ class GammaCalibrator:
     use from the next iteration on once calibration is complete, else None; then ``observe`` (see there).
 
     plain_iterations: plain iterations (gamma 0) timed after the calibration's drafting ones (``calibration_gamma``
-    says which the next iteration is): c is then a draft forward over a plain step, and ``width_cost`` the
-    verification's (see the module docstring); 0: the paper's model, c = a draft forward over a verification (where
-    no plain step was timed, e.g. decoding ended first, the same).
+    says which the next iteration is): ``width_cost``, the verification over a plain step, is measured from them and
+    prices the pause (see the module docstring); 0: the paper's model alone (where no plain step was timed, e.g.
+    decoding ended first, the same).
     allow_pause: a choice may be 0, plain decoding, where no gamma >= 1 is expected to reach ``PAUSE_BELOW``; the
     loop then runs an iteration at ``resume_gamma`` whenever ``probe_due`` (its drafter catches up on the tokens
     emitted meanwhile in its first forward: the loop's drafters take the tokens of iterations that drafted nothing
@@ -190,23 +186,30 @@ class GammaCalibrator:
         return passed / tests if tests else None
 
     def _choose(self, alpha: float, calibrating: bool = False) -> int:
-        """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s, or 0 (where pausing is
-        allowed) when even that one is expected to be slower than ``PAUSE_BELOW`` times plain decoding (while
-        paused: to stay below ``RESUME_AT``). calibrating: the calibration's own alpha, from the run's first
-        iterations, pauses only where the paper's price (a verification as one plain step) says so too: a drafter
-        that learns from the context (n-gram, prompt lookup) is rejected there and accepted later, and would wait
-        for probes (the module docstring)."""
-        best = choose_gamma(alpha, self.c, self.max_gamma, **self._width())
+        """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s (the paper's price), or 0
+        (where pausing is allowed) when even the best gamma is expected to be slower than ``PAUSE_BELOW`` times
+        plain decoding (while paused: to stay below ``RESUME_AT``) at the measured price of a verification
+        (``measured_speedup``). calibrating: the calibration's own alpha, from the run's first iterations, pauses
+        only where the paper's price says so too: a drafter that learns from the context (n-gram, prompt lookup)
+        is rejected there and accepted later, and would wait for probes (the module docstring)."""
+        best = choose_gamma(alpha, self.c, self.max_gamma)
         self.resume_gamma = best
         threshold = RESUME_AT if self.paused else PAUSE_BELOW
-        expected = self._speedup(alpha, best)
-        if calibrating and self.width_cost is not None:
-            paper_c = self.c / self.width_cost  # (a draft forward over a verification)
-            expected = max(expected, expected_speedup(alpha, choose_gamma(alpha, paper_c, self.max_gamma), paper_c))
+        expected = self.measured_speedup(alpha)
+        if calibrating:
+            expected = max(expected, expected_speedup(alpha, best, self.c))
         if self.allow_pause and expected < threshold:
             self.since_probe = 0
             return 0
         return best
+
+    def measured_speedup(self, alpha: float) -> float:
+        """The best gamma's expected speedup at alpha with a verification at its measured cost (``width_cost``;
+        c in plain steps: c w), or at the paper's one step where no plain step was timed."""
+        if self.width_cost is None:
+            return expected_speedup(alpha, choose_gamma(alpha, self.c, self.max_gamma), self.c)
+        c, w = self.c * self.width_cost, self.width_cost
+        return max(expected_speedup(alpha, g, c, w, self.start_gamma) for g in range(1, self.max_gamma + 1))
 
     def record(self, accepted_counts, draft_seconds: float, verify_seconds: float, drafted=None) -> int | None:
         """accepted_counts: n of each row still generating in this iteration; drafted: the drafts d >= n each of
@@ -268,7 +271,8 @@ class GammaCalibrator:
             return None
         best = self._choose(alpha)
         if best == self.chosen or best != 0 and \
-                self._speedup(alpha, best) <= (1 + RECHECK_MARGIN) * self._speedup(alpha, self.chosen):
+                expected_speedup(alpha, best, self.c) <= (1 + RECHECK_MARGIN) * expected_speedup(alpha, self.chosen,
+                                                                                               self.c):
             return None
         self.alpha, self.chosen = alpha, best
         return best
@@ -287,23 +291,14 @@ class GammaCalibrator:
         return self.chosen
 
     def _cost_per_draft(self) -> float:
-        """c: a draft forward over a plain step, and ``width_cost`` the verification's, where plain steps were
-        timed; else the paper's c, a draft forward over a verification (the width cost left at None: 1)."""
+        """c, a draft forward over a verification (the paper's); and ``width_cost``, the verification over a plain
+        step, where plain steps were timed and the drafter is not nearly free (``FREE_DRAFTER_C``)."""
         draft, verify = statistics.median(self.draft_seconds), statistics.median(self.verify_seconds)
         step = statistics.median(self.plain_seconds) if self.plain_seconds else 0.0
-        if step <= 0 or verify <= 0 or draft / verify < FREE_DRAFTER_C:
-            return draft / verify if verify > 0 else 0.0
-        self.width_cost = verify / step
-        return draft / step
-
-    def _width(self) -> dict:
-        """The width-cost arguments of ``expected_speedup`` / ``choose_gamma`` (none where unmeasured)."""
-        if self.width_cost is None:
-            return {}
-        return dict(width_cost=self.width_cost, calibration_gamma=self.start_gamma)
-
-    def _speedup(self, alpha: float, gamma: int) -> float:
-        return expected_speedup(alpha, gamma, self.c, **self._width())
+        c = draft / verify if verify > 0 else 0.0
+        if step > 0 and verify > 0 and c >= FREE_DRAFTER_C:
+            self.width_cost = verify / step
+        return c
 
 
 def _check_counts(accepted_counts: list[int], drafted: list[int]) -> None:

@@ -496,8 +496,9 @@ def test_a_pause_feeds_the_draft_no_tokens_for_rows_finished_before():
 def test_a_verification_priced_at_its_measured_width_pauses_where_one_step_would_not():
     """At batch 16 on a CPU a verification of 5 tokens cost about 1.5 plain steps; priced as one step (Theorem 3.8)
     "auto" kept drafting where drafting lost (0.83x plain decoding). The calibration now times plain steps after its
-    drafting ones and prices a verification by them (``verification_cost``): a re-estimate at alpha 1/3 pauses.
-    The calibration's own alpha (the run's first iterations) pauses only where the one-step price agrees."""
+    drafting ones and prices a verification by them for the pause (``verification_cost``): a re-estimate at alpha
+    1/3 pauses. The calibration's own alpha (the run's first iterations) pauses only where the one-step price
+    agrees; gamma is chosen at the paper's price either way."""
     from speculative_kernels.generation.gamma import verification_cost
 
     assert verification_cost(0, 1.5, 4) == 1.0 and verification_cost(1, 1.5, 4) == verification_cost(4, 1.5, 4) == 1.5
@@ -513,8 +514,8 @@ def test_a_verification_priced_at_its_measured_width_pauses_where_one_step_would
         assert chosen >= 1
         runs[plain] = [cal.observe([1, 0], [chosen, chosen]) for _ in range(gamma_mod.RECHECK_EVERY)], cal
     changes, cal = runs[2]
-    assert cal.c == pytest.approx(0.2) and cal.width_cost == pytest.approx(1.5)
-    assert changes[-1] == 0 and cal.paused  # 1.33 / (0.2 + 1.5) = 0.78 at gamma 1
+    assert cal.c == pytest.approx(0.2 / 1.5) and cal.width_cost == pytest.approx(1.5)
+    assert changes[-1] == 0 and cal.paused  # 1.33 / (0.2 + 1.5) = 0.78 at gamma 1 (a draft forward: 0.2 steps)
     changes, cal = runs[0]
     assert cal.c == pytest.approx(0.2 / 1.5) and cal.width_cost is None and not cal.paused  # 1.33 / 1.13 = 1.18
     # The calibration's alpha 1/3 alone: no pause (one step: 1.18); alpha 0 with a draft forward of half a
