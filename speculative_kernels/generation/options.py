@@ -11,7 +11,8 @@ import torch
 class BatchingOptions:
     """Knobs of batched decoding (batch > 1); the defaults suit most workloads (``docs/batching.md``).
 
-    compaction_threshold: compact when holes exceed this fraction of the used slots (0 < t <= 1).
+    compaction_threshold: compact when that frees more than this fraction of the used slots, the width past the
+        row with the most real slots (0 < t <= 1).
     drop_finished_fraction: drop finished rows from the batch once at least this fraction of it has finished
         (0 < f <= 1); None never drops.
     compaction_backend: backend of ``ops.compact_kv`` ("auto", "torch", "triton", "cuda").

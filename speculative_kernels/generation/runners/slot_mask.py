@@ -88,8 +88,9 @@ class SlotMaskRunner(abc.ABC):
 
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int, kept_host: list[int] | None = None) -> None:
         """Of the last ``width`` slots, row b keeps its first kept[b] real ones; the rest become holes and the
-        trailing slots no row keeps are cut. Then compacts when the holes pass the threshold, or when the next
-        iteration (``reserve`` slots) would not fit in ``capacity``. kept_host: kept on the host, when the caller
+        trailing slots no row keeps are cut. Then compacts when that frees more than the threshold's share
+        (``SlotCompactor.due``), or when the next iteration (``reserve`` slots) would not fit in ``capacity``.
+        kept_host: kept on the host, when the caller
         has it: when every row keeps the same count of slots that are all real, the rollback is a cut (no holes)."""
         start = self.num_slots - width
         cut = start + max_kept
