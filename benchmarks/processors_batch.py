@@ -1,8 +1,11 @@
-"""HF's logits processors at batch > 1: plain ``model.generate`` against ours, with the processors' fast path
-(``generation/context_processors.py``: runs of HF's common processors over the whole block at once) and without it
-(every processor called per row and position, as before the fast path).
+"""HF's logits processors at batch > 1: plain ``model.generate`` against ours, and ours with parts of it taken back
+(``--paths``): the processors' fast path ("ours, per-row processors": every processor called per row and position,
+as before ``block_processors.py``), the draft's processing ("ours, unprocessed drafts": the draft's logits get the
+cheap masks only, as before ``draft_processors.py``), and ``num_speculative_tokens="auto"``'s width cost ("ours,
+paper price": a verification priced as one plain step, as before; with ``--gamma auto``).
 
-    OMP_NUM_THREADS=1 python benchmarks/processors_batch.py --out benchmarks/results/processors-batch-cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/processors_batch.py --clock process --out benchmarks/results/....json
+    python benchmarks/processors_batch.py --gamma auto --paths "ours, paper price" --settings "all three"
     python benchmarks/processors_batch.py --quick          # batch 1 and 4, one repeat, 16 tokens (a smoke test)
 
 The demo pair, greedy, γ --gamma; prompts: ``half_precision.stdlib_prompts`` (two lines of a standard-library
@@ -11,16 +14,18 @@ tokens: EOS off for the repetition penalty alone; with the n-gram ban (and in "a
 and the minimum) the EOS is set and ``min_new_tokens`` equals
 --max-new-tokens, so HF's MinLength/MinNewTokens processors run at every step and the EOS is never drawn. Per batch
 size and setting, the paths run interleaved --repeats times after one warm-up each (whose outputs are compared with
-plain ``generate``: token identity); reported: tokens/s from the median time, the ratio to plain ``generate``, and
-for ours the time in ``RowProcessors.process`` per iteration (median over the runs of each run's mean) and the
-acceptance rate (accepted / drafted tokens of the warm-up call). ``--profile`` prints a cProfile of
-ours per-row at the largest batch instead. A markdown table on stdout, JSON under --out.
+plain ``generate``: token identity); reported: tokens/s from the median time, the ratio to plain ``generate`` and
+ours' to each path's time, and for ours the time in ``RowProcessors.process`` per iteration (median over the runs
+of each run's mean), the acceptance rate (accepted / drafted tokens of the warm-up call) and the gamma it ended
+at. ``--profile`` prints a cProfile of the paths at the largest batch instead. A markdown table on stdout, JSON
+under --out.
 """
 
 import argparse
 import cProfile
 import contextlib
 import datetime
+import functools
 import json
 import platform
 import pstats
@@ -39,7 +44,8 @@ from half_precision import stdlib_prompts  # noqa: E402
 from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
-from speculative_kernels.generation import context_processors  # noqa: E402
+from speculative_kernels.generation import context_processors, draft_processors  # noqa: E402
+from speculative_kernels.generation import loop as loop_module  # noqa: E402
 
 
 def settings(eos: int, max_new_tokens: int) -> dict:
@@ -87,27 +93,71 @@ def _now() -> float:
     return time.process_time() if CLOCK == "process" else time.perf_counter()
 
 
-def paths(target, draft, gamma: int, common: dict, stats: list) -> dict:
-    """name -> fn(ids, mask) -> sequences. stats: each call of ours appends its SpeculationStats."""
+@contextlib.contextmanager
+def unprocessed_drafts():
+    """Ours with the draft's logits left unprocessed (the code before ``draft_processors.py``)."""
+    start = draft_processors.DraftProcessors.start
+    draft_processors.DraftProcessors.start = classmethod(lambda cls, *args: None)
+    try:
+        yield
+    finally:
+        draft_processors.DraftProcessors.start = start
+
+
+@contextlib.contextmanager
+def paper_price():
+    """num_speculative_tokens="auto" without the width cost (no plain steps timed: a verification priced as one
+    step, Theorem 3.8, the code before)."""
+    calibrator = loop_module.GammaCalibrator
+    loop_module.GammaCalibrator = functools.partial(calibrator, plain_iterations=0)
+    try:
+        yield
+    finally:
+        loop_module.GammaCalibrator = calibrator
+
+
+PATHS = {"ours, per-row processors": per_row_only, "ours, unprocessed drafts": unprocessed_drafts,
+         "ours, paper price": paper_price,
+         "ours, unprocessed drafts, paper price": lambda: _both(unprocessed_drafts, paper_price)}
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first(), second():
+        yield
+
+
+def paths(target, draft, gamma, common: dict, stats: list, others: list) -> dict:
+    """name -> fn(ids, mask) -> sequences: plain generate, ours, and ours under each of ``others`` (``PATHS``).
+    stats: each call of ours appends its SpeculationStats."""
 
     def ours(ids, mask):
         stats.append(sk.SpeculationStats())
         return sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=gamma,
                            speculation_stats=stats[-1], **common)
 
-    def ours_per_row(ids, mask):
-        with per_row_only():
-            return ours(ids, mask)
+    def variant(context):
+        def run(ids, mask):
+            with context():
+                return ours(ids, mask)
+        return run
 
-    return {"plain generate": lambda ids, mask: target.generate(ids, attention_mask=mask, **common),
-            "ours": ours, "ours, per-row processors": ours_per_row}
+    runs = {"plain generate": lambda ids, mask: target.generate(ids, attention_mask=mask, **common), "ours": ours}
+    runs.update({name: variant(PATHS[name]) for name in others})
+    return runs
 
 
 def run_case(runs: dict, ids, mask, repeats: int, stats: list) -> dict:
     """Per path: tokens, median seconds, tok/s, same as plain, and for ours the median over runs of the mean
-    seconds per ``RowProcessors.process`` call (one per iteration); ours' acceptance (its warm-up call)."""
-    outputs = {name: fn(ids, mask) for name, fn in runs.items()}  # (warm-up; ours' call is stats[0])
-    acceptance = stats[0].accepted_tokens / max(stats[0].drafted_tokens, 1)
+    seconds per ``RowProcessors.process`` call (one per iteration); each of ours' acceptance and the gamma it
+    ended at (its warm-up call)."""
+    outputs, accepted = {}, {}
+    for name, fn in runs.items():  # (warm-up)
+        before = len(stats)
+        outputs[name] = fn(ids, mask)
+        if len(stats) > before:
+            accepted[name] = (stats[-1].accepted_tokens / max(stats[-1].drafted_tokens, 1),
+                              stats[-1].num_speculative_tokens, stats[-1].target_forwards)
     times = {name: [] for name in runs}
     processing = {name: [] for name in runs}
     for _ in range(repeats):
@@ -129,20 +179,24 @@ def run_case(runs: dict, ids, mask, repeats: int, stats: list) -> dict:
             result[name]["process_ms"] = 1e3 * statistics.median(processing[name])
     for name in runs:
         result[name]["x_plain"] = result[name]["tok_s"] / result["plain generate"]["tok_s"]
-    result["ours"]["x_per_row"] = result["ours"]["tok_s"] / result["ours, per-row processors"]["tok_s"]
-    result["ours"]["acceptance_rate"] = acceptance
+        result[name]["x_ours"] = result["ours"]["seconds"] / result[name]["seconds"]
+        if name in accepted:
+            result[name]["acceptance_rate"], result[name]["gamma_at_end"], result[name]["target_forwards"] = \
+                accepted[name]
     return result
 
 
 def table(results: list) -> str:
-    lines = ["| batch | setting | path | tok/s | × plain | processors, ms per iteration | same as plain | acceptance |",
-             "|---:|---|---|---:|---:|---:|---|---:|"]
+    lines = ["| batch | setting | path | tok/s | × plain | ours ÷ path | processors, ms per iteration | same as plain "
+             "| acceptance | γ at the end |",
+             "|---:|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         for name, row in r["paths"].items():
             accept = f"{row['acceptance_rate']:.3f}" if "acceptance_rate" in row else ""
             spent = f"{row['process_ms']:.2f}" if "process_ms" in row else ""
             lines.append(f"| {r['batch']} | {r['setting']} | {name} | {row['tok_s']:.1f} | {row['x_plain']:.2f} | "
-                         f"{spent} | {'yes' if row['same_as_plain'] else 'NO'} | {accept} |")
+                         f"{row['x_ours']:.2f} | {spent} | {'yes' if row['same_as_plain'] else 'NO'} | {accept} | "
+                         f"{row.get('gamma_at_end', '')} |")
     return "\n".join(lines)
 
 
@@ -153,7 +207,10 @@ def main(argv=None) -> int:
     global CLOCK
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=lambda v: v if v == "auto" else int(v), default=4, help="an int or auto")
+    parser.add_argument("--paths", nargs="*", default=["ours, unprocessed drafts"], choices=list(PATHS),
+                        help="ours under these besides plain generate and ours")
+    parser.add_argument("--settings", nargs="*", default=None, help="names of the settings to run (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -179,8 +236,10 @@ def main(argv=None) -> int:
         for batch in args.batch:
             ids, mask = encoded.input_ids[:batch], encoded.attention_mask[:batch]
             for name, setting in cases.items():
+                if args.settings and name not in args.settings:
+                    continue
                 stats = []
-                runs = paths(target, draft, args.gamma, {**common, **setting}, stats)
+                runs = paths(target, draft, args.gamma, {**common, **setting}, stats, args.paths)
                 results.append({"batch": batch, "setting": name,
                                 "paths": run_case(runs, ids, mask, args.repeats, stats)})
                 print(f"batch {batch}, {name}: done", file=sys.stderr, flush=True)
@@ -197,8 +256,8 @@ def profile(target, draft, encoded, batch: int, args, common: dict, cases: dict)
     """cProfile of ours with per-row processors and with the fast path, each setting, at ``batch``."""
     ids, mask = encoded.input_ids[:batch], encoded.attention_mask[:batch]
     for name, setting in cases.items():
-        runs = paths(target, draft, args.gamma, {**common, **setting}, [])
-        for path in ("ours, per-row processors", "ours"):
+        runs = paths(target, draft, args.gamma, {**common, **setting}, [], args.paths)
+        for path in (*args.paths, "ours"):
             runs[path](ids, mask)
             profiler = cProfile.Profile()
             profiler.runcall(runs[path], ids, mask)

@@ -16,11 +16,12 @@ penalty, a factor; the sequence bias, an addition): they move the target's ranki
 logits, and applied to another model's they move its ranking by other amounts. Measured on the demo pair
 (greedy, γ = 4, 64 tokens, acceptance without → with the penalty on the draft): ``repetition_penalty=1.05``
 0.943 → 0.860 at batch 1 and 0.771 → 0.724 at batch 16, but 1.3 0.235 → 0.318 at batch 4: no consistent gain; the
-bans raise it (``no_repeat_ngram_size=3`` 0.248 → 0.361 at batch 16) and never lowered it there. No caller code
-runs an extra time: a caller's ``logits_processor``, ``prefix_allowed_tokens_fn``, a watermark and HF's other
-processors are not called on the draft's logits. HF's assisted generation does call them there (its assistant generates with the target's processor
-list, less ``MinLengthLogitsProcessor``), but ``model.generate``, whose output ours is, calls them once per emitted
-token, and a caller's processor may count its calls, keep state, or cost a Python call per row and draft step.
+bans raise it (``no_repeat_ngram_size=3`` 0.248 → 0.361 at batch 16) and never lowered it there. No caller code runs
+an extra time: a caller's ``logits_processor``, ``prefix_allowed_tokens_fn``, a watermark and HF's other processors
+are not called on the draft's logits. HF's assisted generation does call them there (its assistant generates with
+the target's processor list, less ``MinLengthLogitsProcessor``), but ``model.generate``, whose output ours is, calls
+them once per emitted token, and a caller's processor may count its calls, keep state, or cost a Python call per row
+and draft step.
 (They are already called at target positions whose drafts are rejected; see ``context_processors``.)
 
 Exactness: greedy verification does not read q, so processing the drafts changes acceptance only. Sampled, q is the

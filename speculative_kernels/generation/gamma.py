@@ -5,8 +5,8 @@ where no gamma is expected to pay for its drafting, it pauses speculation (gamma
 and then whether drafts have started to be accepted. How: ``docs/architecture.md``.
 
 The paper prices a verification of gamma + 1 tokens as one plain step. On a CPU, and at batch > 1 anywhere the
-forward is not bound by reading the weights, it costs more (the demo target at batch 16: 1.46 steps for 5 tokens,
-bare), and the loop adds work per drafting iteration (the verification op, processors over the block); priced at one
+forward is not bound by reading the weights, it costs more (the demo pair at batch 16: about 1.5 steps for 5
+tokens), and the loop adds work per drafting iteration (the verification op, processors over the block); priced at one
 step, "auto" kept drafting where drafting lost (0.83x plain decoding at batch 16 with an n-gram ban). So the
 calibration also times plain steps (``CALIBRATION_PLAIN_ITERATIONS``) in the same run, and the verification's cost
 in plain steps (``width_cost``, w) decides the pause: "auto" pauses where even the best gamma is expected below
