@@ -7,9 +7,6 @@ n-gram drafter, the draft model and a draft that is never right (the draft model
                                                           # alternate the two in one shell loop)
     python benchmarks/auto_gamma.py --no-pause-rows       # also "auto" with pausing off (PAUSE_BELOW = 0), in the
                                                           # same run: the ratio pause / no pause is like for like
-    python benchmarks/auto_gamma.py --one-step-rows       # also "auto" pricing a verification as one plain step
-                                                          # (no plain steps timed: Theorem 3.8's model, as before
-                                                          # the width cost), in the same run
 
 Every configuration runs each prompt in turn (configurations interleaved per prompt, so that load changes hit
 them alike); times are CPU seconds of this process (``time.process_time``), which a shared machine's load does not
@@ -17,7 +14,6 @@ inflate as much as wall time.
 """
 
 import argparse
-import functools
 import sys
 import time
 from pathlib import Path
@@ -33,8 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default="ngram,model,random", help="comma-separated: ngram, model, random")
     p.add_argument("--no-pause-rows", action="store_true", help="add 'auto' rows with pausing off (the tree must "
                    "have generation/gamma.py's PAUSE_BELOW)")
-    p.add_argument("--one-step-rows", action="store_true", help="add 'auto' rows whose calibration times no plain "
-                   "step (GammaCalibrator plain_iterations=0: a verification priced as one step)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(args.package))
     import contextlib
@@ -58,17 +52,6 @@ def main(argv=None) -> int:
     gammas = [g if g == "auto" else int(g) for g in args.gammas.split(",")]
 
     @contextlib.contextmanager
-    def one_step():
-        from speculative_kernels.generation import loop as loop_module
-
-        saved = loop_module.GammaCalibrator
-        loop_module.GammaCalibrator = functools.partial(saved, plain_iterations=0)
-        try:
-            yield
-        finally:
-            loop_module.GammaCalibrator = saved
-
-    @contextlib.contextmanager
     def no_pause():
         saved, gamma_mod.PAUSE_BELOW = gamma_mod.PAUSE_BELOW, 0.0
         try:
@@ -82,8 +65,6 @@ def main(argv=None) -> int:
             configs.append((name, gamma, make, contextlib.nullcontext))
             if gamma == "auto" and args.no_pause_rows:
                 configs.append((name, "auto, no pause", make, no_pause))
-            if gamma == "auto" and args.one_step_rows:
-                configs.append((name, "auto, one-step price", make, one_step))
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=None)
     for ids in prompts[:2]:  # warm-up: first-use costs of each width stay out of the figures
         target.generate(ids, **dict(kwargs, max_new_tokens=32))

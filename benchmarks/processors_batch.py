@@ -1,11 +1,10 @@
 """HF's logits processors at batch > 1: plain ``model.generate`` against ours, and ours with parts of it taken back
 (``--paths``): the processors' fast path ("ours, per-row processors": every processor called per row and position,
 as before ``block_processors.py``), the draft's processing ("ours, unprocessed drafts": the draft's logits get the
-cheap masks only, as before ``draft_processors.py``), and ``num_speculative_tokens="auto"``'s width cost ("ours,
-paper price": a verification priced as one plain step, as before; with ``--gamma auto``).
+cheap masks only, as before ``draft_processors.py``).
 
     OMP_NUM_THREADS=1 python benchmarks/processors_batch.py --clock process --out benchmarks/results/....json
-    python benchmarks/processors_batch.py --gamma auto --paths "ours, paper price" --settings "all three"
+    python benchmarks/processors_batch.py --gamma auto --settings "all three"
     python benchmarks/processors_batch.py --quick          # batch 1 and 4, one repeat, 16 tokens (a smoke test)
 
 The demo pair, greedy, γ --gamma; prompts: ``half_precision.stdlib_prompts`` (two lines of a standard-library
@@ -25,7 +24,6 @@ import argparse
 import cProfile
 import contextlib
 import datetime
-import functools
 import json
 import platform
 import pstats
@@ -45,7 +43,6 @@ from harness import cpu_name  # noqa: E402
 import speculative_kernels as sk  # noqa: E402
 from speculative_kernels.demo_pair import load_demo_pair  # noqa: E402
 from speculative_kernels.generation import context_processors, draft_processors  # noqa: E402
-from speculative_kernels.generation import loop as loop_module  # noqa: E402
 
 
 def settings(eos: int, max_new_tokens: int) -> dict:
@@ -104,27 +101,7 @@ def unprocessed_drafts():
         draft_processors.DraftProcessors.start = start
 
 
-@contextlib.contextmanager
-def paper_price():
-    """num_speculative_tokens="auto" without the width cost (no plain steps timed: a verification priced as one
-    step, Theorem 3.8, the code before)."""
-    calibrator = loop_module.GammaCalibrator
-    loop_module.GammaCalibrator = functools.partial(calibrator, plain_iterations=0)
-    try:
-        yield
-    finally:
-        loop_module.GammaCalibrator = calibrator
-
-
-PATHS = {"ours, per-row processors": per_row_only, "ours, unprocessed drafts": unprocessed_drafts,
-         "ours, paper price": paper_price,
-         "ours, unprocessed drafts, paper price": lambda: _both(unprocessed_drafts, paper_price)}
-
-
-@contextlib.contextmanager
-def _both(first, second):
-    with first(), second():
-        yield
+PATHS = {"ours, per-row processors": per_row_only, "ours, unprocessed drafts": unprocessed_drafts}
 
 
 def paths(target, draft, gamma, common: dict, stats: list, others: list) -> dict:

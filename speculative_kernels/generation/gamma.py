@@ -2,22 +2,7 @@
 speedup (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) (Theorem 3.8), and ``GammaCalibrator``, which measures
 alpha and c over a run's first iterations for ``num_speculative_tokens="auto"`` and then keeps re-estimating alpha;
 where no gamma is expected to pay for its drafting, it pauses speculation (gamma 0: plain decoding) and probes now
-and then whether drafts have started to be accepted. How: ``docs/architecture.md``.
-
-The paper prices a verification of gamma + 1 tokens as one plain step. On a CPU, and at batch > 1 anywhere the
-forward is not bound by reading the weights, it costs more (the demo pair at batch 16: about 1.5 steps for 5
-tokens), and the loop adds work per drafting iteration (the verification op, processors over the block); priced at one
-step, "auto" kept drafting where drafting lost (0.83x plain decoding at batch 16 with an n-gram ban). So the
-calibration also times plain steps (``CALIBRATION_PLAIN_ITERATIONS``) in the same run, and the verification's cost
-in plain steps (``width_cost``, w) decides the pause: "auto" pauses where even the best gamma is expected below
-``PAUSE_BELOW`` with a verification priced by ``verification_cost`` (an upper bound of its cost at any gamma).
-Which gamma to draft stays the paper's choice (at c = a draft forward over a verification, as measured): where
-speculation wins, the choice is what it was. Two exceptions keep the one-step price for the pause: the
-calibration's own alpha (the run's first 5 iterations, where a drafter that learns from the context, the n-gram
-drafter, is rejected and later accepted), and a drafter that costs almost nothing to run (c below
-``FREE_DRAFTER_C``: n-gram, prompt lookup), whose acceptance comes in runs that a window of 16 iterations and a
-probe every 16 plain ones miss. At the measured price those paused and lost: the n-gram drafter at batch 1 on the
-demo pair, 1.24-1.58x plain decoding against 1.50-1.62x (``benchmarks/auto_gamma.py --one-step-rows``)."""
+and then whether drafts have started to be accepted. How: ``docs/architecture.md``."""
 
 import collections
 import dataclasses
@@ -28,9 +13,6 @@ MAX_GAMMA = 16
 CALIBRATION_GAMMA = 4
 CALIBRATION_WARMUP = 1  # iterations whose times are not used (first-call allocations, lazy initialisation)
 CALIBRATION_ITERATIONS = 4  # timed iterations
-# Plain iterations (gamma 0: the target alone) timed after those, in the same run: what a verification of gamma + 1
-# tokens costs against a one-token step (its width cost) is priced from them (``GammaCalibrator.finish``)
-CALIBRATION_PLAIN_ITERATIONS = 2
 RECHECK_EVERY = 8  # after the choice: alpha is re-estimated every this many iterations
 RECHECK_WINDOW = 16  # ... over this many latest iterations (c stays the calibration's)
 RECHECK_MARGIN = 0.02  # switch only to a gamma expected this much faster than the one in use
@@ -40,9 +22,6 @@ RECHECK_MARGIN = 0.02  # switch only to a gamma expected this much faster than t
 # costs it little) and so sees its acceptance rise without waiting for probes
 PAUSE_BELOW = 0.9
 RESUME_AT = 1.0
-# A drafter whose forward costs less than this share of a verification (the n-gram drafter: ~0.02; prompt lookup)
-# is priced at one step per verification, as before the width cost: see the module docstring
-FREE_DRAFTER_C = 0.05
 PROBE_EVERY = 16  # while paused: one iteration at ``resume_gamma`` after this many plain ones, to re-estimate alpha
 
 
@@ -54,28 +33,13 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def verification_cost(gamma: int, width_cost: float = 1.0, calibration_gamma: int = CALIBRATION_GAMMA) -> float:
-    """A verification of gamma + 1 tokens in plain steps, from ``width_cost`` w, the one of calibration_gamma + 1
-    tokens measured: 1 + (w - 1) max(1, gamma / calibration_gamma) for gamma >= 1 (1 for gamma 0, a plain step;
-    1 for every gamma where w <= 1: the paper's). Of a cost that grows with gamma and ever slower (a forward's: the
-    demo target 1.13 steps at 2 tokens, 1.21 at 5, 1.30 at 9), this is an upper bound: the measured cost below the
-    calibration's gamma (part of it, the verification op and the loop's work, does not shrink with gamma), a line
-    above it."""
-    if gamma == 0 or width_cost <= 1.0:
-        return 1.0
-    return 1.0 + (width_cost - 1.0) * max(1.0, gamma / calibration_gamma)
-
-
-def expected_speedup(alpha: float, gamma: int, c: float, width_cost: float = 1.0,
-                     calibration_gamma: int = CALIBRATION_GAMMA) -> float:
-    """Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); gamma >= 0 (0 is plain decoding, 1.0). With
-    a width cost w > 1, the verification's 1 is its cost in plain steps (``verification_cost``), and c a draft
-    forward over a plain step."""
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); gamma >= 0 (0 is plain decoding, 1.0)."""
     if c < 0 or not math.isfinite(c):
         raise ValueError(f"c must be a finite number >= 0, got {c}")
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
-    return expected_tokens(alpha, gamma) / (gamma * c + verification_cost(gamma, width_cost, calibration_gamma))
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
 
 
 def choose_gamma(alpha: float, c: float, max_gamma: int = MAX_GAMMA) -> int:
@@ -128,10 +92,6 @@ class GammaCalibrator:
     The loop calls ``record`` once per iteration with host values it already has; ``record`` returns the gamma to
     use from the next iteration on once calibration is complete, else None; then ``observe`` (see there).
 
-    plain_iterations: plain iterations (gamma 0) timed after the calibration's drafting ones (``calibration_gamma``
-    says which the next iteration is): ``width_cost``, the verification over a plain step, is measured from them and
-    prices the pause (see the module docstring); 0: the paper's model alone (where no plain step was timed, e.g.
-    decoding ended first, the same).
     allow_pause: a choice may be 0, plain decoding, where no gamma >= 1 is expected to reach ``PAUSE_BELOW``; the
     loop then runs an iteration at ``resume_gamma`` whenever ``probe_due`` (its drafter catches up on the tokens
     emitted meanwhile in its first forward: the loop's drafters take the tokens of iterations that drafted nothing
@@ -141,17 +101,14 @@ class GammaCalibrator:
     start_gamma: int = CALIBRATION_GAMMA
     warmup: int = CALIBRATION_WARMUP
     iterations: int = CALIBRATION_ITERATIONS
-    plain_iterations: int = CALIBRATION_PLAIN_ITERATIONS
     max_gamma: int = MAX_GAMMA
     counts: list = dataclasses.field(default_factory=list)  # accepted drafts per row and iteration
     drafted: list = dataclasses.field(default_factory=list)  # drafts per row and iteration (its own limit)
     draft_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration, per draft forward
     verify_seconds: list = dataclasses.field(default_factory=list)  # per timed iteration
-    plain_seconds: list = dataclasses.field(default_factory=list)  # per timed plain iteration: draft + verify phase
     seen: int = 0
     alpha: float | None = None
     c: float | None = None
-    width_cost: float | None = None  # the calibration's verification over a plain step (None: none timed)
     chosen: int | None = None
     recheck_every: int = RECHECK_EVERY
     recent: collections.deque = dataclasses.field(
@@ -164,11 +121,6 @@ class GammaCalibrator:
     @property
     def done(self) -> bool:
         return self.chosen is not None
-
-    @property
-    def calibration_gamma(self) -> int:
-        """Before the choice: the gamma of the next iteration (``start_gamma``, then 0 for the plain ones)."""
-        return 0 if self.seen >= self.warmup + self.iterations else self.start_gamma
 
     @property
     def paused(self) -> bool:
@@ -185,43 +137,25 @@ class GammaCalibrator:
         passed, tests = (sum(column) for column in zip(*self.recent))
         return passed / tests if tests else None
 
-    def _choose(self, alpha: float, calibrating: bool = False) -> int:
-        """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s (the paper's price), or 0
-        (where pausing is allowed) when even the best gamma is expected to be slower than ``PAUSE_BELOW`` times
-        plain decoding (while paused: to stay below ``RESUME_AT``) at the measured price of a verification
-        (``measured_speedup``). calibrating: the calibration's own alpha, from the run's first iterations, pauses
-        only where the paper's price says so too: a drafter that learns from the context (n-gram, prompt lookup)
-        is rejected there and accepted later, and would wait for probes (the module docstring)."""
+    def _choose(self, alpha: float) -> int:
+        """The gamma to use at this alpha and the calibration's c: ``choose_gamma``'s, or 0 (where pausing is
+        allowed) when even that one is expected to be slower than ``PAUSE_BELOW`` times plain decoding (while
+        paused: to stay below ``RESUME_AT``)."""
         best = choose_gamma(alpha, self.c, self.max_gamma)
         self.resume_gamma = best
         threshold = RESUME_AT if self.paused else PAUSE_BELOW
-        expected = self.measured_speedup(alpha)
-        if calibrating:
-            expected = max(expected, expected_speedup(alpha, best, self.c))
-        if self.allow_pause and expected < threshold:
+        if self.allow_pause and expected_speedup(alpha, best, self.c) < threshold:
             self.since_probe = 0
             return 0
         return best
-
-    def measured_speedup(self, alpha: float) -> float:
-        """The best gamma's expected speedup at alpha with a verification at its measured cost (``width_cost``;
-        c in plain steps: c w), or at the paper's one step where no plain step was timed."""
-        if self.width_cost is None:
-            return expected_speedup(alpha, choose_gamma(alpha, self.c, self.max_gamma), self.c)
-        c, w = self.c * self.width_cost, self.width_cost
-        return max(expected_speedup(alpha, g, c, w, self.start_gamma) for g in range(1, self.max_gamma + 1))
 
     def record(self, accepted_counts, draft_seconds: float, verify_seconds: float, drafted=None) -> int | None:
         """accepted_counts: n of each row still generating in this iteration; drafted: the drafts d >= n each of
         those rows had (a row near its end is drafted fewer than ``start_gamma``: accepting all d is no
         rejection), None for ``start_gamma`` each; draft_seconds / verify_seconds: the iteration's draft and
-        verification phase times. A plain iteration (``calibration_gamma`` 0) is recorded by its times alone."""
+        verification phase times."""
         if self.done:
             return None
-        if self.calibration_gamma == 0:
-            self.seen += 1
-            self.plain_seconds.append(draft_seconds + verify_seconds)
-            return self.finish() if self.seen >= self.warmup + self.iterations + self.plain_iterations else None
         accepted_counts = list(accepted_counts)
         drafted = [self.start_gamma] * len(accepted_counts) if drafted is None else list(drafted)
         _check_counts(accepted_counts, drafted)
@@ -231,7 +165,7 @@ class GammaCalibrator:
         if self.seen > self.warmup:
             self.draft_seconds.append(draft_seconds / self.start_gamma)
             self.verify_seconds.append(verify_seconds)
-        if self.seen < self.warmup + self.iterations + self.plain_iterations:
+        if self.seen < self.warmup + self.iterations:
             return None
         return self.finish()
 
@@ -284,21 +218,12 @@ class GammaCalibrator:
             self.chosen = self.start_gamma
             return self.chosen
         self.alpha = passed / tests  # the maximum-likelihood estimate, as alpha_from_counts, each row with its d
-        self.c = self._cost_per_draft()
-        self.chosen = self._choose(self.alpha, calibrating=True)
+        verify = statistics.median(self.verify_seconds)
+        self.c = statistics.median(self.draft_seconds) / verify if verify > 0 else 0.0
+        self.chosen = self._choose(self.alpha)
         if self.paused:  # the probes' alpha starts from the calibration's evidence
             self.recent.append((passed, tests))
         return self.chosen
-
-    def _cost_per_draft(self) -> float:
-        """c, a draft forward over a verification (the paper's); and ``width_cost``, the verification over a plain
-        step, where plain steps were timed and the drafter is not nearly free (``FREE_DRAFTER_C``)."""
-        draft, verify = statistics.median(self.draft_seconds), statistics.median(self.verify_seconds)
-        step = statistics.median(self.plain_seconds) if self.plain_seconds else 0.0
-        c = draft / verify if verify > 0 else 0.0
-        if step > 0 and verify > 0 and c >= FREE_DRAFTER_C:
-            self.width_cost = verify / step
-        return c
 
 
 def _check_counts(accepted_counts: list[int], drafted: list[int]) -> None:

@@ -254,8 +254,6 @@ class SpeculativeLoop:
         chosen = self.chosen_gamma
         if self.calibrator is not None and self.calibrator.probe_due:  # "auto" paused: a probe of the drafts
             chosen = self.calibrator.resume_gamma
-        elif self.calibrator is not None and not self.calibrator.done:  # calibrating: drafting, then plain steps
-            chosen = self.calibrator.calibration_gamma
         gamma = max(0, min(chosen, left - 1))
         proposals = self._proposal_counts()  # a drafter without a model: no longer than its longest proposal
         if proposals is not None:
@@ -686,8 +684,7 @@ class SpeculativeLoop:
         if not all(self._finished_host):
             self._roll_back(out, accepted, draft_tokens, accepted_host)
         # (while "auto" is paused every iteration is observed: the plain ones count towards the next probe)
-        if self.calibrator is not None and (self.calibrator.paused or self.gamma == (
-                self.chosen_gamma if self.calibrator.done else self.calibrator.calibration_gamma)):
+        if self.calibrator is not None and (self.gamma == self.chosen_gamma or self.calibrator.paused):
             active = [i for i, a in enumerate(active_host) if a]
             self._calibrate([min(passed_host[i], self.last_drafted[i]) for i in active],
                             [self.last_drafted[i] for i in active])

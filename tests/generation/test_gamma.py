@@ -73,7 +73,7 @@ def test_alpha_estimate_is_the_acceptance_probability():
 
 
 def test_calibrator_skips_warmup_and_chooses():
-    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=3, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=3)
     assert cal.record([4], draft_seconds=100.0, verify_seconds=1.0) is None  # warm-up: time ignored
     assert cal.record([3, 4], draft_seconds=0.4, verify_seconds=1.0) is None
     assert cal.record([2], draft_seconds=0.4, verify_seconds=1.0) is None
@@ -94,7 +94,7 @@ def _prompt(batch=1, length=6, seed=0):
 def test_auto_switches_gamma_and_stays_greedy_identical(monkeypatch, forced):
     """Whatever gamma the calibration picks (forced here; timing decides it for real), greedy output is the
     target's, the switch happens after warm-up + measured iterations, and the statistics follow it."""
-    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16, **width: forced)
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
     monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target = llama()
     draft = perturbed(target, scale=0.05)
@@ -119,7 +119,7 @@ def test_alpha_counts_each_iteration_with_its_own_gamma(monkeypatch, forced):
     holds iterations of the calibration gamma and of the chosen one; alpha read it as if all had the largest gamma
     (a calibration iteration accepting its 4 of 4 counted as a rejection at 16: 0.93; at 1, a full γ=1 step as a
     rejection of 4)."""
-    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16, **width: forced)
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: forced)
     monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target = llama()
     ids = _prompt(batch=2)
@@ -150,7 +150,7 @@ def test_auto_session_one_host_read_and_sampling(monkeypatch):
     from helpers.host_reads import CountHostReads
     from speculative_kernels.ops import torch_backend  # what the loop calls on the CPU
 
-    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16, **width: 6)
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 6)
     monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 0.0)  # (the forced gamma is taken whatever it is expected to give)
     target, draft = llama(), llama(layers=1, seed=4)
     session = sk.SpeculativeDecoder(target, draft, num_speculative_tokens="auto").start(
@@ -201,7 +201,7 @@ def test_auto_with_real_calibration_and_refusals(monkeypatch):
 def test_calibrator_counts_each_rows_own_draft_limit():
     """A row drafted fewer than the calibration gamma (its tokens left less one) that accepted all of them failed
     no test (it was counted as a rejection at gamma, lowering alpha and so the gamma chosen)."""
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
     assert cal.record([4, 2], draft_seconds=0.4, verify_seconds=1.0, drafted=[4, 2]) is None
     cal.record([1], draft_seconds=0.4, verify_seconds=1.0, drafted=[1])
     assert cal.alpha == 1.0
@@ -234,7 +234,7 @@ def test_calibrator_keeps_reestimating_alpha_after_its_choice():
     """Acceptance drifts (a prompt-lookup or n-gram drafter finds little to copy at first): the first choice was
     final, so a run calibrated on rejections stayed at gamma 1. Every RECHECK_EVERY iterations alpha is re-estimated
     over the latest ones and a gamma expected RECHECK_MARGIN faster is taken (c stays the calibration's)."""
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
     assert cal.record([0], draft_seconds=0.04, verify_seconds=1.0) is None
     assert cal.record([0], draft_seconds=0.04, verify_seconds=1.0) == 1  # alpha 0
     with pytest.raises(ValueError, match="do not fit"):
@@ -305,7 +305,7 @@ def test_calibrator_pauses_where_no_gamma_pays_and_probes():
     PAUSE_BELOW), so "auto" pauses speculation (gamma 0) rather than take the least bad gamma; while paused it probes
     at the best gamma every PROBE_EVERY plain iterations, and resumes once the window's alpha makes some gamma reach
     RESUME_AT."""
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=2)
     assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) is None  # c = 0.5
     assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) == 0  # alpha 0: 1 / (gamma 0.5 + 1) < 0.9
     assert cal.paused and cal.resume_gamma == choose_gamma(0.0, 0.5) == 1 and not cal.probe_due
@@ -329,19 +329,19 @@ def test_calibrator_pauses_where_no_gamma_pays_and_probes():
     assert resumed == best >= 1 and not cal.paused and passed > 1  # (not at the first accepted probe)
     # A draft as slow as the target that is always right (c = 1, alpha 1): every gamma gives 1.0, no pause; a
     # nearly free drafter that is never right (c = 0.02: 0.98) keeps drafting, and so learns when it starts to be
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
     assert cal.record([4], draft_seconds=4.0, verify_seconds=1.0) == 1 and not cal.paused
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
     assert cal.record([0], draft_seconds=0.08, verify_seconds=1.0) == 1 and not cal.paused
     # Without pausing (allow_pause=False), the least bad gamma, as before
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=0, allow_pause=False)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, allow_pause=False)
     assert cal.record([0], draft_seconds=2.0, verify_seconds=1.0) == 1
 
 
 def test_calibrator_pauses_on_a_reestimate_and_keeps_the_evidence():
     """After a choice, a re-estimate whose alpha makes no gamma pay pauses; the window it was made over is the
     probes' starting evidence."""
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
     assert cal.record([4], draft_seconds=0.8, verify_seconds=1.0) == choose_gamma(1.0, 0.2)  # c 0.2, alpha 1
     gamma = cal.chosen
     changes = [cal.observe([0], [gamma]) for _ in range(gamma_mod.RECHECK_EVERY)]
@@ -368,7 +368,7 @@ def test_auto_paused_is_plain_decoding_and_its_probes_catch_the_draft_up(monkeyp
     mask = torch.ones_like(ids)
     if batch == 2:
         mask[1, :3] = 0
-    new = 110  # (calibration 28 tokens, then 16 plain + a probe of up to 17, twice at least)
+    new = 110  # (calibration 26 tokens, then 16 plain + a probe of up to 17, twice at least)
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                eos_token_id=None)
     session = sk.SpeculativeDecoder(target, target, num_speculative_tokens="auto").start(
@@ -381,15 +381,13 @@ def test_auto_paused_is_plain_decoding_and_its_probes_catch_the_draft_up(monkeyp
         gammas.append(session.loop.gamma)
     assert torch.equal(session.sequences(), expected)
     stats = session.stats
-    drafting = gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
-    calibration = drafting + gamma_mod.CALIBRATION_PLAIN_ITERATIONS  # (then its timed plain steps)
-    assert gammas[:calibration] == [gamma_mod.CALIBRATION_GAMMA] * drafting + [0] * (calibration - drafting)
-    assert session.loop.calibrator.width_cost > 0  # (priced from those plain steps)
+    calibration = gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
+    assert gammas[:calibration] == [gamma_mod.CALIBRATION_GAMMA] * calibration
     probes = [g for g in gammas[calibration:] if g > 0]
     assert len(probes) >= 2 and stats.num_speculative_tokens == 0
     assert gammas[calibration : calibration + gamma_mod.PROBE_EVERY + 1] == [0] * gamma_mod.PROBE_EVERY + probes[:1]
     assert stats.accept_tests_passed == stats.accept_tests > 4 * batch * gamma_mod.CALIBRATION_ITERATIONS
-    assert stats.draft_forwards == 4 * drafting + sum(probes)
+    assert stats.draft_forwards == 4 * calibration + sum(probes)
 
 
 def test_auto_paused_serves_joining_requests(monkeypatch):
@@ -421,7 +419,7 @@ def test_auto_paused_serves_joining_requests(monkeypatch):
 
 def test_the_warmup_iteration_time_is_not_measured():
     """One warm-up and one timed iteration: c is the timed one's alone (a median over [25, 0.1] was 12.55)."""
-    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=1, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=1, iterations=1)
     assert cal.record([4], draft_seconds=100.0, verify_seconds=1.0) is None
     cal.record([4], draft_seconds=0.4, verify_seconds=1.0)
     assert cal.c == pytest.approx(0.1) and len(cal.draft_seconds) == len(cal.verify_seconds) == 1
@@ -491,41 +489,3 @@ def test_a_pause_feeds_the_draft_no_tokens_for_rows_finished_before():
     # row 0: its 4 prompt tokens and the first draft step's input (the second's was never fed), none of the 30
     assert runner.next_position.tolist() == [4 + 1, 4 + 30 + 1]
     assert int(tokens[1, 0]) == int(expected)
-
-
-def test_a_verification_priced_at_its_measured_width_pauses_where_one_step_would_not():
-    """At batch 16 on a CPU a verification of 5 tokens cost about 1.5 plain steps; priced as one step (Theorem 3.8)
-    "auto" kept drafting where drafting lost (0.83x plain decoding). The calibration now times plain steps after its
-    drafting ones and prices a verification by them for the pause (``verification_cost``): a re-estimate at alpha
-    1/3 pauses. The calibration's own alpha (the run's first iterations) pauses only where the one-step price
-    agrees; gamma is chosen at the paper's price either way."""
-    from speculative_kernels.generation.gamma import verification_cost
-
-    assert verification_cost(0, 1.5, 4) == 1.0 and verification_cost(1, 1.5, 4) == verification_cost(4, 1.5, 4) == 1.5
-    assert verification_cost(8, 1.5, 4) == 2.0 and verification_cost(8, 0.9, 4) == 1.0
-    runs = {}
-    for plain in (2, 0):  # (0: no plain step timed, the one-step price)
-        cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=plain)
-        assert cal.calibration_gamma == 4
-        chosen = cal.record([4], draft_seconds=0.8, verify_seconds=1.5)  # alpha 1, draft forward 0.2 steps
-        for _ in range(plain):
-            assert chosen is None and cal.calibration_gamma == 0
-            chosen = cal.record([], draft_seconds=0.0, verify_seconds=1.0, drafted=[])
-        assert chosen >= 1
-        runs[plain] = [cal.observe([1, 0], [chosen, chosen]) for _ in range(gamma_mod.RECHECK_EVERY)], cal
-    changes, cal = runs[2]
-    assert cal.c == pytest.approx(0.2 / 1.5) and cal.width_cost == pytest.approx(1.5)
-    assert changes[-1] == 0 and cal.paused  # 1.33 / (0.2 + 1.5) = 0.78 at gamma 1 (a draft forward: 0.2 steps)
-    changes, cal = runs[0]
-    assert cal.c == pytest.approx(0.2 / 1.5) and cal.width_cost is None and not cal.paused  # 1.33 / 1.13 = 1.18
-    # The calibration's alpha 1/3 alone: no pause (one step: 1.18); alpha 0 with a draft forward of half a
-    # verification: pause
-    for counts, draft, paused in (([1, 0], 0.8, False), ([0], 2.0 * 1.5, True)):
-        cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=1)
-        cal.record(counts, draft_seconds=draft, verify_seconds=1.5)
-        assert (cal.record([], 0.0, 1.0, drafted=[]) == 0) == paused == cal.paused
-    # A drafter that costs almost nothing (the n-gram drafter) keeps the one-step price (its acceptance comes in
-    # runs, which the re-estimates miss: paused between them, it lost)
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=1)
-    cal.record([4], draft_seconds=0.04 * 1.5, verify_seconds=1.5)
-    assert cal.record([], 0.0, 1.0, drafted=[]) >= 1 and cal.width_cost is None and cal.c == pytest.approx(0.01)

@@ -16,7 +16,7 @@ from speculative_kernels.generation.gamma import GammaCalibrator
 def test_probes_draft_resume_gamma_and_the_histogram_holds_them(monkeypatch):
     monkeypatch.setattr(gamma_mod, "PAUSE_BELOW", 100.0)  # always paused after calibration
     monkeypatch.setattr(gamma_mod, "RESUME_AT", 100.0)
-    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16, **width: 7)  # resume_gamma 7
+    monkeypatch.setattr(gamma_mod, "choose_gamma", lambda alpha, c, max_gamma=16: 7)  # resume_gamma 7
     target = llama()
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(0))
     new = 80
@@ -28,11 +28,10 @@ def test_probes_draft_resume_gamma_and_the_histogram_holds_them(monkeypatch):
         session.step()
         gammas.append(session.loop.gamma)
     assert torch.equal(session.sequences(), expected)
-    calibration = (gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
-                   + gamma_mod.CALIBRATION_PLAIN_ITERATIONS)
+    calibration = gamma_mod.CALIBRATION_WARMUP + gamma_mod.CALIBRATION_ITERATIONS
     probes = [g for g in gammas[calibration:] if g > 0]
     assert probes and probes[0] == 7, gammas  # the first probe is far from the end: not capped
-    # 28 tokens in calibration (its plain steps' 2 included); 16 plain + a probe of 7 (8 tokens) twice reach 76 of 80: a probe is observed (its
+    # 26 tokens in calibration; 16 plain + a probe of 7 (8 tokens) twice reach 74 of 80: a probe is observed (its
     # accept tests join the window and it restarts the count), so the next one is PROBE_EVERY plain iterations later
     plain = [0] * gamma_mod.PROBE_EVERY
     assert gammas[calibration : calibration + 2 * (len(plain) + 1)] == plain + [7] + plain + [7], gammas
@@ -47,7 +46,7 @@ def test_a_probe_where_one_row_drafted_nothing_is_still_a_probe():
     """While paused, an iteration is a probe when *any* row drafted (a row near its end, or one whose drafter
     proposes nothing, drafts 0 in the probe). Counting it as a plain iteration unless *every* row drafted threw the
     probe's evidence away and left probe_due on."""
-    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1, plain_iterations=0)
+    cal = GammaCalibrator(start_gamma=4, warmup=0, iterations=1)
     assert cal.record([0, 0], draft_seconds=2.0, verify_seconds=1.0) == 0  # c 0.5, alpha 0: paused
     for _ in range(gamma_mod.PROBE_EVERY):
         assert cal.observe([0, 0], [0, 0]) is None
