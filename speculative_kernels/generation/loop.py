@@ -395,8 +395,9 @@ class SpeculativeLoop:
             rows = self._unfinished()
             self._processor_caps = self.processors.process(logits, self._contexts(rows), draft_tokens, rows)
             if self.gamma:
-                # Rows whose processors raised at position j, or left it with no admissible token (every logit
-                # -inf): the context there holds j drafts, one model.generate may never build (a draft to be
+                # Rows whose processors raised at position j, or left it without a distribution (every logit
+                # -inf; a NaN or +inf, e.g. a sequence bias of +inf after a draft that HF's processors ban): the
+                # context there holds j drafts, one model.generate may never build (a draft to be
                 # rejected; a row past its own end beside rows with more left). Each verifies j drafts (gamma + 1
                 # for the others: never reached), and a token drawn at j is dropped (``_drop_unprocessed_tokens``).
                 # Position 0, the row's real context, is what model.generate processes: it fails there as HF would.
@@ -441,10 +442,11 @@ class SpeculativeLoop:
         return out, accepted, logits, raw
 
     def _dead_positions(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, gamma + 1, V] float32 as processed -> [B] int64: each row's first position j >= 1 with no
-        admissible token (every logit -inf), gamma + 1 where none; those positions get finite logits (0) in place,
-        so that a token drawn there (dropped after) never flags the row invalid. Device ops, no host read."""
-        dead = torch.isneginf(logits[:, 1:]).all(dim=-1)  # [B, gamma]
+        """logits [B, gamma + 1, V] float32 as processed -> [B] int64: each row's first position j >= 1 without a
+        distribution (no admissible token: every logit -inf; or a NaN or +inf, which the verification also flags),
+        gamma + 1 where none; those positions get finite logits (0) in place, so that a token drawn there (dropped
+        after) never flags the row invalid. Device ops, no host read."""
+        dead = ~torch.isfinite(logits[:, 1:].amax(dim=-1))  # [B, gamma] (amax: NaN with any NaN, +inf with any)
         first = torch.where(dead.any(dim=1), dead.to(torch.int64).argmax(dim=1) + 1, self.gamma + 1)
         logits[:, 1:].masked_fill_(dead.unsqueeze(-1), 0.0)
         return first

@@ -743,3 +743,30 @@ def test_a_position_the_processors_leave_without_a_token_is_verified_no_further(
     while decoder.has_work():
         decoder.step()
     assert decoder.result(request).token_ids == want
+
+
+def test_a_position_the_processors_turn_nan_or_inf_is_verified_no_further():
+    """A processor can put +inf or NaN at a block position j >= 1 only because of the drafts in its context: here a
+    sequence bias of +inf on (a, 11) after a token ``a`` that suppress_tokens bans, which the draft (unprocessed)
+    proposes; model.generate never emits ``a``, so it never builds that context (transformers 5.17's
+    exponential_decay_length_penalty makes NaN so, from a forced EOS's -inf on the other EOS ids: fuzz draw 21824
+    of test_differential_broad). The row verifies j drafts there, as where no token is admissible; it failed ("has
+    NaN, +inf or an all -inf row") where model.generate completes. At position 0 (the real context) it still fails."""
+    target = llama()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    a = int(hf_generate(target, ids, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+    kwargs = dict(max_new_tokens=6, do_sample=False, suppress_tokens=[a])
+    for bias in (float("nan"), float("inf")):
+        settings = dict(kwargs, sequence_bias={(a, 11): bias})
+        want = hf_generate(target, ids, pad_token_id=0, **settings)
+        got = _quiet(sk.generate, target, ids, draft_model=target, num_speculative_tokens=3, pad_token_id=0,
+                     **settings)
+        assert torch.equal(got, want), bias
+    decoder = sk.SpeculativeDecoder(target, target, num_speculative_tokens=3)  # (a batch of requests: per row)
+    request = decoder.add_request(ids[0].tolist(), **settings)
+    while decoder.has_work():
+        decoder.step()
+    assert decoder.result(request).token_ids == want[0, ids.shape[1]:].tolist()
+    with pytest.raises(ValueError, match="target_logits"):  # (+inf at the real context: refused, README)
+        _quiet(sk.generate, target, ids, draft_model=target, num_speculative_tokens=3, pad_token_id=0,
+               **dict(kwargs, suppress_tokens=[], sequence_bias={(9, a): float("inf")}))
