@@ -153,10 +153,17 @@ def _ban_ngrams(x: torch.Tensor, block: BlockTokens, n: int, rows_in: torch.Tens
 
 
 def _ban_ids(x: torch.Tensor, processors: list, where: torch.Tensor, ids) -> None:
-    """-inf at the ids ``ids(p)`` of each row's processor, at the positions ``where`` [R, T] bool."""
-    for processor, rows_in in _groups(processors, lambda p: id(ids(p))):
-        mask = _rows_mask(rows_in, x.device, 2)
-        _fill(x, where if mask is None else where & mask, ids(processor))
+    """-inf at the ids ``ids(p)`` of each row's processor, at the positions ``where`` [R, T] bool: one scatter with
+    every row's ids (padded with -1, which matches nothing), whatever the number of distinct processor objects (a
+    call's rows each hold their own, equal ones: grouping them by object made this quadratic in the batch)."""
+    spare = x.shape[-1] - 1
+    per_row = [ids(p).to(x.device, torch.int64).reshape(-1) for p in processors]
+    if len(per_row) == 1:
+        _fill(x, where, per_row[0])
+        return
+    matrix = pad_sequence(per_row, batch_first=True, padding_value=-1)  # [R, K]
+    matrix = torch.where((matrix >= 0) & (matrix < spare), matrix, spare)
+    x.scatter_(2, torch.where(where[..., None], matrix[:, None, :], spare), -math.inf)
 
 
 def _min_length(x, block: BlockTokens, processors: list) -> None:
@@ -194,16 +201,19 @@ def _single_token_bias(x, block: BlockTokens, processors: list) -> None:
     """Sequence bias / bad words of single tokens only: scores + bias, the bias HF's builds at every call (zeros plus
     its length-1 bias [V]: the biases, -inf for bad words)."""
     scores = x[..., :-1]
-    for processor, rows_in in _groups(processors, id):
+    for processor in processors:
         if not processor.prepared_bias_variables:
             raise Unprepared(type(processor).__name__)
+    distinct = {id(p): p for p in processors}
+    if len(distinct) == 1:
         bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=x.device)
-        bias += processor.length_1_bias
-        mask = _rows_mask(rows_in, x.device, 3)
-        if mask is None:
-            scores.add_(bias)
-        else:
-            scores.copy_(torch.where(mask, scores + bias, scores))
+        bias += processors[0].length_1_bias
+        scores.add_(bias)
+        return
+    # [R, 1, V]: each row's bias built as HF builds it (zeros + its length-1 bias), one add for the whole block
+    bias = torch.zeros(len(processors), 1, scores.shape[-1], dtype=scores.dtype, device=x.device)
+    bias += torch.stack([p.length_1_bias.to(x.device) for p in processors])[:, None, :]
+    scores.add_(bias)
 
 
 # ------------------------------------------------------------------------------------------------ eligibility

@@ -127,6 +127,42 @@ def test_block_processing_is_bit_identical_to_per_row_calls(same_settings, devic
     assert torch.equal(torch.signbit(got), torch.signbit(expected))  # (bitwise: -0.0 stays -0.0)
 
 
+def test_the_block_is_touched_a_fixed_number_of_times_whatever_the_batch():
+    """A call's rows each hold their own processor objects, equal in settings: the ids bans and the single-token
+    bias must touch the [R, T, V + 1] block a fixed number of times, not once per row (grouping the rows by processor
+    object made that quadratic in the batch: 60 s for a 6-case sampling sweep of batch ~1000)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from speculative_kernels.generation.block_processors import block_tokens, fast_op
+
+    class BlockOps(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.count = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [a for a in args if isinstance(a, torch.Tensor)]
+            self.count += any(t.numel() >= self.numel for t in flat)
+            return func(*args, **(kwargs or {}))
+
+    def block_ops(rows: int) -> int:
+        contexts = [torch.tensor([[3, 4, 5, 8, 4, 5]]) for _ in range(rows)]
+        block = block_tokens(contexts, torch.tensor([[4, 5, 4, 5]]).expand(rows, -1), T)
+        x = torch.randn(rows, T, V + 1)
+        made = [(lambda: MinLengthLogitsProcessor(12, EOS)), (lambda: SuppressTokensLogitsProcessor([3, 9])),
+                (lambda: SuppressTokensAtBeginLogitsProcessor([1], 6)),
+                (lambda: _prepared(SequenceBiasLogitsProcessor({(5,): -3.0, (9,): 2.5})))]
+        mode = BlockOps(x.numel())
+        for make in made:
+            processors = [make() for _ in range(rows)]  # (one object per row, as a call's rows get)
+            op = fast_op(processors[0])
+            with mode:
+                op(x, block, processors)
+        return mode.count
+
+    assert block_ops(16) == block_ops(2)
+
+
 def test_rows_of_a_subset_are_processed_and_the_others_left_alone():
     lists, scores = _lists(False), _scores(1)
     expected = _per_row_reference(lists, scores)
