@@ -245,7 +245,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         captured_gamma = gamma if rows is not None else min(gamma, max(0, plan.max_new_tokens - 1))
         steps = [(target_runner, [(captured_gamma + 1, False)])]
     if retokenize:  # (the target's text re-tokenized for the draft: ``retokenizing_drafter.py``)
-        pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings)
+        pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings, logit_width(model))
         limit = position_table_limit(draft_model)
         if plan.sampling.greedy:  # HF's UAD: drafts turned into target tokens through their text
             drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size,
@@ -301,18 +301,19 @@ def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_o
         raise ValueError(f"a captured batch of requests (SpeculativeDecoder with compile) is not supported with {what}")
 
 
-def tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings) -> TokenizerPair:
+def tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings, width: int) -> TokenizerPair:
     """The re-tokenizing drafter's tokenizers and settings: the draft's EOS ids (its tokenizer's and its
-    generation_config's), the target's first EOS id proposed in their place, the lookbehind windows."""
+    generation_config's), the target's first EOS id it can emit (< width, its logit width) proposed in their place,
+    the lookbehind windows."""
     draft_eos = set()
     for value in (assistant_tokenizer.eos_token_id, getattr(draft_model.generation_config, "eos_token_id", None)):
         draft_eos.update(value if isinstance(value, (list, tuple)) else () if value is None else (value,))
     starter = next((t for t in (assistant_tokenizer.bos_token_id, assistant_tokenizer.eos_token_id) if t is not None),
                    0)
-    target_eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
+    target_eos = next((e for e in settings.eos_token_ids or () if 0 <= e < width), None)
     return TokenizerPair(tokenizer, assistant_tokenizer, target_lookbehind=settings.lookbehind.target,
                          assistant_lookbehind=settings.lookbehind.assistant, draft_eos=frozenset(draft_eos),
-                         target_eos=target_eos, starter=starter)
+                         target_eos=target_eos, starter=starter, target_width=width)
 
 
 def stop_string_criterion(stop_strings, tokenizer):

@@ -58,7 +58,9 @@ class TokenizerPair:
     """The target's and the draft's tokenizers with the call's settings. target_lookbehind, assistant_lookbehind:
     HF's (ints >= 0); draft_eos: the draft's EOS ids (a draft stops proposing at one); target_eos: the target id
     proposed in its place (None: nothing); starter: a draft id to start from when the prompt's text encodes to no
-    draft token at all (the draft needs one input)."""
+    draft token at all (the draft needs one input); target_width: the target's logit width V (None: any id), a
+    proposal ending before the first id its tokenizer gives outside [0, V) (a tokenizer with more ids than the
+    model's head: ids the target can never emit, which the loop refuses as a drafter's bad proposal)."""
 
     target: object
     draft: object
@@ -67,6 +69,7 @@ class TokenizerPair:
     draft_eos: frozenset = frozenset()
     target_eos: int | None = None
     starter: int = 0
+    target_width: int | None = None
 
     def __post_init__(self):
         for side in ("target", "draft"):  # each tokenizer's tokens of ANCHOR, once
@@ -165,6 +168,10 @@ class RowText:
                 tokens = window[len(have):]
             else:  # the new text merges with the target's last tokens: propose its own tokens
                 tokens = self.pair.encode_target(new_text, first=False)
+        width = self.pair.target_width
+        valid = next((k for k, t in enumerate(tokens) if width is not None and not 0 <= t < width), None)
+        if valid is not None:  # (the text past it is not proposed, nor the EOS after that text)
+            return tokens[:valid][:gamma]
         if cut is not None and self.pair.target_eos is not None:
             tokens = tokens + [self.pair.target_eos]
         return tokens[:gamma]

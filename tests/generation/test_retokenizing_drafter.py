@@ -320,6 +320,35 @@ def test_text_stays_the_same_through_either_kind_of_tokenizer(target_kind):
     assert proposal and pair.decode_target(row.target_ids + proposal) == text + continuation
 
 
+def test_proposals_hold_only_ids_the_target_can_emit(self_pair):
+    """A draft EOS is proposed as the first of the target's EOS ids that its head has (an eos_token_id list may
+    name ids past it, as model.generate takes them), and a draft's text up to the first token that the target's
+    tokenizer has past the target's head (a tokenizer with more ids than the model). Before, such ids were
+    proposed and the call failed on the drafter's ids outside the target's vocabulary."""
+    import copy
+
+    target, draft, target_tok, draft_tok = self_pair
+    ids = target_tok("abc de", return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    ending = copy.deepcopy(draft)  # (the draft's EOS: the text's "j", which the target says from its second token)
+    ending.generation_config.eos_token_id = draft_tok.convert_tokens_to_ids("j")
+    expected = target.generate(ids, eos_token_id=[len(CHARS) + 3, 16], **kwargs)
+    got = sk.generate(target, ids, assistant_model=ending, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                      eos_token_id=[len(CHARS) + 3, 16], num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got, expected)
+    wide_tok = char_tokenizer(CHARS + "q")  # ("q": an id past the target's head)
+    says_q = copy.deepcopy(draft)
+    with torch.no_grad():  # (the draft's "X" says "q" and wins: its head row is 3 times the row of "j")
+        head = says_q.get_output_embeddings().weight
+        head[draft_tok.convert_tokens_to_ids("X")] = 3 * head[draft_tok.convert_tokens_to_ids("j")]
+    q_tok = permuted(target_tok, permutation(len(CHARS), seed=3), extra=("q", "Y"))
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, assistant_model=says_q, tokenizer=wide_tok, assistant_tokenizer=q_tok,
+                      eos_token_id=None, num_speculative_tokens=3, speculation_stats=stats, **kwargs)
+    assert torch.equal(got, target.generate(ids, eos_token_id=None, **kwargs))
+    assert stats.draft_forwards > 0
+
+
 @pytest.mark.parametrize("setting,words", [
     (dict(cache_implementation="static"), "cache_implementation='static'"),
     (dict(compile=True), "compile=True"),
