@@ -116,9 +116,12 @@ class RowText:
         return unchanged
 
     def _mark_before(self, index: int, limit: int) -> tuple[int, int, int]:
-        """The latest mark whose entry ``index`` (0: target, 1: draft) is at most ``limit``."""
+        """The latest mark whose entry ``index`` (0: target, 1: draft) is at most ``limit`` and that leaves some
+        text after it (or the first): new tokens' text is what they add to the decoding of the window's earlier
+        ones, and a window of no text (a lookbehind of 0, only special tokens) has a decoder strip the new text's
+        first space as the start of a sequence (SentencePiece's)."""
         for mark in reversed(self.marks):
-            if mark[index] <= limit:
+            if mark[index] <= limit and mark[2] < len(self.text):
                 return mark
         return self.marks[0]
 

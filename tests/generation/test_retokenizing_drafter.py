@@ -294,17 +294,20 @@ def test_a_new_word_merging_with_the_last_draft_tokens_is_re_encoded():
     assert changed == common_prefix(middle, row.draft_ids) < len(middle)
 
 
+@pytest.mark.parametrize("lookbehind", [0, 2])
 @pytest.mark.parametrize("target_kind", ["byte-level", "sentencepiece"])
-def test_text_stays_the_same_through_either_kind_of_tokenizer(target_kind):
+def test_text_stays_the_same_through_either_kind_of_tokenizer(target_kind, lookbehind):
     """A byte-level BPE (GPT-2's "Ġ") and a SentencePiece-style one (Llama 2's: "▁" prepended by its normalizer, the
     first space stripped by its decoder), either as the target: fed a sentence's target tokens a few at a time, the
     draft's tokens spell the row's text exactly (no word-initial space of its own at each re-encoded window), and
-    the draft tokens of a continuation become target tokens that spell it."""
+    the draft tokens of a continuation become target tokens that spell it. Lookbehinds of 0 too: the new tokens are
+    still decoded after some earlier text (decoded alone, SentencePiece's decoder stripped each window's first
+    space: "the draftproposesand...")."""
     from speculative_kernels.generation.retokenize import RowText, TokenizerPair
 
     tokenizers = byte_bpe(300), sentencepiece_like(400)
     target_tok, draft_tok = tokenizers if target_kind == "byte-level" else tokenizers[::-1]
-    pair = TokenizerPair(target_tok, draft_tok, target_lookbehind=2, assistant_lookbehind=2)
+    pair = TokenizerPair(target_tok, draft_tok, target_lookbehind=lookbehind, assistant_lookbehind=lookbehind)
     text = "the draft proposes and the target disposes the lazy dog"
     ids = target_tok(text, add_special_tokens=False)["input_ids"]
     row = RowText(pair, ids[:2])
