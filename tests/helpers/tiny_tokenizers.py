@@ -45,7 +45,9 @@ def byte_bpe(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokenizerFast:
 
 def sentencepiece_like(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokenizerFast:
     """A BPE built as Llama 2's fast tokenizer is: "▁" prepended and spaces written as "▁" by the normalizer, byte
-    fallback, a decoder that strips the sequence's first space; SPECIALS then the 256 byte tokens first."""
+    fallback, a decoder that strips the sequence's first space; SPECIALS then the 256 byte tokens first. The byte
+    tokens are ordinary vocabulary, as in Llama 2's tokenizer.json (the trainer adds them as special tokens, which
+    ``decode(skip_special_tokens=True)`` would drop: "é" decoded to "")."""
     tokenizer = Tokenizer(models.BPE(byte_fallback=True))
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -53,7 +55,9 @@ def sentencepiece_like(vocab_size: int, sentences=SENTENCES) -> PreTrainedTokeni
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   special_tokens=SPECIALS + [f"<0x{b:02X}>" for b in range(256)])
     tokenizer.train_from_iterator(sentences, trainer)
-    return _wrap(tokenizer)
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = [token for token in spec["added_tokens"] if token["content"] in SPECIALS]
+    return _wrap(Tokenizer.from_str(json.dumps(spec)))
 
 
 def permuted(tokenizer: PreTrainedTokenizerFast, perm: list[int], extra: tuple[str, ...] = ()):
