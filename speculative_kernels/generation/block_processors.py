@@ -152,44 +152,55 @@ def _ban_ngrams(x: torch.Tensor, block: BlockTokens, n: int, rows_in: torch.Tens
     x.scatter_(2, torch.where(matches, last[:, None, :], spare), -float("inf"))
 
 
-def _ban_ids(x: torch.Tensor, processors: list, where: torch.Tensor, ids) -> None:
-    """-inf at the ids ``ids(p)`` of each row's processor, at the positions ``where`` [R, T] bool: one scatter with
-    every row's ids (padded with -1, which matches nothing), whatever the number of distinct processor objects (a
-    call's rows each hold their own, equal ones: grouping them by object made this quadratic in the batch)."""
-    spare = x.shape[-1] - 1
-    per_row = [ids(p).to(x.device, torch.int64).reshape(-1) for p in processors]
+def _id_matrix(processors: list, ids, device) -> torch.Tensor:
+    """The ids ``ids(p)`` of each row's processor: [K] when there is one row, else [R, K] padded with -1 (which
+    matches nothing): one tensor whatever the number of distinct processor objects (a call's rows each hold their
+    own, equal ones: grouping them by object made this quadratic in the batch)."""
+    per_row = [ids(p).to(device, torch.int64).reshape(-1) for p in processors]
     if len(per_row) == 1:
-        _fill(x, where, per_row[0])
+        return per_row[0]
+    return pad_sequence(per_row, batch_first=True, padding_value=-1)
+
+
+def _ban_ids(x: torch.Tensor, where: torch.Tensor, matrix: torch.Tensor) -> None:
+    """-inf at the ids of ``matrix`` (``_id_matrix``) at the positions ``where`` [R, T] bool: one scatter."""
+    if matrix.dim() == 1:
+        _fill(x, where, matrix)
         return
-    matrix = pad_sequence(per_row, batch_first=True, padding_value=-1)  # [R, K]
+    spare = x.shape[-1] - 1
     matrix = torch.where((matrix >= 0) & (matrix < spare), matrix, spare)
     x.scatter_(2, torch.where(where[..., None], matrix[:, None, :], spare), -math.inf)
 
 
-def _min_length(x, block: BlockTokens, processors: list) -> None:
+# Id bans in two parts: ``_prepare_*`` builds the rows' values and ids once, on the device (what a block op needs
+# of its processors), and returns the op over (x, block). A block op is prepared and run at once; the draft's bans
+# (``draft_processors``) prepare once per iteration and run at every draft step.
+def _prepare_min_length(processors: list, device):
     """EOS banned while input_ids are shorter than min_length."""
-    short = block.cur < _row_values(processors, lambda p: p.min_length, x.device)[:, None]
-    _ban_ids(x, processors, short, lambda p: p.eos_token_id)
+    least = _row_values(processors, lambda p: p.min_length, device)[:, None]
+    eos = _id_matrix(processors, lambda p: p.eos_token_id, device)
+    return lambda x, block: _ban_ids(x, block.cur < least, eos)
 
 
-def _min_new_tokens(x, block: BlockTokens, processors: list) -> None:
+def _prepare_min_new_tokens(processors: list, device):
     """EOS banned while fewer than min_new_tokens follow the prompt_length_to_skip first ids."""
-    skip = _row_values(processors, lambda p: p.prompt_length_to_skip, x.device)
-    least = _row_values(processors, lambda p: p.min_new_tokens, x.device)
-    short = block.cur - skip[:, None] < least[:, None]
-    _ban_ids(x, processors, short, lambda p: p.eos_token_id)
+    skip = _row_values(processors, lambda p: p.prompt_length_to_skip, device)[:, None]
+    least = _row_values(processors, lambda p: p.min_new_tokens, device)[:, None]
+    eos = _id_matrix(processors, lambda p: p.eos_token_id, device)
+    return lambda x, block: _ban_ids(x, block.cur - skip < least, eos)
 
 
-def _suppress_tokens(x, block: BlockTokens, processors: list) -> None:
+def _prepare_suppress_tokens(processors: list, device):
     """The suppressed ids -inf at every position."""
-    everywhere = torch.ones(block.cur.shape, dtype=torch.bool, device=x.device)
-    _ban_ids(x, processors, everywhere, lambda p: p.suppress_tokens)
+    ids = _id_matrix(processors, lambda p: p.suppress_tokens, device)
+    return lambda x, block: _ban_ids(x, torch.ones(block.cur.shape, dtype=torch.bool, device=x.device), ids)
 
 
-def _suppress_tokens_at_begin(x, block: BlockTokens, processors: list) -> None:
+def _prepare_suppress_tokens_at_begin(processors: list, device):
     """The suppressed ids -inf where input_ids are begin_index long."""
-    first = block.cur == _row_values(processors, lambda p: p.begin_index, x.device)[:, None]
-    _ban_ids(x, processors, first, lambda p: p.begin_suppress_tokens)
+    begin = _row_values(processors, lambda p: p.begin_index, device)[:, None]
+    ids = _id_matrix(processors, lambda p: p.begin_suppress_tokens, device)
+    return lambda x, block: _ban_ids(x, block.cur == begin, ids)
 
 
 class Unprepared(RuntimeError):
@@ -197,23 +208,55 @@ class Unprepared(RuntimeError):
     that call is left to HF's own code, per row."""
 
 
-def _single_token_bias(x, block: BlockTokens, processors: list) -> None:
+def _prepare_single_token_bias(processors: list, device):
     """Sequence bias / bad words of single tokens only: scores + bias, the bias HF's builds at every call (zeros plus
-    its length-1 bias [V]: the biases, -inf for bad words)."""
-    scores = x[..., :-1]
-    for processor in processors:
-        if not processor.prepared_bias_variables:
-            raise Unprepared(type(processor).__name__)
-    distinct = {id(p): p for p in processors}
-    if len(distinct) == 1:
-        bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=x.device)
-        bias += processors[0].length_1_bias
-        scores.add_(bias)
-        return
-    # [R, 1, V]: each row's bias built as HF builds it (zeros + its length-1 bias), one add for the whole block
-    bias = torch.zeros(len(processors), 1, scores.shape[-1], dtype=scores.dtype, device=x.device)
-    bias += torch.stack([p.length_1_bias.to(x.device) for p in processors])[:, None, :]
-    scores.add_(bias)
+    its length-1 bias [V]: the biases, -inf for bad words), built at the first run (after the processors' own first
+    call: ``Unprepared`` before) and kept for the later ones."""
+    built = []
+
+    def run(x, block: BlockTokens) -> None:
+        scores = x[..., :-1]
+        if not built:
+            for processor in processors:
+                if not processor.prepared_bias_variables:
+                    raise Unprepared(type(processor).__name__)
+            distinct = {id(p): p for p in processors}
+            if len(distinct) == 1:
+                bias = torch.zeros(scores.shape[-1], dtype=scores.dtype, device=x.device)
+                bias += processors[0].length_1_bias
+            else:  # [R, 1, V]: each row's bias built as HF builds it (zeros + its length-1 bias), one add
+                bias = torch.zeros(len(processors), 1, scores.shape[-1], dtype=scores.dtype, device=x.device)
+                bias += torch.stack([p.length_1_bias.to(x.device) for p in processors])[:, None, :]
+            built.append(bias)
+        scores.add_(built[0])
+
+    return run
+
+
+def _run_prepared(prepare):
+    """The block op (x, block, processors) of a ``_prepare_*``: prepared and run at once."""
+    def op(x: torch.Tensor, block: BlockTokens, processors: list) -> None:
+        prepare(processors, x.device)(x, block)
+    op.prepare = prepare
+    op.__doc__ = prepare.__doc__
+    return op
+
+
+_min_length = _run_prepared(_prepare_min_length)
+_min_new_tokens = _run_prepared(_prepare_min_new_tokens)
+_suppress_tokens = _run_prepared(_prepare_suppress_tokens)
+_suppress_tokens_at_begin = _run_prepared(_prepare_suppress_tokens_at_begin)
+_single_token_bias = _run_prepared(_prepare_single_token_bias)
+
+
+def prepared(op, processors: list, device):
+    """``op`` (a ``fast_op``) over the rows' ``processors``, as a function of (x [R, T, V + 1], BlockTokens) with
+    what it reads of the processors built once (the id bans and the single-token bias; the others read them at
+    each run): for a block op run many times on the same rows (the draft's bans, at each draft step)."""
+    prepare = getattr(op, "prepare", None)
+    if prepare is not None:
+        return prepare(processors, device)
+    return lambda x, block: op(x, block, processors)
 
 
 # ------------------------------------------------------------------------------------------------ eligibility
@@ -281,4 +324,4 @@ def _clamps_out_of_vocab_ids(processor) -> bool:
 _CLAMPS_PENALTY = _clamps_out_of_vocab_ids(RepetitionPenaltyLogitsProcessor(2.0))
 _CLAMPS_NGRAM = _clamps_out_of_vocab_ids(NoRepeatNGramLogitsProcessor(1))
 
-__all__ = ["BlockTokens", "Unprepared", "block_tokens", "fast_op"]
+__all__ = ["BlockTokens", "Unprepared", "block_tokens", "fast_op", "prepared"]

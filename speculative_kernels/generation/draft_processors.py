@@ -29,7 +29,9 @@ distribution the draft token was drawn from: ``SpeculativeLoop._choose_draft_tok
 before drawing, so the drafter stores (and the verification reads) the processed logits. A draft position whose
 processing left no admissible token (every logit -inf) keeps its unprocessed logits, so a draw is always valid.
 
-Cost: one [B, 1, V + 1] pass of the block ops per draft step, no host read (host values go to the device only).
+Cost: one [B, 1, V + 1] pass of the block ops per draft step, no host read (host values go to the device only);
+what the ops read of each row's processors (ids, lengths, biases: O(rows) small tensors) is built once per iteration
+(``block_processors.prepared``), so a draft step's op count does not grow with the batch.
 A processor that raises (an id HF's indexing would refuse) is skipped on the draft; the target's processing then
 does what HF does. A bad-words processor before its first call is called first as HF calls it (which builds its
 bias), as the target's first call would.
@@ -45,7 +47,7 @@ from transformers.generation.logits_process import (
     SuppressTokensLogitsProcessor,
 )
 
-from .block_processors import BlockTokens, Unprepared, block_tokens, fast_op
+from .block_processors import BlockTokens, Unprepared, block_tokens, fast_op, prepared
 from .transfer import host_to_device
 
 
@@ -63,13 +65,23 @@ def draft_chain(stages: list) -> tuple:
 class _Group:
     """Rows whose draft chains have the same classes: one block pass per draft step. members: their batch rows;
     index: [R] int64 of them (None: every row of the batch, in order); tokens: their ``BlockTokens`` over the
-    iteration's gamma - 1 draft columns, filled as the drafts are chosen; chains: per member, its processors."""
+    iteration's gamma - 1 draft columns, filled as the drafts are chosen; chains: per member, its processors;
+    ops: per chain position, (the block op with what it reads of the rows' processors built once for the
+    iteration, ``block_processors.prepared``, or None where that raised; those processors)."""
 
     def __init__(self, members: list, batch: int, contexts: list, chains: list, gamma: int, device):
         self.members, self.chains = members, chains
         self.index = None if members == list(range(batch)) else host_to_device(members, torch.int64, device)
         drafts = torch.zeros(len(members), max(gamma - 1, 0), dtype=torch.int64, device=device)
         self.tokens = block_tokens([contexts[b] for b in members], drafts, gamma)
+        self.ops = []
+        for k in range(len(chains[0])):
+            processors = [chain[k] for chain in chains]
+            try:
+                op = prepared(fast_op(processors[0]), processors, device)
+            except (IndexError, RuntimeError, ValueError):  # (skipped on the draft, as a run that raises)
+                op = None
+            self.ops.append((op, processors))
 
     def process(self, logits: torch.Tensor, i: int) -> None:
         """Draft position i of the members' rows of logits [B, V], in place."""
@@ -78,10 +90,10 @@ class _Group:
         old = logits if self.index is None else logits.index_select(0, self.index)
         x = torch.nn.functional.pad(old.float(), (0, 1)).unsqueeze(1)  # [R, 1, V + 1]: the ops' spare column
         step = BlockTokens(self.tokens.tokens, self.tokens.lengths, self.tokens.cur[:, i : i + 1])
-        for k in range(len(self.chains[0])):
-            processors = [chain[k] for chain in self.chains]
+        for op, processors in self.ops:
             try:
-                _apply(fast_op(processors[0]), x, step, processors)
+                if op is not None:
+                    _apply(op, x, step, processors)
             except (IndexError, RuntimeError, ValueError):  # (an id HF's indexing refuses: this one skipped here,
                 pass  # the target's processing raises or does what HF does)
         new = x[:, 0, :-1]
@@ -101,17 +113,17 @@ class _Group:
 
 
 def _apply(op, x: torch.Tensor, step: BlockTokens, processors: list) -> None:
-    """op over x [R, 1, V + 1] in place; a bias processor before its first call (``Unprepared``: the first draft
-    step of a sampled request comes before the target's first processing) is first called as HF calls it, on a
-    scratch row, which builds its bias (what the target's first call would do)."""
+    """op (a prepared block op of ``processors``) over x [R, 1, V + 1] in place; a bias processor before its first
+    call (``Unprepared``: the first draft step of a sampled request comes before the target's first processing) is
+    first called as HF calls it, on a scratch row, which builds its bias (what the target's first call would do)."""
     try:
-        op(x, step, processors)
+        op(x, step)
     except Unprepared:
         scratch = x[:1, 0, :-1].clone()
         for processor in {id(p): p for p in processors}.values():
             if not processor.prepared_bias_variables:
                 processor(step.tokens[:1], scratch)
-        op(x, step, processors)
+        op(x, step)
 
 
 class DraftProcessors:
