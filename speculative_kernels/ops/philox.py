@@ -72,29 +72,65 @@ def _rounds_split(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     return c0
 
 
-def _rounds_wrapping(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
+# What a multiplicand becomes in one round: (the word its product's high half makes, the word xored into that half,
+# the key word xored in (0: k0, 1: k1), its multiplier, the word its product's low half makes).
+_ROLES = {"c0": ("c2", "c3", 1, PHILOX_M0, "c3"), "c2": ("c0", "c1", 0, PHILOX_M1, "c1")}
+
+
+def _stacked_schedule() -> tuple[tuple[tuple[int, bool, int], ...], int]:
+    """The rounds of ``_rounds_stacked`` on a [2, ...] pair of multiplicands (c0, c2 in some order) and a [2, ...]
+    pair of the words xored into their products' high halves (the previous products, whose low halves are c1, c3).
+    Per round: (slot 0's multiplier, whether the high halves cross slots, slot 0's key word), and at the end the
+    slot that holds c0. Worked out once from ``_ROLES`` (a constant, not a cache)."""
+    xs, ys, rounds = ("c0", "c2"), ("c3", "c1"), []
+    for _ in range(PHILOX_ROUNDS):
+        source = [next(i for i in (0, 1) if _ROLES[xs[i]][1] == ys[j]) for j in (0, 1)]
+        rounds.append((_ROLES[xs[0]][3], source[0] == 1, _ROLES[xs[source[0]]][2]))
+        xs, ys = tuple(_ROLES[xs[i]][0] for i in source), tuple(_ROLES[x][4] for x in xs)
+    return tuple(rounds), xs.index("c0")
+
+
+STACKED_ROUNDS, STACKED_FINAL_SLOT = _stacked_schedule()
+
+
+def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     """The same rounds where an int64 product wraps modulo 2**64 (two's complement, as CPUs and CUDA multiply):
-    the product p of two 32-bit words is then exact in its 64 bits, hi = (p >> 32) & mask, lo = p & mask. A third
-    of the split path's ops, in place once every word has its broadcast shape (after two rounds)."""
-    for r in range(PHILOX_ROUNDS):
-        p0 = c0 * PHILOX_M0
-        p1 = c2 * PHILOX_M1
-        if r < 2:
-            c0 = ((p1 >> 32) & MASK32) ^ c1 ^ k0
-            c2 = ((p0 >> 32) & MASK32) ^ c3 ^ k1
+    the product p of two 32-bit words is then exact in its 64 bits, hi = (p >> 32) & mask, lo = p & mask.
+
+    The round's two multiplications run as one on a [2, *shape] tensor (c0 and c2 stacked, times a [2, 1, ...]
+    multiplier), and so do its shift, xors and mask; the round keys of all ten rounds come from one arange. A
+    product is kept whole (its low half is the next round's c1 or c3, its high half is masked off by the next round's
+    mask), so a round is 5 ops (6 when the high halves cross slots) on three buffers that rotate: no allocation
+    in the rounds. Arguments broadcast; int64 in [0, 2**32)."""
+    shape = torch.broadcast_shapes(k0.shape, k1.shape, c0.shape, c1.shape, c2.shape, c3.shape)
+    dims = len(shape)
+    x = torch.stack([c0.expand(shape), c2.expand(shape)])  # [2, *shape]: the multiplicands
+    y = torch.stack([c3.expand(shape), c1.expand(shape)])  # [2, *shape]: the words xored into their products' hi
+    buffers = [x, y, torch.empty_like(x)]
+    halves = [buffer.unbind(0) for buffer in buffers]
+    steps = torch.arange(0, PHILOX_ROUNDS, device=x.device).view((PHILOX_ROUNDS,) + (1,) * dims)
+    k0, k1 = (k.reshape((1,) * (dims - k.dim()) + k.shape) for k in (k0, k1))
+    k0 = (k0 + steps * PHILOX_W0) & MASK32  # [R, ...]: the round keys
+    k1 = (k1 + steps * PHILOX_W1) & MASK32
+    keys = torch.stack([k0, k1, k0], dim=1)  # [R, 3, ...]: rows 0:2 are (k0, k1), rows 1:3 (k1, k0)
+    keys = (keys[:, 0:2].unbind(0), keys[:, 1:3].unbind(0))  # views: keys[slot 0's key word][round]
+    multipliers = x.new_full((3,) + (1,) * dims, PHILOX_M0)  # (M0, M1, M0): [0:2] and [1:3] are both orders
+    multipliers[1].fill_(PHILOX_M1)
+    multipliers = {PHILOX_M0: multipliers[0:2], PHILOX_M1: multipliers[1:3]}
+    xi, yi, free = 0, 1, 2
+    for r, (multiplier, cross, key) in enumerate(STACKED_ROUNDS):
+        x = buffers[xi]
+        p = torch.mul(x, multipliers[multiplier], out=buffers[free])
+        if cross:  # the high halves change slots
+            torch.bitwise_right_shift(halves[free][1], 32, out=halves[xi][0])
+            torch.bitwise_right_shift(halves[free][0], 32, out=halves[xi][1])
         else:
-            c0 = p1 >> 32
-            c0 &= MASK32
-            c0 ^= c1
-            c0 ^= k0
-            c2 = p0 >> 32
-            c2 &= MASK32
-            c2 ^= c3
-            c2 ^= k1
-        c1, c3 = p1.bitwise_and_(MASK32), p0.bitwise_and_(MASK32)
-        k0 = (k0 + PHILOX_W0) & MASK32
-        k1 = (k1 + PHILOX_W1) & MASK32
-    return c0
+            torch.bitwise_right_shift(p, 32, out=x)
+        x ^= buffers[yi]
+        x ^= keys[key][r]
+        x &= MASK32
+        free, yi = yi, free
+    return halves[xi][STACKED_FINAL_SLOT]
 
 
 def _int64_products_wrap(device_type: str) -> bool:
@@ -107,9 +143,11 @@ def _int64_products_wrap(device_type: str) -> bool:
         return False
     words = [0xFFFFFFFF, 0xFFFFFFFE, 0x80000001, 0xD2511F53, 0x12345678, 1, 0]
     for values in (words * 5, words[:1]):
+        a = torch.tensor(values, dtype=torch.int64, device="cpu")  # (not the default device)
         for m in (PHILOX_M0, PHILOX_M1):
-            got = (torch.tensor(values, dtype=torch.int64, device="cpu") * m).tolist()  # (not the default device)
-            if got != [(v * m + 2**63) % 2**64 - 2**63 for v in values]:
+            want = [(v * m + 2**63) % 2**64 - 2**63 for v in values]
+            by_tensor = a.expand(2, -1) * torch.tensor([[m], [m]], dtype=torch.int64)  # as ``_rounds_stacked``
+            if (a * m).tolist() != want or by_tensor.tolist() != [want, want]:
                 return False
     return True
 
@@ -127,7 +165,7 @@ def philox_first_word(
     k1 = (seed >> 32) & MASK32
     c0, c1, c2, c3 = (c.to(device=seed.device, dtype=torch.int64) & MASK32 for c in (c0, c1, c2, c3))
     wraps = INT64_PRODUCTS_WRAP.get(seed.device.type, False)
-    return (_rounds_wrapping if wraps else _rounds_split)(k0, k1, c0, c1, c2, c3)
+    return (_rounds_stacked if wraps else _rounds_split)(k0, k1, c0, c1, c2, c3)
 
 
 def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:

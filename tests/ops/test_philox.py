@@ -1,5 +1,6 @@
 """Philox4x32-10 in torch (``ops/philox.py``): Random123's known answers, and the fast path (int64 products that
-wrap) bit-identical to the split path (16-bit partial products, no overflow) that defines it."""
+wrap, the two words of a round stacked) bit-identical to the split path (16-bit partial products, no overflow) that
+defines it."""
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_cpu_int64_products_wrap():
 
 
 @pytest.mark.parametrize("batch,vocab", [(1, 1), (1, 4099), (5, 777)])
-def test_wrapping_rounds_equal_the_split_rounds(batch, vocab):
+def test_stacked_rounds_equal_the_split_rounds(batch, vocab):
     g = torch.Generator().manual_seed(batch * vocab)
     seed = torch.randint(-2**63, 2**63 - 1, (batch, 1), generator=g)
     counters = [torch.arange(vocab).unsqueeze(0), torch.arange(batch).unsqueeze(1),
@@ -38,6 +39,22 @@ def test_wrapping_rounds_equal_the_split_rounds(batch, vocab):
     k0, k1 = seed & philox.MASK32, (seed >> 32) & philox.MASK32
     counters = [c & philox.MASK32 for c in counters]
     split = philox._rounds_split(k0, k1, *torch.broadcast_tensors(*counters))
-    wrapping = philox._rounds_wrapping(k0, k1, *counters)  # words broadcast within the rounds
-    assert torch.equal(split, wrapping)
+    stacked = philox._rounds_stacked(k0, k1, *counters)  # words broadcast within the rounds
+    assert torch.equal(split, stacked)
     assert torch.equal(philox.philox_first_word(seed, *counters), split)
+
+
+@pytest.mark.parametrize("seed_shape,counter_shapes", [
+    ((), [(7,), (), (), ()]),  # a 0-d key against a row of counters
+    ((3, 1), [(5,), (3, 1), (), (1, 1)]),  # a key with more dimensions than a counter
+    ((2,), [(4, 1), (), (2,), ()]),  # a key broadcast on the last dimension
+])
+def test_stacked_rounds_broadcast_keys_and_counters_of_any_shapes(seed_shape, counter_shapes):
+    g = torch.Generator().manual_seed(len(counter_shapes[0]))
+    seed = torch.randint(-2**63, 2**63 - 1, seed_shape, generator=g)
+    counters = [torch.randint(0, 2**32, shape, generator=g) for shape in counter_shapes]
+    k0, k1 = seed & philox.MASK32, (seed >> 32) & philox.MASK32
+    split = philox._rounds_split(k0, k1, *torch.broadcast_tensors(*counters))
+    stacked = philox._rounds_stacked(k0, k1, *counters)
+    assert stacked.shape == torch.broadcast_shapes(seed_shape, *counter_shapes)
+    assert torch.equal(stacked, split.expand(stacked.shape))
