@@ -45,10 +45,7 @@ from .warping import apply_thresholds, row_thresholds, scale_logits, warp_logits
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
     """[B, ..., V] -> [B] bool: any NaN / +inf, or any vocabulary row that is entirely -inf."""
-    bad = torch.isnan(logits) | torch.isposinf(logits)
-    all_neg_inf = torch.isneginf(logits).all(dim=-1)
-    flat = bad.flatten(1).any(dim=1) if logits.dim() > 1 else bad.any()
-    return flat | all_neg_inf.reshape(logits.shape[0], -1).any(dim=1)
+    return invalid_positions(logits).reshape(logits.shape[0], -1).any(dim=1)
 
 
 def _row_ids(batch: int, seed_per_row: bool, device: torch.device) -> torch.Tensor:
@@ -92,6 +89,23 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: to
     return out.to(torch.int64), num_accepted.masked_fill(invalid, -1).to(torch.int64)
 
 
+def _used(flags: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """[B, J] flags, [B, J] used positions -> [B] bool: any flag at a used position."""
+    return (flags & used).any(dim=1)
+
+
+def _all_used(flags: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """``_used`` where every position is used (no per-row draft limit)."""
+    return flags.any(dim=1)
+
+
+def _scaled_check_covers_raw(sampling: Sampling) -> bool:
+    """Whether the check of the scaled logits z = float32(logits) / T (``_warped_probs``) flags every row that the
+    raw logits' check would: sampling at T > 0 (per row: rows with an invalid T are flagged by ``out_of_range``,
+    greedy rows divide by 1) keeps NaN, +inf and all -inf as they are, so the raw check is then redundant."""
+    return sampling.rows is not None or (not sampling.greedy and sampling.temperature > 0.0)
+
+
 def _count_prefix(accepted: torch.Tensor) -> torch.Tensor:
     """Number of leading True values per row. [B, K] bool -> [B] int64."""
     return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
@@ -114,8 +128,9 @@ def used_positions(limit: torch.Tensor, num_draft: int) -> tuple[torch.Tensor, t
 
 
 def invalid_positions(logits: torch.Tensor) -> torch.Tensor:
-    """[B, J, V] -> [B, J] bool: the position's logits hold NaN / +inf, or are all -inf."""
-    return (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
+    """[B, J, V] -> [B, J] bool: the position's logits hold NaN / +inf, or are all -inf. One pass: the maximum over
+    the vocabulary is NaN if any entry is (amax propagates NaN), +inf if any is, -inf if all are; finite otherwise."""
+    return ~(logits.amax(dim=-1).abs() < float("inf"))  # (NaN < inf is False)
 
 
 def _greedy(target_logits: torch.Tensor, tokens: torch.Tensor, in_draft: torch.Tensor):
@@ -151,25 +166,27 @@ def verify_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
     tokens = draft_tokens.to(torch.int64)
     limit, bad_limit = draft_limit(num_draft_tokens, batch, num_draft, target_logits.device)
     in_target, in_draft = used_positions(limit, num_draft)
-    invalid = bad_limit | (invalid_positions(target_logits) & in_target).any(dim=1)
-    invalid |= (((tokens < 0) | (tokens >= vocab)) & in_draft).any(dim=1)
-    if draft_logits is not None:
-        invalid |= (invalid_positions(draft_logits) & in_draft).any(dim=1)
+    used = _used if num_draft_tokens is not None else _all_used  # (every position is used without a limit)
+    invalid = bad_limit | used((tokens < 0) | (tokens >= vocab), in_draft)
     if sampling.rows is not None:
         invalid |= sampling.rows.out_of_range()
+    if not _scaled_check_covers_raw(sampling):
+        invalid |= used(invalid_positions(target_logits), in_target)
+        if draft_logits is not None:
+            invalid |= used(invalid_positions(draft_logits), in_draft)
     safe_tokens = tokens.clamp(0, vocab - 1).unsqueeze(-1)
 
     if sampling.greedy:
         return _emit(tokens, *_greedy(target_logits, tokens, in_draft), invalid)
 
     p, invalid_z = _warped_probs(target_logits, sampling)  # [B, K+1, V]
-    invalid |= (invalid_z & in_target).any(dim=1)
+    invalid |= used(invalid_z, in_target)
     if draft_logits is None:
         q = torch.zeros(batch, num_draft, vocab, dtype=torch.float32, device=p.device)
         q.scatter_(-1, safe_tokens, 1.0)
     else:
         q, invalid_z = _warped_probs(draft_logits, sampling)
-        invalid |= (invalid_z & in_draft).any(dim=1)
+        invalid |= used(invalid_z, in_draft)
     p_x = p[:, :num_draft].gather(-1, safe_tokens).squeeze(-1)
     q_x = q.gather(-1, safe_tokens).squeeze(-1)
     r = accept_uniforms(randomness, num_draft)
@@ -177,8 +194,8 @@ def verify_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
 
     rows = torch.arange(batch, device=p.device)
     p_n = p[rows, n]  # [B, V]
-    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], dim=1)
-    q_n = torch.where((n < limit).unsqueeze(1), q_pad[rows, n], 0.0)  # q := 0 once all n_b drafts are accepted
+    # q := 0 once all n_b drafts are accepted (n = n_b <= K; below n_b, n < K indexes q itself)
+    q_n = torch.where((n < limit).unsqueeze(1), q[rows, n.clamp(max=num_draft - 1)], 0.0)
     residual = torch.clamp(p_n - q_n, min=0.0)
     weights = torch.where((residual.amax(dim=-1) > 0).unsqueeze(1), residual, p_n)
     noise = race_noise(randomness, STREAM_POSITION + n, vocab)
@@ -197,15 +214,15 @@ def sample_reference(logits: torch.Tensor, sampling: Sampling, randomness: Rando
     (when sampling: scaled logits, see the module docstring) or an invalid per-row parameter. Uses the STREAM_DRAFT
     counters, so it never reuses numbers that verify draws with the same seed and offset.
     """
-    invalid = invalid_rows(logits)
-    greedy_token = logits.to(torch.float32).argmax(dim=-1)
     if sampling.greedy:
-        return greedy_token.masked_fill(invalid, -1)
-    p, invalid_z = _warped_probs(logits.unsqueeze(1), sampling)
-    invalid |= invalid_z.squeeze(1)
+        return logits.to(torch.float32).argmax(dim=-1).masked_fill(invalid_rows(logits), -1)
+    p, invalid = _warped_probs(logits.unsqueeze(1), sampling)
+    invalid = invalid.squeeze(1)
+    if not _scaled_check_covers_raw(sampling):
+        invalid |= invalid_rows(logits)
     stream = torch.full_like(randomness.seed, STREAM_DRAFT)
     token = race(p.squeeze(1), race_noise(randomness, stream, logits.shape[-1]))
     if sampling.rows is not None:
         invalid |= sampling.rows.out_of_range()
-        token = torch.where(sampling.rows.greedy, greedy_token, token)
+        token = torch.where(sampling.rows.greedy, logits.to(torch.float32).argmax(dim=-1), token)
     return token.masked_fill(invalid, -1)
