@@ -42,22 +42,30 @@ def warp_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Te
     """
     lead = z.shape[:-1]
     V = z.shape[-1]
-    cut_value = torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device)
-    cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
-    if top_k > 0 and top_k < V:
-        cut_value = torch.topk(z, top_k, dim=-1).values[..., -1]
-    if top_p < 1.0:
-        masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf")) if top_k > 0 else z
-        sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
-        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
-        removed = cumulative <= (1.0 - top_p)
-        removed[..., -1] = False
-        # The first kept position in sorted order defines the cut; everything before it is removed.
-        first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
-        # Entries below the top-k cut are -inf and removed by top-p too, so the top-p cut is the stricter one.
-        cut_value = sorted_z.gather(-1, first_kept).squeeze(-1)
-        cut_index = order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
-    return cut_value, cut_index
+    use_k = 0 < top_k < V
+    if top_p >= 1.0:
+        cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
+        if use_k:
+            return torch.topk(z, top_k, dim=-1).values[..., -1], cut_index
+        return torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device), cut_index
+    # One ascending stable sort serves both filters (top-k's cut is HF's k-th largest value, ties kept).
+    sorted_z, order = torch.sort(z, dim=-1, descending=False, stable=True)
+    if use_k:  # the k-th largest value, and the entries below it -inf (``_top_p_cut`` reads the kept ones only)
+        cut_value = sorted_z[..., V - top_k]
+        sorted_z = sorted_z.masked_fill(sorted_z < cut_value.unsqueeze(-1), float("-inf"))
+    return _top_p_cut(sorted_z, order, 1.0 - top_p)
+
+
+def _top_p_cut(sorted_z: torch.Tensor, order: torch.Tensor, threshold) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p cut from the ascending stable sort of z (sorted_z, order: [..., V]; entries below a top-k cut already
+    -inf in sorted_z): drop every entry whose cumulative probability is <= threshold (1 - top_p), always keeping the
+    largest. The first kept position defines the cut; the -inf entries before it are removed whatever their order.
+    Returns (cut_value [...] float32, cut_index [...] int32)."""
+    cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+    removed = cumulative <= threshold
+    removed[..., -1] = False
+    first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
+    return sorted_z.gather(-1, first_kept).squeeze(-1), order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
 
 
 def apply_thresholds(z: torch.Tensor, cut_value: torch.Tensor, cut_index: torch.Tensor) -> torch.Tensor:
@@ -87,16 +95,13 @@ def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     vocab = z.shape[-1]
     top_k, top_p = top_k.expand(lead), top_p.expand(lead)
     use_k = (top_k > 0) & (top_k < vocab)
-    kth = torch.sort(z, dim=-1, descending=True).values.gather(-1, (top_k.clamp(1, vocab) - 1).unsqueeze(-1))
+    # One ascending stable sort serves both filters: the k-th largest value is at V - k, and masking the sorted
+    # values below it gives the sort of the masked z in every position that ``_top_p_cut`` reads (the kept ones).
+    sorted_z, order = torch.sort(z, dim=-1, descending=False, stable=True)
+    kth = sorted_z.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(-1))
     cut_value = torch.where(use_k, kth.squeeze(-1), NO_CUT)
     cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
-    masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf"))
-    sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
-    cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
-    removed = cumulative <= (1.0 - top_p).to(torch.float32).unsqueeze(-1)
-    removed[..., -1] = False
-    first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
+    sorted_z = sorted_z.masked_fill(sorted_z < cut_value.unsqueeze(-1), float("-inf"))
+    p_value, p_index = _top_p_cut(sorted_z, order, (1.0 - top_p).to(torch.float32).unsqueeze(-1))
     use_p = top_p < 1.0
-    cut_value = torch.where(use_p, sorted_z.gather(-1, first_kept).squeeze(-1), cut_value)
-    cut_index = torch.where(use_p, order.gather(-1, first_kept).squeeze(-1).to(torch.int32), cut_index)
-    return cut_value, cut_index
+    return torch.where(use_p, p_value, cut_value), torch.where(use_p, p_index, cut_index)
