@@ -101,7 +101,7 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     multiplier), and so do its shift, xors and mask; the round keys of all ten rounds come from one arange. A
     product is kept whole (its low half is the next round's c1 or c3, its high half is masked off by the next round's
     mask), so a round is 5 ops (6 when the high halves cross slots) on three buffers that rotate: no allocation
-    in the rounds. Arguments broadcast; int64 in [0, 2**32)."""
+    in the rounds; the last one makes c0 alone (one slot's product). Arguments broadcast; int64 in [0, 2**32)."""
     shape = torch.broadcast_shapes(k0.shape, k1.shape, c0.shape, c1.shape, c2.shape, c3.shape)
     dims = len(shape)
     x = torch.stack([c0.expand(shape), c2.expand(shape)])  # [2, *shape]: the multiplicands
@@ -118,7 +118,7 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     multipliers[1].fill_(PHILOX_M1)
     multipliers = {PHILOX_M0: multipliers[0:2], PHILOX_M1: multipliers[1:3]}
     xi, yi, free = 0, 1, 2
-    for r, (multiplier, cross, key) in enumerate(STACKED_ROUNDS):
+    for r, (multiplier, cross, key) in enumerate(STACKED_ROUNDS[:-1]):
         x = buffers[xi]
         p = torch.mul(x, multipliers[multiplier], out=buffers[free])
         if cross:  # the high halves change slots
@@ -130,7 +130,15 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
         x ^= keys[key][r]
         x &= MASK32
         free, yi = yi, free
-    return halves[xi][STACKED_FINAL_SLOT]
+    # The last round makes c0 only: one slot's product.
+    multiplier, cross, key = STACKED_ROUNDS[-1]
+    slot = STACKED_FINAL_SLOT
+    source = 1 - slot if cross else slot
+    c0 = halves[xi][source] * (multiplier if source == 0 else PHILOX_M0 + PHILOX_M1 - multiplier)
+    c0 >>= 32
+    c0 ^= halves[yi][slot]
+    c0 ^= keys[key][PHILOX_ROUNDS - 1][slot]
+    return c0.bitwise_and_(MASK32)
 
 
 def _int64_products_wrap(device_type: str) -> bool:
@@ -170,12 +178,12 @@ def philox_first_word(
 
 def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
     """uniform(x) in [0, 1): float32((x >> 8)) * 2**-24."""
-    return (x >> 8).to(torch.float32) * U24_SCALE
+    return (x >> 8) * U24_SCALE  # (float32: the int64 is cast, exactly below 2**24, then scaled exactly)
 
 
 def exponential_from_bits(x: torch.Tensor) -> torch.Tensor:
     """exponential(x) >= 0 (float32), see the module docstring for the exact arithmetic."""
-    u = torch.clamp(x.to(torch.float32) * U32_SCALE, min=U_MIN)
+    u = torch.clamp(x * U32_SCALE, min=U_MIN)  # (float32(x), scaled exactly: the int64 x is cast, as .to(float32))
     series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0)))
     return torch.where(u < EXP_SERIES_CUTOFF, series, -torch.log(1.0 - u))
 
