@@ -109,8 +109,7 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     buffers = [x, y, torch.empty_like(x)]
     halves = [buffer.unbind(0) for buffer in buffers]
     steps = torch.arange(0, PHILOX_ROUNDS, device=x.device).view((PHILOX_ROUNDS,) + (1,) * dims)
-    k0, k1 = (k.reshape((1,) * (dims - k.dim()) + k.shape) for k in (k0, k1))
-    k0 = (k0 + steps * PHILOX_W0) & MASK32  # [R, ...]: the round keys
+    k0 = (k0 + steps * PHILOX_W0) & MASK32  # [R, ...]: the round keys (steps' dims right-align them)
     k1 = (k1 + steps * PHILOX_W1) & MASK32
     keys = torch.stack([k0, k1, k0], dim=1)  # [R, 3, ...]: rows 0:2 are (k0, k1), rows 1:3 (k1, k0)
     keys = (keys[:, 0:2].unbind(0), keys[:, 1:3].unbind(0))  # views: keys[slot 0's key word][round]

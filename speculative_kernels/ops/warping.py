@@ -42,17 +42,17 @@ def warp_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Te
     """
     lead = z.shape[:-1]
     V = z.shape[-1]
-    use_k = 0 < top_k < V
+    cut_value = torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device)
+    cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
+    if top_k > 0 and top_k < V:
+        cut_value = torch.topk(z, top_k, dim=-1).values[..., -1]
     if top_p >= 1.0:
-        cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
-        if use_k:
-            return torch.topk(z, top_k, dim=-1).values[..., -1], cut_index
-        return torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device), cut_index
-    # One ascending stable sort serves both filters (top-k's cut is HF's k-th largest value, ties kept).
-    sorted_z, order = torch.sort(z, dim=-1, descending=False, stable=True)
-    if use_k:  # the k-th largest value, and the entries below it -inf (``_top_p_cut`` reads the kept ones only)
-        cut_value = sorted_z[..., V - top_k]
-        sorted_z = sorted_z.masked_fill(sorted_z < cut_value.unsqueeze(-1), float("-inf"))
+        return cut_value, cut_index
+    # (Sorting the masked z, mostly -inf with a top-k, is cheaper than sorting z: ``row_thresholds``, whose k differs
+    # per row, sorts z once instead.)
+    masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf")) if top_k > 0 else z
+    sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
+    # Entries below the top-k cut are -inf and removed by top-p too, so the top-p cut is the stricter one.
     return _top_p_cut(sorted_z, order, 1.0 - top_p)
 
 

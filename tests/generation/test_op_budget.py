@@ -23,13 +23,13 @@ BUDGETS = {
     # drafting also copied q's logits, which greedy verification does not read)
     ("dynamic", 4, "greedy"): (68, 5.6),  # measured 64.0, 5.15 (69.0 before the compaction index was shared; 6.4
     # per draft step with the copy of q)
-    ("dynamic", 1, "sampling"): (290, 130),  # measured 274.9, 122.1 (493.9, 231.1 before the stacked Philox rounds
+    ("dynamic", 1, "sampling"): (290, 130),  # measured 280.9, 125.1 (493.9, 231.1 before the stacked Philox rounds
     # and the one-pass validity test; 762.0, 372.0 before the wrapping Philox)
-    ("dynamic", 4, "sampling"): (322, 132),  # measured 306.6, 124.6 (524.8, 233.6 before)
+    ("dynamic", 4, "sampling"): (322, 132),  # measured 312.6, 127.6 (524.8, 233.6 before)
     ("static", 1, "greedy"): (32, 5.8),  # measured 29.0, 5.3 (eager; compile=True captures the runner's part;
     # 6.6 per draft step with the copy of q)
     ("static", 4, "greedy"): (70, 7.8),  # measured 66.4, 7.2 (8.5 with the copy of q)
-    ("static", 1, "sampling"): (290, 132),  # measured 276.0, 124.0 (495.0, 233.0 before)
+    ("static", 1, "sampling"): (290, 132),  # measured 282.0, 127.0 (495.0, 233.0 before)
 }
 
 
