@@ -18,10 +18,13 @@ namespace {
 
 constexpr int kDecideThreads = 256;
 constexpr int kFinalizeThreads = 32;
-// The fused sampling pass (decide_race_kernel): used up to this batch size, with races of this many elements per
-// block (smaller than kChunkSize so that a batch of one fills the SMs: 251 blocks at V = 128256, not 63), while
-// the row's R stats fit this much shared memory.
-constexpr int kFusedMaxBatch = 4;
+// The fused sampling pass (decide_race_kernel): used for a batch of one, and for larger batches while batch x vocab
+// stays within kFusedMaxBatchVocab, with races of this many elements per block (smaller than kChunkSize so that a
+// batch of one fills the SMs: 251 blocks at V = 128256, not 63), while the row's R stats fit this much shared
+// memory. Measured on an H200 (RESULTS.md, sixth GPU run; bf16, CUDA graph, cold L2): fused / split 0.90-0.93 at
+// V = 32000 for B <= 4, 0.97-1.00 at V >= 128256 for B = 1, but 1.31-1.45 at B = 8 (V = 32000) and at B = 2
+// (V >= 128256), up to 3.8 at B = 64: each fused block re-reads its row's statistics.
+constexpr long long kFusedMaxBatchVocab = 4LL * 32768;
 constexpr int kFusedRaceChunk = 512;
 constexpr size_t kFusedMaxSharedBytes = 32 * 1024;
 constexpr int kMaxGridY = 65535;
@@ -693,7 +696,7 @@ bool use_fused_passes(int batch, int rows_per_batch, int vocab) {
   const char* setting = std::getenv(kVerifyPassesVariable);
   if (setting != nullptr && std::strcmp(setting, "split") == 0) return false;
   if (setting != nullptr && std::strcmp(setting, "fused") == 0) return true;
-  return batch <= kFusedMaxBatch;
+  return batch == 1 || static_cast<long long>(batch) * vocab <= kFusedMaxBatchVocab;
 }
 
 template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
