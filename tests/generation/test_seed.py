@@ -100,15 +100,25 @@ def test_row_zero_of_a_seeded_batch_is_the_seeded_batch_one_call(pair):
 
 def test_seeds_do_not_bias_the_first_token(pair):
     """The first token over many seeds follows the target's warped distribution (chi-square). With
-    max_new_tokens=2 and gamma 1 it comes out of verification: an accepted draft or a residual sample."""
-    target, _ = pair
+    max_new_tokens=2 and gamma 1 it comes out of verification: an accepted draft or a residual sample. The seeds run
+    as the requests of one SpeculativeDecoder, whose request with a seed gives generate's tokens with that seed
+    (checked here on every 50th seed): the same 1000 draws, in about a quarter of the time of 1000 generate calls."""
+    target, draft = pair
     with torch.no_grad():
         logits = target(PROMPT).logits[:, -1].double()
     warped = hf_warpers(SAMPLING["temperature"], SAMPLING["top_k"], SAMPLING["top_p"])(PROMPT, logits)
     probs = warped.softmax(-1)[0].numpy()
     seeds = 1000
-    first = [int(_generate(pair, seed=seed, max_new_tokens=2, num_speculative_tokens=1)[0, PROMPT.shape[1]])
-             for seed in range(seeds)]
+    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=1, max_batch_size=100)
+    settings = {k: v for k, v in SAMPLING.items() if k != "pad_token_id"}
+    requests = [decoder.add_request(PROMPT[0].tolist(), seed=seed, max_new_tokens=2, **settings)
+                for seed in range(seeds)]
+    while decoder.has_work():
+        decoder.step()
+    first = [decoder.result(request).token_ids[0] for request in requests]
+    for seed in range(0, seeds, 50):
+        alone = _generate(pair, seed=seed, max_new_tokens=2, num_speculative_tokens=1)[0, PROMPT.shape[1]]
+        assert first[seed] == int(alone), seed
     assert_matches(np.bincount(first, minlength=VOCAB), probs)
 
 
