@@ -257,12 +257,13 @@ def _calls(target, draft, ids, gamma, kwargs, stats):
     }
 
 
-def generation_kwargs(max_new_tokens: int, temperature: float, pad_token_id: int, eos_token_id="model") -> dict:
+def generation_kwargs(max_new_tokens: int, temperature: float, pad_token_id: int, eos_token_id="model",
+                      top_k: int = 0) -> dict:
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
     if eos_token_id != "model":
         kwargs["eos_token_id"] = eos_token_id
     if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0)
     else:
         kwargs["do_sample"] = False
     return kwargs
@@ -527,6 +528,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="number of prompts (built-in code prompts or random)")
     p.add_argument("--prompt-length", type=int, default=32, help="synthetic: random prompt length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="top_k when sampling (0: no cut; HF's GenerationConfig default is 50)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall: time.perf_counter; process: the process's CPU time (CPU runs on a loaded machine)")
@@ -603,7 +606,8 @@ def main(argv=None) -> int:
     case, target, draft, prompts, pad = load_case(args, device, dtype)
     gammas = args.sweep_gamma or [args.gamma if args.gamma == "auto" else int(args.gamma)]
     random_pair = args.synthetic or args.pair == "layered"
-    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if random_pair else "model")
+    kwargs = generation_kwargs(args.max_new_tokens, args.temperature, pad, None if random_pair else "model",
+                               top_k=args.top_k)
     rows = gamma_rows(case, target, draft, prompts, gammas, kwargs, repeats=args.repeats,
                       with_assisted=not args.no_assisted)
     env = environment(device, dtype)
