@@ -18,7 +18,16 @@ def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.
     """(cut_source [...] int32, cut_index [...] int32) of logits [B, ..., V]: keep v iff (z_v, v) >= (z_source, index).
 
     Per-row parameters: z = x / (the row's temperature, 1 for a greedy row) and the row's top_k/top_p (none for a
-    greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element."""
+    greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element. One
+    temperature with top-k alone takes ``_top_k_cut`` (one topk over the raw logits); the rest ``_element_cut``."""
+    if sampling.rows is None and sampling.top_p >= 1.0 and 0 < sampling.top_k < logits.shape[-1]:
+        return _top_k_cut(logits, sampling.top_k)
+    return _element_cut(logits, sampling)
+
+
+def _element_cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_cut`` of any sampling, from the float32 z: the cut (value, index) of ``warping``, then an element holding
+    that value (~7 passes over [B, ..., V] besides the topk/sort)."""
     rows = sampling.rows
     if rows is None:
         divisor = torch.full((), sampling.temperature, dtype=torch.float32, device=logits.device)
@@ -36,6 +45,16 @@ def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.
     source = torch.where(at_index == cut_value, cut_index.to(torch.int64), first_equal)
     source = torch.where(cut_value == float("-inf"), z.argmin(dim=-1), source)
     return source.to(torch.int32), cut_index.to(torch.int32)
+
+
+def _top_k_cut(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_cut`` for one temperature and top-k alone (0 < top_k < V), from the raw logits [B, ..., V] in their own
+    dtype: z = float32(x) / T with T > 0 is non-decreasing in x (the conversion is exact, a correctly rounded division
+    by a positive number is monotone; NaN stays NaN, which topk ranks above everything either way), so the element of
+    the k-th largest x has the k-th largest z, and with cut index 0 any element of that value is a valid source.
+    One topk over the raw logits instead of a float32 copy, a topk over it and five more passes."""
+    source = torch.topk(logits, top_k, dim=-1).indices[..., -1]
+    return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
 
 
 def _row_flags(sampling: Sampling, tokens: torch.Tensor, num_accepted: torch.Tensor | None = None):

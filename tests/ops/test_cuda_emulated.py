@@ -381,3 +381,30 @@ def test_compaction_with_a_transposed_mask(emulated):
     got, want = _host_compaction_case(mask)
     emulated.compact_kv([got], mask)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("warp", [(1.0, 1, 1.0), (0.7, 2, 1.0), (1e-3, 5, 1.0), (0.7, 60, 1.0)], ids=str)
+def test_top_k_cut_from_the_raw_logits_gives_the_element_cuts_outputs(emulated, monkeypatch, dtype, warp):
+    """``cuda_host._top_k_cut`` (one topk over the raw logits) against ``_element_cut`` (the float32 z path) through
+    the ops: tied logits with +-inf and a NaN row (flagged either way), k = 1 and k = V - 1, verify with and without
+    q, and sample; the tokens and counts are the same."""
+    from speculative_kernels.ops import cuda_host
+    from test_cuda_host_cut import tied_logits
+
+    batch, k, vocab = 8, 2, 61
+    target = tied_logits((batch, k + 1, vocab), dtype, seed=4, stride=k + 1)  # (special rows: batch rows 1-7)
+    draft = tied_logits((batch, k, vocab), dtype, seed=5, stride=k)
+    tokens = target[:, :k].float().nan_to_num().argmax(-1)
+    sampling = Sampling(*warp)
+
+    def outputs():
+        return [*emulated.verify(target, draft, tokens, sampling, _host_randomness(batch)),
+                *emulated.verify(target, None, tokens, sampling, _host_randomness(batch)),
+                emulated.sample(target[:, 0], sampling, _host_randomness(batch))]
+
+    fast = outputs()
+    monkeypatch.setattr(cuda_host, "_cut", cuda_host._element_cut)
+    _same_outputs(fast, outputs())
+    assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
+    assert (fast[1] >= 0).sum() >= 3 and (fast[4] >= 0).sum() >= 3  # (valid rows with a cut remain)
