@@ -5,7 +5,8 @@ the registered ops take them as flat arguments). Per-row parameters (``Sampling.
 by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a per-row draft limit (``HAS_LIMIT``)
 likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
-``scale_kernel`` so the cut is computed from the kernels' own z). No host synchronisation, so the ops can be
+``scale_kernel`` so the cut is computed from the kernels' own z; top-k alone with one temperature takes its topk over
+the raw logits and reads the cut value from that z). No host synchronisation, so the ops can be
 captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
 """
 
@@ -119,8 +120,8 @@ def precise_math(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not _interpreting()
 
 
-def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
-    """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
+def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tensor:
+    """z [B*J, V] float32 of the logits [B, J, V], bit for bit the z the other kernels compute (``scale_kernel``)."""
     batch, rows, vocab = logits.shape
     params = sampling.rows
     z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
@@ -131,7 +132,22 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
         SCALE=params is not None or sampling.temperature != 1.0, ROW_PARAMS=params is not None,
         BLOCK_V=plan.block_v, num_warps=plan.num_warps,
     )
-    if params is None:
+    return z
+
+
+def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
+    """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
+    batch, rows, vocab = logits.shape
+    params = sampling.rows
+    z = _scaled(logits, sampling, plan)
+    if params is None and sampling.top_p >= 1.0 and 0 < sampling.top_k < vocab:
+        # top-k alone: z = x / T is non-decreasing in x (div_rn), so the element of the k-th largest raw logit holds
+        # the k-th largest z: one topk over the logits in their own dtype (half the bytes of z's in bf16), and the
+        # cut value read from the kernels' z at that element (bit for bit warp_thresholds' value; index 0 either way)
+        source = torch.topk(logits, sampling.top_k, dim=-1).indices[..., -1].reshape(-1, 1)
+        cut_value = z.gather(-1, source).squeeze(-1)
+        cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
+    elif params is None:
         cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))

@@ -789,3 +789,23 @@ def test_per_row_and_limit_capture_without_host_sync():
     sampling.rows.temperature.copy_(torch.tensor([0.0, 0.7, 0.0, 1.2, 1.0, 0.5], device=DEVICE))
     graph.replay()
     assert _same(captured, triton_backend.verify(*args, limit))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
+    """``triton_backend._cuts`` with one temperature and top-k alone (a topk over the raw logits, the value read from
+    the kernels' z) gives bit for bit the (value, index) of ``warp_thresholds`` over that z: tied small integer
+    logits with +-inf, NaN and overflow rows, k = 1 and V - 1, T = 1, 0.7, 1e-3."""
+    from test_cuda_host_cut import tied_logits
+    from speculative_kernels.ops.warping import warp_thresholds
+
+    batch, rows, vocab = 2, 4, 37
+    logits = tied_logits((batch, rows, vocab), dtype, seed=6).to(DEVICE)
+    plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
+    for temperature in (1.0, 0.7, 1e-3):
+        z = triton_backend._scaled(logits, Sampling(temperature, 0, 1.0), plan)
+        for top_k in (1, 2, 5, vocab - 1):
+            got = triton_backend._cuts(logits, Sampling(temperature, top_k, 1.0), plan)
+            want = warp_thresholds(z, top_k, 1.0)
+            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), (temperature, top_k)
+            assert torch.equal(got[1], want[1].to(torch.int32)) and got[1].dtype == torch.int32
