@@ -1,0 +1,170 @@
+"""Benchmark of the top-k cut alone (what a sampling verification computes before its kernels), variants side by side.
+
+    python benchmarks/bench_cut.py                 # GPU: B 1 8 64 256, K 4, V 32000 128256, bf16, k 50, CUDA graph
+    python benchmarks/bench_cut.py --dry-run       # CPU, toy sizes (checks the variants agree; timings meaningless)
+
+One call = the cut of the target's [B, K+1, V] and the draft's [B, K, V] logits, as ``verify`` computes both.
+Variants (one temperature, top-k alone):
+
+* ``element``: ``cuda_host._element_cut`` (the path before the fast one: float32 z, topk over z, an element of that
+  value: ~7 passes besides the topk);
+* ``raw-topk``: ``cuda_host._top_k_cut`` (one topk over the raw logits, their own dtype);
+* ``two-stage[C]``: topk k of each chunk of C ids ([rows * V/C, C]), then topk k over the rows' k * V/C candidates (the
+  k largest values of a row are among its chunks' k largest, so the k-th value is the same; C divides V);
+* ``triton-element`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton backend's cut before / after (``_scaled`` then
+  ``warp_thresholds``, against ``triton_backend._cuts``).
+
+Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s before it
+is timed; a mismatch stops the run. GPU timing: ``harness.time_us`` with ``cuda_graph`` (CUDA events around replays of
+a captured graph of many calls, median), input sets rotated so L2 never holds them (as ``bench_verify --cold-l2``).
+Writes JSON and CSV to ``--out``.
+"""
+
+import argparse
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, when it is not installed
+from harness import environment, markdown_table, rotate, save, time_us  # noqa: E402
+
+from speculative_kernels.ops.cuda_host import _element_cut, _top_k_cut  # noqa: E402
+from speculative_kernels.ops.sampling import Sampling  # noqa: E402
+
+L2_BYTES = 50 * 2**20  # H100's; the rotated sets total at least twice this
+
+
+def two_stage_top_k_cut(logits: torch.Tensor, top_k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_top_k_cut`` by two topk passes: per chunk of ``chunk`` ids (a divisor of V, >= top_k), then over the
+    candidates. logits [..., V] -> (source [...] int32, index [...] int32 zeros)."""
+    *lead, vocab = logits.shape
+    chunks = vocab // chunk
+    values, ids = torch.topk(logits.reshape(-1, chunks, chunk), top_k, dim=-1)  # [R, chunks, k]
+    ids = ids + (torch.arange(chunks, device=logits.device) * chunk).view(1, chunks, 1)
+    best = torch.topk(values.reshape(-1, chunks * top_k), top_k, dim=-1).indices[:, -1:]  # [R, 1]
+    source = ids.reshape(-1, chunks * top_k).gather(-1, best).view(lead)
+    return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
+
+
+def chunk_near(vocab: int, target: int, top_k: int) -> int | None:
+    """The divisor of ``vocab`` nearest ``target`` with at least ``top_k`` ids and at least two chunks, or None."""
+    divisors = [d for d in range(top_k, vocab // 2 + 1) if vocab % d == 0]
+    return min(divisors, key=lambda d: (abs(math.log(d / target)), d)) if divisors else None
+
+
+def source_z(logits: torch.Tensor, source: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32(x[source]) / T as int32 bits (a true division, as the kernels')."""
+    x = logits.gather(-1, source.to(torch.int64).unsqueeze(-1)).squeeze(-1).float()
+    return (x / torch.full((), temperature, device=x.device)).view(torch.int32)
+
+
+def cut_variants(args, vocab: int) -> dict:
+    """name -> fn(logits [..., V], sampling) -> source [...] (or a cut value [...] float32 for the Triton ones)."""
+    k = args.top_k
+    fns = {"element": lambda x, s: _element_cut(x, s)[0], "raw-topk": lambda x, s: _top_k_cut(x, k)[0]}
+    for target in args.chunks:
+        chunk = chunk_near(vocab, target, k)
+        if chunk is not None and f"two-stage[{chunk}]" not in fns:
+            fns[f"two-stage[{chunk}]"] = functools.partial(lambda x, s, c: two_stage_top_k_cut(x, k, c)[0], c=chunk)
+    if not args.no_triton and (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        try:
+            from speculative_kernels.ops import triton_backend
+            from speculative_kernels.ops.warping import warp_thresholds
+        except ImportError as exc:
+            print(f"skipping the Triton variants: {exc}")
+            return fns
+        def plan(x):
+            return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
+
+        fns["triton-element"] = lambda x, s: warp_thresholds(triton_backend._scaled(x, s, plan(x)), k, 1.0)[0]
+        fns["triton-raw"] = lambda x, s: triton_backend._cuts(x, s, plan(x))[0]
+    return fns
+
+
+def check_same(fns: dict, target, draft, sampling) -> None:
+    """Every variant's sources give element's z bit for bit (the Triton ones: their cut values, as bits)."""
+    want = [source_z(x, _element_cut(x, sampling)[0], sampling.temperature) for x in (target, draft)]
+    for name, fn in fns.items():
+        for x, w in zip((target, draft), want):
+            got = fn(x, sampling)
+            got = got.view(torch.int32) if got.dtype == torch.float32 else source_z(x, got, sampling.temperature)
+            if not torch.equal(got.reshape(-1), w.reshape(-1)):
+                raise AssertionError(f"{name}: the cut's z differs from element's on {tuple(x.shape)}")
+
+
+def make_inputs(batch, k, vocab, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    target = (torch.randn(batch, k + 1, vocab, generator=g, device=device) * 2).to(dtype)
+    draft = (target[:, :k].float() + torch.randn(batch, k, vocab, generator=g, device=device)).to(dtype)
+    return target, draft
+
+
+def bench_config(args, batch, k, vocab) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    nbytes = batch * (2 * k + 1) * vocab * torch.finfo(dtype).bits // 8
+    sets = max(2, min(args.max_sets, math.ceil(2 * L2_BYTES / nbytes))) if args.device == "cuda" else 1
+    inputs = [make_inputs(batch, k, vocab, dtype, args.device, seed) for seed in range(sets)]
+    sampling = Sampling(args.temperature, args.top_k, 1.0)
+    fns = cut_variants(args, vocab)
+    check_same(fns, *inputs[0], sampling)
+    rows = []
+    for name, fn in fns.items():
+        calls = [functools.partial(lambda t, d, f: (f(t, sampling), f(d, sampling)), t, d, fn) for t, d in inputs]
+        us = time_us(rotate(calls), args.device, cuda_graph=args.device == "cuda", rep_ms=args.rep_ms)
+        rows.append(dict(variant=name, batch=batch, k=k, vocab=vocab, sets=sets, us=us, gbps=nbytes / us / 1e3))
+    base = next(r["us"] for r in rows if r["variant"] == "element")
+    for r in rows:
+        r["speedup_vs_element"] = base / r["us"]
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--k", type=int, nargs="+", default=[4], help="draft tokens K (the target has K+1 rows)")
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
+                   help="two-stage chunk sizes (the nearest divisor of V is used)")
+    p.add_argument("--no-triton", action="store_true", help="leave out the Triton backend's cut")
+    p.add_argument("--rep-ms", type=float, default=40, help="GPU: milliseconds of timed repeats per measurement")
+    p.add_argument("--max-sets", type=int, default=16, help="cap on rotated input sets")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: B 1 3, K 2, V 1000, k 50")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.device, args.batch, args.k, args.vocab, args.chunks = "cpu", [1, 3], [2], [1000], [128, 500]
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    meta = environment(args.device)
+    meta.update(dtype=args.dtype, top_k=args.top_k, temperature=args.temperature, cuda_graph=args.device == "cuda",
+                cold_l2=args.device == "cuda")
+    print(" ".join(f"{k}={v}" for k, v in meta.items()))
+    columns = ["variant", "batch", "k", "vocab", "sets", "us", "gbps", "speedup_vs_element"]
+    rows = []
+    for vocab in args.vocab:
+        for k in args.k:
+            for batch in args.batch:
+                new = bench_config(args, batch, k, vocab)
+                rows += new
+                print(markdown_table(new, columns).split("\n", 2)[-1], flush=True)
+    print("\n" + markdown_table(rows, columns))
+    stamp = meta["date"].replace(":", "").replace("-", "")
+    written = save(rows, meta, args.out / f"cut-{args.device}{'-dry' if args.dry_run else ''}-{stamp}")
+    print("wrote", ", ".join(str(p) for p in written))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
