@@ -11,8 +11,8 @@ Variants (one temperature, top-k alone):
 * ``raw-topk``: ``cuda_host._top_k_cut`` (one topk over the raw logits, their own dtype);
 * ``two-stage[C]``: topk k of each chunk of C ids ([rows * V/C, C]), then topk k over the rows' k * V/C candidates (the
   k largest values of a row are among its chunks' k largest, so the k-th value is the same; C divides V);
-* ``triton-element`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton backend's cut before / after (``_scaled`` then
-  ``warp_thresholds``, against ``triton_backend._cuts``).
+* ``triton-element`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton backend's cut before
+  and after (``_scaled`` then ``warp_thresholds``, against ``triton_backend._cuts``).
 
 Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s before it
 is timed; a mismatch stops the run. GPU timing: ``harness.time_us`` with ``cuda_graph`` (CUDA events around replays of

@@ -4,7 +4,7 @@
     python benchmarks/gpu.py --out DIR --phases env build tests profile   # lease command 1 (~4.5 minutes on an H200)
     python benchmarks/gpu.py --out DIR --phases e2e serving --e2e-cases synthetic   # command 2 (~7 minutes)
     python benchmarks/gpu.py --out DIR --phases verify counts             # command 3 when time is left (~6 minutes)
-    python benchmarks/gpu.py --out DIR --phases cut                       # top-k cut alone + its share of verify (untimed)
+    python benchmarks/gpu.py --out DIR --phases cut                       # top-k cut + its share of verify (untimed)
     python benchmarks/gpu.py --out DIR --phases e2e half --e2e-cases demo   # a longer lease (~9 minutes)
     python benchmarks/gpu.py --out DIR --dry-run                        # every phase on the CPU at toy sizes (CI)
 
@@ -64,8 +64,8 @@ PHASES = ("env", "build", "tests", "counts", "profile", "verify", "cut", "e2e", 
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
 # The tests phase took 289 s for the second run's list; ~130 tests (compiled continuous batching, sampling
 # differential, half precision) have been added since, hence its own command with room to spare.
-LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "cut": 240, "e2e": 540, "half": 240,
-          "serving": 240}
+LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "cut": 240, "e2e": 540,
+          "half": 240, "serving": 240}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
     "tests/ops/test_ops_compile.py", "tests/ops/test_compaction.py", "tests/ops/test_kernel_edges.py",
