@@ -60,3 +60,27 @@ def test_cut_takes_the_fast_path_only_for_one_temperature_and_top_k_alone():
     for warp in [(0.7, 5, 0.9), (1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9)]:  # top-p: the element cut
         assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
                                                     _element_cut(logits, Sampling(*warp))))
+
+
+def _bench_cut():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cut.py"
+    spec = importlib.util.spec_from_file_location("bench_cut", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bench_cuts_two_stage_topk_keeps_what_the_element_cut_keeps(dtype):
+    """benchmarks/bench_cut.py's two-stage variant (per-chunk topk, then topk over the candidates) is exact on tied
+    logits with +-inf and overflow rows, chunk sizes from k to V/2 (its check before timing sees random logits only)."""
+    two_stage = _bench_cut().two_stage_top_k_cut
+    vocab = 60
+    logits = tied_logits((2, 4, vocab), dtype, seed=7, nan=False)
+    for top_k, chunk in [(1, 6), (5, 5), (5, 30), (12, 12), (12, 20)]:
+        for temperature in (1.0, 1e-3):
+            want = kept(logits, temperature, _element_cut(logits, Sampling(temperature, top_k, 1.0)))
+            assert torch.equal(kept(logits, temperature, two_stage(logits, top_k, chunk)), want), (top_k, chunk)
