@@ -57,7 +57,9 @@ def test_cut_takes_the_fast_path_only_for_one_temperature_and_top_k_alone():
     logits = tied_logits((2, 4, 37), torch.bfloat16, seed=1, nan=False)
     for warp in [(0.7, 5, 1.0), (1.0, 1, 1.0)]:  # the fast path: (source, 0) of the k-th largest raw logit
         assert torch.equal(_cut(logits, Sampling(*warp))[0], _top_k_cut(logits, warp[1])[0])
-    for warp in [(0.7, 5, 0.9), (1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9)]:  # top-p: the element cut
+    # top-p, or top-k switched off (0, k >= V: no cut, the row's minimum as the source): the element cut
+    for warp in [(0.7, 5, 0.9), (1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9), (0.7, 37, 1.0), (0.7, 40, 1.0),
+                 (0.7, 0, 1.0)]:
         assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
                                                     _element_cut(logits, Sampling(*warp))))
 
