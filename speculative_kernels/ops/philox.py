@@ -153,7 +153,7 @@ def _int64_products_wrap(device_type: str) -> bool:
         a = torch.tensor(values, dtype=torch.int64, device="cpu")  # (not the default device)
         for m in (PHILOX_M0, PHILOX_M1):
             want = [(v * m + 2**63) % 2**64 - 2**63 for v in values]
-            by_tensor = a.expand(2, -1) * torch.tensor([[m], [m]], dtype=torch.int64)  # as ``_rounds_stacked``
+            by_tensor = a.expand(2, -1) * torch.tensor([[m], [m]], dtype=torch.int64, device="cpu")  # as _rounds_stacked
             if (a * m).tolist() != want or by_tensor.tolist() != [want, want]:
                 return False
     return True

@@ -194,8 +194,9 @@ def verify_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
 
     rows = torch.arange(batch, device=p.device)
     p_n = p[rows, n]  # [B, V]
-    # q := 0 once all n_b drafts are accepted (n = n_b <= K; below n_b, n < K indexes q itself)
-    q_n = torch.where((n < limit).unsqueeze(1), q[rows, n.clamp(max=num_draft - 1)], 0.0)
+    # q := 0 once all n_b drafts are accepted (n = n_b <= K; below n_b, n < K indexes q itself; no draft: q is empty)
+    q_n = (torch.where((n < limit).unsqueeze(1), q[rows, n.clamp(max=num_draft - 1)], 0.0) if num_draft > 0
+           else torch.zeros_like(p_n))
     residual = torch.clamp(p_n - q_n, min=0.0)
     weights = torch.where((residual.amax(dim=-1) > 0).unsqueeze(1), residual, p_n)
     noise = race_noise(randomness, STREAM_POSITION + n, vocab)
