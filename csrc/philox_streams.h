@@ -1,6 +1,7 @@
 // Philox stream ids (counter word c3), generated from speculative_kernels/ops/philox.py, which defines them:
-//   python -c 'from speculative_kernels.ops.philox import streams_header as h; print(h(), end="")' \
-//       > csrc/philox_streams.h
+// (a comment line never ends in a backslash here: nvcc's -Wcomment would warn of a multi-line comment)
+//   python -c 'from speculative_kernels.ops.philox import streams_header as h; print(h(), end="")' >
+//       csrc/philox_streams.h
 // Do not edit by hand (tests/ops/test_random_streams.py checks that this file is current).
 #pragma once
 

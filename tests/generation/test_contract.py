@@ -698,5 +698,5 @@ def test_a_default_device_other_than_the_cpu_changes_nothing():
     """)
     tests = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", script], cwd=tests, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(tests)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
