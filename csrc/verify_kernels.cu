@@ -521,6 +521,11 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
   const uint32_t rid = row_id(a, b);
   const uint32_t stream = a.stream_base + static_cast<uint32_t>(n);
 
+  // The race over p decides only a row whose residual is 0 at every id (race_winner). Once this thread has seen a
+  // positive residual its row is not one, so its p partial is never read: from then on it skips the p race (a
+  // division and an argmax update per id). A row that does fall back had no positive residual anywhere, so every
+  // thread raced every id over p, as before. At the bonus position (q = 0, residual = p) a thread stops racing p at its
+  // first id with p > 0.
   RacePartial acc = race_identity();
   visit_chunk(p_row.ptr, q_row.ptr, vec, start, end, [&](int v, float x, float y) {
     const float p = prob<T, HAS_CUT>(a, p_row, p_stats, v, x);
@@ -531,7 +536,7 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
         acc.residual_value = 0.0f;
         acc.residual_index = v;
       }
-      if (argmax_prefers(0.0f, v, acc.p_value, acc.p_index)) {
+      if (!acc.any_positive && argmax_prefers(0.0f, v, acc.p_value, acc.p_index)) {
         acc.p_value = 0.0f;
         acc.p_index = v;
       }
@@ -546,16 +551,18 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
     const float residual = diff < 0.0f ? 0.0f : diff;  // torch.clamp(min=0) (keeps a NaN)
     const float e = exponential_from_bits(philox_first_word(seed, static_cast<uint32_t>(v), rid, offset, stream));
     const float residual_ratio = __fdiv_rn(residual, e);
-    const float p_ratio = __fdiv_rn(p, e);
     if (argmax_prefers(residual_ratio, v, acc.residual_value, acc.residual_index)) {
       acc.residual_value = residual_ratio;
       acc.residual_index = v;
     }
-    if (argmax_prefers(p_ratio, v, acc.p_value, acc.p_index)) {
-      acc.p_value = p_ratio;
-      acc.p_index = v;
-    }
     acc.any_positive |= static_cast<int>(residual > 0.0f);
+    if (!acc.any_positive) {  // no positive residual seen yet by this thread: the p race may still decide the row
+      const float p_ratio = __fdiv_rn(p, e);
+      if (argmax_prefers(p_ratio, v, acc.p_value, acc.p_index)) {
+        acc.p_value = p_ratio;
+        acc.p_index = v;
+      }
+    }
   });
   return block_reduce(acc, CombineRace{}, race_identity(), scratch);
 }

@@ -126,6 +126,12 @@ def test_zero_residual_fallback(as_backend, dtype):
     edges._check_zero_residual_fallback(NAME, dtype, 1001, "padded")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_residual_without_a_cut(as_backend, dtype):
+    """Every residual 0 and no cut (q == p; a one-hot q on a one-hot p): the race over p at every id, bit for bit."""
+    edges._check_zero_residual_without_a_cut(NAME, dtype, 1001, "padded")
+
+
 def test_exact_replay(as_backend):
     """{0, -inf} logits: the residual and bonus races agree with the reference bit for bit."""
     edges._check_exact_replay(NAME, torch.bfloat16, 64, 2, "contiguous")

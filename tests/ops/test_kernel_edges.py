@@ -312,6 +312,45 @@ def test_zero_residual_falls_back_to_p_bit_for_bit(name, dtype):
     _check_zero_residual_fallback(name, dtype, 6149, "padded")
 
 
+def _check_zero_residual_without_a_cut(name, dtype, vocab, layout, batch=8):
+    """Every residual 0 with no cut, so every id but one takes the race's full path (a random number, both keys):
+    q == p (draft logits equal to the target's) on even rows, a one-hot q on a one-hot p at id h_b on odd rows. The
+    draft token x_b has logit -inf (p = q = 0), so it is rejected at 0 and the next token is the race over p_0 (on the
+    odd rows h_b), bit for bit. The race over p is skipped where it cannot decide the row (a positive residual seen):
+    a kernel that runs it only where the residual is positive, or never, fails here."""
+    verify, _ = _backend(name)
+    k = 2
+    g = torch.Generator().manual_seed(vocab + 31)
+    target = torch.randn(batch, k + 1, vocab, generator=g) * 2.0
+    hot = torch.randint(1, vocab, (batch,), generator=g)  # (not id 0: a wrong race's first tie)
+    for b in range(1, batch, 2):
+        target[b] = torch.full((k + 1, vocab), float("-inf")).index_fill(-1, hot[b : b + 1], 0.0)
+    tokens = (hot + torch.randint(1, vocab, (batch,), generator=g)) % vocab  # x_b != h_b
+    target.scatter_(-1, tokens.view(batch, 1, 1).expand(batch, k + 1, 1), float("-inf"))
+    target = _layout(target.to(DEVICE, dtype), layout)
+    draft = _layout(target[:, :k].clone(), layout)
+    drafted = tokens.view(batch, 1).expand(batch, k).contiguous().to(DEVICE)
+    for temperature in (1.0, 0.8):
+        args = (Sampling(temperature, 0, 1.0), _randomness(batch, salt=17))
+        out, n = verify(target, draft, drafted, *args)
+        assert (n == 0).all(), n
+        assert torch.equal(out[1::2, 0].cpu(), hot[1::2]), (out[:, 0], hot)
+        _assert_same((out, n), verify_reference(target, draft, drafted, *args))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_residual_without_a_cut(name, dtype):
+    _check_zero_residual_without_a_cut(name, dtype, 6149, "padded", batch=32)
+
+
+@cpu_only
+@pytest.mark.parametrize("name,layout", [("triton", "padded"), ("triton-split", "contiguous")])
+def test_zero_residual_without_a_cut_small(name, layout):
+    _check_zero_residual_without_a_cut(name, torch.float32, 161, layout, batch=4)
+
+
 @gpu
 @pytest.mark.parametrize("name", ["cuda", "cuda-split", "cuda-fused", "triton"])
 @pytest.mark.parametrize("batch,vocab,layout", [(64, 2, "contiguous"), (64, 1001, "padded"), (16, 6144, "padded"),
