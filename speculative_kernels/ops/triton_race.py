@@ -162,10 +162,7 @@ def race_kernel(
             e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
         else:  # every p of the tile 0 (cut by top-k/top-p, or underflowed): residual 0 too, so every key is 0 / E
             e = tl.full([BLOCK_V], 1.0, tl.float32)  # = 0 / 1 bit for bit (E > 0): no random numbers drawn
-        w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
-        better = w_p > best_p  # strict: a lane keeps its first (lowest) index on ties
-        best_p = tl.where(better, w_p, best_p)
-        idx_p = tl.where(better, v, idx_p)
+        race_p = True  # (without RESIDUAL p is the only race)
         if RESIDUAL:
             if HAS_DRAFT:
                 d_logit = tl.load(d_row + v.to(tl.int64) * stride_dv, mask=v < q_end,
@@ -176,10 +173,19 @@ def race_kernel(
                 q = tl.where(v == x_q, 1.0, 0.0)
             residual = tl.maximum(p - q, 0.0)
             w_r = tl.where(mask, tl.math.div_rn(residual, e), -1.0)
-            better = w_r > best_r
+            better = w_r > best_r  # strict: a lane keeps its first (lowest) index on ties
             best_r = tl.where(better, w_r, best_r)
             idx_r = tl.where(better, v, idx_r)
             any_r = any_r | (mask & (residual > 0)).to(tl.int32)
+            # The race over p decides only a row whose residual is 0 at every id (finish_sample_kernel): once a
+            # residual of this program is positive its p partial is never read, so from that tile on it skips the p
+            # race (a division and an update per id). A row that falls back had none positive: every tile raced p.
+            race_p = tl.max(any_r, 0) == 0
+        if race_p:
+            w_p = tl.where(mask, tl.math.div_rn(p, e), -1.0)
+            better = w_p > best_p
+            best_p = tl.where(better, w_p, best_p)
+            idx_p = tl.where(better, v, idx_p)
 
     slot = b * num_chunks2 + chunk
     top_r = tl.max(best_r, 0)
