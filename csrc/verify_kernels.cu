@@ -492,6 +492,16 @@ __global__ void __launch_bounds__(kDecideThreads) decide_kernel(const Args<T> a)
   }
 }
 
+// x, evaluated once. nvcc 13.0 (sm_90) re-evaluated a race key's __fdiv_rn at its uses in the vector race loop:
+// three correctly rounded divisions for one key on the common path of six of the eight ids of a 16-byte vector
+// (~20 instructions per id). An empty asm that may change x pins the one division; the value is unchanged.
+__device__ __forceinline__ float evaluated_once(float x) {
+#if defined(__CUDA_ARCH__)
+  asm("" : "+f"(x));
+#endif
+  return x;
+}
+
 // ---- pass 3: exponential race over the residual (and over p for the zero-residual fallback) -----------------
 // The race over [start, end) of batch row b, whose decision accepted n drafts; row_stats: the row's R combined
 // stats. Reduced over the block: the result is valid in thread 0. Every thread must call it (barriers).
@@ -550,14 +560,14 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
     const float diff = __fsub_rn(p, q);
     const float residual = diff < 0.0f ? 0.0f : diff;  // torch.clamp(min=0) (keeps a NaN)
     const float e = exponential_from_bits(philox_first_word(seed, static_cast<uint32_t>(v), rid, offset, stream));
-    const float residual_ratio = __fdiv_rn(residual, e);
+    const float residual_ratio = evaluated_once(__fdiv_rn(residual, e));
     if (argmax_prefers(residual_ratio, v, acc.residual_value, acc.residual_index)) {
       acc.residual_value = residual_ratio;
       acc.residual_index = v;
     }
     acc.any_positive |= static_cast<int>(residual > 0.0f);
     if (!acc.any_positive) {  // no positive residual seen yet by this thread: the p race may still decide the row
-      const float p_ratio = __fdiv_rn(p, e);
+      const float p_ratio = evaluated_once(__fdiv_rn(p, e));
       if (argmax_prefers(p_ratio, v, acc.p_value, acc.p_index)) {
         acc.p_value = p_ratio;
         acc.p_index = v;
