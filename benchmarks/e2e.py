@@ -60,7 +60,7 @@ import speculative_kernels as sk  # noqa: E402
 from speculative_kernels import timing  # noqa: E402
 from speculative_kernels.timing import median_run  # noqa: E402
 from speculative_kernels.generation.gamma import expected_speedup  # noqa: E402
-from harness import cpu_name  # noqa: E402
+from harness import code_measured, cpu_name  # noqa: E402
 from speculative_kernels.generation.capabilities import cache_argument  # noqa: E402
 from speculative_kernels.ops import backends  # noqa: E402
 
@@ -460,7 +460,7 @@ def environment(device, dtype) -> dict:
         f"CPU ({cpu_name()}, {os.cpu_count()} cores)",
         "torch_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "verify_backend": backends.resolve("auto", device.type),
+        "verify_backend": backends.resolve("auto", device.type), "code": code_measured(),
     }
 
 

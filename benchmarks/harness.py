@@ -43,6 +43,23 @@ def hf_compile_config():
     return config
 
 
+def code_measured() -> dict:
+    """Which speculative_kernels the process imported: its folder, and that checkout's commit and whether it has
+    uncommitted changes (None where it is not a git checkout). Recorded beside results: a benchmark puts its own
+    checkout first on sys.path, so a PYTHONPATH pointing at another checkout does not change what it measures."""
+    import subprocess
+
+    import speculative_kernels
+
+    package = Path(speculative_kernels.__file__).resolve().parent
+    def git(*args):
+        done = subprocess.run(["git", "-C", str(package.parent), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"package": str(package), "commit": commit, "uncommitted_changes": None if commit is None else bool(status)}
+
+
 def environment(device: str) -> dict:
     """Where and with what the numbers were taken (written beside every result)."""
     import triton
@@ -54,6 +71,7 @@ def environment(device: str) -> dict:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "host": platform.node(),
+        "code": code_measured(),
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
