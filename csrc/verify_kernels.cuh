@@ -13,10 +13,11 @@
 //   3. race: per (batch row, chunk) the exponential race argmax w_v / E_v over the residual max(0, p_n - q_n) and,
 //      for the all-zero-residual fallback, over p_n, with Philox noise generated in the kernel.
 //   4. finalize (one warp per batch row): combines the race partials and writes tokens / num_accepted.
-// Sampling at small batch (B <= 4) fuses 2-4 into one kernel, decide_race, over (batch row, 512-id race chunk): each
-// block decides its row itself from the partials (the same fixed-order combine as decide), races its chunk, and the
-// row's last block (a ticket taken after a __threadfence; chunk_stats zeroes the tickets) combines the race partials
-// in chunk order and writes the outputs: two launches instead of four, four times the blocks in the race at B = 1.
+// Sampling at B = 1, or while B x V <= 131072 (use_fused_passes), fuses 2-4 into one kernel, decide_race, over
+// (batch row, 512-id race chunk): each block decides its row itself from the partials (the same fixed-order
+// combine as decide), races its chunk, and the row's last block (a ticket taken after a __threadfence; chunk_stats
+// zeroes the tickets) combines the race partials in chunk order and writes the outputs: two launches instead of
+// four, four times the blocks in the race at B = 1.
 // The results are identical either way. SPECULATIVE_KERNELS_VERIFY_PASSES=split / =fused forces one structure at
 // every batch size (benchmarks and tests compare both); it is read at each launch (a CUDA graph keeps what it
 // captured).
