@@ -9,7 +9,7 @@ import torch
 
 from .randomness import Randomness
 from .sampling import Sampling
-from .warping import row_thresholds, warp_thresholds
+from .warping import kth_largest_index, row_thresholds, warp_thresholds
 
 __all__ = ["compact_kv_with", "sample_with", "verify_with"]
 
@@ -20,7 +20,7 @@ def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.
     Per-row parameters: z = x / (the row's temperature, 1 for a greedy row) and the row's top_k/top_p (none for a
     greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element. One
     temperature with top-k alone takes ``_top_k_cut`` (one topk over the raw logits); the rest ``_element_cut``."""
-    if sampling.rows is None and sampling.top_p >= 1.0 and 0 < sampling.top_k < logits.shape[-1]:
+    if sampling.top_k_alone(logits.shape[-1]):
         return _top_k_cut(logits, sampling.top_k)
     return _element_cut(logits, sampling)
 
@@ -48,12 +48,10 @@ def _element_cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor
 
 
 def _top_k_cut(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_cut`` for one temperature and top-k alone (0 < top_k < V), from the raw logits [B, ..., V] in their own
-    dtype: z = float32(x) / T with T > 0 is non-decreasing in x (the conversion is exact, a correctly rounded division
-    by a positive number is monotone; NaN stays NaN, which topk ranks above everything either way), so the element of
-    the k-th largest x has the k-th largest z, and with cut index 0 any element of that value is a valid source.
+    """``_cut`` for one temperature and top-k alone (0 < top_k < V), from the raw logits [B, ..., V]: the element of
+    the k-th largest z (``kth_largest_index``), and with cut index 0 any element of that value is a valid source.
     One topk over the raw logits instead of a float32 copy, a topk over it and five more passes."""
-    source = torch.topk(logits, top_k, dim=-1).indices[..., -1]
+    source = kth_largest_index(logits, top_k)
     return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
 
 

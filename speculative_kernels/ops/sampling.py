@@ -81,5 +81,10 @@ class Sampling:
             return self.rows.cut
         return not self.greedy and (0 < self.top_k < vocab or self.top_p < 1.0)
 
+    def top_k_alone(self, vocab: int) -> bool:
+        """One temperature and top-k as the only cut (0 < top_k < vocab, top_p off): the cut's element is then
+        ``warping.kth_largest_index`` of the raw logits."""
+        return self.rows is None and self.top_p >= 1.0 and 0 < self.top_k < vocab
+
 
 GREEDY = Sampling(0.0, 0, 1.0)

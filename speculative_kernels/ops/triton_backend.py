@@ -25,7 +25,7 @@ from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
-from .warping import row_thresholds, warp_thresholds
+from .warping import kth_largest_index, row_thresholds, warp_thresholds
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 
@@ -140,11 +140,10 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     batch, rows, vocab = logits.shape
     params = sampling.rows
     z = _scaled(logits, sampling, plan)
-    if params is None and sampling.top_p >= 1.0 and 0 < sampling.top_k < vocab:
-        # top-k alone: z = x / T is non-decreasing in x (div_rn), so the element of the k-th largest raw logit holds
-        # the k-th largest z: one topk over the logits in their own dtype (half the bytes of z's in bf16), and the
-        # cut value read from the kernels' z at that element (bit for bit warp_thresholds' value; index 0 either way)
-        source = torch.topk(logits, sampling.top_k, dim=-1).indices[..., -1].reshape(-1, 1)
+    if sampling.top_k_alone(vocab):
+        # top-k alone: one topk over the logits in their own dtype (half the bytes of z's in bf16), and the cut value
+        # read from the kernels' z (div_rn) at that element: bit for bit warp_thresholds' value; index 0 either way
+        source = kth_largest_index(logits, sampling.top_k).reshape(-1, 1)
         cut_value = z.gather(-1, source).squeeze(-1)
         cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
     elif params is None:

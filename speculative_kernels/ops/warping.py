@@ -68,6 +68,14 @@ def _top_p_cut(sorted_z: torch.Tensor, order: torch.Tensor, threshold) -> tuple[
     return sorted_z.gather(-1, first_kept).squeeze(-1), order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
 
 
+def kth_largest_index(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., V] logits in their own dtype, 0 < k < V -> [...] int64: an element holding the k-th largest warped logit
+    z = float32(x) / T, for any T > 0. The conversion is exact and a correctly rounded division by a positive number
+    is non-decreasing (NaN stays NaN, which topk ranks above everything either way), so the element of the k-th
+    largest x holds the k-th largest z: one topk over the raw logits, without a float32 copy of z."""
+    return torch.topk(logits, k, dim=-1).indices[..., -1]
+
+
 def apply_thresholds(z: torch.Tensor, cut_value: torch.Tensor, cut_index: torch.Tensor) -> torch.Tensor:
     """z with every entry below the (value, index) cut set to -inf. z: [..., V]; cuts: [...]."""
     index = torch.arange(z.shape[-1], device=z.device, dtype=torch.int32)
