@@ -13,7 +13,7 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
 * ``env``: GPU, driver, versions (python, torch, CUDA, triton, transformers, numpy, nvcc) and the two ceilings measured
   on this device: device-to-device copy bandwidth (bytes read + written) and a bf16 matrix product's TFLOP/s.
 * ``build``: ``pip install --no-deps --no-build-isolation -e .`` with the CUDA extension forced and built for sm_90
-  only; the built ``_C`` library is copied to ``DIR/build`` (a later lease command can carry it instead of building),
+  only (``--dry-run``: pip checks that it can build the package, without installing it or the extension); the built ``_C`` library is copied to ``DIR/build`` (a later lease command can carry it instead of building),
   with ``cuobjdump --dump-resource-usage`` of it (registers, shared memory, stack per kernel).
 * ``tests``: the GPU tests (CUDA ops, Triton ops, custom-op ``opcheck``, compile/CUDA graphs, compaction, static
   caches, seq2seq static, host syncs) with junit XML; ``SK_GPU_TEST_WORKERS`` sets pytest-xdist's worker count
@@ -150,7 +150,10 @@ def measure_ceilings(device: str, toy: bool) -> dict:
 def build_command(dry_run: bool) -> tuple[list[str], dict]:
     env = {"SPECULATIVE_KERNELS_BUILD_CUDA": "0" if dry_run else "1", "SPECULATIVE_KERNELS_CUDA_ARCHS": "90",
            "MAX_JOBS": str(min(16, os.cpu_count() or 1))}
-    return [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)], env
+    # A dry run checks that pip can build the package from this checkout (--dry-run) without installing it: on a
+    # machine where the package is installed from another checkout, an install here would repoint it.
+    check_only = ["--dry-run"] if dry_run else []
+    return [sys.executable, "-m", "pip", "install", *check_only, "--no-deps", "--no-build-isolation", "-e", str(ROOT)], env
 
 
 def after_build(out: Path, dry_run: bool) -> dict:
