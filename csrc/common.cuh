@@ -38,13 +38,41 @@ struct alignas(16) Vec16 {
   T v[VecWidth<T>::value];
 };
 
-// Calls f(v, row0[v], row1[v]) for every v in [start, end), each thread visiting its elements in increasing v.
-// row1 may be nullptr (then 0 is passed for it). With vectorized == true both row pointers must be 16-byte
-// aligned and start a multiple of the vector width; a partial last vector is read element by element.
+// Ids per group of visit_quads: an aligned group [v0, v0 + 4) by vocabulary index (v0 a multiple of 4), the ids that
+// share one Philox call (philox.cuh's kWordsPerCall).
+constexpr int kQuad = 4;
+
+// One group of visit_quads read element by element: its ids in [start, end), k in [first, last), are loaded.
 template <typename T, typename F>
-__device__ __forceinline__ void visit_chunk(const T* __restrict__ row0, const T* __restrict__ row1, bool vectorized,
+__device__ __forceinline__ void visit_quad_elements(const T* __restrict__ row0, const T* __restrict__ row1, int v0,
+                                                    int start, int end, F&& f) {
+  const int first = start > v0 ? start - v0 : 0;
+  const int last = end - v0 < kQuad ? end - v0 : kQuad;
+  float x[kQuad], y[kQuad];
+#pragma unroll
+  for (int k = 0; k < kQuad; ++k) {
+    x[k] = 0.0f;
+    y[k] = 0.0f;
+    if (k >= first && k < last) {
+      x[k] = to_float(row0[v0 + k]);
+      if (row1 != nullptr) y[k] = to_float(row1[v0 + k]);
+    }
+  }
+  f(v0, x, y, first, last);
+}
+
+// Calls f(v0, x, y, first, last) for every aligned group of kQuad ids [v0, v0 + kQuad) (v0 a multiple of kQuad) that
+// meets [start, end): the group's ids in the range are v0 + k for k in [first, last), with x[k] = row0[v0 + k] and
+// y[k] = row1[v0 + k] (x, y: const float (&)[kQuad]; 0 outside the range, and y is 0 where row1 is nullptr). One
+// thread visits a whole group, its groups in increasing v0. With vectorized == true both row pointers must be
+// 16-byte aligned and start a multiple of the vector width (whole groups: 4 or 8 ids); a partial last vector is read
+// element by element. Otherwise (an unaligned row) thread t visits groups t, t + blockDim.x, ... of the range.
+template <typename T, typename F>
+__device__ __forceinline__ void visit_quads(const T* __restrict__ row0, const T* __restrict__ row1, bool vectorized,
                                             int start, int end, F&& f) {
   constexpr int kVec = VecWidth<T>::value;
+  static_assert(kVec % kQuad == 0, "a 16-byte vector holds whole groups");
+  if (start >= end) return;
   if (vectorized) {
     for (int base = start + static_cast<int>(threadIdx.x) * kVec; base < end;
          base += static_cast<int>(blockDim.x) * kVec) {
@@ -53,14 +81,23 @@ __device__ __forceinline__ void visit_chunk(const T* __restrict__ row0, const T*
         Vec16<T> b;
         if (row1 != nullptr) b = *reinterpret_cast<const Vec16<T>*>(row1 + base);
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) f(base + k, to_float(a.v[k]), row1 != nullptr ? to_float(b.v[k]) : 0.0f);
+        for (int g = 0; g < kVec; g += kQuad) {
+          float x[kQuad], y[kQuad];
+#pragma unroll
+          for (int k = 0; k < kQuad; ++k) {
+            x[k] = to_float(a.v[g + k]);
+            y[k] = row1 != nullptr ? to_float(b.v[g + k]) : 0.0f;
+          }
+          f(base + g, x, y, 0, kQuad);
+        }
       } else {
-        for (int v = base; v < end; ++v) f(v, to_float(row0[v]), row1 != nullptr ? to_float(row1[v]) : 0.0f);
+        for (int v0 = base; v0 < end; v0 += kQuad) visit_quad_elements(row0, row1, v0, start, end, f);
       }
     }
   } else {
-    for (int v = start + static_cast<int>(threadIdx.x); v < end; v += static_cast<int>(blockDim.x)) {
-      f(v, to_float(row0[v]), row1 != nullptr ? to_float(row1[v]) : 0.0f);
+    const int last_group = (end - 1) / kQuad;  // end > start >= 0
+    for (int g = start / kQuad + static_cast<int>(threadIdx.x); g <= last_group; g += static_cast<int>(blockDim.x)) {
+      visit_quad_elements(row0, row1, g * kQuad, start, end, f);
     }
   }
 }

@@ -1,6 +1,7 @@
 // Counter-based random numbers, bit-identical to speculative_kernels/ops/philox.py (the reference).
 //
-// Philox4x32-10 keyed by a 64-bit seed, counter (c0, c1, c2, c3); only the first output word is used.
+// Philox4x32-10 keyed by a 64-bit seed, counter (c0, c1, c2, c3). The accept test and the row keys use the first
+// output word; a vocabulary-indexed stream (the races) gives id v word v % 4 of the call at c0 = v / 4.
 // Every floating-point step is an explicitly rounded intrinsic so that no FMA contraction or fast-math
 // flag can change a bit: the torch reference runs each step as a separate elementwise op.
 #pragma once
@@ -17,9 +18,17 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
 constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
 
-// First output word of Philox4x32-10(seed; c0, c1, c2, c3).
-__device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,
-                                                      uint32_t c3) {
+// Ids per Philox call in a vocabulary-indexed stream: id v takes word v % kWordsPerCall of the call at
+// c0 = v / kWordsPerCall (philox.py's vocabulary_bits).
+constexpr int kWordsPerCall = 4;
+
+struct PhiloxWords {
+  uint32_t w[kWordsPerCall];
+};
+
+// The four output words of Philox4x32-10(seed; c0, c1, c2, c3).
+__device__ __forceinline__ PhiloxWords philox_words(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,
+                                                    uint32_t c3) {
   uint32_t k0 = static_cast<uint32_t>(seed);
   uint32_t k1 = static_cast<uint32_t>(seed >> 32);
 #pragma unroll
@@ -35,7 +44,13 @@ __device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint32_t c0
     k0 += kPhiloxW0;
     k1 += kPhiloxW1;
   }
-  return c0;
+  return PhiloxWords{{c0, c1, c2, c3}};
+}
+
+// First output word of Philox4x32-10(seed; c0, c1, c2, c3) (the compiler drops the other words' last products).
+__device__ __forceinline__ uint32_t philox_first_word(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2,
+                                                      uint32_t c3) {
+  return philox_words(seed, c0, c1, c2, c3).w[0];
 }
 
 // uniform(x) = float32(x >> 8) * 2^-24, in [0, 1); exact.

@@ -503,6 +503,7 @@ __device__ __forceinline__ float evaluated_once(float x) {
 }
 
 // ---- pass 3: exponential race over the residual (and over p for the zero-residual fallback) -----------------
+static_assert(kQuad == kWordsPerCall, "visit_quads' groups are the ids of one Philox call");
 // The race over [start, end) of batch row b, whose decision accepted n drafts; row_stats: the row's R combined
 // stats. Reduced over the block: the result is valid in thread 0. Every thread must call it (barriers).
 template <typename T, bool HAS_CUT, bool HAS_DRAFT>
@@ -537,19 +538,22 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
   // thread raced every id over p, as before. At the bonus position (q = 0, residual = p) a thread stops racing p at its
   // first id with p > 0.
   RacePartial acc = race_identity();
-  visit_chunk(p_row.ptr, q_row.ptr, vec, start, end, [&](int v, float x, float y) {
-    const float p = prob<T, HAS_CUT>(a, p_row, p_stats, v, x);
+  // An id with p == 0, cut by top-k/top-p (or underflowed): the residual max(0, 0 - q) is 0 and both keys are 0 / E = +0
+  // whatever E is (E > 0), so its random number is not needed. Most of the vocabulary under a cut.
+  const auto race_zero = [&](int v) {
+    if (argmax_prefers(0.0f, v, acc.residual_value, acc.residual_index)) {
+      acc.residual_value = 0.0f;
+      acc.residual_index = v;
+    }
+    if (!acc.any_positive && argmax_prefers(0.0f, v, acc.p_value, acc.p_index)) {
+      acc.p_value = 0.0f;
+      acc.p_index = v;
+    }
+  };
+  // Any id: p its probability, y its draft logit, bits its Philox word.
+  const auto race_id = [&](int v, float p, float y, uint32_t bits) {
     if (p == 0.0f) {
-      // Cut by top-k/top-p (or underflowed): the residual max(0, 0 - q) is 0 and both keys are 0 / E = +0 whatever E
-      // is (E > 0), so no random number is drawn. Most of the vocabulary under a cut: ~20 instructions, not ~250.
-      if (argmax_prefers(0.0f, v, acc.residual_value, acc.residual_index)) {
-        acc.residual_value = 0.0f;
-        acc.residual_index = v;
-      }
-      if (!acc.any_positive && argmax_prefers(0.0f, v, acc.p_value, acc.p_index)) {
-        acc.p_value = 0.0f;
-        acc.p_index = v;
-      }
+      race_zero(v);
       return;
     }
     float q = 0.0f;
@@ -559,7 +563,7 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
     }
     const float diff = __fsub_rn(p, q);
     const float residual = diff < 0.0f ? 0.0f : diff;  // torch.clamp(min=0) (keeps a NaN)
-    const float e = exponential_from_bits(philox_first_word(seed, static_cast<uint32_t>(v), rid, offset, stream));
+    const float e = exponential_from_bits(bits);
     const float residual_ratio = evaluated_once(__fdiv_rn(residual, e));
     if (argmax_prefers(residual_ratio, v, acc.residual_value, acc.residual_index)) {
       acc.residual_value = residual_ratio;
@@ -572,6 +576,33 @@ __device__ RacePartial race_range(const Args<T>& a, int b, int n, const ChunkSta
         acc.p_value = p_ratio;
         acc.p_index = v;
       }
+    }
+  };
+  // A group of kQuad ids shares one Philox call (id v: word v % 4 of the call at c0 = v / 4), made only when one of
+  // its ids has p != 0: under a cut most groups draw nothing (~20 instructions an id, not ~100).
+  visit_quads(p_row.ptr, q_row.ptr, vec, start, end,
+              [&](int v0, const float (&x)[kQuad], const float (&y)[kQuad], int first, int last) {
+    float p[kQuad];
+    bool draws = false;
+#pragma unroll
+    for (int k = 0; k < kQuad; ++k) {
+      p[k] = 0.0f;
+      if (k >= first && k < last) {
+        p[k] = prob<T, HAS_CUT>(a, p_row, p_stats, v0 + k, x[k]);
+        draws |= !(p[k] == 0.0f);
+      }
+    }
+    if (!draws) {
+#pragma unroll
+      for (int k = 0; k < kQuad; ++k) {
+        if (k >= first && k < last) race_zero(v0 + k);
+      }
+      return;
+    }
+    const PhiloxWords words = philox_words(seed, static_cast<uint32_t>(v0) / kQuad, rid, offset, stream);
+#pragma unroll
+    for (int k = 0; k < kQuad; ++k) {
+      if (k >= first && k < last) race_id(v0 + k, p[k], y[k], words.w[k]);
     }
   });
   return block_reduce(acc, CombineRace{}, race_identity(), scratch);

@@ -1,9 +1,12 @@
 """Counter-based random numbers shared bit-for-bit by every backend (torch, Triton, CUDA).
 
 Philox4x32-10 (Salmon et al., SC'11) keyed by a 64-bit seed: key = (seed & 0xffffffff, seed >> 32), counter
-(c0, c1, c2, c3). Only the first 32-bit output word is used. The project fixes the counter layout:
+(c0, c1, c2, c3), four 32-bit output words per call. The project fixes the counter layout:
 
-    c0 = element index (vocabulary id v, or draft position i for acceptance uniforms)
+    c0 = element index: for a vocabulary-indexed stream (the races: STREAM_POSITION + j, STREAM_DRAFT) id v takes
+         word v % 4 of the call at c0 = v // 4 (``vocabulary_bits``: one call per four ids); the accept test's
+         uniform for draft position i is the first word of the call at c0 = i, and each row-key word the first word
+         of its call
     c1 = row id (the batch row b; 0 when the caller gives a seed per row, so a row's numbers do not
          depend on which batch it sits in)
     c2 = offset (the caller's step counter, < 2**32)
@@ -21,6 +24,9 @@ From a 32-bit word x:
                      (that element cannot win a race).
 
 The torch implementation below is the reference; the kernels implement the same arithmetic.
+
+Until 2026-11-27 a race's id v took the first word of the call at c0 = v (three of each call's four words thrown
+away): a given seed now draws other tokens than it did before that change, from the same distribution.
 """
 
 import torch
@@ -31,6 +37,7 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 MASK32 = 0xFFFFFFFF
+WORDS_PER_CALL = 4  # a vocabulary-indexed stream takes all four words of a call (``vocabulary_bits``)
 
 STREAM_ACCEPT = 0
 STREAM_POSITION = 1  # + block position j (0..K)
@@ -61,15 +68,16 @@ def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi & MASK32, lo & MASK32
 
 
-def _rounds_split(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
-    """The ten rounds with ``_mulhilo``: the definition, and the path wherever int64 products may not wrap."""
+def _rounds_split(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Tensor:
+    """The ten rounds with ``_mulhilo``: the definition, and the path wherever int64 products may not wrap.
+    Returns the first output word, or with ``all_words`` the four words stacked on a new last dimension [..., 4]."""
     for _ in range(PHILOX_ROUNDS):
         hi0, lo0 = _mulhilo(c0, PHILOX_M0)
         hi1, lo1 = _mulhilo(c2, PHILOX_M1)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = (k0 + PHILOX_W0) & MASK32
         k1 = (k1 + PHILOX_W1) & MASK32
-    return c0
+    return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3), dim=-1) if all_words else c0
 
 
 # What a multiplicand becomes in one round: (the word its product's high half makes, the word xored into that half,
@@ -77,23 +85,29 @@ def _rounds_split(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
 _ROLES = {"c0": ("c2", "c3", 1, PHILOX_M0, "c3"), "c2": ("c0", "c1", 0, PHILOX_M1, "c1")}
 
 
-def _stacked_schedule() -> tuple[tuple[tuple[int, bool, int], ...], int]:
+def _stacked_schedule() -> tuple[tuple[tuple[int, bool, int], ...], tuple[str, str], tuple[str, str]]:
     """The rounds of ``_rounds_stacked`` on a [2, ...] pair of multiplicands (c0, c2 in some order) and a [2, ...]
     pair of the words xored into their products' high halves (the previous products, whose low halves are c1, c3).
-    Per round: (slot 0's multiplier, whether the high halves cross slots, slot 0's key word), and at the end the
-    slot that holds c0. Worked out once from ``_ROLES`` (a constant, not a cache)."""
+    Per round: (slot 0's multiplier, whether the high halves cross slots, slot 0's key word); and after the last
+    round, the output word each slot of the multiplicands holds (c0, c2) and each slot of the last products' low
+    halves (c1, c3). Worked out once from ``_ROLES`` (a constant, not a cache)."""
     xs, ys, rounds = ("c0", "c2"), ("c3", "c1"), []
     for _ in range(PHILOX_ROUNDS):
         source = [next(i for i in (0, 1) if _ROLES[xs[i]][1] == ys[j]) for j in (0, 1)]
         rounds.append((_ROLES[xs[0]][3], source[0] == 1, _ROLES[xs[source[0]]][2]))
         xs, ys = tuple(_ROLES[xs[i]][0] for i in source), tuple(_ROLES[x][4] for x in xs)
-    return tuple(rounds), xs.index("c0")
+    return tuple(rounds), xs, ys
 
 
-STACKED_ROUNDS, STACKED_FINAL_SLOT = _stacked_schedule()
+STACKED_ROUNDS, _FINAL_MULTIPLICANDS, _FINAL_PRODUCTS = _stacked_schedule()
+STACKED_FINAL_SLOT = _FINAL_MULTIPLICANDS.index("c0")
+# Output word w (0..3) of the stacked rounds: (whether it is a multiplicand (else a product's low half), its slot).
+STACKED_FINAL_WORDS = tuple(
+    (True, _FINAL_MULTIPLICANDS.index(w)) if w in _FINAL_MULTIPLICANDS else (False, _FINAL_PRODUCTS.index(w))
+    for w in ("c0", "c1", "c2", "c3"))
 
 
-def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
+def _rounds_stacked(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Tensor:
     """The same rounds where an int64 product wraps modulo 2**64 (two's complement, as CPUs and CUDA multiply):
     the product p of two 32-bit words is then exact in its 64 bits, hi = (p >> 32) & mask, lo = p & mask.
 
@@ -101,7 +115,8 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     multiplier), and so do its shift, xors and mask; the round keys of all ten rounds come from one arange. A
     product is kept whole (its low half is the next round's c1 or c3, its high half is masked off by the next round's
     mask), so a round is 5 ops (6 when the high halves cross slots) on three buffers that rotate: no allocation
-    in the rounds; the last one makes c0 alone (one slot's product). Arguments broadcast; int64 in [0, 2**32)."""
+    in the rounds; the last one makes c0 alone (one slot's product). Arguments broadcast; int64 in [0, 2**32).
+    With ``all_words`` the last round is a full one and the four output words come back as [*shape, 4]."""
     shape = torch.broadcast_shapes(k0.shape, k1.shape, c0.shape, c1.shape, c2.shape, c3.shape)
     dims = len(shape)
     x = torch.stack([c0.expand(shape), c2.expand(shape)])  # [2, *shape]: the multiplicands
@@ -117,7 +132,7 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
     multipliers[1].fill_(PHILOX_M1)
     multipliers = {PHILOX_M0: multipliers[0:2], PHILOX_M1: multipliers[1:3]}
     xi, yi, free = 0, 1, 2
-    for r, (multiplier, cross, key) in enumerate(STACKED_ROUNDS[:-1]):
+    for r, (multiplier, cross, key) in enumerate(STACKED_ROUNDS if all_words else STACKED_ROUNDS[:-1]):
         x = buffers[xi]
         p = torch.mul(x, multipliers[multiplier], out=buffers[free])
         if cross:  # the high halves change slots
@@ -129,6 +144,14 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3) -> torch.Tensor:
         x ^= keys[key][r]
         x &= MASK32
         free, yi = yi, free
+    if all_words:  # buffers[xi]: the multiplicands (c0, c2, masked); buffers[yi]: the last products (lo: c1, c3)
+        words = x.new_empty(shape + (4,))
+        for word, (multiplicand, slot) in enumerate(STACKED_FINAL_WORDS):
+            if multiplicand:
+                words[..., word].copy_(halves[xi][slot])
+            else:
+                torch.bitwise_and(halves[yi][slot], MASK32, out=words[..., word])
+        return words
     # The last round makes c0 only: one slot's product.
     multiplier, cross, key = STACKED_ROUNDS[-1]
     slot = STACKED_FINAL_SLOT
@@ -162,17 +185,39 @@ def _int64_products_wrap(device_type: str) -> bool:
 INT64_PRODUCTS_WRAP = {"cpu": _int64_products_wrap("cpu"), "cuda": True}
 
 
-def philox_first_word(
-    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor
-) -> torch.Tensor:
-    """First output word of Philox4x32-10, as int64 in [0, 2**32). All arguments broadcast (int64 tensors; the
-    counters are moved to ``seed``'s device, so a 0-d CPU constant may stand for one)."""
+def _philox(seed, c0, c1, c2, c3, all_words: bool) -> torch.Tensor:
     seed = seed.to(torch.int64)
     k0 = seed & MASK32
     k1 = (seed >> 32) & MASK32
     c0, c1, c2, c3 = (c.to(device=seed.device, dtype=torch.int64) & MASK32 for c in (c0, c1, c2, c3))
     wraps = INT64_PRODUCTS_WRAP.get(seed.device.type, False)
-    return (_rounds_stacked if wraps else _rounds_split)(k0, k1, c0, c1, c2, c3)
+    return (_rounds_stacked if wraps else _rounds_split)(k0, k1, c0, c1, c2, c3, all_words=all_words)
+
+
+def philox_first_word(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor
+) -> torch.Tensor:
+    """First output word of Philox4x32-10, as int64 in [0, 2**32). All arguments broadcast (int64 tensors; the
+    counters are moved to ``seed``'s device, so a 0-d CPU constant may stand for one)."""
+    return _philox(seed, c0, c1, c2, c3, all_words=False)
+
+
+def philox_words(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor
+) -> torch.Tensor:
+    """The four output words of Philox4x32-10, as int64 in [0, 2**32): [*broadcast shape, 4] (arguments as
+    ``philox_first_word``'s)."""
+    return _philox(seed, c0, c1, c2, c3, all_words=True)
+
+
+def vocabulary_bits(seed: torch.Tensor, vocab: int, c1: torch.Tensor, c2: torch.Tensor,
+                    c3: torch.Tensor) -> torch.Tensor:
+    """The word of every vocabulary id v in [0, vocab): word v % 4 of the call at counter (v // 4, c1, c2, c3), one
+    Philox call per ``WORDS_PER_CALL`` ids. seed, c1, c2, c3 broadcast to [..., 1] (e.g. [B, 1]). Returns
+    [..., vocab] int64 in [0, 2**32)."""
+    groups = (vocab + WORDS_PER_CALL - 1) // WORDS_PER_CALL
+    c0 = torch.arange(groups, dtype=torch.int64, device=seed.device)
+    return philox_words(seed, c0, c1, c2, c3).flatten(-2)[..., :vocab]  # [..., groups, 4] -> [..., vocab]
 
 
 def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:

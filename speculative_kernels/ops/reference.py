@@ -9,8 +9,8 @@ Philox counters, see ``philox.py``). Leviathan et al. 2023, Algorithm 1:
   r_i < p/q without a division; a token with q = 0 is never accepted and r = 0 never accepts a p = 0 token.
 * n = the number accepted before the first rejection. The next token is drawn at position n from
   max(0, p_n - q_n) after a rejection, from p_K when all K were accepted, and from p_n if the residual is all zero.
-  Drawing is an exponential race, argmax_v w_v / E_v with E_v = exponential(POSITION + n, c0=v): the weights need
-  no normalisation and the result is a sample from w / sum(w).
+  Drawing is an exponential race, argmax_v w_v / E_v with E_v = exponential(word v % 4 of POSITION + n, c0=v // 4):
+  the weights need no normalisation and the result is a sample from w / sum(w).
 * Greedy (temperature == 0): accept while x_i == argmax z_i (first index on ties, float32 logits), then emit
   argmax z_n. top_k / top_p cannot change an argmax, so they are irrelevant there.
 * A row with NaN or +inf in any of its logits, a row whose logits are all -inf, or a draft token outside [0, V)
@@ -37,6 +37,7 @@ from .philox import (
     exponential_from_bits,
     philox_first_word,
     uniform_from_bits,
+    vocabulary_bits,
 )
 from .randomness import Randomness
 from .sampling import Sampling
@@ -55,11 +56,11 @@ def _row_ids(batch: int, seed_per_row: bool, device: torch.device) -> torch.Tens
 
 
 def race_noise(randomness: Randomness, stream: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exponential noise E[b, v] for one race per row. stream: [B] int64. Returns [B, V] float32."""
+    """Exponential noise E[b, v] for one race per row: id v from word v % 4 of the call at c0 = v // 4
+    (``vocabulary_bits``). stream: [B] int64. Returns [B, V] float32."""
     seed = randomness.seed
-    v = torch.arange(vocab, dtype=torch.int64, device=seed.device).unsqueeze(0)
     rows = _row_ids(seed.shape[0], randomness.seed_per_row, seed.device).unsqueeze(1)
-    bits = philox_first_word(seed.unsqueeze(1), v, rows, randomness.offset.unsqueeze(1), stream.unsqueeze(1))
+    bits = vocabulary_bits(seed.unsqueeze(1), vocab, rows, randomness.offset.unsqueeze(1), stream.unsqueeze(1))
     return exponential_from_bits(bits)
 
 

@@ -28,6 +28,7 @@ from .triton_random import (
     philox_key,
     precise_exp,
     uniform_from_bits,
+    vocabulary_bits,
 )
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -153,13 +154,13 @@ def race_kernel(
     idx_p = tl.full([BLOCK_V], INT_MAX, tl.int32)
     any_r = tl.zeros([BLOCK_V], tl.int32)
     q_end = tl.where(has_q, end, 0)  # (a scalar-bool & block mask trips the interpreter; a bound does not)
-    for base in range(start, end, BLOCK_V):
+    for base in range(start, end, BLOCK_V):  # (base is a multiple of BLOCK_V, as race_chunk_size is: of 4 too)
         v = base + offs
         mask = v < end
         logit = tl.load(t_row + v.to(tl.int64) * stride_tv, mask=mask, other=float("-inf")).to(tl.float32)
         p = _prob(warp_logit(logit, v, t, cut_value, cut_index, SCALE, HAS_CUT), m_n, s_n, PRECISE)
         if tl.max(p, 0) > 0:
-            e = exponential_from_bits(philox_first_word(k0, k1, v.to(tl.uint32), c1, c2, stream), PRECISE)
+            e = exponential_from_bits(vocabulary_bits(k0, k1, base, c1, c2, stream, BLOCK_V), PRECISE)
         else:  # every p of the tile 0 (cut by top-k/top-p, or underflowed): residual 0 too, so every key is 0 / E
             e = tl.full([BLOCK_V], 1.0, tl.float32)  # = 0 / 1 bit for bit (E > 0): no random numbers drawn
         race_p = True  # (without RESIDUAL p is the only race)

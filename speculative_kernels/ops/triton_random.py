@@ -46,8 +46,9 @@ def philox_key(seed):
 
 
 @triton.jit
-def philox_first_word(k0, k1, c0, c1, c2, c3):
-    """First output word of Philox4x32-10. All arguments uint32 (scalars or blocks, broadcast); returns uint32."""
+def philox_words(k0, k1, c0, c1, c2, c3):
+    """The four output words of Philox4x32-10. All arguments uint32 (scalars or blocks, broadcast; c0 a block
+    makes every word one); returns four uint32."""
     for _ in tl.static_range(_ROUNDS):
         hi0 = tl.umulhi(c0, _M0)
         lo0 = tl.mul(c0, _M0, sanitize_overflow=False)  # wrapping uint32 arithmetic is intended
@@ -56,7 +57,24 @@ def philox_first_word(k0, k1, c0, c1, c2, c3):
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = tl.add(k0, _W0, sanitize_overflow=False)
         k1 = tl.add(k1, _W1, sanitize_overflow=False)
-    return c0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def philox_first_word(k0, k1, c0, c1, c2, c3):
+    """First output word of Philox4x32-10. All arguments uint32 (scalars or blocks, broadcast); returns uint32."""
+    word, _, _, _ = philox_words(k0, k1, c0, c1, c2, c3)
+    return word
+
+
+@triton.jit
+def vocabulary_bits(k0, k1, base, c1, c2, c3, BLOCK: tl.constexpr):
+    """uint32 [BLOCK] words of the ids base + arange(BLOCK), base a multiple of 4: id v takes word v % 4 of the
+    call at counter (v // 4, c1, c2, c3) (``philox.vocabulary_bits``), so BLOCK / 4 calls for BLOCK ids."""
+    groups = (base // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
+    w0, w1, w2, w3 = philox_words(k0, k1, groups, c1, c2, c3)
+    # interleave(w0, w2) = w0[0], w2[0], w0[1], ...; interleaving that with (w1, w3)'s gives w0[g], w1[g], w2[g], w3[g]
+    return tl.interleave(tl.interleave(w0, w2), tl.interleave(w1, w3))
 
 
 @triton.jit

@@ -31,6 +31,7 @@ from speculative_kernels.ops.validation import check_sampling
 
 import test_compaction as compaction  # (the test files are imported by name: tests/ops is on sys.path)
 import test_kernel_edges as edges
+import test_vocabulary_layout as layout
 
 REASON = cuda_emulation.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the CUDA emulation cannot be built here: {REASON}")
@@ -135,6 +136,14 @@ def test_zero_residual_without_a_cut(as_backend, dtype):
 def test_exact_replay(as_backend):
     """{0, -inf} logits: the residual and bonus races agree with the reference bit for bit."""
     edges._check_exact_replay(NAME, torch.bfloat16, 64, 2, "contiguous")
+
+
+@pytest.mark.parametrize("vocab,stride,seed_per_row", layout.LAYOUT_CASES, ids=str)
+def test_races_draw_the_vocabulary_layout(as_backend, vocab, stride, seed_per_row):
+    """A group of four ids shares a Philox call: the vector path (aligned rows, bf16's 8-id and float32's 4-id
+    vectors, the partial last vector) and the scalar path (odd strides) give id v word v % 4 of the call at v // 4."""
+    dtype = torch.bfloat16 if vocab % 2 else torch.float32
+    layout.check_races_draw_the_layout(as_backend.verify, as_backend.sample, vocab, stride, seed_per_row, dtype)
 
 
 @pytest.fixture

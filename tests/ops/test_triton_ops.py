@@ -15,6 +15,7 @@ Runs on a CUDA device, or on the CPU through the Triton interpreter (CI). Three 
 Interpreter runs cost ~50 ms per program, so the sizes are chosen to keep this file around two minutes.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -42,12 +43,14 @@ from speculative_kernels.ops.triton_random import (  # noqa: E402
     philox_first_word,
     philox_key,
     uniform_from_bits,
+    vocabulary_bits,
 )
 from speculative_kernels.ops.warping import warp_logits  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers
 from helpers.cuda_graphs import assert_seed_none_is_captured  # noqa: E402
 from helpers.stats import assert_matches  # noqa: E402
+import test_vocabulary_layout as layout  # noqa: E402  (tests/ops is on sys.path)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +127,34 @@ def test_philox_and_conversions_match_reference(seed):
     torch.testing.assert_close(e, philox.exponential_from_bits(want), rtol=3e-7, atol=0)
     small = want.to(torch.float32) * 2.0**-32 < philox.EXP_SERIES_CUTOFF
     assert torch.equal(e[small], philox.exponential_from_bits(want)[small])  # the series is exact arithmetic
+
+
+@triton.jit
+def _vocabulary_bits_probe(SEED_ptr, OUT_ptr, first, c1, c2, c3, BLOCK: tl.constexpr):
+    base = first + tl.program_id(0) * BLOCK
+    k0, k1 = philox_key(tl.load(SEED_ptr))
+    bits = vocabulary_bits(k0, k1, base, c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32), BLOCK)
+    tl.store(OUT_ptr + base - first + tl.arange(0, BLOCK), bits.to(tl.int64))
+
+
+@pytest.mark.parametrize("block", [16, 256])
+def test_vocabulary_bits_match_reference(block):
+    """Id v: word v % 4 of the call at v // 4, from tiles starting past 0 (as a race chunk's do)."""
+    first, tiles, c1, c2, c3 = 4 * 1001, 3, 5, 2**32 - 3, philox.STREAM_POSITION + 2
+    seed_t = torch.tensor([-98765432123], dtype=torch.int64, device=DEVICE)
+    bits = torch.empty(tiles * block, dtype=torch.int64, device=DEVICE)
+    _vocabulary_bits_probe[(tiles,)](seed_t, bits, first, c1, c2, c3, BLOCK=block)
+    want = philox.vocabulary_bits(seed_t, first + tiles * block, torch.tensor(c1), torch.tensor(c2), torch.tensor(c3))
+    assert torch.equal(bits, want[first:])
+
+
+@pytest.mark.parametrize("vocab,stride,seed_per_row,tuning", [
+    (1027, 1032, True, None), (67, 67, False, SPLIT)], ids=str)
+def test_races_draw_the_vocabulary_layout(vocab, stride, seed_per_row, tuning):
+    """The draft sampler's and verify's races pick the ids the layout's words make win (test_vocabulary_layout)."""
+    layout.check_races_draw_the_layout(functools.partial(triton_backend.launch_verify, tuning=tuning),
+                                       functools.partial(triton_backend.launch_sample, tuning=tuning), vocab, stride,
+                                       seed_per_row, torch.bfloat16, DEVICE, batch=8)
 
 
 # ---- greedy: bit-exact ------------------------------------------------------------------------------------------
