@@ -145,13 +145,9 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Te
         x &= MASK32
         free, yi = yi, free
     if all_words:  # buffers[xi]: the multiplicands (c0, c2, masked); buffers[yi]: the last products (lo: c1, c3)
-        words = x.new_empty(shape + (4,))
-        for word, (multiplicand, slot) in enumerate(STACKED_FINAL_WORDS):
-            if multiplicand:
-                words[..., word].copy_(halves[xi][slot])
-            else:
-                torch.bitwise_and(halves[yi][slot], MASK32, out=words[..., word])
-        return words
+        buffers[yi] &= MASK32
+        return torch.stack([halves[xi if multiplicand else yi][slot] for multiplicand, slot in STACKED_FINAL_WORDS],
+                           dim=-1)
     # The last round makes c0 only: one slot's product.
     multiplier, cross, key = STACKED_ROUNDS[-1]
     slot = STACKED_FINAL_SLOT
