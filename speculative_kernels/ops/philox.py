@@ -142,12 +142,13 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Te
             torch.bitwise_right_shift(p, 32, out=x)
         x ^= buffers[yi]
         x ^= keys[key][r]
-        x &= MASK32
+        if r < PHILOX_ROUNDS - 1:  # (the four words of the last round are masked together below)
+            x &= MASK32
         free, yi = yi, free
-    if all_words:  # buffers[xi]: the multiplicands (c0, c2, masked); buffers[yi]: the last products (lo: c1, c3)
-        buffers[yi] &= MASK32
-        return torch.stack([halves[xi if multiplicand else yi][slot] for multiplicand, slot in STACKED_FINAL_WORDS],
-                           dim=-1)
+    if all_words:  # buffers[xi]: the multiplicands (c0, c2); buffers[yi]: the last products (low halves: c1, c3)
+        words = torch.stack([halves[xi if multiplicand else yi][slot] for multiplicand, slot in STACKED_FINAL_WORDS],
+                            dim=-1)
+        return words.bitwise_and_(MASK32)
     # The last round makes c0 only: one slot's product.
     multiplier, cross, key = STACKED_ROUNDS[-1]
     slot = STACKED_FINAL_SLOT

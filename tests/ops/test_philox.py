@@ -42,6 +42,9 @@ def test_stacked_rounds_equal_the_split_rounds(batch, vocab):
     stacked = philox._rounds_stacked(k0, k1, *counters)  # words broadcast within the rounds
     assert torch.equal(split, stacked)
     assert torch.equal(philox.philox_first_word(seed, *counters), split)
+    all_split = philox._rounds_split(k0, k1, *torch.broadcast_tensors(*counters), all_words=True)
+    assert torch.equal(philox._rounds_stacked(k0, k1, *counters, all_words=True), all_split)  # [B, V, 4]
+    assert torch.equal(all_split[..., 0], split)
 
 
 @pytest.mark.parametrize("seed_shape,counter_shapes", [
