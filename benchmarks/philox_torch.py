@@ -7,7 +7,8 @@ stacked in one [2, ...] tensor, in place on rotating buffers).
 
 Each call draws one word per element of a [B, V] race (the draft sampler's and verify's noise); [B, K] with K = 4
 is the accept test's uniforms. The three paths are checked bit-identical first; times are medians of interleaved calls
-(CPU: process time, one thread).
+(CPU: process time, one thread). A second table: a race's words with one call per id (the layout before 2026-11-27)
+and one call per four ids (``vocabulary_bits``, the layout since).
 """
 
 import argparse
@@ -80,7 +81,33 @@ def main(argv=None) -> int:
                 times[name].append(clock() - start)
         split, wrapping, stacked = (1e6 * statistics.median(times[name]) for name in paths)
         print(f"| {batch} | {vocab} | {split:.0f} | {wrapping:.0f} | {stacked:.0f} | {wrapping / stacked:.2f} |")
+    races(args.reps, device, clock, sync, g)
     return 0
+
+
+def races(reps: int, device, clock, sync, g) -> None:
+    """A race's words: one call per id, its first word (the layout before 2026-11-27), against one call per four ids
+    (``philox.vocabulary_bits``, the layout since), both the stacked path; medians of interleaved calls."""
+    print()
+    print("| B | V | one call per id µs | one call per 4 ids µs | ratio |")
+    print("|---:|---:|---:|---:|---:|")
+    for batch, vocab in ((1, 4096), (8, 4096), (1, 32000), (1, 128256)):
+        seed = torch.randint(-2**63, 2**63 - 1, (batch, 1), generator=g).to(device)
+        c1, c2 = torch.arange(batch).unsqueeze(1).to(device), torch.randint(0, 2**32, (batch, 1), generator=g).to(device)
+        c3 = torch.full((batch, 1), philox.STREAM_DRAFT, device=device)
+        ids = torch.arange(vocab, device=device).unsqueeze(0)
+        paths = {"per id": lambda: philox.philox_first_word(seed, ids, c1, c2, c3),
+                 "per 4 ids": lambda: philox.vocabulary_bits(seed, vocab, c1, c2, c3)}
+        times = {name: [] for name in paths}
+        for _ in range(reps):
+            for name, call in paths.items():
+                sync()
+                start = clock()
+                call()
+                sync()
+                times[name].append(clock() - start)
+        one, four = (1e6 * statistics.median(times[name]) for name in paths)
+        print(f"| {batch} | {vocab} | {one:.0f} | {four:.0f} | {one / four:.2f} |")
 
 
 if __name__ == "__main__":
