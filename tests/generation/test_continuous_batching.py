@@ -174,8 +174,9 @@ def test_cancel_frees_the_row_and_the_caches_stay_bounded(pair):
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA)
     long = decoder.add_request([5, 6, 7], max_new_tokens=120, do_sample=False)
     widths = []
-    for cycle in range(20):
-        short = decoder.add_request([8 + cycle, 9, 10, 11, 12], max_new_tokens=50, do_sample=True, seed=cycle)
+    for cycle in range(20):  # (EOS banned for the two steps' tokens, whatever a seed draws: it runs until cancelled)
+        short = decoder.add_request([8 + cycle, 9, 10, 11, 12], max_new_tokens=50, do_sample=True, seed=cycle,
+                                    min_new_tokens=2 * (GAMMA + 1))
         decoder.step()
         decoder.step()
         assert decoder.running == [long, short]
