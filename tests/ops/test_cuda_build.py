@@ -138,7 +138,9 @@ int main() {
   uint32_t c0, c1, c2, c3;
   while (std::scanf("%" SCNu64 " %" SCNu32 " %" SCNu32 " %" SCNu32 " %" SCNu32, &seed, &c0, &c1, &c2, &c3) == 5) {
     const uint32_t x = philox_first_word(seed, c0, c1, c2, c3);
-    std::printf("%" PRIu32 " %.9g %.9g\n", x, uniform_from_bits(x), exponential_from_bits(x));
+    const PhiloxWords w = philox_words(seed, c0, c1, c2, c3);
+    std::printf("%" PRIu32 " %.9g %.9g %" PRIu32 " %" PRIu32 " %" PRIu32 " %" PRIu32 "\n", x, uniform_from_bits(x),
+                exponential_from_bits(x), w.w[0], w.w[1], w.w[2], w.w[3]);
   }
   return 0;
 }
@@ -147,8 +149,9 @@ int main() {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++/c++) on PATH")
 def test_philox_header_matches_reference_on_host(tmp_path):
-    """csrc/philox.cuh, built for the host, against ops/philox.py: words and uniforms bit for bit, the exponential
-    bit for bit on the series branch (u < 2^-8) and to 1 ulp elsewhere (host logf vs CUDA's)."""
+    """csrc/philox.cuh, built for the host, against ops/philox.py: words (the first, and all four of philox_words)
+    and uniforms bit for bit, the exponential bit for bit on the series branch (u < 2^-8) and to 1 ulp elsewhere (host
+    logf vs CUDA's)."""
     from speculative_kernels.ops import philox
 
     source = tmp_path / "philox_host.cpp"
@@ -172,6 +175,8 @@ def test_philox_header_matches_reference_on_host(tmp_path):
     host_exp = torch.tensor([float(r[2]) for r in rows], dtype=torch.float32)
     want = philox.philox_first_word(seed, *counters)
     assert torch.equal(words, want)
+    all_words = torch.tensor([[int(w) for w in r[3:7]] for r in rows], dtype=torch.int64)
+    assert torch.equal(all_words, philox.philox_words(seed, *counters))  # the races' four words of a call
     assert torch.equal(host_uniform, philox.uniform_from_bits(want))
     want_exp = philox.exponential_from_bits(want)
     series = want.to(torch.float32) * philox.U32_SCALE < philox.EXP_SERIES_CUTOFF
