@@ -9,7 +9,8 @@ Per-row parameters (``Sampling.rows``): the kernels read the temperatures from a
 greedy rows (0) and sampled rows in one launch; top_k/top_p only shape the cut computed on the host side
 (``cuda_host.py``, with torch on the device). ``num_draft_tokens`` is passed through as a device tensor too.
 
-Top-k / top-p: the per-row lexicographic cut (value, index) comes from ``warping.warp_thresholds`` (HF's exact masks).
+Top-k / top-p: the per-row lexicographic cut (value, index) comes from ``warping.warp_thresholds`` (HF's masks;
+top-p after top-k to float32 rounding, warping.py).
 The kernels receive it as (source, index), the vocabulary id whose warped logit is the cut value, and recompute that
 value with their own arithmetic (z = x / T, a true division), so the elements on either side of the cut are decided by
 one arithmetic: a cut value computed by torch could differ from the kernel's z of the same element by an ulp (PyTorch's

@@ -19,9 +19,12 @@ def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.
 
     Per-row parameters: z = x / (the row's temperature, 1 for a greedy row) and the row's top_k/top_p (none for a
     greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element. One
-    temperature with top-k alone takes ``_top_k_cut`` (one topk over the raw logits); the rest ``_element_cut``."""
+    temperature with top-k alone takes ``_top_k_cut`` (one topk over the raw logits), with top-k and top-p
+    ``_top_k_top_p_cut`` (no V-length sort); the rest ``_element_cut``."""
     if sampling.top_k_alone(logits.shape[-1]):
         return _top_k_cut(logits, sampling.top_k)
+    if sampling.top_k_with_top_p(logits.shape[-1]):
+        return _top_k_top_p_cut(logits, sampling)
     return _element_cut(logits, sampling)
 
 
@@ -53,6 +56,14 @@ def _top_k_cut(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Te
     One topk over the raw logits instead of a float32 copy, a topk over it and five more passes."""
     source = kth_largest_index(logits, top_k)
     return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
+
+
+def _top_k_top_p_cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_cut`` for one temperature with top-k and top-p: ``warp_thresholds`` of z (a topk of k, no V-length sort),
+    whose cut is an element (z_i, i): i is its own source. [B, ..., V] -> (source, index) [B, ...] int32."""
+    divisor = torch.full((), sampling.temperature, dtype=torch.float32, device=logits.device)
+    cut_index = warp_thresholds(logits.to(torch.float32) / divisor, sampling.top_k, sampling.top_p)[1]
+    return cut_index, cut_index
 
 
 def _row_flags(sampling: Sampling, tokens: torch.Tensor, num_accepted: torch.Tensor | None = None):

@@ -86,5 +86,10 @@ class Sampling:
         ``warping.kth_largest_index`` of the raw logits."""
         return self.rows is None and self.top_p >= 1.0 and 0 < self.top_k < vocab
 
+    def top_k_with_top_p(self, vocab: int) -> bool:
+        """One temperature, sampled, with top-k (0 < top_k < vocab) and top-p (< 1): ``warping.warp_thresholds`` then
+        sorts only the k candidates, and its cut is an element of the vocabulary."""
+        return self.rows is None and not self.greedy and self.top_p < 1.0 and 0 < self.top_k < vocab
+
 
 GREEDY = Sampling(0.0, 0, 1.0)

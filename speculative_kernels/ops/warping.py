@@ -8,8 +8,23 @@ probability is <= 1 - top_p, always keeping the largest). Both filters remove a 
 
     keep(v)  <=>  (z_v, v) >= (cut_value, cut_index)   lexicographically.
 
-``warp_thresholds`` computes that pair per row with the same torch operations HF uses (so the masks agree bit for
-bit); the kernels then apply it while streaming the logits, without writing a warped copy.
+``warp_thresholds`` computes that pair per row; the kernels then apply it while streaming the logits, without writing
+a warped copy. Top-k alone and top-p alone use the torch operations HF uses (the masks agree bit for bit).
+
+Top-p after top-k (HF's default top_k=50 with a generation_config's top_p) is defined over the survivors of top-k by
+exact integer arithmetic instead of HF's float32 softmax and cumulative sum over V entries: each survivor weighs
+max(floor(exp(z - max) * 2**b), 1) with b = 62 - bit_length(V), and a position is removed iff its cumulative weight is
+<= floor(float32(1 - top_p) * float64(total)). Why: HF's float32 sums over V entries, mostly exp(-inf) = 0, depend on
+where the nonzero entries sit in the reduction (a CPU vector lane, a CUDA block tree and scan), so no computation over
+the k survivors alone can reproduce them bit for bit, and the cut is worth computing from a topk of k (the cut's
+V-length passes cost 13-17x the verification kernel on an H200, benchmarks/RESULTS.md). Integer sums are exact in any order: the topk path
+(``_top_k_top_p_cut``), the whole-vocabulary one (``_top_p_after_top_k_cut``, the per-row path's) and every device give
+the same cut by construction. The difference from HF is rounding: the weights move the total by under
+2**(2 bit_length(V) - 62) of itself (2**-28 at V = 128256, below float32's 2**-24), and HF's own float32 cumulative probabilities differ from the
+exact ones by a few ulps (and between its CPU cumsum, accumulated in float64, and its CUDA one, in float32). The kept
+sets differ only when 1 - top_p lies within that rounding of a cumulative probability: none of 150k random rows
+(float32, bfloat16, float16; V 50 to 128256; top_p 0.5 to 0.99) differed from the float32 computation; a top_p set
+exactly on a float32 cumulative probability lands on either side about half the time.
 
 One difference, at ties only: HF's top-p sorts without ``stable=True``, so when equal logits straddle the top-p cut,
 which of them it drops is up to the sort implementation (it differs between torch's CPU and CUDA sorts, and
@@ -17,6 +32,8 @@ between sizes). Here the sort is stable: of tokens tied at the cut, the lower id
 every backend and device. Ties are rare in float32 logits and common in bfloat16/float16 ones
 (docs/half_precision.md).
 """
+
+import struct
 
 import torch
 
@@ -35,37 +52,110 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def warp_thresholds(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cut (value, index) for top-k then top-p, HF semantics.
+    """Per-row cut (value, index) for top-k then top-p, HF semantics (top-p after top-k: ``_top_k_top_p_cut``).
 
     z: [..., V] float32 scaled logits. Returns (cut_value [...] float32, cut_index [...] int32); with neither
     filter active the cut is (-inf, 0), which keeps every finite entry.
     """
     lead = z.shape[:-1]
     V = z.shape[-1]
+    if 0 < top_k < V and top_p < 1.0:
+        return _top_k_top_p_cut(z, top_k, _float32(1.0 - top_p))
     cut_value = torch.full(lead, NO_CUT, dtype=torch.float32, device=z.device)
     cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
-    if top_k > 0 and top_k < V:
+    if 0 < top_k < V:
         cut_value = torch.topk(z, top_k, dim=-1).values[..., -1]
     if top_p >= 1.0:
         return cut_value, cut_index
-    # (Sorting the masked z, mostly -inf with a top-k, is cheaper than sorting z: ``row_thresholds``, whose k differs
-    # per row, sorts z once instead.)
-    masked = z.masked_fill(z < cut_value.unsqueeze(-1), float("-inf")) if top_k > 0 else z
-    sorted_z, order = torch.sort(masked, dim=-1, descending=False, stable=True)
-    # Entries below the top-k cut are -inf and removed by top-p too, so the top-p cut is the stricter one.
+    sorted_z, order = torch.sort(z, dim=-1, descending=False, stable=True)
     return _top_p_cut(sorted_z, order, 1.0 - top_p)
 
 
 def _top_p_cut(sorted_z: torch.Tensor, order: torch.Tensor, threshold) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-p cut from the ascending stable sort of z (sorted_z, order: [..., V]; entries below a top-k cut already
-    -inf in sorted_z): drop every entry whose cumulative probability is <= threshold (1 - top_p), always keeping the
-    largest. The first kept position defines the cut; the -inf entries before it are removed whatever their order.
-    Returns (cut_value [...] float32, cut_index [...] int32)."""
+    """The top-p cut (top-p alone) from the ascending stable sort of z (sorted_z, order: [..., V]): drop every entry
+    whose cumulative probability (float32 softmax, cumsum: HF's operations) is <= threshold (1 - top_p), always
+    keeping the largest. The first kept position defines the cut. Returns (cut_value [...] float32, cut_index [...]
+    int32)."""
     cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
     removed = cumulative <= threshold
     removed[..., -1] = False
     first_kept = removed.to(torch.int32).sum(dim=-1, keepdim=True).to(torch.int64)
     return sorted_z.gather(-1, first_kept).squeeze(-1), order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
+
+
+# -- top-p after top-k: exact integer weights -------------------------------------------------------------------------
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32 (as torch rounds a python float compared with a float32 tensor), as a python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _weight_bits(vocab: int) -> int:
+    """Fixed-point bits of the weights: any V weights of at most 2**bits sum below 2**62 (no int64 overflow)."""
+    return 62 - vocab.bit_length()
+
+
+def _weights(z: torch.Tensor, row_max: torch.Tensor, bits: int) -> torch.Tensor:
+    """max(floor(exp(z - max) * 2**bits), 1) as int64, elementwise: [..., N] -> [..., N] (1 where the exponential
+    is NaN: a row holding NaN, +inf, or nothing above -inf). The floor and the minimum of 1 move a weight by less than
+    one unit, 2**-bits of the largest weight: V of them move the total by under 2**(2 bit_length(V) - 62) of it."""
+    scaled = torch.exp(z - row_max) * float(2**bits)  # (exact: a power of two)
+    return torch.nan_to_num(scaled, nan=1.0).to(torch.int64).clamp(min=1)
+
+
+def _limit(total: torch.Tensor, threshold) -> torch.Tensor:
+    """[..., 1] int64: the largest cumulative weight that is removed, floor(threshold * float64(total)) (threshold:
+    1 - top_p rounded to float32, as a float64 [..., 1] or a python float). A position is removed iff its cumulative
+    weight is <= the limit: an integer comparison, the same on every device and for every layout of the row."""
+    return (total.to(torch.float64) * threshold).to(torch.int64)  # (truncation: the floor of a product >= 0)
+
+
+def _top_p_after_top_k_cut(sorted_z: torch.Tensor, order: torch.Tensor, kth: torch.Tensor,
+                           threshold) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p cut after a top-k cut, over the whole vocabulary: the definition that ``_top_k_top_p_cut`` computes
+    from the k largest. sorted_z, order: [..., V] the ascending stable sort of z; kth [..., 1] the k-th largest value;
+    threshold: see ``_limit``. Entries below kth weigh 0 (removed, whatever their order); the survivors in (value,
+    index) order weigh ``_weights``; positions whose cumulative weight is <= ``_limit`` are removed, the last (largest)
+    always kept. Returns (cut_value [...] float32, cut_index [...] int32)."""
+    vocab = sorted_z.shape[-1]
+    q = _weights(sorted_z, sorted_z[..., -1:], _weight_bits(vocab)).masked_fill(sorted_z < kth, 0)
+    cumulative = q.cumsum(dim=-1)
+    # (the last position, the largest, is never removed: only the others are counted)
+    first_kept = (cumulative[..., :-1] <= _limit(cumulative[..., -1:], threshold)).sum(dim=-1, keepdim=True)
+    return sorted_z.gather(-1, first_kept).squeeze(-1), order.gather(-1, first_kept).squeeze(-1).to(torch.int32)
+
+
+def _top_k_top_p_cut(z: torch.Tensor, top_k: int, threshold) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_top_p_after_top_k_cut`` of z [..., V] (0 < top_k < V) from a topk of k instead of a V-length sort: bit for
+    bit the same cut, because every quantity it compares is an exact integer.
+
+    The survivors are the k candidates of topk and the entries tied with the k-th largest value t that topk left
+    out. The candidates, sorted by (value, index), carry every survivor above t; the c entries tied at t come first,
+    each of weight q_t >= 1, so the j-th of them has cumulative weight j * q_t: of the c - (tied candidates) ties that
+    precede the candidates, at most floor(limit / q_t) are removed, and the candidates' cumulative weights start from
+    that many times q_t. When the cut falls among the ties, its index is the r-th tied id (a
+    cumulative count over V). Returns (cut_value [...] float32, cut_index [...] int32)."""
+    vocab = z.shape[-1]
+    ids = torch.topk(z, top_k, dim=-1).indices.sort(dim=-1).values  # [..., k] candidates in id order
+    values, order = z.gather(-1, ids).sort(dim=-1, stable=True)  # (value, index) ascending
+    t = values[..., :1]
+    tie_rank = (z == t).cumsum(dim=-1, dtype=torch.int32)  # [..., V]: ties at or before each id
+    ties = tie_rank[..., -1:]
+    outside = ties - (values == t).sum(dim=-1, keepdim=True)  # ties that topk left out
+    q = _weights(values, values[..., -1:], _weight_bits(vocab))
+    q_t = q[..., :1]
+    cumulative = q.cumsum(dim=-1) + outside * q_t
+    limit = _limit(cumulative[..., -1:], threshold)
+    # removed: the first ``removed`` survivors in (value, index) order, of which ``candidate`` candidates (the largest,
+    # the last candidate, never counted); the others (any at all only if candidates are) are ties left out
+    candidate = (cumulative[..., :-1] <= limit).sum(dim=-1, keepdim=True)
+    removed = torch.minimum(limit // q_t, outside) + candidate
+    in_ties = removed < ties
+    cut_value = torch.where(in_ties, t, values.gather(-1, candidate))
+    cut_index = torch.where(in_ties, (tie_rank <= removed).sum(dim=-1, keepdim=True), ids.gather(-1, order.gather(
+        -1, candidate)))
+    return cut_value.squeeze(-1), cut_index.squeeze(-1).to(torch.int32)
 
 
 def kth_largest_index(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -96,20 +186,25 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
 def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``warp_thresholds`` with a top_k and a top_p per row: z [..., V] float32; top_k int64 and top_p float64,
     both broadcast to z.shape[:-1]. A row's cut equals ``warp_thresholds`` of that row alone with the scalars
-    (top_k, float(top_p)): the k-th largest value, the same stable sort, softmax and cumulative sum, and the threshold
-    1 - top_p computed in float64 and rounded to float32, as torch rounds the scalar path's python float.
+    (top_k, float(top_p)): the k-th largest value, the same stable sort, softmax and cumulative sum for top-p alone,
+    the whole-vocabulary definition of top-p after top-k (``_top_p_after_top_k_cut``, which the scalar path's topk of
+    k equals bit for bit), and the threshold 1 - top_p computed in float64 and rounded to float32, as torch rounds the
+    scalar path's python float.
     top_k <= 0 or >= V, and top_p >= 1 (or NaN), switch the filter off for that row."""
     lead = z.shape[:-1]
     vocab = z.shape[-1]
     top_k, top_p = top_k.expand(lead), top_p.expand(lead)
     use_k = (top_k > 0) & (top_k < vocab)
-    # One ascending stable sort serves both filters: the k-th largest value is at V - k, and masking the sorted
-    # values below it gives the sort of the masked z in every position that ``_top_p_cut`` reads (the kept ones).
+    # One ascending stable sort serves both filters: the k-th largest value is at V - k (entries below it weigh 0 in
+    # ``_top_p_after_top_k_cut``, whatever their order). The per-row k is a device value, hence no topk of k here.
     sorted_z, order = torch.sort(z, dim=-1, descending=False, stable=True)
     kth = sorted_z.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(-1))
     cut_value = torch.where(use_k, kth.squeeze(-1), NO_CUT)
     cut_index = torch.zeros(lead, dtype=torch.int32, device=z.device)
-    sorted_z = sorted_z.masked_fill(sorted_z < cut_value.unsqueeze(-1), float("-inf"))
-    p_value, p_index = _top_p_cut(sorted_z, order, (1.0 - top_p).to(torch.float32).unsqueeze(-1))
+    threshold = (1.0 - top_p).to(torch.float32)
+    # top-p alone: HF's float32 softmax over the row; after a top-k: the exact integer weights of ``_top_k_top_p_cut``
+    p_value, p_index = _top_p_cut(sorted_z, order, threshold.unsqueeze(-1))
+    k_value, k_index = _top_p_after_top_k_cut(sorted_z, order, kth, threshold.to(torch.float64).unsqueeze(-1))
+    p_value, p_index = torch.where(use_k, k_value, p_value), torch.where(use_k, k_index, p_index)
     use_p = top_p < 1.0
     return torch.where(use_p, p_value, cut_value), torch.where(use_p, p_index, cut_index)

@@ -423,3 +423,33 @@ def test_top_k_cut_from_the_raw_logits_gives_the_element_cuts_outputs(emulated, 
     _same_outputs(fast, outputs())
     assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
     assert (fast[1] >= 0).sum() >= 3 and (fast[4] >= 0).sum() >= 3  # (valid rows with a cut remain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("warp", [(1.0, 1, 0.5), (0.7, 5, 0.9), (1e-3, 20, 0.3), (0.7, 60, 0.9999999)], ids=str)
+def test_top_k_top_p_cut_gives_the_whole_vocabulary_cuts_outputs(emulated, monkeypatch, dtype, warp):
+    """``cuda_host._top_k_top_p_cut`` (a topk of k) against ``_element_cut`` over the whole-vocabulary definition
+    (a V-length sort) through the ops, and against the reference: tied logits with +-inf, overflow and a NaN row
+    (flagged), k = 1 and V - 1, verify with and without q, and sample."""
+    from speculative_kernels.ops import cuda_host
+    from test_cuda_host_cut import tied_logits
+    from test_top_k_top_p_cut import whole_vocabulary_cut
+
+    batch, k, vocab = 8, 2, 61
+    target = tied_logits((batch, k + 1, vocab), dtype, seed=6, stride=k + 1)
+    draft = tied_logits((batch, k, vocab), dtype, seed=7, stride=k)
+    tokens = target[:, :k].float().nan_to_num().argmax(-1)
+    sampling = Sampling(*warp)
+
+    def outputs(verify, sample):
+        return [*verify(target, draft, tokens, sampling, _host_randomness(batch)),
+                *verify(target, None, tokens, sampling, _host_randomness(batch)),
+                sample(target[:, 0], sampling, _host_randomness(batch))]
+
+    fast = outputs(emulated.verify, emulated.sample)
+    _same_outputs(fast, outputs(verify_reference, sample_reference))
+    monkeypatch.setattr(cuda_host, "_cut", cuda_host._element_cut)
+    monkeypatch.setattr(cuda_host, "warp_thresholds", whole_vocabulary_cut)
+    _same_outputs(fast, outputs(emulated.verify, emulated.sample))
+    assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
+    assert (fast[1] >= 0).sum() >= 3 and (fast[4] >= 0).sum() >= 3

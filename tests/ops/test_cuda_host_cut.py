@@ -7,7 +7,7 @@ kernels flag them whatever the cut), since there the two sources may differ."""
 import pytest
 import torch
 
-from speculative_kernels.ops.cuda_host import _cut, _element_cut, _top_k_cut
+from speculative_kernels.ops.cuda_host import _cut, _element_cut, _top_k_cut, _top_k_top_p_cut
 from speculative_kernels.ops.sampling import Sampling
 
 INF = float("inf")
@@ -57,11 +57,34 @@ def test_cut_takes_the_fast_path_only_for_one_temperature_and_top_k_alone():
     logits = tied_logits((2, 4, 37), torch.bfloat16, seed=1, nan=False)
     for warp in [(0.7, 5, 1.0), (1.0, 1, 1.0)]:  # the fast path: (source, 0) of the k-th largest raw logit
         assert torch.equal(_cut(logits, Sampling(*warp))[0], _top_k_cut(logits, warp[1])[0])
-    # top-p, or top-k switched off (0, k >= V: no cut, the row's minimum as the source): the element cut
-    for warp in [(0.7, 5, 0.9), (1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9), (0.7, 37, 1.0), (0.7, 40, 1.0),
+    for warp in [(0.7, 5, 0.9), (1.0, 36, 0.5)]:  # top-k with top-p: the cut's own element as its source
+        assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
+                                                    _top_k_top_p_cut(logits, Sampling(*warp))))
+    # top-p alone, or top-k switched off (0, k >= V: no cut, the row's minimum as the source): the element cut
+    for warp in [(1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9), (0.7, 37, 1.0), (0.7, 40, 1.0),
                  (0.7, 0, 1.0)]:
         assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
                                                     _element_cut(logits, Sampling(*warp))))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1e-3])
+def test_top_k_top_p_cut_keeps_what_the_element_cut_keeps(dtype, temperature):
+    """``_top_k_top_p_cut`` (the cut's element as its source) against ``_element_cut`` over the whole-vocabulary
+    definition of the cut (a V-length sort): the same index and the same kept set."""
+    from test_top_k_top_p_cut import whole_vocabulary_cut
+    from speculative_kernels.ops import cuda_host
+
+    vocab = 37
+    logits = tied_logits((2, 4, vocab), dtype, seed=3, nan=False)
+    for top_k, top_p in [(1, 0.5), (2, 0.9), (5, 0.3), (20, 1e-9), (vocab - 1, 0.9999999)]:
+        sampling = Sampling(temperature, top_k, top_p)
+        fast = _top_k_top_p_cut(logits, sampling)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cuda_host, "warp_thresholds", whole_vocabulary_cut)
+            slow = _element_cut(logits, sampling)
+        assert torch.equal(fast[1], slow[1]), (top_k, top_p)
+        assert torch.equal(kept(logits, temperature, fast), kept(logits, temperature, slow)), (top_k, top_p)
 
 
 def _bench_cut():

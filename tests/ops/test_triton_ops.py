@@ -840,3 +840,23 @@ def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
             want = warp_thresholds(z, top_k, 1.0)
             assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), (temperature, top_k)
             assert torch.equal(got[1], want[1].to(torch.int32)) and got[1].dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_top_k_top_p_cut_is_the_whole_vocabulary_cut(dtype):
+    """``triton_backend._cuts`` with one temperature, top-k and top-p (a topk of k over the kernels' z, no V-length
+    sort) gives bit for bit the cut of the whole-vocabulary definition over that z: tied logits with +-inf and
+    overflow rows, k = 1 and V - 1, top_p near 0 and 1, T = 1 and 1e-3."""
+    from test_cuda_host_cut import tied_logits
+    from test_top_k_top_p_cut import whole_vocabulary_cut
+
+    batch, rows, vocab = 2, 4, 37
+    logits = tied_logits((batch, rows, vocab), dtype, seed=8, nan=False).to(DEVICE)
+    plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
+    for temperature in (1.0, 1e-3):
+        z = triton_backend._scaled(logits, Sampling(temperature, 0, 1.0), plan)
+        for top_k, top_p in [(1, 0.5), (5, 0.9), (vocab - 1, 1e-9), (20, 0.9999999)]:
+            got = triton_backend._cuts(logits, Sampling(temperature, top_k, top_p), plan)
+            want = whole_vocabulary_cut(z, top_k, top_p)
+            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), (temperature, top_k, top_p)
+            assert torch.equal(got[1], want[1]), (temperature, top_k, top_p)

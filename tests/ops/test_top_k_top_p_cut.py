@@ -1,0 +1,94 @@
+"""Top-p after top-k (``warping._top_k_top_p_cut``: a topk of k, no V-length sort) is bit for bit its definition over
+the whole vocabulary (``warping._top_p_after_top_k_cut``: the stable sort of z, integer weights, their cumulative
+sum), and the per-row cut (``row_thresholds``, one sort per row) is the scalar one: tied logits (bf16 and fp16 ties of
+tens of entries at the k-th value), +-inf, overflow at a tiny temperature, k from 1 to V - 1, top_p from below
+float32's resolution to just under 1. Rows holding NaN are left out: their cut is unspecified (every backend flags
+them, ``reference.invalid_positions``)."""
+
+import pytest
+import torch
+
+from speculative_kernels.ops import warping
+from speculative_kernels.ops.warping import row_thresholds, warp_thresholds
+
+from test_cuda_host_cut import tied_logits
+
+TOP_P = (1e-9, 0.3, 0.9, 0.9999999)
+
+
+def whole_vocabulary_cut(z: torch.Tensor, top_k: int, top_p: float):
+    """The definition: the V-length sort of z, every entry weighed (the top-k cut's k-th largest value from topk)."""
+    sorted_z, order = torch.sort(z, dim=-1, stable=True)
+    kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+    return warping._top_p_after_top_k_cut(sorted_z, order, kth, warping._float32(1.0 - top_p))
+
+
+def same_cut(a, b) -> bool:
+    return torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1e-3])
+def test_top_k_top_p_cut_is_its_whole_vocabulary_definition(dtype, temperature):
+    vocab = 37
+    x = torch.cat([tied_logits((8, vocab), dtype, seed=0, nan=False),
+                   (torch.randn(8, vocab, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)])
+    z = x.float() / temperature
+    for top_k in (1, 2, 5, 20, vocab - 1):
+        for top_p in TOP_P:
+            assert same_cut(warp_thresholds(z, top_k, top_p), whole_vocabulary_cut(z, top_k, top_p)), (top_k, top_p)
+
+
+def test_ties_larger_than_k_at_every_cut_position():
+    """All-equal rows and rows of two levels, the k-th value tied with many more ids than topk returns: a top_p for
+    each possible number of removed ties (the cut's index is the r-th tied id, found outside topk's candidates)."""
+    vocab, top_k = 40, 3
+    z = torch.zeros(4, vocab)
+    z[1, ::4] = 1.0  # 10 ids above, 30 tied below
+    z[2, 7] = 2.0
+    z[3, 30:] = float("-inf")
+    for top_p in [i / 41 for i in range(1, 41)] + [0.5]:
+        want = whole_vocabulary_cut(z, top_k, top_p)
+        assert same_cut(warp_thresholds(z, top_k, top_p), want), top_p
+    # half of 40 ties; half of 10; 23 of the 39 ties of weight e**-2 below the 2 (23 e**-2 <= (39 e**-2 + 1) / 2); 15
+    assert warp_thresholds(z, top_k, 0.5)[1].tolist() == [20, 20, 24, 15]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_per_row_cut_with_top_k_and_top_p_is_the_scalar_cut(dtype):
+    vocab = 37
+    z = tied_logits((8, vocab), dtype, seed=2, nan=False).float() / 0.7
+    for top_k in (1, 5, vocab - 1):
+        for top_p in TOP_P:
+            rows = row_thresholds(z, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float64))
+            assert same_cut(rows, warp_thresholds(z, top_k, top_p)), (top_k, top_p)
+
+
+def test_top_p_after_top_k_keeps_hfs_set_on_untied_logits():
+    """The exact integer cumulative differs from HF's float32 softmax + cumsum by rounding only: on random float32
+    rows (no ties) the kept sets are HF's (a top_p within float32 rounding of a cumulative probability is where they
+    may differ; benchmarks/RESULTS.md and warping.py)."""
+    from helpers.sampling import hf_warpers
+
+    z = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * 3
+    for top_k, top_p in [(50, 0.9), (10, 0.5), (299, 0.95), (1, 0.2)]:
+        expected = hf_warpers(1.0, top_k, top_p)(None, z.clone())
+        assert torch.equal(warping.warp_logits(z, 1.0, top_k, top_p), expected)
+
+
+def test_top_p_on_every_cumulative_weight():
+    """top_p = 1 - c for each cumulative fraction c of the survivors (float64 of the integer weights): the float32
+    threshold lands within rounding of the boundary, where the limit's float64 product must be computed alike by the
+    topk path, the whole-vocabulary definition and the per-row path."""
+    g = torch.Generator().manual_seed(4)
+    vocab, top_k = 30, 12
+    for _ in range(10):
+        z = torch.randn(1, vocab, generator=g) * 2
+        sorted_z, _ = torch.sort(z, stable=True)
+        q = warping._weights(sorted_z, sorted_z[..., -1:], warping._weight_bits(vocab))[0, -top_k:]
+        cumulative = q.cumsum(0).double() / q.sum().double()
+        for top_p in {1.0 - float(c) for c in cumulative[:-1]}:
+            want = whole_vocabulary_cut(z, top_k, top_p)
+            assert same_cut(warp_thresholds(z, top_k, top_p), want), top_p
+            rows = row_thresholds(z, torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float64))
+            assert same_cut(rows, want), top_p
