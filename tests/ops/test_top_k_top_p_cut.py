@@ -92,3 +92,14 @@ def test_top_p_on_every_cumulative_weight():
             assert same_cut(warp_thresholds(z, top_k, top_p), want), top_p
             rows = row_thresholds(z, torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float64))
             assert same_cut(rows, want), top_p
+
+
+@pytest.mark.parametrize("top_p,kept", [(0.5, 2), (0.75, 3), (0.25, 1)])
+def test_top_p_after_top_k_keeps_the_entry_whose_cumulative_weight_meets_the_threshold(top_p, kept):
+    """As HF (test_sampling_boundaries): with four survivors of exactly 1/4, top_p = 0.5 keeps 2 (not 3): a cumulative
+    weight equal to the limit is removed."""
+    z = torch.tensor([[0.0, 0.0, 0.0, 0.0, -40.0, -1.0]])
+    from helpers.sampling import hf_warpers
+
+    assert int(torch.isfinite(warping.warp_logits(z, 1.0, 4, top_p)).sum()) == kept
+    assert int(torch.isfinite(hf_warpers(1.0, 4, top_p)(None, z.clone())).sum()) == kept
