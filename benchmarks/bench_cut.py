@@ -1,10 +1,12 @@
-"""Benchmark of the top-k cut alone (what a sampling verification computes before its kernels), variants side by side.
+"""Benchmark of the top-k cut, alone and with top-p (what a sampling verification computes before its kernels),
+variants side by side.
 
-    python benchmarks/bench_cut.py                 # GPU: B 1 8 64 256, K 4, V 32000 128256, bf16, k 50, CUDA graph
+    python benchmarks/bench_cut.py                 # GPU: B 1 8 64 256, K 4, V 32000 128256, bf16, k 50, top_p 1 0.9,
+                                                   # CUDA graph
     python benchmarks/bench_cut.py --dry-run       # CPU, toy sizes (checks the variants agree; timings meaningless)
 
 One call = the cut of the target's [B, K+1, V] and the draft's [B, K, V] logits, as ``verify`` computes both.
-Variants (one temperature, top-k alone):
+Variants with top-k alone (``--top-p 1``):
 
 * ``element``: ``cuda_host._element_cut`` (the path before the fast one: float32 z, topk over z, an element of that
   value: ~7 passes besides the topk);
@@ -14,9 +16,17 @@ Variants (one temperature, top-k alone):
 * ``triton-element`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton backend's cut before
   and after (``_scaled`` then ``warp_thresholds``, against ``triton_backend._cuts``).
 
-Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s before it
-is timed; a mismatch stops the run. GPU timing: ``harness.time_us`` with ``cuda_graph`` (CUDA events around replays of
-a captured graph of many calls, median), input sets rotated so L2 never holds them (as ``bench_verify --cold-l2``).
+Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-k):
+
+* ``sort``: the cut's whole-vocabulary definition (``warping._top_p_after_top_k_cut``: float32 z, a V-length stable
+  sort, weights and a cumulative sum over V), the cost class of the path before the topk of k;
+* ``topk-k``: ``cuda_host._top_k_top_p_cut`` (float32 z, a topk of k, the tie count over V);
+* ``triton-sort`` / ``triton-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z.
+
+Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s (with
+top-p: the same z and the same cut index as ``sort``'s) before it is timed; a mismatch stops the run. GPU timing:
+``harness.time_us`` with ``cuda_graph`` (CUDA events around replays of a captured graph of many calls, median), input
+sets rotated so L2 never holds them (as ``bench_verify --cold-l2``).
 Writes JSON and CSV to ``--out``.
 """
 
@@ -33,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the package, when it is not installed
 from harness import environment, markdown_table, rotate, save, time_us  # noqa: E402
 
-from speculative_kernels.ops.cuda_host import _element_cut, _top_k_cut  # noqa: E402
+from speculative_kernels.ops import warping  # noqa: E402
+from speculative_kernels.ops.cuda_host import _element_cut, _top_k_cut, _top_k_top_p_cut  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
 L2_BYTES = 50 * 2**20  # H100's; the rotated sets total at least twice this
@@ -51,6 +62,18 @@ def two_stage_top_k_cut(logits: torch.Tensor, top_k: int, chunk: int) -> tuple[t
     return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
 
 
+def sorted_cut(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole-vocabulary top-p-after-top-k cut of z [..., V] float32: (value, index) [...] (a V-length sort)."""
+    sorted_z, order = torch.sort(z, dim=-1, stable=True)
+    kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+    return warping._top_p_after_top_k_cut(sorted_z, order, kth, warping._float32(1.0 - top_p))
+
+
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = float32(x) / T, a true division by a device scalar (as ``cuda_host`` and the kernels)."""
+    return logits.to(torch.float32) / torch.full((), temperature, device=logits.device)
+
+
 def chunk_near(vocab: int, target: int, top_k: int) -> int | None:
     """The divisor of ``vocab`` nearest ``target`` with at least ``top_k`` ids and at least two chunks, or None."""
     divisors = [d for d in range(top_k, vocab // 2 + 1) if vocab % d == 0]
@@ -61,6 +84,47 @@ def source_z(logits: torch.Tensor, source: torch.Tensor, temperature: float) -> 
     """float32(x[source]) / T as int32 bits (a true division, as the kernels')."""
     x = logits.gather(-1, source.to(torch.int64).unsqueeze(-1)).squeeze(-1).float()
     return (x / torch.full((), temperature, device=x.device)).view(torch.int32)
+
+
+def top_p_variants(args, top_p: float) -> dict:
+    """name -> fn(logits [..., V], sampling) -> (source or cut value [...], cut index [...]), top-k with top-p."""
+    k = args.top_k
+    fns = {"sort": lambda x, s: sorted_cut(scaled(x, s.temperature), k, top_p)[1].expand(2, *x.shape[:-1]),
+           "topk-k": lambda x, s: torch.stack(_top_k_top_p_cut(x, s))}
+    if not args.no_triton and (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        try:
+            from speculative_kernels.ops import triton_backend
+        except ImportError as exc:
+            print(f"skipping the Triton variants: {exc}")
+            return fns
+
+        def plan(x):
+            return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
+
+        def triton_sort(x, s):
+            value, index = sorted_cut(triton_backend._scaled(x, s, plan(x)), k, top_p)
+            return torch.stack([value.view(torch.int32), index])
+
+        def triton_topk(x, s):
+            value, index = triton_backend._cuts(x, s, plan(x))
+            return torch.stack([value.view(torch.int32), index])
+
+        fns["triton-sort"], fns["triton-topk-k"] = triton_sort, triton_topk
+    return fns
+
+
+def check_same_top_p(fns: dict, target, draft, sampling) -> None:
+    """Every top-p variant gives ``sort``'s cut: the same z at its source (as bits) and the same index."""
+    for x in (target, draft):
+        want = fns["sort"](x, sampling)
+        want_z = source_z(x, want[1], sampling.temperature)
+        for name, fn in fns.items():
+            got = fn(x, sampling)
+            triton = name.startswith("triton")
+            got_z = got[0].reshape(want_z.shape) if triton else source_z(x, got[0], sampling.temperature)
+            if not (torch.equal(got_z.reshape(-1), want_z.reshape(-1))
+                    and torch.equal(got[1].reshape(-1), want[1].reshape(-1))):
+                raise AssertionError(f"{name}: the cut differs from sort's on {tuple(x.shape)}")
 
 
 def cut_variants(args, vocab: int) -> dict:
@@ -104,22 +168,27 @@ def make_inputs(batch, k, vocab, dtype, device, seed):
     return target, draft
 
 
-def bench_config(args, batch, k, vocab) -> list[dict]:
+def bench_config(args, batch, k, vocab, top_p) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     nbytes = batch * (2 * k + 1) * vocab * torch.finfo(dtype).bits // 8
     sets = max(2, min(args.max_sets, math.ceil(2 * L2_BYTES / nbytes))) if args.device == "cuda" else 1
     inputs = [make_inputs(batch, k, vocab, dtype, args.device, seed) for seed in range(sets)]
-    sampling = Sampling(args.temperature, args.top_k, 1.0)
-    fns = cut_variants(args, vocab)
-    check_same(fns, *inputs[0], sampling)
+    sampling = Sampling(args.temperature, args.top_k, top_p)
+    if top_p < 1.0:
+        fns, base_name = top_p_variants(args, top_p), "sort"
+        check_same_top_p(fns, *inputs[0], sampling)
+    else:
+        fns, base_name = cut_variants(args, vocab), "element"
+        check_same(fns, *inputs[0], sampling)
     rows = []
     for name, fn in fns.items():
         calls = [functools.partial(lambda t, d, f: (f(t, sampling), f(d, sampling)), t, d, fn) for t, d in inputs]
         us = time_us(rotate(calls), args.device, cuda_graph=args.device == "cuda", rep_ms=args.rep_ms)
-        rows.append(dict(variant=name, batch=batch, k=k, vocab=vocab, sets=sets, us=us, gbps=nbytes / us / 1e3))
-    base = next(r["us"] for r in rows if r["variant"] == "element")
+        rows.append(dict(variant=name, top_p=top_p, batch=batch, k=k, vocab=vocab, sets=sets, us=us,
+                         gbps=nbytes / us / 1e3))
+    base = next(r["us"] for r in rows if r["variant"] == base_name)
     for r in rows:
-        r["speedup_vs_element"] = base / r["us"]
+        r["speedup"] = base / r["us"]  # (against element with top-k alone, against sort with top-p)
     return rows
 
 
@@ -131,6 +200,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, nargs="+", default=[1.0, 0.9],
+                   help="1: top-k alone; below 1: top-k then top-p (Llama's generation_config: 0.9)")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--chunks", type=int, nargs="*", default=[1024, 4096],
                    help="two-stage chunk sizes (the nearest divisor of V is used)")
@@ -151,14 +222,15 @@ def main(argv=None) -> list[dict]:
     meta.update(dtype=args.dtype, top_k=args.top_k, temperature=args.temperature, cuda_graph=args.device == "cuda",
                 cold_l2=args.device == "cuda")
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
-    columns = ["variant", "batch", "k", "vocab", "sets", "us", "gbps", "speedup_vs_element"]
+    columns = ["variant", "top_p", "batch", "k", "vocab", "sets", "us", "gbps", "speedup"]
     rows = []
-    for vocab in args.vocab:
-        for k in args.k:
-            for batch in args.batch:
-                new = bench_config(args, batch, k, vocab)
-                rows += new
-                print(markdown_table(new, columns).split("\n", 2)[-1], flush=True)
+    for top_p in args.top_p:
+        for vocab in args.vocab:
+            for k in args.k:
+                for batch in args.batch:
+                    new = bench_config(args, batch, k, vocab, top_p)
+                    rows += new
+                    print(markdown_table(new, columns).split("\n", 2)[-1], flush=True)
     print("\n" + markdown_table(rows, columns))
     stamp = meta["date"].replace(":", "").replace("-", "")
     written = save(rows, meta, args.out / f"cut-{args.device}{'-dry' if args.dry_run else ''}-{stamp}")

@@ -25,9 +25,10 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
 * ``verify``: ``bench_verify.py``: B 1..256, K 1/4/8, V 32000/128256/151936, greedy and sampling, bf16, eager and
   CUDA-graph timing, backends cuda/triton/torch and ``torch.compile`` of the reference (at K=4, V=128256: it compiles
   once per shape).
-* ``cut``: ``bench_cut.py``: the top-k cut alone (k 50, B 1/8/64/256, K 4, V 32000/128256, bf16, CUDA graph, cold
-  L2), the float32 element cut against the raw-logit topk, a two-stage topk and the Triton backend's; then
-  ``bench_verify.py`` at K=4, V=128256 (cuda, triton; sampling, CUDA graph, cold L2) without a cut and with top_k=50.
+* ``cut``: ``bench_cut.py``: the top-k cut alone and with top_p=0.9 (k 50, B 1/8/64/256, K 4, V 32000/128256, bf16,
+  CUDA graph, cold L2), the float32 element cut against the raw-logit topk, a two-stage topk and the Triton backend's;
+  with top-p the V-length sort against the topk of k; then ``bench_verify.py`` at K=4, V=128256 (cuda, triton;
+  sampling, CUDA graph, cold L2) without a cut, with top_k=50 and with top_k=50, top_p=0.9.
 * ``e2e``: ``e2e.py`` on the synthetic Llama-3-8B / 3.2-1B shapes at alpha 0.8 (batch 1: the end-to-end targets'
   rows, compiled against HF's compiled static-cache ``generate``) and on the bundled demo pair (batching table at
   batch 1/4/16/64: ``model.generate``, HF assisted at batch 1, ours dynamic/static, compiled), with the efficiency
@@ -64,7 +65,7 @@ PHASES = ("env", "build", "tests", "counts", "profile", "verify", "cut", "e2e", 
 # Seconds each phase may run on the GPU (a lease command is at most 10 minutes; see --phases in the docstring).
 # The tests phase took 289 s for the second run's list; ~130 tests (compiled continuous batching, sampling
 # differential, half precision) have been added since, hence its own command with room to spare.
-LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "cut": 240, "e2e": 540,
+LIMITS = {"env": 60, "build": 200, "tests": 450, "counts": 150, "profile": 180, "verify": 200, "cut": 330, "e2e": 540,
           "half": 240, "serving": 240}
 GPU_TESTS = [
     "tests/ops/test_cuda_ops.py", "tests/ops/test_cuda_build.py", "tests/ops/test_triton_ops.py",
@@ -268,15 +269,15 @@ def verify_command(out: Path, dry_run: bool) -> tuple[list[str], dict]:
 
 def cut_commands(out: Path, dry_run: bool) -> list[list[str]]:
     """``bench_cut.py`` (the top-k cut alone, its variants), then on the GPU ``bench_verify.py`` in a CUDA graph with
-    cold L2 at K=4, V=128256, sampling, cuda and triton: without a cut and with top_k=50, so the cut's share of a
-    verification is measured in one run."""
+    cold L2 at K=4, V=128256, sampling, cuda and triton: without a cut, with top_k=50, and with top_k=50, top_p=0.9,
+    so the cut's share of a verification is measured in one run."""
     cut = [sys.executable, str(HERE / "bench_cut.py"), "--out", str(out)]
     if dry_run:
         return [cut + ["--dry-run"]]
     verify = [sys.executable, str(HERE / "bench_verify.py"), "--out", str(out), "--backends", "cuda", "triton",
               "--modes", "sampling", "--timings", "graph", "--cold-l2", "--k", "4", "--vocab", "128256",
               "--batch", "1", "8", "64", "256", "--rep-ms", "40"]
-    return [cut, verify + ["--top-k", "0"], verify + ["--top-k", "50"]]
+    return [cut, verify + ["--top-k", "0"], verify + ["--top-k", "50"], verify + ["--top-k", "50", "--top-p", "0.9"]]
 
 
 E2E_CASES = ("synthetic", "demo")
