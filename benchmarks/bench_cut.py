@@ -21,6 +21,8 @@ Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-
 * ``sort``: the cut's whole-vocabulary definition (``warping._top_p_after_top_k_cut``: float32 z, a V-length stable
   sort, weights and a cumulative sum over V), the cost class of the path before the topk of k;
 * ``topk-k``: ``cuda_host._top_k_top_p_cut`` (float32 z, a topk of k, the tie count over V);
+* ``rows-sort`` / ``rows-topk-bound``: ``warping.row_thresholds`` with per-row tensors (every row k, top_p): one
+  V-length sort per row, against one topk of a host bound (2k; ``top_k_bound``, not yet passed by the serving path);
 * ``triton-sort`` / ``triton-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z.
 
 Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s (with
@@ -89,8 +91,18 @@ def source_z(logits: torch.Tensor, source: torch.Tensor, temperature: float) -> 
 def top_p_variants(args, top_p: float) -> dict:
     """name -> fn(logits [..., V], sampling) -> (source or cut value [...], cut index [...]), top-k with top-p."""
     k = args.top_k
+    def rows(bound):  # the per-row path with every row's (k, top_p) as tensors, without and with a host bound
+        def fn(x, s):
+            lead = x.shape[:-1]
+            top_k = torch.full(lead, k, device=x.device)
+            top_p_rows = torch.full(lead, top_p, dtype=torch.float64, device=x.device)
+            index = warping.row_thresholds(scaled(x, s.temperature), top_k, top_p_rows, top_k_bound=bound)[1]
+            return index.expand(2, *lead)
+        return fn
+
     fns = {"sort": lambda x, s: sorted_cut(scaled(x, s.temperature), k, top_p)[1].expand(2, *x.shape[:-1]),
-           "topk-k": lambda x, s: torch.stack(_top_k_top_p_cut(x, s))}
+           "topk-k": lambda x, s: torch.stack(_top_k_top_p_cut(x, s)),
+           "rows-sort": rows(None), "rows-topk-bound": rows(2 * k)}
     if not args.no_triton and (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         try:
             from speculative_kernels.ops import triton_backend

@@ -17,10 +17,11 @@ max(floor(exp(z - max) * 2**b), 1) with b = 62 - bit_length(V), and a position i
 <= floor(float32(1 - top_p) * float64(total)). Why: HF's float32 sums over V entries, mostly exp(-inf) = 0, depend on
 where the nonzero entries sit in the reduction (a CPU vector lane, a CUDA block tree and scan), so no computation over
 the k survivors alone can reproduce them bit for bit, and the cut is worth computing from a topk of k (the cut's
-V-length passes cost 13-17x the verification kernel on an H200, benchmarks/RESULTS.md). Integer sums are exact in any order: the topk path
-(``_top_k_top_p_cut``), the whole-vocabulary one (``_top_p_after_top_k_cut``, the per-row path's) and every device give
-the same cut by construction. The difference from HF is rounding: the weights move the total by under
-2**(2 bit_length(V) - 62) of itself (2**-28 at V = 128256, below float32's 2**-24), and HF's own float32 cumulative probabilities differ from the
+V-length passes cost 13-17x the verification kernel on an H200, benchmarks/RESULTS.md). Integer sums are exact in
+any order: the topk path (``_top_k_top_p_cut``), the whole-vocabulary one (``_top_p_after_top_k_cut``, the per-row
+path's), the per-row topk of a bound (``_rows_top_k_cut``) and every device give the same cut by construction. The
+difference from HF is rounding: the weights move the total by under 2**(2 bit_length(V) - 62) of itself (2**-28 at
+V = 128256, below float32's 2**-24), and HF's own float32 cumulative probabilities differ from the
 exact ones by a few ulps (and between its CPU cumsum, accumulated in float64, and its CUDA one, in float32). The kept
 sets differ only when 1 - top_p lies within that rounding of a cumulative probability: none of 150k random rows
 (float32, bfloat16, float16; V 50 to 128256; top_p 0.5 to 0.99) differed from the float32 computation; a top_p set
@@ -183,17 +184,26 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return apply_thresholds(z, cut_value, cut_index)
 
 
-def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   top_k_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``warp_thresholds`` with a top_k and a top_p per row: z [..., V] float32; top_k int64 and top_p float64,
     both broadcast to z.shape[:-1]. A row's cut equals ``warp_thresholds`` of that row alone with the scalars
     (top_k, float(top_p)): the k-th largest value, the same stable sort, softmax and cumulative sum for top-p alone,
     the whole-vocabulary definition of top-p after top-k (``_top_p_after_top_k_cut``, which the scalar path's topk of
     k equals bit for bit), and the threshold 1 - top_p computed in float64 and rounded to float32, as torch rounds the
     scalar path's python float.
-    top_k <= 0 or >= V, and top_p >= 1 (or NaN), switch the filter off for that row."""
+    top_k <= 0 or >= V, and top_p >= 1 (or NaN), switch the filter off for that row.
+
+    ``top_k_bound``: a host int the caller knows from host values (serving: the requests' settings), None if unknown.
+    With 0 < top_k_bound < V it promises that every row with top_p < 1 has 0 < top_k <= top_k_bound (no row needs
+    top-p over the whole vocabulary), and the cut comes from one topk of top_k_bound (``_rows_top_k_cut``) instead
+    of a V-length sort: the same cut bit for bit. A broken promise gives a wrong cut (it cannot be checked without
+    reading the device)."""
     lead = z.shape[:-1]
     vocab = z.shape[-1]
     top_k, top_p = top_k.expand(lead), top_p.expand(lead)
+    if top_k_bound is not None and 0 < top_k_bound < vocab:
+        return _rows_top_k_cut(z, top_k, top_p, top_k_bound)
     use_k = (top_k > 0) & (top_k < vocab)
     # One ascending stable sort serves both filters: the k-th largest value is at V - k (entries below it weigh 0 in
     # ``_top_p_after_top_k_cut``, whatever their order). The per-row k is a device value, hence no topk of k here.
@@ -208,3 +218,35 @@ def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     p_value, p_index = torch.where(use_k, k_value, p_value), torch.where(use_k, k_index, p_index)
     use_p = top_p < 1.0
     return torch.where(use_p, p_value, cut_value), torch.where(use_p, p_index, cut_index)
+
+
+def _rows_top_k_cut(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_thresholds`` from one topk of ``bound`` (0 < bound < V; every row with top_p < 1 has 0 < top_k <=
+    bound): ``_top_k_top_p_cut`` with a k per row. z [..., V]; top_k, top_p: [...] (expanded). A row's k candidates
+    are the last k of the bound candidates in (value, index) order (all entries above its k-th largest value t, and
+    ties at t); the positions before them weigh 0 and are not counted."""
+    vocab = z.shape[-1]
+    use_k = (top_k > 0) & (top_k < vocab)
+    ids = torch.topk(z, bound, dim=-1).indices.sort(dim=-1).values
+    values, order = z.gather(-1, ids).sort(dim=-1, stable=True)  # [..., bound] ascending (value, index)
+    first = (bound - top_k.clamp(1, bound)).unsqueeze(-1)  # the row's first candidate
+    before = torch.arange(bound, device=z.device) < first  # [..., bound]: not the row's candidates
+    t = values.gather(-1, first)
+    tie_rank = (z == t).cumsum(dim=-1, dtype=torch.int32)
+    ties = tie_rank[..., -1:]
+    outside = ties - ((values == t) & ~before).sum(dim=-1, keepdim=True)
+    q = _weights(values, values[..., -1:], _weight_bits(vocab)).masked_fill(before, 0)
+    q_t = q.gather(-1, first)
+    cumulative = q.cumsum(dim=-1) + outside * q_t
+    limit = _limit(cumulative[..., -1:], (1.0 - top_p).to(torch.float32).to(torch.float64).unsqueeze(-1))
+    candidate = ((cumulative[..., :-1] <= limit) & ~before[..., :-1]).sum(dim=-1, keepdim=True)
+    removed = torch.minimum(limit // q_t, outside) + candidate
+    in_ties = removed < ties
+    at = first + candidate
+    p_value = torch.where(in_ties, t, values.gather(-1, at)).squeeze(-1)
+    p_index = torch.where(in_ties, (tie_rank <= removed).sum(dim=-1, keepdim=True),
+                          ids.gather(-1, order.gather(-1, at))).squeeze(-1).to(torch.int32)
+    k_value = torch.where(use_k, t.squeeze(-1), NO_CUT)
+    use_p = use_k & (top_p < 1.0)
+    return torch.where(use_p, p_value, k_value), torch.where(use_p, p_index, torch.zeros_like(p_index))

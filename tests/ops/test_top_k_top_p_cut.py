@@ -103,3 +103,22 @@ def test_top_p_after_top_k_keeps_the_entry_whose_cumulative_weight_meets_the_thr
 
     assert int(torch.isfinite(warping.warp_logits(z, 1.0, 4, top_p)).sum()) == kept
     assert int(torch.isfinite(hf_warpers(1.0, 4, top_p)(None, z.clone())).sum()) == kept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 1e-3])
+def test_per_row_cut_from_a_topk_of_the_bound_is_the_sorted_one(dtype, temperature):
+    """``row_thresholds(..., top_k_bound)`` (one topk of the bound, a k per row) against the same call without a
+    bound (one V-length sort per row): each row's own k in 1..bound with top_p from 1e-9 to 1 (top-k alone), and
+    rows without any cut (k 0, top_p 1), on tied logits with +-inf and overflow rows."""
+    vocab, bound = 37, 12
+    z = tied_logits((4, 8, vocab), dtype, seed=9, nan=False).float() / temperature
+    g = torch.Generator().manual_seed(10)
+    for _ in range(6):
+        top_k = torch.randint(1, bound + 1, (4, 8), generator=g)
+        top_p = torch.tensor(TOP_P + (1.0,), dtype=torch.float64)[torch.randint(0, 5, (4, 8), generator=g)]
+        top_k[0, :2], top_p[0, :2] = 0, 1.0
+        top_k[1, 0] = bound
+        want = row_thresholds(z, top_k, top_p)
+        assert same_cut(row_thresholds(z, top_k, top_p, top_k_bound=bound), want)
+        assert same_cut(row_thresholds(z, top_k, top_p, top_k_bound=vocab), want)  # (no topk of V: the sort)
