@@ -12,7 +12,7 @@ import torch
 
 from ..ops.diagnostics import raise_for_invalid_rows
 from ..ops.randomness import DecodeRandomness
-from ..ops.sampling import GREEDY, RowSampling
+from ..ops.sampling import GREEDY
 from ..ops.warping import warp_logits
 from .buffers import initial_new_tokens, widen
 from .context_processors import RowProcessors, RowWarpers, Warpers
@@ -737,10 +737,8 @@ class SpeculativeLoop:
             return f"ValueError: {reason}"
         sampling = None
         if self.sampling.per_row:
-            r, keep = self.sampling.rows, torch.tensor([b], device=self.device)
-            sampling = dataclasses.replace(self.sampling, rows=RowSampling(
-                r.temperature.index_select(0, keep), r.top_k.index_select(0, keep), r.top_p.index_select(0, keep),
-                r.cut))
+            sampling = dataclasses.replace(self.sampling, rows=self.sampling.rows.select(
+                torch.tensor([b], device=self.device)))
         row = {name: None if tensor is None else tensor[b : b + 1] for name, tensor in inputs.items()}
         try:
             raise_for_invalid_rows(accepted[b : b + 1], temperature=self.sampling.temperature, sampling=sampling, **row)
@@ -957,10 +955,7 @@ class SpeculativeLoop:
         if self._greedy_rows is not None:
             self._greedy_rows = [self._greedy_rows[i] for i in remaining]
         if self.sampling.per_row:
-            r = self.sampling.rows
-            self.sampling = dataclasses.replace(self.sampling, rows=RowSampling(
-                r.temperature.index_select(0, keep), r.top_k.index_select(0, keep), r.top_p.index_select(0, keep),
-                r.cut))
+            self.sampling = dataclasses.replace(self.sampling, rows=self.sampling.rows.select(keep))
         self.last = self.last.index_select(0, keep)
         self.randomness.select_rows(keep)
         self.target_runner.select_rows(keep)
@@ -1008,10 +1003,7 @@ class SpeculativeLoop:
         self._join_processors(other)
         self._context_start = ([s + prompt_length - self.prompt_length for s in self._context_start]
                                + [s + prompt_length - other.prompt_length for s in other._context_start])
-        r, o = self.sampling.rows, other.sampling.rows
-        sampling = dataclasses.replace(self.sampling, rows=RowSampling(
-            torch.cat([r.temperature, o.temperature]), torch.cat([r.top_k, o.top_k]), torch.cat([r.top_p, o.top_p]),
-            r.cut or o.cut))
+        sampling = dataclasses.replace(self.sampling, rows=self.sampling.rows.join(other.sampling.rows))
         self.target_runner.add_rows(other.target_runner)
         self.randomness.add_rows(other.randomness)
         self.sampling, self.last = sampling, torch.cat([self.last, other.last])

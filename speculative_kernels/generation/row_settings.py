@@ -45,7 +45,13 @@ class RowSettings:
         return len(self.max_new_tokens)
 
     def sampling(self, device: torch.device) -> Sampling:
-        """The rows' ``Sampling`` (``RowSampling``: [B] tensors on device)."""
-        return check_sampling(torch.tensor(self.temperature, dtype=torch.float32, device=device),
-                              torch.tensor(self.top_k, dtype=torch.int64, device=device),
-                              torch.tensor(self.top_p, dtype=torch.float64, device=device), self.batch, device)
+        """The rows' ``Sampling`` (``RowSampling``: [B] tensors on device, with the host bound of the sampled rows'
+        top_k when every sampled row with top_p < 1 has a top_k: ``RowSampling.top_k_bound``)."""
+        sampling = check_sampling(torch.tensor(self.temperature, dtype=torch.float32, device=device),
+                                  torch.tensor(self.top_k, dtype=torch.int64, device=device),
+                                  torch.tensor(self.top_p, dtype=torch.float64, device=device), self.batch, device)
+        sampled = [(k, p) for t, k, p in zip(self.temperature, self.top_k, self.top_p) if t > 0]
+        if all(k > 0 for k, p in sampled if p < 1.0):
+            bound = max((k for k, _ in sampled), default=0)
+            sampling = dataclasses.replace(sampling, rows=dataclasses.replace(sampling.rows, top_k_bound=bound))
+        return sampling

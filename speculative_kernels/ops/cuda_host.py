@@ -40,7 +40,8 @@ def _element_cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor
         shape = (-1, *([1] * (logits.dim() - 1)))
         z = logits.to(torch.float32) / rows.safe_temperature().view(shape)
         lead = (-1, *([1] * (logits.dim() - 2)))
-        cut_value, cut_index = row_thresholds(z, rows.sampled_top_k().view(lead), rows.sampled_top_p().view(lead))
+        cut_value, cut_index = row_thresholds(z, rows.sampled_top_k().view(lead), rows.sampled_top_p().view(lead),
+                                              rows.top_k_bound)
     # With top-p the cut is an element, (z_i, i); with top-k alone it is (k-th largest z, 0): take the first element
     # holding that value; with no cut (-inf, 0): the row's minimum.
     at_index = z.gather(-1, cut_index.to(torch.int64).unsqueeze(-1)).squeeze(-1)

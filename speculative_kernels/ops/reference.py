@@ -151,7 +151,7 @@ def _warped_probs(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tenso
     z = logits.to(torch.float32) / rows.safe_temperature().view(-1, 1, 1)
     warped = z
     if rows.cut:
-        cut = row_thresholds(z, rows.sampled_top_k().view(-1, 1), rows.sampled_top_p().view(-1, 1))
+        cut = row_thresholds(z, rows.sampled_top_k().view(-1, 1), rows.sampled_top_p().view(-1, 1), rows.top_k_bound)
         warped = apply_thresholds(z, *cut)
     return torch.softmax(warped, dim=-1), invalid_positions(z)
 

@@ -21,6 +21,9 @@ class RowSampling:
     ``cut``: whether any row may apply top-k / top-p (False when both were given as scalars that switch them off),
     a static fact, so no device value is read to decide it. ``given_temperature``: the caller's float64 temperature
     tensor (None otherwise), read only to name a refused value in the error (1e39, infinite in float32).
+    ``top_k_bound``: a host int >= every sampled row's top_k such that every sampled row with top_p < 1 has
+    top_k > 0, known from host values (``RowSettings.sampling``), or None: the cut then takes one topk of the bound
+    instead of a V-length sort per row (``warping.row_thresholds``).
     """
 
     temperature: torch.Tensor
@@ -28,6 +31,19 @@ class RowSampling:
     top_p: torch.Tensor
     cut: bool
     given_temperature: torch.Tensor | None = None
+    top_k_bound: int | None = None
+
+    def select(self, index: torch.Tensor) -> "RowSampling":
+        """The rows at ``index`` [n] int64 (a bound over a superset of rows stays a bound)."""
+        return RowSampling(self.temperature.index_select(0, index), self.top_k.index_select(0, index),
+                           self.top_p.index_select(0, index), self.cut, top_k_bound=self.top_k_bound)
+
+    def join(self, other: "RowSampling") -> "RowSampling":
+        """These rows, then ``other``'s."""
+        bounds = (self.top_k_bound, other.top_k_bound)
+        return RowSampling(torch.cat([self.temperature, other.temperature]), torch.cat([self.top_k, other.top_k]),
+                           torch.cat([self.top_p, other.top_p]), self.cut or other.cut,
+                           top_k_bound=None if None in bounds else max(bounds))
 
     @property
     def greedy(self) -> torch.Tensor:

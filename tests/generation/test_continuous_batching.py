@@ -1056,3 +1056,46 @@ def test_admission_counts_the_running_rows_against_max_batch_size():
     while d.has_work():
         d.step()
         assert len(d.running) <= 2
+
+
+def test_row_settings_carry_a_host_bound_of_top_k_kept_by_row_selection_and_joins():
+    """``RowSettings.sampling`` bounds the sampled rows' top_k when every sampled row with top_p < 1 has one (a
+    greedy row's top_p does not count); a row with top_p and no top_k leaves no bound (its cut needs the whole
+    vocabulary). Selecting rows keeps the bound, joining takes the larger, or none if either has none."""
+    from speculative_kernels.generation.row_settings import RowSettings
+
+    def rows(temperature, top_k, top_p):
+        n = len(top_k)
+        return RowSettings(max_new_tokens=[4] * n, eos=[frozenset()] * n, temperature=temperature, top_k=top_k,
+                           top_p=top_p, min_new_tokens=[0] * n, keys=[1] * n, draft_offsets=[0] * n,
+                           verify_offsets=[0] * n).sampling(torch.device(DEVICE)).rows
+
+    bounded = rows([0.0, 0.7, 1.0], [0, 5, 7], [0.5, 0.9, 1.0])
+    assert bounded.top_k_bound == 7
+    assert rows([0.7, 1.0], [5, 0], [0.9, 0.9]).top_k_bound is None
+    assert rows([0.7, 1.0], [0, 0], [1.0, 1.0]).top_k_bound == 0
+    assert bounded.select(torch.tensor([1], device=DEVICE)).top_k_bound == 7
+    assert bounded.join(rows([1.0], [30], [0.8])).top_k_bound == 30
+    assert bounded.join(rows([1.0], [0], [0.8])).top_k_bound is None
+
+
+def test_per_row_cut_takes_the_host_bound_when_rows_join(pair, monkeypatch):
+    """Sampled requests with top-k and top-p (each its own k) joining at different steps: the per-row cut gets the
+    rows' bound (one topk instead of a sort per row) and each request still matches itself alone."""
+    from speculative_kernels.ops import reference, warping
+
+    bounds = []
+    real = warping.row_thresholds
+
+    def recording(z, top_k, top_p, top_k_bound=None):
+        bounds.append(top_k_bound)
+        return real(z, top_k, top_p, top_k_bound)
+
+    monkeypatch.setattr(reference, "row_thresholds", recording)
+    decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
+    arrivals = {0: [([5, 6, 7], dict(max_new_tokens=6, do_sample=True, top_k=5, top_p=0.9, seed=1))],
+                2: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_k=20, top_p=0.7, seed=2))]}
+    requests, _ = run_arrivals(decoder, arrivals)
+    for request_id, (prompt, settings) in requests.items():
+        assert decoder.result(request_id).token_ids == _alone(pair, prompt, settings), settings
+    assert 20 in bounds and None not in bounds

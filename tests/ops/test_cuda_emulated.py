@@ -453,3 +453,37 @@ def test_top_k_top_p_cut_gives_the_whole_vocabulary_cuts_outputs(emulated, monke
     _same_outputs(fast, outputs(emulated.verify, emulated.sample))
     assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
     assert (fast[1] >= 0).sum() >= 3 and (fast[4] >= 0).sum() >= 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_row_cut_from_a_host_bound_gives_the_sorted_cuts_outputs(emulated, monkeypatch, dtype):
+    """Per-row top-k with top-p and a host bound of top_k (``RowSampling.top_k_bound``: one topk of the bound in
+    ``cuda_host``) against the same rows without it (a V-length sort per row) and the reference: tied logits with
+    +-inf, overflow and a NaN row, a greedy row, a top-k-alone row."""
+    import dataclasses
+    from test_cuda_host_cut import tied_logits
+
+    batch, k, vocab = 8, 2, 61
+    target = tied_logits((batch, k + 1, vocab), dtype, seed=11, stride=k + 1)
+    draft = tied_logits((batch, k, vocab), dtype, seed=12, stride=k)
+    tokens = target[:, :k].float().nan_to_num().argmax(-1)
+    t = torch.tensor([0.7, 1.0, 0.0, 1e-3, 1.3, 0.7, 1.0, 0.8])
+    top_k = torch.tensor([1, 5, 0, 20, 12, 3, 20, 7])
+    top_p = torch.tensor([0.5, 0.9, 0.3, 0.3, 1.0, 1e-9, 0.9999999, 0.9], dtype=torch.float64)
+    sorted_rows = check_sampling(t, top_k, top_p, batch, torch.device("cpu"))
+    bounded = dataclasses.replace(sorted_rows, rows=dataclasses.replace(sorted_rows.rows, top_k_bound=20))
+
+    def outputs(verify, sample, sampling):
+        return [*verify(target, draft, tokens, sampling, _host_randomness(batch)),
+                *verify(target, None, tokens, sampling, _host_randomness(batch)),
+                sample(target[:, 0], sampling, _host_randomness(batch))]
+
+    from speculative_kernels.ops import cuda_host
+
+    bounds, real = [], cuda_host.row_thresholds
+    monkeypatch.setattr(cuda_host, "row_thresholds", lambda *a: bounds.append(a[3]) or real(*a))
+    got = outputs(emulated.verify, emulated.sample, bounded)
+    assert bounds == [20] * 4  # (the bound reaches every cut: target and draft, target alone, the sample)
+    _same_outputs(got, outputs(emulated.verify, emulated.sample, sorted_rows))
+    _same_outputs(got, outputs(verify_reference, sample_reference, bounded))
+    assert got[1][7] == -1 and (got[1] >= 0).sum() >= 3
