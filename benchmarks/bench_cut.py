@@ -22,7 +22,7 @@ Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-
   sort, weights and a cumulative sum over V), the cost class of the path before the topk of k;
 * ``topk-k``: ``cuda_host._top_k_top_p_cut`` (float32 z, a topk of k, the tie count over V);
 * ``rows-sort`` / ``rows-topk-bound``: ``warping.row_thresholds`` with per-row tensors (every row k, top_p): one
-  V-length sort per row, against one topk of a host bound (2k; ``top_k_bound``, not yet passed by the serving path);
+  V-length sort per row, against one topk of a host bound (2k; ``top_k_bound``, as serving passes it);
 * ``triton-sort`` / ``triton-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z.
 
 Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s (with
