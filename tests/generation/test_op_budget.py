@@ -23,17 +23,17 @@ BUDGETS = {
     # drafting also copied q's logits, which greedy verification does not read)
     ("dynamic", 4, "greedy"): (68, 5.6),  # measured 64.0, 5.15 (69.0 before the compaction index was shared; 6.4
     # per draft step with the copy of q)
-    ("dynamic", 1, "sampling"): (326, 148),  # measured 316.9, 143.1 (280.9, 125.1 before top-p after top-k took a
-    # topk of k and exact integer weights instead of a V-length sort: ~18 more ops per warp, on [B, k] tensors but
-    # for the tie count; 493.9, 231.1 before the stacked Philox rounds and the one-pass validity test; 762.0, 372.0
-    # before the wrapping Philox)
-    ("dynamic", 4, "sampling"): (358, 150),  # measured 348.6, 145.6 (312.6, 127.6 before the topk of k; 524.8, 233.6
-    # before the stacked Philox rounds)
+    ("dynamic", 1, "sampling"): (328, 150),  # measured 319.0, 144.6 with top-p after top-k from a topk of k and
+    # exact integer weights (~18 more ops per warp than the V-length sort, on [B, k] tensors but for the tie count) and
+    # the races' four words per Philox call (+2 ops a race); 280.9, 125.1 before both; 493.9, 231.1 before the stacked
+    # Philox rounds and the one-pass validity test; 762.0, 372.0 before the wrapping Philox
+    ("dynamic", 4, "sampling"): (362, 152),  # measured 354.6, 146.8 (312.6, 127.6 before the topk of k and the four
+    # words; 524.8, 233.6 before the stacked Philox rounds)
     ("static", 1, "greedy"): (32, 5.8),  # measured 29.0, 5.3 (eager; compile=True captures the runner's part;
     # 6.6 per draft step with the copy of q)
     ("static", 4, "greedy"): (70, 7.8),  # measured 66.4, 7.2 (8.5 with the copy of q)
-    ("static", 1, "sampling"): (328, 150),  # measured 318.0, 145.0 (282.0, 127.0 before the topk of k; 495.0, 233.0
-    # before the stacked Philox rounds)
+    ("static", 1, "sampling"): (330, 152),  # measured 321.7, 146.6 (282.0, 127.0 before the topk of k and the four
+    # words; 495.0, 233.0 before the stacked Philox rounds)
 }
 
 
