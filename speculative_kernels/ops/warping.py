@@ -19,7 +19,9 @@ where the nonzero entries sit in the reduction (a CPU vector lane, a CUDA block 
 the k survivors alone can reproduce them bit for bit, and the cut is worth computing from a topk of k (the cut's
 V-length passes cost 13-17x the verification kernel on an H200, benchmarks/RESULTS.md). Integer sums are exact in
 any order: the topk path (``_top_k_top_p_cut``), the whole-vocabulary one (``_top_p_after_top_k_cut``, the per-row
-path's), the per-row topk of a bound (``_rows_top_k_cut``) and every device give the same cut by construction. The
+path's) and the per-row topk of a bound (``_rows_top_k_cut``) give the same cut by construction on a device (the
+one float step, torch's elementwise exp, rounds each element alone; two devices whose exp differs in an ulp can differ
+in a weight's last unit, as HF's CPU and CUDA paths differ in their sums). The
 difference from HF is rounding: the weights move the total by under 2**(2 bit_length(V) - 62) of itself (2**-28 at
 V = 128256, below float32's 2**-24), and HF's own float32 cumulative probabilities differ from the
 exact ones by a few ulps (and between its CPU cumsum, accumulated in float64, and its CUDA one, in float32). The kept
