@@ -35,6 +35,20 @@ def self_pair():
     return target, permuted_model(target, perm, extra=2), target_tok, permuted(target_tok, perm, extra=("X", "Y"))
 
 
+def test_the_permuted_drafts_extra_ids_score_just_below_its_id_0(self_pair):
+    """``permuted_model``'s extra ids never win a greedy argmax over perm[0] (whose head row they share): their logits
+    are the next float below its, in a one-token forward (a matrix-vector product, which rounds identical rows
+    differently) and a longer one."""
+    target, draft, target_tok, draft_tok = self_pair
+    first, width = draft_tok.convert_tokens_to_ids(target_tok.convert_ids_to_tokens(0)), len(CHARS)
+    for ids in (torch.tensor([[5]]), torch.arange(1, 17).view(2, 8)):
+        with torch.no_grad():
+            logits = draft(ids).logits
+        below = torch.nextafter(logits[..., first:first + 1], torch.tensor(float("-inf")))
+        assert torch.equal(logits[..., width:], below.expand(*logits.shape[:-1], 2))
+        assert (logits.argmax(-1) < width).all()
+
+
 def _left_padded(tokenizer, texts):
     rows = [tokenizer(t)["input_ids"] for t in texts]
     width = max(len(r) for r in rows)

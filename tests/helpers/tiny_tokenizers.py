@@ -83,8 +83,14 @@ def permutation(size: int, fixed: int = 0, seed: int = 0) -> list[int]:
 
 def permuted_model(model, perm: list[int], extra: int = 0):
     """A copy of a Llama-style ``model`` over the permuted vocabulary: new id perm[i] embeds and scores as id i did;
-    ``extra`` more ids after them score as id 0 does, which a greedy argmax never picks over it (first index on
-    ties), and embed as id 0."""
+    ``extra`` more ids after them embed as id 0 and score one float below id 0 (perm[0]), so that a greedy argmax
+    never picks them and they take about id 0's probability.
+
+    (Not by copying id 0's head row: the output layer's GEMM can round identical weight rows to different logits,
+    the tail rows of a one-token forward's matrix-vector product most of all: with 19 ids, 2 of them extra, and
+    random hidden states, an extra id came out above id 0 in a third of one-token forwards, in other rows with
+    ATEN_CPU_CAPABILITY=default than with avx2 or avx512, and would win the argmax wherever id 0 is the best. A
+    forward hook on the output layer writes their logits [..., len(perm):] = nextafter(logit of perm[0], -inf).)"""
     import copy
 
     draft = copy.deepcopy(model)
@@ -99,4 +105,13 @@ def permuted_model(model, perm: list[int], extra: int = 0):
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(embed)
         draft.get_output_embeddings().weight.copy_(head)
+    if extra:
+        first = perm[0]
+
+        def below_id_0(module, args, logits):  # logits [..., len(perm) + extra]
+            with torch.no_grad():
+                logits[..., len(perm):] = torch.nextafter(logits[..., first:first + 1],
+                                                          logits.new_tensor(float("-inf")))
+
+        draft.get_output_embeddings().register_forward_hook(below_id_0)
     return draft.eval()
