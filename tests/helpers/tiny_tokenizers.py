@@ -106,6 +106,8 @@ def permuted_model(model, perm: list[int], extra: int = 0):
         draft.get_input_embeddings().weight.copy_(embed)
         draft.get_output_embeddings().weight.copy_(head)
     if extra:
+        from speculative_kernels import per_token_hook
+
         first = perm[0]
 
         def below_id_0(module, args, logits):  # logits [..., len(perm) + extra]
@@ -113,5 +115,5 @@ def permuted_model(model, perm: list[int], extra: int = 0):
                 logits[..., len(perm):] = torch.nextafter(logits[..., first:first + 1],
                                                           logits.new_tensor(float("-inf")))
 
-        draft.get_output_embeddings().register_forward_hook(below_id_0)
+        draft.get_output_embeddings().register_forward_hook(per_token_hook(below_id_0))  # (every position alike)
     return draft.eval()
