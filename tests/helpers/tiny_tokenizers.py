@@ -86,11 +86,12 @@ def permuted_model(model, perm: list[int], extra: int = 0):
     ``extra`` more ids after them embed as id 0 and score one float below id 0 (perm[0]), so that a greedy argmax
     never picks them and they take about id 0's probability.
 
-    (Not by copying id 0's head row: the output layer's GEMM can round identical weight rows to different logits,
-    the tail rows of a one-token forward's matrix-vector product most of all: with 19 ids, 2 of them extra, and
+    (Not by copying id 0's head row: a one-token forward's output layer, a matrix-vector product, rounds identical
+    weight rows to different logits (tail rows are accumulated in another order): with 19 ids, 2 of them extra, and
     random hidden states, an extra id came out above id 0 in a third of one-token forwards, in other rows with
-    ATEN_CPU_CAPABILITY=default than with avx2 or avx512, and would win the argmax wherever id 0 is the best. A
-    forward hook on the output layer writes their logits [..., len(perm):] = nextafter(logit of perm[0], -inf).)"""
+    ATEN_CPU_CAPABILITY=default than with avx2 or avx512 and with two threads than with one, and would win the
+    argmax wherever id 0 is the best. A forward hook on the output layer writes their logits
+    [..., len(perm):] = nextafter(logit of perm[0], -inf).)"""
     import copy
 
     draft = copy.deepcopy(model)
