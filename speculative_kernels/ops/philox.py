@@ -219,12 +219,13 @@ def vocabulary_bits(seed: torch.Tensor, vocab: int, c1: torch.Tensor, c2: torch.
 
 def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
     """uniform(x) in [0, 1): float32((x >> 8)) * 2**-24."""
-    return (x >> 8) * U24_SCALE  # (float32: the int64 is cast, exactly below 2**24, then scaled exactly)
+    # (float32 named: an int64 tensor times a Python float takes torch's default dtype, which a caller may have set)
+    return (x >> 8).to(torch.float32).mul_(U24_SCALE)
 
 
 def exponential_from_bits(x: torch.Tensor) -> torch.Tensor:
     """exponential(x) >= 0 (float32), see the module docstring for the exact arithmetic."""
-    u = torch.clamp(x * U32_SCALE, min=U_MIN)  # (float32(x), scaled exactly: the int64 x is cast, as .to(float32))
+    u = torch.clamp(x.to(torch.float32).mul_(U32_SCALE), min=U_MIN)  # (float32 named, as in uniform_from_bits)
     series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0)))
     return torch.where(u < EXP_SERIES_CUTOFF, series, -torch.log(1.0 - u))
 

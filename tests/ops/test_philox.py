@@ -61,3 +61,21 @@ def test_stacked_rounds_broadcast_keys_and_counters_of_any_shapes(seed_shape, co
     stacked = philox._rounds_stacked(k0, k1, *counters)
     assert stacked.shape == torch.broadcast_shapes(seed_shape, *counter_shapes)
     assert torch.equal(stacked, split.expand(stacked.shape))
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_uniforms_and_exponentials_are_float32_whatever_torchs_default_dtype(default):
+    """An int64 tensor times a Python float takes torch's default dtype: with the bits' float32 conversion folded
+    into the scaling (944e4ca), a default of bfloat16 (set before building a bf16 model, a common pattern) made
+    uniforms of 1.0 and exponentials of inf / NaN, and float64 other exponentials than the kernels'. The accept test
+    and the races read the same float32 numbers as with float32 as the default."""
+    bits = torch.tensor([0, 1, 255, 256, 0x00FFFFFF, 12345679, 0x7FFFFFFF, 0x80000001, 0xFFFFFF7F, 0xFFFFFFFF])
+    want = philox.uniform_from_bits(bits), philox.exponential_from_bits(bits)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = philox.uniform_from_bits(bits), philox.exponential_from_bits(bits)
+    finally:
+        torch.set_default_dtype(saved)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and torch.equal(a, b), (a, b)
