@@ -434,3 +434,24 @@ def test_batches_of_requests_and_encoder_decoders_are_refused_by_name(self_pair)
     with pytest.raises(ValueError, match="decoder-only"):
         sk.generate(seq2seq, target_tok("abc", return_tensors="pt").input_ids, assistant_model=t5(vocab=19, seed=2),
                     tokenizer=target_tok, assistant_tokenizer=draft_tok, max_new_tokens=4)
+
+
+def test_a_proposal_cut_at_an_id_past_the_targets_head_ends_without_the_eos():
+    """RowText.proposal: drafts ending in the draft's EOS are proposed with the target's EOS after their text, but
+    drafts whose text reaches an id past the target's head are proposed up to it only (the text after it, "h", and
+    the EOS after that text were never said first). Mutation hunt: the EOS appended after the cut proposal passed
+    every other test."""
+    from speculative_kernels.generation.retokenize import RowText, TokenizerPair
+
+    tok = char_tokenizer(CHARS + "qZ")  # "q": past the target's head (V = len(CHARS)); "Z": the draft's EOS
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    eos, target_eos = ids("Z")[0], ids("p")[0]
+    pair = TokenizerPair(tok, tok, target_lookbehind=2, assistant_lookbehind=2, draft_eos=frozenset({eos}),
+                         target_eos=target_eos, target_width=len(CHARS))
+    row = RowText(pair, ids("abc de"))
+    assert row.proposal(ids("fg") + [eos], 8) == ids("fg") + [target_eos]
+    assert row.proposal(ids("fgqh") + [eos], 8) == ids("fg")
+    assert row.proposal(ids("q") + [eos], 8) == []
