@@ -610,6 +610,24 @@ def test_scores_are_float32_whatever_torchs_default_dtype(pair, default):
     assert_logits_as_accurate_as_hf(target, got, expected)
 
 
+def test_sampled_tokens_are_the_same_whatever_torchs_default_dtype(pair):
+    """Seeded sampling on the CPU (the torch backend's Philox noise and accept uniforms) gives the same tokens with
+    float16 as torch's default dtype as with float32. The bits' float conversion took the default dtype (an int64
+    tensor times a Python float): the noise was inf/NaN and every token 0 (bfloat16's coarser noise changes fewer
+    tokens: test_philox checks the numbers under each default)."""
+    target, draft = pair
+    kwargs = dict(draft_model=draft, do_sample=True, temperature=0.8, max_new_tokens=12, num_speculative_tokens=3,
+                  eos_token_id=None, seed=5)
+    expected = sk.generate(target, P, **kwargs)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        got = sk.generate(target, P, **kwargs)
+    finally:
+        torch.set_default_dtype(saved)
+    assert torch.equal(got, expected)
+
+
 def test_minimums_past_int64_decode_as_model_generate(pair):
     """min_new_tokens / min_length past int64 (model.generate runs them: EOS is masked to the end) failed with a bare
     OverflowError inside our EOS mask; held as max_new_tokens, the same request."""
