@@ -58,11 +58,12 @@ __device__ __forceinline__ float uniform_from_bits(uint32_t x) {
   return __fmul_rn(__uint2float_rn(x >> 8), 0x1p-24f);
 }
 
-// exponential(x) = -log1p(-u), u = max(float32(x) * 2^-32, 2^-33); the series u * (1 + u * (1/2 + u * (1/3)))
-// below 2^-8 and -log(1 - u) otherwise (+inf for u == 1). Same rounding, step by step, as philox.py.
+// exponential(x) = -log1p(-u), u = min(max(float32(x) * 2^-32, 2^-33), 1 - 2^-24); the series
+// u * (1 + u * (1/2 + u * (1/3))) below 2^-8 and -log(1 - u) otherwise: finite, so a positive weight's key w / E is
+// never 0 (see philox.py). Same rounding, step by step, as philox.py.
 __device__ __forceinline__ float exponential_from_bits(uint32_t x) {
   float u = __fmul_rn(__uint2float_rn(x), 0x1p-32f);
-  u = fmaxf(u, 0x1p-33f);
+  u = fminf(fmaxf(u, 0x1p-33f), 0x1.fffffep-1f);
   if (u < 0x1p-8f) {
     const float third = static_cast<float>(1.0 / 3.0);
     const float inner = __fadd_rn(0.5f, __fmul_rn(u, third));

@@ -18,10 +18,11 @@ Philox4x32-10 (Salmon et al., SC'11) keyed by a 64-bit seed: key = (seed & 0xfff
 
 From a 32-bit word x:
     uniform(x)     = float32(x >> 8) * 2**-24                      in [0, 1), exact in float32
-    exponential(x) = -log1p(-u), u = max(float32(x) * 2**-32, 2**-33), with log1p(-u) taken as
-                     -(u + u^2/2 + u^3/3) for u < 2**-8 (so small draws, which decide the race, keep full
-                     relative precision on every backend) and log(1 - u) otherwise; u = 1 gives +inf
-                     (that element cannot win a race).
+    exponential(x) = -log1p(-u), u = min(max(float32(x) * 2**-32, 2**-33), 1 - 2**-24), with log1p(-u) taken
+                     as -(u + u^2/2 + u^3/3) for u < 2**-8 (so small draws, which decide the race, keep full
+                     relative precision on every backend) and log(1 - u) otherwise: in (0, 24 ln 2], never 0 and
+                     never +inf. (float32(x) rounds to 2**32 for the 128 largest x: an E of +inf there made the key
+                     w / E of a positive weight 0, tied with the weight-0 ids' keys, so an id of weight 0 could win.)
 
 The torch implementation below is the reference; the kernels implement the same arithmetic.
 
@@ -55,6 +56,7 @@ EXP_SERIES_CUTOFF = 2.0**-8
 U32_SCALE = 2.0**-32
 U24_SCALE = 2.0**-24
 U_MIN = 2.0**-33
+U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +227,7 @@ def uniform_from_bits(x: torch.Tensor) -> torch.Tensor:
 
 def exponential_from_bits(x: torch.Tensor) -> torch.Tensor:
     """exponential(x) >= 0 (float32), see the module docstring for the exact arithmetic."""
-    u = torch.clamp(x.to(torch.float32).mul_(U32_SCALE), min=U_MIN)  # (float32 named, as in uniform_from_bits)
+    u = torch.clamp(x.to(torch.float32).mul_(U32_SCALE), min=U_MIN, max=U_MAX)  # (float32 named: see uniform_from_bits)
     series = u * (1.0 + u * (0.5 + u * (1.0 / 3.0)))
     return torch.where(u < EXP_SERIES_CUTOFF, series, -torch.log(1.0 - u))
 

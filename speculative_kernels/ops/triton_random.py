@@ -22,6 +22,7 @@ from .philox import (
     PHILOX_W1,
     U24_SCALE,
     U32_SCALE,
+    U_MAX,
     U_MIN,
 )
 
@@ -33,6 +34,7 @@ _ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 _U24 = tl.constexpr(U24_SCALE)
 _U32 = tl.constexpr(U32_SCALE)
 _UMIN = tl.constexpr(U_MIN)
+_UMAX = tl.constexpr(U_MAX)
 _CUTOFF = tl.constexpr(EXP_SERIES_CUTOFF)
 _THIRD = tl.constexpr(1.0 / 3.0)
 
@@ -101,10 +103,10 @@ def precise_log(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def exponential_from_bits(x, PRECISE: tl.constexpr):
-    """uint32 -> float32 Exp(1) draw, the reference's arithmetic: u = max(float32(x) * 2**-32, 2**-33), then
-    u * (1 + u * (1/2 + u / 3)) for u < 2**-8 (full relative precision for the draws that win races), else
-    -log(1 - u). Every product and sum is rounded on its own (libdevice *_rn: never contracted into an FMA)."""
-    u = tl.maximum(x.to(tl.float32) * _U32, _UMIN)
+    """uint32 -> float32 Exp(1) draw, the reference's arithmetic: u = min(max(float32(x) * 2**-32, 2**-33),
+    1 - 2**-24), then u * (1 + u * (1/2 + u / 3)) for u < 2**-8 (full relative precision for the draws that win
+    races), else -log(1 - u): finite, never 0. Every product and sum is rounded on its own (libdevice *_rn: never contracted into an FMA)."""
+    u = tl.minimum(tl.maximum(x.to(tl.float32) * _U32, _UMIN), _UMAX)
     if PRECISE:
         series = libdevice.mul_rn(u, libdevice.add_rn(libdevice.mul_rn(u, libdevice.add_rn(
             libdevice.mul_rn(u, _THIRD), 0.5)), 1.0))

@@ -165,6 +165,10 @@ def test_philox_header_matches_reference_on_host(tmp_path):
     counters[0][:64] = torch.arange(64)  # small element ids, row 0, stream constants as the kernels use them
     counters[1][:64] = 0
     counters[3][:64] = torch.tensor([philox.STREAM_ACCEPT, philox.STREAM_POSITION, philox.STREAM_DRAFT, 7] * 16)
+    # row 64: a word >= 2**32 - 128, where u rounds to 1 and is capped at 1 - 2**-24 (a finite exponential)
+    seed[64] = 34143421
+    for counter, value in zip(counters, (7, 0, 0, philox.STREAM_DRAFT)):
+        counter[64] = value
     lines = [f"{int(s) & (2**64 - 1)} {' '.join(str(int(c[i])) for c in counters)}" for i, s in enumerate(seed)]
     proc = subprocess.run([str(binary)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

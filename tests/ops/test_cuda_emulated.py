@@ -146,6 +146,21 @@ def test_races_draw_the_vocabulary_layout(as_backend, vocab, stride, seed_per_ro
     layout.check_races_draw_the_layout(as_backend.verify, as_backend.sample, vocab, stride, seed_per_row, dtype)
 
 
+def test_the_only_token_of_positive_probability_wins_even_at_the_largest_philox_words(emulated):
+    """test_sampling_boundaries' case on the CUDA kernels: id 7 alone has a positive probability and its Philox word
+    made u round to 1 (E = +inf, key 0, tied with the cut ids' 0: id 0 was drawn), top-k and top-p."""
+    import test_sampling_boundaries as boundaries
+
+    seed, hot = boundaries.INFINITE_E_SEED, boundaries.INFINITE_E_ID
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0))
+    logits[0, hot] = 10.0
+    randomness = Randomness(torch.tensor([seed]), torch.tensor([0]), True)
+    for sampling in (Sampling(1.0, 1, 1.0), Sampling(1.0, 0, 0.5)):
+        assert emulated.sample(logits, sampling, randomness).tolist() == [hot]
+        want = sample_reference(logits, sampling, randomness)
+        assert torch.equal(emulated.sample(logits, sampling, randomness), want)
+
+
 @pytest.fixture
 def blocks_last_first(emulated):
     emulated.set_reverse_blocks(True)

@@ -110,15 +110,38 @@ def test_uniforms_from_philox_words_are_24_bit_fractions():
 
 
 def test_exponentials_from_philox_words_follow_the_defined_arithmetic():
-    """E(x) = -log(1 - u) with u = max(x 2^-32, 2^-33), by the series u (1 + u/2 + u^2/3) below 2^-8, in float32
-    (within float32 rounding of the float64 value of that definition): never 0, so no id wins a race whatever its
-    weight."""
+    """E(x) = -log(1 - u) with u = min(max(x 2^-32, 2^-33), 1 - 2^-24), by the series u (1 + u/2 + u^2/3) below
+    2^-8, in float32 (within float32 rounding of the float64 value of that definition): never 0, so no id wins a race
+    whatever its weight, and never +inf, so an id of positive weight always keys above one of weight 0."""
     e = exponential_from_bits(torch.tensor(WORDS, dtype=torch.int64)).double()
-    u = torch.tensor(WORDS, dtype=torch.float64).mul(2.0**-32).clamp(min=2.0**-33)
-    u = u.float().double()  # (the definition's u is a float32)
+    u = torch.tensor(WORDS, dtype=torch.float64).mul(2.0**-32).float().double()  # (the definition's u is a float32)
+    u = u.clamp(min=2.0**-33, max=1.0 - 2.0**-24)
     expected = torch.where(u < 2.0**-8, u * (1 + u / 2 + u * u / 3), -torch.log1p(-u))
-    assert bool((e > 0).all())
+    assert bool((e > 0).all()) and bool(e.isfinite().all())
     torch.testing.assert_close(e, expected, rtol=4 * 2.0**-24, atol=0)
+
+
+# A seed whose draft-stream word at id 2 (row 0 of a seed per row, offset 0; word 2 of the call at element 0, the
+# races' four-words layout) is >= 2**32 - 128: float32(x) * 2**-32 rounds to 1 there, which made E = +inf (found by a
+# search over seeds and the 16 ids of this test's vocabulary).
+INFINITE_E_SEED, INFINITE_E_ID = 1413951, 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (0, 0.5)])
+def test_the_only_token_of_positive_probability_wins_even_at_the_largest_philox_words(backend, top_k, top_p):
+    """Id 7 alone keeps a positive probability (top_k = 1, or top_p = 0.5 of one dominant logit) and its Philox word
+    is one of the 128 largest: u rounded to 1 gave E = +inf, its key p / E = 0 tied the cut ids' 0, and the first id
+    (probability 0) was drawn, by every backend (about once in 3e7 such draws). u stops at 1 - 2**-24 now."""
+    from speculative_kernels.ops.philox import STREAM_DRAFT, vocabulary_bits
+
+    words = vocabulary_bits(torch.tensor([INFINITE_E_SEED]), 16, torch.tensor(0), torch.tensor(0),
+                            torch.tensor(STREAM_DRAFT))
+    assert int(words[INFINITE_E_ID]) >= 2**32 - 128  # (the case this test is about)
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0))
+    logits[0, INFINITE_E_ID] = 10.0
+    token = ops.sample(logits, temperature=1.0, top_k=top_k, top_p=top_p, seed=INFINITE_E_SEED, backend=backend)
+    assert token.tolist() == [INFINITE_E_ID]
 
 
 def test_row_keys_are_fixed():
