@@ -127,8 +127,8 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
     tokens = torch.zeros(batch, k, dtype=torch.int64)
     seed, offset = _rows(1, batch), _rows(0, batch)
     limit = torch.full((batch,), k, dtype=torch.int64)
-    rows = RowSampling(torch.full((batch,), 0.8), torch.full((batch,), 50), torch.full((batch,), 0.9,
-                                                                                    dtype=torch.float64), True)
+    rows = RowSampling(torch.full((batch,), 0.8, dtype=torch.float32), torch.full((batch,), 50, dtype=torch.int64),
+                       torch.full((batch,), 0.9, dtype=torch.float64), True)  # (never torch's default dtype)
     per_row = Sampling(rows=rows)
     # mode -> (draft logits, "sample" or None, Sampling, num_draft_tokens); the sampler is K = 0 verification
     modes = {

@@ -589,6 +589,26 @@ def test_one_compiled_variant_for_every_batch_size():
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+def test_recorded_launches_are_the_runtimes_whatever_torchs_default_dtype():
+    """triton_aot's recorded per-row launches (what ``variants`` compiles and counts) built their temperatures with
+    torch's default dtype: with float16 as default the per-row kernels were specialised for a float16 temperature
+    pointer, a variant the backend never launches (it holds temperatures in float32/float64)."""
+    from speculative_kernels.ops import triton_aot
+
+    def signatures():
+        return [(mode, launch.name, [a.dtype for a in launch.args if isinstance(a, torch.Tensor)])
+                for mode, launch in triton_aot.record_verify_modes(2, 2, 64)]
+
+    expected = signatures()
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        got = signatures()
+    finally:
+        torch.set_default_dtype(saved)
+    assert got == expected
+
+
 def test_launches_guard_the_tensors_device(monkeypatch):
     """Triton launches on the current CUDA device: every launch enters the tensors' device first (a GPU test below
     runs logits on cuda:1 with cuda:0 current)."""
