@@ -47,7 +47,7 @@ def ngram_distribution(tokens: torch.Tensor, start: torch.Tensor, end: torch.Ten
         counts = torch.zeros(batch, vocab, dtype=torch.float32, device=tokens.device)
         counts.scatter_add_(1, following, ok.to(torch.float32))
         seen = counts.sum(dim=1, keepdim=True)
-        weight = torch.where(seen > 0, float(4**m), 0.0)
+        weight = (seen > 0).to(torch.float32) * float(4**m)  # [B, 1] (float32: never torch's default dtype)
         total += weight * counts / seen.clamp(min=1)
         norm += weight
     return total / norm.clamp(min=1e-30)
