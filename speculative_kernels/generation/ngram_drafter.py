@@ -23,6 +23,8 @@ from .drafter import ChooseToken, emitted_counts
 # q of a token never seen after the context: far below any count's share (at least 1 / context length), so it is never
 # drafted while a seen token is allowed, but a row whose seen tokens are all masked still has a distribution.
 Q_FLOOR = 1e-30
+# the largest order whose weights 4^m and their sum (< 4^(order + 1) / 3) are finite in float32
+MAX_ORDER = 63
 
 
 def ngram_distribution(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor, order: int,
@@ -48,7 +50,7 @@ def ngram_distribution(tokens: torch.Tensor, start: torch.Tensor, end: torch.Ten
         counts.scatter_add_(1, following, ok.to(torch.float32))
         seen = counts.sum(dim=1, keepdim=True)
         weight = (seen > 0).to(torch.float32) * float(4**m)  # [B, 1] (float32: never torch's default dtype)
-        total += weight * counts / seen.clamp(min=1)
+        total += weight * (counts / seen.clamp(min=1))  # (not (weight * counts) / seen: past float32 at m = 63)
         norm += weight
     return total / norm.clamp(min=1e-30)
 
@@ -63,6 +65,8 @@ class NGramDrafter:
     def __init__(self, vocab_size: int, order: int = 2, corpus: torch.Tensor | None = None):
         if isinstance(order, bool) or not isinstance(order, int) or order < 1:
             raise ValueError(f"order must be an int >= 1, got {order!r}")
+        if order > MAX_ORDER:  # (its weight 4^order is infinite in float32: q was NaN once such a context recurs)
+            raise ValueError(f"order must be at most {MAX_ORDER} (the weights 4^m are float32), got {order}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         if corpus is not None and (not isinstance(corpus, torch.Tensor) or corpus.dim() != 1

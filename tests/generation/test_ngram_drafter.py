@@ -100,6 +100,16 @@ def test_one_host_read_per_iteration():
         assert step_reading_once(session) > 1
 
 
+def test_the_largest_order_gives_a_distribution():
+    """Order 63 on a context that recurs (every order's context seen): q was infinite (4^63 times a count overflowed
+    float32 before the division by the context's occurrences); 64 and up (4^64 itself infinite: q NaN) are refused."""
+    tokens = torch.tensor([[1, 3, 4, 0, 2] * 20])
+    q = ngram_distribution(tokens, torch.tensor([0]), torch.tensor([100]), 63, 5)
+    assert torch.isfinite(q).all() and torch.allclose(q.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="order must be at most 63"):
+        sk.NGramDrafter(10, order=64)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="order must be an int >= 1"):
         sk.NGramDrafter(10, order=0)
