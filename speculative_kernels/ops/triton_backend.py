@@ -6,7 +6,9 @@ by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a pe
 likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
 ``scale_kernel`` so the cut is computed from the kernels' own z; top-k alone with one temperature takes its topk over
-the raw logits and reads the cut value from that z). No host synchronisation, so the ops can be
+the raw logits and reads the cut value from that z; per-row parameters with a host bound of their top_k,
+``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the bound, not a sort per row). No
+host synchronisation, so the ops can be
 captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
 """
 
@@ -151,7 +153,7 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
         cut_value, cut_index = row_thresholds(z, per_position(params.sampled_top_k()),
-                                              per_position(params.sampled_top_p()))
+                                              per_position(params.sampled_top_p()), params.top_k_bound)
     return cut_value.contiguous(), cut_index.contiguous()
 
 
@@ -267,22 +269,28 @@ def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Op
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, temperature_rows: Optional[torch.Tensor],
-              top_k_rows: Optional[torch.Tensor], top_p_rows: Optional[torch.Tensor], row_cut: bool) -> Sampling:
-    """The ``Sampling`` of the registered ops' flat arguments (the *_rows tensors all given, or none)."""
+              top_k_rows: Optional[torch.Tensor], top_p_rows: Optional[torch.Tensor], row_cut: bool,
+              top_k_bound: int) -> Sampling:
+    """The ``Sampling`` of the registered ops' flat arguments (the *_rows tensors all given, or none; top_k_bound 0
+    means no bound: ``RowSampling.top_k_bound`` None)."""
     if temperature_rows is None:
         return Sampling(temperature, top_k, top_p)
-    return Sampling(rows=RowSampling(temperature_rows, top_k_rows, top_p_rows, row_cut))
+    return Sampling(rows=RowSampling(temperature_rows, top_k_rows, top_p_rows, row_cut,
+                                     top_k_bound=top_k_bound if top_k_bound > 0 else None))
 
 
 def _flat(sampling: Sampling) -> tuple:
     """``Sampling`` -> the registered ops' flat arguments (temperature, top_k, top_p, the three [B] tensors or None,
-    row_cut). A top_k past int64 (which the op's ``int`` cannot hold) is the largest int64: any top_k of the
-    vocabulary size or more is no cut, as on the other backends."""
+    row_cut, top_k_bound: ``RowSampling.top_k_bound``, 0 for none). A top_k past int64 (which the op's ``int`` cannot
+    hold) is the largest int64: any top_k of the vocabulary size or more is no cut, as on the other backends (a bound
+    past it likewise: a bound of V or more is no bound)."""
     rows = sampling.rows
+    largest = torch.iinfo(torch.int64).max
     if rows is None:
-        top_k = min(int(sampling.top_k), torch.iinfo(torch.int64).max)
-        return float(sampling.temperature), top_k, float(sampling.top_p), None, None, None, False
-    return 1.0, 0, 1.0, rows.temperature, rows.top_k, rows.top_p, bool(rows.cut)
+        top_k = min(int(sampling.top_k), largest)
+        return float(sampling.temperature), top_k, float(sampling.top_p), None, None, None, False, 0
+    bound = min(int(rows.top_k_bound), largest) if rows.top_k_bound is not None else 0
+    return 1.0, 0, 1.0, rows.temperature, rows.top_k, rows.top_p, bool(rows.cut), bound
 
 
 @triton_op("speculative_kernels::verify_triton", mutates_args=())
@@ -297,15 +305,16 @@ def verify_triton(
     top_k_rows: Optional[torch.Tensor],
     top_p_rows: Optional[torch.Tensor],
     row_cut: bool,
+    top_k_bound: int,
     seed: torch.Tensor,
     offset: torch.Tensor,
     seed_per_row: bool,
     num_draft_tokens: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; per-row temperature [B]
-    float32, top_k [B] int64, top_p [B] float64 (all or none); seed, offset [B] int64; num_draft_tokens [B] int64
-    or None."""
-    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut)
+    float32, top_k [B] int64, top_p [B] float64 (all or none); top_k_bound: ``RowSampling.top_k_bound`` (0: none);
+    seed, offset [B] int64; num_draft_tokens [B] int64 or None."""
+    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut, top_k_bound)
     return launch_verify(target_logits, draft_logits, draft_tokens, sampling, Randomness(seed, offset, seed_per_row),
                          num_draft_tokens=num_draft_tokens)
 
@@ -320,12 +329,13 @@ def sample_triton(
     top_k_rows: Optional[torch.Tensor],
     top_p_rows: Optional[torch.Tensor],
     row_cut: bool,
+    top_k_bound: int,
     seed: torch.Tensor,
     offset: torch.Tensor,
     seed_per_row: bool,
 ) -> torch.Tensor:
     """logits [B, V]; per-row parameters as ``verify_triton``; seed, offset [B] int64 -> tokens [B] int64."""
-    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut)
+    sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut, top_k_bound)
     return launch_sample(logits, sampling, Randomness(seed, offset, seed_per_row))
 
 

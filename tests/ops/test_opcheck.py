@@ -29,26 +29,31 @@ def _triton_ops():
     return torch.ops.speculative_kernels
 
 
-@pytest.mark.parametrize("case", ["sampling", "greedy_one_hot_q", "rows_and_limit"])
+@pytest.mark.parametrize("case", ["sampling", "greedy_one_hot_q", "rows_and_limit", "rows_top_k_bound"])
 def test_verify_triton(case):
     ns = _triton_ops()
     target, draft, tokens, seed, offset = _inputs()
     if case == "sampling":
-        args = (target, draft, tokens, 0.7, 50, 0.9, None, None, None, False, seed, offset, True, None)
+        args = (target, draft, tokens, 0.7, 50, 0.9, None, None, None, False, 0, seed, offset, True, None)
     elif case == "greedy_one_hot_q":
-        args = (target, None, tokens, 0.0, 0, 1.0, None, None, None, False, seed, offset, True, None)
-    else:
+        args = (target, None, tokens, 0.0, 0, 1.0, None, None, None, False, 0, seed, offset, True, None)
+    elif case == "rows_and_limit":
         rows = (torch.tensor([0.0, 0.7, 1.3], device="cuda"), torch.tensor([0, 3, 0], device="cuda"),
                 torch.tensor([1.0, 0.9, 0.5], dtype=torch.float64, device="cuda"))
         limit = torch.tensor([1, 4, 0], device="cuda")
-        args = (target, draft, tokens, 1.0, 0, 1.0, *rows, True, seed, offset, True, limit)
+        args = (target, draft, tokens, 1.0, 0, 1.0, *rows, True, 0, seed, offset, True, limit)
+    else:  # a host bound of the rows' top_k (every sampled row with top_p < 1 has 0 < top_k <= 3)
+        rows = (torch.tensor([0.0, 0.7, 1.3], device="cuda"), torch.tensor([0, 3, 2], device="cuda"),
+                torch.tensor([0.5, 0.9, 0.5], dtype=torch.float64, device="cuda"))
+        args = (target, draft, tokens, 1.0, 0, 1.0, *rows, True, 3, seed, offset, True, None)
     torch.library.opcheck(ns.verify_triton, args)
 
 
 def test_sample_triton():
     ns = _triton_ops()
     target, _, _, seed, offset = _inputs()
-    torch.library.opcheck(ns.sample_triton, (target[:, 0], 0.7, 2, 0.9, None, None, None, False, seed, offset, True))
+    args = (target[:, 0], 0.7, 2, 0.9, None, None, None, False, 0, seed, offset, True)
+    torch.library.opcheck(ns.sample_triton, args)
 
 
 def test_compact_kv_triton():

@@ -880,3 +880,34 @@ def test_top_k_top_p_cut_is_the_whole_vocabulary_cut(dtype):
             want = whole_vocabulary_cut(z, top_k, top_p)
             assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), (temperature, top_k, top_p)
             assert torch.equal(got[1], want[1]), (temperature, top_k, top_p)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the NaN row's arithmetic)
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_per_row_cut_from_a_host_bound_reaches_the_op(monkeypatch, dtype=torch.bfloat16):
+    """``RowSampling.top_k_bound`` passes through the registered ops (their ``top_k_bound`` argument) to the per-row
+    cut, which then takes one topk of the bound: the same tokens as the reference (whose per-row cut sorts each row),
+    on tied logits with +-inf, overflow and a NaN row (flagged), a greedy row, a top-k-alone row."""
+    import dataclasses
+    from test_cuda_host_cut import tied_logits
+
+    batch, k, vocab = 8, 2, 61
+    target = tied_logits((batch, k + 1, vocab), dtype, seed=11, stride=k + 1).to(DEVICE)
+    draft = tied_logits((batch, k, vocab), dtype, seed=12, stride=k).to(DEVICE)
+    tokens = target[:, :k].float().nan_to_num().argmax(-1)
+    t = torch.tensor([0.7, 1.0, 0.0, 1e-3, 1.3, 0.7, 1.0, 0.8], device=DEVICE)
+    top_k = torch.tensor([1, 5, 0, 20, 12, 3, 20, 7], device=DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 0.3, 0.3, 1.0, 1e-9, 0.9999999, 0.9], dtype=torch.float64, device=DEVICE)
+    sorted_rows = check_sampling(t, top_k, top_p, batch, torch.device(DEVICE))
+    bounded = dataclasses.replace(sorted_rows, rows=dataclasses.replace(sorted_rows.rows, top_k_bound=20))
+
+    def outputs(verify, sample, sampling):
+        randomness = Randomness(_rows(5, batch), _rows(2, batch), False)
+        return [*verify(target, draft, tokens, sampling, randomness), sample(target[:, 0], sampling, randomness)]
+
+    bounds, real = [], triton_backend.row_thresholds
+    monkeypatch.setattr(triton_backend, "row_thresholds", lambda *a: bounds.append(a[3]) or real(*a))
+    got = outputs(triton_backend.verify, triton_backend.sample, bounded)
+    assert bounds == [20] * 3  # (the bound reaches every cut: the target's and the draft's, the sample's)
+    assert _same(got, outputs(verify_reference, sample_reference, sorted_rows))
+    assert got[1][7] == -1 and got[2][7] == -1 and (got[1] >= 0).sum() >= 3
