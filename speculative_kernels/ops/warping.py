@@ -131,7 +131,25 @@ def _top_p_after_top_k_cut(sorted_z: torch.Tensor, order: torch.Tensor, kth: tor
 
 def _top_k_top_p_cut(z: torch.Tensor, top_k: int, threshold) -> tuple[torch.Tensor, torch.Tensor]:
     """``_top_p_after_top_k_cut`` of z [..., V] (0 < top_k < V) from a topk of k instead of a V-length sort: bit for
-    bit the same cut, because every quantity it compares is an exact integer.
+    bit the same cut, because every quantity it compares is an exact integer (``_candidates_cut``)."""
+    ids = torch.topk(z, top_k, dim=-1).indices.sort(dim=-1).values  # [..., k] candidates in id order
+    return _candidates_cut(ids, z.gather(-1, ids), lambda t: z == t, threshold)
+
+
+def top_k_top_p_cut_of_logits(logits: torch.Tensor, temperature: float, top_k: int,
+                              top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``warp_thresholds(scale_logits(logits, temperature), top_k, top_p)`` (0 < top_k < V, top_p < 1) without a
+    float32 copy of z: the candidates from a topk over the raw logits [..., V] (``kth_largest_index``), z of those k
+    only, and the entries tied with the k-th largest z counted in the logits' own values (``scaled_equal``)."""
+    ids = torch.topk(logits, top_k, dim=-1).indices.sort(dim=-1).values
+    values = scale_logits(logits.gather(-1, ids), temperature)
+    return _candidates_cut(ids, values, lambda t: scaled_equal(logits, t, temperature), _float32(1.0 - top_p))
+
+
+def _candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, threshold) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut of ``_top_k_top_p_cut`` from its k candidates: ids [..., k] in id order (the elements of the k
+    largest z: any of them where ties straddle the k-th), values [..., k] their z, ``tied(t)``: [..., V] bool,
+    z == t for t [..., 1].
 
     The survivors are the k candidates of topk and the entries tied with the k-th largest value t that topk left
     out. The candidates, sorted by (value, index), carry every survivor above t; the c entries tied at t come first,
@@ -139,11 +157,10 @@ def _top_k_top_p_cut(z: torch.Tensor, top_k: int, threshold) -> tuple[torch.Tens
     precede the candidates, at most floor(limit / q_t) are removed, and the candidates' cumulative weights start from
     that many times q_t. When the cut falls among the ties, its index is the r-th tied id (a
     cumulative count over V). Returns (cut_value [...] float32, cut_index [...] int32)."""
-    vocab = z.shape[-1]
-    ids = torch.topk(z, top_k, dim=-1).indices.sort(dim=-1).values  # [..., k] candidates in id order
-    values, order = z.gather(-1, ids).sort(dim=-1, stable=True)  # (value, index) ascending
+    values, order = values.sort(dim=-1, stable=True)  # (value, index) ascending
     t = values[..., :1]
-    tie_rank = (z == t).cumsum(dim=-1, dtype=torch.int32)  # [..., V]: ties at or before each id
+    tie_rank = tied(t).cumsum(dim=-1, dtype=torch.int32)  # [..., V]: ties at or before each id
+    vocab = tie_rank.shape[-1]
     ties = tie_rank[..., -1:]
     outside = ties - (values == t).sum(dim=-1, keepdim=True)  # ties that topk left out
     q = _weights(values, values[..., -1:], _weight_bits(vocab))
@@ -159,6 +176,45 @@ def _top_k_top_p_cut(z: torch.Tensor, top_k: int, threshold) -> tuple[torch.Tens
     cut_index = torch.where(in_ties, (tie_rank <= removed).sum(dim=-1, keepdim=True), ids.gather(-1, order.gather(
         -1, candidate)))
     return cut_value.squeeze(-1), cut_index.squeeze(-1).to(torch.int32)
+
+
+def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[..., V] bool: z == t for z = float32(logits) / temperature (a correctly rounded division, as the kernels'
+    and ``scale_logits``), computed without z: t [..., 1] float32. The logits' own values are not enough (at a tiny
+    temperature distinct logits overflow to the same +-inf, at a large one they round to the same subnormal or 0, and
+    float32 logits x != x' give the same x / 3), so z == t is tested as x in the set of reals that round to t,
+    times the temperature: [lo, hi] in float64, where every bound is exact (``_rounding_interval``)."""
+    if temperature == 1.0:
+        return logits == t  # (z = float32(x) exactly)
+    lo, hi = _rounding_interval(t, temperature)
+    return (logits >= lo) & (logits <= hi)
+
+
+def _rounding_interval(t: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (lo, hi) of t [...] float32: x / T rounds to t in float32 (round to nearest even) iff lo <= x <= hi,
+    for x of any float dtype (all exact in float64) and T = float32(temperature) > 0. The reals rounding to t are the
+    interval between the midpoints to its neighbours (a half ulp above, a half ulp of the lower binade below at a
+    power of two), inclusive iff t's last bit is even; +inf takes everything from the midpoint of the largest float
+    and 2**128 up, and +-0 everything within 2**-150 of 0. A midpoint has at most 25 significant bits and T 24, so
+    their product is exact in float64; an exclusive bound moves to the next float64 (no float of a smaller type lies
+    between). NaN gives NaN bounds (nothing is equal)."""
+    t64 = t.to(torch.float64)
+    a = t64.abs()
+    mantissa, exponent = torch.frexp(a)  # a = mantissa * 2**exponent, mantissa in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(a), exponent.clamp(min=-125) - 24)  # (float32: 2**-149 below 2**-126)
+    ulp = torch.where(a == 0, 2.0**-149, ulp)
+    ulp_below = torch.where((mantissa == 0.5) & (exponent > -125), ulp / 2, ulp)
+    low, high = a - ulp_below / 2, a + ulp / 2
+    low = torch.where(torch.isinf(a), 2.0**128 - 2.0**103, low)
+    high = torch.where(torch.isinf(a), float("inf"), high)
+    negative = torch.signbit(t64) & (a != 0)
+    lo, hi = torch.where(negative, -high, low), torch.where(negative, -low, high)
+    scale = float(_float32(temperature))
+    lo, hi = lo * scale, hi * scale
+    odd = (t.view(torch.int32) & 1) == 1
+    lo = torch.where(odd, torch.nextafter(lo, torch.full_like(lo, float("inf"))), lo)
+    hi = torch.where(odd, torch.nextafter(hi, torch.full_like(hi, float("-inf"))), hi)
+    return lo, hi
 
 
 def kth_largest_index(logits: torch.Tensor, k: int) -> torch.Tensor:

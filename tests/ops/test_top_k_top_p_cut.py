@@ -122,3 +122,44 @@ def test_per_row_cut_from_a_topk_of_the_bound_is_the_sorted_one(dtype, temperatu
         want = row_thresholds(z, top_k, top_p)
         assert same_cut(row_thresholds(z, top_k, top_p, top_k_bound=bound), want)
         assert same_cut(row_thresholds(z, top_k, top_p, top_k_bound=vocab), want)  # (no topk of V: the sort)
+
+
+def _every_value(dtype):
+    """Every non-NaN value of a 16-bit float dtype, [65536 - NaNs]."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[~x.isnan()]
+
+
+def _float32_runs():
+    """float32 values in runs of neighbours (where x / T of distinct x collide at any T that is not a power of two):
+    around 1, 3, 1e30, the smallest normal and subnormal, the largest float, 0, +-inf."""
+    f = torch.tensor([1.0, 3.0, 1e30, 2.0**-126, 2.0**-149, 3.4028234663852886e38, 1e-40])
+    bits = f.view(torch.int32).unsqueeze(-1) + torch.arange(-40, 41, dtype=torch.int32)
+    x = bits.view(torch.float32).reshape(-1)
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0, float("inf"), float("-inf")])])
+    return x[~x.isnan()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_scaled_equal_is_z_equal_without_z(dtype):
+    """``warping.scaled_equal(x, t, T)`` (x in [lo, hi], float64 bounds) is z == t for z = float32(x) / T, at every
+    t that z takes (some at random, some powers of two): every bf16/fp16 value (a float32 run of neighbours), T from 2**-126 (overflow to +-inf) to 3e38
+    (subnormals and 0), 1, 3, 0.7, a power of two; ties of distinct x included."""
+    x = _every_value(dtype) if dtype != torch.float32 else _float32_runs()
+    collided = 0
+    for temperature in (1.0, 0.7, 3.0, 2.0, 2.0**20, 2.0**-10, 1e-3, 2.0**-126, 1e-30, 1e30, 3e38,
+                        3.4028234663852886e38):
+        z = x.to(torch.float32) / temperature
+        t = z.unique()
+        powers = t[torch.frexp(t).mantissa.abs() == 0.5]  # (just below one, the lower binade's half ulp rounds up)
+        g = torch.Generator().manual_seed(0)
+        t = torch.cat([t[torch.randperm(len(t), generator=g)[:40]], powers[torch.randperm(len(powers), generator=g)[:20]]])
+        t = torch.cat([t, z.min().view(1), z.max().view(1), torch.tensor([0.0, float("nan")])]).unsqueeze(-1)
+        want = z == t  # [T's, values]
+        got = warping.scaled_equal(x.unsqueeze(0), t, temperature)
+        assert torch.equal(got, want), temperature
+        x32 = x.to(torch.float32)
+        collided += int((torch.where(want, x32, -float("inf")).amax(-1) > torch.where(want, x32, float("inf")).amin(-1))
+                        .sum())
+    assert collided > 0  # (some t hold distinct x: a comparison of the raw logits would miss them)
+
