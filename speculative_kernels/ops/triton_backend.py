@@ -5,8 +5,8 @@ the registered ops take them as flat arguments). Per-row parameters (``Sampling.
 by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a per-row draft limit (``HAS_LIMIT``)
 likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
-``scale_kernel`` so the cut is computed from the kernels' own z; top-k alone with one temperature takes its topk over
-the raw logits and reads the cut value from that z; per-row parameters with a host bound of their top_k,
+``scale_kernel`` so the cut is computed from the kernels' own z; top-k with one temperature, alone or with top-p, takes
+its topk over the raw logits and computes z for the candidates only, with no copy of z: ``_cuts``; per-row parameters with a host bound of their top_k,
 ``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the bound, not a sort per row). No
 host synchronisation, so the ops can be
 captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
@@ -27,7 +27,7 @@ from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
-from .warping import kth_largest_index, row_thresholds, warp_thresholds
+from .warping import kth_largest_index, row_thresholds, scale_logits, top_k_top_p_cut_of_logits, warp_thresholds
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 
@@ -138,21 +138,27 @@ def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tenso
 
 
 def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
-    """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J]."""
+    """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J].
+
+    One temperature with top-k (alone or with top-p) writes no float32 copy of z: its topk runs over the raw logits
+    and z is computed for the candidates only (``scale_logits``: a true division by float32(T), as the kernels'
+    ``div_rn``, so bit for bit their z); the rest scales the whole row with ``scale_kernel``."""
     batch, rows, vocab = logits.shape
     params = sampling.rows
-    z = _scaled(logits, sampling, plan)
     if sampling.top_k_alone(vocab):
-        # top-k alone: one topk over the logits in their own dtype (half the bytes of z's in bf16), and the cut value
-        # read from the kernels' z (div_rn) at that element: bit for bit warp_thresholds' value; index 0 either way
+        # top-k alone: one topk over the logits in their own dtype (half the bytes of z's in bf16), the cut value the
+        # z of that element: bit for bit warp_thresholds' value; index 0 either way
         source = kth_largest_index(logits, sampling.top_k).reshape(-1, 1)
-        cut_value = z.gather(-1, source).squeeze(-1)
+        cut_value = scale_logits(logits.reshape(-1, vocab).gather(-1, source), sampling.temperature).squeeze(-1)
         cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
+    elif sampling.top_k_with_top_p(vocab):
+        cut_value, cut_index = (c.reshape(-1) for c in top_k_top_p_cut_of_logits(
+            logits, sampling.temperature, sampling.top_k, sampling.top_p))
     elif params is None:
-        cut_value, cut_index = warp_thresholds(z, sampling.top_k, sampling.top_p)
+        cut_value, cut_index = warp_thresholds(_scaled(logits, sampling, plan), sampling.top_k, sampling.top_p)
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
-        cut_value, cut_index = row_thresholds(z, per_position(params.sampled_top_k()),
+        cut_value, cut_index = row_thresholds(_scaled(logits, sampling, plan), per_position(params.sampled_top_k()),
                                               per_position(params.sampled_top_p()), params.top_k_bound)
     return cut_value.contiguous(), cut_index.contiguous()
 

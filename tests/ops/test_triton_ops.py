@@ -842,18 +842,35 @@ def test_per_row_and_limit_capture_without_host_sync():
     assert _same(captured, triton_backend.verify(*args, limit))
 
 
+def _tied_and_colliding(batch, rows, vocab, dtype, seed, nan):
+    """tied_logits [B, J, V] with two more rows of neighbouring values (1 + i ulps, a few of each: distinct x whose
+    x / 3 or x / 3e38 collide; in bf16/fp16 a run of tiny values that round to the same subnormal z or to 0)."""
+    from test_cuda_host_cut import tied_logits
+
+    logits = tied_logits((batch, rows, vocab), dtype, seed=seed, nan=nan).view(-1, vocab)
+    g = torch.Generator().manual_seed(seed)
+    for row, base in ((-1, 1.0), (-2, 2.0**-20)):
+        bits = torch.tensor(base, dtype=dtype).view(torch.int16 if dtype != torch.float32 else torch.int32)
+        steps = torch.randint(0, 6, (vocab,), generator=g).to(bits.dtype)
+        logits[row] = (bits + steps).view(dtype) * torch.where(torch.arange(vocab) % 7 == 0, -1, 1).to(dtype)
+    return logits.view(batch, rows, vocab).to(DEVICE)
+
+
+TEMPERATURES = (1.0, 0.7, 3.0, 1e-3, 1e-30, 3e38)  # (1e-30: overflow to +-inf; 3e38: subnormal and zero z)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
-    """``triton_backend._cuts`` with one temperature and top-k alone (a topk over the raw logits, the value read from
-    the kernels' z) gives bit for bit the (value, index) of ``warp_thresholds`` over that z: tied small integer
-    logits with +-inf, NaN and overflow rows, k = 1 and V - 1, T = 1, 0.7, 1e-3."""
-    from test_cuda_host_cut import tied_logits
+    """``triton_backend._cuts`` with one temperature and top-k alone (a topk over the raw logits, the value the z of
+    that element, no copy of z) gives bit for bit the (value, index) of ``warp_thresholds`` over the kernels' z:
+    tied small integer logits with +-inf, NaN and overflow rows, neighbouring values, k = 1 and V - 1, T from 1e-30
+    to 3e38."""
     from speculative_kernels.ops.warping import warp_thresholds
 
-    batch, rows, vocab = 2, 4, 37
-    logits = tied_logits((batch, rows, vocab), dtype, seed=6).to(DEVICE)
+    batch, rows, vocab = 2, 5, 37
+    logits = _tied_and_colliding(batch, rows, vocab, dtype, seed=6, nan=True)
     plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
-    for temperature in (1.0, 0.7, 1e-3):
+    for temperature in TEMPERATURES:
         z = triton_backend._scaled(logits, Sampling(temperature, 0, 1.0), plan)
         for top_k in (1, 2, 5, vocab - 1):
             got = triton_backend._cuts(logits, Sampling(temperature, top_k, 1.0), plan)
@@ -862,28 +879,27 @@ def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
             assert torch.equal(got[1], want[1].to(torch.int32)) and got[1].dtype == torch.int32
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_top_k_top_p_cut_is_the_whole_vocabulary_cut(dtype):
-    """``triton_backend._cuts`` with one temperature, top-k and top-p (a topk of k over the kernels' z, no V-length
-    sort) gives bit for bit the cut of the whole-vocabulary definition over that z: tied logits with +-inf and
-    overflow rows, k = 1 and V - 1, top_p near 0 and 1, T = 1 and 1e-3."""
-    from test_cuda_host_cut import tied_logits
+    """``triton_backend._cuts`` with one temperature, top-k and top-p (a topk of k over the raw logits, z of the k
+    candidates, ties with the k-th z counted without z: ``warping.scaled_equal``) gives bit for bit the cut of the
+    whole-vocabulary definition over the kernels' z: tied logits with +-inf and overflow rows, neighbouring values
+    whose z collide at T = 3 or 3e38, k = 1 and V - 1, top_p near 0 and 1, T from 1e-30 to 3e38. (A NaN row's cut
+    is unspecified: every backend flags the row.)"""
     from test_top_k_top_p_cut import whole_vocabulary_cut
 
-    batch, rows, vocab = 2, 4, 37
-    logits = tied_logits((batch, rows, vocab), dtype, seed=8, nan=False).to(DEVICE)
+    batch, rows, vocab = 2, 5, 37
+    logits = _tied_and_colliding(batch, rows, vocab, dtype, seed=8, nan=False)
     plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
-    for temperature in (1.0, 1e-3):
+    for temperature in TEMPERATURES:
         z = triton_backend._scaled(logits, Sampling(temperature, 0, 1.0), plan)
-        for top_k, top_p in [(1, 0.5), (5, 0.9), (vocab - 1, 1e-9), (20, 0.9999999)]:
+        for top_k, top_p in [(1, 0.5), (5, 0.9), (vocab - 1, 1e-9), (20, 0.9999999), (3, 0.3)]:
             got = triton_backend._cuts(logits, Sampling(temperature, top_k, top_p), plan)
             want = whole_vocabulary_cut(z, top_k, top_p)
             assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), (temperature, top_k, top_p)
             assert torch.equal(got[1], want[1]), (temperature, top_k, top_p)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the NaN row's arithmetic)
-@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
 def test_per_row_cut_from_a_host_bound_reaches_the_op(monkeypatch, dtype=torch.bfloat16):
     """``RowSampling.top_k_bound`` passes through the registered ops (their ``top_k_bound`` argument) to the per-row
     cut, which then takes one topk of the bound: the same tokens as the reference (whose per-row cut sorts each row),
