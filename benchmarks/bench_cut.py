@@ -13,8 +13,10 @@ Variants with top-k alone (``--top-p 1``):
 * ``raw-topk``: ``cuda_host._top_k_cut`` (one topk over the raw logits, their own dtype);
 * ``two-stage[C]``: topk k of each chunk of C ids ([rows * V/C, C]), then topk k over the rows' k * V/C candidates (the
   k largest values of a row are among its chunks' k largest, so the k-th value is the same; C divides V);
-* ``triton-element`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton backend's cut before
-  and after (``_scaled`` then ``warp_thresholds``, against ``triton_backend._cuts``).
+* ``triton-element`` / ``triton-z-gather`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton
+  backend's cut: ``_scaled`` then ``warp_thresholds``; a topk over the raw logits and the value gathered from the
+  whole z (``_scaled``: the path before ``_cuts`` dropped its copy of z); ``triton_backend._cuts`` (z of the topk's
+  element only).
 
 Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-k):
 
@@ -23,7 +25,9 @@ Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-
 * ``topk-k``: ``cuda_host._top_k_top_p_cut`` (float32 z, a topk of k, the tie count over V);
 * ``rows-sort`` / ``rows-topk-bound``: ``warping.row_thresholds`` with per-row tensors (every row k, top_p): one
   V-length sort per row, against one topk of a host bound (2k; ``top_k_bound``, as serving passes it);
-* ``triton-sort`` / ``triton-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z.
+* ``triton-sort`` / ``triton-z-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z
+  (``_scaled``: a float32 copy of z); ``triton-topk-k``: ``triton_backend._cuts`` (a topk over the raw logits, z of
+  the k candidates, the ties counted by ``warping.scaled_equal``: no copy of z).
 
 Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s (with
 top-p: the same z and the same cut index as ``sort``'s) before it is timed; a mismatch stops the run. GPU timing:
@@ -117,11 +121,15 @@ def top_p_variants(args, top_p: float) -> dict:
             value, index = sorted_cut(triton_backend._scaled(x, s, plan(x)), k, top_p)
             return torch.stack([value.view(torch.int32), index])
 
+        def triton_z_topk(x, s):
+            value, index = warping.warp_thresholds(triton_backend._scaled(x, s, plan(x)), k, top_p)
+            return torch.stack([value.view(torch.int32), index])
+
         def triton_topk(x, s):
             value, index = triton_backend._cuts(x, s, plan(x))
             return torch.stack([value.view(torch.int32), index])
 
-        fns["triton-sort"], fns["triton-topk-k"] = triton_sort, triton_topk
+        fns["triton-sort"], fns["triton-z-topk-k"], fns["triton-topk-k"] = triton_sort, triton_z_topk, triton_topk
     return fns
 
 
@@ -157,7 +165,12 @@ def cut_variants(args, vocab: int) -> dict:
         def plan(x):
             return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
 
+        def triton_z_gather(x, s):
+            source = warping.kth_largest_index(x, k).reshape(-1, 1)
+            return triton_backend._scaled(x, s, plan(x)).gather(-1, source).reshape(x.shape[:-1])
+
         fns["triton-element"] = lambda x, s: warp_thresholds(triton_backend._scaled(x, s, plan(x)), k, 1.0)[0]
+        fns["triton-z-gather"] = triton_z_gather
         fns["triton-raw"] = lambda x, s: triton_backend._cuts(x, s, plan(x))[0]
     return fns
 
