@@ -27,7 +27,8 @@ from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
-from .warping import kth_largest_index, row_thresholds, scale_logits, top_k_top_p_cut_of_logits, warp_thresholds
+from .warping import (kth_largest_index, row_thresholds, rows_top_k_cut_of_logits, scale_logits,
+                      top_k_top_p_cut_of_logits, warp_thresholds)
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 
@@ -158,6 +159,11 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
         cut_value, cut_index = warp_thresholds(_scaled(logits, sampling, plan), sampling.top_k, sampling.top_p)
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
+        if params.top_k_bound is not None and 0 < params.top_k_bound < vocab:  # (no copy of z, as above)
+            cut_value, cut_index = rows_top_k_cut_of_logits(
+                logits.reshape(-1, vocab), per_position(params.safe_temperature()),
+                per_position(params.sampled_top_k()), per_position(params.sampled_top_p()), params.top_k_bound)
+            return cut_value.contiguous(), cut_index.contiguous()
         cut_value, cut_index = row_thresholds(_scaled(logits, sampling, plan), per_position(params.sampled_top_k()),
                                               per_position(params.sampled_top_p()), params.top_k_bound)
     return cut_value.contiguous(), cut_index.contiguous()

@@ -178,19 +178,20 @@ def _candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, threshold) ->
     return cut_value.squeeze(-1), cut_index.squeeze(-1).to(torch.int32)
 
 
-def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """[..., V] bool: z == t for z = float32(logits) / temperature (a correctly rounded division, as the kernels'
     and ``scale_logits``), computed without z: t [..., 1] float32. The logits' own values are not enough (at a tiny
     temperature distinct logits overflow to the same +-inf, at a large one they round to the same subnormal or 0, and
     float32 logits x != x' give the same x / 3), so z == t is tested as x in the set of reals that round to t,
-    times the temperature: [lo, hi] in float64, where every bound is exact (``_rounding_interval``)."""
-    if temperature == 1.0:
+    times the temperature: [lo, hi] in float64, where every bound is exact (``_rounding_interval``). temperature: a
+    python float, or float32 [..., 1] (per row)."""
+    if isinstance(temperature, float) and temperature == 1.0:
         return logits == t  # (z = float32(x) exactly)
     lo, hi = _rounding_interval(t, temperature)
     return (logits >= lo) & (logits <= hi)
 
 
-def _rounding_interval(t: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rounding_interval(t: torch.Tensor, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (lo, hi) of t [...] float32: x / T rounds to t in float32 (round to nearest even) iff lo <= x <= hi,
     for x of any float dtype (all exact in float64) and T = float32(temperature) > 0. The reals rounding to t are the
     interval between the midpoints to its neighbours (a half ulp above, a half ulp of the lower binade below at a
@@ -209,7 +210,10 @@ def _rounding_interval(t: torch.Tensor, temperature: float) -> tuple[torch.Tenso
     high = torch.where(torch.isinf(a), float("inf"), high)
     negative = torch.signbit(t64) & (a != 0)
     lo, hi = torch.where(negative, -high, low), torch.where(negative, -low, high)
-    scale = float(_float32(temperature))
+    if isinstance(temperature, torch.Tensor):
+        scale = temperature.to(torch.float32).to(torch.float64)
+    else:
+        scale = float(_float32(temperature))
     lo, hi = lo * scale, hi * scale
     odd = (t.view(torch.int32) & 1) == 1
     lo = torch.where(odd, torch.nextafter(lo, torch.full_like(lo, float("inf"))), lo)
@@ -281,17 +285,37 @@ def row_thresholds(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 def _rows_top_k_cut(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     bound: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``row_thresholds`` from one topk of ``bound`` (0 < bound < V; every row with top_p < 1 has 0 < top_k <=
-    bound): ``_top_k_top_p_cut`` with a k per row. z [..., V]; top_k, top_p: [...] (expanded). A row's k candidates
-    are the last k of the bound candidates in (value, index) order (all entries above its k-th largest value t, and
-    ties at t); the positions before them weigh 0 and are not counted."""
-    vocab = z.shape[-1]
-    use_k = (top_k > 0) & (top_k < vocab)
+    bound): ``_top_k_top_p_cut`` with a k per row (``_rows_candidates_cut``). z [..., V]; top_k, top_p: [...]
+    (expanded)."""
     ids = torch.topk(z, bound, dim=-1).indices.sort(dim=-1).values
-    values, order = z.gather(-1, ids).sort(dim=-1, stable=True)  # [..., bound] ascending (value, index)
+    return _rows_candidates_cut(ids, z.gather(-1, ids), lambda t: z == t, top_k, top_p, z.shape[-1])
+
+
+def rows_top_k_cut_of_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rows_top_k_cut`` of z = float32(logits) / temperature without a float32 copy of z (as
+    ``top_k_top_p_cut_of_logits``): logits [..., V]; temperature [...] float32 > 0 (a greedy row's 1), top_k, top_p
+    [...]; 0 < bound < V with ``row_thresholds``' promise."""
+    ids = torch.topk(logits, bound, dim=-1).indices.sort(dim=-1).values
+    divisor = temperature.unsqueeze(-1)
+    values = logits.gather(-1, ids).to(torch.float32) / divisor  # (a true division, as the kernels')
+    return _rows_candidates_cut(ids, values, lambda t: scaled_equal(logits, t, divisor), top_k, top_p,
+                                logits.shape[-1])
+
+
+def _rows_candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, top_k: torch.Tensor, top_p: torch.Tensor,
+                         vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cut of ``_rows_top_k_cut`` from its ``bound`` candidates: ids [..., bound] in id order, values their z,
+    ``tied(t)`` [..., V] bool: z == t for t [..., 1]. A row's k candidates are the last k of the bound candidates
+    in (value, index) order (all entries above its k-th largest value t, and ties at t); the positions before them
+    weigh 0 and are not counted."""
+    bound = ids.shape[-1]
+    use_k = (top_k > 0) & (top_k < vocab)
+    values, order = values.sort(dim=-1, stable=True)  # [..., bound] ascending (value, index)
     first = (bound - top_k.clamp(1, bound)).unsqueeze(-1)  # the row's first candidate
-    before = torch.arange(bound, device=z.device) < first  # [..., bound]: not the row's candidates
+    before = torch.arange(bound, device=ids.device) < first  # [..., bound]: not the row's candidates
     t = values.gather(-1, first)
-    tie_rank = (z == t).cumsum(dim=-1, dtype=torch.int32)
+    tie_rank = tied(t).cumsum(dim=-1, dtype=torch.int32)
     ties = tie_rank[..., -1:]
     outside = ties - ((values == t) & ~before).sum(dim=-1, keepdim=True)
     q = _weights(values, values[..., -1:], _weight_bits(vocab)).masked_fill(before, 0)

@@ -902,7 +902,7 @@ def test_top_k_top_p_cut_is_the_whole_vocabulary_cut(dtype):
 
 def test_per_row_cut_from_a_host_bound_reaches_the_op(monkeypatch, dtype=torch.bfloat16):
     """``RowSampling.top_k_bound`` passes through the registered ops (their ``top_k_bound`` argument) to the per-row
-    cut, which then takes one topk of the bound: the same tokens as the reference (whose per-row cut sorts each row),
+    cut, which then takes one topk of the bound (``warping.rows_top_k_cut_of_logits``): the same tokens as the reference (whose per-row cut sorts each row),
     on tied logits with +-inf, overflow and a NaN row (flagged), a greedy row, a top-k-alone row."""
     import dataclasses
     from test_cuda_host_cut import tied_logits
@@ -921,9 +921,37 @@ def test_per_row_cut_from_a_host_bound_reaches_the_op(monkeypatch, dtype=torch.b
         randomness = Randomness(_rows(5, batch), _rows(2, batch), False)
         return [*verify(target, draft, tokens, sampling, randomness), sample(target[:, 0], sampling, randomness)]
 
-    bounds, real = [], triton_backend.row_thresholds
-    monkeypatch.setattr(triton_backend, "row_thresholds", lambda *a: bounds.append(a[3]) or real(*a))
+    bounds, real = [], triton_backend.rows_top_k_cut_of_logits
+    monkeypatch.setattr(triton_backend, "rows_top_k_cut_of_logits", lambda *a: bounds.append(a[4]) or real(*a))
     got = outputs(triton_backend.verify, triton_backend.sample, bounded)
     assert bounds == [20] * 3  # (the bound reaches every cut: the target's and the draft's, the sample's)
     assert _same(got, outputs(verify_reference, sample_reference, sorted_rows))
     assert got[1][7] == -1 and got[2][7] == -1 and (got[1] >= 0).sum() >= 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_per_row_cut_from_a_host_bound_without_z_is_the_sorted_cut(dtype):
+    """``triton_backend._cuts`` with per-row parameters and a host bound (a topk of the bound over the raw logits, z
+    of the candidates with each row's temperature, ties counted by ``warping.scaled_equal``: no copy of z) gives bit
+    for bit ``row_thresholds`` over the kernels' z without the bound (a V-length sort per row): tied and colliding
+    logits with +-inf and overflow, row temperatures from 1e-30 to 3e38, greedy rows, top-k-alone rows."""
+    import dataclasses
+    from speculative_kernels.ops.warping import row_thresholds
+
+    batch, rows, vocab = 10, 1, 37
+    logits = _tied_and_colliding(batch, rows, vocab, dtype, seed=10, nan=False)
+    t = torch.tensor([0.7, 1.0, 0.0, 1e-3, 3.0, 1e-30, 3e38, 0.8, 3.0, 3e38], device=DEVICE)
+    top_k = torch.tensor([1, 5, 0, 20, 12, 3, 20, 7, 4, 20], device=DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 0.3, 0.3, 1.0, 1e-9, 0.9999999, 0.9, 0.6, 0.5], dtype=torch.float64,
+                         device=DEVICE)
+    sorted_rows = check_sampling(t, top_k, top_p, batch, torch.device(DEVICE))
+    bounded = dataclasses.replace(sorted_rows, rows=dataclasses.replace(sorted_rows.rows, top_k_bound=20))
+    plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
+    z = triton_backend._scaled(logits, sorted_rows, plan)
+    params = sorted_rows.rows
+    want = row_thresholds(z, params.sampled_top_k(), params.sampled_top_p())
+    got = triton_backend._cuts(logits, bounded, plan)
+    assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0].view(torch.int32), triton_backend._cuts(logits, sorted_rows, plan)[0].view(torch.int32))
+
