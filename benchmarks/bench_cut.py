@@ -27,7 +27,9 @@ Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-
   V-length sort per row, against one topk of a host bound (2k; ``top_k_bound``, as serving passes it);
 * ``triton-sort`` / ``triton-z-topk-k`` (GPU, or TRITON_INTERPRET=1): the same two from the Triton backend's z
   (``_scaled``: a float32 copy of z); ``triton-topk-k``: ``triton_backend._cuts`` (a topk over the raw logits, z of
-  the k candidates, the ties counted by ``warping.scaled_equal``: no copy of z).
+  the k candidates, the ties counted by ``warping.scaled_equal``: no copy of z); ``triton-rows-z-bound`` /
+  ``triton-rows-bound``: per-row tensors with a host bound of 2k, from the Triton z (``_scaled``) or without a copy
+  of z (``_cuts``: ``warping.rows_top_k_cut_of_logits``).
 
 Every variant's sources are checked to give the same z (z = float32(x) / T, bit for bit) as ``element``'s (with
 top-p: the same z and the same cut index as ``sort``'s) before it is timed; a mismatch stops the run. GPU timing:
@@ -129,7 +131,28 @@ def top_p_variants(args, top_p: float) -> dict:
             value, index = triton_backend._cuts(x, s, plan(x))
             return torch.stack([value.view(torch.int32), index])
 
+        def triton_rows(copy_z: bool):  # per-row tensors with a host bound of 2k: z copied, or not (``_cuts``)
+            def fn(x, s):
+                from speculative_kernels.ops.sampling import RowSampling
+
+                batch = x.shape[0]
+                params = RowSampling(torch.full((batch,), s.temperature, device=x.device),
+                                     torch.full((batch,), k, device=x.device),
+                                     torch.full((batch,), top_p, dtype=torch.float64, device=x.device), True,
+                                     top_k_bound=2 * k)
+                rows_sampling = Sampling(rows=params)
+                if copy_z:
+                    per_position = (lambda t: t.view(batch, 1).expand(x.shape[:-1]).reshape(-1))
+                    value, index = warping.row_thresholds(
+                        triton_backend._scaled(x, rows_sampling, plan(x)), per_position(params.top_k),
+                        per_position(params.top_p), 2 * k)
+                else:
+                    value, index = triton_backend._cuts(x, rows_sampling, plan(x))
+                return torch.stack([value.view(torch.int32), index])
+            return fn
+
         fns["triton-sort"], fns["triton-z-topk-k"], fns["triton-topk-k"] = triton_sort, triton_z_topk, triton_topk
+        fns["triton-rows-z-bound"], fns["triton-rows-bound"] = triton_rows(True), triton_rows(False)
     return fns
 
 
