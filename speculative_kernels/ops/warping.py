@@ -143,7 +143,8 @@ def top_k_top_p_cut_of_logits(logits: torch.Tensor, temperature: float, top_k: i
     only, and the entries tied with the k-th largest z counted in the logits' own values (``scaled_equal``)."""
     ids = torch.topk(logits, top_k, dim=-1).indices.sort(dim=-1).values
     values = scale_logits(logits.gather(-1, ids), temperature)
-    return _candidates_cut(ids, values, lambda t: scaled_equal(logits, t, temperature), _float32(1.0 - top_p))
+    return _candidates_cut(ids, values, lambda t: scaled_equal(logits, t, temperature),
+                           _float32(1.0 - float(top_p)))
 
 
 def _candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, threshold) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +186,7 @@ def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float | tor
     float32 logits x != x' give the same x / 3), so z == t is tested as x in the set of reals that round to t,
     times the temperature: [lo, hi] in float64, where every bound is exact (``_rounding_interval``). temperature: a
     python float, or float32 [..., 1] (per row)."""
-    if isinstance(temperature, float) and temperature == 1.0:
+    if not isinstance(temperature, torch.Tensor) and temperature == 1.0:
         return logits == t  # (z = float32(x) exactly)
     lo, hi = _rounding_interval(t, temperature)
     return (logits >= lo) & (logits <= hi)
@@ -194,26 +195,26 @@ def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float | tor
 def _rounding_interval(t: torch.Tensor, temperature: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (lo, hi) of t [...] float32: x / T rounds to t in float32 (round to nearest even) iff lo <= x <= hi,
     for x of any float dtype (all exact in float64) and T = float32(temperature) > 0. The reals rounding to t are the
-    interval between the midpoints to its neighbours (a half ulp above, a half ulp of the lower binade below at a
-    power of two), inclusive iff t's last bit is even; +inf takes everything from the midpoint of the largest float
-    and 2**128 up, and +-0 everything within 2**-150 of 0. A midpoint has at most 25 significant bits and T 24, so
+    interval between the midpoints to its float32 neighbours (found with nextafter in float32, so a power of two's
+    lower binade and the subnormals need no case of their own), inclusive iff t's last bit is even; +inf takes
+    everything from the midpoint of the largest float and 2**128 up, and +-0 everything within 2**-150 of 0. A midpoint has at most 25 significant bits and T 24, so
     their product is exact in float64; an exclusive bound moves to the next float64 (no float of a smaller type lies
     between). NaN gives NaN bounds (nothing is equal)."""
     t64 = t.to(torch.float64)
-    a = t64.abs()
-    mantissa, exponent = torch.frexp(a)  # a = mantissa * 2**exponent, mantissa in [0.5, 1)
-    ulp = torch.ldexp(torch.ones_like(a), exponent.clamp(min=-125) - 24)  # (float32: 2**-149 below 2**-126)
-    ulp = torch.where(a == 0, 2.0**-149, ulp)
-    ulp_below = torch.where((mantissa == 0.5) & (exponent > -125), ulp / 2, ulp)
-    low, high = a - ulp_below / 2, a + ulp / 2
+    magnitude = t.abs()  # float32: its float32 neighbours give the ulps exactly, subnormals and powers of two included
+    a = magnitude.to(torch.float64)
+    above = magnitude.nextafter(torch.full_like(magnitude, float("inf"))).to(torch.float64)
+    below = magnitude.nextafter(torch.full_like(magnitude, -float("inf"))).to(torch.float64)
+    ulp_above = torch.where(magnitude == torch.finfo(torch.float32).max, 2.0**104, above - a)  # (2**128, not inf)
+    low, high = a - (a - below) / 2, a + ulp_above / 2  # (0: +-2**-150)
     low = torch.where(torch.isinf(a), 2.0**128 - 2.0**103, low)
     high = torch.where(torch.isinf(a), float("inf"), high)
-    negative = torch.signbit(t64) & (a != 0)
+    negative = torch.signbit(t64)  # (-0: the same interval, symmetric)
     lo, hi = torch.where(negative, -high, low), torch.where(negative, -low, high)
     if isinstance(temperature, torch.Tensor):
         scale = temperature.to(torch.float32).to(torch.float64)
     else:
-        scale = float(_float32(temperature))
+        scale = _float32(float(temperature))  # (float(): a SymFloat under torch.compile is specialised)
     lo, hi = lo * scale, hi * scale
     odd = (t.view(torch.int32) & 1) == 1
     lo = torch.where(odd, torch.nextafter(lo, torch.full_like(lo, float("inf"))), lo)

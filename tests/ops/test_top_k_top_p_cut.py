@@ -154,7 +154,8 @@ def test_scaled_equal_is_z_equal_without_z(dtype):
         powers = t[torch.frexp(t).mantissa.abs() == 0.5]  # (just below one, the lower binade's half ulp rounds up)
         g = torch.Generator().manual_seed(0)
         t = torch.cat([t[torch.randperm(len(t), generator=g)[:40]], powers[torch.randperm(len(powers), generator=g)[:20]]])
-        t = torch.cat([t, z.min().view(1), z.max().view(1), torch.tensor([0.0, float("nan")])]).unsqueeze(-1)
+        edges = torch.tensor([0.0, float("nan"), 3.4028234663852886e38, -3.4028234663852886e38, 2.0**-149, 2.0**-126])
+        t = torch.cat([t, z.min().view(1), z.max().view(1), edges]).unsqueeze(-1)
         want = z == t  # [T's, values]
         got = warping.scaled_equal(x.unsqueeze(0), t, temperature)
         assert torch.equal(got, want), temperature
