@@ -6,10 +6,10 @@ by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a pe
 likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
 ``scale_kernel`` so the cut is computed from the kernels' own z; top-k with one temperature, alone or with top-p, takes
-its topk over the raw logits and computes z for the candidates only, with no copy of z: ``_cuts``; per-row parameters with a host bound of their top_k,
-``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the bound, not a sort per row). No
-host synchronisation, so the ops can be
-captured in CUDA graphs; ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
+its topk over the raw logits and computes z for the candidates only, with no copy of z: ``_cuts``; per-row parameters
+with a host bound of their top_k, ``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the
+bound, not a sort per row). No host synchronisation, so the ops can be captured in CUDA graphs;
+``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
 """
 
 import dataclasses
@@ -149,8 +149,8 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     if sampling.top_k_alone(vocab):
         # top-k alone: one topk over the logits in their own dtype (half the bytes of z's in bf16), the cut value the
         # z of that element: bit for bit warp_thresholds' value; index 0 either way
-        source = kth_largest_index(logits, sampling.top_k).reshape(-1, 1)
-        cut_value = scale_logits(logits.reshape(-1, vocab).gather(-1, source), sampling.temperature).squeeze(-1)
+        source = kth_largest_index(logits, sampling.top_k).unsqueeze(-1)  # (no reshape: a strided view stays one)
+        cut_value = scale_logits(logits.gather(-1, source), sampling.temperature).reshape(-1)
         cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
     elif sampling.top_k_with_top_p(vocab):
         cut_value, cut_index = (c.reshape(-1) for c in top_k_top_p_cut_of_logits(
@@ -160,10 +160,11 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
         if params.top_k_bound is not None and 0 < params.top_k_bound < vocab:  # (no copy of z, as above)
+            per_row = (lambda t: t.view(batch, 1).expand(batch, rows))  # [B, J]: the logits are not reshaped
             cut_value, cut_index = rows_top_k_cut_of_logits(
-                logits.reshape(-1, vocab), per_position(params.safe_temperature()),
-                per_position(params.sampled_top_k()), per_position(params.sampled_top_p()), params.top_k_bound)
-            return cut_value.contiguous(), cut_index.contiguous()
+                logits, per_row(params.safe_temperature()), per_row(params.sampled_top_k()),
+                per_row(params.sampled_top_p()), params.top_k_bound)
+            return cut_value.reshape(-1).contiguous(), cut_index.reshape(-1).contiguous()
         cut_value, cut_index = row_thresholds(_scaled(logits, sampling, plan), per_position(params.sampled_top_k()),
                                               per_position(params.sampled_top_p()), params.top_k_bound)
     return cut_value.contiguous(), cut_index.contiguous()

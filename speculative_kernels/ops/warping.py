@@ -197,9 +197,9 @@ def _rounding_interval(t: torch.Tensor, temperature: float | torch.Tensor) -> tu
     for x of any float dtype (all exact in float64) and T = float32(temperature) > 0. The reals rounding to t are the
     interval between the midpoints to its float32 neighbours (found with nextafter in float32, so a power of two's
     lower binade and the subnormals need no case of their own), inclusive iff t's last bit is even; +inf takes
-    everything from the midpoint of the largest float and 2**128 up, and +-0 everything within 2**-150 of 0. A midpoint has at most 25 significant bits and T 24, so
-    their product is exact in float64; an exclusive bound moves to the next float64 (no float of a smaller type lies
-    between). NaN gives NaN bounds (nothing is equal)."""
+    everything from the midpoint of the largest float and 2**128 up, and +-0 everything within 2**-150 of 0. A
+    midpoint has at most 25 significant bits and T 24, so their product is exact in float64; an exclusive bound
+    moves to the next float64 (no float of a smaller type lies between). NaN gives NaN bounds (nothing is equal)."""
     t64 = t.to(torch.float64)
     magnitude = t.abs()  # float32: its float32 neighbours give the ulps exactly, subnormals and powers of two included
     a = magnitude.to(torch.float64)

@@ -143,8 +143,8 @@ def _float32_runs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_scaled_equal_is_z_equal_without_z(dtype):
     """``warping.scaled_equal(x, t, T)`` (x in [lo, hi], float64 bounds) is z == t for z = float32(x) / T, at every
-    t that z takes (some at random, some powers of two): every bf16/fp16 value (a float32 run of neighbours), T from 2**-126 (overflow to +-inf) to 3e38
-    (subnormals and 0), 1, 3, 0.7, a power of two; ties of distinct x included."""
+    t that z takes (some at random, some powers of two): every bf16/fp16 value (a float32 run of neighbours), T from
+    2**-126 (overflow to +-inf) to 3e38 (subnormals and 0), 1, 3, 0.7, a power of two; ties of distinct x included."""
     x = _every_value(dtype) if dtype != torch.float32 else _float32_runs()
     collided = 0
     for temperature in (1.0, 0.7, 3.0, 2.0, 2.0**20, 2.0**-10, 1e-3, 2.0**-126, 1e-30, 1e30, 3e38,
@@ -153,7 +153,8 @@ def test_scaled_equal_is_z_equal_without_z(dtype):
         t = z.unique()
         powers = t[torch.frexp(t).mantissa.abs() == 0.5]  # (just below one, the lower binade's half ulp rounds up)
         g = torch.Generator().manual_seed(0)
-        t = torch.cat([t[torch.randperm(len(t), generator=g)[:40]], powers[torch.randperm(len(powers), generator=g)[:20]]])
+        t = torch.cat([t[torch.randperm(len(t), generator=g)[:40]],
+                       powers[torch.randperm(len(powers), generator=g)[:20]]])
         edges = torch.tensor([0.0, float("nan"), 3.4028234663852886e38, -3.4028234663852886e38, 2.0**-149, 2.0**-126])
         t = torch.cat([t, z.min().view(1), z.max().view(1), edges]).unsqueeze(-1)
         want = z == t  # [T's, values]

@@ -902,8 +902,9 @@ def test_top_k_top_p_cut_is_the_whole_vocabulary_cut(dtype):
 
 def test_per_row_cut_from_a_host_bound_reaches_the_op(monkeypatch, dtype=torch.bfloat16):
     """``RowSampling.top_k_bound`` passes through the registered ops (their ``top_k_bound`` argument) to the per-row
-    cut, which then takes one topk of the bound (``warping.rows_top_k_cut_of_logits``): the same tokens as the reference (whose per-row cut sorts each row),
-    on tied logits with +-inf, overflow and a NaN row (flagged), a greedy row, a top-k-alone row."""
+    cut, which then takes one topk of the bound (``warping.rows_top_k_cut_of_logits``): the same tokens as the
+    reference (whose per-row cut sorts each row), on tied logits with +-inf, overflow and a NaN row (flagged), a
+    greedy row, a top-k-alone row."""
     import dataclasses
     from test_cuda_host_cut import tied_logits
 
@@ -955,3 +956,37 @@ def test_per_row_cut_from_a_host_bound_without_z_is_the_sorted_cut(dtype):
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0].view(torch.int32), triton_backend._cuts(logits, sorted_rows, plan)[0].view(torch.int32))
 
+
+
+def test_top_k_cuts_write_no_copy_of_z_nor_of_the_logits():
+    """``_cuts`` with one temperature and top-k (alone, with top-p) and per-row parameters with a host bound allocate
+    no [B, J, V] float32 tensor (z) and no copy of the logits (a strided view, as a model's last positions, is not
+    reshaped into a copy): every aten op's output recorded by a dispatch mode (views of the logits excepted)."""
+    import dataclasses
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if (isinstance(t, torch.Tensor) and t.numel() >= logits.numel() and t.dtype in (torch.float32, dtype)
+                        and t.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()):
+                    self.big.append((str(func), t.dtype))
+            return out
+
+    batch, rows, vocab, dtype = 3, 2, 40, torch.bfloat16
+    full = torch.randn(batch, rows + 3, vocab).to(DEVICE, dtype)
+    logits = full[:, 1:1 + rows]  # [B, J, V], not contiguous
+    rows_sampling = check_sampling(torch.tensor([0.7, 0.0, 1.3], device=DEVICE), torch.tensor([5, 0, 3], device=DEVICE),
+                                   torch.tensor([0.9, 1.0, 0.5], dtype=torch.float64, device=DEVICE), batch,
+                                   torch.device(DEVICE))
+    bounded = dataclasses.replace(rows_sampling, rows=dataclasses.replace(rows_sampling.rows, top_k_bound=5))
+    plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
+    for sampling in (Sampling(0.7, 5, 1.0), Sampling(0.7, 5, 0.9), Sampling(1.0, 5, 0.9), bounded):
+        with Outputs() as mode:
+            triton_backend._cuts(logits, sampling, plan)
+        assert mode.big == [], (sampling, mode.big)
