@@ -18,13 +18,14 @@ SAMPLED = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=5, eos
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _setting(get, set_, value):
+    """Set a global torch setting to ``value`` for the block (``get`` reads it, ``set_`` writes it), then restore it."""
+    saved = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(saved)
+        set_(saved)
 
 
 @contextlib.contextmanager
@@ -36,24 +37,16 @@ def _default_device():
         torch.set_default_device(None)
 
 
-@contextlib.contextmanager
+def _default_dtype(dtype):
+    return _setting(torch.get_default_dtype, torch.set_default_dtype, dtype)
+
+
 def _deterministic():
-    saved = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved)
+    return _setting(torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True)
 
 
-@contextlib.contextmanager
 def _threads(count):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    return _setting(torch.get_num_threads, torch.set_num_threads, count)
 
 
 STATES = {
