@@ -94,6 +94,24 @@ def source_z(logits: torch.Tensor, source: torch.Tensor, temperature: float) -> 
     return (x / torch.full((), temperature, device=x.device)).view(torch.int32)
 
 
+def triton_backend_for(args):
+    """The Triton backend where its variants run (a CUDA device, or the interpreter), with ``plan(x)`` for its launch
+    sizes; None where they do not (asked not to, or triton missing: the reason printed)."""
+    if args.no_triton or not (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    try:
+        from speculative_kernels.ops import triton_backend
+    except ImportError as exc:
+        print(f"skipping the Triton variants: {exc}")
+        return None
+    return triton_backend
+
+
+def plan(triton_backend, x: torch.Tensor):
+    """The Triton backend's launch plan for logits x [..., V]."""
+    return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
+
+
 def top_p_variants(args, top_p: float) -> dict:
     """name -> fn(logits [..., V], sampling) -> (source or cut value [...], cut index [...]), top-k with top-p."""
     k = args.top_k
@@ -109,50 +127,44 @@ def top_p_variants(args, top_p: float) -> dict:
     fns = {"sort": lambda x, s: sorted_cut(scaled(x, s.temperature), k, top_p)[1].expand(2, *x.shape[:-1]),
            "topk-k": lambda x, s: torch.stack(_top_k_top_p_cut(x, s)),
            "rows-sort": rows(None), "rows-topk-bound": rows(2 * k)}
-    if not args.no_triton and (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        try:
-            from speculative_kernels.ops import triton_backend
-        except ImportError as exc:
-            print(f"skipping the Triton variants: {exc}")
-            return fns
+    triton_backend = triton_backend_for(args)
+    if triton_backend is None:
+        return fns
 
-        def plan(x):
-            return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
+    def triton_sort(x, s):
+        value, index = sorted_cut(triton_backend._scaled(x, s, plan(triton_backend, x)), k, top_p)
+        return torch.stack([value.view(torch.int32), index])
 
-        def triton_sort(x, s):
-            value, index = sorted_cut(triton_backend._scaled(x, s, plan(x)), k, top_p)
+    def triton_z_topk(x, s):
+        value, index = warping.warp_thresholds(triton_backend._scaled(x, s, plan(triton_backend, x)), k, top_p)
+        return torch.stack([value.view(torch.int32), index])
+
+    def triton_topk(x, s):
+        value, index = triton_backend._cuts(x, s, plan(triton_backend, x))
+        return torch.stack([value.view(torch.int32), index])
+
+    def triton_rows(copy_z: bool):  # per-row tensors with a host bound of 2k: z copied, or not (``_cuts``)
+        def fn(x, s):
+            from speculative_kernels.ops.sampling import RowSampling
+
+            batch = x.shape[0]
+            params = RowSampling(torch.full((batch,), s.temperature, device=x.device),
+                                 torch.full((batch,), k, device=x.device),
+                                 torch.full((batch,), top_p, dtype=torch.float64, device=x.device), True,
+                                 top_k_bound=2 * k)
+            rows_sampling = Sampling(rows=params)
+            if copy_z:
+                per_position = (lambda t: t.view(batch, 1).expand(x.shape[:-1]).reshape(-1))
+                value, index = warping.row_thresholds(
+                    triton_backend._scaled(x, rows_sampling, plan(triton_backend, x)), per_position(params.top_k),
+                    per_position(params.top_p), 2 * k)
+            else:
+                value, index = triton_backend._cuts(x, rows_sampling, plan(triton_backend, x))
             return torch.stack([value.view(torch.int32), index])
+        return fn
 
-        def triton_z_topk(x, s):
-            value, index = warping.warp_thresholds(triton_backend._scaled(x, s, plan(x)), k, top_p)
-            return torch.stack([value.view(torch.int32), index])
-
-        def triton_topk(x, s):
-            value, index = triton_backend._cuts(x, s, plan(x))
-            return torch.stack([value.view(torch.int32), index])
-
-        def triton_rows(copy_z: bool):  # per-row tensors with a host bound of 2k: z copied, or not (``_cuts``)
-            def fn(x, s):
-                from speculative_kernels.ops.sampling import RowSampling
-
-                batch = x.shape[0]
-                params = RowSampling(torch.full((batch,), s.temperature, device=x.device),
-                                     torch.full((batch,), k, device=x.device),
-                                     torch.full((batch,), top_p, dtype=torch.float64, device=x.device), True,
-                                     top_k_bound=2 * k)
-                rows_sampling = Sampling(rows=params)
-                if copy_z:
-                    per_position = (lambda t: t.view(batch, 1).expand(x.shape[:-1]).reshape(-1))
-                    value, index = warping.row_thresholds(
-                        triton_backend._scaled(x, rows_sampling, plan(x)), per_position(params.top_k),
-                        per_position(params.top_p), 2 * k)
-                else:
-                    value, index = triton_backend._cuts(x, rows_sampling, plan(x))
-                return torch.stack([value.view(torch.int32), index])
-            return fn
-
-        fns["triton-sort"], fns["triton-z-topk-k"], fns["triton-topk-k"] = triton_sort, triton_z_topk, triton_topk
-        fns["triton-rows-z-bound"], fns["triton-rows-bound"] = triton_rows(True), triton_rows(False)
+    fns["triton-sort"], fns["triton-z-topk-k"], fns["triton-topk-k"] = triton_sort, triton_z_topk, triton_topk
+    fns["triton-rows-z-bound"], fns["triton-rows-bound"] = triton_rows(True), triton_rows(False)
     return fns
 
 
@@ -178,23 +190,18 @@ def cut_variants(args, vocab: int) -> dict:
         chunk = chunk_near(vocab, target, k)
         if chunk is not None and f"two-stage[{chunk}]" not in fns:
             fns[f"two-stage[{chunk}]"] = functools.partial(lambda x, s, c: two_stage_top_k_cut(x, k, c)[0], c=chunk)
-    if not args.no_triton and (args.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        try:
-            from speculative_kernels.ops import triton_backend
-            from speculative_kernels.ops.warping import warp_thresholds
-        except ImportError as exc:
-            print(f"skipping the Triton variants: {exc}")
-            return fns
-        def plan(x):
-            return triton_backend.make_plan(*x.shape, triton_backend.default_tuning(x.device))
+    triton_backend = triton_backend_for(args)
+    if triton_backend is None:
+        return fns
 
-        def triton_z_gather(x, s):
-            source = warping.kth_largest_index(x, k).reshape(-1, 1)
-            return triton_backend._scaled(x, s, plan(x)).gather(-1, source).reshape(x.shape[:-1])
+    def triton_z_gather(x, s):
+        source = warping.kth_largest_index(x, k).reshape(-1, 1)
+        return triton_backend._scaled(x, s, plan(triton_backend, x)).gather(-1, source).reshape(x.shape[:-1])
 
-        fns["triton-element"] = lambda x, s: warp_thresholds(triton_backend._scaled(x, s, plan(x)), k, 1.0)[0]
-        fns["triton-z-gather"] = triton_z_gather
-        fns["triton-raw"] = lambda x, s: triton_backend._cuts(x, s, plan(x))[0]
+    fns["triton-element"] = lambda x, s: warping.warp_thresholds(
+        triton_backend._scaled(x, s, plan(triton_backend, x)), k, 1.0)[0]
+    fns["triton-z-gather"] = triton_z_gather
+    fns["triton-raw"] = lambda x, s: triton_backend._cuts(x, s, plan(triton_backend, x))[0]
     return fns
 
 
