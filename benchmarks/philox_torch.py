@@ -71,18 +71,24 @@ def main(argv=None) -> int:
                  "wrapping": lambda: rounds_wrapping(k0, k1, *counters),
                  "stacked": lambda: philox._rounds_stacked(k0, k1, *counters)}
         assert torch.equal(paths["split"](), paths["wrapping"]()) and torch.equal(paths["split"](), paths["stacked"]())
-        times = {name: [] for name in paths}
-        for _ in range(args.reps):
-            for name, call in paths.items():
-                sync()
-                start = clock()
-                call()
-                sync()
-                times[name].append(clock() - start)
-        split, wrapping, stacked = (1e6 * statistics.median(times[name]) for name in paths)
+        medians = interleaved_medians_us(paths, args.reps, clock, sync)
+        split, wrapping, stacked = (medians[name] for name in paths)
         print(f"| {batch} | {vocab} | {split:.0f} | {wrapping:.0f} | {stacked:.0f} | {wrapping / stacked:.2f} |")
     races(args.reps, device, clock, sync, g)
     return 0
+
+
+def interleaved_medians_us(paths: dict, reps: int, clock, sync) -> dict:
+    """Median µs per call of each named callable, the callables alternating call by call (synchronised around each)."""
+    times = {name: [] for name in paths}
+    for _ in range(reps):
+        for name, call in paths.items():
+            sync()
+            start = clock()
+            call()
+            sync()
+            times[name].append(clock() - start)
+    return {name: 1e6 * statistics.median(ts) for name, ts in times.items()}
 
 
 def races(reps: int, device, clock, sync, g) -> None:
@@ -98,15 +104,8 @@ def races(reps: int, device, clock, sync, g) -> None:
         ids = torch.arange(vocab, device=device).unsqueeze(0)
         paths = {"per id": lambda: philox.philox_first_word(seed, ids, c1, c2, c3),
                  "per 4 ids": lambda: philox.vocabulary_bits(seed, vocab, c1, c2, c3)}
-        times = {name: [] for name in paths}
-        for _ in range(reps):
-            for name, call in paths.items():
-                sync()
-                start = clock()
-                call()
-                sync()
-                times[name].append(clock() - start)
-        one, four = (1e6 * statistics.median(times[name]) for name in paths)
+        medians = interleaved_medians_us(paths, reps, clock, sync)
+        one, four = (medians[name] for name in paths)
         print(f"| {batch} | {vocab} | {one:.0f} | {four:.0f} | {one / four:.2f} |")
 
 
