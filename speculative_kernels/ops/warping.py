@@ -150,33 +150,53 @@ def top_k_top_p_cut_of_logits(logits: torch.Tensor, temperature: float, top_k: i
 def _candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, threshold) -> tuple[torch.Tensor, torch.Tensor]:
     """The cut of ``_top_k_top_p_cut`` from its k candidates: ids [..., k] in id order (the elements of the k
     largest z: any of them where ties straddle the k-th), values [..., k] their z, ``tied(t)``: [..., V] bool,
-    z == t for t [..., 1].
+    z == t for t [..., 1]; threshold: see ``_limit``. Returns (cut_value [...] float32, cut_index [...] int32)."""
+    value, index, _ = _cut_among_candidates(ids, values, tied, threshold)
+    return value.squeeze(-1), index.squeeze(-1).to(torch.int32)
 
-    The survivors are the k candidates of topk and the entries tied with the k-th largest value t that topk left
-    out. The candidates, sorted by (value, index), carry every survivor above t; the c entries tied at t come first,
-    each of weight q_t >= 1, so the j-th of them has cumulative weight j * q_t: of the c - (tied candidates) ties that
+
+def _cut_among_candidates(ids: torch.Tensor, values: torch.Tensor, tied, threshold,
+                          first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-p-after-top-k cut from candidates: ids [..., N] in id order, values [..., N] their z, ``tied(t)``:
+    [..., V] bool, z == t for t [..., 1]; threshold: see ``_limit``. ``first`` [..., 1]: a row's candidates are the
+    last N - first in (value, index) order (a k per row from a topk of a bound; the positions before weigh 0 and are
+    not counted); None: all N. Returns (cut_value [..., 1] float32, cut_index [..., 1] int64, t [..., 1]: the k-th
+    largest value, the top-k cut).
+
+    The survivors are the row's candidates and the entries tied with its k-th largest value t that topk left out.
+    The candidates, sorted by (value, index), carry every survivor above t; the c entries tied at t come first, each
+    of weight q_t >= 1, so the j-th of them has cumulative weight j * q_t: of the c - (tied candidates) ties that
     precede the candidates, at most floor(limit / q_t) are removed, and the candidates' cumulative weights start from
-    that many times q_t. When the cut falls among the ties, its index is the r-th tied id (a
-    cumulative count over V). Returns (cut_value [...] float32, cut_index [...] int32)."""
+    that many times q_t. When the cut falls among the ties, its index is the r-th tied id (a cumulative count over
+    V)."""
     values, order = values.sort(dim=-1, stable=True)  # (value, index) ascending
-    t = values[..., :1]
+    t = values[..., :1] if first is None else values.gather(-1, first)
     tie_rank = tied(t).cumsum(dim=-1, dtype=torch.int32)  # [..., V]: ties at or before each id
     vocab = tie_rank.shape[-1]
     ties = tie_rank[..., -1:]
-    outside = ties - (values == t).sum(dim=-1, keepdim=True)  # ties that topk left out
+    tied_candidates = values == t
     q = _weights(values, values[..., -1:], _weight_bits(vocab))
-    q_t = q[..., :1]
+    if first is not None:
+        before = torch.arange(values.shape[-1], device=values.device) < first  # not the row's candidates
+        tied_candidates = tied_candidates & ~before
+        q = q.masked_fill(before, 0)
+    outside = ties - tied_candidates.sum(dim=-1, keepdim=True)  # ties that topk left out
+    q_t = q[..., :1] if first is None else q.gather(-1, first)
     cumulative = q.cumsum(dim=-1) + outside * q_t
     limit = _limit(cumulative[..., -1:], threshold)
     # removed: the first ``removed`` survivors in (value, index) order, of which ``candidate`` candidates (the largest,
     # the last candidate, never counted); the others (any at all only if candidates are) are ties left out
-    candidate = (cumulative[..., :-1] <= limit).sum(dim=-1, keepdim=True)
+    counted = cumulative[..., :-1] <= limit
+    if first is not None:
+        counted = counted & ~before[..., :-1]
+    candidate = counted.sum(dim=-1, keepdim=True)
     removed = torch.minimum(limit // q_t, outside) + candidate
     in_ties = removed < ties
-    cut_value = torch.where(in_ties, t, values.gather(-1, candidate))
+    at = candidate if first is None else first + candidate
+    cut_value = torch.where(in_ties, t, values.gather(-1, at))
     cut_index = torch.where(in_ties, (tie_rank <= removed).sum(dim=-1, keepdim=True), ids.gather(-1, order.gather(
-        -1, candidate)))
-    return cut_value.squeeze(-1), cut_index.squeeze(-1).to(torch.int32)
+        -1, at)))
+    return cut_value, cut_index, t
 
 
 def scaled_equal(logits: torch.Tensor, t: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -308,28 +328,14 @@ def _rows_candidates_cut(ids: torch.Tensor, values: torch.Tensor, tied, top_k: t
                          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cut of ``_rows_top_k_cut`` from its ``bound`` candidates: ids [..., bound] in id order, values their z,
     ``tied(t)`` [..., V] bool: z == t for t [..., 1]. A row's k candidates are the last k of the bound candidates
-    in (value, index) order (all entries above its k-th largest value t, and ties at t); the positions before them
-    weigh 0 and are not counted."""
+    in (value, index) order (all entries above its k-th largest value t, and ties at t): ``_cut_among_candidates``
+    with the row's first candidate; a row without top-p keeps its top-k cut (t, 0), one without top-k none."""
     bound = ids.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
-    values, order = values.sort(dim=-1, stable=True)  # [..., bound] ascending (value, index)
-    first = (bound - top_k.clamp(1, bound)).unsqueeze(-1)  # the row's first candidate
-    before = torch.arange(bound, device=ids.device) < first  # [..., bound]: not the row's candidates
-    t = values.gather(-1, first)
-    tie_rank = tied(t).cumsum(dim=-1, dtype=torch.int32)
-    ties = tie_rank[..., -1:]
-    outside = ties - ((values == t) & ~before).sum(dim=-1, keepdim=True)
-    q = _weights(values, values[..., -1:], _weight_bits(vocab)).masked_fill(before, 0)
-    q_t = q.gather(-1, first)
-    cumulative = q.cumsum(dim=-1) + outside * q_t
-    limit = _limit(cumulative[..., -1:], (1.0 - top_p).to(torch.float32).to(torch.float64).unsqueeze(-1))
-    candidate = ((cumulative[..., :-1] <= limit) & ~before[..., :-1]).sum(dim=-1, keepdim=True)
-    removed = torch.minimum(limit // q_t, outside) + candidate
-    in_ties = removed < ties
-    at = first + candidate
-    p_value = torch.where(in_ties, t, values.gather(-1, at)).squeeze(-1)
-    p_index = torch.where(in_ties, (tie_rank <= removed).sum(dim=-1, keepdim=True),
-                          ids.gather(-1, order.gather(-1, at))).squeeze(-1).to(torch.int32)
+    first = (bound - top_k.clamp(1, bound)).unsqueeze(-1)  # the row's first candidate in (value, index) order
+    threshold = (1.0 - top_p).to(torch.float32).to(torch.float64).unsqueeze(-1)
+    p_value, p_index, t = _cut_among_candidates(ids, values, tied, threshold, first)
     k_value = torch.where(use_k, t.squeeze(-1), NO_CUT)
     use_p = use_k & (top_p < 1.0)
-    return torch.where(use_p, p_value, k_value), torch.where(use_p, p_index, torch.zeros_like(p_index))
+    p_index = p_index.squeeze(-1).to(torch.int32)
+    return torch.where(use_p, p_value.squeeze(-1), k_value), torch.where(use_p, p_index, torch.zeros_like(p_index))
