@@ -36,6 +36,7 @@ def verify(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    top_k_bound: int | None = None,
     num_draft_tokens: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
@@ -58,6 +59,13 @@ def verify(
     every backend (a tensor's value by the checks below): the kernels hold it in float32, where it would be
     infinite. A top_k of the vocabulary size or
     more (any python int) is no cut.
+
+    top_k_bound: a python int >= 1 the caller knows on the host (e.g. from its requests' settings), or None: with
+    per-row top_k / top_p tensors, a V-length sort per row finds each row's cut; with a bound, one topk of the bound
+    does (the same cut, bit for bit). It promises, for every sampled row: top_k <= top_k_bound, and top_k >= 1 where
+    top_p < 1. A row that breaks it comes back as an invalid row (-1; the checked path raises ``ValueError`` naming
+    ``top_k_bound`` and the rows), never with another cut; with scalars it is checked at once. A python top_k >= 1
+    beside per-row tensors is used as the bound by itself.
 
     seed / offset: ints, or int64 tensors of shape [], [1] or [B] (device tensors allowed); or a ``generator``. A
     scalar or [1] seed is one key for the call, and row b draws its own numbers from it by its batch index. A [B]
@@ -98,12 +106,16 @@ def verify(
             )
     check_same_device(target_logits=target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
     num_draft_tokens = check_num_draft_tokens(num_draft_tokens, batch, target_logits.device)
-    sampling = check_sampling(temperature, top_k, top_p, batch, target_logits.device)
+    sampling = check_sampling(temperature, top_k, top_p, batch, target_logits.device, top_k_bound)
     impl = backends.implementation(backend, target_logits.device.type)
     randomness = resolve_randomness(_greedy_seed(seed, generator, sampling), offset, generator, batch,
                                     target_logits.device)
     tokens, num_accepted = impl.verify(target_logits, draft_logits, draft_tokens, sampling, randomness,
                                        num_draft_tokens)
+    if top_k_bound is not None and sampling.rows is not None:
+        broken = sampling.rows.breaks_top_k_bound()
+        tokens = tokens.masked_fill(broken.unsqueeze(1), -1)
+        num_accepted = num_accepted.masked_fill(broken, -1)
     if should_check(check, target_logits):
         raise_for_invalid_rows(num_accepted, sampling=sampling, randomness=randomness,
                                num_draft_tokens=num_draft_tokens, target_logits=target_logits,
@@ -117,6 +129,7 @@ def sample(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor = 0,
     top_p: float | torch.Tensor = 1.0,
+    top_k_bound: int | None = None,
     generator: torch.Generator | None = None,
     seed: int | torch.Tensor | None = None,
     offset: int | torch.Tensor = 0,
@@ -125,19 +138,21 @@ def sample(
 ) -> torch.Tensor:
     """Draft-side sampler: one token per row from softmax(warp(logits)) (argmax when temperature == 0).
 
-    logits: [B, V]. Returns [B] int64. temperature / top_k / top_p: scalars or [B] tensors, as for ``verify`` (a
-    temperature above float32's largest value is refused by name). seed / offset as for ``verify``: a [B] seed is
+    logits: [B, V]. Returns [B] int64. temperature / top_k / top_p / top_k_bound: scalars or [B] tensors, and the
+    bound, as for ``verify`` (a temperature above float32's largest value is refused by name). seed / offset as for ``verify``: a [B] seed is
     each row's own key, so ``seed=torch.full((B,), s)`` draws the same numbers in every row, unlike ``seed=s``. Uses
     its own Philox stream, so reusing (seed, offset) with ``verify`` never reuses random numbers. Unchecked, a row
     with non-finite logits (raw, or after the division by temperature) or an invalid per-row parameter comes back
     as -1; ``check`` as for ``verify``.
     """
     check_logits("logits", logits, 2)
-    sampling = check_sampling(temperature, top_k, top_p, logits.shape[0], logits.device)
+    sampling = check_sampling(temperature, top_k, top_p, logits.shape[0], logits.device, top_k_bound)
     impl = backends.implementation(backend, logits.device.type)
     randomness = resolve_randomness(_greedy_seed(seed, generator, sampling), offset, generator, logits.shape[0],
                                     logits.device)
     tokens = impl.sample(logits, sampling, randomness)
+    if top_k_bound is not None and sampling.rows is not None:
+        tokens = tokens.masked_fill(sampling.rows.breaks_top_k_bound(), -1)
     if should_check(check, logits):
         raise_for_invalid_rows(tokens, sampling=sampling, randomness=randomness, logits=logits)
     return tokens

@@ -75,6 +75,13 @@ def _raise_for_parameters(sampling: Sampling | None, num_draft_tokens: torch.Ten
         rows = _rows(bad)
         if rows:
             raise ValueError(f"{name} {rule}, got {value[rows[0]].item()!r} (batch rows {rows})")
+    rows = _rows(params.breaks_top_k_bound())
+    if rows:
+        b = rows[0]
+        raise ValueError(f"top_k_bound={params.top_k_bound} does not bound the sampled rows' top_k: row {b} has "
+                         f"top_k={params.top_k[b].item()} with top_p={params.top_p[b].item()!r} (sampled rows need "
+                         f"1 <= top_k <= top_k_bound where top_p < 1, and top_k <= top_k_bound everywhere; batch "
+                         f"rows {rows})")
 
 
 def raise_for_invalid_rows(flags: torch.Tensor, *, temperature: float = 0.0, randomness: Randomness | None = None,

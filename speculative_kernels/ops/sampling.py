@@ -62,6 +62,14 @@ class RowSampling:
         """[B] float64: top_p for sampled rows, 1 (off) for greedy rows."""
         return torch.where(self.greedy, torch.ones_like(self.top_p), self.top_p)
 
+    def breaks_top_k_bound(self) -> torch.Tensor:
+        """[B] bool: sampled rows that break ``top_k_bound`` (top_k above it, or top-p without a top_k); all False
+        without a bound. The cut from one topk of the bound would be wrong there."""
+        if self.top_k_bound is None:
+            return torch.zeros_like(self.top_k, dtype=torch.bool)
+        k = self.top_k
+        return ~self.greedy & ((k > self.top_k_bound) | ((k <= 0) & (self.top_p < 1.0)))
+
     def out_of_range(self) -> torch.Tensor:
         """[B] bool on the rows' device: True where a parameter is invalid (no host read). Such rows come back
         flagged (-1) from every backend; ``diagnostics.raise_for_invalid_rows`` names the argument."""

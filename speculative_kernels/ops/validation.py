@@ -99,15 +99,30 @@ def indexed_device(device) -> torch.device:
     return device
 
 
-def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) -> Sampling:
+def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device,
+                   top_k_bound: int | None = None) -> Sampling:
     """The ``Sampling`` of a call: python scalars as ``check_sampling_params``; any of the three may instead be a
     [B] tensor on the logits' device (float32/float64 temperature and top_p, int64/int32 top_k), which makes every
     parameter per row (``RowSampling``). Tensor values are not read here: a row with an invalid value comes back
-    flagged (-1) and the checked path names the argument (``diagnostics.raise_for_invalid_rows``)."""
+    flagged (-1) and the checked path names the argument (``diagnostics.raise_for_invalid_rows``).
+
+    ``top_k_bound``: the caller's host int >= 1 (None: not given), a promise on the sampled rows (temperature > 0):
+    top_k <= top_k_bound, and top_k >= 1 where top_p < 1. With per-row tensors it becomes
+    ``RowSampling.top_k_bound`` (one topk of the bound instead of a V-length sort per row); a row breaking it is
+    flagged by ``breaks_top_k_bound`` (the ops then return it as -1). With scalars it is checked here. A python
+    top_k >= 1 beside per-row tensors is itself such a bound (every row has it), taken when none is given."""
+    bound = _check_top_k_bound(top_k_bound)
     tensors = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
                if isinstance(value, torch.Tensor)}
     if not tensors:
-        return Sampling(*check_sampling_params(temperature, top_k, top_p))
+        sampling = Sampling(*check_sampling_params(temperature, top_k, top_p))
+        if bound is not None and sampling.temperature > 0.0 and (
+                sampling.top_k > bound or (sampling.top_k == 0 and sampling.top_p < 1.0)):
+            raise ValueError(f"top_k_bound={bound} does not bound top_k={sampling.top_k}"
+                             + (f" with top_p={sampling.top_p}" if sampling.top_k == 0 else "")
+                             + ": sampled rows need 1 <= top_k <= top_k_bound where top_p < 1, and top_k <= "
+                             "top_k_bound everywhere")
+        return sampling
     scalars = check_sampling_params(
         0.0 if "temperature" in tensors else temperature,
         0 if "top_k" in tensors else top_k,
@@ -128,7 +143,20 @@ def check_sampling(temperature, top_k, top_p, batch: int, device: torch.device) 
     cut = "top_k" in tensors or "top_p" in tensors or scalars[1] > 0 or scalars[2] < 1.0
     given = tensors.get("temperature")
     given = given if given is not None and given.dtype == torch.float64 else None
-    return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut, given))
+    if bound is None and "top_k" not in tensors and scalars[1] > 0:
+        bound = scalars[1]  # (every row's top_k: nothing to check)
+    return Sampling(rows=RowSampling(rows["temperature"], rows["top_k"], rows["top_p"], cut, given,
+                                     top_k_bound=bound))
+
+
+def _check_top_k_bound(top_k_bound) -> int | None:
+    if top_k_bound is None:
+        return None
+    if isinstance(top_k_bound, bool) or not isinstance(top_k_bound, numbers.Integral):
+        raise TypeError(f"top_k_bound must be an int (a host value) or None, got {type(top_k_bound).__name__}")
+    if top_k_bound < 1:
+        raise ValueError(f"top_k_bound must be >= 1, got {top_k_bound}")
+    return int(top_k_bound)
 
 
 def _row_values(name: str, value: torch.Tensor, kind: torch.dtype) -> torch.Tensor:

@@ -399,3 +399,106 @@ def test_per_row_top_k_with_top_p_sorts_each_row_once():
     with Sorts() as sorts:
         row_thresholds(z, torch.tensor([[5], [0]]), torch.tensor([[0.9], [0.5]], dtype=torch.float64))
     assert sorts.names == ["sort"]
+
+
+# ---- top_k_bound: a host bound of the rows' top_k (one topk of it instead of a V-length sort per row) --------------
+# (temperature, top_k, top_p) per row: greedy, top-k alone, top-k then top-p, no cut, greedy with a top_k past any bound
+BOUNDED = [(0.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 12, 0.8), (1.3, 0, 1.0), (0.9, 1, 0.5), (1.0, 12, 1e-9),
+           (0.0, 90, 0.3)]
+
+
+def _sorts_over(vocab):
+    """A dispatch mode recording the last-dimension sizes of the sorts it sees (``.sizes``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sorts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "sort":
+                self.sizes.append(args[0].shape[-1])
+            return func(*args, **(kwargs or {}))
+
+    return Sorts()
+
+
+@pytest.mark.parametrize("bound", [12, 13, 1000])
+def test_top_k_bound_gives_the_unbounded_result_bit_for_bit(bound):
+    """A bound (the rows' largest top_k, more, or past the vocabulary) changes no token: verify and sample on mixed
+    rows, against the same call without it (a V-length sort per row)."""
+    target, draft, tokens = _inputs(len(BOUNDED), 3, 64, seed=41)
+    rows = _row_params(BOUNDED)
+    for seed in range(3):
+        want = ops.verify(target, draft, tokens, **rows, seed=seed)
+        got = ops.verify(target, draft, tokens, **rows, seed=seed, top_k_bound=bound)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(ops.sample(target[:, 0], **rows, seed=seed, top_k_bound=bound),
+                           ops.sample(target[:, 0], **rows, seed=seed))
+
+
+def test_top_k_bound_replaces_the_vocabulary_sort():
+    """With a bound below V the cut sorts only the bound's candidates; a python top_k beside per-row tensors is such
+    a bound by itself (it sorted V per row, as per-row top_k tensors without a bound still do)."""
+    vocab = 64
+    target, draft, tokens = _inputs(len(BOUNDED), 3, vocab, seed=42)
+    rows = _row_params(BOUNDED)
+    with _sorts_over(vocab) as unbounded:
+        ops.sample(target[:, 0], **rows, seed=0)
+    assert vocab in unbounded.sizes
+    with _sorts_over(vocab) as bounded:
+        ops.verify(target, draft, tokens, **rows, seed=0, top_k_bound=12)
+        ops.sample(target[:, 0], **rows, seed=0, top_k_bound=12)
+    assert bounded.sizes and vocab not in bounded.sizes
+    scalar_k = dict(rows, top_k=7)
+    with _sorts_over(vocab) as scalar:
+        got = ops.sample(target[:, 0], **scalar_k, seed=3)
+    assert scalar.sizes and vocab not in scalar.sizes
+    assert torch.equal(got, ops.sample(target[:, 0], **dict(rows, top_k=torch.full((len(BOUNDED),), 7)), seed=3))
+
+
+def test_rows_breaking_the_top_k_bound_are_flagged_and_named():
+    """A sampled row with top_k above the bound, or with top-p and no top_k, comes back invalid (-1; the checked
+    call names top_k_bound and the rows), never with another cut; the other rows are unchanged, and greedy rows
+    are never flagged (a cut cannot change an argmax)."""
+    target, draft, tokens = _inputs(len(BOUNDED), 3, 64, seed=43)
+    rows = _row_params(BOUNDED)
+    rows["top_k"][3], rows["top_p"][3] = 0, 0.9  # top-p without a top_k
+    want = ops.verify(target, draft, tokens, **rows, seed=1, check=False)
+    got = ops.verify(target, draft, tokens, **rows, seed=1, top_k_bound=5, check=False)
+    broken = [2, 3, 5]  # top_k 12 > 5; top-p without top_k; (rows 0 and 6 are greedy, row 4 has top_k 1)
+    assert got[1].tolist() == [-1 if b in broken else n for b, n in enumerate(want[1].tolist())]
+    assert bool((got[0][broken] == -1).all())
+    keep = [b for b in range(len(BOUNDED)) if b not in broken]
+    assert torch.equal(got[0][keep], want[0][keep])
+    with pytest.raises(ValueError, match=r"top_k_bound=5 does not bound .* row 2 has top_k=12 .*batch rows \[2, 3, 5\]"):
+        ops.verify(target, draft, tokens, **rows, seed=1, top_k_bound=5)
+    sampled = ops.sample(target[:, 0], **rows, seed=1, top_k_bound=5, check=False)
+    assert [b for b, t in enumerate(sampled.tolist()) if t == -1] == broken
+    with pytest.raises(ValueError, match="top_k_bound=5 does not bound"):
+        ops.sample(target[:, 0], **rows, seed=1, top_k_bound=5)
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (0, ValueError, "top_k_bound must be >= 1, got 0"),
+    (True, TypeError, "top_k_bound must be an int"),
+    (4.0, TypeError, "top_k_bound must be an int"),
+    (torch.tensor(4), TypeError, "top_k_bound must be an int"),
+])
+def test_top_k_bound_argument_checked(value, error, match):
+    logits = torch.randn(2, 10)
+    with pytest.raises(error, match=match):
+        ops.sample(logits, top_k=3, top_k_bound=value, seed=0)
+
+
+def test_top_k_bound_with_scalars_checked_at_once():
+    """Scalar parameters are host values: a bound they break is refused before anything runs; greedy is never
+    cut, so any bound holds there."""
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="top_k_bound=2 does not bound top_k=3"):
+        ops.sample(logits, top_k=3, top_k_bound=2, seed=0)
+    with pytest.raises(ValueError, match="top_k_bound=4 does not bound top_k=0 with top_p=0.9"):
+        ops.sample(logits, top_p=0.9, top_k_bound=4, seed=0)
+    assert torch.equal(ops.sample(logits, top_k=3, top_k_bound=3, seed=0), ops.sample(logits, top_k=3, seed=0))
+    assert torch.equal(ops.sample(logits, temperature=0.0, top_k=30, top_k_bound=2), logits.argmax(-1))
