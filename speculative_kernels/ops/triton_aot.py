@@ -4,16 +4,18 @@
     python -m speculative_kernels.ops.triton_aot --batches 1 2 3 4 5 6 7 8   # compiled variants per kernel over B
 
 The variants are not written out by hand. The backend's own launch code (``triton_backend.launch_verify`` /
-``launch_sample``, ``compaction_triton``) runs on CPU tensors of a typical shape (bf16 logits, V = 128256, K = 4,
-B = 1, an H100's 132 SMs) with every kernel launch recorded instead of executed (``recording``); each recorded launch
-is then bound by Triton's own JIT binder for the target (``bind``), which gives the specialisation the JIT keys its
-cache on and compiles: ``tt.divisibility = 16`` on 16-byte aligned pointers and on integers divisible by 16, an integer
-equal to 1 as a constant, ``do_not_specialize`` arguments left generic, the launch's constexprs and ``num_warps``.
+``launch_sample``, ``compaction_triton``, ``lookup_triton``) runs on CPU tensors of a typical shape (bf16 logits,
+V = 128256, K = 4, B = 1, an H100's 132 SMs; prompt lookup in a 4096-token buffer) with every kernel launch recorded
+instead of executed (``recording``); each recorded launch is then bound by Triton's own JIT binder for the target
+(``bind``), which gives the specialisation the JIT keys its cache on and compiles: ``tt.divisibility = 16`` on
+16-byte aligned pointers and on integers divisible by 16, an integer equal to 1 as a constant, ``do_not_specialize``
+arguments left generic, the launch's constexprs and ``num_warps``.
 So ``--resources`` reports the registers of the kernels that run, and ``--batches`` counts how many variants a range
 of batch sizes compiles (one per kernel and mode is the goal: a new batch size must not cost a compilation).
 
-Checked with Triton 3.6 (the GPU image's) and 3.9. Must run without TRITON_INTERPRET (the kernels must be real JIT
-functions).
+Checked with Triton 3.6 (the GPU image's; CI compiles ``--quick`` with it) and 3.9: every mode at several
+(B, V, K), V = 1 and 2 and V not a multiple of 4 included, in bf16, fp16 and fp32 (2026-11-27). Must run without
+TRITON_INTERPRET (the kernels must be real JIT functions).
 """
 
 import argparse
@@ -31,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-from . import compaction_triton, triton_backend
+from . import compaction_triton, lookup_triton, triton_backend
 from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 
@@ -72,20 +74,22 @@ class _Recorder:
 @contextlib.contextmanager
 def recording():
     """Record the Triton backends' launches instead of running them, with CPU tensors taking the GPU's decisions
-    (libdevice math, the GPU's compaction tile). Yields the list the launches are appended to."""
+    (libdevice math, the GPU's compaction and lookup tiles). Yields the list the launches are appended to."""
     recorder = _Recorder()
     cuda = torch.device("cuda")
-    saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend.precise_math,
-             compaction_triton.slot_tile)
+    saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
+             triton_backend.precise_math, compaction_triton.slot_tile, lookup_triton.window_tile)
     precise, slot_tile = triton_backend.precise_math, compaction_triton.slot_tile
-    triton_backend.wrap_triton = compaction_triton.wrap_triton = recorder
+    window_tile = lookup_triton.window_tile
+    triton_backend.wrap_triton = compaction_triton.wrap_triton = lookup_triton.wrap_triton = recorder
     triton_backend.precise_math = lambda device: precise(cuda)
     compaction_triton.slot_tile = lambda device: slot_tile(cuda)
+    lookup_triton.window_tile = lambda device: window_tile(cuda)
     try:
         yield recorder.launches
     finally:
-        (triton_backend.wrap_triton, compaction_triton.wrap_triton, triton_backend.precise_math,
-         compaction_triton.slot_tile) = saved
+        (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
+         triton_backend.precise_math, compaction_triton.slot_tile, lookup_triton.window_tile) = saved
 
 
 @dataclasses.dataclass
@@ -140,6 +144,7 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
         "sampling top-k/top-p": (draft, Sampling(0.8, 50, 0.9), None),
         "sampling top-k/top-p one-hot": (None, Sampling(0.8, 50, 0.9), None),
         "per-row limit": (draft, per_row, limit),
+        "per-row top_k_bound": (draft, Sampling(rows=dataclasses.replace(rows, top_k_bound=64)), None),
         "per-row one-hot limit": (None, Sampling(rows=dataclasses.replace(rows, cut=False)), limit),
         "sample": ("sample", Sampling(0.8, 0, 1.0), None),
         "sample top-p": ("sample", Sampling(0.8, 0, 0.9), None),
@@ -170,11 +175,27 @@ def record_compaction(batch: int = 1, heads: int = 8, slots: int = 4096, head_di
     return [("compact_kv", launch) for launch in launches]
 
 
+def record_lookup(batch: int = 1, width: int = 4096, num_tokens: int = 10, max_ngram: int = 2,
+                  quick: bool = False) -> list[tuple[str, Launch]]:
+    """The prompt-lookup launches for a context buffer [B, W] (HF's defaults: 10 tokens, 2-grams), each of the
+    match rules (first or latest match, periodic or not; ``quick``: the drafter's, latest and periodic)."""
+    tokens = torch.zeros(batch, width, dtype=torch.int64)
+    start, end = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), width, dtype=torch.int64)
+    out = []
+    for prefer_latest in (True,) if quick else (False, True):
+        for periodic in (True,) if quick else (False, True):
+            with recording() as launches:
+                lookup_triton.prompt_lookup(tokens, start, end, num_tokens, max_ngram, prefer_latest, periodic)
+            out += [(f"lookup latest={prefer_latest} periodic={periodic}", launch) for launch in launches]
+    return out
+
+
 def variants(arch: int = 90, batch: int = 1, k: int = 4, vocab: int = 128256, quick: bool = False) -> list:
     """(label, Bound) per distinct compilation of the typical launches, in launch order."""
     target = GPUTarget("cuda", arch, 32)
     seen, out = set(), []
-    for mode, launch in record_verify_modes(batch, k, vocab, quick=quick) + record_compaction(batch):
+    for mode, launch in record_verify_modes(batch, k, vocab, quick=quick) + record_compaction(batch) + \
+            record_lookup(batch, quick=quick):
         bound = bind(launch, target)
         if (bound.name, bound.key) not in seen:
             seen.add((bound.name, bound.key))
@@ -187,7 +208,7 @@ def variants_over_batches(batches, arch: int = 90, k: int = 4, vocab: int = 1282
     target = GPUTarget("cuda", arch, 32)
     keys: dict[str, set] = {}
     for batch in batches:
-        for mode, launch in record_verify_modes(batch, k, vocab) + record_compaction(batch):
+        for mode, launch in record_verify_modes(batch, k, vocab) + record_compaction(batch) + record_lookup(batch):
             keys.setdefault(f"{launch.name} [{mode}]", set()).add(bind(launch, target).key)
     return {label: len(found) for label, found in keys.items()}
 

@@ -559,13 +559,14 @@ def _aot(*args: str) -> subprocess.CompletedProcess:
 def test_kernels_compile_for_hopper_as_the_jit_builds_them():
     """Every kernel compiles to sm_90 cubin (no GPU needed; catches code only the interpreter accepts), bound by the
     JIT's own binder from the backend's recorded launches, so with the JIT's 16-byte divisibility hints: the logits
-    and the KV cache are read with 128-bit loads, as on the GPU (without the hints they were scalar loads)."""
+    and the KV cache are read with 128-bit loads, as on the GPU (without the hints they were scalar loads). The
+    prompt-lookup kernel too (it runs on CUDA devices, and was compiled by none of these checks)."""
     result = _aot("--quick")
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("ok sm_90")]
     names = {line.split()[2] for line in lines}
     assert names == {"stats_kernel", "race_kernel", "finish_greedy_kernel", "finish_sample_kernel", "scale_kernel",
-                     "compact_kv_kernel"}, result.stdout
+                     "compact_kv_kernel", "prompt_lookup_kernel"}, result.stdout
     for line in lines:
         if line.split()[2] in ("stats_kernel", "race_kernel", "scale_kernel", "compact_kv_kernel"):
             assert "v4." in line.split("loads=")[1], line
