@@ -168,7 +168,7 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
 def record_compaction(batch: int = 1, heads: int = 8, slots: int = 4096, head_dim: int = 128,
                       dtype=torch.bfloat16) -> list[tuple[str, Launch]]:
     """The KV-cache compaction launch for one layer tensor [B, H, S, D] (a static cache's used prefix)."""
-    cache = torch.zeros(batch, heads, slots + 64, head_dim, dtype=dtype)
+    cache = torch.empty(batch, heads, slots + 64, head_dim, dtype=dtype)  # (never read: only launched)
     mask = torch.ones(batch, slots, dtype=torch.int64)
     with recording() as launches:
         compaction_triton.compact_kv([cache[:, :, :slots]], mask)
