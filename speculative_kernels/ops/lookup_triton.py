@@ -17,7 +17,9 @@ from .backends import device_guard
 __all__ = ["prompt_lookup"]
 
 
-@triton.jit(do_not_specialize=["width"])  # the buffer widens as tokens are generated
+# The buffer widens as tokens are generated, and its width (its row stride too) follows each request's prompt: neither
+# is specialised (the stride's multiple-of-16 class would compile a second variant for some prompt lengths)
+@triton.jit(do_not_specialize=["width", "stride_tb"])
 def prompt_lookup_kernel(
     T_ptr,  # [B, W] int64 tokens
     start_ptr,  # [B] int64

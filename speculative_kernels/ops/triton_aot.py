@@ -204,11 +204,14 @@ def variants(arch: int = 90, batch: int = 1, k: int = 4, vocab: int = 128256, qu
 
 
 def variants_over_batches(batches, arch: int = 90, k: int = 4, vocab: int = 128256) -> dict[str, int]:
-    """Distinct JIT compilations per (kernel, mode) over the batch sizes ``batches`` (ideally 1 each)."""
+    """Distinct JIT compilations per (kernel, mode) over the batch sizes ``batches`` (ideally 1 each), the prompt-lookup
+    buffer 4000 + B tokens wide."""
     target = GPUTarget("cuda", arch, 32)
     keys: dict[str, set] = {}
     for batch in batches:
-        for mode, launch in record_verify_modes(batch, k, vocab) + record_compaction(batch) + record_lookup(batch):
+        # (the prompt-lookup buffer's width changes too: a request's prompt length sets it, and the row stride with it)
+        lookups = record_lookup(batch, width=4000 + batch)
+        for mode, launch in record_verify_modes(batch, k, vocab) + record_compaction(batch) + lookups:
             keys.setdefault(f"{launch.name} [{mode}]", set()).add(bind(launch, target).key)
     return {label: len(found) for label, found in keys.items()}
 

@@ -582,7 +582,8 @@ def test_one_compiled_variant_for_every_batch_size():
     takes every B-dependent integer through each class the JIT specialises on: pass-1 chunks 8 (B <= 8), 2 (64), 1
     (128); race chunks 16 (% 16, B <= 8), 8 (64), 4 (128); B itself 1, odd, % 16; the workspace planes likewise.
     Each do_not_specialize entry of the kernels removed, and a combine tile following B, fails here (with V = 32000
-    and B = 256 the race plane's went unnoticed)."""
+    and B = 256 the race plane's went unnoticed). The prompt-lookup buffer is 4000 + B tokens wide: its row stride,
+    set by a request's prompt length, was specialised on % 16 (two variants)."""
     result = _aot("--batches", "1", "2", "3", "4", "5", "6", "7", "8", "64", "128", "--vocab", "16384")
     counts = [line.split() for line in result.stdout.splitlines() if line.startswith("variants ")]
     assert len(counts) >= 20, result.stdout + result.stderr[-4000:]
