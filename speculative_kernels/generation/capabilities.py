@@ -99,8 +99,9 @@ class ModelSpec:
     sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
     positions: encoder-decoder models only, how the decoder knows positions ("relative" or "absolute"); None for
     decoder-only models, which take position ids.
-    kv_sizes: (layers, kv_heads, head_dim) of the (decoder self-attention) K/V, read on the static paths, which
-    preallocate them; None on the dynamic path.
+    kv_sizes: (layers, kv_heads, key_head_dim, value_head_dim) of the (decoder self-attention) K/V as the model
+    writes them to its cache, read on the static paths, which preallocate them; None on the dynamic path. Keys and
+    values differ in head size where multi-head latent attention caches its latents (``_latent_kv_sizes``).
     cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
@@ -114,7 +115,7 @@ class ModelSpec:
     mask: str = "4d"
     sliding_window: int | None = None
     positions: str | None = None
-    kv_sizes: tuple[int, int, int] | None = None
+    kv_sizes: tuple[int, int, int, int] | None = None
     cache_argument: str = "past_key_values"
     window_applied: bool = True
     masked_slots_exact: bool = True
@@ -283,13 +284,13 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     known = KNOWN_UNSUPPORTED.get(getattr(config, "model_type", ""))
     if known and path in known[0]:
         _refuse(name, path, known[1])
-    layout = _static_layout_reason(config) if path != "dynamic" else None
+    layout = _static_layout_reason(model, config) if path != "dynamic" else None
     if layout:
         _refuse(name, path, layout)
     sizes = None
     if path != "dynamic":
         try:
-            sizes = _config_kv_sizes(name, config)
+            sizes = _config_kv_sizes(name, model, config)
         except Exception as error:  # noqa: BLE001 -- e.g. a config that refuses a global head_dim
             _refuse(name, path, f"the static cache cannot size its K/V buffers from the config ({error})")
     if CACHELESS_LAYERS & set(types) and path != "dynamic":
@@ -483,19 +484,65 @@ def _applies_window(model, types: list[str]) -> bool:
     return not any(kind == "sliding_attention" and windows.get(i, 0) is None for i, kind in enumerate(types))
 
 
-def _config_kv_sizes(name: str, config) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) of a decoder-only config, or ValueError when it does not say."""
+def _config_kv_sizes(name: str, model, config) -> tuple[int, int, int, int]:
+    """(layers, kv_heads, key_head_dim, value_head_dim) that a decoder-only model's attention layers write to its
+    cache, from its config (``ModelSpec.kv_sizes``), or ValueError when it does not say."""
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "kv_lora_rank", None):
+        return (int(layers), *_latent_kv_sizes(model, config))
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "model_type", "") == "falcon":
+        kv_heads = _falcon_kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
     if not (layers and kv_heads and head_dim):
         raise ValueError(
             f"{name}: the static cache cannot size its K/V buffers from the config (num_hidden_layers={layers}, "
             f"num_key_value_heads={kv_heads}, head_dim={head_dim}); use the dynamic cache"
         )
-    return int(layers), int(kv_heads), int(head_dim)
+    return int(layers), int(kv_heads), int(head_dim), int(head_dim)
+
+
+def _falcon_kv_heads(config) -> int:
+    """The K/V heads Falcon's attention caches: all of its query heads with new_decoder_architecture (it broadcasts
+    its num_kv_heads groups to them before the cache), one with multi_query, else num_kv_heads."""
+    if getattr(config, "new_decoder_architecture", False):
+        return config.num_attention_heads
+    return 1 if getattr(config, "multi_query", False) else config.num_kv_heads
+
+
+# Multi-head latent attention (config.kv_lora_rank: DeepSeek-V2/V3 and the models built like them) writes its cache
+# either before expanding the latents to per-head K/V (``self.expand_kv(...)`` after ``cache.update(...)``: keys
+# [B, 1, T, kv_lora_rank], the normalised latent, and values [B, 1, T, qk_rope_head_dim], the rotated shared key;
+# every MLA model of transformers 5.24) or after (keys [B, H, T, qk_nope + qk_rope], values [B, H, T, v_head_dim];
+# DeepSeek-V3.2 and the other sparse-attention models of 5.17).
+_CACHE_UPDATE = re.compile(r"\.update\(")
+_EXPAND_KV = re.compile(r"\bself\.expand_kv\(")
+
+
+def _latent_attention(model):
+    """The first multi-head latent attention module of ``model`` (one with ``kv_a_proj_with_mqa``), or None."""
+    return next((m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")), None)
+
+
+def _latent_cache_order(model) -> str | None:
+    """"latent" or "expanded": what the model's MLA forward writes to its cache (see ``_CACHE_UPDATE``), or None
+    where its source says neither (no such module, or its forward is not recognised)."""
+    attention = _latent_attention(model)
+    source = _source(type(attention).forward) if attention is not None else ""
+    update, expand = _CACHE_UPDATE.search(source), _EXPAND_KV.search(source)
+    if update is None or expand is None:
+        return None
+    return "latent" if update.start() < expand.start() else "expanded"
+
+
+def _latent_kv_sizes(model, config) -> tuple[int, int, int]:
+    """(kv_heads, key_head_dim, value_head_dim) of an MLA model's cache writes (``_latent_cache_order``)."""
+    if _latent_cache_order(model) == "latent":
+        return 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    return (int(config.num_attention_heads), int(config.qk_nope_head_dim + config.qk_rope_head_dim),
+            int(config.v_head_dim))
 
 
 @functools.cache
@@ -519,17 +566,16 @@ def _takes_mask_dict(model) -> bool:
     return _source_matches(model, _DICT_MASK)
 
 
-def _static_layout_reason(config) -> str | None:
-    """Why the static cache's K/V buffers, sized from the config's head counts, would not fit the model's K/V."""
+def _static_layout_reason(model, config) -> str | None:
+    """Why the static cache's K/V buffers, sized from the config (``_config_kv_sizes``), would not fit the model's
+    K/V."""
     if getattr(config, "is_heterogeneous", False):
         return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
                 "shape does not describe")
-    if getattr(config, "kv_lora_rank", None):
-        return ("multi-head latent attention caches keys and values of different head sizes, which the static "
-                "cache's [B, H_kv, C, D] buffers do not describe")
-    if getattr(config, "model_type", "") == "falcon" and getattr(config, "multi_query", False) and not getattr(
-            config, "new_decoder_architecture", False):
-        return "its multi-query K/V (one head) is not what its config's head counts describe"
+    if getattr(config, "kv_lora_rank", None) and _latent_cache_order(model) is None:
+        return ("its multi-head latent attention (config.kv_lora_rank) writes its cache in a way the static cache "
+                "does not recognise (neither the latents before expand_kv nor the expanded K/V after it), so it "
+                "cannot size its K/V buffers")
     decoder_heads = getattr(config, "decoder_attention_heads", None)
     if decoder_heads is not None and decoder_heads != getattr(config, "num_attention_heads", decoder_heads):
         # e.g. WhisperForCausalLM: num_attention_heads / num_key_value_heads map to the encoder's heads
@@ -563,15 +609,15 @@ def check_pair(model, draft_model) -> None:
             position_kind(m, name)
 
 
-def _decoder_kv_sizes(model, positions: str) -> tuple[int, int, int]:
-    """The decoder self-attention's (layers, kv_heads, head_dim), read from the modules (a T5 config's head count
-    times d_kv need not be d_model, and its layer count is the encoder's)."""
+def _decoder_kv_sizes(model, positions: str) -> tuple[int, int, int, int]:
+    """The decoder self-attention's (layers, kv_heads, key_head_dim, value_head_dim), read from the modules (a T5
+    config's head count times d_kv need not be d_model, and its layer count is the encoder's)."""
     decoder = model.get_decoder()
     if positions == "relative":  # T5/MT5
         attention = decoder.block[0].layer[0].SelfAttention
-        return len(decoder.block), attention.n_heads, attention.key_value_proj_dim
+        return len(decoder.block), attention.n_heads, attention.key_value_proj_dim, attention.key_value_proj_dim
     attention = decoder.layers[0].self_attn  # BART/mBART
-    return len(decoder.layers), attention.num_heads, attention.head_dim
+    return len(decoder.layers), attention.num_heads, attention.head_dim, attention.head_dim
 
 
 def _check_encoder_decoder(model, path: str) -> ModelSpec:

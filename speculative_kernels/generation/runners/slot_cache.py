@@ -18,25 +18,32 @@ from .masks import attention_dtype
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """What one model's static cache holds: K and V of ``num_layers`` layers, [B, kv_heads, C, head_dim] each."""
+    """What one model's static cache holds: K [B, kv_heads, C, key_dim] and V [B, kv_heads, C, value_dim] of
+    ``num_layers`` layers (the head sizes differ where multi-head latent attention caches its two latents)."""
 
     architecture: str
     num_layers: int
     kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
     dtype: torch.dtype
 
     @staticmethod
     def of(model, spec: ModelSpec) -> "CacheLayout":
         """The layout of ``model``'s static cache, from its static-path spec (``capabilities.check_model``)."""
-        layers, kv_heads, head_dim = spec.kv_sizes
+        layers, kv_heads, key_dim, value_dim = spec.kv_sizes
         device = next(model.parameters()).device
-        return CacheLayout(spec.architecture, layers, kv_heads, head_dim, _buffer_dtype(attention_dtype(model), device))
+        return CacheLayout(spec.architecture, layers, kv_heads, key_dim, value_dim,
+                           _buffer_dtype(attention_dtype(model), device))
+
+    def shapes(self, rows: int, capacity: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's K and V buffers: [rows, H_kv, C, key_dim], [rows, H_kv, C, value_dim]."""
+        return (rows, self.kv_heads, capacity, self.key_dim), (rows, self.kv_heads, capacity, self.value_dim)
 
     def bytes(self, batch: int, capacity: int) -> int:
-        """K and V of every layer: 2 * layers * B * H_kv * C * D * element size."""
+        """K and V of every layer: layers * B * H_kv * C * (key_dim + value_dim) * element size."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * batch * self.kv_heads * capacity * self.head_dim * element
+        return self.num_layers * batch * self.kv_heads * capacity * (self.key_dim + self.value_dim) * element
 
 
 def _buffer_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -66,7 +73,7 @@ def _autocast_states(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SlotCacheLayer(CacheLayerMixin):
-    """One layer's preallocated K/V [B, H_kv, C, D], written at the cache's write pointer: ``position`` is a 0-dim
+    """One layer's preallocated K [B, H_kv, C, D_k] and V [B, H_kv, C, D_v], written at the cache's write pointer: ``position`` is a 0-dim
     tensor (one pointer shared by every row) or [B] (a pointer per row: row b writes at position[b] + [0, T)).
     ``read_to`` (host int, or None: all C slots): the slots [0, read_to) that ``update`` hands the attention and
     ``get_mask_sizes`` reports, set for one eager forward by ``SlotCache.reading``."""
@@ -87,24 +94,27 @@ class SlotCacheLayer(CacheLayerMixin):
         raise AssertionError("SlotCacheLayer is allocated eagerly")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write key/value_states [B, H_kv, T, D] at slots position + [0, T); return the buffers' slots
-        [0, read_to) ([B, H_kv, read_to, D] views; all C slots where read_to is None)."""
-        expected = (self.keys.shape[0], self.keys.shape[1], key_states.shape[2], self.keys.shape[3])
+        """Write key_states [B, H_kv, T, D_k] and value_states [B, H_kv, T, D_v] at slots position + [0, T); return
+        the buffers' slots [0, read_to) ([B, H_kv, read_to, D_k] and [.., D_v] views; all C slots where read_to is
+        None)."""
+        steps = key_states.shape[2]
+        expected = [(*buffer.shape[:2], steps, buffer.shape[3]) for buffer in (self.keys, self.values)]
         key_states, value_states = _autocast_states(key_states, self.dtype), _autocast_states(value_states, self.dtype)
-        if tuple(key_states.shape) != expected or key_states.dtype != self.dtype or value_states.dtype != self.dtype:
+        got = [tuple(key_states.shape), tuple(value_states.shape)]
+        if got != expected or key_states.dtype != self.dtype or value_states.dtype != self.dtype:
             raise ValueError(
-                f"{self.architecture}: the static cache expected keys of shape {expected} and dtype {self.dtype}, got "
-                f"{tuple(key_states.shape)} {key_states.dtype} (values {value_states.dtype}); this K/V layout is not "
-                "supported, use the dynamic cache"
+                f"{self.architecture}: the static cache expected keys and values of shapes {expected[0]}, "
+                f"{expected[1]} and dtype {self.dtype}, got {got[0]} {key_states.dtype}, {got[1]} "
+                f"{value_states.dtype}; this K/V layout is not supported, use the dynamic cache"
             )
-        steps = torch.arange(key_states.shape[2], device=self.device)
+        steps = torch.arange(steps, device=self.device)
         if self.position.dim() == 0:
             slots = self.position + steps
             self.keys.index_copy_(2, slots, key_states)
             self.values.index_copy_(2, slots, value_states)
         else:
             slots = (self.position.unsqueeze(1) + steps).view(key_states.shape[0], 1, -1, 1)  # [B, 1, T, 1]
-            self.keys.scatter_(2, slots.expand_as(key_states), key_states)
+            self.keys.scatter_(2, slots.expand_as(key_states), key_states)  # (expand_as: D_k and D_v alike)
             self.values.scatter_(2, slots.expand_as(value_states), value_states)
         if self.read_to is not None:
             return self.keys[:, :, : self.read_to], self.values[:, :, : self.read_to]
@@ -134,9 +144,9 @@ class SlotCache(Cache):
     def __init__(self, layout: CacheLayout, batch: int, capacity: int, device: torch.device, *,
                  per_row: bool = False, rows: int | None = None):
         self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
-        shape = (batch if rows is None else rows, layout.kv_heads, capacity, layout.head_dim)
-        self._buffers = [(torch.zeros(shape, dtype=layout.dtype, device=device),
-                          torch.zeros(shape, dtype=layout.dtype, device=device)) for _ in range(layout.num_layers)]
+        key_shape, value_shape = layout.shapes(batch if rows is None else rows, capacity)
+        self._buffers = [(torch.zeros(key_shape, dtype=layout.dtype, device=device),
+                          torch.zeros(value_shape, dtype=layout.dtype, device=device)) for _ in range(layout.num_layers)]
         layers = [SlotCacheLayer(keys[:batch], values[:batch], self.position, layout.architecture)
                   for keys, values in self._buffers]
         super().__init__(layers=layers)
@@ -160,11 +170,11 @@ class SlotCache(Cache):
                 layer.read_to = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every K and V buffer [B, H_kv, C, D] (the rows in use)."""
+        """Every K and V buffer [B, H_kv, C, D_k or D_v] (the rows in use)."""
         return [t for layer in self.layers for t in (layer.keys, layer.values)]
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every K and V buffer as allocated, [rows, H_kv, C, D]."""
+        """Every K and V buffer as allocated, [rows, H_kv, C, D_k or D_v]."""
         return [t for pair in self._buffers for t in pair]
 
     def use_rows(self, batch: int) -> None:
