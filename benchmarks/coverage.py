@@ -454,8 +454,11 @@ def render(rows, version: str) -> str:
         "* **Recurrent, conv/SSM and hybrid models** (Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, LFM2, Jamba, "
         "Qwen3-Next, ...) and cache-less ones (OpenAI-GPT): refused. A conv/SSM state folds in every token, so a "
         "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
-        "* **Static cache only**: K/V layouts that its per-model `[B, H_kv, C, D]` buffers do not describe (MLA, "
-        "Falcon's multi-query K/V, per-layer sizes) are refused there and run on the dynamic cache.",
+        "* **K/V layouts on the static cache**: its buffers hold keys `[B, H_kv, C, D_k]` and values "
+        "`[B, H_kv, C, D_v]` as the model writes them: multi-head latent attention (DeepSeek-V2/V3, Kimi K2.5, "
+        "Mistral 4, MiniCPM3, GLM4-MoE-Lite, Longcat-Flash, ...) caches its two latents (`kv_lora_rank` and "
+        "`qk_rope_head_dim` wide, one head), Falcon's multi-query attention one K/V head. Every path. Per-layer sizes "
+        "(`per_layer_config`) are refused there and run on the dynamic cache.",
         "* **Rotary embeddings that follow the forward's longest position** (`rope_type` \"dynamic\" NTK scaling; "
         "\"longrope\" as in Phi-3/3.5/4-mini): exact while a request's prompt + max_new_tokens - 1 stays within the "
         "limit (`original_max_position_embeddings`; for \"dynamic\", `max_position_embeddings`); a request that can "

@@ -101,7 +101,7 @@ class ModelSpec:
     decoder-only models, which take position ids.
     kv_sizes: (layers, kv_heads, key_head_dim, value_head_dim) of the (decoder self-attention) K/V as the model
     writes them to its cache, read on the static paths, which preallocate them; None on the dynamic path. Keys and
-    values differ in head size where multi-head latent attention caches its latents (``_latent_kv_sizes``).
+    values differ in head size where multi-head latent attention caches its latents (``_caches_latents``).
     cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
@@ -490,8 +490,8 @@ def _config_kv_sizes(name: str, model, config) -> tuple[int, int, int, int]:
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
-    if getattr(config, "kv_lora_rank", None):
-        return (int(layers), *_latent_kv_sizes(model, config))
+    if getattr(config, "kv_lora_rank", None):  # (the latents: ``_caches_latents``, checked first)
+        return int(layers), 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if getattr(config, "model_type", "") == "falcon":
         kv_heads = _falcon_kv_heads(config)
@@ -513,10 +513,9 @@ def _falcon_kv_heads(config) -> int:
 
 
 # Multi-head latent attention (config.kv_lora_rank: DeepSeek-V2/V3 and the models built like them) writes its cache
-# either before expanding the latents to per-head K/V (``self.expand_kv(...)`` after ``cache.update(...)``: keys
-# [B, 1, T, kv_lora_rank], the normalised latent, and values [B, 1, T, qk_rope_head_dim], the rotated shared key;
-# every MLA model of transformers 5.24) or after (keys [B, H, T, qk_nope + qk_rope], values [B, H, T, v_head_dim];
-# DeepSeek-V3.2 and the other sparse-attention models of 5.17).
+# before expanding its latents to per-head K/V (``cache.update(...)`` before ``self.expand_kv(...)``, in every MLA
+# model of transformers 5.17 and 5.24 but 5.17's sparse-attention ones, refused for their indexer cache): keys
+# [B, 1, T, kv_lora_rank], the normalised latent, and values [B, 1, T, qk_rope_head_dim], the rotated shared key.
 _CACHE_UPDATE = re.compile(r"\.update\(")
 _EXPAND_KV = re.compile(r"\bself\.expand_kv\(")
 
@@ -526,23 +525,12 @@ def _latent_attention(model):
     return next((m for m in model.modules() if hasattr(m, "kv_a_proj_with_mqa")), None)
 
 
-def _latent_cache_order(model) -> str | None:
-    """"latent" or "expanded": what the model's MLA forward writes to its cache (see ``_CACHE_UPDATE``), or None
-    where its source says neither (no such module, or its forward is not recognised)."""
+def _caches_latents(model) -> bool:
+    """Whether the model's MLA forward writes its latents to the cache (``_CACHE_UPDATE``), read from its source."""
     attention = _latent_attention(model)
     source = _source(type(attention).forward) if attention is not None else ""
     update, expand = _CACHE_UPDATE.search(source), _EXPAND_KV.search(source)
-    if update is None or expand is None:
-        return None
-    return "latent" if update.start() < expand.start() else "expanded"
-
-
-def _latent_kv_sizes(model, config) -> tuple[int, int, int]:
-    """(kv_heads, key_head_dim, value_head_dim) of an MLA model's cache writes (``_latent_cache_order``)."""
-    if _latent_cache_order(model) == "latent":
-        return 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
-    return (int(config.num_attention_heads), int(config.qk_nope_head_dim + config.qk_rope_head_dim),
-            int(config.v_head_dim))
+    return update is not None and expand is not None and update.start() < expand.start()
 
 
 @functools.cache
@@ -572,10 +560,9 @@ def _static_layout_reason(model, config) -> str | None:
     if getattr(config, "is_heterogeneous", False):
         return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
                 "shape does not describe")
-    if getattr(config, "kv_lora_rank", None) and _latent_cache_order(model) is None:
-        return ("its multi-head latent attention (config.kv_lora_rank) writes its cache in a way the static cache "
-                "does not recognise (neither the latents before expand_kv nor the expanded K/V after it), so it "
-                "cannot size its K/V buffers")
+    if getattr(config, "kv_lora_rank", None) and not _caches_latents(model):
+        return ("its multi-head latent attention (config.kv_lora_rank) does not write its latents to the cache "
+                "before expand_kv (as transformers' MLA models do), so the static cache cannot size its K/V buffers")
     decoder_heads = getattr(config, "decoder_attention_heads", None)
     if decoder_heads is not None and decoder_heads != getattr(config, "num_attention_heads", decoder_heads):
         # e.g. WhisperForCausalLM: num_attention_heads / num_key_value_heads map to the encoder's heads

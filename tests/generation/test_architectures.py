@@ -181,12 +181,38 @@ def test_a_config_with_return_dict_false_is_exact(path):
     _check_exact(model, batch=2, path=path, noise=None)
 
 
-def test_falcon_multi_query_static_refused_up_front_dynamic_exact(monkeypatch):
-    model = _build(FalconForCausalLM, FalconConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                                                   num_attention_heads=4, bos_token_id=1, eos_token_id=2,
-                                                   pad_token_id=0))  # multi_query=True: one K/V head
-    _check_exact(model, batch=2, path="dynamic")
-    _check_refused_up_front(model, "multi-query", path="static", monkeypatch=monkeypatch)
+def falcon_multi_query():
+    return _build(FalconForCausalLM, FalconConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, bos_token_id=1, eos_token_id=2,
+                                                  pad_token_id=0))  # multi_query=True: one K/V head
+
+
+def _check_continuous(model, static: bool = True, new: int = 10):
+    """Two requests of different lengths, the second joining after the first step (on the static cache: rows for 4
+    requests, joining in place): each equals model.generate on it alone, with rejections on the way."""
+    caches = dict(cache_implementation="static", max_context=24, max_batch_size=4) if static else {}
+    decoder = sk.SpeculativeDecoder(model, perturbed(model, 0.3), num_speculative_tokens=3, **caches)
+    prompts = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5)]
+    requests = [decoder.add_request(prompts[0], max_new_tokens=new, do_sample=False)]
+    decoder.step()
+    requests.append(decoder.add_request(prompts[1], max_new_tokens=new, do_sample=False))
+    while any(decoder.result(r).finish_reason is None for r in requests):
+        decoder.step()
+    results = [decoder.result(r) for r in requests]
+    for prompt, result in zip(prompts, results):
+        expected = model.generate(prompt[None], max_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert result.token_ids == expected[0, len(prompt):].tolist()
+    assert sum(r.accepted_tokens for r in results) < sum(r.drafted_tokens for r in results)
+
+
+def test_falcon_multi_query_is_exact_on_the_static_cache():
+    """Falcon with multi_query=True (and not new_decoder_architecture) caches one K/V head, not the config's head
+    count: the static cache sizes its buffers so (it refused the model before), batch 2 left-padded and rows joining
+    in continuous batching. (compile=True traces the same cache: benchmarks/coverage.py's sweep runs it.)"""
+    model = falcon_multi_query()
+    assert check_model(model, path="static", batch=2).kv_sizes == (2, 1, 8, 8)
+    _check_exact(model, batch=2, path="static")
+    _check_continuous(model)
 
 
 def test_decoder_heads_other_than_the_configs_refused_on_the_static_cache(monkeypatch):
@@ -388,16 +414,38 @@ def test_models_deriving_positions_from_input_ids_are_refused(monkeypatch):
     assert not torch.equal(sk.generate(model, ids, draft_model=model, **kwargs), model.generate(ids, **kwargs))
 
 
-def test_latent_attention_is_exact_on_the_dynamic_cache_and_refused_on_the_static_one(monkeypatch):
-    """DeepSeek V3's multi-head latent attention caches K and V of different head sizes: exact on HF's dynamic
-    cache, refused up front by the static cache, whose buffers have one head size."""
-    config = DeepseekV3Config(**{**SIZES, "num_key_value_heads": 4}, moe_intermediate_size=32, kv_lora_rank=16,
-                              q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+def deepseek_v3_latent(**overrides):
+    config = DeepseekV3Config(**{**SIZES, "num_key_value_heads": 4, **overrides}, moe_intermediate_size=32,
+                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                               first_k_dense_replace=1)
-    model = _build(DeepseekV3ForCausalLM, config)
-    _check_exact(model, batch=2)
-    _check_refused_up_front(model, "multi-head latent attention", path="static", monkeypatch=monkeypatch)
+    return _build(DeepseekV3ForCausalLM, config)
+
+
+@pytest.mark.parametrize("path", ["dynamic", "static", "compile"])
+def test_latent_attention_is_exact_on_every_path(path):
+    """DeepSeek V3's multi-head latent attention caches its latents (keys [B, 1, C, kv_lora_rank], values
+    [B, 1, C, qk_rope_head_dim]; transformers 5.17 and 5.24 alike) and expands them per head after the cache: the
+    static cache sizes K and V so (it refused the model before), batch 2 left-padded (holes compacted), batch 1
+    compiled (one dense layer: the compile stays short), and rows joining in continuous batching."""
+    model = deepseek_v3_latent(num_hidden_layers=1) if path == "compile" else deepseek_v3_latent()
+    if path != "dynamic":
+        assert check_model(model, path=path, batch=1).kv_sizes[1:] == (1, 16, 8)
+    _check_exact(model, batch=1 if path == "compile" else 2, path=path)
+    if path == "static":
+        _check_continuous(model)
+
+
+def test_latent_attention_caching_other_than_its_latents_is_refused_on_the_static_cache(monkeypatch):
+    """An MLA forward that does not cache its latents before expanding them (5.17's sparse-attention models cache the
+    expanded K/V; a user's own forward may do anything) is refused up front by name on the static cache."""
+    from speculative_kernels.generation import capabilities
+
+    model = deepseek_v3_latent()
+    assert capabilities._caches_latents(model)
+    monkeypatch.setattr(capabilities, "_caches_latents", lambda model: False)
+    _check_refused_up_front(model, "multi-head latent attention.*does not write its latents", path="static",
+                            monkeypatch=monkeypatch)
 
 
 def test_config_without_a_layer_layout_is_refused():

@@ -143,8 +143,15 @@ def test_rollback_is_a_pointer_move_not_a_copy():
     assert all(torch.equal(a, b) for a, b in zip(before, runner.cache.tensors()))  # nothing moved
 
 
+def _latent():
+    """DeepSeek V3 (multi-head latent attention: keys and values of other head sizes, one head)."""
+    return _tiny("deepseek_v3", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                 v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, first_k_dense_replace=1)
+
+
 def test_memory_estimate_matches_the_allocation():
-    for make in FAMILIES.values():
+    for make in (*FAMILIES.values(), _latent, lambda: _tiny("falcon")):
         model = make()
         spec = check_model(model, path="static", batch=3)
         layout = CacheLayout.of(model, spec)
@@ -222,15 +229,19 @@ def _tiny(arch, **kwargs):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_undrivable_architecture_is_named_and_dynamic_still_works():
-    """Falcon's multi-query K/V (one head) is not what its config's head counts describe: refused by name up front
-    (capabilities.py); the dynamic cache still runs it."""
-    model = _tiny("falcon")
-    ids, mask = left_padded([4, 6])
-    with pytest.raises(ValueError, match="FalconForCausalLM cannot be driven exactly.*multi-query"):
-        _generate(model, model, ids, mask, max_new_tokens=6, cache_implementation="static")
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(_generate(model, model, ids, mask, max_new_tokens=6), expected)
+def test_a_write_the_layout_does_not_describe_is_named():
+    """Each layer's K and V buffers have their own head size (multi-head latent attention caches a kv_lora_rank-wide
+    latent as keys and a qk_rope_head_dim-wide one as values), and every write is checked against both: values of
+    another size fail naming the architecture (they failed inside index_copy_ before, when only the keys were
+    checked), and a write that fits returns [B, H_kv, C, D_k] keys and [B, H_kv, C, D_v] values."""
+    cache = SlotCache(CacheLayout("TinyForCausalLM", 1, 1, 16, 8, torch.float32), 2, 12, torch.device("cpu"))
+    keys, values = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 8)
+    with pytest.raises(ValueError, match=r"TinyForCausalLM: the static cache expected keys and values of shapes "
+                                         r"\(2, 1, 3, 16\), \(2, 1, 3, 8\).*got \(2, 1, 3, 16\).*\(2, 1, 3, 16\)"):
+        cache.update(keys, torch.randn(2, 1, 3, 16), 0)
+    got_keys, got_values = cache.update(keys, values, 0)
+    assert got_keys.shape == (2, 1, 12, 16) and got_values.shape == (2, 1, 12, 8)
+    assert torch.equal(got_keys[:, :, :3], keys) and torch.equal(got_values[:, :, :3], values)
 
 
 def test_attention_without_4d_masks_is_refused_by_name():

@@ -94,9 +94,11 @@ def test_rows_wider_than_one_staging_chunk(backend, size, dtype):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("density", [0.0, 1.0, 0.05, 0.95])
 def test_kernel_edge_densities_and_several_tensors(backend, density):
+    """Tensors of other head counts and sizes under one mask, as a static cache of multi-head latent attention holds
+    them (keys [B, 1, S, kv_lora_rank], values [B, 1, S, qk_rope_head_dim]) beside a plain [B, H, S, D] pair."""
     tensors, masks = [], None
-    for i in range(3):
-        _, kv, mask = _case(3, 2, 70, 16, torch.float32, density=density, seed=11)
+    for heads, head_dim in ((1, 16), (1, 8), (2, 16)):
+        _, kv, mask = _case(3, heads, 70, head_dim, torch.float32, density=density, seed=11)
         tensors.append(kv)
         masks = mask
     if density == 0.0:

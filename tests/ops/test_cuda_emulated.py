@@ -293,13 +293,16 @@ def test_compact_kv_strided_caches(emulated):
 
 
 def test_compact_kv_several_tensors_and_edge_densities(emulated):
-    """test_compaction's densities 0, 1, 0.05, 0.95 over three tensors sharing one mask."""
+    """test_compaction's densities 0, 1, 0.05, 0.95 over three tensors sharing one mask, and over two of other head
+    sizes (a latent cache's keys and values)."""
     for density in (0.0, 1.0, 0.05, 0.95):
         _, _, mask = compaction._case(3, 2, 70, 16, torch.float32, density=density, seed=11)
         if density == 0.0:
             mask.zero_()
         buffer = torch.randn(3, 3, 2, 70, 16, generator=torch.Generator().manual_seed(11))
         _check_compaction(emulated, buffer, lambda b: list(b.unbind(1)), mask)
+        # a latent cache's keys and values of other head sizes (here the two column ranges of each row's slots)
+        _check_compaction(emulated, buffer[:, 0, :1], lambda b: [b[..., :10], b[..., 10:]], mask)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64, torch.int8, torch.float8_e4m3fn], ids=str)
