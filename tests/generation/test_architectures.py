@@ -436,6 +436,21 @@ def test_latent_attention_is_exact_on_every_path(path):
         _check_continuous(model)
 
 
+def test_latent_attention_samples_on_the_static_cache_as_on_the_dynamic_one():
+    """Sampling (temperature, top-k) in a left-padded batch: the static cache's tokens are the dynamic cache's, draw
+    for draw (whose distribution is model.generate's: test_generate_sampling.py)."""
+    model = deepseek_v3_latent()
+    draft = perturbed(model, 0.3)
+    ids, mask = _batch(2)
+    runs = []
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(7)
+        runs.append(sk.generate(model, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                                max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20, pad_token_id=0,
+                                cache_implementation=cache))
+    assert torch.equal(*runs)
+
+
 def test_latent_attention_caching_other_than_its_latents_is_refused_on_the_static_cache(monkeypatch):
     """An MLA forward that does not cache its latents before expanding them (5.17's sparse-attention models cache the
     expanded K/V; a user's own forward may do anything) is refused up front by name on the static cache."""
