@@ -99,9 +99,10 @@ class ModelSpec:
     sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
     positions: encoder-decoder models only, how the decoder knows positions ("relative" or "absolute"); None for
     decoder-only models, which take position ids.
-    kv_sizes: (layers, kv_heads, key_head_dim, value_head_dim) of the (decoder self-attention) K/V as the model
+    kv_sizes: (kv_heads, key_head_dim, value_head_dim) of each layer's (decoder self-attention) K/V as the model
     writes them to its cache, read on the static paths, which preallocate them; None on the dynamic path. Keys and
-    values differ in head size where multi-head latent attention caches its latents (``_caches_latents``).
+    values differ in head size where multi-head latent attention caches its latents (``_caches_latents``), layers
+    where a heterogeneous config (per_layer_config) sizes each layer.
     cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
@@ -115,7 +116,7 @@ class ModelSpec:
     mask: str = "4d"
     sliding_window: int | None = None
     positions: str | None = None
-    kv_sizes: tuple[int, int, int, int] | None = None
+    kv_sizes: tuple[tuple[int, int, int], ...] | None = None
     cache_argument: str = "past_key_values"
     window_applied: bool = True
     masked_slots_exact: bool = True
@@ -484,24 +485,35 @@ def _applies_window(model, types: list[str]) -> bool:
     return not any(kind == "sliding_attention" and windows.get(i, 0) is None for i, kind in enumerate(types))
 
 
-def _config_kv_sizes(name: str, model, config) -> tuple[int, int, int, int]:
-    """(layers, kv_heads, key_head_dim, value_head_dim) that a decoder-only model's attention layers write to its
-    cache, from its config (``ModelSpec.kv_sizes``), or ValueError when it does not say."""
+def _config_kv_sizes(name: str, model, config) -> tuple[tuple[int, int, int], ...]:
+    """(kv_heads, key_head_dim, value_head_dim) of each layer's K/V as a decoder-only model's attention writes them
+    to its cache, from its config (``ModelSpec.kv_sizes``), or ValueError when it does not say. A heterogeneous config
+    (per_layer_config) states them per layer."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not layers:
+        raise ValueError(f"{name}: the static cache cannot size its K/V buffers from the config "
+                         f"(num_hidden_layers={layers}); use the dynamic cache")
+    if getattr(config, "kv_lora_rank", None):  # (the latents: ``_caches_latents``, checked first)
+        return ((1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)),) * int(layers)
+    if getattr(config, "is_heterogeneous", False):
+        return tuple(_layer_kv_sizes(name, layer) for layer in config.per_layer_config)
+    return (_layer_kv_sizes(name, config),) * int(layers)
+
+
+def _layer_kv_sizes(name: str, config) -> tuple[int, int, int]:
+    """(kv_heads, head_dim, head_dim) of one layer's (or every layer's) config."""
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    if getattr(config, "kv_lora_rank", None):  # (the latents: ``_caches_latents``, checked first)
-        return int(layers), 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if getattr(config, "model_type", "") == "falcon":
         kv_heads = _falcon_kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
-    if not (layers and kv_heads and head_dim):
+    if not (kv_heads and head_dim):
         raise ValueError(
-            f"{name}: the static cache cannot size its K/V buffers from the config (num_hidden_layers={layers}, "
-            f"num_key_value_heads={kv_heads}, head_dim={head_dim}); use the dynamic cache"
+            f"{name}: the static cache cannot size its K/V buffers from the config (num_key_value_heads={kv_heads}, "
+            f"head_dim={head_dim}); use the dynamic cache"
         )
-    return int(layers), int(kv_heads), int(head_dim), int(head_dim)
+    return int(kv_heads), int(head_dim), int(head_dim)
 
 
 def _falcon_kv_heads(config) -> int:
@@ -557,9 +569,6 @@ def _takes_mask_dict(model) -> bool:
 def _static_layout_reason(model, config) -> str | None:
     """Why the static cache's K/V buffers, sized from the config (``_config_kv_sizes``), would not fit the model's
     K/V."""
-    if getattr(config, "is_heterogeneous", False):
-        return ("its layers have their own sizes (per_layer_config), which the static cache's per-model buffer "
-                "shape does not describe")
     if getattr(config, "kv_lora_rank", None) and not _caches_latents(model):
         return ("its multi-head latent attention (config.kv_lora_rank) does not write its latents to the cache "
                 "before expand_kv (as transformers' MLA models do), so the static cache cannot size its K/V buffers")
@@ -596,15 +605,15 @@ def check_pair(model, draft_model) -> None:
             position_kind(m, name)
 
 
-def _decoder_kv_sizes(model, positions: str) -> tuple[int, int, int, int]:
-    """The decoder self-attention's (layers, kv_heads, key_head_dim, value_head_dim), read from the modules (a T5
+def _decoder_kv_sizes(model, positions: str) -> tuple[tuple[int, int, int], ...]:
+    """The decoder self-attention's (kv_heads, key_head_dim, value_head_dim) per layer, read from the modules (a T5
     config's head count times d_kv need not be d_model, and its layer count is the encoder's)."""
     decoder = model.get_decoder()
     if positions == "relative":  # T5/MT5
         attention = decoder.block[0].layer[0].SelfAttention
-        return len(decoder.block), attention.n_heads, attention.key_value_proj_dim, attention.key_value_proj_dim
+        return ((attention.n_heads, attention.key_value_proj_dim, attention.key_value_proj_dim),) * len(decoder.block)
     attention = decoder.layers[0].self_attn  # BART/mBART
-    return len(decoder.layers), attention.num_heads, attention.head_dim, attention.head_dim
+    return ((attention.num_heads, attention.head_dim, attention.head_dim),) * len(decoder.layers)
 
 
 def _check_encoder_decoder(model, path: str) -> ModelSpec:

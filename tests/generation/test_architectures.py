@@ -210,7 +210,27 @@ def test_falcon_multi_query_is_exact_on_the_static_cache():
     count: the static cache sizes its buffers so (it refused the model before), batch 2 left-padded and rows joining
     in continuous batching. (compile=True traces the same cache: benchmarks/coverage.py's sweep runs it.)"""
     model = falcon_multi_query()
-    assert check_model(model, path="static", batch=2).kv_sizes == (2, 1, 8, 8)
+    assert check_model(model, path="static", batch=2).kv_sizes == ((1, 8, 8),) * 2
+    _check_exact(model, batch=2, path="static")
+    _check_continuous(model)
+
+
+def gemma4_per_layer_sizes():
+    """Gemma 4 text without KV sharing: its heterogeneous config (per_layer_config) gives the global layer other K/V
+    heads and head size (attention_k_eq_v: 1 head of 16) than the sliding one (2 heads of 8)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(**SIZES, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                              attention_k_eq_v=True, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    return _build(Gemma4ForCausalLM, config)
+
+
+def test_layers_of_their_own_sizes_are_exact_on_the_static_cache():
+    """A heterogeneous config (per_layer_config) sizes each layer's K/V: the static cache allocates each layer's
+    buffers so (it refused such configs before), batch 2 left-padded and rows joining in continuous batching."""
+    model = gemma4_per_layer_sizes()
+    assert check_model(model, path="static", batch=2).kv_sizes == ((2, 8, 8), (1, 16, 16))
     _check_exact(model, batch=2, path="static")
     _check_continuous(model)
 
@@ -430,7 +450,7 @@ def test_latent_attention_is_exact_on_every_path(path):
     compiled (one dense layer: the compile stays short), and rows joining in continuous batching."""
     model = deepseek_v3_latent(num_hidden_layers=1) if path == "compile" else deepseek_v3_latent()
     if path != "dynamic":
-        assert check_model(model, path=path, batch=1).kv_sizes[1:] == (1, 16, 8)
+        assert set(check_model(model, path=path, batch=1).kv_sizes) == {(1, 16, 8)}
     _check_exact(model, batch=1 if path == "compile" else 2, path=path)
     if path == "static":
         _check_continuous(model)

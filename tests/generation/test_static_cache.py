@@ -234,7 +234,7 @@ def test_a_write_the_layout_does_not_describe_is_named():
     latent as keys and a qk_rope_head_dim-wide one as values), and every write is checked against both: values of
     another size fail naming the architecture (they failed inside index_copy_ before, when only the keys were
     checked), and a write that fits returns [B, H_kv, C, D_k] keys and [B, H_kv, C, D_v] values."""
-    cache = SlotCache(CacheLayout("TinyForCausalLM", 1, 1, 16, 8, torch.float32), 2, 12, torch.device("cpu"))
+    cache = SlotCache(CacheLayout("TinyForCausalLM", ((1, 16, 8),), torch.float32), 2, 12, torch.device("cpu"))
     keys, values = torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 8)
     with pytest.raises(ValueError, match=r"TinyForCausalLM: the static cache expected keys and values of shapes "
                                          r"\(2, 1, 3, 16\), \(2, 1, 3, 8\).*got \(2, 1, 3, 16\).*\(2, 1, 3, 16\)"):

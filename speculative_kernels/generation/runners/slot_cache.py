@@ -18,32 +18,34 @@ from .masks import attention_dtype
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """What one model's static cache holds: K [B, kv_heads, C, key_dim] and V [B, kv_heads, C, value_dim] of
-    ``num_layers`` layers (the head sizes differ where multi-head latent attention caches its two latents)."""
+    """What one model's static cache holds: per layer, K [B, H_kv, C, D_k] and V [B, H_kv, C, D_v], with
+    ``layers[i]`` = (H_kv, D_k, D_v) of layer i (the head sizes differ where multi-head latent attention caches its
+    two latents, the layers where a heterogeneous config sizes each layer)."""
 
     architecture: str
-    num_layers: int
-    kv_heads: int
-    key_dim: int
-    value_dim: int
+    layers: tuple[tuple[int, int, int], ...]
     dtype: torch.dtype
 
     @staticmethod
     def of(model, spec: ModelSpec) -> "CacheLayout":
         """The layout of ``model``'s static cache, from its static-path spec (``capabilities.check_model``)."""
-        layers, kv_heads, key_dim, value_dim = spec.kv_sizes
         device = next(model.parameters()).device
-        return CacheLayout(spec.architecture, layers, kv_heads, key_dim, value_dim,
-                           _buffer_dtype(attention_dtype(model), device))
+        return CacheLayout(spec.architecture, tuple(spec.kv_sizes), _buffer_dtype(attention_dtype(model), device))
 
-    def shapes(self, rows: int, capacity: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of one layer's K and V buffers: [rows, H_kv, C, key_dim], [rows, H_kv, C, value_dim]."""
-        return (rows, self.kv_heads, capacity, self.key_dim), (rows, self.kv_heads, capacity, self.value_dim)
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def shapes(self, rows: int, capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The shapes of each layer's K and V buffers: [rows, H_kv, C, D_k], [rows, H_kv, C, D_v]."""
+        return [((rows, heads, capacity, key_dim), (rows, heads, capacity, value_dim))
+                for heads, key_dim, value_dim in self.layers]
 
     def bytes(self, batch: int, capacity: int) -> int:
-        """K and V of every layer: layers * B * H_kv * C * (key_dim + value_dim) * element size."""
+        """K and V of every layer: the sum of B * H_kv * C * (D_k + D_v) * element size."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * batch * self.kv_heads * capacity * (self.key_dim + self.value_dim) * element
+        return sum(batch * heads * capacity * (key_dim + value_dim) * element
+                   for heads, key_dim, value_dim in self.layers)
 
 
 def _buffer_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -144,9 +146,9 @@ class SlotCache(Cache):
     def __init__(self, layout: CacheLayout, batch: int, capacity: int, device: torch.device, *,
                  per_row: bool = False, rows: int | None = None):
         self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
-        key_shape, value_shape = layout.shapes(batch if rows is None else rows, capacity)
         self._buffers = [(torch.zeros(key_shape, dtype=layout.dtype, device=device),
-                          torch.zeros(value_shape, dtype=layout.dtype, device=device)) for _ in range(layout.num_layers)]
+                          torch.zeros(value_shape, dtype=layout.dtype, device=device))
+                         for key_shape, value_shape in layout.shapes(batch if rows is None else rows, capacity)]
         layers = [SlotCacheLayer(keys[:batch], values[:batch], self.position, layout.architecture)
                   for keys, values in self._buffers]
         super().__init__(layers=layers)
