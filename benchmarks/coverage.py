@@ -458,8 +458,8 @@ def render(rows, version: str) -> str:
         "`[B, H_kv, C, D_v]` as the model writes them: multi-head latent attention (DeepSeek-V2/V3, Kimi K2.5, "
         "Mistral 4, MiniCPM3, GLM4-MoE-Lite, Longcat-Flash, ...) caches its two latents (`kv_lora_rank` and "
         "`qk_rope_head_dim` wide, one head), Falcon's multi-query attention one K/V head, and a heterogeneous config "
-        "(`per_layer_config`: Step 3.7, Gemma 4's global layers) sizes each layer. Every path. (Layers that share "
-        "another layer's K/V, as Gemma 4's default config and the sweep's have them, stay refused there.)",
+        "(`per_layer_config`: Step 3.7, Gemma 4's global layers) sizes each layer; layers that reuse another layer's "
+        "K/V (Gemma 3n, Gemma 4: dummy cache layers) get no buffers. Every path.",
         "* **Rotary embeddings that follow the forward's longest position** (`rope_type` \"dynamic\" NTK scaling; "
         "\"longrope\" as in Phi-3/3.5/4-mini): exact while a request's prompt + max_new_tokens - 1 stays within the "
         "limit (`original_max_position_embeddings`; for \"dynamic\", `max_position_embeddings`); a request that can "

@@ -100,9 +100,10 @@ class ModelSpec:
     positions: encoder-decoder models only, how the decoder knows positions ("relative" or "absolute"); None for
     decoder-only models, which take position ids.
     kv_sizes: (kv_heads, key_head_dim, value_head_dim) of each layer's (decoder self-attention) K/V as the model
-    writes them to its cache, read on the static paths, which preallocate them; None on the dynamic path. Keys and
-    values differ in head size where multi-head latent attention caches its latents (``_caches_latents``), layers
-    where a heterogeneous config (per_layer_config) sizes each layer.
+    writes them to its cache, None for a layer without a cache of its own (``CACHELESS_LAYERS``: a KV-sharing
+    consumer), read on the static paths, which preallocate them; None on the dynamic path. Keys and values differ in
+    head size where multi-head latent attention caches its latents (``_caches_latents``), layers where a heterogeneous
+    config (per_layer_config) sizes each layer.
     cache_argument: the forward's keyword for the KV cache, and the output's field that returns it
     ("past_key_values" up to transformers 5.23, "cache" from 5.24: ``cache_argument``).
     window_applied: False where HF's cache keeps the sliding window but the model's attention does not apply it
@@ -116,7 +117,7 @@ class ModelSpec:
     mask: str = "4d"
     sliding_window: int | None = None
     positions: str | None = None
-    kv_sizes: tuple[tuple[int, int, int], ...] | None = None
+    kv_sizes: tuple[tuple[int, int, int] | None, ...] | None = None
     cache_argument: str = "past_key_values"
     window_applied: bool = True
     masked_slots_exact: bool = True
@@ -294,9 +295,9 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
             sizes = _config_kv_sizes(name, model, config)
         except Exception as error:  # noqa: BLE001 -- e.g. a config that refuses a global head_dim
             _refuse(name, path, f"the static cache cannot size its K/V buffers from the config ({error})")
-    if CACHELESS_LAYERS & set(types) and path != "dynamic":
-        _refuse(name, path, f"layers of type {sorted(CACHELESS_LAYERS & set(types))} (no cache of their own, or "
-                            "one shared with another layer) are supported by the dynamic cache only")
+        # layers without a cache of their own (KV-sharing consumers, MoE/MLP-only layers): no buffers
+        sizes = tuple(None if i < len(types) and types[i] in CACHELESS_LAYERS else size
+                      for i, size in enumerate(sizes))
     attention = getattr(model.config, "_attn_implementation", None)
     four_d = _four_d_masks(model, name, path)
     flattens = four_d and bool(_FLATTENS_ANY_MASK.search(_decoder_stack_source(model)[1]))

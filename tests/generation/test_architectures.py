@@ -215,14 +215,18 @@ def test_falcon_multi_query_is_exact_on_the_static_cache():
     _check_continuous(model)
 
 
-def gemma4_per_layer_sizes():
-    """Gemma 4 text without KV sharing: its heterogeneous config (per_layer_config) gives the global layer other K/V
-    heads and head size (attention_k_eq_v: 1 head of 16) than the sliding one (2 heads of 8)."""
+def gemma4_per_layer_sizes(shared: int = 0):
+    """Gemma 4 text: its heterogeneous config (per_layer_config) gives the global layers other K/V heads and head
+    size (attention_k_eq_v: 1 head of 16) than the sliding ones (2 heads of 8); ``shared``: its last layers reuse the
+    K/V of the last earlier layer of their type (transformers 5.24 gives them dummy cache layers)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    config = Gemma4TextConfig(**SIZES, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
-                              attention_k_eq_v=True, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                              sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    kinds = ["sliding_attention", "full_attention"] * (1 + shared)
+    # (per-layer inputs: transformers 5.24's Gemma 4 with shared layers and none fails inside model.generate)
+    config = Gemma4TextConfig(**{**SIZES, "num_hidden_layers": len(kinds)}, head_dim=8, global_head_dim=16,
+                              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2 * shared,
+                              hidden_size_per_layer_input=4 if shared else 0, vocab_size_per_layer_input=97,
+                              sliding_window=6, layer_types=kinds)
     return _build(Gemma4ForCausalLM, config)
 
 
@@ -231,6 +235,18 @@ def test_layers_of_their_own_sizes_are_exact_on_the_static_cache():
     buffers so (it refused such configs before), batch 2 left-padded and rows joining in continuous batching."""
     model = gemma4_per_layer_sizes()
     assert check_model(model, path="static", batch=2).kv_sizes == ((2, 8, 8), (1, 16, 16))
+    _check_exact(model, batch=2, path="static")
+    _check_continuous(model)
+
+
+def test_layers_sharing_kv_are_exact_on_the_static_cache():
+    """Gemma 4's KV-sharing layers (num_kv_shared_layers) keep no cache of their own (transformers 5.24: dummy cache
+    layers) and attend to the K/V of the last earlier layer of their type, as its cache update returns them: the
+    static cache gives them HF's DummyLayer and no buffers (it refused them before), batch 2 left-padded and rows
+    joining in continuous batching."""
+    model = gemma4_per_layer_sizes(shared=1)
+    sizes = check_model(model, path="static", batch=2).kv_sizes
+    assert sizes[:2] == ((2, 8, 8), (1, 16, 16)) and len(sizes) == 4
     _check_exact(model, batch=2, path="static")
     _check_continuous(model)
 

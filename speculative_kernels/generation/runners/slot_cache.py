@@ -20,10 +20,11 @@ from .masks import attention_dtype
 class CacheLayout:
     """What one model's static cache holds: per layer, K [B, H_kv, C, D_k] and V [B, H_kv, C, D_v], with
     ``layers[i]`` = (H_kv, D_k, D_v) of layer i (the head sizes differ where multi-head latent attention caches its
-    two latents, the layers where a heterogeneous config sizes each layer)."""
+    two latents, the layers where a heterogeneous config sizes each layer), or None for a layer without a cache of
+    its own (a KV-sharing consumer: HF's ``DummyLayer``, no buffers)."""
 
     architecture: str
-    layers: tuple[tuple[int, int, int], ...]
+    layers: tuple[tuple[int, int, int] | None, ...]
     dtype: torch.dtype
 
     @staticmethod
@@ -36,16 +37,17 @@ class CacheLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def shapes(self, rows: int, capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """The shapes of each layer's K and V buffers: [rows, H_kv, C, D_k], [rows, H_kv, C, D_v]."""
-        return [((rows, heads, capacity, key_dim), (rows, heads, capacity, value_dim))
-                for heads, key_dim, value_dim in self.layers]
+    def shapes(self, rows: int, capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """The shapes of each layer's K and V buffers, [rows, H_kv, C, D_k] and [rows, H_kv, C, D_v] (None: no
+        cache of its own)."""
+        return [None if sizes is None else ((rows, sizes[0], capacity, sizes[1]), (rows, sizes[0], capacity, sizes[2]))
+                for sizes in self.layers]
 
     def bytes(self, batch: int, capacity: int) -> int:
         """K and V of every layer: the sum of B * H_kv * C * (D_k + D_v) * element size."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(batch * heads * capacity * (key_dim + value_dim) * element
-                   for heads, key_dim, value_dim in self.layers)
+                   for heads, key_dim, value_dim in filter(None, self.layers))
 
 
 def _buffer_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -135,6 +137,14 @@ class SlotCacheLayer(CacheLayerMixin):
         return self.max_cache_len
 
 
+def _dummy_layer():
+    """HF's layer for a layer without a cache of its own (transformers 5.24 makes KV-sharing consumers such layers;
+    5.17 has none, and gives them ordinary layers that they never write)."""
+    from transformers.cache_utils import DummyLayer
+
+    return DummyLayer()
+
+
 class SlotCache(Cache):
     """Preallocated K/V for every layer of one model, with one write pointer shared by all layers.
 
@@ -146,14 +156,16 @@ class SlotCache(Cache):
     def __init__(self, layout: CacheLayout, batch: int, capacity: int, device: torch.device, *,
                  per_row: bool = False, rows: int | None = None):
         self.position = torch.zeros(batch if per_row else (), dtype=torch.int64, device=device)
+        shapes = layout.shapes(batch if rows is None else rows, capacity)
         self._buffers = [(torch.zeros(key_shape, dtype=layout.dtype, device=device),
                           torch.zeros(value_shape, dtype=layout.dtype, device=device))
-                         for key_shape, value_shape in layout.shapes(batch if rows is None else rows, capacity)]
-        layers = [SlotCacheLayer(keys[:batch], values[:batch], self.position, layout.architecture)
-                  for keys, values in self._buffers]
-        super().__init__(layers=layers)
+                         for key_shape, value_shape in filter(None, shapes)]
+        self._slot_layers = [SlotCacheLayer(keys[:batch], values[:batch], self.position, layout.architecture)
+                             for keys, values in self._buffers]  # the layers with buffers, in order
+        slot_layers = iter(self._slot_layers)
+        super().__init__(layers=[_dummy_layer() if shape is None else next(slot_layers) for shape in shapes])
         self.capacity = capacity
-        self._row_views = {batch: [(layer.keys, layer.values) for layer in layers]}  # B -> views (use_rows)
+        self._row_views = {batch: [(layer.keys, layer.values) for layer in self._slot_layers]}  # B -> views
 
     @contextlib.contextmanager
     def reading(self, end: int):
@@ -163,17 +175,17 @@ class SlotCache(Cache):
         one, spans ``end`` keys). Not for captured steps, whose shapes stay [.., C, ..]; one write pointer only."""
         if self.position.dim() != 0 or not 0 < end <= self.capacity:
             raise ValueError(f"reading({end}) needs one write pointer and 0 < end <= {self.capacity}")
-        for layer in self.layers:
+        for layer in self._slot_layers:
             layer.read_to = end
         try:
             yield
         finally:
-            for layer in self.layers:
+            for layer in self._slot_layers:
                 layer.read_to = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every K and V buffer [B, H_kv, C, D_k or D_v] (the rows in use)."""
-        return [t for layer in self.layers for t in (layer.keys, layer.values)]
+        return [t for layer in self._slot_layers for t in (layer.keys, layer.values)]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every K and V buffer as allocated, [rows, H_kv, C, D_k or D_v]."""
@@ -185,20 +197,20 @@ class SlotCache(Cache):
         views = self._row_views.get(batch)
         if views is None:
             views = self._row_views[batch] = [(keys[:batch], values[:batch]) for keys, values in self._buffers]
-        for layer, (keys, values) in zip(self.layers, views):
+        for layer, (keys, values) in zip(self._slot_layers, views):
             layer.keys, layer.values = keys, values
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] of the K/V buffers (a copy into smaller buffers; a per-row pointer is the
         caller's to select and ``point_at``)."""
-        for layer in self.layers:
+        for layer in self._slot_layers:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
-        self._buffers = [(layer.keys, layer.values) for layer in self.layers]
+        self._buffers = [(layer.keys, layer.values) for layer in self._slot_layers]
         self._row_views = {index.shape[0]: list(self._buffers)}
 
     def point_at(self, position: torch.Tensor) -> None:
         """Use ``position`` [B] as every layer's per-row write pointer (after rows were selected)."""
         self.position = position
-        for layer in self.layers:
+        for layer in self._slot_layers:
             layer.position = position
