@@ -64,11 +64,13 @@ class RowSampling:
 
     def breaks_top_k_bound(self) -> torch.Tensor:
         """[B] bool: sampled rows that break ``top_k_bound`` (top_k above it, or top-p without a top_k); all False
-        without a bound. The cut from one topk of the bound would be wrong there."""
+        without a bound. The cut from one topk of the bound would be wrong there. A bound past int64 bounds every
+        int64 top_k (compared as it is, torch would wrap 2**63 to a negative int64, or overflow)."""
         if self.top_k_bound is None:
             return torch.zeros_like(self.top_k, dtype=torch.bool)
         k = self.top_k
-        return ~self.greedy & ((k > self.top_k_bound) | ((k <= 0) & (self.top_p < 1.0)))
+        bound = min(self.top_k_bound, torch.iinfo(torch.int64).max)
+        return ~self.greedy & ((k > bound) | ((k <= 0) & (self.top_p < 1.0)))
 
     def out_of_range(self) -> torch.Tensor:
         """[B] bool on the rows' device: True where a parameter is invalid (no host read). Such rows come back

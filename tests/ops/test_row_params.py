@@ -502,3 +502,23 @@ def test_top_k_bound_with_scalars_checked_at_once():
         ops.sample(logits, top_p=0.9, top_k_bound=4, seed=0)
     assert torch.equal(ops.sample(logits, top_k=3, top_k_bound=3, seed=0), ops.sample(logits, top_k=3, seed=0))
     assert torch.equal(ops.sample(logits, temperature=0.0, top_k=30, top_k_bound=2), logits.argmax(-1))
+
+
+def test_a_top_k_bound_past_int64_bounds_every_row():
+    """Any python int >= 1 is a valid bound, and one of V or more bounds every row: 2**63 and 2**64 - 1 used to flag
+    every sampled row (torch compares the int64 top_k with them as with a negative int64) and the checked call
+    blamed top_k_bound; 10**30 raised torch's OverflowError. A python top_k past int64 beside per-row tensors is such
+    a bound too: a row invalid for another reason (NaN logits) was named as breaking it, or an OverflowError."""
+    target, draft, tokens = _inputs(len(BOUNDED), 3, 64, seed=44)
+    rows = _row_params(BOUNDED)
+    want = ops.verify(target, draft, tokens, **rows, seed=2)
+    want_sample = ops.sample(target[:, 0], **rows, seed=2)
+    for bound in (2**63 - 1, 2**63, 2**64 - 1, 10**30):
+        got = ops.verify(target, draft, tokens, **rows, seed=2, top_k_bound=bound)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bound
+        assert torch.equal(ops.sample(target[:, 0], **rows, seed=2, top_k_bound=bound), want_sample), bound
+    logits = target[:, 0].clone()
+    logits[1, 3] = float("nan")
+    for top_k in (0, 2**63, 10**30):  # (0: no bound; a python top_k of 0 is none)
+        with pytest.raises(ValueError, match=r"logits has NaN.* batch rows \[1\]"):
+            ops.sample(logits, temperature=rows["temperature"], top_k=top_k, top_p=rows["top_p"], seed=0)
