@@ -522,3 +522,49 @@ def test_a_top_k_bound_past_int64_bounds_every_row():
     for top_k in (0, 2**63, 10**30):  # (0: no bound; a python top_k of 0 is none)
         with pytest.raises(ValueError, match=r"logits has NaN.* batch rows \[1\]"):
             ops.sample(logits, temperature=rows["temperature"], top_k=top_k, top_p=rows["top_p"], seed=0)
+
+
+def test_a_python_top_k_above_the_given_bound_breaks_it():
+    """A given bound is the promise, also beside a python top_k: top_k=7 with top_k_bound=5 flags every sampled row
+    (greedy rows keep their argmax), as the scalar call refuses it; the python top_k is the bound only when none is
+    given."""
+    target, draft, tokens = _inputs(len(BOUNDED), 3, 64, seed=45)
+    temperature = _row_params(BOUNDED)["temperature"]
+    sampled = [b for b, (t, _, _) in enumerate(BOUNDED) if t > 0]
+    got = ops.sample(target[:, 0], temperature=temperature, top_k=7, top_k_bound=5, seed=0, check=False)
+    assert [b for b, token in enumerate(got.tolist()) if token == -1] == sampled
+    greedy = [b for b in range(len(BOUNDED)) if b not in sampled]
+    assert torch.equal(got[greedy], target[greedy, 0].argmax(-1))
+    with pytest.raises(ValueError, match=r"top_k_bound=5 does not bound .* row 1 has top_k=7"):
+        ops.verify(target, draft, tokens, temperature=temperature, top_k=7, top_k_bound=5, seed=0)
+
+
+def test_a_bound_beside_no_cut_or_a_vocabulary_wide_top_k_changes_nothing():
+    """Scalars without a cut (top_k 0, top_p 1) keep every bound; a bound of exactly V is no bound (no topk of V
+    replaces the sort): a row with top_k = V (no top-k) and top-p keeps its top-p cut, here 1e-9, the argmax (int32
+    top_k tensors alike)."""
+    logits = _inputs(8, 1, 16, seed=46)[0][:, 0]
+    for top_k in (None, 0):
+        assert torch.equal(ops.sample(logits, temperature=0.7, top_k=top_k, top_p=1.0, top_k_bound=3, seed=4),
+                           ops.sample(logits, temperature=0.7, seed=4))
+    rows = _row_params([(1.0, 16, 1e-9)], repeat=8)
+    assert torch.equal(ops.sample(logits, **rows, top_k_bound=16, seed=4), logits.argmax(-1))
+    rows = _row_params([(1.0, 16, 0.6), (0.8, 3, 0.9), (1.2, 0, 1.0), (0.0, 40, 0.3)], repeat=2)
+    for seed in range(3):
+        want = ops.sample(logits, **rows, seed=seed)
+        assert torch.equal(ops.sample(logits, **rows, top_k_bound=16, seed=seed), want)
+        assert torch.equal(ops.sample(logits, **dict(rows, top_k=rows["top_k"].int()), top_k_bound=16, seed=seed), want)
+
+
+def test_a_bound_on_the_triton_backend():
+    """The Triton backend (interpreter) with a bound of V (no topk: the sort), with its rows broken, and with a python
+    top_k past int64 beside per-row tensors (the registered ops' int64 bound): the torch backend's tokens."""
+    logits = _inputs(8, 1, 16, seed=47)[0][:, 0]
+    rows = _row_params([(1.0, 16, 1e-9), (0.8, 20, 0.9)], repeat=4)  # (top-p keeping the argmax; broken: top_k > V)
+    rows["temperature"][7] = 0.0  # (greedy: never broken)
+    calls = [dict(rows, top_k_bound=16), dict(temperature=rows["temperature"], top_k=2**63)]
+    argmax = logits.argmax(-1).tolist()
+    for kwargs, want in zip(calls, [argmax[:4] + [-1] * 3 + argmax[7:], None]):
+        torch_tokens = ops.sample(logits, **kwargs, seed=5, check=False, backend="torch")
+        assert want is None or torch_tokens.tolist() == want
+        assert torch.equal(ops.sample(logits, **kwargs, seed=5, check=False, backend="triton"), torch_tokens)
