@@ -11,6 +11,8 @@ import inspect
 import re
 
 import torch
+import transformers
+import transformers.cache_utils
 
 from .adapters import adapter_randomness, idle_adapter_modules
 from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
@@ -298,6 +300,10 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         # layers without a cache of their own (KV-sharing consumers, MoE/MLP-only layers): no buffers
         sizes = tuple(None if i < len(types) and types[i] in CACHELESS_LAYERS else size
                       for i, size in enumerate(sizes))
+        if None in sizes and not hasattr(transformers.cache_utils, "DummyLayer"):
+            _refuse(name, path, f"its layers of type {sorted(set(types) & CACHELESS_LAYERS)} have no cache of their "
+                                f"own, and transformers {transformers.__version__} has no cache layer for them "
+                                "(DummyLayer, in later versions); use the dynamic cache")
     attention = getattr(model.config, "_attn_implementation", None)
     four_d = _four_d_masks(model, name, path)
     flattens = four_d and bool(_FLATTENS_ANY_MASK.search(_decoder_stack_source(model)[1]))

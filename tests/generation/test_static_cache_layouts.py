@@ -73,6 +73,19 @@ def test_shared_and_own_size_layers_are_sized_and_counted_per_layer():
     assert static_memory_bytes([layout], [spec], 2, 12, queries=4)["kv_caches"] == allocated == 2 * 12 * 96 * 4
 
 
+def test_layers_without_a_cache_are_refused_by_name_where_transformers_has_no_dummy_layer(monkeypatch):
+    """A transformers without DummyLayer (5.17) and a layout with layers that have no cache of their own: the static
+    path refuses by name up front (it raised ImportError while allocating), the dynamic path still runs."""
+    _dummy_layer_class()
+    model = _gemma4_layers_of_their_own_sizes()
+    import transformers.cache_utils
+
+    monkeypatch.delattr(transformers.cache_utils, "DummyLayer")
+    with pytest.raises(ValueError, match=r"cache_implementation='static'.*no cache of their own.*has no cache layer"):
+        check_model(model, path="static", batch=2)
+    check_model(model, path="dynamic", batch=2)
+
+
 class _Cache:
     def update(self, keys, values, layer):
         return keys, values
