@@ -64,8 +64,12 @@ LOOP_OVERRIDES_REVIEWED = {("ClvpForCausalLM", "_prepare_model_inputs")}
 STEP_METHODS = ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation")
 FOUR_D_ATTENTION = ("sdpa", "eager")
 # Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
-# "absolute": BART's learned table, read at each row's own positions).
-POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute"}
+# "absolute": a table (BART's learned one, Marian's and Pegasus's sinusoids) read at each row's own positions;
+# "absolute_skipping_pads": M2M100's (NLLB's) sinusoids, read past the pad id where the token is not the pad token
+# and at the pad id's zero row where it is, as fairseq's make_positions numbers them).
+POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
+                  "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
+                  "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads"}
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
@@ -99,7 +103,7 @@ class ModelSpec:
     (the slot mask [B, S]: ALiBi models build their bias and causal mask from it; attention kernels that take no 4-D
     mask get it too).
     sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
-    positions: encoder-decoder models only, how the decoder knows positions ("relative" or "absolute"); None for
+    positions: encoder-decoder models only, how the decoder knows positions (a ``POSITION_KINDS`` value); None for
     decoder-only models, which take position ids.
     kv_sizes: (kv_heads, key_head_dim, value_head_dim) of each layer's (decoder self-attention) K/V as the model
     writes them to its cache, None for a layer without a cache of its own (``CACHELESS_LAYERS``: a KV-sharing

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
+from .capabilities import POSITION_KINDS
 from .inputs import bos_id, mask_tensor, model_device, token_tensor
 from .vocab import check_ids_in_vocabulary
 
@@ -37,8 +38,26 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     if input_ids is not None:
         check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
     check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
+    for name, m in (("model", model), ("draft_model", draft_model)):
+        _check_pads_numbered_as_in_steps(m, name, decoder_ids)
     encode = functools.partial(_encode_both, model, draft_model, input_ids, attention_mask, encoder_outputs)
     return Seq2SeqPrompt(decoder_ids, decoder_mask, attention_mask, encode)
+
+
+def _check_pads_numbered_as_in_steps(model, name: str, decoder_ids: torch.Tensor) -> None:
+    """ValueError where a decoder prompt [B, L] has the pad token before a non-pad token and ``model`` numbers its
+    positions from its ids (M2M100/NLLB, ``capabilities.POSITION_KINDS``): its prompt forward then numbers the later
+    tokens by their non-pad rank where its one-token steps (and the runners, after rollbacks) number them by
+    position. One host read, before decoding."""
+    if POSITION_KINDS.get(getattr(model.config, "model_type", None)) != "absolute_skipping_pads":
+        return
+    pad = model.get_decoder().embed_positions.padding_idx
+    pads = decoder_ids == pad
+    if bool((pads.to(torch.int64).cumsum(dim=1).bool() & ~pads).any()):
+        raise ValueError(f"decoder_input_ids has the pad token ({pad}) before another token: {name} "
+                         f"({type(model).__name__}) numbers its decoder positions from its token ids, skipping pad "
+                         "tokens in its first forward only, which speculative_kernels does not reproduce; fill the "
+                         "slots that decoder_attention_mask masks with another token (e.g. eos)")
 
 
 def _as_encoder_output(encoder_outputs, device):

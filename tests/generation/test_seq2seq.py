@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import MarianConfig, MarianMTModel
+from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
 from transformers.generation.logits_process import ForcedBOSTokenLogitsProcessor, LogitsProcessorList
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 
@@ -342,12 +342,12 @@ def test_different_vocabularies_are_refused():
 
 
 def test_unsupported_architecture_is_named():
-    config = MarianConfig(vocab_size=97, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                          decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, pad_token_id=0,
-                          decoder_start_token_id=0)
-    marian = MarianMTModel(config).eval()
-    with pytest.raises(ValueError, match="type 'marian'"):
-        sk.generate(marian, torch.tensor([[5, 6]]), draft_model=marian)
+    config = ProphetNetConfig(vocab_size=97, hidden_size=16, num_encoder_layers=1, num_decoder_layers=1,
+                              num_encoder_attention_heads=2, num_decoder_attention_heads=2, encoder_ffn_dim=32,
+                              decoder_ffn_dim=32, pad_token_id=0, decoder_start_token_id=0)
+    prophetnet = ProphetNetForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="type 'prophetnet'"):
+        sk.generate(prophetnet, torch.tensor([[5, 6]]), draft_model=prophetnet)
 
 
 def test_bad_decoder_prompt(pairs):

@@ -135,3 +135,40 @@ def save_t5_pair(root):
         tokenizer.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+# BART-like families (transformers' Bart copies with their own position modules): model_type -> (pad, eos, decoder
+# start, forced_bos or None, extra config). Marian and Pegasus start the decoder with the pad token, as their
+# checkpoints do; Marian's and Pegasus's positions are sinusoidal tables, the others' learned.
+BART_LIKE = {
+    "marian": (1, 2, 1, None, dict(scale_embedding=True, share_encoder_decoder_embeddings=True)),
+    "pegasus": (0, 1, 0, None, dict(scale_embedding=True)),
+    "blenderbot": (0, 2, 1, None, {}),
+    "blenderbot-small": (0, 2, 1, None, {}),
+    "plbart": (1, 2, 2, None, dict(scale_embedding=True)),
+    "mvp": (1, 2, 2, 0, {}),
+    "m2m_100": (1, 2, 2, 5, dict(scale_embedding=True)),  # NLLB's ids: the target language (5) forced first
+}
+
+
+def bart_like(model_type: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
+    """A tiny model of a BART-like family (``BART_LIKE``), its decoder's position table scaled up so that outputs
+    depend on each decoder position (a sinusoidal table x3, a learned one redrawn as BART's)."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    pad, eos, start, forced_bos, extra = BART_LIKE[model_type]
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **_bart_kwargs(layers, hidden, vocab), bos_token_id=0, pad_token_id=pad,
+                                  eos_token_id=eos, decoder_start_token_id=start, forced_bos_token_id=forced_bos,
+                                  **extra)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    table = model.get_decoder().embed_positions
+    with torch.no_grad():
+        if "Sinusoidal" not in type(table).__name__:
+            table.weight.normal_(0.0, 2.0)
+        elif isinstance(table, torch.nn.Embedding):
+            table.weight.mul_(3.0)
+        else:  # M2M100's buffer (its make_weights would rebuild it unscaled if a request outgrew it)
+            table.weights.mul_(3.0)
+    model.generation_config.forced_bos_token_id = forced_bos
+    return model

@@ -4,7 +4,8 @@ These decoders take no per-row position ids (T5 derives its bias from slot offse
 the cache length), so a hole would shift every later position. Each row's tokens therefore fill the last
 ``next_position[b]`` slots of a rectangular cache; rollbacks and fillers shift rows right by what they dropped (one
 gather, batch > 1 only; batch 1 crops its tail) and the columns every row has left behind are cut on the left. BART's
-decoder reads its position table at each row's true positions through a forward hook. The cross-attention cache,
+decoder (and Marian's, Pegasus's, ...) reads its position table at each row's true positions through a forward hook;
+M2M100's (NLLB's) too, numbered from its token ids as HF's one-token steps number them. The cross-attention cache,
 filled by the first decoder forward, is kept for the whole request. Details: ``docs/architecture.md``.
 """
 
@@ -60,9 +61,11 @@ class Seq2SeqRunner:
         self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
         self._position_module = None
-        if spec.positions == "absolute":
+        if spec.positions in ("absolute", "absolute_skipping_pads"):
             self._position_module = model.get_decoder().embed_positions
-            if not isinstance(self._position_module, torch.nn.Embedding):
+            table = torch.nn.Embedding if spec.positions == "absolute" else torch.nn.Module
+            if not isinstance(self._position_module, table) or (spec.positions == "absolute_skipping_pads" and not all(
+                    hasattr(self._position_module, a) for a in ("weights", "padding_idx", "make_weights"))):
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         self._positions = None
         self._dtype = attention_dtype(model)
@@ -81,6 +84,7 @@ class Seq2SeqRunner:
         start, end = self.num_slots, self.num_slots + width
         self.slot_mask = grow_columns(self.slot_mask, end)
         prompt = prompt or start == 0
+        self._cover_positions(self._bound[start] + width)
         fillers = real is not None and not prompt
         occupied = real.to(torch.int64) if fillers else torch.ones_like(tokens)
         attend_new = real.to(torch.int64) if (real is not None and prompt) else occupied
@@ -127,9 +131,13 @@ class Seq2SeqRunner:
                 hook.remove()
 
     def _model_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        cross_mask = self._cross_mask
+        if cross_mask is not None and cross_mask.dim() == 4:
+            # [B, 1, 1, S] -> [B, 1, T, S], a view: MVP's attention checks the mask's query dimension
+            cross_mask = cross_mask.expand(-1, -1, tokens.shape[1], -1)
         with without_cudnn_attention(tokens.device):  # (the decoder's key length changes at every forward)
             out = self.model(
-                attention_mask=self._cross_mask,
+                attention_mask=cross_mask,
                 encoder_outputs=self.encoder_outputs,
                 decoder_input_ids=tokens,
                 decoder_attention_mask=decoder_mask,
@@ -146,6 +154,10 @@ class Seq2SeqRunner:
         self._hook_thread = threading.get_ident()
         if self._position_module is None:
             return []
+        if self.spec.positions == "absolute_skipping_pads":
+            return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
+                    self._position_module.register_forward_hook(self._true_positions_skipping_pads, with_kwargs=True,
+                                                                prepend=True)]
         # (first of the module's hooks: a caller's own hooks see, and may change, the true positions' output, as
         #  they see HF's)
         return [self._position_module.register_forward_pre_hook(self._inside_table, with_kwargs=True, prepend=True),
@@ -172,6 +184,38 @@ class Seq2SeqRunner:
         runner), which HF allows, runs them too: they leave such forwards alone. (While dynamo traces a captured
         step, the forward is this runner's: its thread is not read there.)"""
         return torch.compiler.is_compiling() or threading.get_ident() == self._hook_thread
+
+    def _cover_positions(self, positions: int) -> None:
+        """Grow M2M100's sinusoid table (as its forward does, by its own ``make_weights``) to hold ``positions`` (a
+        host bound on the rows' next position plus the forward's width) past the pad id: ``_true_positions_skipping_pads``
+        reads it at each row's true positions, which HF's own growth check, given position 0, does not see."""
+        module = self._position_module
+        if self.spec.positions != "absolute_skipping_pads":
+            return
+        needed = module.padding_idx + 2 + positions
+        if needed > module.weights.shape[0]:
+            module.make_weights(needed + module.offset, module.embedding_dim, module.padding_idx)
+
+    def _from_zero(self, module, args, kwargs):
+        """Forward pre-hook (M2M100): HF's own lookup, which ``_true_positions_skipping_pads`` replaces, numbers from
+        the cache's width; from 0 it stays inside the table."""
+        if not self._own_forward():
+            return None
+        args = tuple(0 if i == 2 else a for i, a in enumerate(args))
+        return args, {k: 0 if k == "cache_length" else v for k, v in kwargs.items()}
+
+    def _true_positions_skipping_pads(self, module, args, kwargs, output):
+        """Forward hook (M2M100): output [B, T, D] read at the true positions. HF numbers a token
+        pad + cache_length + (its rank among the forward's non-pad tokens), and a pad token pad (a zero row); its
+        one-token steps give pad + 1 + the token's position, which its decoder prompt forward gives too where no pad
+        token precedes a non-pad one (``seq2seq_inputs`` refuses other decoder prompts)."""
+        if not self._own_forward():
+            return None
+        ids = args[0] if args else kwargs.get("input_ids")
+        pad = module.padding_idx
+        real = torch.ones_like(self._positions) if ids is None else (ids != pad).to(torch.int64)
+        index = (pad + (self._positions + 1) * real).clamp(max=module.weights.shape[0] - 1)  # (fillers run past)
+        return module.weights.index_select(0, index.view(-1)).view(*index.shape, -1).to(output.dtype)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""

@@ -38,6 +38,7 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self.next_position = self_attention.position  # [B]: one tensor, the rows' lengths and the write pointers
         self.attend = torch.zeros(batch, capacity, dtype=torch.int64, device=device)  # 0: a decoder prompt pad
         self._keys = torch.arange(capacity, device=device)
+        self._cover_positions(capacity)
         self._bias_module = None
         if spec.positions == "relative":
             self._bias_module = model.get_decoder().block[0].layer[0].SelfAttention

@@ -1,0 +1,56 @@
+"""Encoder-decoder families beyond T5 and BART whose decoders the runners drive as they drive BART's (a position
+table read at each row's true positions: Marian, Pegasus, Blenderbot, Blenderbot-Small, PLBart, MVP; M2M100/NLLB's
+numbered from its ids): greedy tokens identical to ``model.generate`` at batch 1 and in a right-padded batch of 2, on
+the dynamic and the static cache, with a draft the target rejects now and then."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.seq2seq_models import BART_LIKE, bart_like, source_batch
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """model_type -> (target, an unrelated smaller draft of the same family)."""
+    return {kind: (bart_like(kind), bart_like(kind, layers=1, hidden=16, seed=123)) for kind in BART_LIKE}
+
+
+@pytest.mark.parametrize("kind", sorted(BART_LIKE))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[7], [5, 9]])
+def test_greedy_matches_hf(pairs, kind, cache, lengths):
+    target, draft = pairs[kind]
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=target.config.pad_token_id)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=draft, num_speculative_tokens=3, do_sample=False,
+                      max_new_tokens=16, speculation_stats=stats,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_m2m100_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs, cache):
+    """M2M100 (NLLB) numbers a pad token's position pad_token_id (its table's zero row) and the others from the pad
+    id on: the trailing pad tokens of these decoder prompts take the zero row, as in model.generate."""
+    target, draft = pairs["m2m_100"]
+    ids, mask = source_batch([5, 9], seed=2, pad=1)
+    decoder_ids = torch.tensor([[2, 5, 9, 1], [2, 7, 1, 1]])
+    expected = target.generate(ids, attention_mask=mask, decoder_input_ids=decoder_ids, do_sample=False,
+                               max_new_tokens=12)
+    got = sk.generate(target, ids, attention_mask=mask, decoder_input_ids=decoder_ids, draft_model=draft,
+                      num_speculative_tokens=3, do_sample=False, max_new_tokens=12,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_m2m100_pad_token_before_another_in_the_decoder_prompt_is_refused(pairs):
+    """HF's prompt forward numbers the tokens after a pad token by their non-pad rank, its later steps by position:
+    refused by name rather than numbered otherwise."""
+    target, draft = pairs["m2m_100"]
+    with pytest.raises(ValueError, match=r"decoder_input_ids has the pad token \(1\) before another token: model "
+                                         r"\(M2M100ForConditionalGeneration\)"):
+        sk.generate(target, torch.tensor([[5, 6, 2]]), decoder_input_ids=torch.tensor([[2, 1, 5]]),
+                    draft_model=draft, max_new_tokens=4)
