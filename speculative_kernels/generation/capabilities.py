@@ -69,7 +69,11 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 # and at the pad id's zero row where it is, as fairseq's make_positions numbers them).
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
-                  "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads"}
+                  "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
+                  "longt5": "relative", "switch_transformers": "relative"}
+# Relative-position encoder-decoders whose every decoder layer computes its own bias (the static runner feeds only the
+# first layer's, T5's, which the others reuse).
+PER_LAYER_RELATIVE_BIAS = {"umt5"}
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
@@ -632,6 +636,10 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
     if not callable(getattr(model, "get_encoder", None)) or model.get_encoder() is None:
         _refuse(name, path, "its config is encoder-decoder but the model has no encoder")
     positions = position_kind(model)  # ValueError naming unsupported encoder-decoder types
+    if path != "dynamic" and model.config.model_type in PER_LAYER_RELATIVE_BIAS:
+        _refuse(name, path, "each of its decoder layers computes its own relative position bias from one offset "
+                            "shared by the batch (UMT5), where the static cache's rows sit at their own positions; use "
+                            "the dynamic cache")
     attention = getattr(model.config, "_attn_implementation", None)
     four_d = _four_d_masks(model, name, path)
     if path != "dynamic" and not four_d:

@@ -9,6 +9,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from .capabilities import POSITION_KINDS
+from .runners.seq2seq import same_output_class
 from .inputs import bos_id, mask_tensor, model_device, token_tensor
 from .vocab import check_ids_in_vocabulary
 
@@ -68,7 +69,7 @@ def _as_encoder_output(encoder_outputs, device):
     hidden = getattr(encoder_outputs, "last_hidden_state", None)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError("encoder_outputs must hold last_hidden_state [batch, source length, hidden]")
-    return BaseModelOutput(last_hidden_state=hidden.to(device))
+    return same_output_class(encoder_outputs, hidden.to(device))
 
 
 def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, device, decoder_inputs=(None, None)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from helpers.seq2seq_models import BART_LIKE, bart_like, source_batch
+from helpers.seq2seq_models import BART_LIKE, bart_like, source_batch, t5_like
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,43 @@ def test_m2m100_pad_token_before_another_in_the_decoder_prompt_is_refused(pairs)
                                          r"\(M2M100ForConditionalGeneration\)"):
         sk.generate(target, torch.tensor([[5, 6, 2]]), decoder_input_ids=torch.tensor([[2, 1, 5]]),
                     draft_model=draft, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind,cache", [("umt5", "dynamic"), ("longt5", "dynamic"), ("longt5", "static"),
+                                        ("switch_transformers", "dynamic"), ("switch_transformers", "static")])
+@pytest.mark.parametrize("lengths", [[7], [5, 9]])
+def test_t5_like_greedy_matches_hf(kind, cache, lengths):
+    """UMT5, LongT5 and Switch Transformers decoders: T5's relative position buckets, from slot offsets."""
+    target = t5_like(kind)
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=t5_like(kind, layers=1, hidden=16, seed=123), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+def test_umt5_static_cache_is_refused_by_name():
+    target = t5_like("umt5")
+    with pytest.raises(ValueError, match=r"UMT5ForConditionalGeneration cannot be driven exactly by speculative_kernels "
+                                         r"with cache_implementation='static': each of its decoder layers"):
+        sk.generate(target, torch.tensor([[5, 6, 7]]), draft_model=t5_like("umt5", layers=1, seed=1),
+                    cache_implementation="static", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_switch_transformers_batch_whose_rows_leave_as_in_hf(cache):
+    """Rows leaving the batch (and the static cache's padded source) rebuild the encoder output: Switch
+    Transformers' forward reads its router_logits, which a plain BaseModelOutput lacks (AttributeError before)."""
+    from helpers.models import perturbed
+
+    target = t5_like("switch_transformers")
+    ids, mask = source_batch([5, 9], seed=2, pad=0)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
+                      do_sample=False, max_new_tokens=16,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)

@@ -172,3 +172,27 @@ def bart_like(model_type: str, layers: int = 2, hidden: int = 32, vocab: int = V
             table.weights.mul_(3.0)
     model.generation_config.forced_bos_token_id = forced_bos
     return model
+
+
+T5_LIKE = ("umt5", "longt5", "switch_transformers")
+
+
+def t5_like(model_type: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
+    """A tiny UMT5, LongT5 or Switch Transformers model (T5's ids and relative position buckets; UMT5 a bias table
+    per layer, LongT5 a local-attention encoder, Switch two experts in one sparse layer per stack), scaled as
+    ``t5``: the decoder's position bias tables x20."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(seed)
+    extra = dict(num_experts=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1) \
+        if model_type == "switch_transformers" else {}
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab, d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden, num_layers=layers,
+        num_decoder_layers=layers, num_heads=4, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, initializer_factor=1.5, **extra)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.startswith("decoder.") and "relative_attention_bias" in name:
+                weight.mul_(20.0)
+    return model

@@ -14,6 +14,7 @@ import threading
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
+from transformers.utils import ModelOutput
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
@@ -30,6 +31,14 @@ def _shift_right(tensor: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.T
     shape = [tensor.shape[0]] + [1] * (tensor.dim() - 1)
     shape[dim] = width
     return tensor.gather(dim, source.view(shape).expand_as(tensor))
+
+
+def same_output_class(encoder_outputs, last_hidden_state: torch.Tensor):
+    """An encoder output of the class of ``encoder_outputs`` holding last_hidden_state [B, S, H] alone: a forward
+    may read another of its fields (Switch Transformers reads ``router_logits``, None here as in an output without
+    them)."""
+    cls = type(encoder_outputs) if isinstance(encoder_outputs, ModelOutput) else BaseModelOutput
+    return cls(last_hidden_state=last_hidden_state)
 
 
 class Seq2SeqRunner:
@@ -279,8 +288,8 @@ class Seq2SeqRunner:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` [B'] of both caches, the encoder output, the masks and the positions."""
         self._select_cache(index)
-        self.encoder_outputs = BaseModelOutput(
-            last_hidden_state=self.encoder_outputs.last_hidden_state.index_select(0, index))
+        self.encoder_outputs = same_output_class(
+            self.encoder_outputs, self.encoder_outputs.last_hidden_state.index_select(0, index))
         if self._cross_mask is not None:
             self._cross_mask = self._cross_mask.index_select(0, index)
         self.slot_mask = self.slot_mask.index_select(0, index)

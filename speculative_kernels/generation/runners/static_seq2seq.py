@@ -14,14 +14,13 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
-from transformers.modeling_outputs import BaseModelOutput
 
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
 from .captured import call_captured, compile_step
 from .masks import additive_mask, causal_slots
 from .sizing import captured_capacity
-from .seq2seq import Seq2SeqRunner
+from .seq2seq import Seq2SeqRunner, same_output_class
 from .slot_cache import CacheLayout, SlotCache
 
 
@@ -146,7 +145,8 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         if not bool((mask if boolean else mask == 0).any(dim=-1).all()):
             return
         filler = False if boolean else torch.finfo(mask.dtype).min
-        self.encoder_outputs = BaseModelOutput(last_hidden_state=torch.nn.functional.pad(states, (0, 0, 0, extra)))
+        self.encoder_outputs = same_output_class(self.encoder_outputs,
+                                                 torch.nn.functional.pad(states, (0, 0, 0, extra)))
         self._cross_mask = torch.cat([mask, mask.new_full((*mask.shape[:-1], extra), filler)], dim=-1)
 
     def warm_up(self, calls: int = 3) -> None:
