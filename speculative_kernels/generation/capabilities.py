@@ -642,10 +642,10 @@ def _decoder_kv_sizes(model, positions: str) -> tuple[tuple[int, int, int], ...]
     """The decoder self-attention's (kv_heads, key_head_dim, value_head_dim) per layer, read from the modules (a T5
     config's head count times d_kv need not be d_model, and its layer count is the encoder's)."""
     decoder = model.get_decoder()
-    if positions == "relative":  # T5/MT5
+    if positions == "relative":  # T5-like
         attention = decoder.block[0].layer[0].SelfAttention
         return ((attention.n_heads, attention.key_value_proj_dim, attention.key_value_proj_dim),) * len(decoder.block)
-    attention = decoder.layers[0].self_attn  # BART/mBART
+    attention = decoder.layers[0].self_attn  # BART-like, M2M100
     return ((attention.num_heads, attention.head_dim, attention.head_dim),) * len(decoder.layers)
 
 

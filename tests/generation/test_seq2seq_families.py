@@ -119,3 +119,44 @@ def test_nllb_moe_is_refused_with_its_reason():
     with pytest.raises(ValueError, match=r"type 'nllb-moe' \(NllbMoeForConditionalGeneration\), which "
                                          r"speculative_kernels does not support: its router reads"):
         sk.generate(model, torch.tensor([[5, 6, 7]]), draft_model=model, max_new_tokens=4)
+
+
+def test_m2m100_sampling_matches_the_target_distribution():
+    """Whole continuations of 3 tokens over a vocabulary of 6 (the pad token among them, numbered at the zero row
+    inside verification blocks) sampled as often as model.generate's step-by-step probabilities say (chi-square),
+    the target language forced first as NLLB's generation config does."""
+    import itertools
+
+    import numpy as np
+    from transformers.generation.logits_process import ForcedBOSTokenLogitsProcessor
+
+    from helpers.stats import assert_matches
+
+    vocab, new, rows = 6, 3, 6000
+    target, draft = bart_like("m2m_100", vocab=vocab), bart_like("m2m_100", layers=1, vocab=vocab, seed=7)
+    for model in (target, draft):
+        model.generation_config.eos_token_id = None
+        model.generation_config.forced_eos_token_id = None
+    source = torch.tensor([[3, 4, 5, 3, 2]])
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=new)))
+    with torch.no_grad():  # HF's one-token steps (its first forward over a whole sequence numbers pads otherwise)
+        out = target(input_ids=source.expand(len(seqs), -1), decoder_input_ids=torch.full((len(seqs), 1), 2),
+                     use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(new - 1):
+            out = target(encoder_outputs=(out.encoder_last_hidden_state,), decoder_input_ids=seqs[:, t : t + 1],
+                         past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[:, -1])
+    forced = ForcedBOSTokenLogitsProcessor(5)
+    logp = torch.zeros(len(seqs), dtype=torch.float64)
+    for t in range(new):
+        ids = torch.cat([torch.full((len(seqs), 1), 2), seqs[:, :t]], dim=1)
+        step = forced(ids, logits[t].float().clone())
+        logp += torch.log_softmax(step.double(), dim=-1).gather(1, seqs[:, t : t + 1]).squeeze(1)
+    torch.manual_seed(1234)
+    stats = sk.SpeculationStats()
+    out = sk.generate(target, source.expand(rows, -1), draft_model=draft, num_speculative_tokens=2, do_sample=True,
+                      top_k=0, max_new_tokens=new, speculation_stats=stats)
+    assert 0 < stats.acceptance_rate < 1
+    codes = (out[:, 1:].numpy() * vocab ** np.arange(new - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=vocab**new), logp.exp().numpy())

@@ -1,4 +1,5 @@
-"""``Seq2SeqRunner``: one encoder-decoder model (T5/MT5, BART/mBART) over a hole-free, right-aligned decoder cache.
+"""``Seq2SeqRunner``: one encoder-decoder model (``capabilities.POSITION_KINDS``: T5-like, BART-like, M2M100) over a
+hole-free, right-aligned decoder cache.
 
 These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
 the cache length), so a hole would shift every later position. Each row's tokens therefore fill the last
