@@ -70,14 +70,17 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
-                  "longt5": "relative", "switch_transformers": "relative", "led": "absolute",
-                  "bigbird_pegasus": "absolute"}
+                  "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute"}
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
                 "expert capacity over the forward's tokens), so a verification forward over several tokens in the "
                 "runners' cache layout routes tokens otherwise than model.generate's one-token steps (greedy tokens "
                 "differed in a batch of 2)",
+    "led": "its decoder drops the attention mask in one-token forwards (it builds one only over several tokens), "
+           "so such a forward attends every slot of the cache, where the runners' caches hold slots it must not see "
+           "(the static cache's unwritten ones, a batch's alignment slots; measured: another last token on the static "
+           "cache)",
     "pegasus_x": "its decoder computes its sinusoidal positions from one offset shared by the batch (no position "
                  "table to read at each row's own positions)",
 }
@@ -86,8 +89,6 @@ STATIC_SEQ2SEQ_REFUSED = {
     "umt5": "each of its decoder layers computes its own relative position bias from one offset shared by the batch, "
             "where the static cache's rows sit at their own positions (the static runner feeds T5's first-layer bias "
             "only)",
-    "led": "its logits on the static cache differed from model.generate's by 8e-4 of the largest logit (same tokens) "
-           "in benchmarks/coverage.py, which is not yet explained",
 }
 _DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")

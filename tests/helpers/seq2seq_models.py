@@ -149,8 +149,6 @@ BART_LIKE = {
     "mvp": (1, 2, 2, 0, {}),
     "m2m_100": (1, 2, 2, 5, dict(scale_embedding=True)),  # NLLB's ids: the target language (5) forced first
     "bigbird_pegasus": (0, 1, 0, None, dict(attention_type="original_full", scale_embedding=True)),
-    "led": (1, 2, 2, None, dict(attention_window=4, max_encoder_position_embeddings=256,
-                                 max_decoder_position_embeddings=256)),
 }
 
 

@@ -1,6 +1,6 @@
 """``StaticSeq2SeqRunner``: an encoder-decoder model over a preallocated decoder self-attention cache with a write
 pointer per row (``cache_implementation="static"`` and ``compile=True`` for the T5-like, BART-like and M2M100 types of
-``capabilities.POSITION_KINDS``, but ``STATIC_SEQ2SEQ_REFUSED``).
+``capabilities.POSITION_KINDS`` but UMT5's, ``STATIC_SEQ2SEQ_REFUSED``).
 
 The cache is ``EncoderDecoderCache(SlotCache, DynamicCache)``, HF's structure with two differences speculation needs:
 row b's tokens fill slots [0, next_position[b]) of its row, hole-free and left-aligned, so a token's position is its
