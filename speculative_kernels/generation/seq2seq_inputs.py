@@ -40,7 +40,8 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
         check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
     check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
     for name, m in (("model", model), ("draft_model", draft_model)):
-        _check_pads_numbered_as_in_steps(m, name, decoder_ids)
+        if m is not None:  # (no draft model: prompt lookup, n-grams, early exit)
+            _check_pads_numbered_as_in_steps(m, name, decoder_ids)
     encode = functools.partial(_encode_both, model, draft_model, input_ids, attention_mask, encoder_outputs)
     return Seq2SeqPrompt(decoder_ids, decoder_mask, attention_mask, encode)
 
