@@ -66,11 +66,13 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 # Encoder-decoder model_type -> how its decoder knows positions ("relative": T5's bias from slot offsets;
 # "absolute": a table (BART's learned one, Marian's and Pegasus's sinusoids) read at each row's own positions;
 # "absolute_skipping_pads": M2M100's (NLLB's) sinusoids, read past the pad id where the token is not the pad token
-# and at the pad id's zero row where it is, as fairseq's make_positions numbers them).
+# and at the pad id's zero row where it is, as fairseq's make_positions numbers them); "position_ids": a decoder
+# that takes decoder_position_ids (T5Gemma's rotary positions), given each row's own).
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
-                  "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute"}
+                  "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute",
+                  "t5gemma": "position_ids"}
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
@@ -646,6 +648,10 @@ def _decoder_kv_sizes(model, positions: str) -> tuple[tuple[int, int, int], ...]
     if positions == "relative":  # T5-like
         attention = decoder.block[0].layer[0].SelfAttention
         return ((attention.n_heads, attention.key_value_proj_dim, attention.key_value_proj_dim),) * len(decoder.block)
+    if positions == "position_ids":  # T5Gemma: grouped-query attention, sizes in the decoder's config
+        attention = decoder.layers[0].self_attn
+        heads = attention.config.num_key_value_heads
+        return ((heads, attention.head_dim, attention.head_dim),) * len(decoder.layers)
     attention = decoder.layers[0].self_attn  # BART-like, M2M100
     return ((attention.num_heads, attention.head_dim, attention.head_dim),) * len(decoder.layers)
 
@@ -666,8 +672,21 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
     if cache_arg is None:
         _refuse(name, path, "its forward takes no past_key_values (or cache): speculative decoding needs a KV cache "
                             "it can roll back")
-    return ModelSpec(name, mask="4d" if four_d else "2d", positions=positions,
-                     kv_sizes=sizes, cache_argument=cache_arg)
+    window = _decoder_window(model)
+    if window is not None and not four_d:
+        _refuse(name, path, f"its decoder has sliding-window layers, whose window the runners apply through 4-D masks, "
+                            f"which attn_implementation={attention!r} does not take; use 'sdpa' or 'eager'")
+    mask = "4d-by-layer-type" if window is not None else "4d" if four_d else "2d"
+    return ModelSpec(name, mask=mask, sliding_window=window, positions=positions, kv_sizes=sizes,
+                     cache_argument=cache_arg)
+
+
+def _decoder_window(model) -> int | None:
+    """The sliding window of an encoder-decoder's decoder layers of type "sliding_attention" (T5Gemma), or None."""
+    config = getattr(model.get_decoder(), "config", None)
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
+    return config.sliding_window
 
 
 def check_class(model, role: str) -> None:

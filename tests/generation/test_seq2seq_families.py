@@ -165,3 +165,21 @@ def test_m2m100_sampling_matches_the_target_distribution():
     assert 0 < stats.acceptance_rate < 1
     codes = (out[:, 1:].numpy() * vocab ** np.arange(new - 1, -1, -1)).sum(axis=1)
     assert_matches(np.bincount(codes, minlength=vocab**new), logp.exp().numpy())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[7], [5, 9]])
+def test_t5gemma_greedy_matches_hf(cache, lengths):
+    """T5Gemma's decoder takes decoder_position_ids (each row's own) and has sliding-window layers (window 4 over 16
+    new tokens: it binds), whose mask the runners build per layer type."""
+    from helpers.seq2seq_models import t5gemma
+
+    target = t5gemma()
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=t5gemma(seed=123), num_speculative_tokens=3, speculation_stats=stats,
+                      **kwargs, **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back

@@ -197,3 +197,23 @@ def t5_like(model_type: str, layers: int = 2, hidden: int = 32, vocab: int = VOC
             if name.startswith("decoder.") and "relative_attention_bias" in name:
                 weight.mul_(20.0)
     return model
+
+
+def t5gemma(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, window: int = 4):
+    """A tiny T5Gemma (rotary decoder positions given as decoder_position_ids; sliding-window and full layers in
+    turn, the window small enough to bind): pad = 0, eos = 1, decoder start = bos = 2."""
+    from transformers import T5GemmaConfig, T5GemmaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    module = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab, sliding_window=window,
+                  layer_types=["sliding_attention", "full_attention"] * (layers // 2), pad_token_id=0,
+                  eos_token_id=1, bos_token_id=2, query_pre_attn_scalar=hidden // 4)
+    config = T5GemmaConfig(encoder=module, decoder=module, vocab_size=vocab, pad_token_id=0, eos_token_id=1,
+                           bos_token_id=2, decoder_start_token_id=2, attn_implementation="eager")
+    model = T5GemmaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # residual branches x2: outputs that depend on the source and on every position
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weight.mul_(2.0)
+    return model

@@ -1,5 +1,5 @@
-"""``Seq2SeqRunner``: one encoder-decoder model (``capabilities.POSITION_KINDS``: T5-like, BART-like, M2M100) over a
-hole-free, right-aligned decoder cache.
+"""``Seq2SeqRunner``: one encoder-decoder model (``capabilities.POSITION_KINDS``: T5-like, BART-like, M2M100,
+T5Gemma) over a hole-free, right-aligned decoder cache.
 
 These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
 the cache length), so a hole would shift every later position. Each row's tokens therefore fill the last
@@ -79,7 +79,7 @@ class Seq2SeqRunner:
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         self._positions = None
         self._dtype = attention_dtype(model)
-        self._four_d = spec.mask == "4d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
+        self._four_d = spec.mask != "2d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
         self._cross_mask = encoder_mask
         if self._four_d and encoder_mask is not None:
             self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
@@ -120,7 +120,7 @@ class Seq2SeqRunner:
         self._positions = self.next_position.unsqueeze(1) + torch.arange(width, device=tokens.device)
         if self._four_d:
             query_slots = torch.arange(mask.shape[1] - width, mask.shape[1], device=mask.device)
-            decoder_mask = additive_mask(causal_slots(mask, query_slots), self._dtype)
+            decoder_mask = self._self_attention_mask(causal_slots(mask, query_slots), query_slots)
         else:
             decoder_mask = mask
         logits = self._call_model(tokens, decoder_mask)
@@ -130,6 +130,17 @@ class Seq2SeqRunner:
             self._tail_only = False
             self._shift(width - count)
         return logits
+
+    def _self_attention_mask(self, allowed: torch.Tensor, query_slots: torch.Tensor):
+        """allowed [B, T, S] bool -> the additive [B, 1, T, S] mask, or with sliding-window layers (T5Gemma) a dict of
+        it and the windowed one keyed by layer type. query_slots: [T] or [B, T]. A row's slots are hole-free, so slot
+        distances are position distances: HF's window q - k < window holds in slots."""
+        if self.spec.sliding_window is None:
+            return additive_mask(allowed, self._dtype)
+        keys = torch.arange(allowed.shape[-1], device=allowed.device)
+        inside = keys > (query_slots - self.spec.sliding_window).unsqueeze(-1)  # [T, S] or [B, T, S]
+        return {"full_attention": additive_mask(allowed, self._dtype),
+                "sliding_attention": additive_mask(allowed & inside, self._dtype)}
 
     def _call_model(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
         """One decoder forward with the position hooks in place; decoder_mask: [B, W] or additive [B, 1, T, W]."""
@@ -151,6 +162,7 @@ class Seq2SeqRunner:
                 encoder_outputs=self.encoder_outputs,
                 decoder_input_ids=tokens,
                 decoder_attention_mask=decoder_mask,
+                **({"decoder_position_ids": self._positions} if self.spec.positions == "position_ids" else {}),
                 use_cache=True,
                 return_dict=True,
                 **{self.spec.cache_argument: self.cache},

@@ -19,7 +19,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
 from .captured import call_captured, compile_step
-from .masks import additive_mask, causal_slots
+from .masks import causal_slots
 from .sizing import captured_capacity
 from .seq2seq import Seq2SeqRunner, same_output_class
 from .slot_cache import CacheLayout, SlotCache
@@ -72,7 +72,7 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         slots = self.next_position.unsqueeze(1) + self._keys[: tokens.shape[1]]  # [B, T]
         self.attend.scatter_(1, slots, attend_new)
         self._positions = slots
-        logits = self._model_forward(tokens, additive_mask(causal_slots(self.attend, slots), self._dtype))
+        logits = self._model_forward(tokens, self._self_attention_mask(causal_slots(self.attend, slots), slots))
         self.next_position.add_(count)
         return logits
 
