@@ -75,8 +75,9 @@ def test_t5_like_greedy_matches_hf(kind, cache, lengths):
 
 def test_umt5_static_cache_is_refused_by_name():
     target = t5_like("umt5")
-    with pytest.raises(ValueError, match=r"UMT5ForConditionalGeneration cannot be driven exactly by speculative_kernels "
-                                         r"with cache_implementation='static': each of its decoder layers"):
+    with pytest.raises(ValueError, match=r"UMT5ForConditionalGeneration cannot be driven exactly by "
+                                         r"speculative_kernels with cache_implementation='static': each of its "
+                                         r"decoder layers"):
         sk.generate(target, torch.tensor([[5, 6, 7]]), draft_model=t5_like("umt5", layers=1, seed=1),
                     cache_implementation="static", max_new_tokens=4)
 

@@ -2,12 +2,13 @@
 T5Gemma) over a hole-free, right-aligned decoder cache.
 
 These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
-the cache length), so a hole would shift every later position. Each row's tokens therefore fill the last
-``next_position[b]`` slots of a rectangular cache; rollbacks and fillers shift rows right by what they dropped (one
-gather, batch > 1 only; batch 1 crops its tail) and the columns every row has left behind are cut on the left. BART's
-decoder (and Marian's, Pegasus's, ...) reads its position table at each row's true positions through a forward hook;
-M2M100's (NLLB's) too, numbered from its token ids as HF's one-token steps number them. The cross-attention cache,
-filled by the first decoder forward, is kept for the whole request. Details: ``docs/architecture.md``.
+the cache length; T5Gemma's, which takes them, is given each row's own), so a hole would shift every later position.
+Each row's tokens therefore fill the last ``next_position[b]`` slots of a rectangular cache; rollbacks and fillers
+shift rows right by what they dropped (one gather, batch > 1 only; batch 1 crops its tail) and the columns every row
+has left behind are cut on the left. BART's decoder (and Marian's, Pegasus's, ...) reads its position table at each
+row's true positions through a forward hook; M2M100's (NLLB's) too, numbered from its token ids as HF's one-token
+steps number them. The cross-attention cache, filled by the first decoder forward, is kept for the whole request.
+Details: ``docs/architecture.md``.
 """
 
 import threading
@@ -209,8 +210,9 @@ class Seq2SeqRunner:
 
     def _cover_positions(self, positions: int) -> None:
         """Grow M2M100's sinusoid table (as its forward does, by its own ``make_weights``) to hold ``positions`` (a
-        host bound on the rows' next position plus the forward's width) past the pad id: ``_true_positions_skipping_pads``
-        reads it at each row's true positions, which HF's own growth check, given position 0, does not see."""
+        host bound on the rows' next position plus the forward's width) past the pad id: the hook
+        ``_true_positions_skipping_pads`` reads it at each row's true positions, which HF's own growth check, given
+        position 0, does not see."""
         module = self._position_module
         if self.spec.positions != "absolute_skipping_pads":
             return
