@@ -1029,6 +1029,31 @@ def _overshoot_note(overshoot: int) -> str:
             if overshoot else "")
 
 
+def check_expert_capacity(model, prompt_tokens: int, max_gamma: int, name: str = "model") -> None:
+    """ValueError where ``model``'s experts take at most ``config.expert_capacity`` tokens of one sequence's forward
+    and drop the rest (Switch Transformers' router: a cumulative count over the forward's tokens), and some forward
+    of model.generate or of ours could pass that count: model.generate's first forward runs the ``prompt_tokens``
+    (the decoder prompt of an encoder-decoder model) and then one token a step, ours the prompt in at most as many
+    and verifications of up to ``max_gamma`` + 1. Within the capacity no token is dropped in either, so both route
+    alike; past it a verification would drop tokens that one-token steps keep (other tokens, measured)."""
+    if getattr(model.config, "expert_capacity", None) is None:
+        return
+    # (the routers hold their own copy of the config's value; the smallest binds)
+    capacities = [getattr(m, "expert_capacity", None) for m in (model.config, *model.modules())]
+    capacities = [c for c in capacities if isinstance(c, int) and not isinstance(c, bool)]
+    if not capacities:
+        return
+    capacity = min(capacities)
+    widest = max(prompt_tokens, max_gamma + 1)
+    if capacity < widest:
+        raise ValueError(
+            f"{name} ({type(model).__name__}) routes at most expert_capacity={capacity} tokens of one forward to an "
+            f"expert and drops the rest, and this request's forwards reach {widest} tokens (a verification of "
+            f"num_speculative_tokens + 1 = {max_gamma + 1}, a prompt of {prompt_tokens}): a verification forward "
+            "could drop tokens that model.generate's one-token steps keep. Pass num_speculative_tokens < "
+            f"{capacity} (and a prompt of at most {capacity} tokens), or raise config.expert_capacity")
+
+
 def check_positions(model, longest: int, shortest: int | None = None, overshoot: int = 0) -> None:
     """ValueError when a request's longest row reaches ``longest`` sequence length (its prompt's real tokens plus its
     new tokens, less one: the longest forward ``model.generate`` runs) past the limit of a position-dependent rotary

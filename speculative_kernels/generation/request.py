@@ -10,9 +10,9 @@ import torch
 from ..ops import backends
 from ..ops.randomness import check_seed
 from .buffers import initial_slots
-from .capabilities import (check_caching, check_deterministic, check_masked_slots, check_model, check_position_table,
-                           check_positions, check_seeded_draft, check_window_applied, check_window_holes,
-                           position_table_limit, request_path)
+from .capabilities import (check_caching, check_deterministic, check_expert_capacity, check_masked_slots, check_model,
+                           check_position_table, check_positions, check_seeded_draft, check_window_applied,
+                           check_window_holes, position_table_limit, request_path)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -127,9 +127,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if encoder_decoder:  # the loop's prompt is the decoder's
         prompt = prepare_seq2seq(model, draft_model, input_ids, attention_mask, settings.config, **seq2seq_inputs)
         plan = settings.plan(model, prompt.decoder_ids.shape[1])
+        check_expert_capacity(model, prompt.decoder_ids.shape[1], plan.max_gamma)
         input_ids, attention_mask = prompt.decoder_ids, prompt.decoder_mask
     else:
         plan = settings.plan(model, prompt_length(input_ids))
+        check_expert_capacity(model, prompt_length(input_ids), plan.max_gamma)
         from_bos = attention_mask is None and (input_ids is None or input_ids.numel() == 0)
         input_ids, attention_mask = prepare_prompt(model, input_ids, attention_mask, settings.config.bos_token_id,
                                                    inferred_from)

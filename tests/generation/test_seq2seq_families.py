@@ -184,3 +184,42 @@ def test_t5gemma_greedy_matches_hf(cache, lengths):
                       **kwargs, **({"cache_implementation": "static"} if cache == "static" else {}))
     assert torch.equal(got, expected), (got, expected)
     assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+def _switch_with_capacity(capacity):
+    target = t5_like("switch_transformers")
+    target.config.expert_capacity = capacity
+    for module in target.modules():
+        if hasattr(module, "expert_capacity"):
+            module.expert_capacity = capacity
+    return target
+
+
+@pytest.mark.parametrize("capacity,gamma", [(3, 2), (2, 1)])
+def test_switch_transformers_within_its_expert_capacity_matches_hf(capacity, gamma):
+    """Switch Transformers' experts take at most expert_capacity tokens of one forward and drop the rest; while every
+    forward (gamma + 1 tokens) stays within it, no token is dropped and the tokens are model.generate's."""
+    from helpers.models import perturbed
+
+    target = _switch_with_capacity(capacity)
+    ids, mask = source_batch([5, 9], seed=2, pad=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.05), num_speculative_tokens=gamma, **kwargs)
+    assert torch.equal(got, target.generate(ids, **kwargs))
+
+
+def test_switch_transformers_forwards_past_its_expert_capacity_are_refused():
+    """A verification of gamma + 1 tokens past expert_capacity would drop tokens that model.generate's one-token
+    steps keep (capacity 3, gamma 4: 7 of 32 tokens differed, silently): refused by name, and so is a decoder prompt
+    longer than the capacity (model.generate's first forward drops there, the split prompt forwards of the loop
+    would not drop alike)."""
+    from helpers.models import perturbed
+
+    target = _switch_with_capacity(3)
+    draft = perturbed(target, 0.05)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"expert_capacity=3 .* reach 5 tokens .*num_speculative_tokens < 3"):
+        sk.generate(target, ids, draft_model=draft, num_speculative_tokens=4, max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"expert_capacity=3 .* reach 4 tokens .*a prompt of 4"):
+        sk.generate(target, ids, decoder_input_ids=torch.tensor([[0, 5, 6, 7]]), draft_model=draft,
+                    num_speculative_tokens=2, max_new_tokens=8)
