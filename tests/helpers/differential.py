@@ -153,11 +153,14 @@ SEQ2SEQ_EXTRAS = EXTRAS + [{"forced_bos_token_id": None}, {"forced_bos_token_id"
 
 
 def random_seq2seq_case(seed: int, family: str) -> dict:
-    """A seeded random encoder-decoder case for ``family`` ("t5": pad 0, eos 1, start 0; "bart": bos 0, pad 1,
-    eos 2, start 2, forced_bos 0): right-padded sources, with or without a mask, decoder_input_ids (with or
-    without the start token), encoder_outputs, and the decoder-only case's settings."""
+    """A seeded random encoder-decoder case for ``family`` (its ids from ``seq2seq_models.special_ids``; e.g. "t5":
+    pad 0, eos 1, start 0; "bart": bos 0, pad 1, eos 2, start 2, forced_bos 0): right-padded sources, with or
+    without a mask, decoder_input_ids (with or without the start token), encoder_outputs, and the decoder-only
+    case's settings."""
+    from helpers.seq2seq_models import special_ids
+
     rng = random.Random(seed)
-    pad, eos = (0, 1) if family == "t5" else (1, 2)
+    pad, eos, start = special_ids(family)
     batch = rng.choice([1, 1, 3])
     lengths = [rng.randint(2, 8) for _ in range(batch)]
     ids = torch.full((batch, max(lengths)), pad, dtype=torch.int64)
@@ -171,7 +174,6 @@ def random_seq2seq_case(seed: int, family: str) -> dict:
     s = case["settings"]
     decoder = rng.choice([None, None, None, "with_start", "without_start", "encoder_outputs"])
     if decoder in ("with_start", "without_start"):
-        start = 0 if family == "t5" else 2
         tokens = torch.tensor([[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 3))]] * batch)
         if decoder == "with_start":
             tokens = torch.cat([torch.full((batch, 1), start), tokens], dim=1)
@@ -464,15 +466,16 @@ def describe(case: dict) -> str:
 
 
 def models(family: str):
-    """(target, draft) of the harness for ``family``: llama, t5 or bart (tiny, random, built here)."""
+    """(target, draft) of the harness for ``family``: a decoder-only family or one of ``ALL_SEQ2SEQ_FAMILIES``
+    (tiny, random, built here)."""
     from helpers.models import decoder_only_families
 
     decoder_only = decoder_only_families()
     if family in decoder_only:
         return decoder_only[family](), decoder_only[family](layers=1, seed=3)
-    from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+    from helpers.seq2seq_models import ALL_SEQ2SEQ_FAMILIES
 
-    make = SEQ2SEQ_FAMILIES[family]
+    make = ALL_SEQ2SEQ_FAMILIES[family]
     return make(), make(layers=1, seed=3)
 
 
@@ -486,10 +489,10 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--session", action="store_true", help="also run each case through SpeculativeDecoder.start()")
     from helpers.models import decoder_only_families
-    from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+    from helpers.seq2seq_models import ALL_SEQ2SEQ_FAMILIES
 
     decoder_only = list(decoder_only_families())
-    parser.add_argument("--family", choices=[*decoder_only, *SEQ2SEQ_FAMILIES], default="llama")
+    parser.add_argument("--family", choices=[*decoder_only, *ALL_SEQ2SEQ_FAMILIES], default="llama")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     target, draft = models(args.family)

@@ -3,7 +3,7 @@ prompt lookup or the n-gram drafter, on two prompts (one padded) of a tiny model
 T5/BART encoder-decoder pair); each prompt's whole continuations against the exact distribution of HF's own chain for
 that row (chi-square).
 
-    cd tests && python -m helpers.sampling_differential 0 80 [llama|t5|bart]   # a line per seed, "!!!" on a mismatch
+    cd tests && python -m helpers.sampling_differential 0 80 [llama|t5|bart|marian|...]   # "!!!" on a mismatch
 """
 
 import argparse
@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 import speculative_kernels as sk
 from helpers.models import llama, perturbed
 from helpers.sampling import NEW, VOCAB, hf_chain_probs
-from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+from helpers.seq2seq_models import ALL_SEQ2SEQ_FAMILIES
 from helpers.stats import assert_matches
 
 # Each setting's values, its default repeated so that most cases leave it off.
@@ -36,17 +36,17 @@ if hasattr(GenerationConfig(), "top_h"):  # (transformers >= 5.x's top-H warper)
 SEQ2SEQ_SETTINGS = dict(encoder_no_repeat_ngram_size=[0, 0, 2], forced_bos_token_id=[None, None, 4])
 EOS_SETTINGS = dict(min_new_tokens=[None, 1, 2], exponential_decay_length_penalty=[None, (1, 1.5)],
                     forced_eos_token_id=[None, "eos"], min_length=[None, "+2"])
-# Output scales giving spread-out continuation distributions (no single continuation dominates).
-LOGIT_SCALE = {"llama": 8.0, "t5": 0.3, "bart": 2.0}
+# Output scales giving spread-out continuation distributions (no single continuation dominates); 1.0 where unnamed.
+LOGIT_SCALE = {"llama": 8.0, "t5": 0.3, "bart": 2.0, "longt5": 0.3, "switch_transformers": 0.6, "t5gemma": 6.0}
 
 
 def models(family: str = "llama"):
     """(target, draft): a model over VOCAB tokens whose output layer is scaled for a spread-out distribution, EOS
     and forced tokens off by default, and a noisy copy of it as the draft."""
-    make = llama if family == "llama" else SEQ2SEQ_FAMILIES[family]
+    make = llama if family == "llama" else ALL_SEQ2SEQ_FAMILIES[family]
     target = make(layers=2, vocab=VOCAB, seed=0)
     with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(LOGIT_SCALE[family])
+        target.get_output_embeddings().weight.mul_(LOGIT_SCALE.get(family, 1.0))
     target.generation_config.eos_token_id = None
     target.generation_config.forced_bos_token_id = None
     target.generation_config.forced_eos_token_id = None
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("first", type=int, help="first seed (inclusive)")
     parser.add_argument("last", type=int, help="last seed (exclusive)")
-    parser.add_argument("family", nargs="?", default="llama", choices=["llama", "t5", "bart"])
+    parser.add_argument("family", nargs="?", default="llama", choices=["llama", *ALL_SEQ2SEQ_FAMILIES])
     args = parser.parse_args(argv)
     first, last, family = args.first, args.last, args.family
     target, draft = models(family)

@@ -14,6 +14,8 @@ moderate scale and the residual branches and the position bias carry the sensiti
 the logits' range, checked against float64 by ``float_error.assert_logits_as_accurate_as_hf``).
 """
 
+import functools
+
 import torch
 from transformers import (
     BartConfig,
@@ -207,7 +209,7 @@ def t5gemma(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0
     torch.manual_seed(seed)
     module = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab, sliding_window=window,
-                  layer_types=["sliding_attention", "full_attention"] * (layers // 2), pad_token_id=0,
+                  layer_types=(["sliding_attention", "full_attention"] * layers)[:layers], pad_token_id=0,
                   eos_token_id=1, bos_token_id=2, query_pre_attn_scalar=hidden // 4)
     config = T5GemmaConfig(encoder=module, decoder=module, vocab_size=vocab, pad_token_id=0, eos_token_id=1,
                            bos_token_id=2, decoder_start_token_id=2, attn_implementation="eager")
@@ -217,3 +219,17 @@ def t5gemma(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 weight.mul_(2.0)
     return model
+
+
+# The families above beside t5/bart/mbart, for the differential harnesses (helpers.differential,
+# helpers.sampling_differential): name -> builder taking (layers, hidden, vocab, seed).
+NEW_SEQ2SEQ_FAMILIES = {**{kind: functools.partial(bart_like, kind) for kind in BART_LIKE},
+                        **{kind: functools.partial(t5_like, kind) for kind in T5_LIKE}, "t5gemma": t5gemma}
+ALL_SEQ2SEQ_FAMILIES = {**SEQ2SEQ_FAMILIES, **NEW_SEQ2SEQ_FAMILIES}
+
+
+def special_ids(family: str) -> tuple[int, int, int]:
+    """(pad, eos, decoder start) of ``family``'s tiny models (``ALL_SEQ2SEQ_FAMILIES``)."""
+    if family in BART_LIKE:
+        return BART_LIKE[family][:3]
+    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))
