@@ -2,6 +2,7 @@
 enumerated: the reference of the generation-level sampling tests."""
 
 import copy
+import inspect
 import itertools
 
 import torch
@@ -53,6 +54,22 @@ def continuation_probs(model, prompt, warpers):
     return seqs, logp.exp().numpy()
 
 
+def _one_token_steps(model, source, source_mask, ids):
+    """[rows, T, V] logits of an encoder-decoder ``model`` after each prefix of ``ids`` [rows, T] (decoder start
+    first), one token per forward over a cache as generate runs it: a forward over the whole sequence numbers
+    M2M100's pad tokens otherwise (by non-pad rank)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (5.24 / older)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(input_ids=source, attention_mask=source_mask, return_dict=True)
+        past, logits = None, []
+        for t in range(ids.shape[1]):
+            out = model(encoder_outputs=encoder_outputs, attention_mask=source_mask, decoder_input_ids=ids[:, t:t + 1],
+                        use_cache=True, **{name: past})
+            past = getattr(out, name)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
 def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
     """Exact probability of every NEW-token continuation of one prompt [1, L] (mask [1, L]: a decoder-only model's
     left-padded prompt, or an encoder-decoder model's right-padded source, whose decoder then starts from its
@@ -69,8 +86,7 @@ def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
     if model.config.is_encoder_decoder:
         start = torch.full((rows, 1), model.generation_config.decoder_start_token_id)
         ids = torch.cat([start, seqs], dim=1)
-        with torch.no_grad():
-            logits = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=ids).logits
+        logits = _one_token_steps(model, source, source_mask, ids)
         model_kwargs = {"attention_mask": source_mask}
     else:
         ids = torch.cat([source, seqs], dim=1)
