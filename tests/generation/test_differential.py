@@ -261,3 +261,47 @@ def test_forced_eos_with_a_fractional_length_and_a_context_processor(pair, lengt
     expected = hf_generate(target, ids, **kwargs)
     assert expected.shape[1] == 11 and expected[0, -1] != 11
     assert torch.equal(sk.generate(target, ids, draft_model=draft, **kwargs), expected)
+
+
+@pytest.mark.parametrize("family", ["m2m_100", "t5gemma"])
+def test_differential_sweep_new_seq2seq_families(family):
+    """The encoder-decoder sweep on two of the newer families (``seq2seq_models.NEW_SEQ2SEQ_FAMILIES``; M2M100's
+    pad-skipping positions, T5Gemma's decoder_position_ids and sliding window); 100 seeds of each of them and of
+    marian, pegasus, longt5, switch_transformers and umt5 run clean (``python -m helpers.differential --family``)."""
+    target, draft = models(family)
+    verdicts, failures = [], []
+    for seed in range(8):
+        case = random_seq2seq_case(seed, family)
+        try:
+            verdicts += check_case(case, target, draft).values()
+        except Mismatch as error:
+            failures.append(f"{describe(case)}\n  {error}")
+    assert not failures, "\n\n".join(failures)
+    assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4
+
+
+def test_sampling_reference_steps_m2m100_pad_tokens_as_generate_does():
+    """``hf_chain_probs`` (the sampling differential's reference) gives each continuation the probability of
+    model.generate's one-token steps, also where M2M100's pad token is inside it: a forward over the whole decoder
+    sequence numbers pads by non-pad rank, another distribution (the sweep then saw 'outcomes of probability 0')."""
+    from transformers import GenerationConfig
+
+    from helpers.sampling import NEW, VOCAB, hf_chain_probs
+    from helpers.seq2seq_models import bart_like
+
+    target = bart_like("m2m_100", vocab=VOCAB)
+    target.generation_config.eos_token_id = target.generation_config.forced_bos_token_id = None
+    source, mask = torch.tensor([[3, 4, 5, 3, 4]]), torch.ones(1, 5, dtype=torch.long)
+    config = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=NEW, pad_token_id=1)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = target.generate(source.expand(64, -1), attention_mask=mask.expand(64, -1), generation_config=config,
+                              return_dict_in_generate=True, output_scores=True)
+    steps = torch.stack([torch.log_softmax(s.double(), -1) for s in out.scores], 1)  # [64, NEW, VOCAB]
+    new = out.sequences[:, 1:]
+    assert bool((new[:, :-1] == 1).any())  # the pad token inside some continuations
+    expected = steps.gather(2, new.unsqueeze(2)).squeeze(2).sum(1).exp()
+    codes = (new * VOCAB ** torch.arange(NEW - 1, -1, -1)).sum(1)
+    torch.testing.assert_close(torch.from_numpy(hf_chain_probs(target, source, mask, config))[codes], expected,
+                               rtol=1e-4, atol=0)

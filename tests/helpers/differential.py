@@ -27,7 +27,7 @@ from transformers.generation import MaxLengthCriteria, RepetitionPenaltyLogitsPr
 
 import speculative_kernels as sk
 
-from helpers.float_error import assert_logits_as_accurate_as_hf, processor_gain
+from helpers.float_error import NoFloat64Reference, assert_logits_as_accurate_as_hf, processor_gain
 
 PAD, BOS, EOS = 0, 1, 2  # helpers.models.SPECIAL
 VOCAB = 97
@@ -359,6 +359,8 @@ def _compare_outputs(target, got, expected, ids, mask, resolved, reference):
     try:
         assert_logits_as_accurate_as_hf(target, mine, theirs, live=live,
                                         score_gain=processor_gain(resolved, steps), **inputs)
+    except NoFloat64Reference:  # shapes only, as for encoder_outputs alone
+        return
     except AssertionError as error:
         raise Mismatch(f"score/logit values: {error}") from None
 
