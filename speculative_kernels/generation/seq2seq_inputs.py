@@ -3,6 +3,8 @@ encoder passes (run once per request, after every check)."""
 
 import dataclasses
 import functools
+import inspect
+import re
 from collections.abc import Callable
 
 import torch
@@ -32,6 +34,7 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     ``decoder_attention_mask``) continue the decoder prompt; ``encoder_outputs`` replace the target's encoder pass."""
     device = model_device(model)
     encoder_outputs = _as_encoder_output(encoder_outputs, device)
+    _check_encoder_output_fields(model, encoder_outputs)
     input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
                                                device, (decoder_input_ids, decoder_attention_mask))
     batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
@@ -60,6 +63,29 @@ def _check_pads_numbered_as_in_steps(model, name: str, decoder_ids: torch.Tensor
                          f"({type(model).__name__}) numbers its decoder positions from its token ids, skipping pad "
                          "tokens in its first forward only, which speculative_kernels does not reproduce; fill the "
                          "slots that decoder_attention_mask masks with another token (e.g. eos)")
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder_fields_read(model_class) -> tuple[str, ...]:
+    """The ``encoder_outputs.<field>`` names ``model_class.forward``'s source reads (() where it has none)."""
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return ()
+    return tuple(sorted(set(re.findall(r"encoder_outputs\.(\w+)", source))))
+
+
+def _check_encoder_output_fields(model, encoder_outputs) -> None:
+    """TypeError where the given ``encoder_outputs`` (a tuple is taken as a BaseModelOutput) lack a field the
+    model's forward reads: Switch Transformers reads ``encoder_outputs.router_logits``, so a BaseModelOutput or a
+    tuple failed inside transformers with an AttributeError (model.generate fails alike)."""
+    if encoder_outputs is None:
+        return
+    missing = [f for f in _encoder_fields_read(type(model)) if not hasattr(encoder_outputs, f)]
+    if missing:
+        raise TypeError(f"encoder_outputs ({type(encoder_outputs).__name__}) has no {', '.join(missing)}, which "
+                        f"{type(model).__name__}'s forward reads; pass its encoder's own output (model.get_encoder()"
+                        "(input_ids=..., attention_mask=..., return_dict=True))")
 
 
 def _as_encoder_output(encoder_outputs, device):

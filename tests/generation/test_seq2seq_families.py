@@ -223,3 +223,24 @@ def test_switch_transformers_forwards_past_its_expert_capacity_are_refused():
     with pytest.raises(ValueError, match=r"expert_capacity=3 .* reach 4 tokens .*a prompt of 4"):
         sk.generate(target, ids, decoder_input_ids=torch.tensor([[0, 5, 6, 7]]), draft_model=draft,
                     num_speculative_tokens=2, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("given", ["BaseModelOutput", "tuple"])
+def test_switch_transformers_encoder_outputs_without_router_logits_are_refused_by_name(given):
+    """Switch Transformers' forward reads encoder_outputs.router_logits: a BaseModelOutput (or a tuple) failed inside
+    transformers with an AttributeError (model.generate fails alike); now a TypeError naming encoder_outputs. Its
+    encoder's own output still runs, identical to model.generate."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    target = t5_like("switch_transformers")
+    ids, mask = source_batch([6, 4], seed=3)
+    with torch.no_grad():
+        own = target.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True)
+    hidden = own.last_hidden_state
+    plain = BaseModelOutput(last_hidden_state=hidden) if given == "BaseModelOutput" else (hidden,)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2)
+    with pytest.raises(TypeError, match="encoder_outputs .*router_logits"):
+        sk.generate(target, ids, encoder_outputs=plain, **kwargs)
+    hf_kwargs = {k: v for k, v in kwargs.items() if k != "prompt_lookup_num_tokens"}
+    assert torch.equal(sk.generate(target, ids, encoder_outputs=own, **kwargs),
+                       target.generate(ids, encoder_outputs=own, **hf_kwargs))
