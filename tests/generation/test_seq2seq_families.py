@@ -97,16 +97,21 @@ def test_switch_transformers_batch_whose_rows_leave_as_in_hf(cache):
     assert torch.equal(got, expected), (got, expected)
 
 
-def test_led_is_refused_with_its_reason():
-    """LED's decoder builds no mask for a one-token forward, which then attends the static cache's unwritten slots
-    (another last token than model.generate's, when it was accepted as 'absolute')."""
+def _tiny_bart_sized(model_type: str, **extra):
+    """A one-layer, 16-wide model of ``model_type`` from BART's tiny sizes (pad 1, EOS and decoder start 2)."""
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
     from helpers.seq2seq_models import VOCAB, _bart_kwargs
 
-    config = AutoConfig.for_model("led", **_bart_kwargs(1, 16, VOCAB), attention_window=4, pad_token_id=1,
-                                  eos_token_id=2, decoder_start_token_id=2)
-    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    config = AutoConfig.for_model(model_type, **_bart_kwargs(1, 16, VOCAB), **extra, pad_token_id=1, eos_token_id=2,
+                                  decoder_start_token_id=2)
+    return AutoModelForSeq2SeqLM.from_config(config).eval()
+
+
+def test_led_is_refused_with_its_reason():
+    """LED's decoder builds no mask for a one-token forward, which then attends the static cache's unwritten slots
+    (another last token than model.generate's, when it was accepted as 'absolute')."""
+    model = _tiny_bart_sized("led", attention_window=4)
     with pytest.raises(ValueError, match=r"type 'led' \(LEDForConditionalGeneration\), which speculative_kernels does "
                                          r"not support: its decoder drops the attention mask in one-token forwards"):
         sk.generate(model, torch.tensor([[5, 6, 7]]), draft_model=model, max_new_tokens=4)
@@ -115,13 +120,7 @@ def test_led_is_refused_with_its_reason():
 def test_nllb_moe_is_refused_with_its_reason():
     """NLLB-MoE's router reads the decoder mask's last row as padding flags: greedy tokens differed from
     model.generate in a right-padded batch of 2 with an unrelated draft, so the type is refused, saying why."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
-
-    from helpers.seq2seq_models import VOCAB, _bart_kwargs
-
-    config = AutoConfig.for_model("nllb-moe", **_bart_kwargs(1, 16, VOCAB), num_experts=2, pad_token_id=1,
-                                  eos_token_id=2, decoder_start_token_id=2)
-    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    model = _tiny_bart_sized("nllb-moe", num_experts=2)
     with pytest.raises(ValueError, match=r"type 'nllb-moe' \(NllbMoeForConditionalGeneration\), which "
                                          r"speculative_kernels does not support: its router reads"):
         sk.generate(model, torch.tensor([[5, 6, 7]]), draft_model=model, max_new_tokens=4)
