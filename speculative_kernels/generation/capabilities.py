@@ -16,6 +16,7 @@ import transformers.cache_utils
 
 from .adapters import adapter_randomness, idle_adapter_modules
 from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
+from .wrapped_seq2seq import decoder_kv_sizes, encoder_input_name, is_wrapper, wrapped_position_kind
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -67,7 +68,10 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 # "absolute": a table (BART's learned one, Marian's and Pegasus's sinusoids) read at each row's own positions;
 # "absolute_skipping_pads": M2M100's (NLLB's) sinusoids, read past the pad id where the token is not the pad token
 # and at the pad id's zero row where it is, as fairseq's make_positions numbers them); "position_ids": a decoder
-# that takes decoder_position_ids (T5Gemma's rotary positions), given each row's own).
+# that takes decoder_position_ids (T5Gemma's rotary positions), given each row's own; "position_ids_skipping_pads":
+# such a decoder whose positions HF numbers from the pad id, skipping pad tokens (RoBERTa inside a wrapper:
+# ``wrapped_seq2seq.py``, whose generic wrappers EncoderDecoderModel, VisionEncoderDecoderModel and
+# SpeechEncoderDecoderModel take their kind from the decoder they wrap).
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
@@ -616,13 +620,16 @@ def _static_layout_reason(model, config) -> str | None:
 def position_kind(model, name: str = "model") -> str:
     """How an encoder-decoder model's decoder knows positions (``POSITION_KINDS``), or ValueError for other types."""
     model_type = getattr(model.config, "model_type", None)
+    if is_wrapper(model):
+        return wrapped_position_kind(model, name)
     if model_type in SEQ2SEQ_REFUSED:
         raise ValueError(f"{name} is an encoder-decoder model of type {model_type!r} ({type(model).__name__}), which "
                          f"speculative_kernels does not support: {SEQ2SEQ_REFUSED[model_type]}")
     if model_type not in POSITION_KINDS:
         raise ValueError(
             f"{name} is an encoder-decoder model of type {model_type!r} ({type(model).__name__}), which "
-            f"speculative_kernels does not support; supported encoder-decoder types: {sorted(POSITION_KINDS)}"
+            f"speculative_kernels does not support; supported encoder-decoder types: {sorted(POSITION_KINDS)} and "
+            "the generic wrappers (encoder-decoder, vision-encoder-decoder, speech-encoder-decoder) of some decoders"
         )
     return POSITION_KINDS[model_type]
 
@@ -639,11 +646,17 @@ def check_pair(model, draft_model) -> None:
     if target_seq2seq:
         for name, m in (("model", model), ("draft_model", draft_model)):
             position_kind(m, name)
+        inputs = [encoder_input_name(m) for m in (model, draft_model)]
+        if inputs[0] != inputs[1]:
+            raise ValueError(f"model's encoder reads {inputs[0]} but draft_model's reads {inputs[1]}: the draft must "
+                             "condition on the same input as the target")
 
 
 def _decoder_kv_sizes(model, positions: str) -> tuple[tuple[int, int, int], ...]:
     """The decoder self-attention's (kv_heads, key_head_dim, value_head_dim) per layer, read from the modules (a T5
     config's head count times d_kv need not be d_model, and its layer count is the encoder's)."""
+    if is_wrapper(model):
+        return decoder_kv_sizes(model)
     decoder = model.get_decoder()
     if positions == "relative":  # T5-like
         attention = decoder.block[0].layer[0].SelfAttention

@@ -32,6 +32,7 @@ from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
 from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
 from .vocab import VocabBridge, logit_width, tokenizers_differ
+from .wrapped_seq2seq import encoder_input_name
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -80,7 +81,14 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         if input_ids is not None:
             raise ValueError("pass either input_ids or inputs, not both")
         input_ids = kwargs.pop("inputs")
-    check_token_type("input_ids", input_ids)
+    features = encoder_input_name(model)  # (a vision or speech wrapper's encoder input: pixel_values, ...)
+    if features != "input_ids" and features in kwargs:
+        if input_ids is not None:
+            raise ValueError(f"pass either {features} or input_ids (the positional input), not both")
+        input_ids = kwargs.pop(features)  # (the encoder input, as input_ids is for the other encoder-decoders)
+    tokens_in = features == "input_ids"
+    if tokens_in:
+        check_token_type("input_ids", input_ids)
     encoder_decoder = model.config.is_encoder_decoder
     seq2seq_inputs = {name: kwargs.pop(name, None) for name in SEQ2SEQ_KEYWORDS} if encoder_decoder else {}
     # the call's own cache_implementation, as opposed to a checkpoint default (which compile overrides)
@@ -103,7 +111,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if draft_model is None and drafter is None and settings.prompt_lookup is None:
         raise ValueError("draft_model (or assistant_model) is required, or prompt_lookup_num_tokens= (prompt lookup, "
                          "no draft model), or drafter= (a Drafter of your own)")
-    _warn_batch_without_mask(settings, input_ids, attention_mask)  # (HF's, on the caller's rows: before copies)
+    if tokens_in:
+        _warn_batch_without_mask(settings, input_ids, attention_mask)  # (HF's, on the caller's rows: before copies)
     copies = settings.num_return_sequences
     if copies > 1 and rows is not None:
         raise ValueError("num_return_sequences is not supported with per-row settings (a batch of separate requests)")
@@ -168,7 +177,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                          "one prompt per call (SpeculativeDecoder.add_request runs each request alone)")
     # The encoder input on the device (ids [B, S], real [B, S]) or None: prompt lookup searches it, HF's encoder
     # processors read it.
-    encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder else None
+    encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder and tokens_in else None
     if rows is None:  # (a batch of separate requests carries each row's own, built for the request alone)
         encoder_ids = input_ids if not encoder_decoder else None if encoder_prefix is None else encoder_prefix[0]
         processors = build_row_processors(model, plan, input_ids, attention_mask, encoder_ids)
@@ -215,7 +224,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                  if batch > 1 else 0)
     check_positions(model, max(r + n - 1 for r, n in zip(real, new)),
                     shortest=max(real) - 1 if rows is None else None, overshoot=overshoot)
-    encoder_width = None if encoder_input[0] is None or not encoder_decoder else encoder_input[0].shape[1]
+    token_source = encoder_decoder and tokens_in and encoder_input[0] is not None  # (an encoder's position table)
+    encoder_width = encoder_input[0].shape[1] if token_source else None
     # (a draft with another tokenizer counts other tokens: its drafter stops drafting a row at its table's end)
     for m, name in zip(models[:1] if retokenize else models, ("model", "draft_model")):
         check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width, overshoot=overshoot)

@@ -10,10 +10,11 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from .capabilities import POSITION_KINDS
+from .capabilities import POSITION_KINDS, position_kind
 from .runners.seq2seq import same_output_class
 from .inputs import bos_id, mask_tensor, model_device, token_tensor
 from .vocab import check_ids_in_vocabulary
+from .wrapped_seq2seq import decoder_pad_id, encoder_input_name, feature_tensor, is_wrapper, passes_input_mask
 
 
 @dataclasses.dataclass
@@ -35,11 +36,15 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     device = model_device(model)
     encoder_outputs = _as_encoder_output(encoder_outputs, device)
     _check_encoder_output_fields(model, encoder_outputs)
-    input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
-                                               device, (decoder_input_ids, decoder_attention_mask))
+    name = encoder_input_name(model)
+    if name == "input_ids":
+        input_ids, attention_mask = _encoder_input(input_ids, attention_mask, encoder_outputs, config.bos_token_id,
+                                                   device, (decoder_input_ids, decoder_attention_mask))
+    else:  # a vision or speech wrapper's features
+        input_ids, attention_mask = _encoder_features(model, name, input_ids, attention_mask, encoder_outputs, device)
     batch = input_ids.shape[0] if input_ids is not None else encoder_outputs.last_hidden_state.shape[0]
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
-    if input_ids is not None:
+    if input_ids is not None and name == "input_ids":
         check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
     check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
     for name, m in (("model", model), ("draft_model", draft_model)):
@@ -54,9 +59,14 @@ def _check_pads_numbered_as_in_steps(model, name: str, decoder_ids: torch.Tensor
     positions from its ids (M2M100/NLLB, ``capabilities.POSITION_KINDS``): its prompt forward then numbers the later
     tokens by their non-pad rank where its one-token steps (and the runners, after rollbacks) number them by
     position. One host read, before decoding."""
-    if POSITION_KINDS.get(getattr(model.config, "model_type", None)) != "absolute_skipping_pads":
+    if is_wrapper(model):
+        if position_kind(model, name) not in ("absolute_skipping_pads", "position_ids_skipping_pads"):
+            return
+        pad = decoder_pad_id(model)  # (RoBERTa's embeddings, TrOCR's sinusoids)
+    elif POSITION_KINDS.get(getattr(model.config, "model_type", None)) != "absolute_skipping_pads":
         return
-    pad = model.get_decoder().embed_positions.padding_idx
+    else:
+        pad = model.get_decoder().embed_positions.padding_idx
     pads = decoder_ids == pad
     if bool((pads.to(torch.int64).cumsum(dim=1).bool() & ~pads).any()):
         raise ValueError(f"decoder_input_ids has the pad token ({pad}) before another token: {name} "
@@ -123,6 +133,33 @@ def _encoder_input(input_ids, attention_mask, encoder_outputs, bos_token_id, dev
     return input_ids, attention_mask
 
 
+def _encoder_features(model, name: str, values, attention_mask, encoder_outputs, device):
+    """(values, attention_mask) for a vision or speech wrapper's encoder: ``name`` (``pixel_values``,
+    ``input_values``, ``input_features``) [B, ...] floating point, required unless encoder_outputs are given. A
+    speech wrapper takes the input's mask [B, L] (its forward turns it into the cross-attention mask; without one,
+    model.generate passes ones, as here); a vision wrapper's forward takes none, so one given is refused rather than
+    ignored."""
+    if values is None and encoder_outputs is None:
+        raise ValueError(f"{name} (or encoder_outputs) is required: {type(model).__name__}'s encoder reads {name}")
+    if values is not None:
+        values = feature_tensor(name, values, device)
+        if encoder_outputs is not None and encoder_outputs.last_hidden_state.shape[0] != values.shape[0]:
+            raise ValueError(f"encoder_outputs and {name} have different batch sizes")
+    if not passes_input_mask(model):
+        if attention_mask is not None:
+            raise ValueError(f"attention_mask is not taken by {type(model).__name__} (its forward has none: "
+                             "model.generate ignores it); leave it out")
+        return values, None
+    if values is None:
+        if attention_mask is not None:
+            raise ValueError(f"attention_mask with encoder_outputs alone: {type(model).__name__} derives its "
+                             f"cross-attention mask from the mask over {name}, whose length it needs; pass {name}")
+        return None, None
+    if attention_mask is None:  # (model.generate's _prepare_attention_mask_for_generation for a float input)
+        attention_mask = torch.ones(values.shape[:2], dtype=torch.int64, device=device)
+    return values, mask_tensor("attention_mask", attention_mask, values.shape[:2], device, of=name)
+
+
 def _decoder_prompt(config, decoder_ids, decoder_mask, batch: int, device):
     """HF's decoder prompt: decoder_start_token_id (or bos) alone, or prepended to decoder_input_ids that do not
     all start with it (decoder_attention_mask gets a 1 in front)."""
@@ -162,7 +199,7 @@ def _decoder_prompt(config, decoder_ids, decoder_mask, batch: int, device):
 def _encode_both(model, draft_model, input_ids, attention_mask, encoder_outputs) -> dict:
     """id(model) -> encoder output. The draft reuses the target's when it is the same model or shares its encoder."""
     if encoder_outputs is None:
-        encoder_outputs = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+        encoder_outputs = _run_encoder(model, input_ids, attention_mask)
     encoded = {id(model): encoder_outputs}
     if draft_model is None:  # drafting without a model
         return encoded
@@ -171,6 +208,13 @@ def _encode_both(model, draft_model, input_ids, attention_mask, encoder_outputs)
     elif input_ids is None:
         raise ValueError("encoder_outputs alone cannot feed the draft's own encoder; pass input_ids as well")
     else:
-        encoded[id(draft_model)] = draft_model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                                             return_dict=True)
+        encoded[id(draft_model)] = _run_encoder(draft_model, input_ids, attention_mask)
     return encoded
+
+
+def _run_encoder(model, inputs: torch.Tensor, attention_mask):
+    """The encoder's output on inputs (token ids [B, S], or a wrapper's pixel_values / input_values /
+    input_features) with attention_mask [B, S] (left out where None: a vision encoder takes none)."""
+    masks = {} if attention_mask is None and encoder_input_name(model) != "input_ids" else {
+        "attention_mask": attention_mask}
+    return model.get_encoder()(**{encoder_input_name(model): inputs}, **masks, return_dict=True)

@@ -10,6 +10,7 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as mask_functions
 
 from ..capabilities import ModelSpec
+from ..wrapped_seq2seq import is_wrapper
 
 
 def attention_dtype(model) -> torch.dtype:
@@ -55,7 +56,8 @@ def cross_attention_mask(model, encoder_mask: torch.Tensor, dtype: torch.dtype) 
     with no real source token then attends to nothing: SDPA returns 0 for it, as in model.generate), additive
     otherwise (eager: such a row averages every source state, as in model.generate)."""
     allowed = encoder_mask.to(torch.bool)[:, None, None, :]
-    attention = getattr(model.config, "_attn_implementation", None)
+    # (a generic wrapper's decoder builds it: its own config says which attention it runs)
+    attention = getattr(model.config.decoder if is_wrapper(model) else model.config, "_attn_implementation", None)
     if attention in mask_functions and mask_functions[attention] is mask_functions.get("sdpa"):
         return allowed
     return additive_mask(allowed[:, :, 0], dtype)

@@ -22,6 +22,7 @@ from ..buffers import grow_columns
 from ..capabilities import ModelSpec
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
+from ..wrapped_seq2seq import decoder_pad_id, is_wrapper, passes_input_mask, position_module
 from .masks import additive_mask, attention_dtype, causal_slots, cross_attention_mask
 
 
@@ -73,16 +74,19 @@ class Seq2SeqRunner:
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
         self._position_module = None
         if spec.positions in ("absolute", "absolute_skipping_pads"):
-            self._position_module = model.get_decoder().embed_positions
+            self._position_module = (position_module(model) if is_wrapper(model)
+                                     else model.get_decoder().embed_positions)
             table = torch.nn.Embedding if spec.positions == "absolute" else torch.nn.Module
             if not isinstance(self._position_module, table) or (spec.positions == "absolute_skipping_pads" and not all(
-                    hasattr(self._position_module, a) for a in ("weights", "padding_idx", "make_weights"))):
+                    hasattr(self._position_module, a) for a in ("weights", "padding_idx"))):
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
+        # RoBERTa inside a wrapper: its position ids skip pad tokens from its pad id (``_position_ids``)
+        self._position_pad = decoder_pad_id(model) if spec.positions == "position_ids_skipping_pads" else None
         self._positions = None
         self._dtype = attention_dtype(model)
         self._four_d = spec.mask != "2d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
-        self._cross_mask = encoder_mask
-        if self._four_d and encoder_mask is not None:
+        self._cross_mask = encoder_mask  # (a speech wrapper derives its cross-attention mask from it: kept as given)
+        if self._four_d and encoder_mask is not None and not passes_input_mask(model):
             self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
 
     # ------------------------------------------------------------------------------------------- forward
@@ -163,7 +167,7 @@ class Seq2SeqRunner:
                 encoder_outputs=self.encoder_outputs,
                 decoder_input_ids=tokens,
                 decoder_attention_mask=decoder_mask,
-                **({"decoder_position_ids": self._positions} if self.spec.positions == "position_ids" else {}),
+                **self._position_ids(tokens),
                 use_cache=True,
                 return_dict=True,
                 **{self.spec.cache_argument: self.cache},
@@ -171,6 +175,17 @@ class Seq2SeqRunner:
             )
         self.cache = getattr(out, self.spec.cache_argument)
         return out.logits
+
+    def _position_ids(self, tokens: torch.Tensor) -> dict:
+        """The ``decoder_position_ids`` keyword of a decoder that takes them: each row's true positions [B, T]; for
+        one that numbers them from its pad id (RoBERTa), ``pad + 1 + position``, and ``pad`` at a pad token, as
+        HF's one-token steps number them."""
+        if self.spec.positions == "position_ids":
+            return {"decoder_position_ids": self._positions}
+        if self.spec.positions == "position_ids_skipping_pads":
+            pad = self._position_pad
+            return {"decoder_position_ids": pad + (self._positions + 1) * (tokens != pad).to(torch.int64)}
+        return {}
 
     def _register_position_hooks(self) -> list:
         """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
@@ -217,7 +232,7 @@ class Seq2SeqRunner:
         if self.spec.positions != "absolute_skipping_pads":
             return
         needed = module.padding_idx + 2 + positions
-        if needed > module.weights.shape[0]:
+        if needed > module.weights.shape[0] and hasattr(module, "make_weights"):  # (TrOCR's sinusoids never grow)
             module.make_weights(needed + module.offset, module.embedding_dim, module.padding_idx)
 
     def _from_zero(self, module, args, kwargs):
@@ -239,7 +254,9 @@ class Seq2SeqRunner:
         pad = module.padding_idx
         real = torch.ones_like(self._positions) if ids is None else (ids != pad).to(torch.int64)
         index = (pad + (self._positions + 1) * real).clamp(max=module.weights.shape[0] - 1)  # (fillers run past)
-        return module.weights.index_select(0, index.view(-1)).view(*index.shape, -1).to(output.dtype)
+        # (TrOCR's sinusoids are a plain attribute, which model.to(device) leaves where they were built)
+        rows = module.weights.index_select(0, index.view(-1).to(module.weights.device))
+        return rows.view(*index.shape, -1).to(device=output.device, dtype=output.dtype)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""

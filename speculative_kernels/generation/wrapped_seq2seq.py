@@ -1,0 +1,98 @@
+"""HF's generic encoder-decoder wrappers (``EncoderDecoderModel``, ``VisionEncoderDecoderModel``,
+``SpeechEncoderDecoderModel``): any encoder with a causal-LM decoder that cross-attends to it. What the runners need
+to drive one exactly depends on the wrapped decoder, not on the wrapper:
+
+* how the decoder knows positions under ``model.generate`` (the wrapper's forward takes no position ids, so HF's
+  steps leave them to the decoder): BERT, BertGeneration and GPT-2 number them from the cache length, which the
+  runners reproduce by passing each row's true positions as ``decoder_position_ids`` (the wrappers hand
+  ``decoder_``-prefixed keywords to the decoder); RoBERTa numbers them from its pad id, skipping pad tokens, as
+  M2M100 does, which the same keyword reproduces (``padding_idx + 1 + position``, ``padding_idx`` at a pad token);
+  TrOCR's decoder takes no position ids: its learned table (or sinusoids numbered from the pad id) is read at each
+  row's true positions through the forward hooks BART's (M2M100's) table gets;
+* which input the encoder takes: token ids, ``pixel_values`` (vision) or ``input_values`` / ``input_features``
+  (speech), and, for speech, that the wrapper itself turns the input's attention mask into the cross-attention mask
+  (``_get_feature_vector_attention_mask``), so the runners pass it the input's mask as given.
+
+Other wrapped decoders are refused by name (``wrapped_position_kind``). Why: ``docs/architectures.md``.
+"""
+
+import torch
+
+WRAPPER_TYPES = ("encoder-decoder", "vision-encoder-decoder", "speech-encoder-decoder")
+# wrapped decoder model_type -> its ``capabilities.POSITION_KINDS`` value inside a wrapper (reviewed in transformers
+# 5.17 and 5.24); "trocr": "absolute" with use_learned_position_embeddings, else "absolute_skipping_pads"
+WRAPPED_DECODER_POSITIONS = {"bert": "position_ids", "bert-generation": "position_ids", "gpt2": "position_ids",
+                             "roberta": "position_ids_skipping_pads", "trocr": "absolute"}
+
+
+def is_wrapper(model) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) in WRAPPER_TYPES
+
+
+def decoder_type(model) -> str | None:
+    """The wrapped decoder's model_type."""
+    return getattr(getattr(model.config, "decoder", None), "model_type", None)
+
+
+def wrapped_position_kind(model, name: str) -> str:
+    """How the decoder of wrapper ``model`` knows positions (a ``POSITION_KINDS`` value), or ValueError naming the
+    wrapper, its decoder type and the reason."""
+    inner = decoder_type(model)
+    kind = WRAPPED_DECODER_POSITIONS.get(inner)
+    if kind is None:
+        raise ValueError(
+            f"{name} is a {type(model).__name__} (model_type {model.config.model_type!r}) whose decoder is of type "
+            f"{inner!r}, which speculative_kernels does not drive inside a wrapper (its position rule under "
+            f"model.generate is not reviewed); supported decoders: {sorted(WRAPPED_DECODER_POSITIONS)}")
+    if inner == "trocr" and not model.config.decoder.use_learned_position_embeddings:
+        return "absolute_skipping_pads"
+    return kind
+
+
+def position_module(model):
+    """The wrapped decoder's position table module, read at each row's true positions by the runners' hooks (TrOCR's
+    ``embed_positions``)."""
+    return next(module for name, module in model.get_decoder().named_modules()
+                if name.rsplit(".", 1)[-1] == "embed_positions")
+
+
+def decoder_pad_id(model) -> int | None:
+    """The pad id a decoder that numbers positions from its ids skips (RoBERTa's embeddings, TrOCR's sinusoids)."""
+    return model.config.decoder.pad_token_id
+
+
+def decoder_kv_sizes(model) -> tuple[tuple[int, int, int], ...]:
+    """(kv_heads, key_head_dim, value_head_dim) of each decoder self-attention layer, from the decoder's config
+    (BERT's, GPT-2's and TrOCR's name their sizes through ``attribute_map``: num_attention_heads, hidden_size,
+    num_hidden_layers)."""
+    config = model.config.decoder
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    return ((heads, head_dim, head_dim),) * config.num_hidden_layers
+
+
+def passes_input_mask(model) -> bool:
+    """Whether the wrapper derives the cross-attention mask from the encoder input's own mask in its forward
+    (speech: the mask over the audio samples becomes one over the encoder's frames), so the runners must pass that
+    mask [B, L] as the forward's ``attention_mask`` rather than a cross-attention mask of their own."""
+    return getattr(model.config, "model_type", None) == "speech-encoder-decoder"
+
+
+def encoder_input_name(model) -> str:
+    """The keyword of the encoder's input: a wrapper's encoder's ``main_input_name`` (``pixel_values``,
+    ``input_values``, ``input_features``, ``input_ids``), as model.generate reads it; ``input_ids`` otherwise."""
+    if not is_wrapper(model):
+        return "input_ids"
+    return getattr(model.get_encoder(), "main_input_name", "input_ids")
+
+
+def feature_tensor(name: str, values, device: torch.device) -> torch.Tensor:
+    """A vision or speech encoder input ([B, ...] floating point) on ``device`` (TypeError / ValueError naming it)."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if not values.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (the encoder's {name}), got {values.dtype}")
+    if values.dim() < 2 or values.shape[0] == 0:
+        raise ValueError(f"{name} must be a [batch, ...] tensor with at least one row, got shape "
+                         f"{tuple(values.shape)}")
+    return values.to(device)
