@@ -1,0 +1,126 @@
+"""HF's generic encoder-decoder wrappers (``wrapped_seq2seq.py``): EncoderDecoderModel (bert2bert, bert2gpt2,
+roberta2roberta), VisionEncoderDecoderModel (ViT with TrOCR's two position rules, GPT-2) and SpeechEncoderDecoderModel
+(Wav2Vec2 with BERT, GPT-2): greedy tokens identical to ``model.generate`` at batch 1 and in a padded batch of 2, on
+the dynamic and the static cache, with a draft the target rejects now and then; the decoders refused by name."""
+
+import pytest
+import torch
+
+import speculative_kernels as sk
+from helpers.models import perturbed
+from helpers.seq2seq_models import source_batch
+from helpers.wrapped_models import audio, images, speech_wrapper, text_wrapper, vision_wrapper
+
+WRAPPERS = {
+    "bert2bert": lambda **k: text_wrapper("bert", "bert", **k),
+    "bert2gpt2": lambda **k: text_wrapper("bert", "gpt2", **k),
+    "roberta2roberta": lambda **k: text_wrapper("roberta", "roberta", **k),
+    "vit-trocr": lambda **k: vision_wrapper("trocr", **k),
+    "vit-trocr-sinusoidal": lambda **k: vision_wrapper("trocr-sinusoidal", **k),
+    "vit-gpt2": lambda **k: vision_wrapper("gpt2", **k),
+    "wav2vec2-bert": lambda **k: speech_wrapper("bert", **k),
+}
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """name -> (target, a perturbed copy as its draft)."""
+    out = {}
+    for name, make in WRAPPERS.items():
+        target = make()
+        out[name] = (target, perturbed(target, 0.1))
+    return out
+
+
+def _inputs(target, rows: int):
+    """(positional encoder input, keywords) of ``rows`` rows, padded where the input can be."""
+    kind = target.config.model_type
+    if kind == "vision-encoder-decoder":
+        return images(rows, seed=rows), {}
+    if kind == "speech-encoder-decoder":
+        values, mask = audio([40] if rows == 1 else [28, 40], seed=rows)
+        return values, {"attention_mask": mask}
+    ids, mask = source_batch([7] if rows == 1 else [5, 9], seed=rows, pad=target.config.encoder.pad_token_id)
+    return ids, {"attention_mask": mask}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_greedy_matches_hf(pairs, name, cache, rows):
+    target, draft = pairs[name]
+    source, kwargs = _inputs(target, rows)
+    expected = target.generate(source, **kwargs, do_sample=False, max_new_tokens=16)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, source, **kwargs, draft_model=draft, num_speculative_tokens=3, do_sample=False,
+                      max_new_tokens=16, speculation_stats=stats,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+@pytest.mark.parametrize("name", ["bert2gpt2", "vit-trocr-sinusoidal"])
+def test_drafting_without_a_model_matches_hf(pairs, name):
+    """Prompt lookup (over the decoder's tokens; a token source too) and the n-gram drafter."""
+    target, _ = pairs[name]
+    source, kwargs = _inputs(target, 2)
+    expected = target.generate(source, **kwargs, do_sample=False, max_new_tokens=16)
+    for drafting in ({"prompt_lookup_num_tokens": 3}, {"drafter": sk.NGramDrafter(target.config.decoder.vocab_size)}):
+        got = sk.generate(target, source, **kwargs, **drafting, do_sample=False, max_new_tokens=16)
+        assert torch.equal(got, expected), (drafting, got, expected)
+
+
+def test_encoder_input_by_keyword_and_a_smaller_wrapper_as_draft(pairs):
+    """pixel_values= as model.generate takes it; an unrelated smaller wrapper of the same vocabulary drafts."""
+    target, _ = pairs["vit-gpt2"]
+    pixels = images(2, seed=5)
+    expected = target.generate(pixel_values=pixels, do_sample=False, max_new_tokens=12)
+    got = sk.generate(target, pixel_values=pixels, draft_model=vision_wrapper("gpt2", layers=1, hidden=16, seed=9),
+                      do_sample=False, max_new_tokens=12)
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_roberta_decoder_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
+    """RoBERTa numbers a pad token's position pad_token_id and the others from the pad id on: the trailing pad tokens
+    of these decoder prompts take the pad position, as in model.generate; a pad token before another is refused."""
+    target, draft = pairs["roberta2roberta"]
+    ids, mask = source_batch([5, 9], seed=2, pad=1)
+    decoder_ids = torch.tensor([[3, 5, 9, 1], [3, 7, 1, 1]])
+    kwargs = dict(attention_mask=mask, decoder_input_ids=decoder_ids, do_sample=False, max_new_tokens=12,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    # (the first logits are read at a pad token: its position moves them by ~0.3, which need not change a token)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"decoder_input_ids has the pad token \(1\) before another token: model "
+                                         r"\(EncoderDecoderModel\)"):
+        sk.generate(target, ids, attention_mask=mask, decoder_input_ids=torch.tensor([[3, 1, 5], [3, 4, 5]]),
+                    draft_model=draft, max_new_tokens=4)
+
+
+def test_unreviewed_wrapped_decoder_is_refused_by_name():
+    from transformers import ElectraConfig, EncoderDecoderConfig, EncoderDecoderModel
+
+    from helpers.wrapped_models import _bert
+
+    decoder = ElectraConfig(vocab_size=97, hidden_size=16, embedding_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=32, is_decoder=True, add_cross_attention=True)
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(_bert(1, 16), decoder)
+    config.decoder_start_token_id, config.pad_token_id = 3, 0
+    model = EncoderDecoderModel(config=config).eval()
+    with pytest.raises(ValueError, match=r"model is a EncoderDecoderModel \(model_type 'encoder-decoder'\) whose "
+                                         r"decoder is of type 'electra', which speculative_kernels does not drive "
+                                         r"inside a wrapper"):
+        sk.generate(model, torch.tensor([[5, 6, 7]]), prompt_lookup_num_tokens=2, max_new_tokens=4)
+
+
+def test_wrapper_inputs_refused_by_name(pairs):
+    vision, _ = pairs["vit-gpt2"]
+    with pytest.raises(ValueError, match=r"attention_mask is not taken by VisionEncoderDecoderModel"):
+        sk.generate(vision, images(1), attention_mask=torch.ones(1, 4), prompt_lookup_num_tokens=2, max_new_tokens=4)
+    with pytest.raises(TypeError, match=r"pixel_values must be a floating-point tensor"):
+        sk.generate(vision, torch.ones(1, 3, 16, 16, dtype=torch.int64), prompt_lookup_num_tokens=2, max_new_tokens=4)
+    text, _ = pairs["bert2gpt2"]
+    with pytest.raises(ValueError, match=r"model's encoder reads pixel_values but draft_model's reads input_ids"):
+        sk.generate(vision, images(1), draft_model=text, max_new_tokens=4)
