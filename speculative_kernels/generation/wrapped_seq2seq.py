@@ -21,8 +21,14 @@ import torch
 WRAPPER_TYPES = ("encoder-decoder", "vision-encoder-decoder", "speech-encoder-decoder")
 # wrapped decoder model_type -> its ``capabilities.POSITION_KINDS`` value inside a wrapper (reviewed in transformers
 # 5.17 and 5.24); "trocr": "absolute" with use_learned_position_embeddings, else "absolute_skipping_pads"
-WRAPPED_DECODER_POSITIONS = {"bert": "position_ids", "bert-generation": "position_ids", "gpt2": "position_ids",
-                             "roberta": "position_ids_skipping_pads", "trocr": "absolute"}
+# ("absolute": the BART family's ...ForCausalLM decoders, whose tables the same hooks read as in the full models)
+WRAPPED_DECODER_POSITIONS = {
+    **dict.fromkeys(("bert", "bert-generation", "electra", "ernie", "rembert", "gpt2", "gpt-sw3"), "position_ids"),
+    **dict.fromkeys(("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "roberta-prelayernorm"),
+                    "position_ids_skipping_pads"),
+    **dict.fromkeys(("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart", "mvp",
+                     "bigbird_pegasus", "trocr"), "absolute"),
+}
 
 
 def is_wrapper(model) -> bool:

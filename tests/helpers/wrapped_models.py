@@ -76,6 +76,28 @@ def text_wrapper(encoder: str, decoder: str, layers: int = 2, hidden: int = 32, 
     return _sensitive(EncoderDecoderModel(config=_ids(config, decoder)).eval(), seed)
 
 
+def text_wrapper_of(decoder: str, seed: int = 0):
+    """EncoderDecoderModel: a BERT encoder and a decoder of any ``model_type`` with a causal-LM class that
+    cross-attends, from its default config at tiny sizes (pad 1); positions and cross-attention scaled up."""
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=64, is_decoder=True, add_cross_attention=True, pad_token_id=1)
+    try:  # (BART-like configs name their decoder's sizes)
+        config = AutoConfig.for_model(decoder, **sizes, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                      decoder_ffn_dim=64)
+    except (TypeError, ValueError):
+        config = AutoConfig.for_model(decoder, **sizes, embedding_size=32)
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout",
+                 "activation_dropout"):
+        if hasattr(config, name):
+            setattr(config, name, 0.0)
+    torch.manual_seed(seed)
+    wrapper = EncoderDecoderConfig.from_encoder_decoder_configs(_bert(2, 32), config)
+    wrapper.decoder_start_token_id, wrapper.pad_token_id, wrapper.eos_token_id = 3, 1, 2
+    return _sensitive(EncoderDecoderModel(config=wrapper).eval(), seed)
+
+
 def vision_wrapper(decoder: str, layers: int = 2, hidden: int = 32, seed: int = 0):
     """VisionEncoderDecoderModel: a ViT encoder (16x16 images, 4 patches) and a ``DECODERS`` decoder (TrOCR, GPT-2)."""
     torch.manual_seed(seed)
