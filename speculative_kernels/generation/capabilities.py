@@ -16,7 +16,8 @@ import transformers.cache_utils
 
 from .adapters import adapter_randomness, idle_adapter_modules
 from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
-from .wrapped_seq2seq import decoder_kv_sizes, encoder_input_name, is_wrapper, wrapped_position_kind
+from .wrapped_seq2seq import (decoder_kv_sizes, encoder_input_name, is_wrapper, wrapped_position_kind,
+                              wrapped_position_limit)
 
 # Layer types whose cache holds per-token K/V that the runners can mask and roll back.
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -1106,8 +1107,11 @@ _POSITION_BUFFERS = ("pos_encoding", "embed_positions")
 def position_table_limit(model, part: str = "decoder") -> int | None:
     """The most positions the text decoder's (``part="encoder"``: an encoder-decoder's encoder's) learned
     absolute-position table holds (its config's ``n_positions`` or ``max_position_embeddings``), or None for models
-    without one (rotary, ALiBi, relative, sinusoidal)."""
-    config = model.config.get_text_config(decoder=part == "decoder")
+    without one (rotary, ALiBi, relative, sinusoidal). A generic wrapper's decoder: ``wrapped_position_limit``."""
+    if part == "decoder" and is_wrapper(model):
+        return wrapped_position_limit(model)
+    # (a wrapper's get_text_config(decoder=False) is the wrapper's own config)
+    config = model.config.encoder if is_wrapper(model) else model.config.get_text_config(decoder=part == "decoder")
     limit = next((v for v in (getattr(config, a, None) for a in ("n_positions", "max_position_embeddings"))
                   if isinstance(v, int) and not isinstance(v, bool)), None)
     if limit is None:

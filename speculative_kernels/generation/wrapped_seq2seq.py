@@ -67,6 +67,19 @@ def decoder_pad_id(model) -> int | None:
     return model.config.decoder.pad_token_id
 
 
+def wrapped_position_limit(model) -> int | None:
+    """The most positions the wrapped decoder numbers before model.generate fails inside its table (an IndexError):
+    its config's ``max_position_embeddings`` (GPT-2's ``n_positions``; BART's and TrOCR's tables hold an offset of 2
+    more, TrOCR's sinusoids the pad id's rows more, which a one-token step never grows), less the rows below a
+    RoBERTa-like decoder's first position (pad + 1)."""
+    limit = getattr(model.config.decoder, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    if wrapped_position_kind(model, "model") == "position_ids_skipping_pads":
+        return limit - decoder_pad_id(model) - 1
+    return limit
+
+
 def decoder_kv_sizes(model) -> tuple[tuple[int, int, int], ...]:
     """(kv_heads, key_head_dim, value_head_dim) of each decoder self-attention layer, from the decoder's config
     (BERT's, GPT-2's and TrOCR's name their sizes through ``attribute_map``: num_attention_heads, hidden_size,

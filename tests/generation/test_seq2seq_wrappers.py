@@ -140,3 +140,16 @@ def test_wrapper_inputs_refused_by_name(pairs):
     text, _ = pairs["bert2gpt2"]
     with pytest.raises(ValueError, match=r"model's encoder reads pixel_values but draft_model's reads input_ids"):
         sk.generate(vision, images(1), draft_model=text, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("name,fits", [("vit-trocr-sinusoidal", 64), ("roberta2roberta", 68)])
+def test_decoder_position_limit_as_in_hf(pairs, name, fits):
+    """model.generate fails inside the decoder's table (IndexError) one token past ``fits`` new tokens: TrOCR's
+    sinusoids, which one-token steps never grow (the runners' hooks would read a clamped row instead), and RoBERTa's
+    table, whose first rows lie below its pad id + 1. Refused by name there, not before."""
+    target, _ = pairs[name]
+    source, kwargs = _inputs(target, 1)
+    kwargs.update(prompt_lookup_num_tokens=2, do_sample=False, eos_token_id=None)
+    assert sk.generate(target, source, max_new_tokens=fits, **kwargs).shape[1] == fits + 1
+    with pytest.raises(ValueError, match=rf"model \({type(target).__name__}\) has a learned position table of "):
+        sk.generate(target, source, max_new_tokens=fits + 1, **kwargs)
