@@ -31,6 +31,12 @@ WRAPPED_DECODER_POSITIONS = {
 }
 
 
+# BERT-like decoders: causal, with a cache, only with ``is_decoder=True`` (BertModel.forward reads it), which
+# from_encoder_decoder_pretrained sets; a config built otherwise leaves it False
+CAUSAL_ONLY_AS_DECODER = tuple(t for t, kind in WRAPPED_DECODER_POSITIONS.items()
+                               if kind.startswith("position_ids") and t not in ("gpt2", "gpt-sw3"))
+
+
 def is_wrapper(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in WRAPPER_TYPES
 
@@ -47,9 +53,16 @@ def wrapped_position_kind(model, name: str) -> str:
     kind = WRAPPED_DECODER_POSITIONS.get(inner)
     if kind is None:
         raise ValueError(
-            f"{name} is a {type(model).__name__} (model_type {model.config.model_type!r}) whose decoder is of type "
+            f"{name} ({type(model).__name__}, model_type {model.config.model_type!r}) wraps a decoder of type "
             f"{inner!r}, which speculative_kernels does not drive inside a wrapper (its position rule under "
             f"model.generate is not reviewed); supported decoders: {sorted(WRAPPED_DECODER_POSITIONS)}")
+    if inner in CAUSAL_ONLY_AS_DECODER and not model.config.decoder.is_decoder:
+        raise ValueError(
+            f"{name} ({type(model).__name__}) wraps a {inner} decoder with is_decoder=False: it attends "
+            "bidirectionally and keeps no cache, so model.generate re-encodes the whole decoder sequence at every "
+            "step, which speculative decoding (a causal decoder over a KV cache) does not reproduce; set "
+            "config.decoder.is_decoder=True (and add_cross_attention=True to attend to the encoder), as "
+            "from_encoder_decoder_pretrained does")
     if inner == "trocr" and not model.config.decoder.use_learned_position_embeddings:
         return "absolute_skipping_pads"
     return kind

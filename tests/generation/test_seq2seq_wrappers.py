@@ -116,18 +116,33 @@ def test_roberta_decoder_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
 
 
 def test_unreviewed_wrapped_decoder_is_refused_by_name():
-    from transformers import ElectraConfig, EncoderDecoderConfig, EncoderDecoderModel
+    from transformers import EncoderDecoderConfig, EncoderDecoderModel, RoFormerConfig
 
     from helpers.wrapped_models import _bert
 
-    decoder = ElectraConfig(vocab_size=97, hidden_size=16, embedding_size=16, num_hidden_layers=1,
-                            num_attention_heads=2, intermediate_size=32, is_decoder=True, add_cross_attention=True)
+    decoder = RoFormerConfig(vocab_size=97, hidden_size=16, embedding_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, intermediate_size=32)
     config = EncoderDecoderConfig.from_encoder_decoder_configs(_bert(1, 16), decoder)
     config.decoder_start_token_id, config.pad_token_id = 3, 0
     model = EncoderDecoderModel(config=config).eval()
-    with pytest.raises(ValueError, match=r"model is a EncoderDecoderModel \(model_type 'encoder-decoder'\) whose "
-                                         r"decoder is of type 'electra', which speculative_kernels does not drive "
+    with pytest.raises(ValueError, match=r"model \(EncoderDecoderModel, model_type 'encoder-decoder'\) wraps a "
+                                         r"decoder of type 'roformer', which speculative_kernels does not drive "
                                          r"inside a wrapper"):
+        sk.generate(model, torch.tensor([[5, 6, 7]]), prompt_lookup_num_tokens=2, max_new_tokens=4)
+
+
+def test_bert_decoder_without_is_decoder_is_refused_by_name():
+    """A wrapper built from configs that leave the BERT decoder's is_decoder False (transformers' default config of
+    EncoderDecoderConfig): bidirectional and cache-less, model.generate re-encodes the decoder sequence each step."""
+    from transformers import EncoderDecoderConfig, EncoderDecoderModel
+
+    from helpers.wrapped_models import _bert
+
+    config = EncoderDecoderConfig(encoder=_bert(1, 16).to_dict(), decoder=_bert(1, 16).to_dict(),
+                                  decoder_start_token_id=3)  # (from_encoder_decoder_configs would set it True)
+    model = EncoderDecoderModel(config=config).eval()
+    with pytest.raises(ValueError, match=r"model \(EncoderDecoderModel\) wraps a bert decoder with is_decoder=False: "
+                                         r"it attends bidirectionally and keeps no cache"):
         sk.generate(model, torch.tensor([[5, 6, 7]]), prompt_lookup_num_tokens=2, max_new_tokens=4)
 
 
