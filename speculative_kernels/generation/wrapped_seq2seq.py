@@ -94,13 +94,15 @@ def wrapped_position_limit(model) -> int | None:
 
 
 def decoder_kv_sizes(model) -> tuple[tuple[int, int, int], ...]:
-    """(kv_heads, key_head_dim, value_head_dim) of each decoder self-attention layer, from the decoder's config
-    (BERT's, GPT-2's and TrOCR's name their sizes through ``attribute_map``: num_attention_heads, hidden_size,
-    num_hidden_layers)."""
+    """(kv_heads, key_head_dim, value_head_dim) of each decoder self-attention layer, from the decoder's config:
+    ``decoder_layers`` / ``decoder_attention_heads`` where it has them (the BART family's configs map
+    num_hidden_layers and num_attention_heads to the encoder's), else num_hidden_layers / num_attention_heads (BERT's,
+    GPT-2's through its attribute_map)."""
     config = model.config.decoder
-    heads = config.num_attention_heads
+    heads = getattr(config, "decoder_attention_heads", None) or config.num_attention_heads
+    layers = getattr(config, "decoder_layers", None) or config.num_hidden_layers
     head_dim = config.hidden_size // heads
-    return ((heads, head_dim, head_dim),) * config.num_hidden_layers
+    return ((heads, head_dim, head_dim),) * layers
 
 
 def passes_input_mask(model) -> bool:

@@ -75,6 +75,19 @@ def test_other_wrapped_decoders_match_hf(decoder, seed, source):
     assert stats.accepted_histogram[0] > 0
 
 
+def test_bart_decoder_with_other_encoder_head_count_on_the_static_cache():
+    """A BART-family decoder config maps num_attention_heads and num_hidden_layers to its (unused) encoder's: the
+    static cache is sized from decoder_attention_heads / decoder_layers (mBART decoders of Donut-like wrappers).
+    (Layer counts must agree anyway: model.generate's own cache is built from num_hidden_layers.)"""
+    target = text_wrapper_of("bart", seed=3)
+    target.config.decoder.encoder_attention_heads = 2  # (read as num_attention_heads; the decoder has 4)
+    ids, mask = source_batch([5, 9], seed=3, pad=0)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    got = sk.generate(target, ids, attention_mask=mask, draft_model=perturbed(target, 0.15), num_speculative_tokens=3,
+                      do_sample=False, max_new_tokens=12, cache_implementation="static")
+    assert torch.equal(got, expected), (got, expected)
+
+
 @pytest.mark.parametrize("name", ["bert2gpt2", "vit-trocr-sinusoidal"])
 def test_drafting_without_a_model_matches_hf(pairs, name):
     """Prompt lookup (over the decoder's tokens; a token source too) and the n-gram drafter."""
