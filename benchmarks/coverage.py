@@ -172,6 +172,18 @@ def _inputs(batch: int):
     return ids, mask
 
 
+def _pixel_values(target, batch: int):
+    """A VisionEncoderDecoderModel's encoder input, pixel_values [batch, C, H, W] of its encoder config's size, or
+    None for the other models."""
+    import torch
+
+    if getattr(target.config, "model_type", None) != "vision-encoder-decoder":
+        return None
+    encoder = target.config.encoder
+    size = encoder.image_size if isinstance(encoder.image_size, (list, tuple)) else (encoder.image_size,) * 2
+    return torch.randn(batch, encoder.num_channels, *size, generator=torch.Generator().manual_seed(0))
+
+
 def _reason(refusal: ValueError) -> str:
     """The reason of a capability refusal, without the "<Model> cannot be driven exactly ...:" preamble."""
     text = str(refusal)  # ("target: " / "draft_model: " may precede it, naming the argument)
@@ -213,8 +225,11 @@ def _run_one(target, draft, kind: str, column: str) -> str:
         # also lists decoder-only audio/speech-to-text models, whose prompts are left-padded)
         mask = mask.flip(1)
         ids = ids.flip(1)
-    common = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, attention_mask=mask,
-                  return_dict_in_generate=True, output_logits=True)
+    pixels = _pixel_values(target, batch)
+    if pixels is not None:  # a vision wrapper reads images (no mask)
+        ids, mask = pixels, None
+    common = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True, **({} if mask is None else {"attention_mask": mask}))
     try:
         with torch.no_grad():
             reference = target.generate(ids, **common)
@@ -475,7 +490,16 @@ def render(rows, version: str) -> str:
         "skipped, plus the cache length): refused, since the runners pass explicit position ids, which such a forward "
         "reads as other rows of its table. The same rule in a forward that takes no `position_ids` (TrOCR's decoder "
         "with `use_learned_position_embeddings=False`, as its checkpoints set it): refused on every path, since a pad "
-        "id inside a forward over several tokens shifts every later position, unlike in a one-token step.",
+        "id inside a forward over several tokens shifts every later position, unlike in a one-token step (inside a "
+        "VisionEncoderDecoderModel, whose decoder rows are hole-free, its sinusoids are read at each row's true "
+        "positions, as M2M100's are: exact).",
+        "* **Generic encoder-decoder wrappers** (EncoderDecoderModel, VisionEncoderDecoderModel, "
+        "SpeechEncoderDecoderModel): driven by the seq2seq runners, each by the position rule of the decoder it "
+        "wraps (`generation/wrapped_seq2seq.py`: BERT-like and GPT-2 decoders get each row's positions as "
+        "`decoder_position_ids`, RoBERTa-like ones numbered from their pad id, TrOCR's and the BART family's tables "
+        "read by hooks); other decoders, and a BERT-like decoder with `is_decoder=False`, are refused by name. The "
+        "sweep builds them as from_encoder_decoder_pretrained does (causal decoder with cross-attention) and feeds "
+        "the vision wrapper images. Every path but continuous batching.",
         "* **Classes with a generate() of their own** (MusicGen's codebook delay pattern, SeamlessM4T's target "
         "language, Granite Speech with PEFT adapters loaded): refused, naming the override, since "
         "`speculative_kernels.generate` would skip its extra steps. Overrides that only route audio inputs are "

@@ -71,7 +71,15 @@ _CHAMELEON_VOCABULARY = {"<image>": 127, **{f"IMGIMG{chr(ord('A') + i)}Z": 120 +
 
 # Defaults of the installed transformers that its own modeling code cannot build or run, set as the released
 # checkpoints set them (model type -> fix applied to the tiny config).
+def _fix_wrapped_decoder(config) -> None:
+    """A generic wrapper's decoder as from_encoder_decoder_pretrained (and from_encoder_decoder_configs) sets it: causal
+    with cross-attention (the default EncoderDecoderConfig leaves a BERT decoder bidirectional, which is refused)."""
+    config.decoder.is_decoder, config.decoder.add_cross_attention = True, True
+
+
 FIXES = {
+    "encoder-decoder": _fix_wrapped_decoder,
+    "vision-encoder-decoder": _fix_wrapped_decoder,
     "cohere_compass": lambda config: _fix_cohere_compass_text(config.text_config),
     "cohere_compass_text": _fix_cohere_compass_text,
     "qwen2_5_omni_thinker": _fix_omni_thinker,
