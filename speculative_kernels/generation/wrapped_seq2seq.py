@@ -3,17 +3,19 @@
 to drive one exactly depends on the wrapped decoder, not on the wrapper:
 
 * how the decoder knows positions under ``model.generate`` (the wrapper's forward takes no position ids, so HF's
-  steps leave them to the decoder): BERT, BertGeneration and GPT-2 number them from the cache length, which the
-  runners reproduce by passing each row's true positions as ``decoder_position_ids`` (the wrappers hand
-  ``decoder_``-prefixed keywords to the decoder); RoBERTa numbers them from its pad id, skipping pad tokens, as
-  M2M100 does, which the same keyword reproduces (``padding_idx + 1 + position``, ``padding_idx`` at a pad token);
-  TrOCR's decoder takes no position ids: its learned table (or sinusoids numbered from the pad id) is read at each
-  row's true positions through the forward hooks BART's (M2M100's) table gets;
+  steps leave them to the decoder): BERT-like decoders (BERT, BertGeneration, ELECTRA, ERNIE, RemBERT) and GPT-2
+  number them from the cache length, which the runners reproduce by passing each row's true positions as
+  ``decoder_position_ids`` (the wrappers hand ``decoder_``-prefixed keywords to the decoder); the RoBERTa family
+  numbers them from its pad id, skipping pad tokens, as M2M100 does, which the same keyword reproduces
+  (``padding_idx + 1 + position``, ``padding_idx`` at a pad token); TrOCR's decoder and the BART family's
+  ``...ForCausalLM`` take none: their learned table (or TrOCR's sinusoids, numbered from the pad id) is read at
+  each row's true positions through the forward hooks BART's (M2M100's) table gets;
 * which input the encoder takes: token ids, ``pixel_values`` (vision) or ``input_values`` / ``input_features``
   (speech), and, for speech, that the wrapper itself turns the input's attention mask into the cross-attention mask
   (``_get_feature_vector_attention_mask``), so the runners pass it the input's mask as given.
 
-Other wrapped decoders are refused by name (``wrapped_position_kind``). Why: ``docs/architectures.md``.
+Other wrapped decoders are refused by name (``wrapped_position_kind``), as is a BERT-like decoder whose config says
+``is_decoder=False`` (bidirectional, cache-less). Tests: ``tests/generation/test_seq2seq_wrappers.py``.
 """
 
 import torch

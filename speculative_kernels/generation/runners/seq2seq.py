@@ -1,5 +1,6 @@
 """``Seq2SeqRunner``: one encoder-decoder model (``capabilities.POSITION_KINDS``: T5-like, BART-like, M2M100,
-T5Gemma) over a hole-free, right-aligned decoder cache.
+T5Gemma; HF's generic wrappers by the decoder they wrap, ``wrapped_seq2seq.py``) over a hole-free, right-aligned
+decoder cache.
 
 These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
 the cache length; T5Gemma's, which takes them, is given each row's own), so a hole would shift every later position.
@@ -20,9 +21,9 @@ from transformers.utils import ModelOutput
 
 from ..buffers import grow_columns
 from ..capabilities import ModelSpec
+from ..wrapped_seq2seq import decoder_pad_id, is_wrapper, passes_input_mask, position_module
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
-from ..wrapped_seq2seq import decoder_pad_id, is_wrapper, passes_input_mask, position_module
 from .masks import additive_mask, attention_dtype, causal_slots, cross_attention_mask
 
 
