@@ -32,7 +32,7 @@ from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
 from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
 from .vocab import VocabBridge, logit_width, tokenizers_differ
-from .wrapped_seq2seq import encoder_input_name
+from .wrapped_seq2seq import encoder_input_name, source_in_decoder_vocabulary
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -177,9 +177,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                          "one prompt per call (SpeculativeDecoder.add_request runs each request alone)")
     # The encoder input on the device (ids [B, S], real [B, S]) or None: prompt lookup searches it, HF's encoder
     # processors read it.
-    encoder_prefix = _encoder_prefix(*encoder_input, device) if encoder_decoder and tokens_in else None
+    source = _encoder_prefix(*encoder_input, device) if encoder_decoder and tokens_in else None
+    # (prompt lookup proposes the source's ids only where they are the decoder's too)
+    encoder_prefix = source if source is not None and source_in_decoder_vocabulary(model) else None
     if rows is None:  # (a batch of separate requests carries each row's own, built for the request alone)
-        encoder_ids = input_ids if not encoder_decoder else None if encoder_prefix is None else encoder_prefix[0]
+        encoder_ids = input_ids if not encoder_decoder else None if source is None else source[0]
         processors = build_row_processors(model, plan, input_ids, attention_mask, encoder_ids)
         warpers = build_warpers(model, plan, width, device)
     else:

@@ -46,7 +46,8 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
     if input_ids is not None and name == "input_ids":
         check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
-    check_ids_in_vocabulary(model, "decoder_input_ids", decoder_ids)
+    # (a wrapper's get_input_embeddings is its encoder's: bert2gpt2's decoder ids run past BERT's vocabulary)
+    check_ids_in_vocabulary(model.get_decoder() if is_wrapper(model) else model, "decoder_input_ids", decoder_ids)
     for name, m in (("model", model), ("draft_model", draft_model)):
         if m is not None:  # (no draft model: prompt lookup, n-grams, early exit)
             _check_pads_numbered_as_in_steps(m, name, decoder_ids)

@@ -114,6 +114,16 @@ def passes_input_mask(model) -> bool:
     return getattr(model.config, "model_type", None) == "speech-encoder-decoder"
 
 
+def source_in_decoder_vocabulary(model) -> bool:
+    """Whether the encoder's token ids are ids of the decoder too, so prompt lookup may propose them: a wrapper whose
+    encoder and decoder vocabularies have the same size (bert2bert, roberta2roberta); a roberta2bert's source ids run
+    past BERT's vocabulary (IndexError in the decoder's embedding), a bert2gpt2's are other tokens. Every other
+    encoder-decoder shares one vocabulary."""
+    if not is_wrapper(model):
+        return True
+    return model.config.encoder.vocab_size == model.config.decoder.vocab_size
+
+
 def encoder_input_name(model) -> str:
     """The keyword of the encoder's input: a wrapper's encoder's ``main_input_name`` (``pixel_values``,
     ``input_values``, ``input_features``, ``input_ids``), as model.generate reads it; ``input_ids`` otherwise."""

@@ -88,6 +88,27 @@ def test_bart_decoder_with_other_encoder_head_count_on_the_static_cache():
     assert torch.equal(got, expected), (got, expected)
 
 
+def test_encoder_and_decoder_vocabularies_of_other_sizes():
+    """bert2gpt2-like: the wrapper's get_input_embeddings is its encoder's, whose vocabulary (60 ids) the decoder's
+    start and prompt ids (140, 145) run past: checked against the decoder's (refused before). A source of 140 ids
+    holding the decoder's first tokens followed by ids past its 97: prompt lookup must not propose those (an
+    IndexError in the decoder's embedding before); the source is searched only where both vocabularies agree."""
+    small = text_wrapper("bert", "gpt2", encoder_vocab=60)
+    small.generation_config.decoder_start_token_id = 90
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    decoder_ids = torch.tensor([[90, 95], [90, 80]])
+    expected = small.generate(ids, decoder_input_ids=decoder_ids, do_sample=False, max_new_tokens=8)
+    got = sk.generate(small, ids, decoder_input_ids=decoder_ids, draft_model=perturbed(small, 0.1),
+                      do_sample=False, max_new_tokens=8)
+    assert torch.equal(got, expected), (got, expected)
+    large = text_wrapper("bert", "gpt2", encoder_vocab=140)
+    first = large.generate(torch.tensor([[5, 6, 7]]), do_sample=False, max_new_tokens=2)[0, 1:].tolist()
+    source = torch.tensor([[5, *first, 120, 130, 135, 7]])
+    expected = large.generate(source, do_sample=False, max_new_tokens=8)
+    got = sk.generate(large, source, prompt_lookup_num_tokens=3, do_sample=False, max_new_tokens=8)
+    assert torch.equal(got, expected), (got, expected)
+
+
 @pytest.mark.parametrize("name", ["bert2gpt2", "vit-trocr-sinusoidal"])
 def test_drafting_without_a_model_matches_hf(pairs, name):
     """Prompt lookup (over the decoder's tokens; a token source too) and the n-gram drafter."""

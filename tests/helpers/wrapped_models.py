@@ -68,10 +68,14 @@ def _ids(config, decoder_kind: str):
     return config
 
 
-def text_wrapper(encoder: str, decoder: str, layers: int = 2, hidden: int = 32, seed: int = 0):
-    """EncoderDecoderModel: a BERT or RoBERTa encoder and a ``DECODERS`` decoder (bert2bert, bert2gpt2, ...)."""
+def text_wrapper(encoder: str, decoder: str, layers: int = 2, hidden: int = 32, seed: int = 0,
+                 encoder_vocab: int = VOCAB):
+    """EncoderDecoderModel: a BERT or RoBERTa encoder (of ``encoder_vocab`` ids) and a ``DECODERS`` decoder
+    (bert2bert, bert2gpt2, ...)."""
     torch.manual_seed(seed)
-    config = EncoderDecoderConfig.from_encoder_decoder_configs(DECODERS[encoder](layers, hidden),
+    encoder_config = DECODERS[encoder](layers, hidden)
+    encoder_config.vocab_size = encoder_vocab
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(encoder_config,
                                                                _decoder_config(decoder, layers, hidden))
     return _sensitive(EncoderDecoderModel(config=_ids(config, decoder)).eval(), seed)
 
