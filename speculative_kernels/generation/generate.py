@@ -51,8 +51,9 @@ def generate(
     of the text (HF's universal assisted generation: ``retokenizing_drafter.py``, ``docs/different_tokenizers.md``).
 
     Encoder-decoder pairs (the types of ``capabilities.POSITION_KINDS``: T5-like, BART-like, Marian, M2M100, ...;
-    ``seq2seq_inputs.py``, ``runners/seq2seq.py``): input_ids and
-    attention_mask are the encoder input (right-padded as usual); the decoder starts from ``decoder_start_token_id``
+    HF's generic wrappers by the decoder they wrap, ``wrapped_seq2seq.py``; ``seq2seq_inputs.py``,
+    ``runners/seq2seq.py``): input_ids and attention_mask are the encoder input (right-padded as usual; a vision or
+    speech wrapper's ``pixel_values`` / ``input_values`` / ``input_features``, positionally or by name); the decoder starts from ``decoder_start_token_id``
     or from ``decoder_input_ids`` (with ``decoder_attention_mask``), and ``encoder_outputs`` may replace the target's
     encoder pass, as in HF (a draft with an encoder of its own still needs ``input_ids``). The result holds the decoder sequences; with ``return_dict_in_generate=True`` it is a
     ``SpeculativeEncoderDecoderOutput``.
