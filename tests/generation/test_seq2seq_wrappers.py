@@ -3,6 +3,8 @@ roberta2roberta), VisionEncoderDecoderModel (ViT with TrOCR's two position rules
 (Wav2Vec2 with BERT, GPT-2): greedy tokens identical to ``model.generate`` at batch 1 and in a padded batch of 2, on
 the dynamic and the static cache, with a draft the target rejects now and then; the decoders refused by name."""
 
+import copy
+
 import pytest
 import torch
 
@@ -57,6 +59,22 @@ def test_greedy_matches_hf(pairs, name, cache, rows):
                       **({"cache_implementation": "static"} if cache == "static" else {}))
     assert torch.equal(got, expected), (got, expected)
     assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,path", [(name, path) for name in ("bert2gpt2", "vit-trocr-sinusoidal", "wav2vec2-bert")
+                                       for path in ("dynamic", "static")] + [("bert2gpt2", "compiled")])
+def test_wrappers_on_cuda_match_hf(pairs, name, path):
+    """The three wrappers on a CUDA device, a padded batch of 2 (compile=True with inductor for one: each compile
+    takes tens of seconds)."""
+    target, draft = (copy.deepcopy(model).cuda() for model in pairs[name])  # the fixture's stay on the CPU
+    source, kwargs = _inputs(target, 2)
+    source, kwargs = source.cuda(), {key: value.cuda() for key, value in kwargs.items()}
+    expected = target.generate(source, **kwargs, do_sample=False, max_new_tokens=16)
+    extra = {"dynamic": {}, "static": {"cache_implementation": "static"}, "compiled": {"compile": True}}[path]
+    got = sk.generate(target, source, **kwargs, draft_model=draft, num_speculative_tokens=3, do_sample=False,
+                      max_new_tokens=16, **extra)
+    assert torch.equal(got, expected), (got, expected)
 
 
 @pytest.mark.parametrize("decoder,seed,source", [("bert-generation", 1, 2), ("electra", 0, 2), ("xlm-roberta", 1, 3),
