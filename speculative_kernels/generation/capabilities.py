@@ -25,6 +25,20 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 CACHELESS_LAYERS = {"dummy", "moe", "mlp"}
 RECURRENT_LAYERS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "mamba2", "ssm", "recurrent",
                     "rwkv", "lightning_attention", "linear", "deltanet", "gated_deltanet", "kda", "m", "s"}
+# Recurrent layer kinds HF's dynamic cache holds as ``LinearAttentionLayer`` (conv and recurrent states), alone or
+# beside a full-attention K/V (``LinearAttentionAndFullAttentionLayer``), in transformers 5.17 to 5.24.
+STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
+# Models whose recurrent states ``runners.recurrent.RecurrentRunner`` rolls back exactly (a snapshot of the states
+# before each forward, restored, and the accepted tokens re-run): their forward over several tokens continues the
+# cached state, as one-token steps do (checked on tiny random models under transformers 5.17 and 5.24: logits within
+# 1e-6 of the steps', /tmp/s120 FINDINGS). Batch 1 on the dynamic cache.
+STATE_SNAPSHOT_EXACT = {"mamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
+                        "lfm2"}
+# Models whose forward over several tokens does not continue a cached state (model_type -> reason).
+_RESTARTS_SCAN = ("for a forward of more than one token over a cache, transformers' Mamba mixer runs its selective "
+                  "scan from a zero state and never reads the cached SSM state (only one-token steps do), so a "
+                  "verification forward over [last token, drafts] would not continue the state")
+RESTARTS_STATE = {"mamba": _RESTARTS_SCAN, "falcon_mamba": _RESTARTS_SCAN, "jamba": _RESTARTS_SCAN}
 # Config fields that mark state-space or recurrent blocks in models that list no recurrent layer types.
 RECURRENT_CONFIG_FIELDS = ("mamba_d_state", "mamba_n_heads", "ssm_state_size", "mamba_d_conv", "conv_L_cache",
                            "lru_width", "linear_attn_config", "block_types", "hybrid_override_pattern",
@@ -126,9 +140,9 @@ _WIDENS_2D_MASK_OVER_CACHE = re.compile(r"attention_mask\.ndim\s*==\s*2[\s)]*:[\
 class ModelSpec:
     """How a runner drives one model.
 
-    mask: "4d" (one additive [B, 1, T, S] mask), "4d-by-layer-type" (a dict of them keyed by layer type) or "2d"
+    mask: "4d" (one additive [B, 1, T, S] mask), "4d-by-layer-type" (a dict of them keyed by layer type), "2d"
     (the slot mask [B, S]: ALiBi models build their bias and causal mask from it; attention kernels that take no 4-D
-    mask get it too).
+    mask get it too) or "none" (``recurrent``).
     sliding_window: the window (in positions) of the sliding layers, applied by the mask; None: no sliding layers.
     positions: encoder-decoder models only, how the decoder knows positions (a ``POSITION_KINDS`` value); None for
     decoder-only models, which take position ids.
@@ -144,6 +158,9 @@ class ModelSpec:
     masked_slots_exact: False where model.generate's steps do not mask what the attention mask masks (GIT,
     ``_WIDENS_2D_MASK_OVER_CACHE``): exact only for masks without zeros (``check_masked_slots``).
     forward_flags: keywords every forward of the runner passes (``forward_flags``).
+    recurrent: the model keeps conv/recurrent states (``STATE_SNAPSHOT_EXACT``), driven by
+    ``runners.recurrent.RecurrentRunner`` at batch 1 (mask "none": it gets no attention mask, as a one-row prompt
+    without padding needs none).
     """
 
     architecture: str
@@ -155,6 +172,7 @@ class ModelSpec:
     window_applied: bool = True
     masked_slots_exact: bool = True
     forward_flags: tuple[tuple[str, object], ...] = ()
+    recurrent: bool = False
 
     @property
     def encoder_decoder(self) -> bool:
@@ -221,6 +239,29 @@ def layer_types(config) -> tuple[list[str], list[int | None]] | None:
             return None
         types = ["sliding_attention" if window is not None else "full_attention"] * layers
     return list(types), [window if t == "sliding_attention" else None for t in types]
+
+
+def _recurrent_spec(name: str, config, path: str, batch: int, types: list[str], cache_arg: str) -> ModelSpec:
+    """The spec of a model with recurrent states (``STATE_SNAPSHOT_EXACT``), or its refusal by name: a model whose
+    forward over several tokens restarts its state, another path than the dynamic cache, a batch."""
+    kinds = sorted(set(types) & STATE_LAYERS)
+    unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS - STATE_LAYERS)
+    what = f"it has {kinds} layers (a conv/recurrent state that folds in every token)"
+    restarts = RESTARTS_STATE.get(getattr(config, "model_type", ""))
+    if restarts:
+        _refuse(name, path, f"{what}: {restarts}")
+    if unknown or "sliding_attention" in types:
+        _refuse(name, path, f"{what} beside layers of type {unknown or ['sliding_attention']}, whose rollback beside "
+                            "a restored state is not supported")
+    if path != "dynamic":
+        _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, on "
+                            "HF's dynamic cache only (the static cache holds attention K/V slots); use the dynamic "
+                            "cache")
+    if batch > 1:
+        _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, at "
+                            "batch size 1 only (in a batch, left padding and each row's own accepted count reach the "
+                            "state); decode the prompts one at a time")
+    return ModelSpec(name, mask="none", cache_argument=cache_arg, recurrent=True)
 
 
 def _recurrent_reason(model, config) -> str | None:
@@ -297,6 +338,8 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         _refuse(name, path, f"its config ({type(config).__name__}) states neither layer_types nor "
                             "num_hidden_layers, so its cache layout cannot be checked")
     types, windows = layout
+    if getattr(config, "model_type", "") in STATE_SNAPSHOT_EXACT | set(RESTARTS_STATE):
+        return _recurrent_spec(name, config, path, batch, types, cache_arg)
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
     if unknown:
         recurrent = sorted(set(unknown) & RECURRENT_LAYERS)
@@ -1193,9 +1236,14 @@ def check_masked_slots(spec: ModelSpec, attention_mask, name: str = "attention_m
     """ValueError where ``attention_mask`` [B, L] masks a slot (left padding, a pad_token_id inside a prompt) for a
     model whose ``model.generate`` steps do not mask it (``spec.masked_slots_exact`` False: GIT widens the step's
     2-D mask by image tokens the cache does not hold, so a padded row's later steps attend to its padding). One host
-    read, before decoding starts."""
-    if spec.masked_slots_exact or attention_mask is None or bool(attention_mask.bool().all()):
+    read, before decoding starts. A model with recurrent states (``spec.recurrent``) takes no masked token at all:
+    HF zeroes a masked token's input to the state, which the runner's unmasked forwards would not."""
+    if (spec.masked_slots_exact and not spec.recurrent) or attention_mask is None or bool(attention_mask.bool().all()):
         return
+    if spec.recurrent:
+        raise ValueError(f"{name} masks tokens (padding) of the prompt of a {spec.architecture}, which keeps a "
+                         "recurrent state: speculative_kernels drives it at batch 1 on prompts without masked tokens; "
+                         "pass the prompt without them")
     raise ValueError(f"{name} masks slots (padding) of a {spec.architecture}, whose model.generate widens the "
                      "attention mask of every step after the prompt by image tokens a text-only cache does not hold, "
                      "so its steps attend to those slots: speculative decoding cannot reproduce that; pass prompts "

@@ -11,6 +11,7 @@ from ..options import BatchingOptions, StaticRows
 from .decoder import DecoderRunner
 from .dynamic_cache import CachedPrefix
 from .protocol import Runner
+from .recurrent import RecurrentRunner
 from .seq2seq import Seq2SeqRunner
 from .sizing import captured_capacity, static_capacity, static_memory_bytes
 from .slot_cache import CacheLayout
@@ -110,6 +111,11 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
     """The runner of one model. Encoder-decoder models take their encoder output [B, S, H] and mask [B, S]. prefix:
     the prompt's first tokens cached by the caller, which only the dynamic decoder-only runner starts from
     (``prompt_cache.check_prompt_path`` refuses the others first)."""
+    if spec.recurrent:  # (batch 1 on the dynamic cache: ``capabilities._recurrent_spec``)
+        if prefix is not None:
+            raise ValueError(f"{spec.architecture} keeps recurrent states: a cache of the prompt's first tokens "
+                             "(past_key_values / cache) is not supported for it; pass the whole prompt")
+        return RecurrentRunner(model, spec, plan.device)
     if prefix is not None and (spec.encoder_decoder or plan.static):
         raise ValueError("a cache of the prompt's first tokens runs on the dynamic cache of a decoder-only model only")
     if spec.encoder_decoder:

@@ -1,0 +1,154 @@
+"""``RecurrentRunner``: a model with conv / SSM / linear-attention states (Mamba2, Falcon-H1, Bamba, Granite 4
+hybrids, Nemotron-H, Zamba2, Qwen3-Next, LFM2; ``capabilities.STATE_SNAPSHOT_EXACT``) at batch 1 on HF's dynamic
+cache.
+
+A recurrent state folds in every token, so a rejected draft cannot be cut off it as a slot is cut off a KV cache.
+Before every forward after the prompt, the runner copies the states (``[B, ...]`` per layer: small, they do not grow
+with the sequence) and remembers the tokens it feeds (a mark). A rollback to slot s restores the latest mark at or
+before s, cuts the attention layers' K/V back to that mark, and re-runs the tokens from the mark to s (their logits
+discarded). The target marks before each verification, so a partly rejected iteration costs one more forward over
+[last, d_1..d_n]; a draft marks before each of its one-token steps, so its rollback is a restore without a re-run.
+The re-run is exact because these models' forward over several tokens continues the cached state
+(``capabilities``: Mamba's does not, it is refused).
+
+Batch 1 only, without left padding (``capabilities.check_model``, ``request.build_loop``): the rollback reads the
+kept count from the loop's host read (``kept_host``) and adds none of its own.
+"""
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from ..capabilities import ModelSpec
+from .slot_mask import accepts
+
+# The most marks kept: the longest rollback spans one forward per draft step (gamma <= 16) and the pending tokens'.
+MAX_MARKS = 18
+
+
+def state_tensors(cache) -> list[torch.Tensor]:
+    """Every conv and recurrent state tensor of ``cache``'s linear-attention layers ([B, ...] each; HF updates them
+    in place), in a fixed order."""
+    states = []
+    for layer in [] if cache is None else cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for kind in (layer.conv_states, layer.recurrent_states):
+                states += [kind[i] for i in sorted(kind) if kind[i] is not None]
+    return states
+
+
+def crop_attention(cache, num_slots: int) -> None:
+    """Keep the first ``num_slots`` slots of every attention layer's K/V [B, H, S, D] (views); state layers keep
+    their states."""
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.dim() == 4:
+            layer.keys, layer.values = layer.keys[:, :, :num_slots], layer.values[:, :, :num_slots]
+
+
+class RecurrentRunner:
+    """A ``Runner`` for one model with recurrent states, batch 1, on HF's dynamic cache (see the module docstring).
+
+    marks: (slot, state copies or None where no forward had made the cache yet) before each forward since the last
+    rollback; fed: (slot, tokens [1, T]) of those forwards, for the re-run."""
+
+    def __init__(self, model, spec: ModelSpec, device: torch.device):
+        self.model, self.spec, self.device = model, spec, device
+        self._flags = dict(spec.forward_flags)
+        self._positions = accepts(model, "position_ids")
+        self._logits_to_keep = accepts(model, "logits_to_keep")
+        self.cache = None
+        self.num_slots = 0
+        self.marks: list[tuple[int, list[torch.Tensor] | None]] = []
+        self.fed: list[tuple[int, torch.Tensor]] = []
+        self.reruns = 0  # forwards that re-ran accepted tokens after a restore (statistics, tests)
+
+    def forward(self, tokens: torch.Tensor, real: torch.Tensor | None = None, last_only: bool = False,
+                prompt: bool = False) -> torch.Tensor:
+        """Run tokens [1, T] at the next T slots (real must be None: every token real). Returns logits [1, T, V], or
+        [1, 1, V] with last_only. A forward that is not the prompt's is marked first."""
+        if real is not None:
+            raise ValueError(f"{type(self.model).__name__} keeps a recurrent state, which every fed token reaches: "
+                             "it runs on prompts without masked tokens only (attention_mask all ones)")
+        if not prompt:
+            self._mark(tokens)
+        return self._run(tokens, last_only)
+
+    def _mark(self, tokens: torch.Tensor) -> None:
+        states = None if self.cache is None else [t.clone() for t in state_tensors(self.cache)]
+        self.marks.append((self.num_slots, states))
+        self.fed.append((self.num_slots, tokens.clone()))  # (a view of a buffer the caller may refill)
+        if len(self.marks) > MAX_MARKS:  # (a target pausing at gamma 0 is never rolled back: keep the latest)
+            del self.marks[0], self.fed[0]
+
+    def _run(self, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
+        start, width = self.num_slots, tokens.shape[1]
+        kwargs = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        if self._positions:
+            kwargs["position_ids"] = torch.arange(start, start + width, device=tokens.device).unsqueeze(0)
+        cache = self.cache if self.cache is not None else DynamicCache(config=self.model.config)
+        out = self.model(input_ids=tokens, use_cache=True, return_dict=True, **{self.spec.cache_argument: cache},
+                         **kwargs, **self._flags)
+        self.cache = getattr(out, self.spec.cache_argument)
+        self.num_slots = start + width
+        return out.logits[:, -1:] if last_only else out.logits
+
+    def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int, kept_host: list[int] | None = None) -> None:
+        """Of the last ``width`` slots keep the first kept_host[0]: restore the latest mark at or before that slot,
+        re-run the tokens from it. kept_host is required (batch 1: the loop and the draft pass it)."""
+        if kept_host is None or len(kept_host) != 1:
+            raise ValueError("RecurrentRunner rolls back one row, from the host's kept count (kept_host)")
+        target = self.num_slots - width + kept_host[0]
+        if target < self.num_slots:
+            self._restore(target)
+        self.marks.clear()
+        self.fed.clear()
+
+    def _restore(self, target: int) -> None:
+        index = max((i for i, (slot, _) in enumerate(self.marks) if slot <= target), default=None)
+        if index is None:
+            raise RuntimeError(f"cannot roll back to slot {target}: no mark at or before it (marks at "
+                               f"{[slot for slot, _ in self.marks]})")
+        slot, states = self.marks[index]
+        rerun = [tokens for _, tokens in self.fed[index:]]
+        if states is None:  # the mark came before the first forward: start over from an empty cache
+            self.cache = None
+        else:
+            for state, saved in zip(state_tensors(self.cache), states):
+                state.copy_(saved)
+            crop_attention(self.cache, slot)
+        self.num_slots = slot
+        if target > slot:
+            self.reruns += 1
+            self._run(torch.cat(rerun, dim=1)[:, : target - slot], last_only=True)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` [B'] of the states and K/V (batch 1: the row, or none once it finished)."""
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                if isinstance(layer, LinearAttentionCacheLayerMixin):
+                    for kind in (layer.conv_states, layer.recurrent_states):
+                        for i in kind:
+                            if kind[i] is not None:
+                                kind[i] = kind[i].index_select(0, index)
+                keys = getattr(layer, "keys", None)
+                if keys is not None and keys.dim() == 4:
+                    layer.keys, layer.values = keys.index_select(0, index), layer.values.index_select(0, index)
+        self.marks.clear()
+        self.fed.clear()
+
+    def check_add_rows(self, other) -> None:
+        raise NotImplementedError("a model with recurrent states runs at batch 1: no rows join it")
+
+    def add_rows(self, other) -> None:
+        self.check_add_rows(other)
+
+    def lengths_to_read(self) -> None:
+        return None
+
+    def lengths_read(self, lengths: list[int]) -> None:
+        pass
+
+    @property
+    def compactions(self) -> int:
+        return 0
