@@ -241,6 +241,12 @@ def layer_types(config) -> tuple[list[str], list[int | None]] | None:
     return list(types), [window if t == "sliding_attention" else None for t in types]
 
 
+def _state_model_type(config) -> bool:
+    """Whether the model type is one whose recurrent states are rolled back (``STATE_SNAPSHOT_EXACT``) or refused for
+    a reason of its own (``RESTARTS_STATE``)."""
+    return getattr(config, "model_type", "") in STATE_SNAPSHOT_EXACT | set(RESTARTS_STATE)
+
+
 def _recurrent_spec(name: str, config, path: str, batch: int, types: list[str], cache_arg: str) -> ModelSpec:
     """The spec of a model with recurrent states (``STATE_SNAPSHOT_EXACT``), or its refusal by name: a model whose
     forward over several tokens restarts its state, another path than the dynamic cache, a batch."""
@@ -325,6 +331,8 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
     if reason:
         _refuse(name, path, reason)
     cache_arg = cache_argument(model)
+    if cache_arg is None and "cache_params" in params and _state_model_type(config):
+        cache_arg = "cache_params"  # (Mamba's and Mamba2's keyword up to transformers 5.23, a DynamicCache there too)
     for arg, present in (("past_key_values or cache", cache_arg is not None),
                          ("attention_mask", "attention_mask" in params)):
         if not present:
@@ -338,7 +346,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
         _refuse(name, path, f"its config ({type(config).__name__}) states neither layer_types nor "
                             "num_hidden_layers, so its cache layout cannot be checked")
     types, windows = layout
-    if getattr(config, "model_type", "") in STATE_SNAPSHOT_EXACT | set(RESTARTS_STATE):
+    if _state_model_type(config):
         return _recurrent_spec(name, config, path, batch, types, cache_arg)
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
     if unknown:

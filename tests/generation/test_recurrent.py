@@ -1,0 +1,158 @@
+"""Models with conv / SSM / linear-attention states at batch 1 (``runners/recurrent.py``): token-identical to
+model.generate with rejected drafts (a snapshot restored, the accepted tokens re-run), one host read per iteration;
+Mamba (whose multi-token forward restarts its scan), batches, the static cache and padded prompts refused by name."""
+
+import pytest
+import torch
+from transformers import (
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+import speculative_kernels as sk
+from speculative_kernels.generation.capabilities import check_model
+from speculative_kernels.generation.runners.recurrent import RecurrentRunner
+from helpers.host_reads import count_reads_per_loop_step
+from helpers.models import llama, perturbed
+
+VOCAB = 97
+
+
+def _build(model_class, config, seed: int = 0):
+    config.tie_word_embeddings = False  # (tied tiny random models repeat their input, which any draft guesses)
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def mamba2():
+    return _build(Mamba2ForCausalLM, Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8,
+                                                  head_dim=8, state_size=8, expand=2, n_groups=1, chunk_size=4))
+
+
+def qwen3_next():  # gated DeltaNet layers beside full attention (whose K/V the rollback cuts)
+    return _build(Qwen3NextForCausalLM, Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"]))
+
+
+def granite_hybrid():  # Mamba2 layers beside attention (Granite 4)
+    return _build(GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, mamba_expand=2, num_local_experts=0))
+
+
+def lfm2():  # short conv layers (a conv state only) beside attention
+    return _build(Lfm2ForCausalLM, Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              layer_types=["conv", "full_attention"], bos_token_id=1,
+                                              eos_token_id=2, pad_token_id=0))
+
+
+def _prompt(length: int = 7, seed: int = 0):
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _expected(target, ids, new):
+    return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
+
+
+@pytest.mark.parametrize("make", [mamba2, qwen3_next, granite_hybrid, lfm2])
+def test_greedy_is_token_identical_with_rejected_drafts(make, monkeypatch):
+    """A perturbed copy as the draft (a recurrent draft, rolled back to its snapshot at n) and prompt lookup: the
+    target is restored and re-runs [last, d_1..d_n] at every partly rejected iteration. Refused before."""
+    target = make()
+    draft = perturbed(target, 0.3)
+    reruns = []
+    keep_prefix = RecurrentRunner.keep_prefix
+
+    def counted(runner, *args, **kwargs):
+        before = runner.reruns
+        keep_prefix(runner, *args, **kwargs)
+        reruns.append(runner.reruns - before)
+
+    monkeypatch.setattr(RecurrentRunner, "keep_prefix", counted)
+    for seed, kwargs in ((0, dict(draft_model=draft, num_speculative_tokens=3)),
+                         (1, dict(prompt_lookup_num_tokens=2))):
+        ids = _prompt(7 + seed, seed)
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                          pad_token_id=0, speculation_stats=stats, **kwargs)
+        assert torch.equal(got, _expected(target, ids, 14))
+    assert sum(reruns) > 0  # some iteration was partly rejected: a restore and a re-run were exercised
+
+
+def test_sampling_with_top_k_1_is_greedy_through_the_sampled_path():
+    """do_sample with top_k=1 (the sampled verification, q kept) on a Mamba2 target and draft: model.generate's
+    greedy tokens, the rollbacks included."""
+    target = mamba2()
+    draft = perturbed(target, 0.3)
+    ids = _prompt(5, 3)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), draft_model=draft, num_speculative_tokens=4,
+                      max_new_tokens=14, do_sample=True, top_k=1, pad_token_id=0, speculation_stats=stats)
+    assert torch.equal(got, _expected(target, ids, 14))
+    assert stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("target_is_recurrent", [False, True])
+def test_mixed_pairs_and_prefill_chunks(target_is_recurrent):
+    """A Mamba2 draft of a Llama target, a Llama draft of a hybrid target (each runner rolls back its own way),
+    the prompt prefilled in chunks of 3 (forwards of several tokens continuing the state)."""
+    recurrent, attention = mamba2(), llama(seed=5)
+    target, draft = (granite_hybrid(), attention) if target_is_recurrent else (attention, recurrent)
+    ids = _prompt(8, 4)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), draft_model=draft, num_speculative_tokens=2,
+                      max_new_tokens=10, do_sample=False, pad_token_id=0, prefill_chunk_size=3,
+                      speculation_stats=stats)
+    assert torch.equal(got, _expected(target, ids, 10))
+    assert stats.acceptance_rate < 1.0
+
+
+def test_one_host_read_per_iteration(monkeypatch):
+    """The restore and the re-run take their counts from the iteration's one read (kept_host)."""
+    target = mamba2()
+    reads = count_reads_per_loop_step(monkeypatch)
+    ids = _prompt()
+    sk.generate(target, ids, draft_model=perturbed(target, 0.3), num_speculative_tokens=3, max_new_tokens=14,
+                do_sample=False, pad_token_id=0)
+    assert len(reads) > 2 and all(r == ["tolist"] for r in reads[1:]), reads
+
+
+@pytest.mark.parametrize("path,batch,match", [
+    ("dynamic", 2, "batch size 1 only"),
+    ("static", 1, "dynamic cache only"),
+    ("compile", 1, "dynamic cache only"),
+])
+def test_batches_and_the_static_cache_are_refused_by_name(path, batch, match):
+    with pytest.raises(ValueError, match=rf"Mamba2ForCausalLM.*\['linear_attention'\] layers.*{match}"):
+        check_model(mamba2(), path=path, batch=batch)
+
+
+def test_mamba_is_refused_for_its_scan_restarting_from_zero():
+    """transformers' Mamba mixer runs a forward of several tokens from a zero SSM state, whatever the cache holds:
+    a verification forward could not continue it."""
+    model = _build(MambaForCausalLM, MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2))
+    with pytest.raises(ValueError, match="MambaForCausalLM.*selective scan from a zero state"):
+        check_model(model)
+
+
+def test_a_padded_prompt_is_refused_by_name():
+    target = mamba2()
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="attention_mask masks tokens.*Mamba2ForCausalLM.*recurrent state"):
+        sk.generate(target, ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4, pad_token_id=0)
