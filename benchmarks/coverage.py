@@ -466,9 +466,18 @@ def render(rows, version: str) -> str:
         "slots, ...; Llama 4's NoPE layers with attention temperature tuning, which scale queries by the cache's "
         "length, when `attention_chunk_size=None` makes every layer full attention): exact at batch 1 (no holes); "
         "batch > 1 is refused, since rejected drafts leave holes.",
-        "* **Recurrent, conv/SSM and hybrid models** (Mamba, RWKV, xLSTM, RecurrentGemma, MiniMax, LFM2, Jamba, "
-        "Qwen3-Next, ...) and cache-less ones (OpenAI-GPT): refused. A conv/SSM state folds in every token, so a "
-        "rejected draft cannot be removed from it without per-position state snapshots, and left padding reaches it.",
+        "* **Conv/SSM and hybrid models whose forward over several tokens continues the cached state** (Mamba2, "
+        "Falcon-H1, Bamba, Granite 4 hybrids, Nemotron-H, Zamba2, Qwen3-Next, Qwen3.5, OLMo hybrid, LFM2, LFM2-MoE, "
+        "LFM3, LFM2-VL): exact at batch 1 on the dynamic cache (`runners/recurrent.py`: the states are copied before "
+        "each forward; a rollback restores the copy, cuts the attention layers' K/V and re-runs the accepted tokens). "
+        "Batch > 1, the static cache and `compile=True` are refused by name: left padding and each row's own accepted "
+        "count would reach the state.",
+        "* **Mamba, Falcon-Mamba, Jamba**: refused by name. For a forward of more than one token over a cache their "
+        "mixer runs the selective scan from a zero state and never reads the cached SSM state (only one-token steps "
+        "do), so a verification forward would not continue it (Falcon-Mamba's logits differ by 6e-3 on the tiny "
+        "model, Jamba's tokens on random ones; the tiny Mamba's state barely matters, but the same code path).",
+        "* **Other recurrent models** (RWKV, xLSTM, RecurrentGemma, MiniMax, Kimi Linear, ...) and cache-less ones "
+        "(OpenAI-GPT): refused. Their caches are their own, or their multi-token forward over a state is unchecked.",
         "* **K/V layouts on the static cache**: its buffers hold keys `[B, H_kv, C, D_k]` and values "
         "`[B, H_kv, C, D_v]` as the model writes them: multi-head latent attention (DeepSeek-V2/V3, Kimi K2.5, "
         "Mistral 4, MiniCPM3, GLM4-MoE-Lite, Longcat-Flash, ...) caches its two latents (`kv_lora_rank` and "

@@ -89,6 +89,13 @@ FIXES = {
     "dory": _fix_dory,
     "dots1": lambda config: setattr(config, "n_shared_experts", 1),  # None: the shared expert's size is None * int
     "lfm2_moe": lambda config: setattr(config, "layer_types", ["conv", "full_attention"]),  # None: not a list
+    # gated DeltaNet and full attention alternating (two linear layers would leave model.generate no attention
+    # layer to read the cache length from: it fails)
+    "qwen3_next": lambda config: setattr(config, "layer_types", ["linear_attention", "full_attention"]),
+    "qwen3_5_text": lambda config: setattr(config, "layer_types", ["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": lambda config: setattr(config, "layer_types", ["linear_attention", "full_attention"]),
+    "qwen3_5": lambda config: setattr(config.text_config, "layer_types", ["linear_attention", "full_attention"]),
+    "qwen3_5_moe": lambda config: setattr(config.text_config, "layer_types", ["linear_attention", "full_attention"]),
     "reformer": lambda config: setattr(config, "axial_pos_embds_dim", [16, 16]),  # must sum to the hidden size
     "chameleon": lambda config: setattr(config, "vocabulary_map", _CHAMELEON_VOCABULARY),  # None: no .get
     # timm vision towers (stubbed where timm is missing) whose width the projector reads from the timm config
@@ -120,6 +127,14 @@ CLASS_SIZES = {
     "Granite4VisionConfig": dict(deepstack_layer_map=[[-1, 0]], downsample_rate="1/2",
                                  spatial_target_layers=[0, 1, 0, 1]),
     "Gemma4AssistantConfig": dict(backbone_hidden_size=32, num_centroids=8, centroid_intermediate_top_k=2),
+    # Mamba2 heads: num_heads * head_dim = expand * hidden_size (the mixer's inner width)
+    "Mamba2Config": dict(num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8, chunk_size=4),
+    "BambaConfig": dict(mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
+                        mamba_chunk_size=4, attn_layer_indices=[1]),
+    "GraniteMoeHybridConfig": dict(mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1,
+                                   mamba_d_state=8, mamba_chunk_size=4, layer_types=["mamba", "attention"]),
+    "Zamba2Config": dict(mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, chunk_size=4, attention_head_dim=8,
+                         layers_block_type=["mamba", "hybrid"]),
     "Cosmos3EdgeTextConfig": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                    "mrope_section": [2, 1, 1]}),  # sums to head_dim / 2
 }

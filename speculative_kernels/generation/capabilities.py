@@ -30,10 +30,11 @@ RECURRENT_LAYERS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mam
 STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
 # Models whose recurrent states ``runners.recurrent.RecurrentRunner`` rolls back exactly (a snapshot of the states
 # before each forward, restored, and the accepted tokens re-run): their forward over several tokens continues the
-# cached state, as one-token steps do (checked on tiny random models under transformers 5.17 and 5.24: logits within
-# 1e-6 of the steps', /tmp/s120 FINDINGS). Batch 1 on the dynamic cache.
+# cached state, as one-token steps do (tiny random models: logits within 1e-6 of the steps' under transformers 5.17
+# and 5.24, and ``benchmarks/coverage.py`` exact on the dynamic cache under 5.24). Batch 1 on the dynamic cache. The
+# text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text.
 STATE_SNAPSHOT_EXACT = {"mamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
-                        "lfm2"}
+                        "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3"}
 # Models whose forward over several tokens does not continue a cached state (model_type -> reason).
 _RESTARTS_SCAN = ("for a forward of more than one token over a cache, transformers' Mamba mixer runs its selective "
                   "scan from a zero state and never reads the cached SSM state (only one-token steps do), so a "
@@ -247,18 +248,26 @@ def _state_model_type(config) -> bool:
     return getattr(config, "model_type", "") in STATE_SNAPSHOT_EXACT | set(RESTARTS_STATE)
 
 
-def _recurrent_spec(name: str, config, path: str, batch: int, types: list[str], cache_arg: str) -> ModelSpec:
+def _recurrent_spec(model, name: str, config, path: str, batch: int, types: list[str],
+                    cache_arg: str) -> ModelSpec:
     """The spec of a model with recurrent states (``STATE_SNAPSHOT_EXACT``), or its refusal by name: a model whose
-    forward over several tokens restarts its state, another path than the dynamic cache, a batch."""
+    forward over several tokens restarts its state, one reading the cache length where no layer holds attention
+    K/V, another path than the dynamic cache, a batch."""
     kinds = sorted(set(types) & STATE_LAYERS)
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS - STATE_LAYERS)
-    what = f"it has {kinds} layers (a conv/recurrent state that folds in every token)"
+    what = (f"it has {kinds} layers (a conv/recurrent state that folds in every token)" if kinds else
+            "it keeps conv/recurrent states (which fold in every token)")
     restarts = RESTARTS_STATE.get(getattr(config, "model_type", ""))
     if restarts:
         _refuse(name, path, f"{what}: {restarts}")
     if unknown or "sliding_attention" in types:
         _refuse(name, path, f"{what} beside layers of type {unknown or ['sliding_attention']}, whose rollback beside "
                             "a restored state is not supported")
+    attention = set(types) & (ATTENTION_LAYERS | {"hybrid"})
+    if not attention and "get_seq_length(" in _decoder_stack_source(model)[1]:
+        _refuse(name, path, f"{what} and no attention layer, while its forward reads the cache length from one "
+                            "(cache.get_seq_length(): transformers fails, in model.generate too; e.g. an "
+                            "assistant_early_exit view of its first linear-attention layers)")
     if path != "dynamic":
         _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, on "
                             "HF's dynamic cache only (the static cache holds attention K/V slots); use the dynamic "
@@ -347,7 +356,7 @@ def _check_decoder_only(model, path: str, batch: int) -> ModelSpec:
                             "num_hidden_layers, so its cache layout cannot be checked")
     types, windows = layout
     if _state_model_type(config):
-        return _recurrent_spec(name, config, path, batch, types, cache_arg)
+        return _recurrent_spec(model, name, config, path, batch, types, cache_arg)
     unknown = sorted(set(types) - ATTENTION_LAYERS - CACHELESS_LAYERS)
     if unknown:
         recurrent = sorted(set(unknown) & RECURRENT_LAYERS)

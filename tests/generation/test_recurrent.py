@@ -156,3 +156,16 @@ def test_a_padded_prompt_is_refused_by_name():
     mask[0, 0] = 0
     with pytest.raises(ValueError, match="attention_mask masks tokens.*Mamba2ForCausalLM.*recurrent state"):
         sk.generate(target, ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=4, pad_token_id=0)
+
+
+def test_an_early_exit_view_without_attention_layers_is_refused_by_name():
+    """assistant_early_exit=1 on Qwen3-Next drafts with its first (gated DeltaNet) layer alone, whose forward reads
+    the cache length from an attention layer there is none of: transformers failed inside (model.generate fails on
+    such a model too). A Mamba2 view, which reads no cache length, is exact."""
+    target = qwen3_next()
+    ids = _prompt()
+    with pytest.raises(ValueError, match=r"Qwen3NextForCausalLM.*no attention layer.*get_seq_length"):
+        sk.generate(target, ids, assistant_early_exit=1, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    target = mamba2()
+    got = sk.generate(target, ids, assistant_early_exit=1, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, _expected(target, ids, 8))

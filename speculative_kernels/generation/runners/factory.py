@@ -115,7 +115,7 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
         if prefix is not None:
             raise ValueError(f"{spec.architecture} keeps recurrent states: a cache of the prompt's first tokens "
                              "(past_key_values / cache) is not supported for it; pass the whole prompt")
-        return RecurrentRunner(model, spec, plan.device)
+        return RecurrentRunner(model, spec, plan.device, plan.reserve)
     if prefix is not None and (spec.encoder_decoder or plan.static):
         raise ValueError("a cache of the prompt's first tokens runs on the dynamic cache of a decoder-only model only")
     if spec.encoder_decoder:

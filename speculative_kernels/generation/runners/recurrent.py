@@ -22,8 +22,6 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from ..capabilities import ModelSpec
 from .slot_mask import accepts
 
-# The most marks kept: the longest rollback spans one forward per draft step (gamma <= 16) and the pending tokens'.
-MAX_MARKS = 18
 
 
 def state_tensors(cache) -> list[torch.Tensor]:
@@ -50,10 +48,12 @@ class RecurrentRunner:
     """A ``Runner`` for one model with recurrent states, batch 1, on HF's dynamic cache (see the module docstring).
 
     marks: (slot, state copies or None where no forward had made the cache yet) before each forward since the last
-    rollback; fed: (slot, tokens [1, T]) of those forwards, for the re-run."""
+    rollback, at most ``reserve`` + 1 (the longest rollback, a draft's, spans one forward per draft step: gamma + 1
+    slots at most); fed: (slot, tokens [1, T]) of those forwards, for the re-run."""
 
-    def __init__(self, model, spec: ModelSpec, device: torch.device):
+    def __init__(self, model, spec: ModelSpec, device: torch.device, reserve: int):
         self.model, self.spec, self.device = model, spec, device
+        self.max_marks = reserve + 1
         self._flags = dict(spec.forward_flags)
         self._positions = accepts(model, "position_ids")
         self._logits_to_keep = accepts(model, "logits_to_keep")
@@ -78,7 +78,7 @@ class RecurrentRunner:
         states = None if self.cache is None else [t.clone() for t in state_tensors(self.cache)]
         self.marks.append((self.num_slots, states))
         self.fed.append((self.num_slots, tokens.clone()))  # (a view of a buffer the caller may refill)
-        if len(self.marks) > MAX_MARKS:  # (a target pausing at gamma 0 is never rolled back: keep the latest)
+        if len(self.marks) > self.max_marks:  # (a target pausing at gamma 0 is never rolled back: keep the latest)
             del self.marks[0], self.fed[0]
 
     def _run(self, tokens: torch.Tensor, last_only: bool) -> torch.Tensor:
