@@ -70,27 +70,28 @@ def _expected(target, ids, new):
 
 @pytest.mark.parametrize("make", [mamba2, qwen3_next, granite_hybrid, lfm2])
 def test_greedy_is_token_identical_with_rejected_drafts(make, monkeypatch):
-    """A perturbed copy as the draft (a recurrent draft, rolled back to its snapshot at n) and prompt lookup: the
-    target is restored and re-runs [last, d_1..d_n] at every partly rejected iteration. Refused before."""
+    """A perturbed copy as the draft (a recurrent draft, rolled back to its mark at n) and prompt lookup: at every
+    partly rejected iteration the target is restored and its next forward feeds [last, d_1..d_n] first (or re-runs
+    them, past gamma + 1 pending tokens). Refused before."""
     target = make()
     draft = perturbed(target, 0.3)
-    reruns = []
-    keep_prefix = RecurrentRunner.keep_prefix
+    runners = []
+    init = RecurrentRunner.__init__
 
-    def counted(runner, *args, **kwargs):
-        before = runner.reruns
-        keep_prefix(runner, *args, **kwargs)
-        reruns.append(runner.reruns - before)
+    def recorded(runner, *args, **kwargs):
+        init(runner, *args, **kwargs)
+        runners.append(runner)
 
-    monkeypatch.setattr(RecurrentRunner, "keep_prefix", counted)
+    monkeypatch.setattr(RecurrentRunner, "__init__", recorded)
     for seed, kwargs in ((0, dict(draft_model=draft, num_speculative_tokens=3)),
                          (1, dict(prompt_lookup_num_tokens=2))):
         ids = _prompt(7 + seed, seed)
-        stats = sk.SpeculationStats()
         got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
-                          pad_token_id=0, speculation_stats=stats, **kwargs)
+                          pad_token_id=0, **kwargs)
         assert torch.equal(got, _expected(target, ids, 14))
-    assert sum(reruns) > 0  # some iteration was partly rejected: a restore and a re-run were exercised
+    target_runners = [runners[0], runners[2]]  # (the first call's draft runner is runners[1])
+    assert all(r.restores > 0 for r in target_runners)  # partly rejected iterations: restores were exercised
+    assert sum(r.restores for r in target_runners) > sum(r.reruns for r in target_runners)  # most folded
 
 
 def test_sampling_with_top_k_1_is_greedy_through_the_sampled_path():
