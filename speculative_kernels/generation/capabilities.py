@@ -35,6 +35,10 @@ STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
 # text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text.
 STATE_SNAPSHOT_EXACT = {"mamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
                         "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3"}
+# Of those, the types whose forward runs with no attention layer at all (a config or an assistant_early_exit view of
+# state layers only); the others read the cache length from an attention layer and fail inside transformers, in
+# model.generate too (tried on tiny configs under 5.24: LFM2, LFM2-MoE, Qwen3-Next, Qwen3.5, Bamba, OLMo hybrid).
+RUNS_WITHOUT_ATTENTION = {"mamba2", "lfm3"}
 # Models whose forward over several tokens does not continue a cached state (model_type -> reason).
 _RESTARTS_SCAN = ("for a forward of more than one token over a cache, transformers' Mamba mixer runs its selective "
                   "scan from a zero state and never reads the cached SSM state (only one-token steps do), so a "
@@ -264,10 +268,10 @@ def _recurrent_spec(model, name: str, config, path: str, batch: int, types: list
         _refuse(name, path, f"{what} beside layers of type {unknown or ['sliding_attention']}, whose rollback beside "
                             "a restored state is not supported")
     attention = set(types) & (ATTENTION_LAYERS | {"hybrid"})
-    if not attention and "get_seq_length(" in _decoder_stack_source(model)[1]:
-        _refuse(name, path, f"{what} and no attention layer, while its forward reads the cache length from one "
-                            "(cache.get_seq_length(): transformers fails, in model.generate too; e.g. an "
-                            "assistant_early_exit view of its first linear-attention layers)")
+    if not attention and getattr(config, "model_type", "") not in RUNS_WITHOUT_ATTENTION:
+        _refuse(name, path, f"{what} and no attention layer, and its forward reads the cache length from one "
+                            "(cache.get_seq_length(), for its attention mask: transformers fails, in model.generate "
+                            "too; e.g. an assistant_early_exit view of its first linear-attention layers)")
     if path != "dynamic":
         _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, on "
                             "HF's dynamic cache only (the static cache holds attention K/V slots); use the dynamic "
