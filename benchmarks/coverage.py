@@ -468,8 +468,10 @@ def render(rows, version: str) -> str:
         "batch > 1 is refused, since rejected drafts leave holes.",
         "* **Conv/SSM and hybrid models whose forward over several tokens continues the cached state** (Mamba2, "
         "Falcon-H1, Bamba, Granite 4 hybrids, Nemotron-H, Zamba2, Qwen3-Next, Qwen3.5, OLMo hybrid, LFM2, LFM2-MoE, "
-        "LFM3, LFM2-VL): exact at batch 1 on the dynamic cache (`runners/recurrent.py`: the states are copied before "
-        "each forward; a rollback restores the copy, cuts the attention layers' K/V and re-runs the accepted tokens). "
+        "LFM3, LFM2-VL, LFM3-VL): exact at batch 1 on the dynamic cache (`runners/recurrent.py`: the states are copied "
+        "before each forward; a rollback restores the copy and cuts the attention layers' K/V, and the next forward "
+        "feeds the kept tokens first). Configs without any attention layer run where transformers runs them (Mamba2, "
+        "LFM3) and are refused elsewhere (transformers fails there, in model.generate too). "
         "Batch > 1, the static cache and `compile=True` are refused by name: left padding and each row's own accepted "
         "count would reach the state.",
         "* **Mamba, Falcon-Mamba, Jamba**: refused by name. For a forward of more than one token over a cache their "
