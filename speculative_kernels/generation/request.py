@@ -199,6 +199,11 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     # Requests (rows=) join a running batch (continuous batching): they are driven as a batch whatever their number
     checked_batch = batch if rows is None else max(batch, 2)
     specs = tuple(check_model_as(role, m, path, checked_batch) for role, m in zip(("model", "draft_model"), models))
+    if retokenize and specs[-1].recurrent:
+        raise ValueError(f"draft_model ({specs[-1].architecture}) keeps recurrent states, which are rolled back to "
+                         "snapshots taken in the current iteration only, and a draft with another tokenizer "
+                         "(assistant_tokenizer=) re-tokenizes the text and may drop tokens of earlier ones: use a "
+                         "draft without recurrent states there, or one sharing the target's tokenizer")
     if prompt_cache is not None and specs[0].recurrent:  # (its states are neither read nor extended: refused)
         raise ValueError(f"{prompt_cache[0]} (a cache of the prompt's first tokens) is not supported for "
                          f"{specs[0].architecture}, which keeps recurrent states: pass the whole prompt without it")

@@ -184,3 +184,21 @@ def test_a_prompt_cache_is_refused_by_name():
         pytest.skip("Mamba2 takes its cache as cache_params here")
     with pytest.raises(ValueError, match=r"cache \(a cache of the prompt's first tokens\).*Mamba2ForCausalLM"):
         sk.generate(target, ids, cache=cache, prompt_lookup_num_tokens=2, max_new_tokens=4, pad_token_id=0)
+
+
+def test_a_recurrent_draft_with_another_tokenizer_is_refused_by_name():
+    """The re-tokenizing drafter may drop draft tokens fed in earlier iterations (its text re-tokenized), past the
+    marks a recurrent runner keeps (the current iteration's)."""
+    from helpers.tiny_tokenizers import char_tokenizer, permuted, permutation
+
+    chars = "abcdefghij "
+    target_tok = char_tokenizer(chars)
+    draft_tok = permuted(target_tok, permutation(len(chars), seed=3), extra=("X",))
+    target = llama(vocab=len(chars))
+    draft = _build(Mamba2ForCausalLM, Mamba2Config(vocab_size=len(chars) + 1, hidden_size=32, num_hidden_layers=1,
+                                                   num_heads=8, head_dim=8, state_size=8, expand=2, n_groups=1,
+                                                   chunk_size=4))
+    ids = target_tok("bcd", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match=r"draft_model \(Mamba2ForCausalLM\) keeps recurrent states.*tokenizer"):
+        sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                    max_new_tokens=4, num_speculative_tokens=2, pad_token_id=0)
