@@ -25,7 +25,6 @@ from ..capabilities import ModelSpec
 from .slot_mask import accepts
 
 
-
 def state_tensors(cache) -> list[torch.Tensor]:
     """Every conv and recurrent state tensor of ``cache``'s linear-attention layers ([B, ...] each; HF updates them
     in place), in a fixed order."""
@@ -131,7 +130,11 @@ class RecurrentRunner:
         if states is None:  # the mark came before the first forward: start over from an empty cache
             self.cache = None
         else:
-            for state, saved in zip(state_tensors(self.cache), states):
+            current = state_tensors(self.cache)
+            if len(current) != len(states):  # (every state is made by the prompt's forward, before any mark)
+                raise RuntimeError(f"{type(self.model).__name__}'s cache holds {len(current)} state tensors, its mark "
+                                   f"{len(states)}: a state layer was initialised after the prompt")
+            for state, saved in zip(current, states):
                 state.copy_(saved)
             crop_attention(self.cache, slot)
         self.num_slots, self.pending = target, None
