@@ -221,7 +221,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         spans = [width - f + n - 1 for f, n in zip(first, new)]
     check_window_holes(specs[0], attention_mask, spans)
     if rows is None:  # (a batch of requests pads them for our own masks alone: each was checked by add_request)
-        for spec in specs:
+        # (a draft's masked slots change only which drafts are accepted, but a recurrent draft's state takes none)
+        for spec in specs[:1] + tuple(spec for spec in specs[1:] if spec.recurrent):
             check_masked_slots(spec, attention_mask)
     check_window_applied(specs[0], max(spans, default=0))
     real = [width] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()  # prompt lengths

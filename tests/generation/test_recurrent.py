@@ -202,3 +202,13 @@ def test_a_recurrent_draft_with_another_tokenizer_is_refused_by_name():
     with pytest.raises(ValueError, match=r"draft_model \(Mamba2ForCausalLM\) keeps recurrent states.*tokenizer"):
         sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
                     max_new_tokens=4, num_speculative_tokens=2, pad_token_id=0)
+
+
+def test_a_padded_prompt_with_a_recurrent_draft_is_refused_by_name():
+    """A Llama target takes the padded prompt; the Mamba2 draft's state would take the pads: refused, naming it."""
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="attention_mask masks tokens.*Mamba2ForCausalLM.*recurrent state"):
+        sk.generate(llama(), ids, attention_mask=mask, draft_model=mamba2(), num_speculative_tokens=2,
+                    max_new_tokens=4, pad_token_id=0)
