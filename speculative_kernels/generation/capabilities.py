@@ -29,7 +29,7 @@ RECURRENT_LAYERS = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mam
 # beside a full-attention K/V (``LinearAttentionAndFullAttentionLayer``), in transformers 5.17 to 5.24.
 STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
 # Models whose recurrent states ``runners.recurrent.RecurrentRunner`` rolls back exactly (a snapshot of the states
-# before each forward, restored, and the accepted tokens re-run): their forward over several tokens continues the
+# before each forward, restored, and the kept tokens fed again): their forward over several tokens continues the
 # cached state, as one-token steps do (tiny random models: logits within 1e-6 of the steps' under transformers 5.17
 # and 5.24, and ``benchmarks/coverage.py`` exact on the dynamic cache under 5.24). Batch 1 on the dynamic cache. The
 # text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text.
