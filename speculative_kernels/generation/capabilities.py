@@ -116,7 +116,9 @@ STATIC_SEQ2SEQ_REFUSED = {
             "where the static cache's rows sit at their own positions (the static runner feeds T5's first-layer bias "
             "only)",
 }
-_DECODER_ONLY_CACHE = re.compile(r"if self\.config\.is_decoder:\s*\n\s*use_cache")
+# The base model keeps a KV cache only as a decoder: ``if self.config.is_decoder: use_cache = ...`` (BERT family) or
+# ``if not self.config.is_decoder: use_cache = False`` (BigBird)
+_DECODER_ONLY_CACHE = re.compile(r"if (?:not )?self\.config\.is_decoder:\s*\n\s*use_cache")
 _DICT_MASK = re.compile(r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
 _DROPS_POSITION_IDS = re.compile(r"""\.pop\(\s*["']position_ids["']""")
 # A prepare_inputs_for_generation that appends a token of its own to every step's ids (XLM, Flaubert, XLNet: a mask
