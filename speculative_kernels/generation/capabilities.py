@@ -53,11 +53,15 @@ RECURRENT_CONFIG_FIELDS = ("mamba_d_state", "mamba_n_heads", "ssm_state_size", "
 ALIBI_FROM_MASK = ("bloom", "falcon")
 PATHS = ("dynamic", "static", "compile")
 # Architectures whose failure the generic rules above cannot see from the config or the forward's signature, found
-# by benchmarks/coverage.py: model_type -> (paths refused, reason).
+# by benchmarks/coverage.py (BLT: by HF's own tester config, which states num_hidden_layers): model_type -> (paths
+# refused, reason).
 KNOWN_UNSUPPORTED = {
     "cpmant": (PATHS, "it builds its own attention mask and position bias from the 2-D mask and cache length, and "
                       "does not take the runners' 4-D slot masks"),
     "prophetnet": (PATHS, "its n-gram stream attention builds its own masks and does not take 4-D slot masks"),
+    "blt": (PATHS, "its global transformer runs over the patches of each forward's own tokens, with no cache and "
+                   "positions from 0, so a forward over several tokens gives other logits than one-token steps "
+                   "(byte-latent patches: a verification forward is not the steps of model.generate)"),
     "mimo_v2_flash": (("static", "compile"), "its sliding-window layers have their own K/V head count, which the "
                                              "static cache's per-model buffer shape does not describe"),
 }
