@@ -115,11 +115,7 @@ SEQ2SEQ_REFUSED = {
                  "table to read at each row's own positions)",
 }
 # Encoder-decoder types the static runner does not drive exactly (model_type -> why), on the dynamic cache exact.
-STATIC_SEQ2SEQ_REFUSED = {
-    "umt5": "each of its decoder layers computes its own relative position bias from one offset shared by the batch, "
-            "where the static cache's rows sit at their own positions (the static runner feeds T5's first-layer bias "
-            "only)",
-}
+STATIC_SEQ2SEQ_REFUSED = {}
 # The base model keeps a KV cache only as a decoder: ``if self.config.is_decoder: use_cache = ...`` (BERT family) or
 # ``if not self.config.is_decoder: use_cache = False`` (BigBird)
 _DECODER_ONLY_CACHE = re.compile(r"if (?:not )?self\.config\.is_decoder:\s*\n\s*use_cache")

@@ -1,16 +1,18 @@
 """``StaticSeq2SeqRunner``: an encoder-decoder model over a preallocated decoder self-attention cache with a write
-pointer per row (``cache_implementation="static"`` and ``compile=True`` for the T5-like, BART-like and M2M100 types of
-``capabilities.POSITION_KINDS`` but UMT5's, ``STATIC_SEQ2SEQ_REFUSED``).
+pointer per row (``cache_implementation="static"`` and ``compile=True`` for the types of ``capabilities.POSITION_KINDS``).
 
 The cache is ``EncoderDecoderCache(SlotCache, DynamicCache)``, HF's structure with two differences speculation needs:
 row b's tokens fill slots [0, next_position[b]) of its row, hole-free and left-aligned, so a token's position is its
 slot and a rollback subtracts what each row dropped from its pointer (O(1), no K/V moved; stale slots past a pointer
 are overwritten before any query can see them); and the cross-attention cache is filled once, by the first decoder
 forward. Rows sit at different lengths while HF derives one offset from the cache, so hooks give the decoder each
-row's own positions: BART's position table, T5's relative bias [B, H, T, C] (computed with T5's own bucket function
-and table). No holes, so no compaction and no slack.
+row's own positions: BART's position table, T5's relative bias [B, H, T, C] (computed with the model's own bucket
+function and table: T5's first layer is given it, UMT5's layers, which each compute their own, compute it so).
+No holes, so no compaction and no slack.
 """
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -39,9 +41,10 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self.attend = torch.zeros(batch, capacity, dtype=torch.int64, device=device)  # 0: a decoder prompt pad
         self._keys = torch.arange(capacity, device=device)
         self._cover_positions(capacity)
-        self._bias_module = None
+        self._bias_module, self._own_bias_modules = None, []
         if spec.positions == "relative":
-            self._bias_module = model.get_decoder().block[0].layer[0].SelfAttention
+            self._bias_module, self._own_bias_modules = _relative_bias_modules(model)
+            self._row_bias = {id(m): functools.partial(self._own_relative_bias, m) for m in self._own_bias_modules}
         self._compiled = {}  # width -> compiled _step
         self._host_lengths = None  # the rows' lengths from the loop's host read (keeps the capacity bound tight)
 
@@ -80,6 +83,7 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         hooks = super()._register_position_hooks()
         if self._bias_module is not None:
             hooks.append(self._bias_module.register_forward_pre_hook(self._relative_bias, with_kwargs=True))
+        hooks.extend(_BiasOverride(module, self._row_bias[id(module)]) for module in self._own_bias_modules)
         return hooks
 
     def _relative_bias(self, module, args, kwargs):
@@ -87,12 +91,27 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         positions ``self._positions`` [B, T] (HF: one shared offset, [1, H, T, C])."""
         if not self._own_forward():
             return None
-        relative = self._keys.view(1, 1, -1) - self._positions.unsqueeze(2)  # [B, T, C]: key - query position
-        buckets = module._relative_position_bucket(
-            relative, bidirectional=not module.is_decoder, num_buckets=module.relative_attention_num_buckets,
-            max_distance=module.relative_attention_max_distance)
-        kwargs["position_bias"] = module.relative_attention_bias(buckets).permute(0, 3, 1, 2)
+        kwargs["position_bias"] = self._bias_at_rows(module, self.capacity)
         return args, kwargs
+
+    def _own_relative_bias(self, module, query_length, key_length, device=None, past_seen_tokens=0):
+        """``compute_bias`` of a UMT5 decoder self-attention while this runner's forward runs: [B, H, T, K] at each
+        row's positions (HF: [1, H, T, K] from the cache's one offset); another thread's forward gets HF's own."""
+        if not self._own_forward():
+            return type(module).compute_bias(module, query_length, key_length, device, past_seen_tokens)
+        return self._bias_at_rows(module, key_length)
+
+    def _bias_at_rows(self, module, key_length: int) -> torch.Tensor:
+        """module's relative position bias [B, H, T, K] for the query positions ``self._positions`` [B, T] and key
+        slots 0..K-1 (a slot is a position: rows are hole-free), by the module's own bucket function and table."""
+        relative = self._keys[:key_length].view(1, 1, -1) - self._positions.unsqueeze(2)  # [B, T, K]: key - query
+        if len(inspect.signature(module._relative_position_bucket).parameters) == 1:  # UMT5: reads its own settings
+            buckets = module._relative_position_bucket(relative)
+        else:  # T5: a static function of the settings
+            buckets = module._relative_position_bucket(
+                relative, bidirectional=not module.is_decoder, num_buckets=module.relative_attention_num_buckets,
+                max_distance=module.relative_attention_max_distance)
+        return module.relative_attention_bias(buckets).permute(0, 3, 1, 2)
 
     # ------------------------------------------------------------------------------------------- rollback
     def _drop(self, dropped: torch.Tensor, tail: int) -> None:
@@ -163,3 +182,27 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self.slot_mask[:, start : self.num_slots] = 0
         self.num_slots, self._bound = start, {start: bound}
         self.next_position.copy_(positions)
+
+
+def _relative_bias_modules(model) -> tuple:
+    """(the decoder self-attention given T5's bias through ``position_bias``, or None; the decoder self-attentions
+    that compute their own, UMT5's, from one offset in ``compute_bias`` and take no ``position_bias``)."""
+    attentions = [block.layer[0].SelfAttention for block in model.get_decoder().block]
+    biased = [a for a in attentions if getattr(a, "has_relative_attention_bias", False)]
+    takes = [a for a in biased if "position_bias" in inspect.signature(a.forward).parameters]
+    if len(takes) > 1 or (takes and takes[0] is not attentions[0]):
+        raise ValueError(f"{type(model).__name__}: unexpected relative position bias layout in the decoder")
+    return (takes[0] if takes else None), [a for a in biased if a not in takes]
+
+
+class _BiasOverride:
+    """``module.compute_bias`` replaced by ``compute`` on the instance until ``remove()`` (a hook handle's
+    interface): UMT5's attention computes its bias inside its forward from the cache's one offset, where no hook
+    reaches."""
+
+    def __init__(self, module, compute):
+        self.module = module
+        module.compute_bias = compute
+
+    def remove(self) -> None:
+        vars(self.module).pop("compute_bias", None)
