@@ -95,12 +95,13 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 # that takes decoder_position_ids (T5Gemma's rotary positions), given each row's own; "position_ids_skipping_pads":
 # such a decoder whose positions HF numbers from the pad id, skipping pad tokens (RoBERTa inside a wrapper:
 # ``wrapped_seq2seq.py``, whose generic wrappers EncoderDecoderModel, VisionEncoderDecoderModel and
-# SpeechEncoderDecoderModel take their kind from the decoder they wrap).
+# SpeechEncoderDecoderModel take their kind from the decoder they wrap); "computed": sinusoids the position module
+# computes from the position ids it is given (Pegasus-X), recomputed at each row's own.
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
                   "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute",
-                  "t5gemma": "position_ids"}
+                  "t5gemma": "position_ids", "pegasus_x": "computed"}
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
@@ -111,8 +112,6 @@ SEQ2SEQ_REFUSED = {
            "so such a forward attends every slot of the cache, where the runners' caches hold slots it must not see "
            "(the static cache's unwritten ones, a batch's alignment slots; measured: another last token on the static "
            "cache)",
-    "pegasus_x": "its decoder computes its sinusoidal positions from one offset shared by the batch (no position "
-                 "table to read at each row's own positions)",
 }
 # Encoder-decoder types the static runner does not drive exactly (model_type -> why), on the dynamic cache exact.
 STATIC_SEQ2SEQ_REFUSED = {}

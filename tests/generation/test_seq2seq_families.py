@@ -195,6 +195,27 @@ def test_t5gemma_greedy_matches_hf(cache, lengths):
     assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[7], [5, 9], [3, 9, 6]])
+def test_pegasus_x_greedy_matches_hf(cache, lengths):
+    """Pegasus-X computes its decoder sinusoids from position ids (HF: one offset for the batch), recomputed by its
+    own module at each row's positions; a perturbed draft, so rows accept different counts (with the shared offset
+    the batches of 2 and 3 gave other tokens)."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import pegasus_x
+
+    target = pegasus_x()
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
 def _switch_with_capacity(capacity):
     target = t5_like("switch_transformers")
     target.config.expert_capacity = capacity

@@ -221,10 +221,29 @@ def t5gemma(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0
     return model
 
 
+def pegasus_x(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
+    """A tiny Pegasus-X (sinusoids computed from position ids; a block-local encoder with global tokens): pad =
+    decoder start = 0, eos = 1. Its own head (untied) and Linear weights redrawn at std 1/sqrt(fan_in), unscaled
+    token embeddings: at HF's initialisation every row repeats one token whatever the positions."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("pegasus_x", **_bart_kwargs(layers, hidden, vocab), pad_token_id=0, eos_token_id=1,
+                                  decoder_start_token_id=0, block_size=4, num_global_tokens=2, scale_embedding=False,
+                                  tie_word_embeddings=False)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, module.weight.shape[1] ** -0.5)
+    return model
+
+
 # The families above beside t5/bart/mbart, for the differential harnesses (helpers.differential,
 # helpers.sampling_differential): name -> builder taking (layers, hidden, vocab, seed).
 NEW_SEQ2SEQ_FAMILIES = {**{kind: functools.partial(bart_like, kind) for kind in BART_LIKE},
-                        **{kind: functools.partial(t5_like, kind) for kind in T5_LIKE}, "t5gemma": t5gemma}
+                        **{kind: functools.partial(t5_like, kind) for kind in T5_LIKE}, "t5gemma": t5gemma,
+                        "pegasus_x": pegasus_x}
 ALL_SEQ2SEQ_FAMILIES = {**SEQ2SEQ_FAMILIES, **NEW_SEQ2SEQ_FAMILIES}
 
 
@@ -232,4 +251,4 @@ def special_ids(family: str) -> tuple[int, int, int]:
     """(pad, eos, decoder start) of ``family``'s tiny models (``ALL_SEQ2SEQ_FAMILIES``)."""
     if family in BART_LIKE:
         return BART_LIKE[family][:3]
-    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))
+    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "pegasus_x": (0, 1, 0)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))

@@ -74,6 +74,8 @@ class Seq2SeqRunner:
         self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
         self._position_module = None
+        if spec.positions == "computed":
+            self._position_module = model.get_decoder().embed_positions
         if spec.positions in ("absolute", "absolute_skipping_pads"):
             self._position_module = (position_module(model) if is_wrapper(model)
                                      else model.get_decoder().embed_positions)
@@ -193,6 +195,9 @@ class Seq2SeqRunner:
         self._hook_thread = threading.get_ident()
         if self._position_module is None:
             return []
+        if self.spec.positions == "computed":
+            return [self._position_module.register_forward_hook(self._computed_positions, with_kwargs=True,
+                                                                prepend=True)]
         if self.spec.positions == "absolute_skipping_pads":
             return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
                     self._position_module.register_forward_hook(self._true_positions_skipping_pads, with_kwargs=True,
@@ -258,6 +263,16 @@ class Seq2SeqRunner:
         # (TrOCR's sinusoids are a plain attribute, which model.to(device) leaves where they were built)
         rows = module.weights.index_select(0, index.view(-1).to(module.weights.device))
         return rows.view(*index.shape, -1).to(device=output.device, dtype=output.dtype)
+
+    def _computed_positions(self, module, args, kwargs, output):
+        """Forward hook (Pegasus-X): output [B, T, D] recomputed by the module's own forward at each row's true
+        positions, given as position ids [B * T, 1] over the rows' embeddings flattened to [1, B * T, D] (HF gives
+        the shared ``cache_length + arange(T)``, [T, 1], the same for every row)."""
+        if not self._own_forward():
+            return None
+        embeds = args[0] if args else kwargs["inputs_embeds"]  # [B, T, D]
+        flat = embeds.reshape(1, -1, embeds.shape[-1])
+        return module.forward(flat, 0, self._positions.reshape(-1, 1)).view(embeds.shape[0], embeds.shape[1], -1)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
