@@ -96,12 +96,15 @@ FOUR_D_ATTENTION = ("sdpa", "eager")
 # such a decoder whose positions HF numbers from the pad id, skipping pad tokens (RoBERTa inside a wrapper:
 # ``wrapped_seq2seq.py``, whose generic wrappers EncoderDecoderModel, VisionEncoderDecoderModel and
 # SpeechEncoderDecoderModel take their kind from the decoder they wrap); "computed": sinusoids the position module
-# computes from the position ids it is given (Pegasus-X), recomputed at each row's own.
+# computes from the position ids it is given (Pegasus-X), recomputed at each row's own; "absolute_fsmt": FSMT's
+# sinusoid table, read where model.generate's one-token steps read it (pad + 1 + position for a token, pad +
+# position for the pad token; transformers before 5.18 (5.17: no cache_length) read pad + 1 and pad at every step),
+# through its decoder, called directly: its model forward builds no causal mask when use_cache).
 POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbart": "absolute", "marian": "absolute",
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
                   "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute",
-                  "t5gemma": "position_ids", "pegasus_x": "computed"}
+                  "t5gemma": "position_ids", "pegasus_x": "computed", "fsmt": "absolute_fsmt"}
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
@@ -1189,7 +1192,8 @@ def position_table_limit(model, part: str = "decoder") -> int | None:
     root = stack if isinstance(stack, torch.nn.Module) else model
     for name, module in root.named_modules():
         if (isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
-                and limit <= module.num_embeddings <= limit + 2):  # (OPT's and BART's tables start at offset 2)
+                and limit <= module.num_embeddings <= limit + 2
+                and not callable(getattr(module, "make_weight", None))):  # (FSMT's sinusoids grow as needed)  # (OPT's and BART's tables start at offset 2)
             return limit
     for name, buffer in root.named_buffers():  # CTRL's sinusoid table, a buffer indexed by position
         if name.rsplit(".", 1)[-1] in _POSITION_BUFFERS and buffer.dim() == 2 and buffer.shape[0] == limit:

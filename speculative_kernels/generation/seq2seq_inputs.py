@@ -46,11 +46,11 @@ def prepare_seq2seq(model, draft_model, input_ids, attention_mask, config, *, de
     decoder_ids, decoder_mask = _decoder_prompt(config, decoder_input_ids, decoder_attention_mask, batch, device)
     if input_ids is not None and name == "input_ids":
         check_ids_in_vocabulary(model.get_encoder(), "input_ids", input_ids)
-    # (a wrapper's get_input_embeddings is its encoder's: bert2gpt2's decoder ids run past BERT's vocabulary)
-    check_ids_in_vocabulary(model.get_decoder() if is_wrapper(model) else model, "decoder_input_ids", decoder_ids)
+    check_ids_in_vocabulary(_decoder_embedding_owner(model), "decoder_input_ids", decoder_ids)
     for name, m in (("model", model), ("draft_model", draft_model)):
         if m is not None:  # (no draft model: prompt lookup, n-grams, early exit)
             _check_pads_numbered_as_in_steps(m, name, decoder_ids)
+            _check_prompt_forward_is_causal(m, name, decoder_ids)
     encode = functools.partial(_encode_both, model, draft_model, input_ids, attention_mask, encoder_outputs)
     return Seq2SeqPrompt(decoder_ids, decoder_mask, attention_mask, encode)
 
@@ -74,6 +74,28 @@ def _check_pads_numbered_as_in_steps(model, name: str, decoder_ids: torch.Tensor
                          f"({type(model).__name__}) numbers its decoder positions from its token ids, skipping pad "
                          "tokens in its first forward only, which speculative_kernels does not reproduce; fill the "
                          "slots that decoder_attention_mask masks with another token (e.g. eos)")
+
+
+def _decoder_embedding_owner(model):
+    """What embeds the decoder's ids: a wrapper's decoder (its get_input_embeddings is its encoder's: bert2gpt2's
+    decoder ids run past BERT's vocabulary); the decoder stack where it has its own token embedding (FSMT's target
+    vocabulary differs from its source one, which model.get_input_embeddings returns); else the model."""
+    decoder = model.get_decoder()
+    if is_wrapper(model):
+        return decoder
+    return decoder if isinstance(getattr(decoder, "embed_tokens", None), torch.nn.Embedding) else model
+
+
+def _check_prompt_forward_is_causal(model, name: str, decoder_ids: torch.Tensor) -> None:
+    """ValueError where a decoder prompt [B, L] has more than one token and ``model`` is an FSMT: model.generate's
+    first forward over it (use_cache) gets no causal mask and no padding mask, so each prompt token attends to the
+    later ones (transformers 5.17 feeds only the last one), which the runners' causal forwards do not reproduce."""
+    if POSITION_KINDS.get(getattr(model.config, "model_type", None)) != "absolute_fsmt" or decoder_ids.shape[1] == 1:
+        return
+    raise ValueError(f"decoder_input_ids gives a decoder prompt of {decoder_ids.shape[1]} tokens (start token "
+                     f"included): {name} ({type(model).__name__})'s model.generate runs it without a causal mask (each "
+                     "prompt token attends to the later ones), which speculative_kernels does not reproduce; start "
+                     "from decoder_start_token_id alone")
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,8 +46,10 @@ def tokenizers_differ(tokenizer, assistant_tokenizer) -> bool:
 
 
 def vocabulary_size(model) -> int:
-    """The number of ids the input embedding of ``model`` takes (its text config's vocab_size without one)."""
-    embeddings = model.get_input_embeddings()
+    """The number of ids the input embedding of ``model`` takes (its text config's vocab_size without one); a
+    plain module without get_input_embeddings (FSMT's encoder and decoder stacks): its ``embed_tokens``."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else getattr(model, "embed_tokens", None)
     size = getattr(embeddings, "num_embeddings", None)
     return int(size) if size is not None else int(model.config.get_text_config().vocab_size)
 

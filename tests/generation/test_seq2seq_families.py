@@ -216,6 +216,58 @@ def test_pegasus_x_greedy_matches_hf(cache, lengths):
     assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[7], [5, 9], [3, 9, 6]])
+def test_fsmt_greedy_matches_hf(cache, lengths):
+    """FSMT (facebook/wmt19): its decoder called directly with the runners' causal mask, its sinusoid table read
+    where model.generate's steps read it (transformers 5.17's steps read one position for every token, and so do
+    we there); a perturbed draft, so rows accept different counts."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import fsmt
+
+    target = fsmt()
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=1)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.2), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_fsmt_pad_tokens_generated_are_numbered_as_in_hf(cache):
+    """FSMT's one-token steps read a generated pad token at pad + its position (not the zero row, not as another
+    token): a vocabulary of 6 whose greedy rows emit the pad token (1) 8 times, inside verification blocks."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import fsmt
+
+    target = fsmt(vocab=6, seed=2)
+    ids = torch.randint(3, 6, (2, 6), generator=torch.Generator().manual_seed(2))
+    ids[0, 4:] = 1
+    kwargs = dict(attention_mask=(ids != 1).long(), do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    assert int((expected[:, 1:] == 1).sum()) >= 4
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_fsmt_decoder_prompt_of_several_tokens_is_refused():
+    """model.generate's first FSMT forward gets no causal mask (use_cache): a decoder prompt beyond the start token
+    would attend to its later tokens there; refused by name."""
+    from helpers.seq2seq_models import fsmt
+
+    target = fsmt()
+    with pytest.raises(ValueError, match=r"decoder_input_ids gives a decoder prompt of 3 tokens .*model "
+                                         r"\(FSMTForConditionalGeneration\)'s model.generate runs it without a "
+                                         r"causal mask"):
+        sk.generate(target, torch.tensor([[5, 6, 2]]), decoder_input_ids=torch.tensor([[2, 7, 8]]),
+                    prompt_lookup_num_tokens=2, max_new_tokens=4)
+
+
 def _switch_with_capacity(capacity):
     target = t5_like("switch_transformers")
     target.config.expert_capacity = capacity

@@ -239,11 +239,28 @@ def pegasus_x(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int =
     return model
 
 
+def fsmt(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
+    """A tiny FSMT (facebook/wmt19's architecture: fairseq sinusoids read from the token ids, its own output
+    projection): bos = 0, pad = 1, eos = decoder start = 2; greedy (FSMT's config defaults to num_beams=5)."""
+    from transformers import FSMTConfig, FSMTForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = FSMTConfig(
+        langs=["en", "de"], src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=hidden, encoder_layers=layers,
+        decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * hidden,
+        decoder_ffn_dim=2 * hidden, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, init_std=0.2, bos_token_id=0, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+        tie_word_embeddings=False, num_beams=1)
+    model = FSMTForConditionalGeneration(config).eval()
+    model.generation_config.num_beams = 1
+    return model
+
+
 # The families above beside t5/bart/mbart, for the differential harnesses (helpers.differential,
 # helpers.sampling_differential): name -> builder taking (layers, hidden, vocab, seed).
 NEW_SEQ2SEQ_FAMILIES = {**{kind: functools.partial(bart_like, kind) for kind in BART_LIKE},
                         **{kind: functools.partial(t5_like, kind) for kind in T5_LIKE}, "t5gemma": t5gemma,
-                        "pegasus_x": pegasus_x}
+                        "pegasus_x": pegasus_x, "fsmt": fsmt}
 ALL_SEQ2SEQ_FAMILIES = {**SEQ2SEQ_FAMILIES, **NEW_SEQ2SEQ_FAMILIES}
 
 
@@ -251,4 +268,4 @@ def special_ids(family: str) -> tuple[int, int, int]:
     """(pad, eos, decoder start) of ``family``'s tiny models (``ALL_SEQ2SEQ_FAMILIES``)."""
     if family in BART_LIKE:
         return BART_LIKE[family][:3]
-    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "pegasus_x": (0, 1, 0)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))
+    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "pegasus_x": (0, 1, 0), "fsmt": (1, 2, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))

@@ -12,6 +12,7 @@ steps number them. The cross-attention cache, filled by the first decoder forwar
 Details: ``docs/architecture.md``.
 """
 
+import inspect
 import threading
 
 import torch
@@ -74,7 +75,7 @@ class Seq2SeqRunner:
         self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
         self._position_module = None
-        if spec.positions == "computed":
+        if spec.positions in ("computed", "absolute_fsmt"):
             self._position_module = model.get_decoder().embed_positions
         if spec.positions in ("absolute", "absolute_skipping_pads"):
             self._position_module = (position_module(model) if is_wrapper(model)
@@ -85,11 +86,17 @@ class Seq2SeqRunner:
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         # RoBERTa inside a wrapper: its position ids skip pad tokens from its pad id (``_position_ids``)
         self._position_pad = decoder_pad_id(model) if spec.positions == "position_ids_skipping_pads" else None
+        # (FSMT: whether its steps number positions, transformers >= 5.18, where its table takes cache_length)
+        self._fsmt_counts_steps = spec.positions == "absolute_fsmt" and "cache_length" in inspect.signature(
+            self._position_module.forward).parameters
         self._positions = None
         self._dtype = attention_dtype(model)
         self._four_d = spec.mask != "2d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
-        self._cross_mask = encoder_mask  # (a speech wrapper derives its cross-attention mask from it: kept as given)
-        if self._four_d and encoder_mask is not None and not passes_input_mask(model):
+        # (kept as given where a speech wrapper derives its cross-attention mask from it, and for FSMT's decoder,
+        #  which takes the 2-D one)
+        self._cross_mask = encoder_mask
+        if (self._four_d and encoder_mask is not None and not passes_input_mask(model)
+                and spec.positions != "absolute_fsmt"):
             self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
 
     # ------------------------------------------------------------------------------------------- forward
@@ -160,6 +167,8 @@ class Seq2SeqRunner:
                 hook.remove()
 
     def _model_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        if self.spec.positions == "absolute_fsmt":
+            return self._fsmt_decoder_forward(tokens, decoder_mask)
         cross_mask = self._cross_mask
         if cross_mask is not None and cross_mask.dim() == 4:
             # [B, 1, 1, S] -> [B, 1, T, S], a view: MVP's attention checks the mask's query dimension
@@ -189,6 +198,15 @@ class Seq2SeqRunner:
             pad = self._position_pad
             return {"decoder_position_ids": pad + (self._positions + 1) * (tokens != pad).to(torch.int64)}
         return {}
+    def _fsmt_decoder_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
+        """FSMT's decoder called directly (its model forward, with use_cache, passes it no causal mask, and before
+        transformers 5.18 the decoder keeps only the last token under use_cache): decoder_mask [B, 1, T, W] additive
+        as its causal mask, the 2-D encoder mask as its padding mask; the cache is updated in place. Returns the
+        decoder's output, the logits [B, T, V] (its output projection is inside it)."""
+        out = self.model.get_decoder()(
+            tokens, self.encoder_outputs.last_hidden_state, self._cross_mask, None, decoder_causal_mask=decoder_mask,
+            use_cache=False, return_dict=True, **{self.spec.cache_argument: self.cache})
+        return out.last_hidden_state
 
     def _register_position_hooks(self) -> list:
         """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
@@ -197,6 +215,10 @@ class Seq2SeqRunner:
             return []
         if self.spec.positions == "computed":
             return [self._position_module.register_forward_hook(self._computed_positions, with_kwargs=True,
+                                                                prepend=True)]
+        if self.spec.positions == "absolute_fsmt":
+            return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
+                    self._position_module.register_forward_hook(self._fsmt_step_positions, with_kwargs=True,
                                                                 prepend=True)]
         if self.spec.positions == "absolute_skipping_pads":
             return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
@@ -235,6 +257,11 @@ class Seq2SeqRunner:
         ``_true_positions_skipping_pads`` reads it at each row's true positions, which HF's own growth check, given
         position 0, does not see."""
         module = self._position_module
+        if self.spec.positions == "absolute_fsmt":  # FSMT's own growth, make_weight, read from cache widths
+            needed = module.padding_idx + 2 + positions
+            if self._fsmt_counts_steps and needed > module.num_embeddings:
+                module.make_weight(needed, module.embedding_dim, module.padding_idx)
+            return
         if self.spec.positions != "absolute_skipping_pads":
             return
         needed = module.padding_idx + 2 + positions
@@ -273,6 +300,18 @@ class Seq2SeqRunner:
         embeds = args[0] if args else kwargs["inputs_embeds"]  # [B, T, D]
         flat = embeds.reshape(1, -1, embeds.shape[-1])
         return module.forward(flat, 0, self._positions.reshape(-1, 1)).view(embeds.shape[0], embeds.shape[1], -1)
+
+    def _fsmt_step_positions(self, module, args, kwargs, output):
+        """Forward hook (FSMT): output [B, T, D] read from its table where model.generate's one-token steps read it:
+        pad + (token is not pad) + the token's position (transformers 5.17's steps, whose table forward takes no
+        cache_length, read every token at pad + (token is not pad))."""
+        if not self._own_forward():
+            return None
+        ids = args[0] if args else kwargs["input"]
+        index = module.padding_idx + (ids != module.padding_idx).to(torch.int64)
+        if self._fsmt_counts_steps:
+            index = index + self._positions
+        return torch.nn.functional.embedding(index.clamp(max=module.num_embeddings - 1), module.weight)  # (fillers)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""

@@ -150,21 +150,23 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self._compiled.update({width: compiled for width, _ in shapes})
 
     def _pad_source(self) -> None:
-        """Pad the encoder output (zeros) and the cross-attention mask (not attended) along the source to a bucket
-        (``sizing.captured_capacity``): the captured steps are specialised to the cross-attention K/V's source length,
-        which would compile them again for every new source length (and end a process's compiled calls at dynamo's
-        limit). Padded keys are never attended, so nothing else changes; not padded: a source without a mask (HF
+        """Pad the encoder output (zeros) and the cross-attention mask (not attended; FSMT's 2-D one with zeros) along
+        the source to a bucket (``sizing.captured_capacity``): the captured steps are specialised to the
+        cross-attention K/V's source length, which would compile them again for every new source length (and end a
+        process's compiled calls at dynamo's limit). Padded keys are never attended, so nothing else changes; not
+        padded: a speech wrapper's (its 2-D mask is over the audio samples), a source without a mask (HF
         passes none: a mask could select another attention kernel), and a batch with a row of no real source token
         (an attention that adds the mask, eager's or T5's, weighs every source state alike there; one host read,
         before decoding)."""
         mask, states = self._cross_mask, self.encoder_outputs.last_hidden_state
         extra = captured_capacity(states.shape[1]) - states.shape[1]
-        if extra == 0 or mask is None or mask.dim() != 4:
+        fsmt = self.spec.positions == "absolute_fsmt"  # (a speech wrapper's 2-D mask is over its audio: not padded)
+        if extra == 0 or mask is None or mask.dim() != (2 if fsmt else 4):
             return
-        boolean = mask.dtype == torch.bool
-        if not bool((mask if boolean else mask == 0).any(dim=-1).all()):
+        flags = mask.dtype == torch.bool or fsmt  # (FSMT's decoder takes the 2-D 0/1 mask)
+        if not bool((mask.bool() if flags else mask == 0).any(dim=-1).all()):
             return
-        filler = False if boolean else torch.finfo(mask.dtype).min
+        filler = 0 if flags else torch.finfo(mask.dtype).min
         self.encoder_outputs = same_output_class(self.encoder_outputs,
                                                  torch.nn.functional.pad(states, (0, 0, 0, extra)))
         self._cross_mask = torch.cat([mask, mask.new_full((*mask.shape[:-1], extra), filler)], dim=-1)
