@@ -268,6 +268,32 @@ def test_fsmt_decoder_prompt_of_several_tokens_is_refused():
                     prompt_lookup_num_tokens=2, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_t5gemma_rows_of_other_lengths_get_their_own_positions(cache):
+    """Rotary attention sees only position differences, so HF's fallback for missing decoder_position_ids (the
+    cache's length, one offset for the batch) is right wherever a row's offset from it never changes: at batch 1
+    always, in a batch while every row accepts alike. A perturbed draft makes rows accept different counts; without
+    decoder_position_ids the logits (max |logit| 0.42) were then 3e-4 to 8e-4 off HF's (tokens still equal: the
+    tiny model's gaps are wider), with them within float32 rounding (1.2e-7)."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import t5gemma
+
+    target = t5gemma()
+    ids, mask = source_batch([3, 9, 6], seed=3, pad=0)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got.sequences, expected.sequences)
+    assert stats.accepted_histogram[0] > 0 and sum(stats.accepted_histogram[1:]) > 0  # rows of other lengths
+    ours, theirs = torch.stack(got.logits), torch.stack(expected.logits)
+    scale = float(theirs.abs().max())
+    assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * scale
+
+
 def _switch_with_capacity(capacity):
     target = t5_like("switch_transformers")
     target.config.expert_capacity = capacity
