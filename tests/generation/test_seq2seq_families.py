@@ -221,16 +221,17 @@ def test_pegasus_x_greedy_matches_hf(cache, lengths):
 def test_fsmt_greedy_matches_hf(cache, lengths):
     """FSMT (facebook/wmt19): its decoder called directly with the runners' causal mask, its sinusoid table read
     where model.generate's steps read it (transformers 5.17's steps read one position for every token, and so do
-    we there); a perturbed draft, so rows accept different counts."""
+    we there), the table grown past its 8 positions (read at its first size's last row before: the grown table's
+    num_embeddings stays as built); a perturbed draft, so rows accept different counts."""
     from helpers.models import perturbed
     from helpers.seq2seq_models import fsmt
 
-    target = fsmt()
+    target = fsmt(positions=8)  # its table grows (FSMT's make_weight) past 8 positions
     ids, mask = source_batch(lengths, seed=len(lengths), pad=1)
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
     expected = target.generate(ids, **kwargs)
     stats = sk.SpeculationStats()
-    got = sk.generate(target, ids, draft_model=perturbed(target, 0.2), num_speculative_tokens=3,
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.3), num_speculative_tokens=3,
                       speculation_stats=stats, **kwargs,
                       **({"cache_implementation": "static"} if cache == "static" else {}))
     assert torch.equal(got, expected), (got, expected)

@@ -20,10 +20,15 @@ With ``e_ref`` the larger of the two maxima of ``|hf - exact|``:
 """
 
 import copy
+import inspect
 
 import torch
 
 ILL_CONDITIONED = 1e-4  # e_ref / max |logit| above this: the test model, not the code under test, is at fault
+# Encoder-decoder types whose forward over a whole decoder sequence masks or numbers it otherwise than model.generate's
+# steps over a cache: FSMT (under use_cache no causal mask; without it pads masked and numbered by rank; and
+# transformers 5.17's steps read one position for every token): their "teacher-forced" logits are generate's steps.
+STEPWISE_TYPES = ("fsmt",)
 
 
 def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tensor:
@@ -31,6 +36,8 @@ def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tenso
     ``model`` over ``sequences[:, :-1]``, in the model's dtype. ``inputs``: the encoder's ``input_ids`` and
     ``attention_mask`` (encoder-decoder), the prompt's ``attention_mask`` (decoder-only, left-padded) or the decoder
     prompt's ``decoder_attention_mask``; masks are extended with ones over the generated tokens, as ``generate`` does."""
+    if getattr(model.config, "model_type", None) in STEPWISE_TYPES:
+        return _generate_steps_logits(model, sequences, steps, **inputs)
     context = sequences[:, :-1]
     key = "decoder_attention_mask" if model.config.is_encoder_decoder else "attention_mask"
     mask = inputs.pop(key, None)
@@ -56,6 +63,24 @@ def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tenso
                 rows.append(model(**row_inputs).logits[:, -steps:])
             return torch.cat(rows)
         return model(**inputs).logits[:, -steps:]
+
+
+def _generate_steps_logits(model, sequences, steps: int, **inputs) -> torch.Tensor:
+    """[B, steps, V] as model.generate computes them for an encoder-decoder ``model``: the decoder prompt (all of
+    ``sequences`` [B, L] but the last ``steps`` tokens) in one forward, then one token per forward over its cache.
+    ``inputs``: the encoder's input_ids and attention_mask (a decoder_attention_mask is dropped: FSMT ignores it
+    under use_cache)."""
+    inputs.pop("decoder_attention_mask", None)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (5.24 / older)
+    prompt = sequences.shape[1] - steps
+    with torch.no_grad():
+        out = model(**inputs, decoder_input_ids=sequences[:, :prompt], use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(prompt, sequences.shape[1] - 1):
+            out = model(**inputs, decoder_input_ids=sequences[:, t : t + 1], use_cache=True,
+                        **{name: getattr(out, name)})
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
 
 
 class NoFloat64Reference(AssertionError):

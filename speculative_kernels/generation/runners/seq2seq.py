@@ -257,9 +257,9 @@ class Seq2SeqRunner:
         ``_true_positions_skipping_pads`` reads it at each row's true positions, which HF's own growth check, given
         position 0, does not see."""
         module = self._position_module
-        if self.spec.positions == "absolute_fsmt":  # FSMT's own growth, make_weight, read from cache widths
+        if self.spec.positions == "absolute_fsmt":  # FSMT's own growth, make_weight (num_embeddings stays as built)
             needed = module.padding_idx + 2 + positions
-            if self._fsmt_counts_steps and needed > module.num_embeddings:
+            if self._fsmt_counts_steps and needed > module.weight.shape[0]:
                 module.make_weight(needed, module.embedding_dim, module.padding_idx)
             return
         if self.spec.positions != "absolute_skipping_pads":
@@ -311,7 +311,7 @@ class Seq2SeqRunner:
         index = module.padding_idx + (ids != module.padding_idx).to(torch.int64)
         if self._fsmt_counts_steps:
             index = index + self._positions
-        return torch.nn.functional.embedding(index.clamp(max=module.num_embeddings - 1), module.weight)  # (fillers)
+        return torch.nn.functional.embedding(index.clamp(max=module.weight.shape[0] - 1), module.weight)  # (fillers)
 
     def _true_positions(self, module, args, output):
         """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
