@@ -104,7 +104,13 @@ POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbar
                   "pegasus": "absolute", "blenderbot": "absolute", "blenderbot-small": "absolute",
                   "plbart": "absolute", "mvp": "absolute", "m2m_100": "absolute_skipping_pads", "umt5": "relative",
                   "longt5": "relative", "switch_transformers": "relative", "bigbird_pegasus": "absolute",
-                  "t5gemma": "position_ids", "pegasus_x": "computed", "fsmt": "absolute_fsmt"}
+                  "t5gemma": "position_ids", "t5gemma2": "position_ids", "pegasus_x": "computed",
+                  "fsmt": "absolute_fsmt"}
+# Encoder-decoder types whose decoder attends to its own tokens and the source in one attention over the two masks
+# concatenated (T5Gemma 2's merged attention): the cross mask must be of the self mask's kind (additive), given also
+# where the request has none (transformers' own is bool under sdpa, which concatenated to an additive mask reads as a
+# bias of 1 on every source key).
+MERGED_ATTENTION = ("t5gemma2",)
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "

@@ -295,6 +295,31 @@ def test_t5gemma_rows_of_other_lengths_get_their_own_positions(cache):
     assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * scale
 
 
+@pytest.mark.parametrize("attention,cache,masked", [("eager", "dynamic", True), ("sdpa", "dynamic", True),
+                                                    ("sdpa", "static", True), ("sdpa", "dynamic", False)])
+def test_t5gemma2_matches_hf(attention, cache, masked):
+    """T5Gemma 2's decoder concatenates its self- and cross-attention masks for one merged attention: under sdpa
+    transformers' own cross mask is bool, which concatenated to the runners' additive self mask read as a bias of 1
+    on every source key (logits 0.35-0.54 off, other tokens, batch 1 too); the runners give an additive cross mask,
+    also where the request has none. Logits within float32 rounding of model.generate's, rows of other lengths."""
+    from helpers.models import perturbed
+    from helpers.seq2seq_models import t5gemma2
+
+    target = t5gemma2(attention=attention)
+    ids, mask = source_batch([3, 9, 6] if masked else [6, 6], seed=3, pad=0)
+    kwargs = dict(attention_mask=mask if masked else None, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got.sequences, expected.sequences)
+    assert stats.accepted_histogram[0] > 0 and sum(stats.accepted_histogram[1:]) > 0
+    ours, theirs = torch.stack(got.logits), torch.stack(expected.logits)
+    assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(theirs.abs().max())
+
+
 def _switch_with_capacity(capacity):
     target = t5_like("switch_transformers")
     target.config.expert_capacity = capacity

@@ -221,6 +221,29 @@ def t5gemma(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0
     return model
 
 
+def t5gemma2(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, window: int = 4,
+             attention: str = "eager"):
+    """A tiny T5Gemma 2 (T5Gemma's decoder with merged self- and cross-attention; a one-layer SigLIP tower in the
+    encoder, unused for text): pad = 0, eos = 1, bos = 2 (the decoder start)."""
+    from transformers import T5Gemma2Config, T5Gemma2ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab, sliding_window=window,
+                layer_types=(["sliding_attention", "full_attention"] * layers)[:layers],
+                query_pre_attn_scalar=hidden // 4)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=8)
+    config = T5Gemma2Config(encoder=dict(text_config=text, vision_config=vision, mm_tokens_per_image=4), decoder=text,
+                            pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation=attention)
+    model = T5Gemma2ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # residual branches x2, as t5gemma's
+        for name, weight in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                weight.mul_(2.0)
+    return model
+
+
 def pegasus_x(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0):
     """A tiny Pegasus-X (sinusoids computed from position ids; a block-local encoder with global tokens): pad =
     decoder start = 0, eos = 1. Its own head (untied) and Linear weights redrawn at std 1/sqrt(fan_in), unscaled
@@ -261,7 +284,7 @@ def fsmt(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, p
 # helpers.sampling_differential): name -> builder taking (layers, hidden, vocab, seed).
 NEW_SEQ2SEQ_FAMILIES = {**{kind: functools.partial(bart_like, kind) for kind in BART_LIKE},
                         **{kind: functools.partial(t5_like, kind) for kind in T5_LIKE}, "t5gemma": t5gemma,
-                        "pegasus_x": pegasus_x, "fsmt": fsmt}
+                        "t5gemma2": t5gemma2, "pegasus_x": pegasus_x, "fsmt": fsmt}
 ALL_SEQ2SEQ_FAMILIES = {**SEQ2SEQ_FAMILIES, **NEW_SEQ2SEQ_FAMILIES}
 
 
@@ -269,4 +292,5 @@ def special_ids(family: str) -> tuple[int, int, int]:
     """(pad, eos, decoder start) of ``family``'s tiny models (``ALL_SEQ2SEQ_FAMILIES``)."""
     if family in BART_LIKE:
         return BART_LIKE[family][:3]
-    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "pegasus_x": (0, 1, 0), "fsmt": (1, 2, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))
+    return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "t5gemma2": (0, 1, 2), "pegasus_x": (0, 1, 0),
+            "fsmt": (1, 2, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
 
 from ..buffers import grow_columns
-from ..capabilities import ModelSpec
+from ..capabilities import MERGED_ATTENTION, ModelSpec
 from ..wrapped_seq2seq import decoder_pad_id, is_wrapper, passes_input_mask, position_module
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
@@ -95,7 +95,11 @@ class Seq2SeqRunner:
         # (kept as given where a speech wrapper derives its cross-attention mask from it, and for FSMT's decoder,
         #  which takes the 2-D one)
         self._cross_mask = encoder_mask
-        if (self._four_d and encoder_mask is not None and not passes_input_mask(model)
+        if self._four_d and getattr(model.config, "model_type", None) in MERGED_ATTENTION:
+            source = encoder_outputs.last_hidden_state.shape[:2]
+            real = encoder_mask if encoder_mask is not None else torch.ones(source, dtype=torch.int64, device=device)
+            self._cross_mask = additive_mask(real.bool().unsqueeze(1), self._dtype)  # [B, 1, 1, S]
+        elif (self._four_d and encoder_mask is not None and not passes_input_mask(model)
                 and spec.positions != "absolute_fsmt"):
             self._cross_mask = cross_attention_mask(model, encoder_mask, self._dtype)
 
