@@ -56,9 +56,11 @@ PATHS = ("dynamic", "static", "compile")
 # by benchmarks/coverage.py (BLT: by HF's own tester config, which states num_hidden_layers): model_type -> (paths
 # refused, reason).
 KNOWN_UNSUPPORTED = {
+    "prophetnet": (PATHS, "once its cache holds a token its decoder takes one token per forward (it asserts "
+                          "decoder_input_ids of length 1 under use_cache) and builds its own n-gram stream masks, so a "
+                          "verification forward over several drafted tokens cannot run on its cache"),
     "cpmant": (PATHS, "it builds its own attention mask and position bias from the 2-D mask and cache length, and "
                       "does not take the runners' 4-D slot masks"),
-    "prophetnet": (PATHS, "its n-gram stream attention builds its own masks and does not take 4-D slot masks"),
     "blt": (PATHS, "its global transformer runs over the patches of each forward's own tokens, with no cache and "
                    "positions from 0, so a forward over several tokens gives other logits than one-token steps "
                    "(byte-latent patches: a verification forward is not the steps of model.generate)"),
@@ -113,6 +115,10 @@ POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbar
 MERGED_ATTENTION = ("t5gemma2",)
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
+    "prophetnet": "once its cache holds a token its decoder takes one token per forward (it asserts decoder_input_ids "
+                  "of length 1 under use_cache: its n-gram predicting streams are built for that one step) and builds "
+                  "its own causal and n-gram masks from the 2-D mask, so a verification forward over several drafted "
+                  "tokens cannot run on its cache",
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
                 "expert capacity over the forward's tokens), so a verification forward over several tokens in the "
                 "runners' cache layout routes tokens otherwise than model.generate's one-token steps (greedy tokens "
