@@ -37,7 +37,8 @@ SEQ2SEQ_SETTINGS = dict(encoder_no_repeat_ngram_size=[0, 0, 2], forced_bos_token
 EOS_SETTINGS = dict(min_new_tokens=[None, 1, 2], exponential_decay_length_penalty=[None, (1, 1.5)],
                     forced_eos_token_id=[None, "eos"], min_length=[None, "+2"])
 # Output scales giving spread-out continuation distributions (no single continuation dominates); 1.0 where unnamed.
-LOGIT_SCALE = {"llama": 8.0, "t5": 0.3, "bart": 2.0, "longt5": 0.3, "switch_transformers": 0.6, "t5gemma": 6.0}
+LOGIT_SCALE = {"llama": 8.0, "t5": 0.3, "bart": 2.0, "longt5": 0.3, "switch_transformers": 0.6, "t5gemma": 6.0,
+               "t5gemma2": 6.0, "pegasus_x": 2.0}
 
 
 def models(family: str = "llama"):

@@ -1,14 +1,16 @@
 """``Seq2SeqRunner``: one encoder-decoder model (``capabilities.POSITION_KINDS``: T5-like, BART-like, M2M100,
-T5Gemma; HF's generic wrappers by the decoder they wrap, ``wrapped_seq2seq.py``) over a hole-free, right-aligned
-decoder cache.
+Pegasus-X, FSMT, T5Gemma and T5Gemma 2; HF's generic wrappers by the decoder they wrap, ``wrapped_seq2seq.py``) over a
+hole-free, right-aligned decoder cache.
 
 These decoders take no per-row position ids (T5 derives its bias from slot offsets, BART its learned positions from
 the cache length; T5Gemma's, which takes them, is given each row's own), so a hole would shift every later position.
 Each row's tokens therefore fill the last ``next_position[b]`` slots of a rectangular cache; rollbacks and fillers
 shift rows right by what they dropped (one gather, batch > 1 only; batch 1 crops its tail) and the columns every row
 has left behind are cut on the left. BART's decoder (and Marian's, Pegasus's, ...) reads its position table at each
-row's true positions through a forward hook; M2M100's (NLLB's) too, numbered from its token ids as HF's one-token
-steps number them. The cross-attention cache, filled by the first decoder forward, is kept for the whole request.
+row's true positions through a forward hook; M2M100's (NLLB's) and FSMT's too, numbered from its token ids as HF's
+one-token steps number them; Pegasus-X's sinusoids are recomputed by its own module at those positions. FSMT's
+decoder is called directly (its model forward passes no causal mask under use_cache). The cross-attention cache,
+filled by the first decoder forward, is kept for the whole request.
 Details: ``docs/architecture.md``.
 """
 
