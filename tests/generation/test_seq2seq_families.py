@@ -196,7 +196,7 @@ def test_t5gemma_greedy_matches_hf(cache, lengths):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("lengths", [[7], [5, 9], [3, 9, 6]])
+@pytest.mark.parametrize("lengths", [[7], [3, 9, 6]])
 def test_pegasus_x_greedy_matches_hf(cache, lengths):
     """Pegasus-X computes its decoder sinusoids from position ids (HF: one offset for the batch), recomputed by its
     own module at each row's positions; a perturbed draft, so rows accept different counts (with the shared offset
@@ -217,7 +217,7 @@ def test_pegasus_x_greedy_matches_hf(cache, lengths):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("lengths", [[7], [5, 9], [3, 9, 6]])
+@pytest.mark.parametrize("lengths", [[7], [3, 9, 6]])
 def test_fsmt_greedy_matches_hf(cache, lengths):
     """FSMT (facebook/wmt19): its decoder called directly with the runners' causal mask, its sinusoid table read
     where model.generate's steps read it (transformers 5.17's steps read one position for every token, and so do
