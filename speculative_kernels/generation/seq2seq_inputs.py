@@ -87,15 +87,30 @@ def _decoder_embedding_owner(model):
 
 
 def _check_prompt_forward_is_causal(model, name: str, decoder_ids: torch.Tensor) -> None:
-    """ValueError where a decoder prompt [B, L] has more than one token and ``model`` is an FSMT: model.generate's
-    first forward over it (use_cache) gets no causal mask and no padding mask, so each prompt token attends to the
-    later ones (transformers 5.17 feeds only the last one), which the runners' causal forwards do not reproduce."""
-    if POSITION_KINDS.get(getattr(model.config, "model_type", None)) != "absolute_fsmt" or decoder_ids.shape[1] == 1:
+    """ValueError where a decoder prompt [B, L] has more than one token and ``model.generate``'s first forward runs it
+    without a causal mask (``_non_causal_prompt_reason``): each prompt token then attends to the later ones, which
+    the runners' causal forwards do not reproduce (one-token steps are causal whatever the mask)."""
+    reason = _non_causal_prompt_reason(model)
+    if reason is None or decoder_ids.shape[1] == 1:
         return
     raise ValueError(f"decoder_input_ids gives a decoder prompt of {decoder_ids.shape[1]} tokens (start token "
-                     f"included): {name} ({type(model).__name__})'s model.generate runs it without a causal mask (each "
-                     "prompt token attends to the later ones), which speculative_kernels does not reproduce; start "
-                     "from decoder_start_token_id alone")
+                     f"included): {name} ({type(model).__name__})'s model.generate runs it without a causal mask ("
+                     f"{reason}; each prompt token attends to the later ones), which speculative_kernels does not "
+                     "reproduce; start from decoder_start_token_id alone")
+
+
+def _non_causal_prompt_reason(model) -> str | None:
+    """Why ``model.generate`` runs a decoder prompt of several tokens without a causal mask, or None. FSMT: its
+    forward under use_cache passes its decoder none (transformers 5.17 also keeps only the last token). UMT5 where its
+    decoder self-attention is built with ``is_causal=False`` (transformers 5.17; 5.24 builds it causal): its decoder,
+    given no decoder_attention_mask, masks nothing."""
+    if POSITION_KINDS.get(getattr(model.config, "model_type", None)) == "absolute_fsmt":
+        return "FSMT's forward under use_cache passes its decoder no causal mask"
+    if getattr(model.config, "model_type", None) == "umt5":
+        attention = model.get_decoder().block[0].layer[0].SelfAttention
+        if getattr(attention, "is_causal", True) is False:
+            return "this transformers builds UMT5's decoder self-attention with is_causal=False"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

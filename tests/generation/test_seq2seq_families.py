@@ -92,6 +92,23 @@ def test_umt5_rows_at_their_own_lengths_match_hf_on_the_static_cache():
     assert stats.accepted_histogram[0] > 0 and sum(stats.accepted_histogram[1:]) > 0
 
 
+def test_umt5_decoder_prompt_run_without_a_causal_mask_is_refused():
+    """transformers 5.17 builds UMT5's decoder self-attention with is_causal=False (5.24: True), so its
+    model.generate runs a decoder prompt of several tokens without a causal mask (each token attends to the later
+    ones: the differential harness's umt5 cases with decoder_input_ids differed under 5.17). Emulated by the
+    attribute, which 5.24 reads alike: refused by name; the start token alone (one-token steps) still runs."""
+    target = t5_like("umt5")
+    for block in target.decoder.block:
+        block.layer[0].SelfAttention.is_causal = False
+    ids = torch.tensor([[6, 37, 28]])
+    with pytest.raises(ValueError, match=r"decoder prompt of 3 tokens .*UMT5ForConditionalGeneration\)'s "
+                                         r"model.generate runs it without a causal mask \(this transformers builds"):
+        sk.generate(target, ids, decoder_input_ids=torch.tensor([[0, 56, 12]]), prompt_lookup_num_tokens=2,
+                    max_new_tokens=4)
+    kwargs = dict(do_sample=False, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(sk.generate(target, ids, prompt_lookup_num_tokens=2, **kwargs), target.generate(ids, **kwargs))
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_switch_transformers_batch_whose_rows_leave_as_in_hf(cache):
     """Rows leaving the batch (and the static cache's padded source) rebuild the encoder output: Switch

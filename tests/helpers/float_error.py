@@ -27,8 +27,9 @@ import torch
 ILL_CONDITIONED = 1e-4  # e_ref / max |logit| above this: the test model, not the code under test, is at fault
 # Encoder-decoder types whose forward over a whole decoder sequence masks or numbers it otherwise than model.generate's
 # steps over a cache: FSMT (under use_cache no causal mask; without it pads masked and numbered by rank; and
-# transformers 5.17's steps read one position for every token): their "teacher-forced" logits are generate's steps.
-STEPWISE_TYPES = ("fsmt",)
+# transformers 5.17's steps read one position for every token), UMT5 (transformers 5.17's decoder is not causal
+# without a decoder_attention_mask): their "teacher-forced" logits are generate's steps.
+STEPWISE_TYPES = ("fsmt", "umt5")
 
 
 def teacher_forced_logits(model, sequences, steps: int, **inputs) -> torch.Tensor:

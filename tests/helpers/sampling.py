@@ -84,7 +84,8 @@ def hf_chain_probs(model, prompt, mask, config, eos: int | None = None):
     rows = len(seqs)  # (the chain runs on every continuation at once: its per-row inputs have that batch)
     source, source_mask = prompt.expand(rows, -1), mask.expand(rows, -1)
     if model.config.is_encoder_decoder:
-        start = torch.full((rows, 1), model.generation_config.decoder_start_token_id)
+        start = model.generation_config.decoder_start_token_id  # (else bos, as generate starts T5Gemma 2)
+        start = torch.full((rows, 1), start if start is not None else model.generation_config.bos_token_id)
         ids = torch.cat([start, seqs], dim=1)
         logits = _one_token_steps(model, source, source_mask, ids)
         model_kwargs = {"attention_mask": source_mask}
