@@ -14,9 +14,6 @@ filled by the first decoder forward, is kept for the whole request.
 Details: ``docs/architecture.md``.
 """
 
-import inspect
-import threading
-
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
@@ -24,10 +21,11 @@ from transformers.utils import ModelOutput
 
 from ..buffers import grow_columns
 from ..capabilities import MERGED_ATTENTION, ModelSpec
-from ..wrapped_seq2seq import decoder_pad_id, is_wrapper, passes_input_mask, position_module
+from ..wrapped_seq2seq import decoder_pad_id, passes_input_mask
 from .attention_backends import without_cudnn_attention
 from .dynamic_cache import crop_cache
 from .masks import additive_mask, attention_dtype, causal_slots, cross_attention_mask
+from .seq2seq_positions import DecoderPositions
 
 
 def _shift_right(tensor: torch.Tensor, shift: torch.Tensor, dim: int) -> torch.Tensor:
@@ -76,22 +74,10 @@ class Seq2SeqRunner:
         self.attend = torch.zeros(batch, 0, dtype=torch.int64, device=device)
         self._bound = {0: 0}  # loop slot count -> host upper bound on max(next_position) at that point
         self._tail_only = batch == 1  # batch 1 and no filler since the last rollback: rollback is a tail crop
-        self._position_module = None
-        if spec.positions in ("computed", "absolute_fsmt"):
-            self._position_module = model.get_decoder().embed_positions
-        if spec.positions in ("absolute", "absolute_skipping_pads"):
-            self._position_module = (position_module(model) if is_wrapper(model)
-                                     else model.get_decoder().embed_positions)
-            table = torch.nn.Embedding if spec.positions == "absolute" else torch.nn.Module
-            if not isinstance(self._position_module, table) or (spec.positions == "absolute_skipping_pads" and not all(
-                    hasattr(self._position_module, a) for a in ("weights", "padding_idx"))):
-                raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
         # RoBERTa inside a wrapper: its position ids skip pad tokens from its pad id (``_position_ids``)
         self._position_pad = decoder_pad_id(model) if spec.positions == "position_ids_skipping_pads" else None
-        # (FSMT: whether its steps number positions, transformers >= 5.18, where its table takes cache_length)
-        self._fsmt_counts_steps = spec.positions == "absolute_fsmt" and "cache_length" in inspect.signature(
-            self._position_module.forward).parameters
-        self._positions = None
+        self._positions = None  # [B, T]: the true positions of the forward running now
+        self._position_hooks = DecoderPositions(model, spec.positions, lambda: self._positions)
         self._dtype = attention_dtype(model)
         self._four_d = spec.mask != "2d"  # additive 4-D masks; otherwise (flash attention) the 2-D ones
         # (kept as given where a speech wrapper derives its cross-attention mask from it, and for FSMT's decoder,
@@ -216,116 +202,13 @@ class Seq2SeqRunner:
 
     def _register_position_hooks(self) -> list:
         """Hooks that give the decoder each row's true positions (``self._positions``) during one forward."""
-        self._hook_thread = threading.get_ident()
-        if self._position_module is None:
-            return []
-        if self.spec.positions == "computed":
-            return [self._position_module.register_forward_hook(self._computed_positions, with_kwargs=True,
-                                                                prepend=True)]
-        if self.spec.positions == "absolute_fsmt":
-            return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
-                    self._position_module.register_forward_hook(self._fsmt_step_positions, with_kwargs=True,
-                                                                prepend=True)]
-        if self.spec.positions == "absolute_skipping_pads":
-            return [self._position_module.register_forward_pre_hook(self._from_zero, with_kwargs=True, prepend=True),
-                    self._position_module.register_forward_hook(self._true_positions_skipping_pads, with_kwargs=True,
-                                                                prepend=True)]
-        # (first of the module's hooks: a caller's own hooks see, and may change, the true positions' output, as
-        #  they see HF's)
-        return [self._position_module.register_forward_pre_hook(self._inside_table, with_kwargs=True, prepend=True),
-                self._position_module.register_forward_hook(self._true_positions, prepend=True)]
-
-    def _inside_table(self, module, args, kwargs):
-        """Forward pre-hook: HF's own lookup, whose output ``_true_positions`` replaces, reads the table from the
-        cache's width, which a batch's rows (right-aligned in a cache wider than the longest by up to a few
-        verification blocks) may place past the table's end (an IndexError where every true position fits): it
-        starts from 0 instead, and position ids given to it are clamped into the table."""
-        if not self._own_forward():
-            return None
-        limit = module.num_embeddings - getattr(module, "offset", 0) - 1
-        args = tuple(0 if i == 1 else a.clamp(max=limit) if i == 2 and torch.is_tensor(a) else a
-                     for i, a in enumerate(args))
-        kwargs = {k: 0 if k in ("cache_length", "past_key_values_length")
-                  else v.clamp(max=limit) if k == "position_ids" and torch.is_tensor(v) else v
-                  for k, v in kwargs.items()}
-        return args, kwargs
+        return self._position_hooks.register()
 
     def _own_forward(self) -> bool:
-        """Whether a hook runs in this runner's own forward. The hooks sit on the model's shared submodules while
-        it runs, where another thread's forward of the same model (its ``model.generate``, or another call's
-        runner), which HF allows, runs them too: they leave such forwards alone. (While dynamo traces a captured
-        step, the forward is this runner's: its thread is not read there.)"""
-        return torch.compiler.is_compiling() or threading.get_ident() == self._hook_thread
+        return self._position_hooks.own_forward()
 
     def _cover_positions(self, positions: int) -> None:
-        """Grow M2M100's sinusoid table (as its forward does, by its own ``make_weights``) to hold ``positions`` (a
-        host bound on the rows' next position plus the forward's width) past the pad id: the hook
-        ``_true_positions_skipping_pads`` reads it at each row's true positions, which HF's own growth check, given
-        position 0, does not see."""
-        module = self._position_module
-        if self.spec.positions == "absolute_fsmt":  # FSMT's own growth, make_weight (num_embeddings stays as built)
-            needed = module.padding_idx + 2 + positions
-            if self._fsmt_counts_steps and needed > module.weight.shape[0]:
-                module.make_weight(needed, module.embedding_dim, module.padding_idx)
-            return
-        if self.spec.positions != "absolute_skipping_pads":
-            return
-        needed = module.padding_idx + 2 + positions
-        if needed > module.weights.shape[0] and hasattr(module, "make_weights"):  # (TrOCR's sinusoids never grow)
-            module.make_weights(needed + module.offset, module.embedding_dim, module.padding_idx)
-
-    def _from_zero(self, module, args, kwargs):
-        """Forward pre-hook (M2M100): HF's own lookup, which ``_true_positions_skipping_pads`` replaces, numbers from
-        the cache's width; from 0 it stays inside the table."""
-        if not self._own_forward():
-            return None
-        args = tuple(0 if i == 2 else a for i, a in enumerate(args))
-        return args, {k: 0 if k == "cache_length" else v for k, v in kwargs.items()}
-
-    def _true_positions_skipping_pads(self, module, args, kwargs, output):
-        """Forward hook (M2M100): output [B, T, D] read at the true positions. HF numbers a token
-        pad + cache_length + (its rank among the forward's non-pad tokens), and a pad token pad (a zero row); its
-        one-token steps give pad + 1 + the token's position, which its decoder prompt forward gives too where no pad
-        token precedes a non-pad one (``seq2seq_inputs`` refuses other decoder prompts)."""
-        if not self._own_forward():
-            return None
-        ids = args[0] if args else kwargs.get("input_ids")
-        pad = module.padding_idx
-        real = torch.ones_like(self._positions) if ids is None else (ids != pad).to(torch.int64)
-        index = (pad + (self._positions + 1) * real).clamp(max=module.weights.shape[0] - 1)  # (fillers run past)
-        # (TrOCR's sinusoids are a plain attribute, which model.to(device) leaves where they were built)
-        rows = module.weights.index_select(0, index.view(-1).to(module.weights.device))
-        return rows.view(*index.shape, -1).to(device=output.device, dtype=output.dtype)
-
-    def _computed_positions(self, module, args, kwargs, output):
-        """Forward hook (Pegasus-X): output [B, T, D] recomputed by the module's own forward at each row's true
-        positions, given as position ids [B * T, 1] over the rows' embeddings flattened to [1, B * T, D] (HF gives
-        the shared ``cache_length + arange(T)``, [T, 1], the same for every row)."""
-        if not self._own_forward():
-            return None
-        embeds = args[0] if args else kwargs["inputs_embeds"]  # [B, T, D]
-        flat = embeds.reshape(1, -1, embeds.shape[-1])
-        return module.forward(flat, 0, self._positions.reshape(-1, 1)).view(embeds.shape[0], embeds.shape[1], -1)
-
-    def _fsmt_step_positions(self, module, args, kwargs, output):
-        """Forward hook (FSMT): output [B, T, D] read from its table where model.generate's one-token steps read it:
-        pad + (token is not pad) + the token's position (transformers 5.17's steps, whose table forward takes no
-        cache_length, read every token at pad + (token is not pad))."""
-        if not self._own_forward():
-            return None
-        ids = args[0] if args else kwargs["input"]
-        index = module.padding_idx + (ids != module.padding_idx).to(torch.int64)
-        if self._fsmt_counts_steps:
-            index = index + self._positions
-        return torch.nn.functional.embedding(index.clamp(max=module.weight.shape[0] - 1), module.weight)  # (fillers)
-
-    def _true_positions(self, module, args, output):
-        """Forward hook: the position embeddings of each row's true positions [B, T] (HF reads the cache width)."""
-        if not self._own_forward():
-            return None
-        limit = module.num_embeddings - getattr(module, "offset", 0) - 1
-        positions = self._positions.clamp(max=limit) + getattr(module, "offset", 0)  # fillers may run past the end
-        return torch.nn.functional.embedding(positions, module.weight).to(output.dtype)
+        self._position_hooks.cover(positions)
 
     # ------------------------------------------------------------------------------------------- rollback
     def keep_prefix(self, width: int, kept: torch.Tensor, max_kept: int,
