@@ -117,8 +117,11 @@ def passes_input_mask(model) -> bool:
 def source_in_decoder_vocabulary(model) -> bool:
     """Whether the encoder's token ids are ids of the decoder too, so prompt lookup may propose them: a wrapper whose
     encoder and decoder vocabularies have the same size (bert2bert, roberta2roberta); a roberta2bert's source ids run
-    past BERT's vocabulary (IndexError in the decoder's embedding), a bert2gpt2's are other tokens. Every other
-    encoder-decoder shares one vocabulary."""
+    past BERT's vocabulary (IndexError in the decoder's embedding), a bert2gpt2's are other tokens. FSMT alike: its
+    source and target dictionaries are its own (``src_vocab_size``, ``tgt_vocab_size``). Every other encoder-decoder
+    shares one vocabulary."""
+    if getattr(model.config, "model_type", None) == "fsmt":
+        return model.config.src_vocab_size == model.config.tgt_vocab_size
     if not is_wrapper(model):
         return True
     return model.config.encoder.vocab_size == model.config.decoder.vocab_size

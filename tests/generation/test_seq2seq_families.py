@@ -273,6 +273,26 @@ def test_fsmt_pad_tokens_generated_are_numbered_as_in_hf(cache):
     assert torch.equal(got, expected), (got, expected)
 
 
+def test_fsmt_source_and_target_vocabularies_of_other_sizes():
+    """FSMT's source and target dictionaries are its own: a decoder start id past the source vocabulary is the
+    target's (checked against the decoder's embedding, not model.get_input_embeddings, the encoder's), and prompt
+    lookup does not propose source ids, which run past a smaller target vocabulary (IndexError in its decoder's
+    embedding before)."""
+    from helpers.seq2seq_models import fsmt
+
+    kwargs = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
+    target = fsmt(vocab=8, target_vocab=40)
+    target.generation_config.decoder_start_token_id = 30
+    ids = torch.tensor([[3, 4, 5, 6, 7, 3, 4]])
+    expected = target.generate(ids, **kwargs)
+    assert int(expected[0, 0]) == 30
+    assert torch.equal(sk.generate(target, ids, draft_model=target, **kwargs), expected)
+    target = fsmt(vocab=40, target_vocab=10)
+    ids = torch.tensor([[token for t in range(10) for token in (t, 35)]])  # each target id, then a source-only id
+    expected = target.generate(ids, **kwargs)
+    assert torch.equal(sk.generate(target, ids, prompt_lookup_num_tokens=3, **kwargs), expected)
+
+
 def test_fsmt_decoder_prompt_of_several_tokens_is_refused():
     """model.generate's first FSMT forward gets no causal mask (use_cache): a decoder prompt beyond the start token
     would attend to its later tokens there; refused by name."""

@@ -262,15 +262,17 @@ def pegasus_x(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int =
     return model
 
 
-def fsmt(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, positions: int = 64):
+def fsmt(layers: int = 2, hidden: int = 32, vocab: int = VOCAB, seed: int = 0, positions: int = 64,
+         target_vocab: int | None = None):
     """A tiny FSMT (facebook/wmt19's architecture: fairseq sinusoids read from the token ids, its own output
     projection): bos = 0, pad = 1, eos = decoder start = 2; greedy (FSMT's config defaults to num_beams=5).
-    positions: max_position_embeddings, the sinusoid table's initial size (FSMT grows it as positions need)."""
+    positions: max_position_embeddings, the sinusoid table's initial size (FSMT grows it as positions need);
+    target_vocab: the decoder's vocabulary size (FSMT's own dictionary), ``vocab`` by default."""
     from transformers import FSMTConfig, FSMTForConditionalGeneration
 
     torch.manual_seed(seed)
     config = FSMTConfig(
-        langs=["en", "de"], src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=hidden, encoder_layers=layers,
+        langs=["en", "de"], src_vocab_size=vocab, tgt_vocab_size=target_vocab or vocab, d_model=hidden, encoder_layers=layers,
         decoder_layers=layers, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * hidden,
         decoder_ffn_dim=2 * hidden, max_position_embeddings=positions, dropout=0.0, attention_dropout=0.0,
         activation_dropout=0.0, init_std=0.2, bos_token_id=0, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2,
