@@ -59,6 +59,34 @@ def lfm2():  # short conv layers (a conv state only) beside attention
                                               eos_token_id=2, pad_token_id=0))
 
 
+def _state_heavy(model):
+    """``model`` with its SSM skip (D) zeroed: at the tiny sizes above the recurrent (SSM / DeltaNet) states are
+    ~1e-2 or smaller and the logits barely read them (a wrong SSM state changed no greedy token), so a rollback that
+    restored the conv states alone passed every test. With D = 0 (and larger weights) a Mamba2 mixer's output is
+    its state's."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "D", None), torch.nn.Parameter):
+                module.D.zero_()
+    return model
+
+
+def mamba2_ssm():
+    return _state_heavy(mamba2())
+
+
+def granite_hybrid_ssm():
+    config = granite_hybrid().config
+    config.initializer_range = 0.2
+    return _state_heavy(_build(GraniteMoeHybridForCausalLM, config))
+
+
+def qwen3_next_ssm():
+    config = qwen3_next().config
+    config.initializer_range = 0.2
+    return _build(Qwen3NextForCausalLM, config)
+
+
 def _prompt(length: int = 7, seed: int = 0):
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -92,6 +120,29 @@ def test_greedy_is_token_identical_with_rejected_drafts(make, monkeypatch):
     target_runners = [runners[0], runners[2]]  # (the first call's draft runner is runners[1])
     assert all(r.restores > 0 for r in target_runners)  # partly rejected iterations: restores were exercised
     assert sum(r.restores for r in target_runners) > sum(r.reruns for r in target_runners)  # most folded
+
+
+@pytest.mark.parametrize("make", [mamba2_ssm, granite_hybrid_ssm, qwen3_next_ssm])
+def test_rejected_drafts_restore_the_recurrent_states(make, monkeypatch):
+    """Models whose logits read their SSM / DeltaNet state (``_state_heavy``): a rollback that restored the conv
+    states but not the recurrent ones passed the test above."""
+    target = make()
+    restores = []
+    keep_prefix = RecurrentRunner.keep_prefix
+
+    def recorded(runner, *args, **kwargs):
+        before = runner.restores
+        keep_prefix(runner, *args, **kwargs)
+        restores.append(runner.restores - before)
+
+    monkeypatch.setattr(RecurrentRunner, "keep_prefix", recorded)
+    for seed, kwargs in ((0, dict(draft_model=perturbed(target, 0.3), num_speculative_tokens=3)),
+                         (1, dict(prompt_lookup_num_tokens=2))):
+        ids = _prompt(7 + seed, seed)
+        got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                          pad_token_id=0, **kwargs)
+        assert torch.equal(got, _expected(target, ids, 14))
+    assert sum(restores) > 2
 
 
 def test_sampling_with_top_k_1_is_greedy_through_the_sampled_path():
