@@ -145,6 +145,57 @@ def test_rejected_drafts_restore_the_recurrent_states(make, monkeypatch):
     assert sum(restores) > 2
 
 
+def test_the_runner_alone_restores_folds_and_re_runs_as_documented():
+    """RecurrentRunner driven as the loop and the draft drive it (Mamba2 reading its SSM state): a fully kept
+    verification restores nothing; a partly kept one leaves [last, d_1..d_n] pending, folded into the next forward
+    (whose logits are the new positions' only, and model.generate's), re-run once more than ``defer`` (= gamma + 1)
+    are pending, exactly ``defer`` still folded; a draft's rollback of one-token steps is a restore alone (a mark at
+    the kept slot); the kept tokens are copies (the caller may refill its buffer). Output-equivalent mutants of these
+    (a restore of nothing, an earlier mark, re-running at defer, no logits_to_keep) passed the generate tests."""
+    model = mamba2_ssm()
+    ids = _prompt(40, 5)
+    with torch.no_grad():
+        reference = model(ids).logits  # [1, 40, V]: one forward over the whole sequence
+    positions = []
+    runner = RecurrentRunner(model, check_model(model), torch.device("cpu"), reserve=4)  # gamma 3
+    model.lm_head.register_forward_hook(lambda module, args, out: positions.append(out.shape[1]))
+    assert runner.defer == 4
+
+    def run(start, end, **kwargs):
+        logits = runner.forward(ids[:, start:end].clone(), **kwargs)
+        torch.testing.assert_close(logits, reference[:, end - logits.shape[1] : end], atol=1e-4, rtol=0)
+
+    def keep(width, kept):
+        runner.keep_prefix(width, None, kept, [kept])
+        assert runner.marks == [] and runner.fed == []
+
+    with torch.no_grad():
+        run(0, 8, last_only=True, prompt=True)
+        assert runner.marks == []
+        run(8, 12)  # a verification of [last, d1..d3], all kept: nothing restored
+        keep(4, 4)
+        assert (runner.restores, runner.pending, runner.num_slots) == (0, None, 12)
+        buffer = ids[:, 12:16].clone()
+        runner.forward(buffer)
+        buffer.fill_(0)  # (a caller's buffer refilled after the forward)
+        keep(4, 2)  # [last, d1] kept: restored to slot 12, both pending
+        assert (runner.restores, runner.reruns, runner.num_slots) == (1, 0, 14)
+        assert torch.equal(runner.pending, ids[:, 12:14])
+        positions.clear()
+        run(14, 18)  # the pending two ride along: logits of the 4 new positions only
+        assert positions == [4]
+        keep(4, 2)  # 2 + 2 = 4 = defer pending: still folded
+        assert (runner.restores, runner.reruns) == (2, 0) and torch.equal(runner.pending, ids[:, 12:16])
+        run(16, 20)
+        keep(4, 1)  # 4 + 1 > defer: re-run at once
+        assert (runner.restores, runner.reruns, runner.pending, runner.num_slots) == (3, 1, None, 17)
+        for end in range(18, 21):  # a draft's one-token steps (the first after its pending token), then 1 of 3 kept
+            run(end - 1, end, last_only=True)
+        keep(3, 1)
+        assert (runner.restores, runner.reruns, runner.pending, runner.num_slots) == (4, 1, None, 18)
+        run(18, 22)
+
+
 def test_sampling_with_top_k_1_is_greedy_through_the_sampled_path():
     """do_sample with top_k=1 (the sampled verification, q kept) on a Mamba2 target and draft: model.generate's
     greedy tokens, the rollbacks included."""
