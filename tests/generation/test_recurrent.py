@@ -4,6 +4,7 @@ Mamba (whose multi-token forward restarts its scan), batches, the static cache a
 
 import pytest
 import torch
+import transformers
 from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
@@ -250,6 +251,20 @@ def test_mamba_is_refused_for_its_scan_restarting_from_zero():
     model = _build(MambaForCausalLM, MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2))
     with pytest.raises(ValueError, match="MambaForCausalLM.*selective scan from a zero state"):
         check_model(model)
+
+
+def test_sliding_window_attention_beside_states_is_refused_by_name():
+    """LFM3's default layout puts sliding-window attention layers beside its conv layers: HF's cache keeps only the
+    window's last K/V there, which a rollback's crop to a slot (``crop_attention``) would cut wrongly. No test held
+    the refusal (a mutant without it passed)."""
+    config_class = getattr(transformers, "Lfm3Config", None)
+    if config_class is None:
+        pytest.skip("no LFM3 in this transformers")
+    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0,
+                          layer_types=["conv", "sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2)
+    with pytest.raises(ValueError, match=r"Lfm3ForCausalLM.*\['conv'\] layers.*\['sliding_attention'\]"):
+        check_model(transformers.Lfm3ForCausalLM(config))
 
 
 def test_a_padded_prompt_is_refused_by_name():
