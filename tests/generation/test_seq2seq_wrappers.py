@@ -168,6 +168,21 @@ def test_roberta_decoder_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
                     draft_model=draft, max_new_tokens=4)
 
 
+def test_trocr_sinusoidal_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
+    """TrOCR's sinusoids (numbered from its pad id, ``absolute_skipping_pads``) give a pad token the pad's zero row:
+    the runners' hook must too. A decoder prompt ending in pad tokens, as model.generate numbers it (a hook that
+    numbered the pad like the other tokens passed every other test)."""
+    target, draft = pairs["vit-trocr-sinusoidal"]
+    pad, start = target.config.decoder.pad_token_id, target.generation_config.decoder_start_token_id
+    decoder_ids = torch.tensor([[start, 5, pad], [start, pad, pad]])
+    kwargs = dict(decoder_input_ids=decoder_ids, do_sample=False, max_new_tokens=8, return_dict_in_generate=True,
+                  output_logits=True)
+    expected = target.generate(images(2, seed=4), **kwargs)
+    got = sk.generate(target, images(2, seed=4), draft_model=draft, num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences), (got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+
+
 def test_unreviewed_wrapped_decoder_is_refused_by_name():
     from transformers import EncoderDecoderConfig, EncoderDecoderModel, RoFormerConfig
 
