@@ -168,6 +168,19 @@ def test_roberta_decoder_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
                     draft_model=draft, max_new_tokens=4)
 
 
+def test_roberta_decoder_numbers_from_its_own_pad_id_not_the_wrappers(pairs):
+    """The wrapper's config.pad_token_id (0 here, e.g. a BERT encoder's) is not the RoBERTa decoder's (1), whose
+    embeddings number positions from their own padding_idx: the runners read the decoder's (a mutant reading the
+    wrapper's passed every test, where the two agree)."""
+    target = copy.deepcopy(pairs["roberta2roberta"][0])
+    target.config.pad_token_id = 0
+    ids, mask = source_batch([7], seed=5, pad=1)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    got = sk.generate(target, ids, attention_mask=mask, prompt_lookup_num_tokens=2, do_sample=False,
+                      max_new_tokens=10)
+    assert torch.equal(got, expected), (got, expected)
+
+
 def test_trocr_sinusoidal_pad_tokens_in_the_decoder_prompt_as_in_hf(pairs):
     """TrOCR's sinusoids (numbered from its pad id, ``absolute_skipping_pads``) give a pad token the pad's zero row:
     the runners' hook must too. A decoder prompt ending in pad tokens, as model.generate numbers it (a hook that
