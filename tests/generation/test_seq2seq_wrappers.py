@@ -233,6 +233,8 @@ def test_wrapper_inputs_refused_by_name(pairs):
         sk.generate(vision, images(1), attention_mask=torch.ones(1, 4), prompt_lookup_num_tokens=2, max_new_tokens=4)
     with pytest.raises(TypeError, match=r"pixel_values must be a floating-point tensor"):
         sk.generate(vision, torch.ones(1, 3, 16, 16, dtype=torch.int64), prompt_lookup_num_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"pixel_values must be a \[batch, \.\.\.\] tensor with at least one row"):
+        sk.generate(vision, torch.ones(0, 3, 16, 16), prompt_lookup_num_tokens=2, max_new_tokens=4)
     text, _ = pairs["bert2gpt2"]
     with pytest.raises(ValueError, match=r"model's encoder reads pixel_values but draft_model's reads input_ids"):
         sk.generate(vision, images(1), draft_model=text, max_new_tokens=4)
