@@ -251,3 +251,15 @@ def test_decoder_position_limit_as_in_hf(pairs, name, fits):
     assert sk.generate(target, source, max_new_tokens=fits, **kwargs).shape[1] == fits + 1
     with pytest.raises(ValueError, match=rf"model \({type(target).__name__}\) has a learned position table of "):
         sk.generate(target, source, max_new_tokens=fits + 1, **kwargs)
+
+
+def test_learned_table_up_to_its_end_in_a_batch_as_in_hf(pairs):
+    """TrOCR's learned table (64 positions) up to the last row a batch of 2 with 4 drafts may reach: its rows accept
+    different counts and sit right-aligned in a cache wider than the longest, from whose width HF's own lookup
+    (cache_length) would read past the table, an IndexError where every true position fits; the runners' pre-hook
+    starts that lookup from 0 (``_inside_table``; a mutant without it passed every other test)."""
+    target, draft = pairs["vit-trocr"]
+    kwargs = dict(do_sample=False, max_new_tokens=60, eos_token_id=None)
+    expected = target.generate(images(2, seed=6), **kwargs)
+    got = sk.generate(target, images(2, seed=6), draft_model=draft, num_speculative_tokens=4, **kwargs)
+    assert torch.equal(got, expected), (got, expected)
