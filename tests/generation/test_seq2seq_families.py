@@ -212,25 +212,31 @@ def test_t5gemma_greedy_matches_hf(cache, lengths):
     assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
 
 
+def _assert_greedy_with_rejections(target, lengths: list[int], pad: int, perturbation: float, cache: str) -> None:
+    """Greedy tokens identical to ``target.generate``'s for a source batch of ``lengths`` (padded with ``pad``), with
+    a draft perturbed by ``perturbation`` that the target rejects at least once (rows accept different counts)."""
+    from helpers.models import perturbed
+
+    ids, mask = source_batch(lengths, seed=len(lengths), pad=pad)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
+    expected = target.generate(ids, **kwargs)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, draft_model=perturbed(target, perturbation), num_speculative_tokens=3,
+                      speculation_stats=stats, **kwargs,
+                      **({"cache_implementation": "static"} if cache == "static" else {}))
+    assert torch.equal(got, expected), (got, expected)
+    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("lengths", [[7], [3, 9, 6]])
 def test_pegasus_x_greedy_matches_hf(cache, lengths):
     """Pegasus-X computes its decoder sinusoids from position ids (HF: one offset for the batch), recomputed by its
     own module at each row's positions; a perturbed draft, so rows accept different counts (with the shared offset
     the batches of 2 and 3 gave other tokens)."""
-    from helpers.models import perturbed
     from helpers.seq2seq_models import pegasus_x
 
-    target = pegasus_x()
-    ids, mask = source_batch(lengths, seed=len(lengths), pad=0)
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
-    expected = target.generate(ids, **kwargs)
-    stats = sk.SpeculationStats()
-    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
-                      speculation_stats=stats, **kwargs,
-                      **({"cache_implementation": "static"} if cache == "static" else {}))
-    assert torch.equal(got, expected), (got, expected)
-    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+    _assert_greedy_with_rejections(pegasus_x(), lengths, pad=0, perturbation=0.1, cache=cache)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -240,19 +246,10 @@ def test_fsmt_greedy_matches_hf(cache, lengths):
     where model.generate's steps read it (transformers 5.17's steps read one position for every token, and so do
     we there), the table grown past its 8 positions (read at its first size's last row before: the grown table's
     num_embeddings stays as built); a perturbed draft, so rows accept different counts."""
-    from helpers.models import perturbed
     from helpers.seq2seq_models import fsmt
 
-    target = fsmt(positions=8)  # its table grows (FSMT's make_weight) past 8 positions
-    ids, mask = source_batch(lengths, seed=len(lengths), pad=1)
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None)
-    expected = target.generate(ids, **kwargs)
-    stats = sk.SpeculationStats()
-    got = sk.generate(target, ids, draft_model=perturbed(target, 0.3), num_speculative_tokens=3,
-                      speculation_stats=stats, **kwargs,
-                      **({"cache_implementation": "static"} if cache == "static" else {}))
-    assert torch.equal(got, expected), (got, expected)
-    assert stats.accepted_histogram[0] > 0  # rejections rolled the caches back
+    # its table grows (FSMT's make_weight) past 8 positions
+    _assert_greedy_with_rejections(fsmt(positions=8), lengths, pad=1, perturbation=0.3, cache=cache)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
