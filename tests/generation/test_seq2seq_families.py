@@ -303,19 +303,12 @@ def test_fsmt_decoder_prompt_of_several_tokens_is_refused():
                     prompt_lookup_num_tokens=2, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_t5gemma_rows_of_other_lengths_get_their_own_positions(cache):
-    """Rotary attention sees only position differences, so HF's fallback for missing decoder_position_ids (the
-    cache's length, one offset for the batch) is right wherever a row's offset from it never changes: at batch 1
-    always, in a batch while every row accepts alike. A perturbed draft makes rows accept different counts; without
-    decoder_position_ids the logits (max |logit| 0.42) were then 3e-4 to 8e-4 off HF's (tokens still equal: the
-    tiny model's gaps are wider), with them within float32 rounding (1.2e-7)."""
+def _assert_logits_with_rows_of_other_lengths(target, ids, mask, max_new_tokens: int, cache: str) -> None:
+    """Greedy tokens identical to ``target.generate``'s and every step's logits within 64 float32 ulps of its
+    largest, with a perturbed draft that rows accept in different counts (some rejected, some accepted)."""
     from helpers.models import perturbed
-    from helpers.seq2seq_models import t5gemma
 
-    target = t5gemma()
-    ids, mask = source_batch([3, 9, 6], seed=3, pad=0)
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None,
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                   return_dict_in_generate=True, output_logits=True)
     expected = target.generate(ids, **kwargs)
     stats = sk.SpeculationStats()
@@ -325,8 +318,20 @@ def test_t5gemma_rows_of_other_lengths_get_their_own_positions(cache):
     assert torch.equal(got.sequences, expected.sequences)
     assert stats.accepted_histogram[0] > 0 and sum(stats.accepted_histogram[1:]) > 0  # rows of other lengths
     ours, theirs = torch.stack(got.logits), torch.stack(expected.logits)
-    scale = float(theirs.abs().max())
-    assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * scale
+    assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(theirs.abs().max())
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_t5gemma_rows_of_other_lengths_get_their_own_positions(cache):
+    """Rotary attention sees only position differences, so HF's fallback for missing decoder_position_ids (the
+    cache's length, one offset for the batch) is right wherever a row's offset from it never changes: at batch 1
+    always, in a batch while every row accepts alike. A perturbed draft makes rows accept different counts; without
+    decoder_position_ids the logits (max |logit| 0.42) were then 3e-4 to 8e-4 off HF's (tokens still equal: the
+    tiny model's gaps are wider), with them within float32 rounding (1.2e-7)."""
+    from helpers.seq2seq_models import t5gemma
+
+    ids, mask = source_batch([3, 9, 6], seed=3, pad=0)
+    _assert_logits_with_rows_of_other_lengths(t5gemma(), ids, mask, max_new_tokens=16, cache=cache)
 
 
 @pytest.mark.parametrize("attention,cache,masked", [("eager", "dynamic", True), ("sdpa", "dynamic", True),
@@ -336,22 +341,11 @@ def test_t5gemma2_matches_hf(attention, cache, masked):
     transformers' own cross mask is bool, which concatenated to the runners' additive self mask read as a bias of 1
     on every source key (logits 0.35-0.54 off, other tokens, batch 1 too); the runners give an additive cross mask,
     also where the request has none. Logits within float32 rounding of model.generate's, rows of other lengths."""
-    from helpers.models import perturbed
     from helpers.seq2seq_models import t5gemma2
 
-    target = t5gemma2(attention=attention)
     ids, mask = source_batch([3, 9, 6] if masked else [6, 6], seed=3, pad=0)
-    kwargs = dict(attention_mask=mask if masked else None, do_sample=False, max_new_tokens=12, eos_token_id=None,
-                  return_dict_in_generate=True, output_logits=True)
-    expected = target.generate(ids, **kwargs)
-    stats = sk.SpeculationStats()
-    got = sk.generate(target, ids, draft_model=perturbed(target, 0.1), num_speculative_tokens=3,
-                      speculation_stats=stats, **kwargs,
-                      **({"cache_implementation": "static"} if cache == "static" else {}))
-    assert torch.equal(got.sequences, expected.sequences)
-    assert stats.accepted_histogram[0] > 0 and sum(stats.accepted_histogram[1:]) > 0
-    ours, theirs = torch.stack(got.logits), torch.stack(expected.logits)
-    assert float((ours - theirs).abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(theirs.abs().max())
+    _assert_logits_with_rows_of_other_lengths(t5gemma2(attention=attention), ids, mask if masked else None,
+                                              max_new_tokens=12, cache=cache)
 
 
 def _switch_with_capacity(capacity):
