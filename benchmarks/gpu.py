@@ -81,6 +81,7 @@ GPU_TESTS = [
     "tests/generation/test_continuous_processors.py", "tests/generation/test_half_precision.py",
     "tests/generation/test_decode_experts.py",
     "tests/generation/test_seq2seq_wrappers.py::test_wrappers_on_cuda_match_hf",
+    "tests/generation/test_recurrent.py::test_greedy_on_cuda_is_token_identical",
     "tests/generation/test_differential.py::test_sampling_differential_on_cuda",
     "tests/generation/test_prefill_chunks.py::test_chunked_prefill_on_cuda_matches_hf",
     "tests/generation/test_block_processors.py::test_block_processing_is_bit_identical_to_per_row_calls",

@@ -329,3 +329,17 @@ def test_a_padded_prompt_with_a_recurrent_draft_is_refused_by_name():
     with pytest.raises(ValueError, match="attention_mask masks tokens.*Mamba2ForCausalLM.*recurrent state"):
         sk.generate(llama(), ids, attention_mask=mask, draft_model=mamba2(), num_speculative_tokens=2,
                     max_new_tokens=4, pad_token_id=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("make", [mamba2_ssm, granite_hybrid_ssm, qwen3_next_ssm, lfm2])
+def test_greedy_on_cuda_is_token_identical(make):
+    """The runner on a CUDA device (transformers' hub kernels where it has them, else its torch fallbacks, which the
+    CPU tests run): a perturbed recurrent draft and prompt lookup, against model.generate on the same device."""
+    target = make().cuda()
+    for seed, kwargs in ((0, dict(draft_model=perturbed(target, 0.3).cuda(), num_speculative_tokens=3)),
+                         (1, dict(prompt_lookup_num_tokens=2))):
+        ids = _prompt(7 + seed, seed).cuda()
+        got = sk.generate(target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                          pad_token_id=0, **kwargs)
+        assert torch.equal(got, _expected(target, ids, 14))
