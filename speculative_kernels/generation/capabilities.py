@@ -55,10 +55,12 @@ PATHS = ("dynamic", "static", "compile")
 # Architectures whose failure the generic rules above cannot see from the config or the forward's signature, found
 # by benchmarks/coverage.py (BLT: by HF's own tester config, which states num_hidden_layers): model_type -> (paths
 # refused, reason).
+_PROPHETNET = ("once its cache holds a token its decoder takes one token per forward (it asserts decoder_input_ids of "
+               "length 1 under use_cache: its n-gram predicting streams are built for that one step) and builds its "
+               "own causal and n-gram masks from the 2-D mask, so a verification forward over several drafted tokens "
+               "cannot run on its cache")
 KNOWN_UNSUPPORTED = {
-    "prophetnet": (PATHS, "once its cache holds a token its decoder takes one token per forward (it asserts "
-                          "decoder_input_ids of length 1 under use_cache) and builds its own n-gram stream masks, so a "
-                          "verification forward over several drafted tokens cannot run on its cache"),
+    "prophetnet": (PATHS, _PROPHETNET),
     "cpmant": (PATHS, "it builds its own attention mask and position bias from the 2-D mask and cache length, and "
                       "does not take the runners' 4-D slot masks"),
     "blt": (PATHS, "its global transformer runs over the patches of each forward's own tokens, with no cache and "
@@ -115,10 +117,7 @@ POSITION_KINDS = {"t5": "relative", "mt5": "relative", "bart": "absolute", "mbar
 MERGED_ATTENTION = ("t5gemma2",)
 # Encoder-decoder types refused with a reason of their own (model_type -> why), reviewed in transformers 5.17-5.24.
 SEQ2SEQ_REFUSED = {
-    "prophetnet": "once its cache holds a token its decoder takes one token per forward (it asserts decoder_input_ids "
-                  "of length 1 under use_cache: its n-gram predicting streams are built for that one step) and builds "
-                  "its own causal and n-gram masks from the 2-D mask, so a verification forward over several drafted "
-                  "tokens cannot run on its cache",
+    "prophetnet": _PROPHETNET,
     "nllb-moe": "its router reads the decoder attention mask's last row as per-token padding flags (and counts an "
                 "expert capacity over the forward's tokens), so a verification forward over several tokens in the "
                 "runners' cache layout routes tokens otherwise than model.generate's one-token steps (greedy tokens "
@@ -128,8 +127,6 @@ SEQ2SEQ_REFUSED = {
            "(the static cache's unwritten ones, a batch's alignment slots; measured: another last token on the static "
            "cache)",
 }
-# Encoder-decoder types the static runner does not drive exactly (model_type -> why), on the dynamic cache exact.
-STATIC_SEQ2SEQ_REFUSED = {}
 # The base model keeps a KV cache only as a decoder: ``if self.config.is_decoder: use_cache = ...`` (BERT family) or
 # ``if not self.config.is_decoder: use_cache = False`` (BigBird)
 _DECODER_ONLY_CACHE = re.compile(r"if (?:not )?self\.config\.is_decoder:\s*\n\s*use_cache")
@@ -755,8 +752,6 @@ def _check_encoder_decoder(model, path: str) -> ModelSpec:
     if not callable(getattr(model, "get_encoder", None)) or model.get_encoder() is None:
         _refuse(name, path, "its config is encoder-decoder but the model has no encoder")
     positions = position_kind(model)  # ValueError naming unsupported encoder-decoder types
-    if path != "dynamic" and model.config.model_type in STATIC_SEQ2SEQ_REFUSED:
-        _refuse(name, path, f"{STATIC_SEQ2SEQ_REFUSED[model.config.model_type]}; use the dynamic cache")
     attention = getattr(model.config, "_attn_implementation", None)
     four_d = _four_d_masks(model, name, path)
     if path != "dynamic" and not four_d:
@@ -1204,8 +1199,8 @@ def position_table_limit(model, part: str = "decoder") -> int | None:
     root = stack if isinstance(stack, torch.nn.Module) else model
     for name, module in root.named_modules():
         if (isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
-                and limit <= module.num_embeddings <= limit + 2
-                and not callable(getattr(module, "make_weight", None))):  # (FSMT's sinusoids grow as needed)  # (OPT's and BART's tables start at offset 2)
+                and limit <= module.num_embeddings <= limit + 2  # (OPT's and BART's tables start at offset 2)
+                and not callable(getattr(module, "make_weight", None))):  # (FSMT's sinusoids grow as needed)
             return limit
     for name, buffer in root.named_buffers():  # CTRL's sinusoid table, a buffer indexed by position
         if name.rsplit(".", 1)[-1] in _POSITION_BUFFERS and buffer.dim() == 2 and buffer.shape[0] == limit:

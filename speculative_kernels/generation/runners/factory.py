@@ -111,11 +111,8 @@ def make_runner(model, spec: ModelSpec, plan: RunnerPlan, encoder_outputs=None, 
     """The runner of one model. Encoder-decoder models take their encoder output [B, S, H] and mask [B, S]. prefix:
     the prompt's first tokens cached by the caller, which only the dynamic decoder-only runner starts from
     (``prompt_cache.check_prompt_path`` refuses the others first)."""
-    if spec.recurrent:  # (batch 1 on the dynamic cache: ``capabilities._recurrent_spec``)
-        if prefix is not None:
-            raise ValueError(f"{spec.architecture} keeps recurrent states: a cache of the prompt's first tokens "
-                             "(past_key_values / cache) is not supported for it; pass the whole prompt")
-        return RecurrentRunner(model, spec, plan.device, plan.reserve)
+    if spec.recurrent:  # (batch 1 on the dynamic cache: ``capabilities._recurrent_spec``; a prompt cache is refused
+        return RecurrentRunner(model, spec, plan.device, plan.reserve)  # by ``request.build_loop``)
     if prefix is not None and (spec.encoder_decoder or plan.static):
         raise ValueError("a cache of the prompt's first tokens runs on the dynamic cache of a decoder-only model only")
     if spec.encoder_decoder:

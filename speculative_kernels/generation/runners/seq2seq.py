@@ -190,6 +190,7 @@ class Seq2SeqRunner:
             pad = self._position_pad
             return {"decoder_position_ids": pad + (self._positions + 1) * (tokens != pad).to(torch.int64)}
         return {}
+
     def _fsmt_decoder_forward(self, tokens: torch.Tensor, decoder_mask: torch.Tensor) -> torch.Tensor:
         """FSMT's decoder called directly (its model forward, with use_cache, passes it no causal mask, and before
         transformers 5.18 the decoder keeps only the last token under use_cache): decoder_mask [B, 1, T, W] additive

@@ -45,6 +45,10 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         if spec.positions == "relative":
             self._bias_module, self._own_bias_modules = _relative_bias_modules(model)
             self._row_bias = {id(m): functools.partial(self._own_relative_bias, m) for m in self._own_bias_modules}
+        # id(module) -> whether its bucket function reads its own settings (UMT5's method) rather than taking them
+        # (T5's static function): read once here, not in every forward
+        self._bucket_reads_own = {id(m): len(inspect.signature(m._relative_position_bucket).parameters) == 1
+                                  for m in [self._bias_module, *self._own_bias_modules] if m is not None}
         self._compiled = {}  # width -> compiled _step
         self._host_lengths = None  # the rows' lengths from the loop's host read (keeps the capacity bound tight)
 
@@ -105,7 +109,7 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         """module's relative position bias [B, H, T, K] for the query positions ``self._positions`` [B, T] and key
         slots 0..K-1 (a slot is a position: rows are hole-free), by the module's own bucket function and table."""
         relative = self._keys[:key_length].view(1, 1, -1) - self._positions.unsqueeze(2)  # [B, T, K]: key - query
-        if len(inspect.signature(module._relative_position_bucket).parameters) == 1:  # UMT5: reads its own settings
+        if self._bucket_reads_own[id(module)]:  # UMT5: reads its own settings
             buckets = module._relative_position_bucket(relative)
         else:  # T5: a static function of the settings
             buckets = module._relative_position_bucket(
