@@ -7,8 +7,10 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import speculative_kernels as sk
+from speculative_kernels import CompileOptions
 from helpers.models import perturbed
 from helpers.seq2seq_models import source_batch
 from helpers.wrapped_models import audio, images, speech_wrapper, text_wrapper, text_wrapper_of, vision_wrapper
@@ -34,15 +36,17 @@ def pairs():
     return out
 
 
-def _inputs(target, rows: int):
-    """(positional encoder input, keywords) of ``rows`` rows, padded where the input can be."""
-    kind = target.config.model_type
+def _inputs(target, rows: int, other_lengths: bool = False):
+    """(positional encoder input, keywords) of ``rows`` rows, padded where the input can be; other_lengths: a batch
+    of 2 of other source lengths (other images)."""
+    kind, seed = target.config.model_type, rows + 10 * other_lengths
     if kind == "vision-encoder-decoder":
-        return images(rows, seed=rows), {}
+        return images(rows, seed=seed), {}
     if kind == "speech-encoder-decoder":
-        values, mask = audio([40] if rows == 1 else [28, 40], seed=rows)
+        values, mask = audio([40] if rows == 1 else [36, 52] if other_lengths else [28, 40], seed=seed)
         return values, {"attention_mask": mask}
-    ids, mask = source_batch([7] if rows == 1 else [5, 9], seed=rows, pad=target.config.encoder.pad_token_id)
+    lengths = [7] if rows == 1 else [6, 11] if other_lengths else [5, 9]
+    ids, mask = source_batch(lengths, seed=seed, pad=target.config.encoder.pad_token_id)
     return ids, {"attention_mask": mask}
 
 
@@ -76,6 +80,27 @@ def test_wrappers_on_cuda_match_hf(pairs, name, path):
     got = sk.generate(target, source, **kwargs, draft_model=draft, num_speculative_tokens=3, do_sample=False,
                       max_new_tokens=16, **extra)
     assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("name", ["bert2gpt2", "vit-trocr", "wav2vec2-bert"])
+def test_compiled_matches_hf_and_sources_of_other_lengths_reuse_the_steps(name):
+    """compile=True (dynamo with the aot_eager backend, as the suite's other compiled tests) for one wrapper of each
+    kind: greedy tokens identical to model.generate in a padded batch of 2, with rejections; a second batch of other
+    source lengths (other images for ViT, whose source is always 4 patches) compiles nothing new. The speech
+    wrapper's source is padded to buckets (its frames and the audio mask its forward derives their mask from,
+    ``StaticSeq2SeqRunner._pad_speech_source``): without it every new audio length compiled three graphs. One-layer
+    models (each trace takes seconds per layer)."""
+    target = WRAPPERS[name](layers=1)
+    draft = perturbed(target, 0.1)
+    for call in range(2):
+        source, kwargs = _inputs(target, 2, other_lengths=call == 1)
+        expected = target.generate(source, **kwargs, do_sample=False, max_new_tokens=12)
+        graphs, stats = counters["stats"]["unique_graphs"], sk.SpeculationStats()
+        got = sk.generate(target, source, **kwargs, draft_model=draft, num_speculative_tokens=3, do_sample=False,
+                          max_new_tokens=12, compile=CompileOptions(backend="aot_eager"), speculation_stats=stats)
+        assert torch.equal(got, expected), (call, got, expected)
+        assert stats.accepted_histogram[0] > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing new
 
 
 @pytest.mark.parametrize("decoder,seed,source", [("bert-generation", 1, 2), ("electra", 0, 2), ("xlm-roberta", 1, 3),

@@ -20,6 +20,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from ..capabilities import ModelSpec
 from ..options import CompileOptions
+from ..wrapped_seq2seq import passes_input_mask
 from .captured import call_captured, compile_step
 from .masks import causal_slots
 from .sizing import captured_capacity
@@ -158,13 +159,17 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         the source to a bucket (``sizing.captured_capacity``): the captured steps are specialised to the
         cross-attention K/V's source length, which would compile them again for every new source length (and end a
         process's compiled calls at dynamo's limit). Padded keys are never attended, so nothing else changes; not
-        padded: a speech wrapper's (its 2-D mask is over the audio samples), a source without a mask (HF
-        passes none: a mask could select another attention kernel), and a batch with a row of no real source token
-        (an attention that adds the mask, eager's or T5's, weighs every source state alike there; one host read,
-        before decoding)."""
+        padded: a source without a mask (HF passes none: a mask could select another attention kernel), and a batch
+        with a row of no real source token (an attention that adds the mask, eager's or T5's, weighs every source
+        state alike there; one host read, before decoding). A speech wrapper's mask is over its audio samples
+        (``_pad_speech_source``)."""
         mask, states = self._cross_mask, self.encoder_outputs.last_hidden_state
         extra = captured_capacity(states.shape[1]) - states.shape[1]
-        fsmt = self.spec.positions == "absolute_fsmt"  # (a speech wrapper's 2-D mask is over its audio: not padded)
+        if passes_input_mask(self.model):
+            if mask is not None:
+                self._pad_speech_source(mask, states, extra)
+            return
+        fsmt = self.spec.positions == "absolute_fsmt"
         if extra == 0 or mask is None or mask.dim() != (2 if fsmt else 4):
             return
         flags = mask.dtype == torch.bool or fsmt  # (FSMT's decoder takes the 2-D 0/1 mask)
@@ -174,6 +179,26 @@ class StaticSeq2SeqRunner(Seq2SeqRunner):
         self.encoder_outputs = same_output_class(self.encoder_outputs,
                                                  torch.nn.functional.pad(states, (0, 0, 0, extra)))
         self._cross_mask = torch.cat([mask, mask.new_full((*mask.shape[:-1], extra), filler)], dim=-1)
+
+    def _pad_speech_source(self, audio_mask: torch.Tensor, states: torch.Tensor, extra: int) -> None:
+        """A speech wrapper's source padded to buckets: its forward derives the cross-attention mask over the
+        encoder's frames from the mask over the audio samples (audio_mask [B, L], which the captured steps read too,
+        so its width specialises them as the frames' does): the audio mask is padded with zeros to a bucket of L,
+        the frames (states [B, S, H]) with zeros to a bucket of S. Done only where the encoder's own derivation
+        (``_get_feature_vector_attention_mask``, from each row's count of audio samples) gives the padded frames 0
+        and the real ones the mask it gave unpadded, every row with a real frame (one host read, before decoding);
+        otherwise the source is left as it is (each new length compiles the steps again)."""
+        derive = self.model.get_encoder()._get_feature_vector_attention_mask
+        audio = torch.nn.functional.pad(audio_mask, (0, captured_capacity(audio_mask.shape[1]) - audio_mask.shape[1]))
+        if audio.shape == audio_mask.shape and extra == 0:
+            return
+        frames, padded = derive(states.shape[1], audio_mask), derive(states.shape[1] + extra, audio)
+        if not (torch.equal(padded[:, : states.shape[1]], frames) and not bool(padded[:, states.shape[1]:].any())
+                and bool(frames.bool().any(dim=-1).all())):
+            return
+        self.encoder_outputs = same_output_class(self.encoder_outputs,
+                                                 torch.nn.functional.pad(states, (0, 0, 0, extra)))
+        self._cross_mask = audio
 
     def warm_up(self, calls: int = 3) -> None:
         for width in self._compiled:
