@@ -32,7 +32,7 @@ from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
 from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
 from .vocab import VocabBridge, logit_width, tokenizers_differ
-from .wrapped_seq2seq import encoder_input_name, source_in_decoder_vocabulary
+from .wrapped_seq2seq import check_encoder_input_keyword, encoder_input_name, source_in_decoder_vocabulary
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -82,6 +82,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
             raise ValueError("pass either input_ids or inputs, not both")
         input_ids = kwargs.pop("inputs")
     features = encoder_input_name(model)  # (a vision or speech wrapper's encoder input: pixel_values, ...)
+    check_encoder_input_keyword(model, features, kwargs)
     if features != "input_ids" and features in kwargs:
         if input_ids is not None:
             raise ValueError(f"pass either {features} or input_ids (the positional input), not both")

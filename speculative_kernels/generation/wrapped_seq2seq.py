@@ -135,6 +135,24 @@ def encoder_input_name(model) -> str:
     return getattr(model.get_encoder(), "main_input_name", "input_ids")
 
 
+FEATURE_INPUTS = ("pixel_values", "input_values", "input_features")
+
+
+def check_encoder_input_keyword(model, name: str, kwargs: dict) -> None:
+    """ValueError where a wrapper is given its encoder's input under another encoder's keyword (``input_features`` to a
+    Wav2Vec2 encoder, which reads ``input_values``; ``input_values`` to a Speech2Text or Wav2Vec2-BERT one):
+    model.generate fails there with an unrelated error (it starts from bos token ids and has no bos_token_id), and
+    the general refusal of unknown keywords would call the input unsupported. name: the encoder's input
+    (``encoder_input_name``)."""
+    if not is_wrapper(model):
+        return
+    other = [key for key in FEATURE_INPUTS if key in kwargs and key != name]
+    if other:
+        raise ValueError(f"{other[0]} is not read by {type(model).__name__}'s encoder "
+                         f"({type(model.get_encoder()).__name__}, which reads {name}): pass the input as {name}= "
+                         "or positionally")
+
+
 def feature_tensor(name: str, values, device: torch.device) -> torch.Tensor:
     """A vision or speech encoder input ([B, ...] floating point) on ``device`` (TypeError / ValueError naming it)."""
     if not isinstance(values, torch.Tensor):

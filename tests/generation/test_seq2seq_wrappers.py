@@ -13,7 +13,8 @@ import speculative_kernels as sk
 from speculative_kernels import CompileOptions
 from helpers.models import perturbed
 from helpers.seq2seq_models import source_batch
-from helpers.wrapped_models import audio, images, speech_wrapper, text_wrapper, text_wrapper_of, vision_wrapper
+from helpers.wrapped_models import (audio, features, features_wrapper, images, speech_wrapper, text_wrapper,
+                                    text_wrapper_of, vision_wrapper)
 
 WRAPPERS = {
     "bert2bert": lambda **k: text_wrapper("bert", "bert", **k),
@@ -101,6 +102,32 @@ def test_compiled_matches_hf_and_sources_of_other_lengths_reuse_the_steps(name):
         assert torch.equal(got, expected), (call, got, expected)
         assert stats.accepted_histogram[0] > 0
     assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing new
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_speech_encoder_reading_input_features_matches_hf(cache):
+    """A speech wrapper whose encoder reads input_features [B, T, F] (Wav2Vec2-BERT; Speech2Text's encoder reads them
+    too) rather than input_values: positionally and as input_features=, a padded batch of 2 whose mask changes the
+    tokens (its forward derives the frames' mask from it, through the adapter's halving), with rejections."""
+    target = features_wrapper()
+    draft = perturbed(target, 0.1)
+    values, mask = features([15, 24], seed=2)
+    kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_logits=True)
+    expected = target.generate(values, attention_mask=mask, **kwargs)
+    assert not torch.equal(expected.sequences, target.generate(values, **kwargs).sequences)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    for given in ({"input_ids": values}, {"input_features": values}):
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, **given, attention_mask=mask, draft_model=draft, num_speculative_tokens=3,
+                          speculation_stats=stats, **kwargs, **extra)
+        assert torch.equal(got.sequences, expected.sequences), (list(given), got.sequences, expected.sequences)
+        # (the logits too: the encoder's own use of the mask, over row 0's padded frames, moves them by up to 8e-3
+        #  without changing a token)
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=1e-4, rtol=1e-4)
+        assert stats.accepted_histogram[0] > 0
+    with pytest.raises(ValueError, match=r"input_values is not read by SpeechEncoderDecoderModel's encoder "
+                                         r"\(Wav2Vec2BertModel, which reads input_features\)"):
+        sk.generate(target, input_values=values, attention_mask=mask, draft_model=draft, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("decoder,seed,source", [("bert-generation", 1, 2), ("electra", 0, 2), ("xlm-roberta", 1, 3),
@@ -260,6 +287,12 @@ def test_wrapper_inputs_refused_by_name(pairs):
         sk.generate(vision, torch.ones(1, 3, 16, 16, dtype=torch.int64), prompt_lookup_num_tokens=2, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"pixel_values must be a \[batch, \.\.\.\] tensor with at least one row"):
         sk.generate(vision, torch.ones(0, 3, 16, 16), prompt_lookup_num_tokens=2, max_new_tokens=4)
+    speech, _ = pairs["wav2vec2-bert"]
+    with pytest.raises(ValueError, match=r"input_features is not read by SpeechEncoderDecoderModel's encoder "
+                                         r"\(Wav2Vec2Model, which reads input_values\)"):  # (HF: a bos_token_id error)
+        sk.generate(speech, input_features=audio([8])[0], prompt_lookup_num_tokens=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"input_values is not read by VisionEncoderDecoderModel's encoder"):
+        sk.generate(vision, input_values=images(1), prompt_lookup_num_tokens=2, max_new_tokens=4)
     text, _ = pairs["bert2gpt2"]
     with pytest.raises(ValueError, match=r"model's encoder reads pixel_values but draft_model's reads input_ids"):
         sk.generate(vision, images(1), draft_model=text, max_new_tokens=4)

@@ -9,7 +9,7 @@ on every position and on the source (at default initialisation a tiny decoder re
 import torch
 from transformers import (BertConfig, EncoderDecoderConfig, EncoderDecoderModel, GPT2Config, RobertaConfig,
                           SpeechEncoderDecoderConfig, SpeechEncoderDecoderModel, TrOCRConfig, ViTConfig,
-                          VisionEncoderDecoderConfig, VisionEncoderDecoderModel, Wav2Vec2Config)
+                          VisionEncoderDecoderConfig, VisionEncoderDecoderModel, Wav2Vec2BertConfig, Wav2Vec2Config)
 
 VOCAB = 97
 
@@ -125,6 +125,40 @@ def speech_wrapper(decoder: str, layers: int = 2, hidden: int = 32, seed: int = 
     config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(wav2vec2,
                                                                      _decoder_config(decoder, layers, hidden))
     return _sensitive(SpeechEncoderDecoderModel(config=_ids(config, decoder)).eval(), seed)
+
+
+def features_wrapper(decoder: str = "bert", layers: int = 2, hidden: int = 32, seed: int = 2):
+    """SpeechEncoderDecoderModel whose encoder reads ``input_features`` [B, T, 8] (Wav2Vec2-BERT, its adapter halving
+    the frames: T / 2) and a ``DECODERS`` decoder. The decoder's cross-attention keys and values are scaled up too
+    (x8): at default scale the tokens hardly depend on this encoder's output (seed 2: the two rows of
+    ``features([15, 24], seed=2)`` differ in 5 of 12 greedy tokens, and 3 change without the attention mask)."""
+    torch.manual_seed(seed)
+    encoder = Wav2Vec2BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                 intermediate_size=2 * hidden, feature_projection_input_dim=8,
+                                 conv_depthwise_kernel_size=3, add_adapter=True, adapter_kernel_size=3,
+                                 adapter_stride=2, num_adapter_layers=1, output_hidden_size=hidden,
+                                 position_embeddings_type="relative_key", left_max_position_embeddings=16,
+                                 right_max_position_embeddings=4, hidden_dropout=0.0, attention_dropout=0.0,
+                                 activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0,
+                                 vocab_size=VOCAB)
+    config = SpeechEncoderDecoderConfig.from_encoder_decoder_configs(encoder, _decoder_config(decoder, layers, hidden))
+    model = _sensitive(SpeechEncoderDecoderModel(config=_ids(config, decoder)).eval(), seed)
+    with torch.no_grad():
+        for name, weight in model.decoder.named_parameters():
+            if name.endswith(("crossattention.self.key.weight", "crossattention.self.value.weight")):
+                weight.mul_(8.0)
+    return model
+
+
+def features(lengths, seed: int = 0):
+    """(input_features [B, max(lengths), 8] right-padded with zeros, attention_mask [B, max(lengths)])."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.zeros(len(lengths), max(lengths), 8)
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    for row, length in enumerate(lengths):
+        values[row, :length] = torch.randn(length, 8, generator=g)
+        mask[row, :length] = 1
+    return values, mask
 
 
 def images(batch: int, seed: int = 0) -> torch.Tensor:
