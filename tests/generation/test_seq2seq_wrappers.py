@@ -321,3 +321,24 @@ def test_learned_table_up_to_its_end_in_a_batch_as_in_hf(pairs):
     expected = target.generate(images(2, seed=6), **kwargs)
     got = sk.generate(target, images(2, seed=6), draft_model=draft, num_speculative_tokens=4, **kwargs)
     assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("decoder,seed", [("bart", 3), ("marian", 0)])
+def test_bart_family_decoder_table_up_to_its_end_in_a_batch_as_in_hf(decoder, seed):
+    """A BART-family decoder (BartForCausalLM, MarianForCausalLM) in a wrapper, up to the last row of its table (64
+    positions; BART's holds 2 more, its offset) in a batch of 2 with 4 drafts: its decoder computes the position ids
+    itself from the cache's width (arange + cache_length, handed to the table as ``position_ids``), which with rows
+    right-aligned in a cache wider than the longest run past the table where every true position fits. The runners'
+    pre-hook clamps them into the table (``_inside_table``; the forward hook then reads the true positions): mutants
+    without that clamp, or clamping one row further, or not subtracting BART's offset, passed every other wrapper
+    test (TrOCR's table is given cache_length alone). Then one row to the table's last position (63; a batch of 2
+    with 4 drafts stops 4 earlier, ``check_position_table``'s overshoot): the true positions are clamped before the
+    offset is added (a mutant adding it first read row 63 at positions 62 and 63 and passed every other test)."""
+    target = text_wrapper_of(decoder, seed=seed)
+    draft = perturbed(target, 0.15)
+    ids, mask = source_batch([5, 9], seed=seed, pad=0)
+    for rows, new in ((2, 60), (1, 64)):
+        kwargs = dict(attention_mask=mask[:rows], do_sample=False, max_new_tokens=new, eos_token_id=None)
+        expected = target.generate(ids[:rows], **kwargs)
+        got = sk.generate(target, ids[:rows], draft_model=draft, num_speculative_tokens=4, **kwargs)
+        assert torch.equal(got, expected), (rows, got, expected)
