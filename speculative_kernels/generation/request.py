@@ -32,7 +32,8 @@ from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
 from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
 from .vocab import VocabBridge, logit_width, tokenizers_differ
-from .wrapped_seq2seq import check_encoder_input_keyword, encoder_input_name, source_in_decoder_vocabulary
+from .wrapped_seq2seq import (check_encoder_id_processors, check_encoder_input_keyword, encoder_input_name,
+                              source_in_decoder_vocabulary)
 
 SEQ2SEQ_KEYWORDS = ("decoder_input_ids", "decoder_attention_mask", "encoder_outputs")
 
@@ -96,6 +97,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     cache_given = bool(kwargs.get("cache_implementation") or getattr(generation_config, "cache_implementation", None))
     prompt_cache = take_prompt_cache(kwargs)  # (name, cache) or None: past_key_values / cache
     settings = resolve_settings(model, num_speculative_tokens, generation_config, kwargs, draft_model, drafter)
+    if encoder_decoder and not tokens_in:  # (a vision or speech wrapper: no source ids for HF's encoder processors)
+        check_encoder_id_processors(model, features, settings.config)
     if prompt_cache is not None:
         check_prompt_path(prompt_cache[0], encoder_decoder=encoder_decoder,
                           cache_implementation=settings.config.cache_implementation,

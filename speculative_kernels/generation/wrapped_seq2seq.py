@@ -153,6 +153,23 @@ def check_encoder_input_keyword(model, name: str, kwargs: dict) -> None:
                          "or positionally")
 
 
+# GenerationConfig fields of HF's processors that read the encoder's token ids -> their "off" value
+ENCODER_ID_PROCESSORS = {"encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0}
+
+
+def check_encoder_id_processors(model, name: str, config) -> None:
+    """ValueError where ``config`` (the resolved GenerationConfig) sets a processor that reads the encoder's token ids
+    for a wrapper whose encoder reads features (``name``: pixel_values, input_values, input_features): there is no
+    id to read, and model.generate ignores the setting with a warning or fails, by input and version (transformers
+    5.17's encoder_repetition_penalty gathers at the float input_values: RuntimeError); the runners would ignore it."""
+    for field, off in ENCODER_ID_PROCESSORS.items():
+        value = getattr(config, field, None)
+        if value is not None and value != off:
+            raise ValueError(f"{field}={value} reads the encoder's token ids, and {type(model).__name__}'s encoder "
+                             f"reads {name} (model.generate ignores it with a warning, or fails, depending on the "
+                             "input and the transformers version); leave it out")
+
+
 def feature_tensor(name: str, values, device: torch.device) -> torch.Tensor:
     """A vision or speech encoder input ([B, ...] floating point) on ``device`` (TypeError / ValueError naming it)."""
     if not isinstance(values, torch.Tensor):
