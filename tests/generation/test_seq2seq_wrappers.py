@@ -104,6 +104,37 @@ def test_compiled_matches_hf_and_sources_of_other_lengths_reuse_the_steps(name):
     assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing new
 
 
+@pytest.mark.parametrize("silent_row", [False, True])
+def test_speech_source_padded_to_buckets_where_its_mask_derivation_allows(pairs, silent_row):
+    """The compiled path's padding of a speech source (``StaticSeq2SeqRunner._pad_source``), applied by hand to the
+    eager static runners (the compiled test's graph count shows it is applied there): frames and audio mask padded,
+    the output still model.generate's. Not padded where a row has no real audio sample: Wav2Vec2's derivation then
+    flags that row's last frame of whatever width and so attends to every frame, padding included (a mutant padding
+    without the check fails the shape assertion; this tiny model's tokens do not change)."""
+    from speculative_kernels.generation.request import build_loop
+    from speculative_kernels.generation.runners.sizing import captured_capacity
+
+    target, draft = pairs["wav2vec2-bert"]
+    values, mask = audio([28, 40], seed=3)
+    if silent_row:
+        mask[0] = 0
+    kwargs = dict(do_sample=False, max_new_tokens=12)
+    expected = target.generate(values, attention_mask=mask, **kwargs)
+    with torch.inference_mode():
+        loop = build_loop(target, draft, values, attention_mask=mask, num_speculative_tokens=3,
+                          cache_implementation="static", **kwargs)
+        runners = (loop.target_runner, loop.drafter.runner)
+        assert not any(r.cache.cross_attention_cache.layers for r in runners)  # (no forward yet: as capture() finds)
+        frames = runners[0].encoder_outputs.last_hidden_state.shape[1]
+        for runner in runners:
+            runner._pad_source()
+        padded = runners[0].encoder_outputs.last_hidden_state.shape[1]
+        assert (padded, runners[0]._cross_mask.shape[1]) == ((frames, 40) if silent_row else
+                                                              (captured_capacity(frames), captured_capacity(40)))
+        got, _ = loop.run()
+    assert torch.equal(got, expected), (got, expected)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_speech_encoder_reading_input_features_matches_hf(cache):
     """A speech wrapper whose encoder reads input_features [B, T, F] (Wav2Vec2-BERT; Speech2Text's encoder reads them
