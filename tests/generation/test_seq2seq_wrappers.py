@@ -380,3 +380,33 @@ def test_bart_family_decoder_table_up_to_its_end_in_a_batch_as_in_hf(decoder, se
         expected = target.generate(ids[:rows], **kwargs)
         got = sk.generate(target, ids[:rows], draft_model=draft, num_speculative_tokens=4, **kwargs)
         assert torch.equal(got, expected), (rows, got, expected)
+
+
+@pytest.mark.parametrize("drafting", ["draft_model", "prompt_lookup"])
+def test_sampling_with_return_sequences_follows_hfs_distribution(drafting):
+    """Sampling (num_return_sequences=2000 of one source): a bert2gpt2 over a 6-token decoder vocabulary, every
+    3-token continuation's frequency against its exact probability under model.generate's steps and processors
+    (helpers.sampling.hf_chain_probs, EOS 2 then pad 0 as model.generate ends a row; chi-square, the suite's
+    helpers.stats)."""
+    import numpy as np
+    from transformers import EncoderDecoderConfig, EncoderDecoderModel, GenerationConfig
+
+    from helpers.sampling import NEW, VOCAB, hf_chain_probs
+    from helpers.stats import assert_matches
+    from helpers.wrapped_models import _bert, _gpt2, _sensitive
+
+    torch.manual_seed(0)
+    decoder = _gpt2(1, 16)
+    decoder.vocab_size, decoder.is_decoder, decoder.add_cross_attention = VOCAB, True, True
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(_bert(1, 16), decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 3, 0, 2
+    target = _sensitive(EncoderDecoderModel(config=config).eval(), 0)
+    source, mask = torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long)
+    generation = GenerationConfig(do_sample=True, top_k=0, temperature=0.1, max_new_tokens=NEW)
+    extra = (dict(draft_model=perturbed(target, 0.3), num_speculative_tokens=2) if drafting == "draft_model"
+             else dict(prompt_lookup_num_tokens=2))
+    torch.manual_seed(1)
+    out = sk.generate(target, source, attention_mask=mask, generation_config=generation, num_return_sequences=2000,
+                      **extra)
+    codes = (out[:, 1:].numpy() * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
+    assert_matches(np.bincount(codes, minlength=VOCAB**NEW), hf_chain_probs(target, source, mask, generation, eos=2))
