@@ -1,7 +1,8 @@
 """HF's generic encoder-decoder wrappers (``wrapped_seq2seq.py``): EncoderDecoderModel (bert2bert, bert2gpt2,
 roberta2roberta), VisionEncoderDecoderModel (ViT with TrOCR's two position rules, GPT-2) and SpeechEncoderDecoderModel
-(Wav2Vec2 with BERT, GPT-2): greedy tokens identical to ``model.generate`` at batch 1 and in a padded batch of 2, on
-the dynamic and the static cache, with a draft the target rejects now and then; the decoders refused by name."""
+(Wav2Vec2 with BERT, GPT-2; Wav2Vec2-BERT reading input_features): greedy tokens identical to ``model.generate`` at
+batch 1 and in a padded batch of 2, on the dynamic and the static cache and compiled (aot_eager), with a draft the
+target rejects now and then; sampling against model.generate's exact distribution; the decoders refused by name."""
 
 import copy
 
