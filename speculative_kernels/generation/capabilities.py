@@ -32,7 +32,8 @@ STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
 # before each forward, restored, and the kept tokens fed again): their forward over several tokens continues the
 # cached state, as one-token steps do (tiny random models: logits within 1e-6 of the steps' under transformers 5.17
 # and 5.24, and ``benchmarks/coverage.py`` exact on the dynamic cache under 5.24). Batch 1 on the dynamic cache. The
-# text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text.
+# text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text. A target whose Mamba2 mixers bound dt is refused
+# all the same (``_step_size_clamp_reason``: Zamba2's and Nemotron-H's defaults do).
 STATE_SNAPSHOT_EXACT = {"mamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
                         "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3"}
 # Of those, the types whose forward runs with no attention layer at all (a config or an assistant_early_exit view of
@@ -314,6 +315,36 @@ def _recurrent_reason(model, config) -> str | None:
 # assistants (shared_kv_states, with the target's last hidden state as inputs_embeds: transformers'
 # SinglePositionMultiTokenCandidateGenerator) and DFlash drafts (context_hidden_states from chosen target layers).
 TARGET_STATE_ARGUMENTS = ("shared_kv_states", "context_hidden_states", "target_hidden_states")
+
+
+def _step_size_clamp_reason(model) -> str | None:
+    """Why a model whose Mamba2-style mixers bound the SSM step size cannot be verified exactly, or None.
+
+    transformers' Mamba2 mixers (Mamba2, Bamba, Granite 4 hybrids, Falcon-H1, Zamba2, Nemotron-H; 5.17 to 5.24) clamp
+    dt = softplus(dt + dt_bias) to ``time_step_limit`` in their chunked scan, the path of a forward over several
+    tokens, and not in their one-token step (``mamba2_selective_state_update`` takes no limit, nor does mamba_ssm's
+    kernel), which model.generate runs for every token after the prompt. A verification forward over [last token,
+    drafts] runs the scan, so wherever dt leaves the limit it folds another step into the state than model.generate
+    does (Zamba2 and Nemotron-H bound dt below by config.time_step_min, 0.001 by default: tiny models with the state
+    dominating gave other greedy tokens in 2 and 1 of 6 prompts, 5.21 and 5.24; the others read
+    config.time_step_limit, (0, inf) by default, which clamps nothing). Only the target's forwards must match
+    model.generate's, so a draft is not refused."""
+    bounded = set()
+    for module in model.modules():
+        limit = getattr(module, "time_step_limit", None)
+        if not isinstance(limit, (tuple, list)) or len(limit) != 2:
+            continue
+        low, high = (float(bound) for bound in limit)
+        if low > 0.0 or high != float("inf"):
+            bounded.add((low, high))
+    if not bounded:
+        return None
+    shown = ", ".join(f"({low:g}, {high:g})" for low, high in sorted(bounded))
+    return (f"its Mamba2 mixers clamp the SSM step size dt to time_step_limit={shown} in a forward over several "
+            "tokens (the chunked scan) but not in the one-token step that model.generate takes after the prompt, so a "
+            "verification forward over drafted tokens would not fold the same steps into the state (mixers whose "
+            "time_step_limit is (0.0, inf), Mamba2's default, clamp nothing and run exactly; such a model can be "
+            "a draft_model)")
 
 
 def _target_state_reason(params: set) -> str | None:
@@ -926,7 +957,8 @@ def check_model(model, *, path: str = "dynamic", batch: int = 1, target: bool = 
     reason = (_own_generate_reason(model) or _own_positions_reason(model) or _dynamic_quantization_reason(model)
               or _inference_mode_reason(model) or row_hooks_reason(model))
     if reason is None and target:
-        reason = _custom_step_reason(model) or _activation_scales_reason(model) or hooks_reason(model)
+        reason = (_custom_step_reason(model) or _activation_scales_reason(model) or hooks_reason(model)
+                  or _step_size_clamp_reason(model))
     if reason is not None:
         _refuse(type(model).__name__, path, reason)
     if getattr(model.config, "is_encoder_decoder", False):
