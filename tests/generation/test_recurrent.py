@@ -2,6 +2,7 @@
 model.generate with rejected drafts (a snapshot restored, the accepted tokens re-run), one host read per iteration;
 Mamba (whose multi-token forward restarts its scan), batches, the static cache and padded prompts refused by name."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -23,6 +24,9 @@ from speculative_kernels.generation.capabilities import check_model
 from speculative_kernels.generation.runners.recurrent import RecurrentRunner
 from helpers.host_reads import count_reads_per_loop_step
 from helpers.models import llama, perturbed
+from helpers.sampling import NEW, continuation_probs, hf_warpers
+from helpers.sampling import VOCAB as SAMPLING_VOCAB
+from helpers.stats import assert_matches
 
 VOCAB = 97
 
@@ -208,6 +212,44 @@ def test_sampling_with_top_k_1_is_greedy_through_the_sampled_path():
                       max_new_tokens=14, do_sample=True, top_k=1, pad_token_id=0, speculation_stats=stats)
     assert torch.equal(got, _expected(target, ids, 14))
     assert stats.acceptance_rate < 1.0
+
+
+def _sharp(make, layers: int | None = None):
+    """``make``'s architecture over helpers.sampling's 6-token vocabulary, reading its recurrent state (D = 0,
+    initializer_range 0.2) with its output layer scaled x6 (a few continuations hold most of the mass, so a wrong
+    state moves it to rare ones), without EOS: a target whose continuation distribution can be enumerated."""
+    config = make().config
+    config.vocab_size, config.initializer_range = SAMPLING_VOCAB, 0.2
+    if layers is not None:  # (Mamba2's layer_types follow its layer count)
+        config.num_hidden_layers = layers
+    model = _state_heavy(_build(type(make()), config))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+SAMPLING_ROWS = 30  # one generate call each (batch 1), ~0.13 s each on a loaded CPU
+
+
+@pytest.mark.parametrize("make,layers", [(mamba2, 1), (granite_hybrid, None)])
+def test_sampled_continuations_follow_the_target_through_rollbacks(make, layers):
+    """do_sample with a perturbed recurrent draft that is often rejected (2-3 restores per call, kept tokens folded
+    into the next verification): whole continuations of NEW tokens, one batch-1 call per seed, against the target's
+    exact distribution by enumeration (chi-square, helpers.stats' floor). A rollback that skips the states' copy
+    (p = 3e-12 Mamba2, 1e-44 Granite hybrid) or drops the kept tokens (6e-12, 1e-29) fails; an uncropped attention
+    K/V (p = 4e-3 here) is held by the greedy test above, as are re-runs past gamma + 1 (4+ tokens). Batch 1 makes
+    this one call per sample: ~4 s each, the fewest rows that fail those mutants by a wide margin."""
+    target = _sharp(make, layers)
+    draft = perturbed(target, 0.5)
+    prompt = torch.tensor([[1, 4, 3, 5]])
+    _, probs = continuation_probs(target, prompt, hf_warpers(1.0, 0, 1.0))
+    codes = []
+    for seed in range(SAMPLING_ROWS):
+        out = sk.generate(target, prompt, draft_model=draft, num_speculative_tokens=2, do_sample=True,
+                          max_new_tokens=NEW, pad_token_id=0, seed=seed)
+        codes.append(int((out[0, prompt.shape[1]:] * SAMPLING_VOCAB ** torch.arange(NEW - 1, -1, -1)).sum()))
+    assert_matches(np.bincount(codes, minlength=SAMPLING_VOCAB**NEW), probs)
 
 
 @pytest.mark.parametrize("target_is_recurrent", [False, True])
