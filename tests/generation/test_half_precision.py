@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import speculative_kernels as sk
-from speculative_kernels.generation.capabilities import cache_argument
+from speculative_kernels.generation.capabilities import check_model
 from helpers.models import FAMILIES, perturbed
 from helpers.prompts import left_padded
 
@@ -41,7 +41,8 @@ def _reference_logits(model, exact_model, sequence: torch.Tensor, prompt_length:
     (2) by one teacher-forced forward in the model's dtype, (3) exactly (the float64 copy)."""
     from transformers import DynamicCache
 
-    cache = {cache_argument(model): DynamicCache(config=model.config)}  # past_key_values, or cache from 5.24
+    # past_key_values, or cache from 5.24 (Mamba2's cache_params before it: the spec's keyword, as the runners use)
+    cache = {check_model(model).cache_argument: DynamicCache(config=model.config)}
     steps = [model(sequence[:, :prompt_length], **cache, use_cache=True).logits[0, -1]]
     for position in range(prompt_length, sequence.shape[1] - 1):
         steps.append(model(sequence[:, position:position + 1], **cache, use_cache=True).logits[0, -1])
