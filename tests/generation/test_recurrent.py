@@ -292,6 +292,32 @@ def test_mixed_pairs_and_prefill_chunks(target_is_recurrent):
     assert stats.acceptance_rate < 1.0
 
 
+def test_prefill_chunks_on_a_model_with_state_layers_only(monkeypatch):
+    """prefill_chunk_size on Mamba2 (reading its SSM state): HF's own chunked prefill fails there (5.24 positions the
+    chunks by cache.get_seq_length(), which a cache without attention layers refuses; 5.17 looks for
+    past_key_values, where Mamba2 passes cache_params), so ours, each chunk continuing the state, is held to
+    model.generate's unchunked tokens, and to its own unchunked run's logits."""
+    target = mamba2_ssm()
+    widths = []
+    forward = RecurrentRunner.forward
+
+    def recorded(runner, tokens, *args, prompt=False, **kwargs):
+        if prompt and runner.model is target:
+            widths.append(tokens.shape[1])
+        return forward(runner, tokens, *args, prompt=prompt, **kwargs)
+
+    monkeypatch.setattr(RecurrentRunner, "forward", recorded)
+    ids = _prompt(10, 4)
+    runs = {}
+    for chunk in (3, None):
+        runs[chunk] = sk.generate(target, ids, attention_mask=torch.ones_like(ids), draft_model=perturbed(target, 0.3),
+                                  num_speculative_tokens=2, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                  prefill_chunk_size=chunk, output_logits=True, return_dict_in_generate=True)
+    assert widths == [3, 3, 3, 9]  # (the prompt but its last token, which the first verification feeds)
+    assert torch.equal(runs[3].sequences, _expected(target, ids, 12))
+    torch.testing.assert_close(torch.stack(runs[3].logits), torch.stack(runs[None].logits))
+
+
 def test_one_host_read_per_iteration(monkeypatch):
     """The restore and the re-run take their counts from the iteration's one read (kept_host)."""
     target = mamba2()
