@@ -318,6 +318,54 @@ def test_prefill_chunks_on_a_model_with_state_layers_only(monkeypatch):
     torch.testing.assert_close(torch.stack(runs[3].logits), torch.stack(runs[None].logits))
 
 
+def test_what_users_pass_is_as_model_generate_does_it():
+    """Edge cases a user meets, on the Granite hybrid reading its SSM state, each against model.generate: one and two
+    new tokens, an EOS inside an accepted block, scores and logits, a streamer, the n-gram drafter, "auto" gamma,
+    settings from the model's generation_config; and a Qwen3-Next draft of a Llama target. Found none different
+    (5.24 and 5.17, with Mamba2, Qwen3-Next and LFM2 targets too); held here."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts += value.reshape(-1).tolist()
+
+        def end(self):
+            self.puts.append("end")
+
+    target = granite_hybrid_ssm()
+    target.generation_config.eos_token_id = None
+    draft = dict(draft_model=perturbed(target, 0.3), num_speculative_tokens=3)
+    ids = _prompt(9, 2)
+    plain = _expected(target, ids, 20)[0, 9:].tolist()
+
+    def check(model, hf_kwargs, ours_kwargs, new=16):
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                      **hf_kwargs)
+        return model.generate(ids, **kwargs), sk.generate(model, ids, **kwargs, **ours_kwargs)
+
+    assert torch.equal(*check(target, {}, draft, 1))
+    assert torch.equal(*check(target, {}, dict(prompt_lookup_num_tokens=3), 2))
+    stops = check(target, dict(eos_token_id=plain[6]), draft)
+    assert torch.equal(*stops) and stops[0].shape[1] < 9 + 16
+    hf, ours = check(target, dict(return_dict_in_generate=True, output_scores=True, output_logits=True,
+                                  repetition_penalty=1.3), draft)
+    assert torch.equal(hf.sequences, ours.sequences)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(hf.scores))
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(hf.logits))
+    streamer = Recorder()
+    hf, ours = check(target, {}, dict(streamer=streamer, **draft))
+    assert torch.equal(hf, ours) and streamer.puts == ours[0].tolist() + ["end"]
+    assert torch.equal(*check(target, {}, dict(drafter=sk.NGramDrafter.for_model(target))))
+    assert torch.equal(*check(target, {}, dict(draft_model=draft["draft_model"], num_speculative_tokens="auto"), 30))
+    target.generation_config.update(max_new_tokens=11, no_repeat_ngram_size=2, eos_token_id=plain[8], pad_token_id=0)
+    assert torch.equal(target.generate(ids, attention_mask=torch.ones_like(ids)),
+                       sk.generate(target, ids, attention_mask=torch.ones_like(ids), **draft))
+    assert torch.equal(*check(llama(vocab=VOCAB, seed=5), {}, dict(draft_model=qwen3_next(), num_speculative_tokens=3)))
+
+
 def test_one_host_read_per_iteration(monkeypatch):
     """The restore and the re-run take their counts from the iteration's one read (kept_host)."""
     target = mamba2()
