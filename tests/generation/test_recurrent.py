@@ -219,11 +219,12 @@ def _sharp(make, layers: int | None = None):
     """``make``'s architecture over helpers.sampling's 6-token vocabulary, reading its recurrent state (D = 0,
     initializer_range 0.2) with its output layer scaled x6 (a few continuations hold most of the mass, so a wrong
     state moves it to rare ones), without EOS: a target whose continuation distribution can be enumerated."""
-    config = make().config
+    base = make()
+    config = base.config
     config.vocab_size, config.initializer_range = SAMPLING_VOCAB, 0.2
     if layers is not None:  # (Mamba2's layer_types follow its layer count)
         config.num_hidden_layers = layers
-    model = _state_heavy(_build(type(make()), config))
+    model = _state_heavy(_build(type(base), config))
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     model.generation_config.eos_token_id = None
