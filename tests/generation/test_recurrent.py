@@ -270,6 +270,10 @@ def test_greedy_as_accurate_as_hf_in_half_precision(make, dtype):
     model.generate at a near-tie, within the bound. A rollback that skips the states' copy fails it."""
     target = _eager_experts(make().to(dtype))
     ids = _prompt(9, 2)
+    try:  # (as test_half_precision's _target: torch's CPU SDPA in half precision needs AVX-512 in torch 2.13)
+        _expected(target, ids, 2)
+    except RuntimeError as error:
+        pytest.skip(f"torch cannot run {type(target).__name__} in {dtype} here: {error}")
     stats = sk.SpeculationStats()
     output = sk.generate(target, ids, attention_mask=torch.ones_like(ids), draft_model=perturbed(target, 0.3),
                          num_speculative_tokens=3, max_new_tokens=24, do_sample=False, pad_token_id=0,
