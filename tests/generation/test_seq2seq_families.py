@@ -252,6 +252,28 @@ def test_fsmt_greedy_matches_hf(cache, lengths):
     _assert_greedy_with_rejections(fsmt(positions=8), lengths, pad=1, perturbation=0.3, cache=cache)
 
 
+def test_fsmt_steps_are_read_as_counted_under_every_name_of_the_cache_length():
+    """Whether FSMT's steps count positions is read from its table's forward: 5.24 takes ``cache_length``, 5.18-5.23
+    ``past_key_values_length`` (the rule once read only the first: 5.18-5.23's steps were numbered as 5.17's, every
+    greedy test above gave other tokens there, and CI ran them under 5.17 and 5.24 only); 5.17's takes neither. The
+    installed table's form must count exactly where its decoder passes the cache's length."""
+    import inspect
+
+    from transformers.models.fsmt import modeling_fsmt
+
+    from speculative_kernels.generation.runners.seq2seq_positions import takes_cache_length
+
+    def five_24(self, input, *, cache_length: int = 0): ...
+    def five_18(self, input, *, past_key_values_length: int = 0): ...
+    def five_17(self, input, incremental_state=None, timestep=None): ...
+
+    assert takes_cache_length(five_24) and takes_cache_length(five_18) and not takes_cache_length(five_17)
+    decoder = inspect.getsource(modeling_fsmt.FSMTDecoder.forward)
+    passes_length = "self.embed_positions(input_ids, " in decoder and "length" in decoder.split(
+        "self.embed_positions(input_ids, ", 1)[1].split(")", 1)[0]
+    assert takes_cache_length(modeling_fsmt.SinusoidalPositionalEmbedding.forward) == passes_length
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_fsmt_pad_tokens_generated_are_numbered_as_in_hf(cache):
     """FSMT's one-token steps read a generated pad token at pad + its position (not the zero row, not as another

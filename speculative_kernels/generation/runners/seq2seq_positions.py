@@ -19,6 +19,15 @@ import torch
 
 from ..wrapped_seq2seq import is_wrapper, position_module
 
+# The keyword by which a position table's forward takes the cache's length: transformers 5.24 names it cache_length,
+# 5.18-5.23 past_key_values_length (FSMT's, TrOCR's; FSMT's took neither in 5.17, whose steps did not count).
+CACHE_LENGTH_ARGUMENTS = ("cache_length", "past_key_values_length")
+
+
+def takes_cache_length(forward) -> bool:
+    """Whether ``forward`` (a position table's) takes the cache's length, under either of its names."""
+    return not set(CACHE_LENGTH_ARGUMENTS).isdisjoint(inspect.signature(forward).parameters)
+
 
 class DecoderPositions:
     """The position hooks of one model's decoder. kind: its ``POSITION_KINDS`` value; positions: returns the true
@@ -35,9 +44,9 @@ class DecoderPositions:
             if not isinstance(self.module, table) or (kind == "absolute_skipping_pads" and not all(
                     hasattr(self.module, a) for a in ("weights", "padding_idx"))):
                 raise ValueError(f"{type(model).__name__}: unexpected decoder position embedding type")
-        # (FSMT: whether its steps number positions, transformers >= 5.18, where its table takes cache_length)
-        self.fsmt_counts_steps = kind == "absolute_fsmt" and "cache_length" in inspect.signature(
-            self.module.forward).parameters
+        # (FSMT: whether its steps number positions, transformers >= 5.18, where its table takes the cache length;
+        #  reading only 5.24's name, cache_length, numbered 5.18-5.23's steps as 5.17's: other tokens, silently)
+        self.fsmt_counts_steps = kind == "absolute_fsmt" and takes_cache_length(self.module.forward)
         self._thread = None
 
     def register(self) -> list:
@@ -92,7 +101,7 @@ class DecoderPositions:
         limit = module.num_embeddings - getattr(module, "offset", 0) - 1
         args = tuple(0 if i == 1 else a.clamp(max=limit) if i == 2 and torch.is_tensor(a) else a
                      for i, a in enumerate(args))
-        kwargs = {k: 0 if k in ("cache_length", "past_key_values_length")
+        kwargs = {k: 0 if k in CACHE_LENGTH_ARGUMENTS
                   else v.clamp(max=limit) if k == "position_ids" and torch.is_tensor(v) else v
                   for k, v in kwargs.items()}
         return args, kwargs
@@ -111,7 +120,7 @@ class DecoderPositions:
         if not self.own_forward():
             return None
         args = tuple(0 if i == 2 else a for i, a in enumerate(args))
-        return args, {k: 0 if k == "cache_length" else v for k, v in kwargs.items()}
+        return args, {k: 0 if k in CACHE_LENGTH_ARGUMENTS else v for k, v in kwargs.items()}
 
     def _true_positions_skipping_pads(self, module, args, kwargs, output):
         """Forward hook (M2M100): output [B, T, D] read at the true positions. HF numbers a token
