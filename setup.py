@@ -125,8 +125,16 @@ setup(
     # on transformers' internals (cache classes, masks, processors, the source rules of generation/capabilities.py),
     # and a release can change them without notice (5.24 renamed past_key_values to cache in every model, which
     # made every model look cache-less; a fresh install failed the whole suite). Raise the cap after running both.
+    # torch is capped the same way, at the newest release the whole suite has passed on: exactness under compile=True
+    # rests on dynamo's internals too (captured.py sets config options only where they exist, such as
+    # skip_nnmodule_hook_guards, whose loss would silently drop hooks from captured steps), and torch 2.14 made its
+    # headers refuse C++17. Run on 2026-11-27 (CPU, TRITON_INTERPRET=1, transformers 5.24): torch 2.14.1 with its
+    # triton 3.8, the whole suite (2458 passed, 768 skipped; its 2 failures were the C++17 header checks, fixed in the
+    # tests), the demo (outputs identical) and triton_aot --quick; torch 2.15.0 (triton 3.9) only the compile, greedy,
+    # sampling, attention, half-precision and opcheck files and part of the Triton ops (204 passed, 53 skipped) and the
+    # demo: run the whole suite under it, then raise the cap.
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.6,<2.15",
         "triton>=3.2; platform_system=='Linux'",
         "transformers>=5.17,<5.25",
         "tokenizers>=0.20",
