@@ -16,6 +16,7 @@ import transformers.cache_utils
 
 from .adapters import adapter_randomness, idle_adapter_modules
 from .hooks import hooks_reason, neftune_alpha, row_hooks_reason
+from .step_size import bounded_mixers, bounds_shown, unread_limit_classes
 from .wrapped_seq2seq import (decoder_kv_sizes, encoder_input_name, is_wrapper, wrapped_position_kind,
                               wrapped_position_limit)
 
@@ -32,8 +33,9 @@ STATE_LAYERS = {"linear_attention", "conv", "hybrid"}
 # before each forward, restored, and the kept tokens fed again): their forward over several tokens continues the
 # cached state, as one-token steps do (tiny random models: logits within 1e-6 of the steps' under transformers 5.17
 # and 5.24, and ``benchmarks/coverage.py`` exact on the dynamic cache under 5.24). Batch 1 on the dynamic cache. The
-# text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text. A target whose Mamba2 mixers bound dt is refused
-# all the same (``_step_size_clamp_reason``: Zamba2's and Nemotron-H's defaults do).
+# text configs' types: LFM2-VL's is lfm2, Qwen3.5's qwen3_5_text. Where Mamba2 mixers bound dt (Zamba2's and
+# Nemotron-H's defaults), the forwards after the prompt lift the bound (``step_size.py``, ``ModelSpec``'s
+# bounded_step_size).
 STATE_SNAPSHOT_EXACT = {"mamba2", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
                         "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lfm2", "lfm2_moe", "lfm3"}
 # Of those, the types whose forward runs with no attention layer at all (a config or an assistant_early_exit view of
@@ -180,6 +182,9 @@ class ModelSpec:
     recurrent: the model keeps conv/recurrent states (``STATE_SNAPSHOT_EXACT``), driven by
     ``runners.recurrent.RecurrentRunner`` at batch 1 (mask "none": it gets no attention mask, as a one-row prompt
     without padding needs none).
+    bounded_step_size: its Mamba2 mixers clamp dt to a bounded ``time_step_limit`` in a forward over several tokens
+    and not in a one-token step (``step_size.py``): the recurrent runner lifts the limit on every forward after the
+    prompt, and a target's first token comes from its forward over the whole prompt, as model.generate's.
     """
 
     architecture: str
@@ -192,6 +197,7 @@ class ModelSpec:
     masked_slots_exact: bool = True
     forward_flags: tuple[tuple[str, object], ...] = ()
     recurrent: bool = False
+    bounded_step_size: bool = False
 
     @property
     def encoder_decoder(self) -> bool:
@@ -294,7 +300,8 @@ def _recurrent_spec(model, name: str, config, path: str, batch: int, types: list
         _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, at "
                             "batch size 1 only (in a batch, left padding and each row's own accepted count reach the "
                             "state); decode the prompts one at a time")
-    return ModelSpec(name, mask="none", cache_argument=cache_arg, recurrent=True)
+    return ModelSpec(name, mask="none", cache_argument=cache_arg, recurrent=True,
+                     bounded_step_size=bool(bounded_mixers(model)))
 
 
 def _recurrent_reason(model, config) -> str | None:
@@ -318,33 +325,30 @@ TARGET_STATE_ARGUMENTS = ("shared_kv_states", "context_hidden_states", "target_h
 
 
 def _step_size_clamp_reason(model) -> str | None:
-    """Why a model whose Mamba2-style mixers bound the SSM step size cannot be verified exactly, or None.
+    """Why a target whose Mamba2-style mixers bound the SSM step size dt cannot be verified exactly, or None.
 
-    transformers' Mamba2 mixers (Mamba2, Bamba, Granite 4 hybrids, Falcon-H1, Zamba2, Nemotron-H; 5.17 to 5.24) clamp
-    dt = softplus(dt + dt_bias) to ``time_step_limit`` in their chunked scan, the path of a forward over several
-    tokens, and not in their one-token step (``mamba2_selective_state_update`` takes no limit, nor does mamba_ssm's
-    kernel), which model.generate runs for every token after the prompt. A verification forward over [last token,
-    drafts] runs the scan, so wherever dt leaves the limit it folds another step into the state than model.generate
-    does (Zamba2 and Nemotron-H bound dt below by config.time_step_min, 0.001 by default: tiny models with the state
-    dominating gave other greedy tokens in 2 and 1 of 6 prompts, 5.21 and 5.24; the others read
-    config.time_step_limit, (0, inf) by default, which clamps nothing). Only the target's forwards must match
-    model.generate's, so a draft is not refused."""
-    bounded = set()
-    for module in model.modules():
-        limit = getattr(module, "time_step_limit", None)
-        if not isinstance(limit, (tuple, list)) or len(limit) != 2:
-            continue
-        low, high = (float(bound) for bound in limit)
-        if low > 0.0 or high != float("inf"):
-            bounded.add((low, high))
-    if not bounded:
+    transformers' Mamba2 mixers clamp dt to ``time_step_limit`` in their chunked scan (a forward over several tokens)
+    and not in their one-token step, which model.generate runs for every token after the prompt (Zamba2's and
+    Nemotron-H's limit is (time_step_min, inf); the others read config.time_step_limit, (0, inf) by default). Such a
+    target is exact (``step_size.py``: the prompt's forwards clamp, as model.generate's prefill; the recurrent runner
+    lifts the limit on every later forward), except where the lift cannot reach the scan: a mixer that does not read
+    ``self.time_step_limit`` when it runs, or one in a model the recurrent runner does not drive. A draft is never
+    refused (only the target's forwards must match model.generate's)."""
+    mixers = bounded_mixers(model)
+    if not mixers:
         return None
-    shown = ", ".join(f"({low:g}, {high:g})" for low, high in sorted(bounded))
-    return (f"its Mamba2 mixers clamp the SSM step size dt to time_step_limit={shown} in a forward over several "
-            "tokens (the chunked scan) but not in the one-token step that model.generate takes after the prompt, so a "
-            "verification forward over drafted tokens would not fold the same steps into the state (mixers whose "
-            "time_step_limit is (0.0, inf), Mamba2's default, clamp nothing and run exactly; such a model can be "
-            "a draft_model)")
+    unread = unread_limit_classes(mixers)
+    if unread:
+        how = (f"its mixers ({', '.join(unread)}) do not pass dt_limit=self.time_step_limit to their scan as "
+               "transformers 5.17-5.24's do, so the verification forwards cannot lift the limit")
+    elif not _state_model_type(model.config.get_text_config(decoder=True)):
+        how = ("the limit is lifted on the forwards after the prompt by the recurrent runner, which drives the model "
+               f"types {sorted(STATE_SNAPSHOT_EXACT)} only")
+    else:
+        return None
+    return (f"its Mamba2 mixers clamp the SSM step size dt to time_step_limit={bounds_shown(mixers)} in a forward "
+            "over several tokens (the chunked scan) but not in the one-token step that model.generate takes after "
+            f"the prompt, and {how} (such a model can be a draft_model)")
 
 
 def _target_state_reason(params: set) -> str | None:

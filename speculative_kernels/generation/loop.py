@@ -61,7 +61,11 @@ class SpeculativeLoop:
     (``decode_experts.py``: what ``model.generate`` switches an MoE model to after its prefill), entered for the
     iterations that verify drafts, never for the prefills; ``run`` holds it until the end, ``step`` leaves the models
     as they were after each iteration. caller_cache: (the argument's name, the caller's DynamicCache) of a prompt
-    cache (``prompt_cache.py``), extended after the last step by ``extend_caller_cache``.
+    cache (``prompt_cache.py``), extended after the last step by ``extend_caller_cache``. first_token_from_prompt: the
+    target's first token comes from its forward over the whole prompt, as model.generate's does, rather than from a
+    verification over [the prompt's last token, drafts]: for a target whose forward over the prompt's last token
+    differs from its forward over later ones (``ModelSpec.bounded_step_size``: Mamba2 mixers clamp dt in the prompt's
+    scan only).
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -73,7 +77,7 @@ class SpeculativeLoop:
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
                  decode_experts: DecodeExperts | None = None, timer: PhaseTimer | None = None,
-                 caller_cache: tuple | None = None):
+                 caller_cache: tuple | None = None, first_token_from_prompt: bool = False):
         check_drafter(drafter)  # (before the prefill: a factory or a class passed for the instance)
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
@@ -105,6 +109,7 @@ class SpeculativeLoop:
         # the target's prefill forwards the rest only, as model.generate does
         self.prompt_cached = target.num_slots
         self.caller_cache = caller_cache
+        self._first_token_from_prompt = first_token_from_prompt
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
         self.calibrator = GammaCalibrator(max_gamma=plan.max_gamma) if plan.num_speculative_tokens == "auto" else None
@@ -299,7 +304,7 @@ class SpeculativeLoop:
         self._all_real = bool(real.all())  # (read here, at setup: an unpadded prompt's forwards get no 4-D mask)
         self._prompt = None
         self._drafter_started = False
-        first_from_prompt = self._all_greedy_rows and not self._captured
+        first_from_prompt = (self._all_greedy_rows and not self._captured) or self._first_token_from_prompt
         if self.plan.max_new_tokens == 1 or first_from_prompt:
             self._prompt = (input_ids[:, self.prompt_cached:], real[:, self.prompt_cached:])
             self.last = input_ids[:, -1:]

@@ -306,7 +306,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     return SpeculativeLoop(target_runner, drafter, plan, input_ids, attention_mask, vocab=logit_width(model),
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
                            processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models),
-                           timer=timer, caller_cache=prompt_cache)
+                           timer=timer, caller_cache=prompt_cache,
+                           first_token_from_prompt=specs[0].bounded_step_size)
 
 
 def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_options,

@@ -11,7 +11,9 @@ they are more than gamma + 1 (a chain of partly rejected iterations). The target
 a partly rejected iteration's [last, d_1..d_n] ride along the next verification (on a GPU at batch 1 a wider forward
 costs about the same); a draft marks before each of its one-token steps, so its rollback is a restore alone.
 The re-run is exact because these models' forward over several tokens continues the cached state
-(``capabilities``: Mamba's does not, it is refused).
+(``capabilities``: Mamba's does not, it is refused). Where Mamba2 mixers bound the step size dt
+(``spec.bounded_step_size``: Zamba2, Nemotron-H), every forward but the prompt's runs with the bound lifted, as
+model.generate's one-token steps run (``step_size.py``).
 
 Batch 1 only, without left padding (``capabilities.check_model``, ``request.build_loop``): the rollback reads the
 kept count from the loop's host read (``kept_host``) and adds none of its own.
@@ -22,6 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..capabilities import ModelSpec
+from ..step_size import bounded_mixers, unbounded_step_size
 from .slot_mask import accepts
 
 
@@ -62,6 +65,8 @@ class RecurrentRunner:
         self._flags = dict(spec.forward_flags)
         self._positions = accepts(model, "position_ids")
         self._logits_to_keep = accepts(model, "logits_to_keep")
+        # (the mixers whose dt bound the forwards after the prompt lift: none where the spec says nothing is bounded)
+        self._bounded = bounded_mixers(model) if spec.bounded_step_size else []
         self.cache = None
         self.num_slots = 0
         self.pending: torch.Tensor | None = None
@@ -84,7 +89,7 @@ class RecurrentRunner:
         start = self.num_slots + width - tokens.shape[1]  # (the state's slot)
         if not prompt:
             self._mark(start, tokens)
-        logits = self._run(start, tokens, 1 if last_only else width)
+        logits = self._run(start, tokens, 1 if last_only else width, prompt)
         self.num_slots = start + tokens.shape[1]
         return logits
 
@@ -95,15 +100,17 @@ class RecurrentRunner:
         if len(self.marks) > self.max_marks:  # (a target pausing at gamma 0 is never rolled back: keep the latest)
             del self.marks[0], self.fed[0]
 
-    def _run(self, start: int, tokens: torch.Tensor, keep: int) -> torch.Tensor:
-        """The model over tokens [1, T] from the state at slot ``start``; the last ``keep`` positions' logits."""
+    def _run(self, start: int, tokens: torch.Tensor, keep: int, prompt: bool = False) -> torch.Tensor:
+        """The model over tokens [1, T] from the state at slot ``start``; the last ``keep`` positions' logits. A
+        forward that is not the prompt's runs with the mixers' dt bound lifted (``step_size.py``)."""
         width = tokens.shape[1]
         kwargs = {"logits_to_keep": keep} if keep < width and self._logits_to_keep else {}
         if self._positions:
             kwargs["position_ids"] = torch.arange(start, start + width, device=tokens.device).unsqueeze(0)
         cache = self.cache if self.cache is not None else DynamicCache(config=self.model.config)
-        out = self.model(input_ids=tokens, use_cache=True, return_dict=True, **{self.spec.cache_argument: cache},
-                         **kwargs, **self._flags)
+        with unbounded_step_size([] if prompt else self._bounded):
+            out = self.model(input_ids=tokens, use_cache=True, return_dict=True, **{self.spec.cache_argument: cache},
+                             **kwargs, **self._flags)
         self.cache = getattr(out, self.spec.cache_argument)
         self.forwards += 1
         return out.logits[:, -keep:]
