@@ -471,7 +471,12 @@ def render(rows, version: str) -> str:
         "LFM3, LFM2-VL, LFM3-VL): exact at batch 1 on the dynamic cache (`runners/recurrent.py`: the states are copied "
         "before each forward; a rollback restores the copy and cuts the attention layers' K/V, and the next forward "
         "feeds the kept tokens first). Configs without any attention layer run where transformers runs them (Mamba2, "
-        "LFM3) and are refused elsewhere (transformers fails there, in model.generate too). "
+        "LFM3) and are refused elsewhere (transformers fails there, in model.generate too). Where Mamba2 mixers bound "
+        "the step size dt (`time_step_limit`: Zamba2's and Nemotron-H's defaults), transformers clamps it in the scan "
+        "over several tokens and not in the one-token step: the target's prompt forward keeps the clamp and gives the "
+        "first token, and every later forward lifts it (`generation/step_size.py`), as model.generate's prefill and "
+        "steps run (the tiny models here barely reach the bound; `tests/generation/test_recurrent_step_size.py` "
+        "checks models that do). "
         "Batch > 1, the static cache and `compile=True` are refused by name: left padding and each row's own accepted "
         "count would reach the state.",
         "* **Mamba, Falcon-Mamba, Jamba**: refused by name. For a forward of more than one token over a cache their "
