@@ -126,8 +126,9 @@ setup(
     # and a release can change them without notice (5.24 renamed past_key_values to cache in every model, which
     # made every model look cache-less; a fresh install failed the whole suite). Raise the cap after running both.
     # torch is capped the same way, at the newest release the whole suite has passed on: exactness under compile=True
-    # rests on dynamo's internals too (captured.py sets config options only where they exist, such as
-    # skip_nnmodule_hook_guards, whose loss would silently drop hooks from captured steps), and torch 2.14 made its
+    # rests on dynamo's internals too (generation/dynamo_options.py sets config options by each torch's names and
+    # refuses compile=True where skip_nnmodule_hook_guards is missing, whose loss would drop hooks from captured
+    # steps; a renamed option is caught that way, a changed meaning is not), and torch 2.14 made its
     # headers refuse C++17. Run on 2026-11-27 (CPU, TRITON_INTERPRET=1, transformers 5.24): torch 2.14.1 with its
     # triton 3.8, the whole suite (2458 passed, 768 skipped; its 2 failures were the C++17 header checks, fixed in the
     # tests), the demo (outputs identical) and triton_aot --quick; torch 2.15.0 (triton 3.9) only the compile, greedy,

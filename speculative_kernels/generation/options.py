@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .dynamo_options import check_exact_options
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchingOptions:
@@ -78,11 +80,10 @@ class CompileOptions:
         """``generate``'s ``compile`` argument (False, True or a CompileOptions) as CompileOptions or None."""
         if compile is None or compile is False:
             return None
-        if compile is True:
-            return CompileOptions()
-        if isinstance(compile, CompileOptions):
-            return compile
-        raise TypeError(f"compile must be a bool or a CompileOptions, got {type(compile).__name__}")
+        if compile is not True and not isinstance(compile, CompileOptions):
+            raise TypeError(f"compile must be a bool or a CompileOptions, got {type(compile).__name__}")
+        check_exact_options()  # (before anything is allocated or compiled)
+        return CompileOptions() if compile is True else compile
 
 
 @dataclasses.dataclass(frozen=True)

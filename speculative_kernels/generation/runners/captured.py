@@ -6,24 +6,22 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..dynamo_options import RECOMPILE_LIMIT, current_value, dynamo_settings
 from ..options import CompileOptions
 from .protocol import CapturableRunner
 
-# Every captured step of one runner class shares its step's code object, and dynamo keeps one cache per code object:
-# each model, width and batch size is an entry. Raise the per-code limit (default 8), and fail instead of silently
-# running eager past it. Guard on the modules' hooks too (dynamo skips those guards by default): a forward hook
-# registered after a step was captured would otherwise be left out of the captured steps, which later calls reuse.
-_DYNAMO_LIMITS = {"recompile_limit": 64, "fail_on_recompile_limit_hit": True, "skip_nnmodule_hook_guards": False}
-# what dynamo raises there (named FailOnCacheLimitHit in older torch)
+# what dynamo raises past its recompile limit where told to fail (FailOnRecompileLimitHit in torch 2.6 to 2.15,
+# FailOnCacheLimitHit in older ones)
 _LIMIT_HIT = tuple(error for error in (getattr(torch._dynamo.exc, name, None)
                                        for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit"))
                    if isinstance(error, type))
 
 
 def dynamo_limits():
-    """Context raising dynamo's recompile limit for the captured steps (options a torch version lacks are skipped)."""
-    config = torch._dynamo.config
-    return config.patch(**{k: v for k, v in _DYNAMO_LIMITS.items() if hasattr(config, k)})
+    """Context setting the dynamo options the captured steps run under (``dynamo_options.OPTIONS``: hook guards, a
+    raised recompile limit, failing past it), by the installed torch's names; ValueError where it lacks one the tokens
+    depend on."""
+    return torch._dynamo.config.patch(**dynamo_settings())
 
 
 def mark_static(tensors: Sequence[torch.Tensor]) -> None:
@@ -67,7 +65,7 @@ def call_captured(compiled: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         except _LIMIT_HIT as error:
             raise RuntimeError(
                 f"compile=True: this process has compiled the captured decoding steps for "
-                f"{_DYNAMO_LIMITS['recompile_limit']} shapes already (each model, batch size, gamma and cache size "
+                f"{current_value(RECOMPILE_LIMIT)} shapes already (each model, batch size, gamma and cache size "
                 "bucket is one; changing a model's forward hooks between calls recompiles them too, as does a "
                 "hook whose Python state changes at every call, such as a call counter: the step traces the hook "
                 "and guards on that state), dynamo's limit "
