@@ -25,6 +25,7 @@ from .options import BatchingOptions, CompileOptions, StaticRows
 from .prompt_cache import check_prompt_cache, check_prompt_path, take_prompt_cache
 from .row_settings import RowSettings
 from .runners import capture_steps, make_runner, plan_runners
+from .runners.factory import encoder_hidden_size
 from .seq2seq_inputs import prepare_seq2seq
 from .settings import HF_LOGGER, Plan, resolve_settings
 from .stats import PhaseTimer
@@ -246,20 +247,22 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     for m, name in zip(models[:1] if retokenize else models, ("model", "draft_model")):
         check_position_table(m, max(r + n - 1 for r, n in zip(real, new)), name, encoder_width, overshoot=overshoot)
     batching = batching or BatchingOptions()
+    timer = PhaseTimer(device)  # the loop's: an encoder pass over the source is prefill time (total_time_s)
+    encoded = {}
+    if encoder_decoder and static and not token_source:
+        # a vision or speech source (or encoder_outputs given): the length S that sizes the decoders' cross-attention
+        # K/V is the encoder output's, known once the encoder has run: encode before sizing the static caches
+        encoded = _encode(prompt, timer)
     runner_plan = plan_runners(models, specs, static=static, batch=batch, prompt_width=width,
                                max_new_tokens=plan.max_new_tokens, gamma=plan.max_gamma,
                                slots=initial_slots(width, plan.max_gamma, plan.max_new_tokens), batching=batching,
                                device=device, static_rows=static_rows, captured=compile_options is not None,
                                prefill_chunk_size=plan.prefill_chunk_size,
-                               encoder_width=encoder_width or 0)
+                               sources=_sources(models, encoded, encoder_width) if encoder_decoder else ())
     check_batch(plan, batch, rows)
     impl = backends.implementation(backend, device.type)
-    timer = PhaseTimer(device)  # the loop's: an encoder pass over the source is prefill time (total_time_s)
-    encoded = {}
-    if encoder_decoder:
-        timer.start("prefill")
-        encoded = prompt.encode()
-        timer.stop("prefill")
+    if encoder_decoder and not encoded:
+        encoded = _encode(prompt, timer)
     encoder_mask = prompt.encoder_mask if encoder_decoder else None
     runners = [make_runner(m, spec, runner_plan, encoded.get(id(m)), encoder_mask, prefix=prefix if i == 0 else None)
                for i, (m, spec) in enumerate(zip(models, specs))]  # (the draft prefills the whole prompt)
@@ -353,6 +356,25 @@ def stop_string_criterion(stop_strings, tokenizer):
                          "SpeculativeDecoder takes it at construction, SpeculativeDecoder(..., tokenizer=)), as "
                          "model.generate does, to find the strings in the tokens")
     return stop_criterion(stop_strings, tokenizer)
+
+
+def _encode(prompt, timer: PhaseTimer) -> dict:
+    """The encoders' outputs ({id(model): BaseModelOutput}, ``Seq2SeqPrompt.encode``), timed as prefill."""
+    timer.start("prefill")
+    encoded = prompt.encode()
+    timer.stop("prefill")
+    return encoded
+
+
+def _sources(models, encoded: dict, token_width: int | None) -> tuple[tuple[int, int], ...]:
+    """Each model's encoder output size (S, H), for the static caches' memory check (``plan_runners``): read off its
+    output where encoded, else the token source's width and the encoder's config; () where neither is known (the
+    dynamic cache, which sizes nothing, with a vision or speech source)."""
+    if encoded:
+        return tuple(tuple(encoded[id(m)].last_hidden_state.shape[1:]) for m in models)
+    if token_width is None:
+        return ()
+    return tuple((token_width, encoder_hidden_size(m)) for m in models)
 
 
 def _encoder_prefix(input_ids, attention_mask, device):

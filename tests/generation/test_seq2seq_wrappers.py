@@ -411,3 +411,30 @@ def test_sampling_with_return_sequences_follows_hfs_distribution(drafting):
                       **extra)
     codes = (out[:, 1:].numpy() * VOCAB ** np.arange(NEW - 1, -1, -1)).sum(axis=1)
     assert_matches(np.bincount(codes, minlength=VOCAB**NEW), hf_chain_probs(target, source, mask, generation, eos=2))
+
+
+@pytest.mark.parametrize("name,source_length", [("vit-gpt2", 5), ("wav2vec2-bert", 10), ("bert2gpt2", 7)])
+def test_the_memory_check_counts_each_sources_cross_attention_and_encoder_output(pairs, monkeypatch, name,
+                                                                                 source_length):
+    """The static caches' memory check counted the decoders' cross-attention K/V and the encoder outputs from the
+    encoder's token ids only: a vision or speech source (no ids) counted neither, and a text wrapper's encoder output
+    counted 0 bytes (its config has no width). Measured (random weights, target as its own draft, batch 1, gamma 5,
+    64 new tokens): ViT-B/16 at 224 px + GPT-2 (S = 197), 40.0 MiB where 11.1 were counted; Wav2Vec2-base + BERT-base
+    on 30 s of audio (S = 1499), 230.7 MiB where 11.1 were. S here: ViT's 4 patches and its CLS token, Wav2Vec2's 40
+    samples through two stride-2 convolutions, bert2gpt2's 7 source tokens."""
+    from speculative_kernels.generation.capabilities import check_model
+    from speculative_kernels.generation.runners import factory
+    from speculative_kernels.generation.runners.slot_cache import CacheLayout
+
+    seen = []
+    monkeypatch.setattr(factory, "check_free_memory", lambda required, *args, **kwargs: seen.append(required))
+    target, draft = pairs[name]
+    source, kwargs = _inputs(target, rows=1)
+    sk.generate(target, source, **kwargs, draft_model=draft, num_speculative_tokens=3, do_sample=False,
+                max_new_tokens=6, cache_implementation="static")
+    (required,) = seen
+    layouts = [CacheLayout.of(m, check_model(m, path="static", batch=1)) for m in (target, draft)]
+    hidden = target.config.encoder.hidden_size
+    assert required["cross_attention_kv"] == sum(layout.bytes(1, source_length) for layout in layouts) > 0
+    assert required["encoder_outputs"] == 2 * source_length * hidden * 4
+    assert required["total"] == sum(v for k, v in required.items() if k != "total")

@@ -8,6 +8,7 @@ import torch
 from ..capabilities import ModelSpec, slot_table_limit
 from ..memory import check_free_memory
 from ..options import BatchingOptions, StaticRows
+from ..wrapped_seq2seq import is_wrapper
 from .decoder import DecoderRunner
 from .dynamic_cache import CachedPrefix
 from .protocol import Runner
@@ -54,14 +55,15 @@ def check_slot_tables(models, names, capacity: int, sized: str, lower: str) -> N
 def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, batch: int, prompt_width: int,
                  max_new_tokens: int, gamma: int, slots: int, batching: BatchingOptions,
                  device: torch.device, static_rows: StaticRows | None = None, captured: bool = False,
-                 encoder_width: int = 0, prefill_chunk_size: int | None = None) -> RunnerPlan:
+                 sources: tuple[tuple[int, int], ...] = (), prefill_chunk_size: int | None = None) -> RunnerPlan:
     """Size the runners. On the static caches, raise MemoryError before anything is allocated when the device cannot
     hold them (``docs/batching.md``: the bound). models: (target, draft) or (target,) for a drafter without a model,
     specs their ``ModelSpec``; gamma: the fixed draft length (static); slots: the dynamic slot masks' initial
     width; static_rows: allocate the static caches for that many rows of that context (rows joining in place);
     captured: the steps will be compiled (the capacity is bucketed, ``sizing.captured_capacity``, so that calls of
-    other lengths reuse the compiled steps); encoder_width: an encoder-decoder's source length S (its decoders'
-    cross-attention K/V, B x S per layer, are counted too); prefill_chunk_size: the most tokens of one prefill
+    other lengths reuse the compiled steps); sources: an encoder-decoder's (S, H) per model, its encoder output's
+    length and width (each decoder's cross-attention K/V, B x S per layer, and the output [B, S, H] are counted
+    too; () where unknown); prefill_chunk_size: the most tokens of one prefill
     forward (HF's; None: the whole prompt), which bounds the prefill's transient masks."""
     if not static:  # (reserve: kept free below a model's slot table, ``DecoderRunner``)
         return RunnerPlan(False, batch, slots, 0, gamma + 1, batching, device)
@@ -84,12 +86,12 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
                       "max_context" if static_rows is not None else "max_new_tokens")
     layouts = [CacheLayout.of(model, spec) for model, spec in zip(models, specs)]
     required = static_memory_bytes(layouts, list(specs), rows, capacity, queries=max(gamma + 1, prefill_width))
-    if encoder_decoder and encoder_width:  # each decoder's cross-attention K/V over the source (filled once), and
-        if captured:  # each encoder's output [B, S, H]; captured steps pad the source to a bucket
-            encoder_width = captured_capacity(encoder_width)
-        cross = sum(layout.bytes(rows, encoder_width) for layout in layouts)
-        encoded = sum(rows * encoder_width * _hidden_size(model) * torch.empty((), dtype=layout.dtype).element_size()
-                      for model, layout in zip(models, layouts))
+    if encoder_decoder and sources:  # each decoder's cross-attention K/V over its source (filled once), and each
+        # encoder's output [B, S, H]; captured steps pad the source to a bucket
+        widths = [captured_capacity(width) if captured and width else width for width, _ in sources]
+        cross = sum(layout.bytes(rows, width) for layout, width in zip(layouts, widths))
+        encoded = sum(rows * width * hidden * torch.empty((), dtype=layout.dtype).element_size()
+                      for (_, hidden), width, layout in zip(sources, widths, layouts))
         required = {**required, "cross_attention_kv": cross, "encoder_outputs": encoded,
                     "total": required["total"] + cross + encoded}
     what = "the static decoder caches" if encoder_decoder else "the static caches"
@@ -101,8 +103,10 @@ def plan_runners(models: tuple, specs: tuple[ModelSpec, ...], *, static: bool, b
                       rows if static_rows is not None else None)
 
 
-def _hidden_size(model) -> int:
-    config = model.config.get_text_config(decoder=False)
+def encoder_hidden_size(model) -> int:
+    """The width H of a text encoder's output [B, S, H], from its config (a generic wrapper's: its encoder's; its own
+    config has no width)."""
+    config = model.config.encoder if is_wrapper(model) else model.config.get_text_config(decoder=False)
     return int(getattr(config, "d_model", None) or getattr(config, "hidden_size", 0) or 0)
 
 
