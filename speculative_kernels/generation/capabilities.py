@@ -185,6 +185,11 @@ class ModelSpec:
     bounded_step_size: its Mamba2 mixers clamp dt to a bounded ``time_step_limit`` in a forward over several tokens
     and not in a one-token step (``step_size.py``): the recurrent runner lifts the limit on every forward after the
     prompt, and a target's first token comes from its forward over the whole prompt, as model.generate's.
+    prompt_remainder_first: bounded_step_size without an attention layer (Mamba2 with a bounded time_step_limit):
+    transformers' own chunked prefill fails on such a model, so model.generate's unchunked prefill is the reference
+    for ``prefill_chunk_size``, and a prompt chunk of one token after the first would run the unclamped step; the
+    short chunk runs first instead (``runners.prefill``). Hybrids (Zamba2, Nemotron-H) keep HF's order, as their
+    model.generate runs its own chunks (a one-token last chunk takes the step there too).
     """
 
     architecture: str
@@ -198,6 +203,7 @@ class ModelSpec:
     forward_flags: tuple[tuple[str, object], ...] = ()
     recurrent: bool = False
     bounded_step_size: bool = False
+    prompt_remainder_first: bool = False
 
     @property
     def encoder_decoder(self) -> bool:
@@ -300,8 +306,9 @@ def _recurrent_spec(model, name: str, config, path: str, batch: int, types: list
         _refuse(name, path, f"{what}: its state is rolled back by a snapshot and a re-run of the accepted tokens, at "
                             "batch size 1 only (in a batch, left padding and each row's own accepted count reach the "
                             "state); decode the prompts one at a time")
-    return ModelSpec(name, mask="none", cache_argument=cache_arg, recurrent=True,
-                     bounded_step_size=bool(bounded_mixers(model)))
+    bounded = bool(bounded_mixers(model))
+    return ModelSpec(name, mask="none", cache_argument=cache_arg, recurrent=True, bounded_step_size=bounded,
+                     prompt_remainder_first=bounded and not attention)
 
 
 def _recurrent_reason(model, config) -> str | None:

@@ -65,7 +65,8 @@ class SpeculativeLoop:
     target's first token comes from its forward over the whole prompt, as model.generate's does, rather than from a
     verification over [the prompt's last token, drafts]: for a target whose forward over the prompt's last token
     differs from its forward over later ones (``ModelSpec.bounded_step_size``: Mamba2 mixers clamp dt in the prompt's
-    scan only).
+    scan only). prompt_remainder_first: the target's prompt chunks (``prefill_chunk_size``) run the short one first
+    (``ModelSpec.prompt_remainder_first``, ``runners.prefill``).
 
     Every row drafts at most its own tokens left, less one (``ops.verify``'s ``num_draft_tokens``), and its
     random-number offsets count its own draws, so a row's output does not depend on its batch-mates.
@@ -77,7 +78,8 @@ class SpeculativeLoop:
                  seed: int | None = None, rows: RowSettings | None = None,
                  processors: RowProcessors | None = None, warpers: Warpers | None = None, stop=None,
                  decode_experts: DecodeExperts | None = None, timer: PhaseTimer | None = None,
-                 caller_cache: tuple | None = None, first_token_from_prompt: bool = False):
+                 caller_cache: tuple | None = None, first_token_from_prompt: bool = False,
+                 prompt_remainder_first: bool = False):
         check_drafter(drafter)  # (before the prefill: a factory or a class passed for the instance)
         if (processors is not None or warpers is not None) and rows is not None:
             raise ValueError("a batch of requests (rows=) takes each row's processors and warpers from its "
@@ -110,6 +112,7 @@ class SpeculativeLoop:
         self.prompt_cached = target.num_slots
         self.caller_cache = caller_cache
         self._first_token_from_prompt = first_token_from_prompt
+        self._prompt_remainder_first = prompt_remainder_first
         # num_speculative_tokens="auto": start at the calibration gamma, choose after a few iterations (gamma.py);
         # buffers are sized for the largest gamma it may choose.
         self.calibrator = GammaCalibrator(max_gamma=plan.max_gamma) if plan.num_speculative_tokens == "auto" else None
@@ -325,7 +328,7 @@ class SpeculativeLoop:
             self.timer.start("prefill")
             if self.prompt_length - 1 > cached:
                 prefill(self.target_runner, input_ids[:, cached:-1], prompt_real(real[:, cached:-1], self._all_real),
-                        self.plan.prefill_chunk_size)
+                        self.plan.prefill_chunk_size, self._prompt_remainder_first)
                 self.stats.prefill_forwards += prefill_forwards(self.prompt_length - 1 - cached,
                                                                 self.plan.prefill_chunk_size)
             if start_drafter:
@@ -382,7 +385,8 @@ class SpeculativeLoop:
         if self._prompt is not None:  # one forward over the whole prompt, as model.generate (see ``_prefill``)
             (prompt, real), self._prompt = self._prompt, None  # (or one per chunk: the last gives the token)
             real = prompt_real(real, self._all_real)
-            logits = prefill(self.target_runner, prompt, real, self.plan.prefill_chunk_size)
+            logits = prefill(self.target_runner, prompt, real, self.plan.prefill_chunk_size,
+                             self._prompt_remainder_first)
             self.stats.prefill_forwards += prefill_forwards(prompt.shape[1], self.plan.prefill_chunk_size) - 1
         else:
             target_in = torch.cat([self.last, draft_tokens], dim=1) if self.gamma else self.last

@@ -212,6 +212,12 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if prompt_cache is not None and specs[0].recurrent:  # (its states are neither read nor extended: refused)
         raise ValueError(f"{prompt_cache[0]} (a cache of the prompt's first tokens) is not supported for "
                          f"{specs[0].architecture}, which keeps recurrent states: pass the whole prompt without it")
+    if specs[0].prompt_remainder_first and plan.prefill_chunk_size == 1 and width > 1:
+        raise ValueError(f"prefill_chunk_size=1 cannot run {specs[0].architecture}'s prompt as model.generate does: "
+                         "its Mamba2 mixers clamp dt to time_step_limit in a forward over several tokens (model."
+                         "generate's prefill over the whole prompt; transformers' own chunked prefill fails on a model "
+                         "without attention layers) but not in a one-token forward after the first; use "
+                         "prefill_chunk_size >= 2 or None")
     check_deterministic(model)
     check_seeded_draft(draft_model, None if plan.sampling.greedy and rows is None else seed)  # (greedy: exact)
     check_caching(model)
@@ -310,7 +316,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                            dtype=dtype, impl=impl, batching=batching, warm_up=warm_up, seed=seed, rows=rows,
                            processors=processors, warpers=warpers, stop=stop, decode_experts=DecodeExperts(models),
                            timer=timer, caller_cache=prompt_cache,
-                           first_token_from_prompt=specs[0].bounded_step_size)
+                           first_token_from_prompt=specs[0].bounded_step_size,
+                           prompt_remainder_first=specs[0].prompt_remainder_first)
 
 
 def check_retokenizing(model, draft_model, early_exit: bool, settings, compile_options,

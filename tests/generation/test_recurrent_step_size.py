@@ -153,6 +153,43 @@ def test_prompt_chunks_lookup_one_token_prompts_and_re_runs_are_exact(kwargs, mo
         assert same and largest < _EXACT, (make.__name__, largest)
 
 
+@pytest.mark.parametrize("length, chunk", [(8, 7), (9, 2), (9, 4)])
+def test_prompt_chunks_of_a_bounded_model_without_attention_never_leave_a_one_token_forward(length, chunk):
+    """prefill_chunk_size on a capped Mamba2 (no attention layer: transformers' own chunked prefill fails, so the
+    reference is model.generate's unchunked prefill): HF's order would end on a one-token chunk (L mod N = 1), which
+    runs the mixer's unclamped step (logits 1.6 to 2.0 off, measured); the short chunk runs first instead (a first
+    forward of one token runs the clamped scan), so tokens and logits are the unchunked ones."""
+    target = mamba2_capped(seed=length + chunk)
+    ids = _prompt(chunk, length)
+    same, largest, _ = _difference(target, ids, 8, prompt_lookup_num_tokens=2, prefill_chunk_size=chunk)
+    assert same and largest < _EXACT, largest
+
+
+def test_prompt_chunks_of_one_token_are_refused_for_a_bounded_model_without_attention():
+    """prefill_chunk_size=1 leaves every prompt token but the first to the unclamped one-token step: refused by name
+    (a one-token prompt, where model.generate too runs one forward, is not)."""
+    target, ids = mamba2_capped(seed=1), _prompt(1)
+    with pytest.raises(ValueError, match=r"prefill_chunk_size=1 cannot run Mamba2ForCausalLM.*time_step_limit"):
+        sk.generate(target, ids, prompt_lookup_num_tokens=2, prefill_chunk_size=1, **_greedy(ids, 4))
+    same, _, _ = _difference(target, ids[:, :1], 4, prompt_lookup_num_tokens=2, prefill_chunk_size=1)
+    assert same
+
+
+@pytest.mark.parametrize("make", [zamba2, nemotron_h])
+def test_prompt_chunks_of_a_bounded_hybrid_are_model_generates_own(make):
+    """Zamba2 and Nemotron-H (attention layers: transformers runs their chunked prefill) keep HF's chunk order, a
+    last chunk of one token included: model.generate(prefill_chunk_size=7) over 8 tokens runs that token through
+    the unclamped step as ours does (its logits differ from the unchunked ones by 1.4e-3 to 6.3e-3, measured)."""
+    target, ids = make(seed=0), _prompt(0)
+    options = dict(_greedy(ids, 8), prefill_chunk_size=7)
+    expected = target.generate(ids, **options)
+    got = sk.generate(target, ids, **options, **_drafted(target, 0))
+    assert torch.equal(got.sequences, expected.sequences)
+    largest = max(((ours - theirs).abs().max() / theirs.abs().max()).item()
+                  for ours, theirs in zip(got.logits, expected.logits))
+    assert largest < _EXACT, largest
+
+
 @pytest.mark.parametrize("make", FAMILIES)
 def test_without_the_lift_or_with_the_last_prompt_token_lifted_the_logits_differ(make, monkeypatch):
     """Why both halves are needed, and that the clamp binds on the models above (so their tests can fail): with the

@@ -10,14 +10,20 @@ from .protocol import Runner
 
 
 def prefill(runner: Runner, tokens: torch.Tensor, real: torch.Tensor | None,
-            chunk_size: int | None) -> torch.Tensor:
+            chunk_size: int | None, remainder_first: bool = False) -> torch.Tensor:
     """Run tokens [B, L] (real [B, L] bool: False at a left pad; None: all real) at the runner's next L slots, in
-    forwards of at most ``chunk_size`` tokens (None: one forward). Returns the last position's logits [B, 1, V]."""
+    forwards of at most ``chunk_size`` tokens (None: one forward). Returns the last position's logits [B, 1, V].
+
+    remainder_first: the short chunk (L mod chunk_size tokens) runs first rather than last (HF's order), so that no
+    forward after the first is one token wide (``ModelSpec.prompt_remainder_first``: a one-token forward takes a
+    Mamba2 mixer's unclamped step). The caller refuses chunk_size 1 there (``request.build_loop``)."""
     width = tokens.shape[1]
     step = max(width, 1) if chunk_size is None else chunk_size
     logits = None
-    for start in range(0, max(width, 1), step):  # (an empty prompt: one forward, as without chunks)
-        end = min(start + step, width)
+    ends = list(range(step, width, step)) + [width]
+    if remainder_first and width % step:
+        ends = [width % step] + [end + width % step for end in ends[:-1]]
+    for start, end in zip([0] + ends[:-1], ends):  # (an empty prompt: one forward, as without chunks)
         chunk_real = None if real is None else real[:, start:end]
         logits = runner.forward(tokens[:, start:end], chunk_real, last_only=True, prompt=True)
     return logits
