@@ -23,8 +23,8 @@ class SpeculationStats:
 
     num_speculative_tokens: int = 0
     # target forwards that produced tokens: the verifications, and the prompt's forward where the first token
-    # comes from it (max_new_tokens=1; greedy requests of continuous batching); the target's other prefill is in
-    # prefill_forwards
+    # comes from it (max_new_tokens=1; greedy requests of continuous batching; a target whose Mamba2 mixers bound dt,
+    # ``ModelSpec.bounded_step_size``); the target's other prefill is in prefill_forwards
     target_forwards: int = 0
     draft_forwards: int = 0  # the draft model's forwards while drafting (its prefill is in prefill_forwards)
     # prefill forwards over the prompts: the target's (1, or one per chunk with prefill_chunk_size), the draft's

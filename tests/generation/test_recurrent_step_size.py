@@ -254,6 +254,17 @@ def test_one_host_read_per_iteration(monkeypatch):
     assert len(reads) > 2 and all(r == ["tolist"] for r in reads[1:]), reads
 
 
+def test_the_statistics_count_the_prompts_forward_as_a_target_forward():
+    """The first token comes from the target's forward over the prompt: that forward is a target forward that
+    drafted nothing (a row-step at n = 0), not a prefill forward (README's statistics paragraph)."""
+    target, ids = zamba2(seed=4), _prompt(4)
+    stats = sk.SpeculationStats()
+    sk.generate(target, ids, speculation_stats=stats, **_greedy(ids, 12), **_drafted(target, 4))
+    assert stats.prefill_forwards == 0 and stats.new_tokens == 12
+    assert stats.target_forwards == sum(stats.accepted_histogram) and stats.accepted_histogram[0] >= 1
+    assert stats.new_tokens == sum((n + 1) * count for n, count in enumerate(stats.accepted_histogram))
+
+
 def test_a_mixer_that_does_not_read_its_limit_is_refused_by_name():
     """A mixer class whose forward does not pass dt_limit=self.time_step_limit to its scan (here a subclass that
     wraps it) would not see the lift: refused as a target, by the class and the limit; allowed as a draft."""
