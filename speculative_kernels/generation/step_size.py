@@ -22,6 +22,7 @@ The attribute is the model's own: a forward of the same model run meanwhile from
 """
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -54,16 +55,17 @@ def unread_limit_classes(mixers: list[torch.nn.Module]) -> list[str]:
     """The classes among ``mixers`` whose forward's class (the first in the MRO defining ``forward``) does not pass
     ``dt_limit=self.time_step_limit`` to its scan: a mixer that reads its limit elsewhere would not see
     ``unbounded_step_size``'s lift (none in transformers 5.17-5.24)."""
-    unread = set()
-    for module in mixers:
-        owner = next((klass for klass in type(module).__mro__ if "forward" in vars(klass)), type(module))
-        try:
-            source = inspect.getsource(owner)
-        except (OSError, TypeError):  # (a class defined where its source cannot be read)
-            source = ""
-        if _READS_LIMIT not in source:
-            unread.add(type(module).__name__)
-    return sorted(unread)
+    return sorted({type(module).__name__ for module in mixers if not _reads_limit(type(module))})
+
+
+@functools.lru_cache(maxsize=None)  # (once per class: every layer's mixer is one, and each call checks the model)
+def _reads_limit(klass: type) -> bool:
+    owner = next((base for base in klass.__mro__ if "forward" in vars(base)), klass)
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):  # (a class defined where its source cannot be read)
+        source = ""
+    return _READS_LIMIT in source
 
 
 @contextlib.contextmanager
