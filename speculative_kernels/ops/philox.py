@@ -109,6 +109,15 @@ STACKED_FINAL_WORDS = tuple(
     for w in ("c0", "c1", "c2", "c3"))
 
 
+def _signed32(word: int) -> int:
+    """A 32-bit constant as the int32 of the same bits (W - 2**32 for W >= 2**31): k + r * W and k + r * (W - 2**32)
+    agree modulo 2**32, so the masked round keys are the same. Inductor turns ``arange * W`` into an index expression
+    it writes into Triton as an int32 literal: 0x9E3779B9 there failed to compile ("Scalar 2654435769 is out of range
+    for type int32", torch 2.11 on an H200, ``backend="torch"`` under ``torch.compile``); the int32 value compiles, and
+    a product that wraps in int32 still has the right low 32 bits."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 def _rounds_stacked(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Tensor:
     """The same rounds where an int64 product wraps modulo 2**64 (two's complement, as CPUs and CUDA multiply):
     the product p of two 32-bit words is then exact in its 64 bits, hi = (p >> 32) & mask, lo = p & mask.
@@ -126,8 +135,8 @@ def _rounds_stacked(k0, k1, c0, c1, c2, c3, all_words: bool = False) -> torch.Te
     buffers = [x, y, torch.empty_like(x)]
     halves = [buffer.unbind(0) for buffer in buffers]
     steps = torch.arange(0, PHILOX_ROUNDS, device=x.device).view((PHILOX_ROUNDS,) + (1,) * dims)
-    k0 = (k0 + steps * PHILOX_W0) & MASK32  # [R, ...]: the round keys (steps' dims right-align them)
-    k1 = (k1 + steps * PHILOX_W1) & MASK32
+    k0 = (k0 + steps * _signed32(PHILOX_W0)) & MASK32  # [R, ...]: the round keys (steps' dims right-align them)
+    k1 = (k1 + steps * _signed32(PHILOX_W1)) & MASK32
     keys = torch.stack([k0, k1, k0], dim=1)  # [R, 3, ...]: rows 0:2 are (k0, k1), rows 1:3 (k1, k0)
     keys = (keys[:, 0:2].unbind(0), keys[:, 1:3].unbind(0))  # views: keys[slot 0's key word][round]
     multipliers = x.new_full((3,) + (1,) * dims, PHILOX_M0)  # (M0, M1, M0): [0:2] and [1:3] are both orders

@@ -245,8 +245,9 @@ def _rounding_interval(t: torch.Tensor, temperature: float | torch.Tensor) -> tu
 def kth_largest_index(logits: torch.Tensor, k: int) -> torch.Tensor:
     """[..., V] logits in their own dtype, 0 < k < V -> [...] int64: an element holding the k-th largest warped logit
     z = float32(x) / T, for any T > 0. The conversion is exact and a correctly rounded division by a positive number
-    is non-decreasing (NaN stays NaN, which topk ranks above everything either way), so the element of the k-th
-    largest x holds the k-th largest z: one topk over the raw logits, without a float32 copy of z."""
+    is non-decreasing, so the element of the k-th largest x holds the k-th largest z: one topk over the raw logits,
+    without a float32 copy of z. A row with a NaN gets an unspecified element (CUDA's bf16 topk of k = V - 1 ended on
+    the NaN where the float32 one did not, H200, torch 2.11); the kernels flag such a row whatever its cut."""
     return torch.topk(logits, k, dim=-1).indices[..., -1]
 
 

@@ -1081,21 +1081,32 @@ def test_row_settings_carry_a_host_bound_of_top_k_kept_by_row_selection_and_join
 
 def test_per_row_cut_takes_the_host_bound_when_rows_join(pair, monkeypatch):
     """Sampled requests with top-k and top-p (each its own k) joining at different steps: the per-row cut gets the
-    rows' bound (one topk instead of a sort per row) and each request still matches itself alone."""
+    rows' bound (one topk instead of a sort per row) and each request still matches itself alone. The bound is
+    recorded where the decoder makes the rows' ``Sampling`` (every backend) and, on the CPU, where the reference's cut
+    takes it (a GPU runs the CUDA backend: the seventh GPU run found this test recording only the reference)."""
+    from speculative_kernels.generation.row_settings import RowSettings
     from speculative_kernels.ops import reference, warping
 
-    bounds = []
-    real = warping.row_thresholds
+    bounds, cut_bounds = [], []
+    real_sampling, real_thresholds = RowSettings.sampling, warping.row_thresholds
 
-    def recording(z, top_k, top_p, top_k_bound=None):
-        bounds.append(top_k_bound)
-        return real(z, top_k, top_p, top_k_bound)
+    def sampling(self, device):
+        made = real_sampling(self, device)
+        bounds.append(made.rows.top_k_bound)
+        return made
 
-    monkeypatch.setattr(reference, "row_thresholds", recording)
+    def thresholds(z, top_k, top_p, top_k_bound=None):
+        cut_bounds.append(top_k_bound)
+        return real_thresholds(z, top_k, top_p, top_k_bound)
+
+    monkeypatch.setattr(RowSettings, "sampling", sampling)
+    monkeypatch.setattr(reference, "row_thresholds", thresholds)
     decoder = sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA)
     arrivals = {0: [([5, 6, 7], dict(max_new_tokens=6, do_sample=True, top_k=5, top_p=0.9, seed=1))],
                 2: [([9, 10], dict(max_new_tokens=6, do_sample=True, top_k=20, top_p=0.7, seed=2))]}
     requests, _ = run_arrivals(decoder, arrivals)
+    assert 20 in bounds and None not in bounds  # (the joined batch's: before the requests alone run)
+    if DEVICE == "cpu":
+        assert 20 in cut_bounds and None not in cut_bounds
     for request_id, (prompt, settings) in requests.items():
         assert decoder.result(request_id).token_ids == _alone(pair, prompt, settings), settings
-    assert 20 in bounds and None not in bounds

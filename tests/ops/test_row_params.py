@@ -557,11 +557,14 @@ def test_a_bound_beside_no_cut_or_a_vocabulary_wide_top_k_changes_nothing():
 
 
 def test_a_bound_on_the_triton_backend():
-    """The Triton backend (interpreter) with a bound of V (no topk: the sort), with its rows broken, and with a python
-    top_k past int64 beside per-row tensors (the registered ops' int64 bound): the torch backend's tokens."""
-    logits = _inputs(8, 1, 16, seed=47)[0][:, 0]
+    """The Triton backend (the interpreter on the CPU, the compiled kernels on a GPU) with a bound of V (no topk: the
+    sort), with its rows broken, and with a python top_k past int64 beside per-row tensors (the registered ops' int64
+    bound): the torch backend's tokens. (The seventh GPU run found it building its inputs on the CPU there.)"""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = _inputs(8, 1, 16, seed=47)[0][:, 0].to(device)
     rows = _row_params([(1.0, 16, 1e-9), (0.8, 20, 0.9)], repeat=4)  # (top-p keeping the argmax; broken: top_k > V)
     rows["temperature"][7] = 0.0  # (greedy: never broken)
+    rows = {name: values.to(device) for name, values in rows.items()}
     calls = [dict(rows, top_k_bound=16), dict(temperature=rows["temperature"], top_k=2**63)]
     argmax = logits.argmax(-1).tolist()
     for kwargs, want in zip(calls, [argmax[:4] + [-1] * 3 + argmax[7:], None]):
