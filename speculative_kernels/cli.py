@@ -125,9 +125,19 @@ def run_generate(args) -> int:
         print(f"({ACCEPTANCE_LEGEND})")
     if not args.compare:
         return 0
-    target.generate(input_ids, **warm_up)
-    torch.manual_seed(args.seed)  # model.generate has no seed argument
-    baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
+    try:
+        target.generate(input_ids, **warm_up)
+        torch.manual_seed(args.seed)  # model.generate has no seed argument
+        baseline, base_seconds = timed_generate(lambda: target.generate(input_ids, **kwargs), args.device)
+    except Exception as exc:  # noqa: BLE001 -- HF's own failure: named as such, not as ours (nor as a difference)
+        if type(exc).__name__ == "OutOfMemoryError":
+            raise
+        import transformers
+
+        raise ValueError(
+            f"--compare: model.generate (transformers {transformers.__version__}) fails with these options where "
+            f"speculative_kernels ran (its completion is above), so there is nothing to compare: "
+            f"{type(exc).__name__}: {exc}") from exc
     base_tokens = completion_ids(target, input_ids, baseline)
     identical = base_tokens == new_tokens
     lookup = " (HF prompt lookup: the checkpoint's prompt_lookup_num_tokens)" if getattr(

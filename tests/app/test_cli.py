@@ -621,3 +621,25 @@ def test_a_draft_with_another_tokenizer_drafts_through_the_text(tmp_path, capsys
                  "the cat sat", "--max-new-tokens", "8", "--gamma", "3", "--compare"])
     captured = capsys.readouterr()
     assert code == 0 and "outputs identical" in captured.out, captured.err
+
+
+def test_compare_names_model_generate_when_it_is_what_fails(pair, capsys, monkeypatch):
+    """--compare where plain model.generate itself fails with the options (Mamba2 with --prefill-chunk-size: HF's
+    ValueError from its cache) after ours ran: one error line that says model.generate failed and why, status 2, not
+    HF's message alone as if it were ours (nor a traceback with status 3 for an error of another type)."""
+    import transformers
+
+    target, draft = pair
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("the cache cannot do that")
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", failing)
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b):",
+                 "--max-new-tokens", "6", "--gamma", "3", "--compare"])
+    captured = capsys.readouterr()
+    assert code == 2 and "speculative:" in captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        f"error: --compare: model.generate (transformers {transformers.__version__}) fails with these options where "
+        "speculative_kernels ran (its completion is above), so there is nothing to compare: RuntimeError: the cache "
+        "cannot do that")
