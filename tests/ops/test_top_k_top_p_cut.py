@@ -165,3 +165,24 @@ def test_scaled_equal_is_z_equal_without_z(dtype):
                         .sum())
     assert collided > 0  # (some t hold distinct x: a comparison of the raw logits would miss them)
 
+
+
+@pytest.mark.parametrize("vocab", [1, 255, 256, 257, 600, 1024])
+def test_the_nth_tie_is_found_from_chunk_counts(vocab):
+    """``warping._nth_true_index`` (the r-th tied id from per-chunk counts: no scan over V) equals its definition,
+    ``(mask.cumsum(-1) <= n).sum(-1)``, for every n from 0 past the count: masks empty, full, sparse, dense, with
+    Trues at chunk edges, V around and between multiples of the chunk, three leading dimensions."""
+    from speculative_kernels.ops import warping
+
+    g = torch.Generator().manual_seed(vocab)
+    density = torch.tensor([0.0, 1.0, 0.01, 0.5, 0.9, 0.003]).view(1, 6, 1)
+    mask = torch.rand(2, 6, vocab, generator=g) < density
+    mask[1, 2, 255::256] = True  # (the last id of each chunk)
+    mask[1, 3, ::256] = False  # (the first)
+    counts = warping._chunk_counts(mask)
+    assert torch.equal(counts.before[..., -1], mask.sum(-1, dtype=torch.int32))
+    for n in range(0, vocab + 2, max(1, vocab // 97)):
+        n_rows = torch.full((2, 6, 1), n, dtype=torch.int64)
+        n_rows[0, :, 0] = torch.arange(6) * n % (vocab + 2)  # (another n per row)
+        want = (mask.cumsum(-1) <= n_rows).sum(-1, keepdim=True)
+        assert torch.equal(warping._nth_true_index(counts, n_rows), want), n
