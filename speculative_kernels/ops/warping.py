@@ -213,8 +213,9 @@ class _ChunkCounts(typing.NamedTuple):
 
 def _chunk_counts(mask: torch.Tensor) -> _ChunkCounts:
     """``_ChunkCounts`` of mask [..., V]: one reduction over V and a scan over the V / 256 chunk counts, not a scan
-    over V (torch's CUDA cumsum along a few long rows runs on one block: the tie count's [9, 128256] scan cost ~600 us
-    of a top-k + top-p verification on an H200, seventh GPU run)."""
+    over V (torch's CUDA cumsum along a few long rows runs on one block per 16 rows; the top-p part of a top-k + top-p
+    verification cost ~600 us at B = 1 on an H200, seventh GPU run, and this [9, 128256] scan was its one V-length
+    scan: not yet measured apart)."""
     vocab = mask.shape[-1]
     pad = -vocab % TRUE_COUNT_CHUNK
     padded = torch.nn.functional.pad(mask, (0, pad)) if pad else mask
