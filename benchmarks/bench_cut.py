@@ -10,7 +10,11 @@ Variants with top-k alone (``--top-p 1``):
 
 * ``element``: ``cuda_host._element_cut`` (the path before the fast one: float32 z, topk over z, an element of that
   value: ~7 passes besides the topk);
-* ``raw-topk``: ``cuda_host._top_k_cut`` (one topk over the raw logits, their own dtype);
+* ``raw-topk``: ``cuda_host._top_k_cut`` with ``warping.kth_largest_index`` (one torch.topk over the raw logits, their
+  own dtype: the CUDA backend's path before the radix select);
+* ``radix`` (GPU, with the CUDA extension): ``cuda_host._top_k_cut`` as the CUDA backend runs it, with
+  ``torch.ops.speculative_kernels_cuda.kth_largest_index`` (``csrc/topk_kernels.cu``: a multi-block radix select, a
+  memset and 2 kernels per call for bf16/fp16, 4 for float32);
 * ``two-stage[C]``: topk k of each chunk of C ids ([rows * V/C, C]), then topk k over the rows' k * V/C candidates (the
   k largest values of a row are among its chunks' k largest, so the k-th value is the same; C divides V);
 * ``triton-element`` / ``triton-z-gather`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton
@@ -92,6 +96,20 @@ def source_z(logits: torch.Tensor, source: torch.Tensor, temperature: float) -> 
     """float32(x[source]) / T as int32 bits (a true division, as the kernels')."""
     x = logits.gather(-1, source.to(torch.int64).unsqueeze(-1)).squeeze(-1).float()
     return (x / torch.full((), temperature, device=x.device)).view(torch.int32)
+
+
+def cuda_select(args):
+    """The CUDA backend's k-th largest select (``torch.ops.speculative_kernels_cuda.kth_largest_index``) on a CUDA
+    device where the extension loads; None elsewhere (the reason printed)."""
+    if args.device != "cuda":
+        return None
+    from speculative_kernels.ops import cuda_ext
+
+    reason = cuda_ext.unavailable_reason()
+    if reason is not None:
+        print(f"skipping the radix variant: {reason}")
+        return None
+    return torch.ops.speculative_kernels_cuda.kth_largest_index
 
 
 def triton_backend_for(args):
@@ -186,6 +204,9 @@ def cut_variants(args, vocab: int) -> dict:
     """name -> fn(logits [..., V], sampling) -> source [...] (or a cut value [...] float32 for the Triton ones)."""
     k = args.top_k
     fns = {"element": lambda x, s: _element_cut(x, s)[0], "raw-topk": lambda x, s: _top_k_cut(x, k)[0]}
+    select = cuda_select(args)
+    if select is not None:
+        fns["radix"] = lambda x, s: _top_k_cut(x, k, select)[0]
     for target in args.chunks:
         chunk = chunk_near(vocab, target, k)
         if chunk is not None and f"two-stage[{chunk}]" not in fns:

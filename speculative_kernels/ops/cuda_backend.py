@@ -5,6 +5,10 @@ Importing this module loads the extension (prebuilt or JIT, ``cuda_ext.py``) and
 reason where it cannot; ``backends.py`` imports it only after ``cuda_ext.unavailable_reason()`` returned None. The fake
 implementations registered here give the ops' output shapes to ``torch.compile`` (fullgraph) and to tracing.
 
+Top-k alone (one temperature): the cut's element comes from ``kth_largest_index`` (``csrc/topk_kernels.cuh``: a
+multi-block radix select over the raw logits' bits, 2 kernels for fp16/bf16 and 4 for float32 after a memset), not
+from ``torch.topk``, whose radix select runs on a few blocks when the rows are few (B * (2K + 1) = 9 at B = 1).
+
 Per-row parameters (``Sampling.rows``): the kernels read the temperatures from a device tensor (``temperature_rows``),
 greedy rows (0) and sampled rows in one launch; top_k/top_p only shape the cut computed on the host side
 (``cuda_host.py``, with torch on the device). ``num_draft_tokens`` is passed through as a device tensor too.
@@ -40,6 +44,11 @@ def _verify_fake(
     return tokens, target_logits.new_empty((batch,), dtype=torch.int64)
 
 
+@torch.library.register_fake("speculative_kernels_cuda::kth_largest_index")
+def _kth_largest_index_fake(logits, k):
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int32)
+
+
 @torch.library.register_fake("speculative_kernels_cuda::sample")
 def _sample_fake(logits, temperature, temperature_rows, cut_source, cut_index, seed, offset, seed_per_row):
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
@@ -51,9 +60,10 @@ def verify(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft
     """target_logits: [B, K+1, V]; draft_logits: [B, K, V] or None (one-hot q); draft_tokens: [B, K];
     num_draft_tokens: [B] int64 or None. Returns (tokens [B, K+1] int64 with -1 padding, num_accepted [B] int64)."""
     return verify_with(torch.ops.speculative_kernels_cuda.verify, target_logits, draft_logits, draft_tokens, sampling,
-                       randomness, num_draft_tokens)
+                       randomness, num_draft_tokens, kth_largest=torch.ops.speculative_kernels_cuda.kth_largest_index)
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, randomness: Randomness) -> torch.Tensor:
     """logits: [B, V]. Returns [B] int64 (-1 for an invalid row)."""
-    return sample_with(torch.ops.speculative_kernels_cuda.sample, logits, sampling, randomness)
+    return sample_with(torch.ops.speculative_kernels_cuda.sample, logits, sampling, randomness,
+                       kth_largest=torch.ops.speculative_kernels_cuda.kth_largest_index)

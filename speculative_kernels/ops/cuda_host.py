@@ -1,7 +1,7 @@
 """The host side of the CUDA backends (``cuda_backend.py``, ``compaction_cuda.py``), apart from the extension: what
 it computes on the device with torch before a launch (the top-k/top-p cut as (source, index), the ops' temperature
 arguments, the int8 slot mask) and after it (the rows flagged for invalid per-row parameters). ``verify_with`` /
-``sample_with`` / ``compact_kv_with`` take the op to launch, so that the same host code also drives the CPU build of
+``sample_with`` / ``compact_kv_with`` take the op to launch (and the first two the k-th largest select of the top-k cut), so that the same host code also drives the CPU build of
 ``csrc/`` that the tests run without a GPU (``tests/helpers/cuda_emulation``). Why the cut is passed as an element
 rather than a value: ``cuda_backend.py``."""
 
@@ -14,15 +14,15 @@ from .warping import kth_largest_index, row_thresholds, warp_thresholds
 __all__ = ["compact_kv_with", "sample_with", "verify_with"]
 
 
-def _cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def _cut(logits: torch.Tensor, sampling: Sampling, kth_largest) -> tuple[torch.Tensor, torch.Tensor]:
     """(cut_source [...] int32, cut_index [...] int32) of logits [B, ..., V]: keep v iff (z_v, v) >= (z_source, index).
 
     Per-row parameters: z = x / (the row's temperature, 1 for a greedy row) and the row's top_k/top_p (none for a
     greedy row); a row without a cut gets its minimum (source) and index 0, which keeps every element. One
-    temperature with top-k alone takes ``_top_k_cut`` (one topk over the raw logits), with top-k and top-p
+    temperature with top-k alone takes ``_top_k_cut`` (``kth_largest`` of the raw logits), with top-k and top-p
     ``_top_k_top_p_cut`` (no V-length sort); the rest ``_element_cut``."""
     if sampling.top_k_alone(logits.shape[-1]):
-        return _top_k_cut(logits, sampling.top_k)
+        return _top_k_cut(logits, sampling.top_k, kth_largest)
     if sampling.top_k_with_top_p(logits.shape[-1]):
         return _top_k_top_p_cut(logits, sampling)
     return _element_cut(logits, sampling)
@@ -51,11 +51,14 @@ def _element_cut(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor
     return source.to(torch.int32), cut_index.to(torch.int32)
 
 
-def _top_k_cut(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_cut`` for one temperature and top-k alone (0 < top_k < V), from the raw logits [B, ..., V]: the element of
-    the k-th largest z (``kth_largest_index``), and with cut index 0 any element of that value is a valid source.
-    One topk over the raw logits instead of a float32 copy, a topk over it and five more passes."""
-    source = kth_largest_index(logits, top_k)
+def _top_k_cut(logits: torch.Tensor, top_k: int, kth_largest=kth_largest_index) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_cut`` for one temperature and top-k alone (0 < top_k < V), from the raw logits [B, ..., V]: an element of
+    the k-th largest z, and with cut index 0 any element of that value is a valid source. ``kth_largest``:
+    (logits [B, ..., V], k) -> [B, ...] integer ids, an element holding the k-th largest raw logit (which holds the
+    k-th largest z: ``warping.kth_largest_index``): the CUDA backend's radix select
+    (``torch.ops.speculative_kernels_cuda.kth_largest_index``), or that torch.topk. One select over the raw logits
+    instead of a float32 copy, a topk over it and five more passes."""
+    source = kth_largest(logits, top_k)
     return source.to(torch.int32), torch.zeros_like(source, dtype=torch.int32)
 
 
@@ -85,14 +88,15 @@ def _temperature(sampling: Sampling) -> tuple[float, torch.Tensor | None]:
 
 
 def verify_with(op, target_logits: torch.Tensor, draft_logits: torch.Tensor | None, draft_tokens: torch.Tensor,
-                sampling: Sampling, randomness: Randomness,
-                num_draft_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cuda_backend.verify`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.verify``)."""
+                sampling: Sampling, randomness: Randomness, num_draft_tokens: torch.Tensor | None = None, *,
+                kth_largest) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cuda_backend.verify`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.verify``), its
+    top-k cut from ``kth_largest`` (``_top_k_cut``)."""
     target_cut = draft_cut = (None, None)
     if sampling.cuts(target_logits.shape[-1]):
-        target_cut = _cut(target_logits, sampling)
+        target_cut = _cut(target_logits, sampling, kth_largest)
         if draft_logits is not None:
-            draft_cut = _cut(draft_logits, sampling)
+            draft_cut = _cut(draft_logits, sampling, kth_largest)
     tokens, num_accepted = op(
         target_logits, draft_logits, draft_tokens, *_temperature(sampling), *target_cut, *draft_cut,
         randomness.seed, randomness.offset, bool(randomness.seed_per_row), num_draft_tokens,
@@ -101,9 +105,10 @@ def verify_with(op, target_logits: torch.Tensor, draft_logits: torch.Tensor | No
     return tokens, num_accepted
 
 
-def sample_with(op, logits: torch.Tensor, sampling: Sampling, randomness: Randomness) -> torch.Tensor:
-    """``cuda_backend.sample`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.sample``)."""
-    cut = _cut(logits, sampling) if sampling.cuts(logits.shape[-1]) else (None, None)
+def sample_with(op, logits: torch.Tensor, sampling: Sampling, randomness: Randomness, *, kth_largest) -> torch.Tensor:
+    """``cuda_backend.sample`` launching ``op`` (the signature of ``torch.ops.speculative_kernels_cuda.sample``), its
+    top-k cut from ``kth_largest`` (``_top_k_cut``)."""
+    cut = _cut(logits, sampling, kth_largest) if sampling.cuts(logits.shape[-1]) else (None, None)
     tokens = op(logits, *_temperature(sampling), *cut, randomness.seed, randomness.offset, bool(randomness.seed_per_row))
     _row_flags(sampling, tokens)
     return tokens

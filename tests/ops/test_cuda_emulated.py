@@ -416,6 +416,13 @@ def test_compaction_with_a_transposed_mask(emulated):
     assert torch.equal(got, want)
 
 
+def _element_cut_always(logits, sampling, kth_largest):
+    """``cuda_host._cut`` by the float32 element cut whatever the sampling (no k-th largest select)."""
+    from speculative_kernels.ops import cuda_host
+
+    return cuda_host._element_cut(logits, sampling)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("warp", [(1.0, 1, 1.0), (0.7, 2, 1.0), (1e-3, 5, 1.0), (0.7, 60, 1.0)], ids=str)
 def test_top_k_cut_from_the_raw_logits_gives_the_element_cuts_outputs(emulated, monkeypatch, dtype, warp):
@@ -437,7 +444,7 @@ def test_top_k_cut_from_the_raw_logits_gives_the_element_cuts_outputs(emulated, 
                 emulated.sample(target[:, 0], sampling, _host_randomness(batch))]
 
     fast = outputs()
-    monkeypatch.setattr(cuda_host, "_cut", cuda_host._element_cut)
+    monkeypatch.setattr(cuda_host, "_cut", _element_cut_always)
     _same_outputs(fast, outputs())
     assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
     assert (fast[1] >= 0).sum() >= 3 and (fast[4] >= 0).sum() >= 3  # (valid rows with a cut remain)
@@ -466,7 +473,7 @@ def test_top_k_top_p_cut_gives_the_whole_vocabulary_cuts_outputs(emulated, monke
 
     fast = outputs(emulated.verify, emulated.sample)
     _same_outputs(fast, outputs(verify_reference, sample_reference))
-    monkeypatch.setattr(cuda_host, "_cut", cuda_host._element_cut)
+    monkeypatch.setattr(cuda_host, "_cut", _element_cut_always)
     monkeypatch.setattr(cuda_host, "warp_thresholds", whole_vocabulary_cut)
     _same_outputs(fast, outputs(emulated.verify, emulated.sample))
     assert fast[1][7] == -1 and fast[3][7] == -1 and fast[4][7] == -1  # (the NaN row: flagged)
@@ -505,3 +512,28 @@ def test_per_row_cut_from_a_host_bound_gives_the_sorted_cuts_outputs(emulated, m
     _same_outputs(got, outputs(emulated.verify, emulated.sample, sorted_rows))
     _same_outputs(got, outputs(verify_reference, sample_reference, bounded))
     assert got[1][7] == -1 and (got[1] >= 0).sum() >= 3
+
+
+# ---- the k-th largest select of the top-k cut (csrc/topk_kernels.cu) ------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kth_largest_select(emulated, dtype):
+    """The radix select against torch.topk's k-th value (test_kth_largest_select.check_select): ties, lower-digit
+    decisions, every bit pattern, +-inf, -0/+0, all-equal and NaN rows, k from 1 to V, [B, J, V] views and [B, V],
+    a row over 1, 3 and 5 blocks (chunks of 8-aligned ids, a partial last one), blocks run in both orders.
+    Every k on a [J, V] row set, k = V - 1 on the views: ~1 s per dtype."""
+    import test_kth_largest_select as select
+
+    try:
+        for vocab, blocks in [(1, 1), (13, 3), (203, 5)]:
+            emulated.select_blocks_per_row = blocks
+            emulated.set_reverse_blocks(vocab == 203)
+            for name, x in select.logit_cases(2, 3, vocab, dtype, seed=vocab):
+                contiguous, *views = select.strided_views(x)
+                for k in select.ks(vocab):
+                    select.check_select(emulated.op_kth_largest_index, contiguous[1], k)
+                for _, view in views:
+                    select.check_select(emulated.op_kth_largest_index, view, max(vocab - 1, 1))
+                select.check_select(emulated.op_kth_largest_index, x[:, 1], max(vocab // 3, 1))
+    finally:
+        emulated.select_blocks_per_row = None
+        emulated.set_reverse_blocks(False)

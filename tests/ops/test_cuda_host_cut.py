@@ -9,6 +9,7 @@ import torch
 
 from speculative_kernels.ops.cuda_host import _cut, _element_cut, _top_k_cut, _top_k_top_p_cut
 from speculative_kernels.ops.sampling import Sampling
+from speculative_kernels.ops.warping import kth_largest_index
 
 INF = float("inf")
 
@@ -56,14 +57,14 @@ def test_top_k_cut_keeps_what_the_element_cut_keeps(dtype, temperature):
 def test_cut_takes_the_fast_path_only_for_one_temperature_and_top_k_alone():
     logits = tied_logits((2, 4, 37), torch.bfloat16, seed=1, nan=False)
     for warp in [(0.7, 5, 1.0), (1.0, 1, 1.0)]:  # the fast path: (source, 0) of the k-th largest raw logit
-        assert torch.equal(_cut(logits, Sampling(*warp))[0], _top_k_cut(logits, warp[1])[0])
+        assert torch.equal(_cut(logits, Sampling(*warp), kth_largest_index)[0], _top_k_cut(logits, warp[1])[0])
     for warp in [(0.7, 5, 0.9), (1.0, 36, 0.5)]:  # top-k with top-p: the cut's own element as its source
-        assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
+        assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp), kth_largest_index),
                                                     _top_k_top_p_cut(logits, Sampling(*warp))))
     # top-p alone, or top-k switched off (0, k >= V: no cut, the row's minimum as the source): the element cut
     for warp in [(1.0, 0, 0.8), (1.0, 37, 0.9), (1.0, 40, 0.9), (0.7, 37, 1.0), (0.7, 40, 1.0),
                  (0.7, 0, 1.0)]:
-        assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp)),
+        assert all(torch.equal(a, b) for a, b in zip(_cut(logits, Sampling(*warp), kth_largest_index),
                                                     _element_cut(logits, Sampling(*warp))))
 
 

@@ -98,6 +98,13 @@ def test_sample_cuda():
     torch.library.opcheck(ns.sample, (target[:, 0], 0.7, None, None, None, seed, offset, True))
 
 
+def test_kth_largest_index_cuda():
+    ns = _cuda_ops()
+    target, _, _, _, _ = _inputs()
+    torch.library.opcheck(ns.kth_largest_index, (target, 3))
+    torch.library.opcheck(ns.kth_largest_index, (target[:, 0], 1))
+
+
 def test_compact_kv_cuda():
     ns = _cuda_ops()
     kv = torch.randn(2, 2, 5, 4, device="cuda")

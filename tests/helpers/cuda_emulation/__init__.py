@@ -1,5 +1,5 @@
-"""The CUDA kernels of ``csrc/`` run on the CPU: a host build of the unmodified ``verify_kernels.cu`` and
-``rollback_kernels.cu`` in which every CUDA thread is a fiber, so the GPU tests' own checks can run where no GPU is
+"""The CUDA kernels of ``csrc/`` run on the CPU: a host build of the unmodified ``verify_kernels.cu``,
+``rollback_kernels.cu`` and ``topk_kernels.cu`` in which every CUDA thread is a fiber, so the GPU tests' own checks can run where no GPU is
 (this project's usual machine).
 
 ``build(out_dir)`` compiles it (g++ and the CUDA toolkit's headers; ~40 s): ``transform`` rewrites only the kernel
@@ -17,7 +17,8 @@ and is refilled with garbage before each block. ``capi.cpp`` is the C entry poin
 per-row tensors, the workspace) and ``rollback_bindings.cpp`` (its checks, [B, H, S, D] strides as they are) and copies
 every tensor it passes into memory whose end touches an inaccessible page, keeping its strides and its 16-byte
 alignment, so a read past a buffer faults (the in-place KV cache is copied back over its whole span, gaps between
-its rows included, so a stray store there shows). ``verify`` / ``sample`` are ``cuda_backend``'s and ``compact_kv``
+its rows included, so a stray store there shows). ``op_kth_largest_index`` mirrors ``topk_bindings.cpp``. ``verify`` / ``sample`` are ``cuda_backend``'s (their top-k
+cut from the emulated select) and ``compact_kv``
 is ``compaction_cuda``'s, through ``ops.cuda_host`` with these ops in place of ``torch.ops.speculative_kernels_cuda``.
 
 What it cannot show: the real NaN-propagating max instructions (their documented semantics are emulated), CUDA's
@@ -48,7 +49,7 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math"
 _LAUNCH = re.compile(r"(\w+(?:<[^;<>]*>)?)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*stream>>>\(([^;]*)\);")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s+"
                             r"(\w+)\[\];")
-LAUNCHES = {"verify_kernels.cu": 5, "rollback_kernels.cu": 1}  # kernel launches per source (count a new one here)
+LAUNCHES = {"verify_kernels.cu": 5, "rollback_kernels.cu": 1, "topk_kernels.cu": 1}  # kernel launches per source (count a new one here)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc's LogitDtype
 
 
@@ -142,10 +143,17 @@ class EmulatedOps:
         lib.emu_sample.argtypes = [i32, p, i32, i32, i64, f32, p, p, p, p, i64, p, i64, i32, p, p, ctypes.c_size_t]
         lib.emu_compact_kv.restype = i32
         lib.emu_compact_kv.argtypes = [p, i32, i32, i32, i32, i32, i64, i64, i64, p, i64]
+        lib.emu_kth_workspace_bytes.restype, lib.emu_kth_workspace_bytes.argtypes = ctypes.c_size_t, [i32, i32]
+        lib.emu_kth_blocks_per_row.restype, lib.emu_kth_blocks_per_row.argtypes = i32, [i32, i32, i32]
+        lib.emu_kth_largest.restype = i32
+        lib.emu_kth_largest.argtypes = [i32, p, i32, i32, i32, i64, i64, i32, p, i32, p, ctypes.c_size_t]
         lib.emu_errors.restype = i32
         lib.emu_set_reverse_order.restype, lib.emu_set_reverse_order.argtypes = None, [i32]
         lib.emu_set_reverse_blocks.restype, lib.emu_set_reverse_blocks.argtypes = None, [i32]
         self._buffers = []  # guarded copies stay mapped while the ops' results may still view them (small tests)
+        # The k-th largest select's blocks per row: None = topk_bindings.cpp's choice for an H200 (132 SMs), which
+        # at the CPU's small vocabularies is one block; a test sets more to spread a row over several blocks.
+        self.select_blocks_per_row: int | None = None
 
     def set_reverse_order(self, reverse: bool) -> None:
         """Run each block's ready threads last-first (True) or first-first (the default) between rendezvous points: a
@@ -248,6 +256,36 @@ class EmulatedOps:
             raise RuntimeError(f"sample_launch returned CUDA error {error}")
         return out.clone()
 
+    def op_kth_largest_index(self, logits, k):
+        """topk_bindings.cpp's kth_largest_index_cuda: logits [B, V] or [B, J, V] -> [B] / [B, J] int32, the smallest
+        id of each row holding its k-th largest value; the workspace zeroed (as the binding's at::zeros)."""
+        if logits.dim() not in (2, 3):
+            raise RuntimeError(f"logits must be [B, V] or [B, J, V], got shape {list(logits.shape)}")
+        if logits.dtype not in DTYPES:
+            raise RuntimeError(f"logits must be float32, float16 or bfloat16, got {logits.dtype}")
+        vocab = logits.shape[-1]
+        if not 1 <= k <= vocab:
+            raise RuntimeError(f"k must be in [1, V] = [1, {vocab}], got {k}")
+        logits = self._unit(logits)
+        flat = logits.dim() == 2
+        batch, positions = logits.shape[0], 1 if flat else logits.shape[1]
+        rows = batch * positions
+        out = torch.empty(logits.shape[:-1], dtype=torch.int32)
+        if rows == 0:
+            return out
+        bits = 32 if logits.dtype == torch.float32 else 16
+        x = self._guarded(logits)
+        out = self._guarded(out)
+        blocks = self.select_blocks_per_row or self.lib.emu_kth_blocks_per_row(rows, vocab, 132)
+        ws_bytes = self.lib.emu_kth_workspace_bytes(bits, rows)
+        ws = self._guarded(torch.zeros(ws_bytes, dtype=torch.uint8))
+        error = self.lib.emu_kth_largest(bits, x.data_ptr(), batch, positions, vocab, x.stride(0),
+                                         0 if flat else x.stride(1), k, out.data_ptr(), blocks, ws.data_ptr(), ws_bytes)
+        self.check()
+        if error:
+            raise RuntimeError(f"kth_largest_launch returned CUDA error {error}")
+        return out.clone()
+
     def op_compact_kv(self, kv, slot_mask):
         """rollback_bindings.cpp's compact_kv_cuda (its checks, as RuntimeError): in place on kv [B, H, S, D], run on
         a guarded copy of kv's whole span (the elements between its rows too) that is then copied back over it."""
@@ -287,11 +325,11 @@ class EmulatedOps:
     def verify(self, target_logits, draft_logits, draft_tokens, sampling, randomness, num_draft_tokens=None):
         """``cuda_backend.verify`` on the emulated ops."""
         return verify_with(self.op_verify, target_logits, draft_logits, draft_tokens, sampling, randomness,
-                           num_draft_tokens)
+                           num_draft_tokens, kth_largest=self.op_kth_largest_index)
 
     def sample(self, logits, sampling, randomness):
         """``cuda_backend.sample`` on the emulated ops."""
-        return sample_with(self.op_sample, logits, sampling, randomness)
+        return sample_with(self.op_sample, logits, sampling, randomness, kth_largest=self.op_kth_largest_index)
 
 
 __all__ = ["EmulatedOps", "build", "cuda_include_dir", "transform", "unavailable_reason"]

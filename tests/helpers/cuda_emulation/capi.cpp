@@ -1,7 +1,9 @@
 // The C entry points of the CUDA emulation (tests/helpers/cuda_emulation): guarded allocations, and verify/sample
-// launched as bindings.cpp launches them (VerifyParams, the workspace), on the host build of verify_kernels.cu, and
+// launched as bindings.cpp launches them (VerifyParams, the workspace), on the host build of verify_kernels.cu,
+// kth_largest_index as topk_bindings.cpp launches it, on the host build of topk_kernels.cu, and
 // compact_kv as rollback_bindings.cpp launches it (CompactParams), on the host build of rollback_kernels.cu.
 #include "rollback_kernels.cuh"
+#include "topk_kernels.cuh"
 #include "verify_kernels.cuh"
 #include <sys/mman.h>
 #include <unistd.h>
@@ -53,6 +55,16 @@ int emu_sample(int dtype, const void* logits, int batch, int vocab, int64_t stri
   return static_cast<int>(sample_launch(static_cast<LogitDtype>(dtype), logits, batch, vocab, stride_b, temperature,
                                         temperature_rows, cs, ci, seed, seed_stride, offset, offset_stride,
                                         seed_per_row != 0, tokens, ws, ws_bytes, nullptr));
+}
+size_t emu_kth_workspace_bytes(int key_bits, int rows) { return kth_largest_workspace_bytes(key_bits, rows); }
+int emu_kth_blocks_per_row(int rows, int vocab, int sm_count) { return kth_largest_blocks_per_row(rows, vocab, sm_count); }
+int emu_kth_largest(int key_bits, const void* logits, int batch, int positions, int vocab, int64_t stride_b,
+                    int64_t stride_j, int k, int32_t* out, int blocks_per_row, void* ws, size_t ws_bytes) {
+  KthLargestParams p;
+  p.key_bits = key_bits; p.logits = logits;
+  p.batch = batch; p.positions = positions; p.vocab = vocab; p.stride_b = stride_b; p.stride_j = stride_j;
+  p.k = k; p.out = out;
+  return static_cast<int>(kth_largest_launch(p, blocks_per_row, ws, ws_bytes, nullptr));
 }
 int emu_compact_kv(void* kv, int element_bytes, int batch, int heads, int slots, int head_dim, int64_t stride_b,
                    int64_t stride_h, int64_t stride_s, const int8_t* slot_mask, int64_t mask_stride_b) {

@@ -73,6 +73,8 @@ inline int __popc(unsigned x) { return std::popcount(x); }
 inline int atomicOr(int* p, int v) { int o = *p; *p = o | v; return o; }
 inline int atomicMin(int* p, int v) { int o = *p; *p = o < v ? o : v; return o; }
 inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+inline int atomicMax(int* p, int v) { int o = *p; *p = o > v ? o : v; return o; }
 inline void __threadfence() {}  // one block runs at a time: its writes are visible to the blocks after it
 template <typename V>
 inline V __ldcg(const V* p) { return *p; }
