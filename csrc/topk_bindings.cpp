@@ -46,16 +46,15 @@ at::Tensor kth_largest_index_cuda(const at::Tensor& logits_in, int64_t k) {
   p.stride_j = flat ? 0 : logits.stride(1);
   p.k = static_cast<int>(k);
   at::Tensor out = at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kInt));
-  const int64_t rows = out.numel();
-  if (rows == 0) return out;
-  TORCH_CHECK(rows <= 65535, "kth_largest_index: ", rows, " rows exceed the kernel's grid limit (65535)");
+  if (out.numel() == 0) return out;
+  const int rows = checked_select_size(out.numel(), "number of rows (B * J)");
   p.out = out.data_ptr<int32_t>();
   int sm_count = 0;  // (a device attribute: no synchronisation, allowed while a CUDA graph is captured)
   const cudaError_t attr = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, logits.device().index());
   TORCH_CHECK(attr == cudaSuccess, "kth_largest_index: cannot read the multiprocessor count: ",
               cudaGetErrorString(attr));
-  const int blocks_per_row = kth_largest_blocks_per_row(static_cast<int>(rows), p.vocab, sm_count);
-  const size_t bytes = kth_largest_workspace_bytes(p.key_bits, static_cast<int>(rows));
+  const int blocks_per_row = kth_largest_blocks_per_row(rows, p.vocab, sm_count);
+  const size_t bytes = kth_largest_workspace_bytes(p.key_bits, rows);
   at::Tensor workspace = at::zeros({static_cast<int64_t>(bytes)}, logits.options().dtype(at::kByte));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
   const cudaError_t err = kth_largest_launch(p, blocks_per_row, workspace.data_ptr(), bytes, stream);

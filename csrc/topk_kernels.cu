@@ -42,6 +42,7 @@ struct SelectArgs {
   int64_t stride_b, stride_j;
   int32_t* out;
   int chunk;   // ids per block
+  int blocks_per_row;
   int pass;    // 0 = the top digit
   int shift;   // the digit of this pass is (key >> shift) & 255
   unsigned* counts;     // [rows, 256] of this pass
@@ -79,7 +80,7 @@ __device__ __forceinline__ void for_each_key(const U* __restrict__ row, int star
   for (int v = scalar_start + tid; v < end; v += kSelectThreads) f(v, order_key(row[v]));
 }
 
-// One pass over (chunk = blockIdx.x, row = blockIdx.y). The row's last block picks the bucket holding the k-th
+// One pass over blocks (row, chunk), blockIdx.x = row * blocks_per_row + chunk. The row's last block picks the bucket holding the k-th
 // largest key (warp 0: lane l sums buckets 255 - 8l .. 248 - 8l, a scan over the lanes from the top).
 template <typename U, bool LAST>
 __global__ void __launch_bounds__(kSelectThreads) radix_pass(SelectArgs a) {
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(kSelectThreads) radix_pass(SelectArgs a) {
   __shared__ int s_best[kBuckets];
   __shared__ int s_last;
   const int tid = static_cast<int>(threadIdx.x);
-  const int r = static_cast<int>(blockIdx.y);
+  const int r = static_cast<int>(blockIdx.x) / a.blocks_per_row;
+  const int chunk = static_cast<int>(blockIdx.x) - r * a.blocks_per_row;
   const int b = r / a.positions;
   const int j = r - b * a.positions;
   const U* row = static_cast<const U*>(a.logits) + b * a.stride_b + j * a.stride_j;
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(kSelectThreads) radix_pass(SelectArgs a) {
   const unsigned prefix = first ? 0u : a.prefix[r];  // written by the previous pass's kernel
   const int shift = a.shift;
   __syncthreads();
-  const int start = static_cast<int>(blockIdx.x) * a.chunk;
+  const int start = chunk * a.chunk;
   const int end = min(a.vocab, start + a.chunk);
   for_each_key(row, start, end, [&](int v, unsigned key) {
     if (first || (key >> (shift + kRadixBits)) == prefix) {
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kSelectThreads) radix_pass(SelectArgs a) {
   }
   __threadfence();  // this block's counts are visible device-wide before its ticket says so
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(a.tickets + r, 1u) == gridDim.x - 1;
+  if (tid == 0) s_last = atomicAdd(a.tickets + r, 1u) == static_cast<unsigned>(a.blocks_per_row - 1);
   __syncthreads();
   if (!s_last || tid >= 32) return;
   __threadfence();
@@ -201,12 +203,13 @@ cudaError_t kth_largest_launch(const KthLargestParams& p, int blocks_per_row, vo
   }
   const long long rows = static_cast<long long>(p.batch) * p.positions;
   if (rows == 0) return cudaSuccess;
-  if (rows > 65535 || workspace_bytes < kth_largest_workspace_bytes(p.key_bits, static_cast<int>(rows))) {
-    return cudaErrorInvalidValue;
-  }
   const int per_block = (p.vocab + blocks_per_row - 1) / blocks_per_row;
   const int chunk = (per_block + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  const dim3 grid((p.vocab + chunk - 1) / chunk, static_cast<unsigned>(rows));
+  const int blocks = (p.vocab + chunk - 1) / chunk;  // <= blocks_per_row: no empty block
+  if (rows * blocks > INT_MAX || workspace_bytes < kth_largest_workspace_bytes(p.key_bits, static_cast<int>(rows))) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(rows * blocks));
   const int passes = p.key_bits / kRadixBits;
   const SelectWorkspace w = select_layout(passes, static_cast<int>(rows));
   char* base = static_cast<char*>(workspace);
@@ -219,6 +222,7 @@ cudaError_t kth_largest_launch(const KthLargestParams& p, int blocks_per_row, vo
   a.stride_j = p.stride_j;
   a.out = p.out;
   a.chunk = chunk;
+  a.blocks_per_row = blocks;
   a.best = reinterpret_cast<int*>(base + w.best);
   a.prefix = reinterpret_cast<unsigned*>(base + w.prefix);
   a.remaining = reinterpret_cast<unsigned*>(base + w.remaining);

@@ -115,10 +115,10 @@ def _cuda_select():
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,positions,vocab", [(1, 5, 128256), (1, 4, 32000), (64, 5, 128256), (3, 2, 1001),
-                                                   (2, 3, 1), (2, 3, 2048 * 7 + 3)])
+                                                   (2, 3, 1), (2, 3, 2048 * 7 + 3), (256, 300, 64)])
 def test_select_on_cuda(dtype, batch, positions, vocab):
     select = _cuda_select()
-    for name, x in logit_cases(batch, positions, vocab, dtype, seed=vocab + batch):
+    for name, x in logit_cases(batch, positions, vocab, dtype, seed=vocab + batch):  # (76800 rows: > 65535)
         for view_name, view in strided_views(x) if batch * vocab <= 2**20 else [("contiguous", x)]:
             v = view.cuda() if view.is_contiguous() else None
             if v is None:  # keep the view's strides on the device
