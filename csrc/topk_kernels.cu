@@ -80,8 +80,9 @@ __device__ __forceinline__ void for_each_key(const U* __restrict__ row, int star
   for (int v = scalar_start + tid; v < end; v += kSelectThreads) f(v, order_key(row[v]));
 }
 
-// One pass over blocks (row, chunk), blockIdx.x = row * blocks_per_row + chunk. The row's last block picks the bucket holding the k-th
-// largest key (warp 0: lane l sums buckets 255 - 8l .. 248 - 8l, a scan over the lanes from the top).
+// One pass over blocks (row, chunk), blockIdx.x = row * blocks_per_row + chunk. The row's last block picks the
+// bucket holding the k-th largest key (warp 0: lane l sums buckets 255 - 8l .. 248 - 8l, a scan over the lanes
+// from the top).
 template <typename U, bool LAST>
 __global__ void __launch_bounds__(kSelectThreads) radix_pass(SelectArgs a) {
   __shared__ unsigned s_counts[kBuckets];

@@ -1,9 +1,9 @@
 """The host side of the CUDA backends (``cuda_backend.py``, ``compaction_cuda.py``), apart from the extension: what
 it computes on the device with torch before a launch (the top-k/top-p cut as (source, index), the ops' temperature
 arguments, the int8 slot mask) and after it (the rows flagged for invalid per-row parameters). ``verify_with`` /
-``sample_with`` / ``compact_kv_with`` take the op to launch (and the first two the k-th largest select of the top-k cut), so that the same host code also drives the CPU build of
-``csrc/`` that the tests run without a GPU (``tests/helpers/cuda_emulation``). Why the cut is passed as an element
-rather than a value: ``cuda_backend.py``."""
+``sample_with`` / ``compact_kv_with`` take the op to launch (the first two also the k-th largest select of the top-k
+cut), so that the same host code also drives the CPU build of ``csrc/`` that the tests run without a GPU
+(``tests/helpers/cuda_emulation``). Why the cut is passed as an element rather than a value: ``cuda_backend.py``."""
 
 import torch
 

@@ -1,6 +1,6 @@
 """The CUDA kernels of ``csrc/`` run on the CPU: a host build of the unmodified ``verify_kernels.cu``,
-``rollback_kernels.cu`` and ``topk_kernels.cu`` in which every CUDA thread is a fiber, so the GPU tests' own checks can run where no GPU is
-(this project's usual machine).
+``rollback_kernels.cu`` and ``topk_kernels.cu`` in which every CUDA thread is a fiber, so the GPU tests' own checks
+can run where no GPU is (this project's usual machine).
 
 ``build(out_dir)`` compiles it (g++ and the CUDA toolkit's headers; ~40 s): ``transform`` rewrites only the kernel
 launches (``kernel<<<grid, block, shared, stream>>>(args)`` -> ``emu::launch``, counted per file in ``LAUNCHES``),
@@ -17,8 +17,8 @@ and is refilled with garbage before each block. ``capi.cpp`` is the C entry poin
 per-row tensors, the workspace) and ``rollback_bindings.cpp`` (its checks, [B, H, S, D] strides as they are) and copies
 every tensor it passes into memory whose end touches an inaccessible page, keeping its strides and its 16-byte
 alignment, so a read past a buffer faults (the in-place KV cache is copied back over its whole span, gaps between
-its rows included, so a stray store there shows). ``op_kth_largest_index`` mirrors ``topk_bindings.cpp``. ``verify`` / ``sample`` are ``cuda_backend``'s (their top-k
-cut from the emulated select) and ``compact_kv``
+its rows included, so a stray store there shows). ``op_kth_largest_index`` mirrors ``topk_bindings.cpp``.
+``verify`` / ``sample`` are ``cuda_backend``'s (their top-k cut from the emulated select) and ``compact_kv``
 is ``compaction_cuda``'s, through ``ops.cuda_host`` with these ops in place of ``torch.ops.speculative_kernels_cuda``.
 
 What it cannot show: the real NaN-propagating max instructions (their documented semantics are emulated), CUDA's
@@ -49,7 +49,8 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math"
 _LAUNCH = re.compile(r"(\w+(?:<[^;<>]*>)?)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*stream>>>\(([^;]*)\);")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s+"
                             r"(\w+)\[\];")
-LAUNCHES = {"verify_kernels.cu": 5, "rollback_kernels.cu": 1, "topk_kernels.cu": 1}  # kernel launches per source (count a new one here)
+# kernel launches per source (count a new one here)
+LAUNCHES = {"verify_kernels.cu": 5, "rollback_kernels.cu": 1, "topk_kernels.cu": 1}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc's LogitDtype
 
 

@@ -57,7 +57,9 @@ int emu_sample(int dtype, const void* logits, int batch, int vocab, int64_t stri
                                         seed_per_row != 0, tokens, ws, ws_bytes, nullptr));
 }
 size_t emu_kth_workspace_bytes(int key_bits, int rows) { return kth_largest_workspace_bytes(key_bits, rows); }
-int emu_kth_blocks_per_row(int rows, int vocab, int sm_count) { return kth_largest_blocks_per_row(rows, vocab, sm_count); }
+int emu_kth_blocks_per_row(int rows, int vocab, int sm_count) {
+  return kth_largest_blocks_per_row(rows, vocab, sm_count);
+}
 int emu_kth_largest(int key_bits, const void* logits, int batch, int positions, int vocab, int64_t stride_b,
                     int64_t stride_j, int k, int32_t* out, int blocks_per_row, void* ws, size_t ws_bytes) {
   KthLargestParams p;
