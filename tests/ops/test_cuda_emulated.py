@@ -520,7 +520,7 @@ def test_kth_largest_select(emulated, dtype):
     """The radix select against torch.topk's k-th value (test_kth_largest_select.check_select): ties, lower-digit
     decisions, every bit pattern, +-inf, -0/+0, all-equal and NaN rows, k from 1 to V, [B, J, V] views and [B, V],
     a row over 1, 3 and 5 blocks (chunks of 8-aligned ids, a partial last one), blocks run in both orders.
-    Every k on a [J, V] row set, k = V - 1 on the views: ~1 s per dtype."""
+    Every k on the contiguous [B, J, V], k = V - 1 on the two strided views: ~1 s per dtype."""
     import test_kth_largest_select as select
 
     try:
@@ -528,9 +528,9 @@ def test_kth_largest_select(emulated, dtype):
             emulated.select_blocks_per_row = blocks
             emulated.set_reverse_blocks(vocab == 203)
             for name, x in select.logit_cases(2, 3, vocab, dtype, seed=vocab):
-                contiguous, *views = select.strided_views(x)
+                (_, contiguous), *views = select.strided_views(x)
                 for k in select.ks(vocab):
-                    select.check_select(emulated.op_kth_largest_index, contiguous[1], k)
+                    select.check_select(emulated.op_kth_largest_index, contiguous, k)
                 for _, view in views:
                     select.check_select(emulated.op_kth_largest_index, view, max(vocab - 1, 1))
                 select.check_select(emulated.op_kth_largest_index, x[:, 1], max(vocab // 3, 1))
