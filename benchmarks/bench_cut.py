@@ -19,8 +19,8 @@ Variants with top-k alone (``--top-p 1``):
   k largest values of a row are among its chunks' k largest, so the k-th value is the same; C divides V);
 * ``triton-element`` / ``triton-z-gather`` / ``triton-raw`` (GPU, or the CPU under TRITON_INTERPRET=1): the Triton
   backend's cut: ``_scaled`` then ``warp_thresholds``; a topk over the raw logits and the value gathered from the
-  whole z (``_scaled``: the path before ``_cuts`` dropped its copy of z); ``triton_backend._cuts`` (z of the topk's
-  element only).
+  whole z (``_scaled``: the path before ``_cuts`` dropped its copy of z); ``triton_backend._cuts`` (the radix select
+  of ``triton_select.py``, z of its element only; before 2026-11-28 a torch.topk over the raw logits).
 
 Variants with top-k and top-p (``--top-p`` < 1; ``warping.py``: top-p after top-k):
 

@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-from . import compaction_triton, lookup_triton, triton_backend
+from . import compaction_triton, lookup_triton, triton_backend, triton_select
 from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 
@@ -78,10 +78,12 @@ def recording():
     recorder = _Recorder()
     cuda = torch.device("cuda")
     saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
-             triton_backend.precise_math, compaction_triton.slot_tile, lookup_triton.window_tile)
+             triton_select.wrap_triton, triton_backend.precise_math, compaction_triton.slot_tile,
+             lookup_triton.window_tile)
     precise, slot_tile = triton_backend.precise_math, compaction_triton.slot_tile
     window_tile = lookup_triton.window_tile
     triton_backend.wrap_triton = compaction_triton.wrap_triton = lookup_triton.wrap_triton = recorder
+    triton_select.wrap_triton = recorder
     triton_backend.precise_math = lambda device: precise(cuda)
     compaction_triton.slot_tile = lambda device: slot_tile(cuda)
     lookup_triton.window_tile = lambda device: window_tile(cuda)
@@ -89,7 +91,8 @@ def recording():
         yield recorder.launches
     finally:
         (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
-         triton_backend.precise_math, compaction_triton.slot_tile, lookup_triton.window_tile) = saved
+         triton_select.wrap_triton, triton_backend.precise_math, compaction_triton.slot_tile,
+         lookup_triton.window_tile) = saved
 
 
 @dataclasses.dataclass
@@ -141,6 +144,7 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
         "greedy limit": (None, Sampling(0.0, 0, 1.0), limit),
         "sampling": (draft, Sampling(0.8, 0, 1.0), None),
         "sampling one-hot": (None, Sampling(0.8, 0, 1.0), None),
+        "sampling top-k": (draft, Sampling(0.8, 50, 1.0), None),
         "sampling top-k/top-p": (draft, Sampling(0.8, 50, 0.9), None),
         "sampling top-k/top-p one-hot": (None, Sampling(0.8, 50, 0.9), None),
         "per-row limit": (draft, per_row, limit),
@@ -151,7 +155,7 @@ def record_verify_modes(batch: int, k: int, vocab: int, dtype=torch.bfloat16, qu
         "sample per-row": ("sample", per_row, None),
     }
     if quick:
-        modes = {m: modes[m] for m in ("greedy", "sampling top-k/top-p", "per-row limit")}
+        modes = {m: modes[m] for m in ("greedy", "sampling top-k", "sampling top-k/top-p", "per-row limit")}
     out = []
     randomness = Randomness(seed, offset)
     for mode, (d, sampling, num_draft_tokens) in modes.items():

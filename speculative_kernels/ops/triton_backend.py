@@ -5,8 +5,9 @@ the registered ops take them as flat arguments). Per-row parameters (``Sampling.
 by the kernels (``ROW_PARAMS``): one launch serves greedy and sampled rows; a per-row draft limit (``HAS_LIMIT``)
 likewise. Launches: sampling 3 (stats, decide + race, finish),
 greedy 2 (stats, finish); top_k/top_p add the torch ``warp_thresholds`` path (one float32 copy of z, written by
-``scale_kernel`` so the cut is computed from the kernels' own z; top-k with one temperature, alone or with top-p, takes
-its topk over the raw logits and computes z for the candidates only, with no copy of z: ``_cuts``; per-row parameters
+``scale_kernel`` so the cut is computed from the kernels' own z; top-k with one temperature alone takes the k-th
+largest raw logit from a radix select (``triton_select.py``: no torch.topk), with top-p its topk over the raw logits,
+and z is computed for the candidates only, with no copy of z: ``_cuts``; per-row parameters
 with a host bound of their top_k, ``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the
 bound, not a sort per row). No host synchronisation, so the ops can be captured in CUDA graphs;
 ``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
@@ -27,8 +28,8 @@ from .randomness import Randomness
 from .sampling import RowSampling, Sampling
 from .triton_kernels import finish_greedy_kernel, scale_kernel, stats_kernel
 from .triton_race import finish_sample_kernel, race_kernel
-from .warping import (kth_largest_index, row_thresholds, rows_top_k_cut_of_logits, scale_logits,
-                      top_k_top_p_cut_of_logits, warp_thresholds)
+from .triton_select import kth_largest_index
+from .warping import row_thresholds, rows_top_k_cut_of_logits, scale_logits, top_k_top_p_cut_of_logits, warp_thresholds
 
 __all__ = ["Tuning", "launch_sample", "launch_verify", "sample", "verify"]
 
@@ -141,15 +142,19 @@ def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tenso
 def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
     """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J].
 
-    One temperature with top-k (alone or with top-p) writes no float32 copy of z: its topk runs over the raw logits
-    and z is computed for the candidates only (``scale_logits``: a true division by float32(T), as the kernels'
+    One temperature with top-k (alone or with top-p) writes no float32 copy of z: its select (top-k alone:
+    ``triton_select``'s radix select) or topk (with top-p) runs over the raw logits and z is computed for the
+    candidates only (``scale_logits``: a true division by float32(T), as the kernels'
     ``div_rn``, so bit for bit their z); the rest scales the whole row with ``scale_kernel``."""
     batch, rows, vocab = logits.shape
     params = sampling.rows
     if sampling.top_k_alone(vocab):
-        # top-k alone: one topk over the logits in their own dtype (half the bytes of z's in bf16), the cut value the
-        # z of that element: bit for bit warp_thresholds' value; index 0 either way
-        source = kth_largest_index(logits, sampling.top_k).unsqueeze(-1)  # (no reshape: a strided view stays one)
+        # top-k alone: the k-th largest raw logit by a radix select over the logits' bits (triton_select.py; no
+        # torch.topk), the cut value the z of that element: bit for bit warp_thresholds' value; index 0 either way
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        source = kth_largest_index(logits, sampling.top_k, plan.block_v, plan.chunk_size)
+        source = source.to(torch.int64).unsqueeze(-1)  # [B, J, 1] (no reshape: a strided view stays one)
         cut_value = scale_logits(logits.gather(-1, source), sampling.temperature).reshape(-1)
         cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
     elif sampling.top_k_with_top_p(vocab):

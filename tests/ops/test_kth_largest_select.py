@@ -204,3 +204,27 @@ def test_bindings_syntax():
     result = subprocess.run(["g++", *flags, str(root / "csrc" / "topk_bindings.cpp")], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_select(dtype):
+    """The Triton backend's radix select (``triton_select.kth_largest_index``, what ``triton_backend._cuts`` takes for
+    top-k alone) under the same checks: on the CPU under TRITON_INTERPRET=1 (conftest) at V = 77 in chunks of 32 ids
+    (3 programs per row, a partial last one), three calls per dtype (~1-2 s each: the interpreter runs every
+    program's ops in Python); on a GPU the real kernels at V = 128256 as well."""
+    from speculative_kernels.ops import triton_select
+
+    device = "cuda" if ON_CUDA else "cpu"
+
+    def select(x, k):
+        return triton_select.kth_largest_index(x.to(device), k, block=16, chunk=32)
+
+    cases = dict(logit_cases(2, 3, 77, dtype, seed=77))
+    check_select(select, cases["special"], 38)
+    check_select(select, strided_views(cases["low-digits"])[2][1], 76)  # rows padded to V + 5 (misaligned)
+    check_select(select, cases["ties"], 1)
+    if ON_CUDA:
+        big = dict(logit_cases(1, 5, 128256, dtype, seed=5))
+        for name, x in big.items():
+            for k in (1, 50, 64128, 128255):
+                check_select(lambda t, kk: triton_select.kth_largest_index(t.cuda(), kk, 2048, 4096), x, k)

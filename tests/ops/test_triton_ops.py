@@ -566,7 +566,7 @@ def test_kernels_compile_for_hopper_as_the_jit_builds_them():
     lines = [line for line in result.stdout.splitlines() if line.startswith("ok sm_90")]
     names = {line.split()[2] for line in lines}
     assert names == {"stats_kernel", "race_kernel", "finish_greedy_kernel", "finish_sample_kernel", "scale_kernel",
-                     "compact_kv_kernel", "prompt_lookup_kernel"}, result.stdout
+                     "compact_kv_kernel", "prompt_lookup_kernel", "radix_pass_kernel", "find_kernel"}, result.stdout
     for line in lines:
         if line.split()[2] in ("stats_kernel", "race_kernel", "scale_kernel", "compact_kv_kernel"):
             assert "v4." in line.split("loads=")[1], line
@@ -862,13 +862,15 @@ TEMPERATURES = (1.0, 0.7, 3.0, 1e-3, 1e-30, 3e38)  # (1e-30: overflow to +-inf; 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
-    """``triton_backend._cuts`` with one temperature and top-k alone (a topk over the raw logits, the value the z of
-    that element, no copy of z) gives bit for bit the (value, index) of ``warp_thresholds`` over the kernels' z:
-    tied small integer logits with +-inf and overflow rows, neighbouring values, k = 1 and V - 1, T from 1e-30 to
+def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype, monkeypatch):
+    """``triton_backend._cuts`` with one temperature and top-k alone (a radix select over the raw logits, the value
+    the z of that element, no copy of z) gives bit for bit the (value, index) of ``warp_thresholds`` over the
+    kernels' z: tied small integer logits with +-inf and overflow rows, neighbouring values, k = 1 and V - 1, T from 1e-30 to
     3e38. A NaN row's cut is unspecified (every backend flags the row): on an H200 (torch 2.11) the last of CUDA's
     bf16 topk of k = V - 1 came back the NaN element, where the float32 topk of z ends on a finite one, so the NaN row
-    is left out of the comparison."""
+    is left out of the comparison. The radix select (``triton_select``, its own tests: test_kth_largest_select.py)
+    depends on the logits and k only: it runs once per k, and the other temperatures reuse its element (the
+    interpreter takes ~1 s a select)."""
     from speculative_kernels.ops.warping import warp_thresholds
 
     batch, rows, vocab = 2, 5, 37
@@ -876,6 +878,9 @@ def test_top_k_cut_from_the_raw_logits_is_warp_thresholds_cut(dtype):
     finite = ~logits.isnan().any(-1).reshape(-1)
     assert not finite.all()  # (the NaN row is there: what it gets is the kernels' business)
     plan = triton_backend.make_plan(batch, rows, vocab, triton_backend.default_tuning(torch.device(DEVICE)))
+    selects, select = {}, triton_backend.kth_largest_index
+    monkeypatch.setattr(triton_backend, "kth_largest_index",
+                        lambda x, k, *a: selects[k] if k in selects else selects.setdefault(k, select(x, k, *a)))
     for temperature in TEMPERATURES:
         z = triton_backend._scaled(logits, Sampling(temperature, 0, 1.0), plan)
         for top_k in (1, 2, 5, vocab - 1):
