@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <climits>
 
 #include "topk_kernels.cuh"
@@ -19,6 +21,21 @@ namespace {
 int checked_select_size(int64_t value, const char* what) {
   TORCH_CHECK(value >= 0 && value <= INT_MAX, what, " = ", value, " is out of the supported range [0, 2^31)");
   return static_cast<int>(value);
+}
+
+// The device's multiprocessor count, queried once per device (a query in a captured region is allowed, but the
+// first call of a decode loop is normally its eager warm-up, outside any capture).
+int multiprocessor_count(int device) {
+  static std::array<std::atomic<int>, 64> cache{};
+  if (device >= 0 && device < static_cast<int>(cache.size())) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int count = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+  TORCH_CHECK(err == cudaSuccess, "kth_largest_index: cannot read the multiprocessor count: ", cudaGetErrorString(err));
+  if (device >= 0 && device < static_cast<int>(cache.size())) cache[device].store(count, std::memory_order_relaxed);
+  return count;
 }
 
 // logits: [B, V] or [B, J, V] float32 / float16 / bfloat16 (any strides; made unit-stride over V) -> [B] or [B, J]
@@ -49,10 +66,7 @@ at::Tensor kth_largest_index_cuda(const at::Tensor& logits_in, int64_t k) {
   if (out.numel() == 0) return out;
   const int rows = checked_select_size(out.numel(), "number of rows (B * J)");
   p.out = out.data_ptr<int32_t>();
-  int sm_count = 0;  // (a device attribute: no synchronisation, allowed while a CUDA graph is captured)
-  const cudaError_t attr = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, logits.device().index());
-  TORCH_CHECK(attr == cudaSuccess, "kth_largest_index: cannot read the multiprocessor count: ",
-              cudaGetErrorString(attr));
+  const int sm_count = multiprocessor_count(logits.device().index());
   const int blocks_per_row = kth_largest_blocks_per_row(rows, p.vocab, sm_count);
   const size_t bytes = kth_largest_workspace_bytes(p.key_bits, rows);
   at::Tensor workspace = at::zeros({static_cast<int64_t>(bytes)}, logits.options().dtype(at::kByte));
