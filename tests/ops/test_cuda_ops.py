@@ -30,7 +30,7 @@ from speculative_kernels.ops import cuda_ext
 from speculative_kernels.ops.randomness import Randomness
 from speculative_kernels.ops.reference import sample_reference, verify_reference
 from speculative_kernels.ops.sampling import GREEDY, Sampling
-from speculative_kernels.ops.warping import apply_thresholds, warp_logits
+from speculative_kernels.ops.warping import apply_thresholds, kth_largest_index, warp_logits
 from helpers.cuda_graphs import assert_seed_none_is_captured
 from helpers.stats import assert_matches
 
@@ -611,7 +611,9 @@ def test_jit_build_runs_once(fresh_loader, monkeypatch):
 
 
 def _op_schemas() -> list[str]:
-    text = (ROOT / "csrc" / "bindings.cpp").read_text()
+    """The schemas of every op the csrc/*.cpp files define (bindings.cpp's verify and sample, topk_bindings.cpp's
+    k-th largest select, rollback_bindings.cpp's compaction)."""
+    text = "".join(path.read_text() for path in sorted((ROOT / "csrc").glob("*.cpp")))
     return ["".join(re.findall(r"\"([^\"]*)\"", call)) for call in re.findall(r"m\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", text)]
 
 
@@ -642,8 +644,13 @@ def emulated_backend():
         calls.append(dict(temperature=temperature, temperature_rows=t_rows, cut=(src, idx)))
         return sample_reference(logits, sampling(temperature, t_rows), Randomness(seed, offset, per_row))
 
+    def kth_largest_impl(logits, k):  # (the select's own tests: test_cuda_emulated.py, test_kth_largest_select.py)
+        calls.append(dict(kth_largest=k))
+        return kth_largest_index(logits, k).to(torch.int32)  # (the op's dtype: its fake in cuda_backend.py)
+
     lib.impl("verify", verify_impl, "CPU")
     lib.impl("sample", sample_impl, "CPU")
+    lib.impl("kth_largest_index", kth_largest_impl, "CPU")
     saved = sys.modules.pop(BACKEND_MODULE, None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cuda_ext, "load", lambda: None)
