@@ -172,9 +172,16 @@ def _cut_among_candidates(ids: torch.Tensor, values: torch.Tensor, tied, thresho
     V)."""
     values, order = values.sort(dim=-1, stable=True)  # (value, index) ascending
     t = values[..., :1] if first is None else values.gather(-1, first)
-    tie_counts = _chunk_counts(tied(t))  # ties per chunk of ids, and the ties at or before each chunk
-    vocab = tie_counts.vocab
-    ties = tie_counts.before[..., -1:]
+    mask = tied(t)  # [..., V]
+    vocab = mask.shape[-1]
+    if _count_ties_by_chunks(mask):
+        tie_counts = _chunk_counts(mask)  # ties per chunk of ids, and the ties at or before each chunk
+        ties = tie_counts.before[..., -1:]
+        nth_tie = (lambda n: _nth_true_index(tie_counts, n))
+    else:
+        tie_rank = mask.cumsum(dim=-1, dtype=torch.int32)  # [..., V]: ties at or before each id
+        ties = tie_rank[..., -1:]
+        nth_tie = (lambda n: (tie_rank <= n).sum(dim=-1, keepdim=True))
     tied_candidates = values == t
     q = _weights(values, values[..., -1:], _weight_bits(vocab))
     if first is not None:
@@ -195,8 +202,16 @@ def _cut_among_candidates(ids: torch.Tensor, values: torch.Tensor, tied, thresho
     in_ties = removed < ties
     at = candidate if first is None else first + candidate
     cut_value = torch.where(in_ties, t, values.gather(-1, at))
-    cut_index = torch.where(in_ties, _nth_true_index(tie_counts, removed), ids.gather(-1, order.gather(-1, at)))
+    cut_index = torch.where(in_ties, nth_tie(removed), ids.gather(-1, order.gather(-1, at)))
     return cut_value, cut_index, t
+
+
+def _count_ties_by_chunks(mask: torch.Tensor) -> bool:
+    """Whether the tie count of ``_cut_among_candidates`` goes by chunks (``_chunk_counts``) rather than a cumsum over
+    V: off the CPU, where torch's cumsum of a few long rows runs on one block. The CPU's cumsum is one sequential pass,
+    and the chunks' ~15 more small ops a cut would cost the CPU loop more than they save (``test_op_budget.py``).
+    Both give the same integers (tests run the chunks on the CPU too)."""
+    return mask.device.type != "cpu"
 
 
 TRUE_COUNT_CHUNK = 256  # ids per chunk in ``_chunk_counts`` (V = 128256 and 32000 are multiples: no padding)

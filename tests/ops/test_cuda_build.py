@@ -106,9 +106,9 @@ def test_kernel_compiles(path, arch, std, code, tmp_path):
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++/c++) on PATH")
 @pytest.mark.parametrize("std", ["c++17", "c++20"])  # torch's extension builder picks one or the other by version
 def test_bindings_syntax(std, tmp_path):
-    """Every csrc/*.cpp (bindings.cpp, rollback_bindings.cpp, ...) against this torch's headers, as one translation
-    unit that includes them all: torch's headers are parsed once per standard (~15 s of a core each time), and each
-    file is checked in both standards. A CPU-only torch ships the c10/cuda headers but not the generated
+    """Every csrc/*.cpp (bindings.cpp, rollback_bindings.cpp, topk_bindings.cpp) against this torch's headers, as one
+    translation unit that includes them all: torch's headers are parsed once per standard (~15 s of a core each time),
+    and each file is checked in both standards. A CPU-only torch ships the c10/cuda headers but not the generated
     c10/cuda/impl/cuda_cmake_macros.h; torch's own escape hatch C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it. A standard
     the headers refuse (C++17 from torch 2.14 on) is skipped: no build of this torch can use it."""
     from torch.utils.cpp_extension import include_paths
@@ -117,7 +117,7 @@ def test_bindings_syntax(std, tmp_path):
         pytest.skip(f"torch {torch.__version__}'s headers refuse {std} (ATen/ATen.h), and its builder does not use it")
 
     sources = sorted(CSRC.glob("*.cpp"))
-    assert {"bindings.cpp", "rollback_bindings.cpp"} <= {p.name for p in sources}
+    assert {"bindings.cpp", "rollback_bindings.cpp", "topk_bindings.cpp"} <= {p.name for p in sources}
     unit = tmp_path / "all_bindings.cpp"
     unit.write_text("".join(f'#include "{p}"\n' for p in sources))
     includes = [*include_paths(), sysconfig.get_paths()["include"], _cuda_include_dir()]

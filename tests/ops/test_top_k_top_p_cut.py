@@ -186,3 +186,23 @@ def test_the_nth_tie_is_found_from_chunk_counts(vocab):
         n_rows[0, :, 0] = torch.arange(6) * n % (vocab + 2)  # (another n per row)
         want = (mask.cumsum(-1) <= n_rows).sum(-1, keepdim=True)
         assert torch.equal(warping._nth_true_index(counts, n_rows), want), n
+
+
+@pytest.mark.parametrize("by_chunks", [False, True], ids=["cumsum", "chunks"])
+def test_ties_across_chunks_are_counted_alike(by_chunks, monkeypatch):
+    """The tie count of top-p after top-k by chunks of ids (``warping._count_ties_by_chunks``: off the CPU) and by a
+    cumsum over V (the CPU) give the whole-vocabulary cut bit for bit where the k-th value is tied across several
+    256-id chunks (V = 1100: a padded last chunk), for a top_p at every tied position and with per-row top_k/top_p."""
+    monkeypatch.setattr(warping, "_count_ties_by_chunks", lambda mask: by_chunks)
+    vocab, top_k = 1100, 4
+    z = torch.zeros(3, vocab)
+    z[1, ::97] = 1.0  # 12 ids above, 1088 tied below: ties in every chunk
+    z[2, 700:] = float("-inf")
+    z[2, 3] = 3.0
+    for top_p in [i / 13 for i in range(1, 13)] + [0.999]:
+        want = whole_vocabulary_cut(z, top_k, top_p)
+        assert same_cut(warp_thresholds(z, top_k, top_p), want), top_p
+        rows = row_thresholds(z, torch.tensor([top_k, top_k, top_k]), torch.tensor([top_p] * 3, dtype=torch.float64),
+                              top_k_bound=2 * top_k)
+        assert same_cut(rows, want), top_p
+
