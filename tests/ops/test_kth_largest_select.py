@@ -101,14 +101,10 @@ def strided_views(x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 def _cuda_select():
-    from speculative_kernels.ops import cuda_ext
+    """The CUDA op (skipped where the extension cannot load: ``test_opcheck._cuda_ops``)."""
+    from test_opcheck import _cuda_ops
 
-    reason = cuda_ext.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    from speculative_kernels.ops import cuda_backend  # noqa: F401  (the fake implementation)
-
-    return torch.ops.speculative_kernels_cuda.kth_largest_index
+    return _cuda_ops().kth_largest_index
 
 
 @gpu
