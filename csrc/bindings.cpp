@@ -91,7 +91,8 @@ at::Tensor optional_row_tensor(const std::optional<at::Tensor>& t, const char* n
 
 // A benchmarking knob, but a typo must not silently mean "the default".
 void check_passes_setting() {
-  TORCH_CHECK_VALUE(verify_passes_setting_valid(), kVerifyPassesVariable, " must be 'split', 'fused' or unset, got '",
+  TORCH_CHECK_VALUE(verify_passes_setting_valid(), kVerifyPassesVariable,
+                    " must be 'split', 'fused' or unset (or 'single': every pass in one kernel), got '",
                     std::getenv(kVerifyPassesVariable), "'");
 }
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace speculative_kernels {
 namespace {
@@ -53,12 +54,22 @@ struct RacePartial {
   int any_positive;
 };
 
+// The single kernel's counters: one int region of the workspace, [1 + 3B], zeroed by one cudaMemsetAsync before the
+// launch (the workspace is the caller's fresh memory: nothing earlier in the call could zero it).
+struct SingleCounters {
+  int* next_item;   // [1]: work items claimed so far (each block claims its item: see single_pass_kernel)
+  int* stats_done;  // [B]: statistics items of the batch row done
+  int* decided;     // [B]: 1 once the row's decision, row_stats and outputs of a greedy/invalid row are published
+  int* race_done;   // [B]: race items of the row done
+};
+
 struct Workspace {
   ChunkStats* chunk_stats;  // [B * R, num_chunks]
   ChunkStats* row_stats;    // [B * R] (split passes)
   Decision* decisions;      // [B] (split passes)
   RacePartial* race;        // [B, num_race_chunks]
   int* race_tickets;        // [B]: race blocks of the row done (fused passes; zeroed by chunk_stats), else nullptr
+  SingleCounters single;    // the single kernel's counters (zeroed by the launcher's memset), else all nullptr
 };
 
 // Logit rows of one batch row b are ordered j = 0..K (target positions) then K+1..2K (draft positions, only
@@ -374,16 +385,14 @@ struct StatsAccumulator {
   }
 };
 
+constexpr int kStatsWarps = kStatsThreads / 32;
+
+// Pass 1's work for logit row r, chunk c: its ChunkStats partial written to the workspace by thread 0. A block of
+// kStatsThreads threads; every thread must call it (barriers). chunk_stats_kernel and single_pass_kernel run it.
 template <typename T, bool SAMPLING, bool HAS_CUT>
-__global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T> a) {
-  constexpr int kWarps = kStatsThreads / 32;
-  __shared__ ArgMax arg_scratch[kWarps];
-  __shared__ float scratch[kWarps];
-  const int r = static_cast<int>(blockIdx.x);
-  const int c = static_cast<int>(blockIdx.y);
-  if (a.ws.race_tickets != nullptr && r == 0 && c == 0) {  // the fused pass's tickets start at 0 (a kernel later)
-    for (int i = static_cast<int>(threadIdx.x); i < a.batch; i += static_cast<int>(blockDim.x)) a.ws.race_tickets[i] = 0;
-  }
+__device__ __forceinline__ void write_chunk_stats(const Args<T>& a, int r, int c, ArgMax* arg_scratch,
+                                                  float* scratch) {
+  constexpr int kWarps = kStatsWarps;
   const int b = r / a.rows_per_batch;
   const int j = r % a.rows_per_batch;
   if (!row_used(a, b, j)) {  // past the row's draft limit: never read (decide ignores the partials)
@@ -414,11 +423,43 @@ __global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T
   if (threadIdx.x == 0) a.ws.chunk_stats[static_cast<int64_t>(r) * a.num_chunks + c] = out;
 }
 
+template <typename T, bool SAMPLING, bool HAS_CUT>
+__global__ void __launch_bounds__(kStatsThreads) chunk_stats_kernel(const Args<T> a) {
+  __shared__ ArgMax arg_scratch[kStatsWarps];
+  __shared__ float scratch[kStatsWarps];
+  const int r = static_cast<int>(blockIdx.x);
+  const int c = static_cast<int>(blockIdx.y);
+  if (a.ws.race_tickets != nullptr && r == 0 && c == 0) {  // the fused pass's tickets start at 0 (a kernel later)
+    for (int i = static_cast<int>(threadIdx.x); i < a.batch; i += static_cast<int>(blockDim.x)) a.ws.race_tickets[i] = 0;
+  }
+  write_chunk_stats<T, SAMPLING, HAS_CUT>(a, r, c, arg_scratch, scratch);
+}
+
 // ---- pass 2: per batch row, combine partials, validate, accept/reject ---------------------------------------
+// A ChunkStats that another block of the running kernel wrote (single_pass_kernel): loaded from L2 (ld.global.cg),
+// never from this SM's L1, which is not coherent with other SMs' stores. The other kernels read what an earlier
+// kernel wrote, with plain loads.
+template <bool FROM_L2>
+__device__ __forceinline__ ChunkStats load_stats(const ChunkStats* p) {
+  if constexpr (!FROM_L2) {
+    return *p;
+  } else {
+    ChunkStats out;
+    out.raw_max = __ldcg(&p->raw_max);
+    out.raw_arg = __ldcg(&p->raw_arg);
+    out.m = __ldcg(&p->m);
+    out.s = __ldcg(&p->s);
+    out.bad = __ldcg(&p->bad);
+    return out;
+  }
+}
+
 // Batch row b's decision: its chunk partials combined into row_stats (R entries: the workspace's for the split
-// passes, shared memory in the fused one), the row validated, its accept tests run. Every thread of the block must
-// call it (barriers); all get the same result, a fixed function of the partials (a fixed combine order).
-template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+// passes and the single kernel, shared memory in the fused one), the row validated, its accept tests run. Every
+// thread of the block must call it (barriers); all get the same result, a fixed function of the partials (a fixed
+// combine order: one warp per logit row whatever the block size). FROM_L2: the partials were written during this
+// kernel (load_stats).
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT, bool FROM_L2 = false>
 __device__ Decision decide_row(const Args<T>& a, int b, ChunkStats* row_stats, int* s_invalid, int* s_first_reject) {
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
@@ -438,7 +479,7 @@ __device__ Decision decide_row(const Args<T>& a, int b, ChunkStats* row_stats, i
     const ChunkStats* partials =
         a.ws.chunk_stats + (static_cast<int64_t>(b) * a.rows_per_batch + j) * a.num_chunks;
     ChunkStats acc = stats_identity();
-    for (int c = lane; c < a.num_chunks; c += 32) acc = combine_stats(acc, partials[c]);
+    for (int c = lane; c < a.num_chunks; c += 32) acc = combine_stats(acc, load_stats<FROM_L2>(partials + c));
     acc = warp_reduce(acc, CombineStats{});
     if (lane == 0) row_stats[j] = acc;
   }
@@ -701,9 +742,118 @@ __global__ void __launch_bounds__(kStreamThreads) decide_race_kernel(const Args<
   write_outputs(a, b, decision.n, s_next, false);
 }
 
+// ---- every pass in one kernel (SPECULATIVE_KERNELS_VERIFY_PASSES=single; not the default until a GPU measured it) ---
+// One launch, after a memset of its counters, of kStatsThreads-thread blocks that each run one work item, claimed in
+// order from a global counter (next_item):
+//   - items [0, S), S = B * R * num_chunks: pass 1 for (logit row r, chunk c), item r * num_chunks + c
+//     (write_chunk_stats, the chunk_stats kernel's code). Then a ticket on the batch row's stats_done: the row's last
+//     statistics block decides the row (decide_row: the same fixed-order combine into row_stats, the accept tests),
+//     writes the outputs of a greedy or invalid row and publishes the decision (`decided`).
+//   - sampling only, items [S, S + B * C), C = num_race_chunks (kFusedRaceChunk ids each): the race of (batch row b,
+//     chunk c), once b is decided (thread 0 spins on `decided`), then a ticket on race_done: the row's last race block
+//     combines the race partials in chunk order (race_winner) and writes the outputs.
+// So greedy is one launch instead of chunk_stats + decide, and sampling one instead of two (fused) or four (split).
+// The results are the other structures' bit for bit: the same partials, combines and races.
+//
+// Forward progress: a block claims its item only once it runs, and every statistics item is claimed before any race
+// item, so the statistics blocks a race block waits for are already running and wait for nothing themselves: the spin
+// ends whatever the grid size and the order in which the GPU starts blocks (the argument of decoupled look-back
+// scans, which take their tile from a counter for the same reason).
+// Memory ordering (CUDA's threadFenceReduction sample):
+//   - release: each thread that stored data another block will read (a chunk or race partial; row_stats, the decision)
+//     runs __threadfence() after its stores, the block synchronises, and only then does one thread announce them with
+//     an atomicAdd (a ticket, or `decided`); a block that observes the count therefore observes the stores;
+//   - acquire: the reader observes the count or flag in thread 0, runs __threadfence(), shares it through a barrier,
+//     and every thread reads the published data with ld.global.cg (load_stats, load_race_partial, __ldcg): from L2,
+//     never from a stale line of its SM's L1, which is not coherent with other SMs' stores.
+// The CPU emulation runs blocks one after another, so it checks the items, tickets and combines, not the ordering.
+constexpr unsigned kSpinNanoseconds = 64;
+
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+__global__ void __launch_bounds__(kStatsThreads) single_pass_kernel(const Args<T> a) {
+  extern __shared__ ChunkStats single_row_stats[];  // [R] (sampling): a race item's copy of its row's stats
+  __shared__ ArgMax arg_scratch[kStatsWarps];
+  __shared__ float scratch[kStatsWarps];
+  __shared__ RacePartial race_scratch[32];
+  __shared__ int s_item;
+  __shared__ int s_last;
+  __shared__ int s_invalid;
+  __shared__ int s_first_reject;
+  __shared__ int s_next;
+  const int tid = static_cast<int>(threadIdx.x);
+  const SingleCounters counters = a.ws.single;
+  if (tid == 0) s_item = atomicAdd(counters.next_item, 1);
+  __syncthreads();
+  const int item = s_item;
+  const int stats_items = a.batch * a.rows_per_batch * a.num_chunks;
+  if (item < stats_items) {
+    const int r = item / a.num_chunks;
+    const int b = r / a.rows_per_batch;
+    write_chunk_stats<T, SAMPLING, HAS_CUT>(a, r, item - r * a.num_chunks, arg_scratch, scratch);
+    if (tid == 0) {  // (thread 0 stored the partial)
+      __threadfence();  // release: the partial is visible device-wide before the ticket counts it
+      s_last = atomicAdd(counters.stats_done + b, 1) == a.rows_per_batch * a.num_chunks - 1;
+      if (s_last) __threadfence();  // acquire: the other blocks' partials, announced by their tickets
+    }
+    __syncthreads();
+    if (!s_last) return;
+    ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+    const Decision decision =
+        decide_row<T, SAMPLING, HAS_CUT, HAS_DRAFT, true>(a, b, row_stats, &s_invalid, &s_first_reject);
+    const bool greedy = !SAMPLING || row_greedy(a, b);
+    if (greedy || decision.invalid) {  // the same for the whole row: no race (its race items return)
+      write_outputs(a, b, decision.n, greedy ? row_stats[decision.n].raw_arg : -1, decision.invalid != 0);
+    }
+    if constexpr (SAMPLING) {
+      if (tid == 0) a.ws.decisions[b] = decision;
+      __threadfence();  // release, in every thread: its row_stats stores (decide_row) and thread 0's decision
+      __syncthreads();
+      if (tid == 0) atomicAdd(counters.decided + b, 1);
+    }
+    return;
+  }
+  if constexpr (SAMPLING) {
+    const int race_item = item - stats_items;
+    const int b = race_item / a.num_race_chunks;
+    const int c = race_item - b * a.num_race_chunks;
+    if (tid == 0) {
+      const volatile int* decided = counters.decided + b;
+      while (*decided == 0) __nanosleep(kSpinNanoseconds);
+      __threadfence();  // acquire: the decision and row_stats the flag announces
+    }
+    __syncthreads();
+    const Decision decision{__ldcg(&a.ws.decisions[b].n), __ldcg(&a.ws.decisions[b].invalid)};
+    if (decision.invalid || row_greedy(a, b)) return;  // the deciding block wrote the outputs
+    const ChunkStats* row_stats = a.ws.row_stats + static_cast<int64_t>(b) * a.rows_per_batch;
+    for (int j = tid; j < a.rows_per_batch; j += static_cast<int>(blockDim.x)) {
+      single_row_stats[j] = load_stats<true>(row_stats + j);
+    }
+    __syncthreads();
+    const int start = c * a.race_chunk;
+    const int end = min(start + a.race_chunk, a.vocab);
+    const RacePartial acc =
+        race_range<T, HAS_CUT, HAS_DRAFT>(a, b, decision.n, single_row_stats, start, end, race_scratch);
+    RacePartial* partials = a.ws.race + static_cast<int64_t>(b) * a.num_race_chunks;
+    if (tid == 0) {
+      partials[c] = acc;
+      __threadfence();  // release: the partial before the ticket
+      s_last = atomicAdd(counters.race_done + b, 1) == a.num_race_chunks - 1;
+      if (s_last) __threadfence();  // acquire: the other race blocks' partials
+    }
+    __syncthreads();
+    if (!s_last) return;
+    if (tid < 32) {
+      const int next = race_winner(partials, a.num_race_chunks);  // ld.global.cg loads, chunk order
+      if (tid == 0) s_next = next;
+    }
+    __syncthreads();
+    write_outputs(a, b, decision.n, s_next, false);
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------------------------
 struct Layout {
-  size_t chunk_stats, row_stats, decisions, race, race_tickets, total;
+  size_t chunk_stats, row_stats, decisions, race, race_tickets, single_counters, total;
 };
 
 size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
@@ -711,6 +861,9 @@ size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspac
 int num_chunks_for(int vocab) { return (vocab + kChunkSize - 1) / kChunkSize; }
 
 int num_fused_race_chunks_for(int vocab) { return (vocab + kFusedRaceChunk - 1) / kFusedRaceChunk; }
+
+// The single kernel's counters (SingleCounters): next_item, then stats_done, decided and race_done per batch row.
+size_t single_counter_bytes(int batch) { return (1 + 3 * static_cast<size_t>(batch)) * sizeof(int); }
 
 // False when the sizes exceed what the grids can address.
 bool make_layout(int batch, int num_draft, int vocab, bool has_draft, Layout* out) {
@@ -729,11 +882,17 @@ bool make_layout(int batch, int num_draft, int vocab, bool has_draft, Layout* ou
   // room for either pass structure's partials (the fused pass's chunks are smaller)
   const size_t race_chunks = static_cast<size_t>(num_fused_race_chunks_for(vocab));
   out->race_tickets = out->race + align_up(b * race_chunks * sizeof(RacePartial));
-  out->total = out->race_tickets + align_up(b * sizeof(int));
+  out->single_counters = out->race_tickets + align_up(b * sizeof(int));
+  out->total = out->single_counters + align_up(single_counter_bytes(batch));
   return true;
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+bool passes_setting_is(const char* value) {
+  const char* setting = std::getenv(kVerifyPassesVariable);
+  return setting != nullptr && std::strcmp(setting, value) == 0;
+}
 
 // Whether a sampling launch of these sizes fuses passes 2-4 into one kernel (decide_race_kernel).
 // SPECULATIVE_KERNELS_VERIFY_PASSES=split or =fused overrides the batch-size rule (benchmarks compare both;
@@ -741,14 +900,46 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 bool use_fused_passes(int batch, int rows_per_batch, int vocab) {
   if (static_cast<size_t>(rows_per_batch) * sizeof(ChunkStats) > kFusedMaxSharedBytes) return false;
   if (num_fused_race_chunks_for(vocab) > kMaxGridY) return false;
-  const char* setting = std::getenv(kVerifyPassesVariable);
-  if (setting != nullptr && std::strcmp(setting, "split") == 0) return false;
-  if (setting != nullptr && std::strcmp(setting, "fused") == 0) return true;
+  if (passes_setting_is("split")) return false;
+  if (passes_setting_is("fused")) return true;
   return batch == 1 || static_cast<long long>(batch) * vocab <= kFusedMaxBatchVocab;
+}
+
+// The launches single_pass_kernel is built for, until a GPU run has measured it: bf16 logits without a top-k/top-p cut
+// (issue 10's B = 1 configuration). Built for every type and cut it added ~75% to this file's sm_90 compile time
+// (nvcc 13.0: 42.5 -> 75.8 s of CPU), which CI pays; bf16 with and without a cut still +30%.
+template <typename T, bool HAS_CUT>
+constexpr bool kHasSinglePass = std::is_same_v<T, __nv_bfloat16> && !HAS_CUT;
+
+// Whether a launch runs every pass in single_pass_kernel: only on request (SPECULATIVE_KERNELS_VERIFY_PASSES=single,
+// for the GPU run that compares it with the default structures), where it is built (kHasSinglePass), and where its
+// 1-D grid of work items and its shared copy of the row's stats fit; otherwise the structure the batch size picks
+// (the results are the same).
+template <typename T>
+bool use_single_pass(bool sampling, bool has_cut, int batch, int rows_per_batch, int num_chunks, int vocab) {
+  if (!(has_cut ? kHasSinglePass<T, true> : kHasSinglePass<T, false>) || !passes_setting_is("single")) return false;
+  if (static_cast<size_t>(rows_per_batch) * sizeof(ChunkStats) > kFusedMaxSharedBytes) return false;
+  const long long race_items = sampling ? static_cast<long long>(batch) * num_fused_race_chunks_for(vocab) : 0;
+  return static_cast<long long>(batch) * rows_per_batch * num_chunks + race_items <= INT_MAX;
+}
+
+template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
+cudaError_t run_single_pass(const Args<T>& a, cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(a.ws.single.next_item, 0, single_counter_bytes(a.batch), stream);
+  if (err != cudaSuccess) return err;
+  const long long stats_items = static_cast<long long>(a.batch) * a.rows_per_batch * a.num_chunks;
+  const long long race_items = SAMPLING ? static_cast<long long>(a.batch) * a.num_race_chunks : 0;
+  const size_t shared_bytes = SAMPLING ? static_cast<size_t>(a.rows_per_batch) * sizeof(ChunkStats) : 0;
+  const dim3 grid(static_cast<unsigned>(stats_items + race_items));
+  single_pass_kernel<T, SAMPLING, HAS_CUT, HAS_DRAFT><<<grid, kStatsThreads, shared_bytes, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <typename T, bool SAMPLING, bool HAS_CUT, bool HAS_DRAFT>
 cudaError_t run_passes(const Args<T>& a, cudaStream_t stream) {
+  if constexpr (kHasSinglePass<T, HAS_CUT>) {  // greedy: one instance, the draft rows only change R
+    if (a.ws.single.next_item != nullptr) return run_single_pass<T, SAMPLING, HAS_CUT, SAMPLING && HAS_DRAFT>(a, stream);
+  }
   const dim3 stream_grid(static_cast<unsigned>(a.batch * a.rows_per_batch), static_cast<unsigned>(a.num_chunks));
   chunk_stats_kernel<T, SAMPLING, HAS_CUT><<<stream_grid, kStatsThreads, 0, stream>>>(a);
   cudaError_t err = cudaGetLastError();
@@ -811,10 +1002,16 @@ cudaError_t launch_typed(const VerifyParams& p, const Layout& layout, void* work
   a.ws.row_stats = reinterpret_cast<ChunkStats*>(base + layout.row_stats);
   a.ws.decisions = reinterpret_cast<Decision*>(base + layout.decisions);
   a.ws.race = reinterpret_cast<RacePartial*>(base + layout.race);
-  const bool fused = sampling && use_fused_passes(p.batch, a.rows_per_batch, p.vocab);
+  const bool single = use_single_pass<T>(sampling, has_cut, p.batch, a.rows_per_batch, a.num_chunks, p.vocab);
+  const bool fused = !single && sampling && use_fused_passes(p.batch, a.rows_per_batch, p.vocab);
   a.ws.race_tickets = fused ? reinterpret_cast<int*>(base + layout.race_tickets) : nullptr;
-  a.race_chunk = fused ? kFusedRaceChunk : kChunkSize;
-  a.num_race_chunks = fused ? num_fused_race_chunks_for(p.vocab) : a.num_chunks;
+  a.ws.single = SingleCounters{nullptr, nullptr, nullptr, nullptr};
+  if (single) {
+    int* counters = reinterpret_cast<int*>(base + layout.single_counters);
+    a.ws.single = SingleCounters{counters, counters + 1, counters + 1 + p.batch, counters + 1 + 2 * p.batch};
+  }
+  a.race_chunk = fused || single ? kFusedRaceChunk : kChunkSize;
+  a.num_race_chunks = fused || single ? num_fused_race_chunks_for(p.vocab) : a.num_chunks;
 
   if (!sampling) {  // top-k/top-p cannot change an argmax
     return SK_BOOL_SWITCH(has_draft, kHasDraft, [&] { return run_passes<T, false, false, kHasDraft>(a, stream); });
@@ -842,7 +1039,7 @@ bool params_ok(const VerifyParams& p) {
 bool verify_passes_setting_valid() {
   const char* setting = std::getenv(kVerifyPassesVariable);
   return setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "split") == 0 ||
-         std::strcmp(setting, "fused") == 0;
+         std::strcmp(setting, "fused") == 0 || std::strcmp(setting, "single") == 0;
 }
 
 size_t verify_workspace_bytes(int batch, int num_draft, int vocab, bool has_draft_logits) {

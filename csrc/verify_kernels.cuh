@@ -18,9 +18,14 @@
 // combine as decide), races its chunk, and the row's last block (a ticket taken after a __threadfence; chunk_stats
 // zeroes the tickets) combines the race partials in chunk order and writes the outputs: two launches instead of
 // four, four times the blocks in the race at B = 1.
-// The results are identical either way. SPECULATIVE_KERNELS_VERIFY_PASSES=split / =fused forces one structure at
-// every batch size (benchmarks and tests compare both); it is read at each launch (a CUDA graph keeps what it
-// captured).
+// SPECULATIVE_KERNELS_VERIFY_PASSES=single (not the default: written without a GPU, not yet measured; bf16 logits
+// without a top-k/top-p cut only, other launches keep the default structure) runs every pass in one kernel after a memset of its counters, greedy and
+// sampling: blocks claim work items in order (the statistics
+// chunks first, then the race chunks); the last statistics block of a batch row decides it (greedy ends there), the
+// race blocks of a row wait for that decision, and the row's last race block writes the outputs.
+// The results are identical either way. SPECULATIVE_KERNELS_VERIFY_PASSES=split / =fused / =single forces one
+// structure at every batch size (benchmarks and tests compare them); it is read at each launch (a CUDA graph keeps
+// what it captured).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,7 +89,7 @@ struct VerifyParams {
   int64_t* num_accepted = nullptr;
 };
 
-// The environment variable that forces the sampling passes' structure ("split" or "fused"; unset or empty: by batch
+// The environment variable that forces the passes' structure ("split", "fused" or "single"; unset or empty: by batch
 // size), and whether its current value is one of those (the bindings refuse a launch otherwise, naming it).
 constexpr const char* kVerifyPassesVariable = "SPECULATIVE_KERNELS_VERIFY_PASSES";
 bool verify_passes_setting_valid();

@@ -176,6 +176,74 @@ def test_races_with_blocks_last_first(as_backend, blocks_last_first):
     edges._check_zero_residual_fallback(NAME, torch.float32, 1001, "padded", batch=4)
 
 
+@pytest.fixture
+def as_single_backend(emulated, monkeypatch):
+    """test_kernel_edges' checks on the emulated CUDA backend with every pass in one kernel (single_pass_kernel,
+    SPECULATIVE_KERNELS_VERIFY_PASSES=single), greedy and sampling."""
+    real = edges._backend
+    monkeypatch.setenv(edges.PASSES_VARIABLE, "single")
+    monkeypatch.setattr(edges, "_backend",
+                        lambda name: (emulated.verify, emulated.sample) if name == NAME else real(name))
+    return emulated
+
+
+def test_single_pass_kernel(as_single_backend):
+    """The one-kernel structure (built for bf16 logits without a cut) against the reference: planted greedy winners
+    at the 2048-id chunk edges (B = 8, three chunks), planted race winners at the 512-id race-chunk edges, every
+    residual 0 (the race over p at every id, B = 4), NaN/+inf rows flagged, the exact residual and bonus races at
+    B = 1 (verify, and the sampler: K = 0), and greedy and sampled rows of one per-row launch. Every call runs on a
+    fresh workspace full of garbage, so counters the launch did not zero show. Its blocks take their work in claim
+    order, so the order the emulation runs them in cannot matter (the kernel never reads blockIdx): no last-first
+    run."""
+    emulated = as_single_backend
+    edges._check_planted_greedy(NAME, torch.bfloat16, 6149, "padded")
+    edges._check_planted_races(NAME, torch.bfloat16, 1001, "padded", edges.PLANTED_WARPS[0])
+    edges._check_zero_residual_without_a_cut(NAME, torch.bfloat16, 1001, "padded", batch=4, temperatures=(0.8,))
+    edges._check_shortcut_flags(NAME, torch.bfloat16, 1001, "padded", warps=edges.SHORTCUT_WARPS[3:4])
+    edges._check_exact_replay(NAME, torch.bfloat16, 1, 64, "contiguous", warps=edges.EXACT_WARPS[:2])
+    batch, k, vocab = 4, 2, 1001
+    target, draft, g = _host_logits(batch, k, vocab, seed=9)
+    target, draft = target.bfloat16(), draft.bfloat16()
+    tokens = torch.randint(0, vocab, (batch, k), generator=g)
+    tokens[:, 0] = target[:, 0].float().argmax(-1)  # (some acceptance)
+    sampling = check_sampling(torch.tensor([0.0, 0.8, 1.0, 0.0]), 0, 1.0, batch, torch.device("cpu"))  # (no cut)
+    for d in (draft, None):
+        before = emulated.stream_ops()
+        got = emulated.verify(target, d, tokens, sampling, _host_randomness(batch))
+        assert [b - a for a, b in zip(before, emulated.stream_ops())] == [1, 1]  # (the single kernel ran)
+        _same_outputs(got, verify_reference(target, d, tokens, sampling, _host_randomness(batch)))
+
+
+# Stream operations (kernel launches, memsets) per call of each structure: (greedy, sampling) for B = 1 and B = 8 at
+# V = 64 in bf16 (B x V <= 131072: the fused sampling pass by default); float32 under "single": the default's.
+STREAM_OPS = {"": ((2, 0), (2, 0)), "split": ((2, 0), (4, 0)), "fused": ((2, 0), (2, 0)), "single": ((1, 1), (1, 1)),
+              "single-float32": ((2, 0), (2, 0))}
+
+
+@pytest.mark.parametrize("passes", list(STREAM_OPS), ids=lambda p: p or "default")
+def test_stream_operations_per_call(emulated, monkeypatch, passes):
+    """(kernel launches, memsets) of one verify or sample call, deterministic: greedy is chunk_stats + decide, or the
+    single kernel; sampling adds race + finalize (split), fuses them with the decision (fused), or is the single
+    kernel after a memset of its counters (bf16 only: float32 logits keep the default structure). With and without
+    draft logits, at B = 1 and 8."""
+    monkeypatch.setenv(edges.PASSES_VARIABLE, passes.removesuffix("-float32"))
+    dtype = torch.float32 if passes.endswith("-float32") else torch.bfloat16
+    greedy_ops, sampling_ops = STREAM_OPS[passes]
+    for batch in (1, 8):
+        target, draft, g = _host_logits(batch, 2, 64, seed=batch)
+        target, draft = target.to(dtype), draft.to(dtype)
+        tokens = torch.randint(0, 64, (batch, 2), generator=g)
+        for sampling, want in ((GREEDY, greedy_ops), (Sampling(0.8, 0, 1.0), sampling_ops)):
+            calls = [lambda: emulated.verify(target, draft, tokens, sampling, _host_randomness(batch)),
+                     lambda: emulated.verify(target, None, tokens, sampling, _host_randomness(batch)),
+                     lambda: emulated.sample(target[:, 0], sampling, _host_randomness(batch))]
+            for call in calls:
+                before = emulated.stream_ops()
+                call()
+                after = emulated.stream_ops()
+                assert (after[0] - before[0], after[1] - before[1]) == want, (batch, sampling)
+
+
 # ------------------------------------------------------------------------------------------ compact_kv (rollback)
 def _bits(t):
     return t.contiguous().view(torch.uint8)

@@ -488,6 +488,50 @@ def test_cuda_graph_capture(backend, warp):
         _assert_same(graph_out, backend.verify(target, draft, tokens, sampling, Randomness(seed, offset, False)))
 
 
+PASSES_VARIABLE = "SPECULATIVE_KERNELS_VERIFY_PASSES"
+
+
+@gpu
+@pytest.mark.parametrize("warp", [dict(temperature=0.0, top_k=0, top_p=1.0), REPLAY_WARPS[0],
+                                  dict(temperature=0.7, top_k=0, top_p=1.0)], ids=str)
+def test_single_pass_kernel_matches_the_default_structure(backend, monkeypatch, warp):
+    """SPECULATIVE_KERNELS_VERIFY_PASSES=single (every pass in one kernel: blocks claim work items, race blocks wait
+    for their row's decision; bf16 without a cut) gives the default structure's outputs bit for bit: verify with and without draft
+    logits and the sampler, B = 1, 3 and 64 at V = 128256 (B = 64: ~52 000 blocks, far more than the GPU holds at
+    once, so the race blocks' waits meet blocks not yet started), eagerly and replayed from a CUDA graph (its memset
+    node zeroes the counters at every replay)."""
+    sampling = _sampling(warp)
+    for batch in (1, 3, 64):
+        target, draft, tokens = _inputs(batch, 4, 128256, torch.bfloat16, seed=batch)
+        seed, offset = _rows(5, batch), _rows(0, batch)
+
+        def outputs():
+            randomness = Randomness(seed, offset, False)
+            return [*backend.verify(target, draft, tokens, sampling, randomness),
+                    *backend.verify(target, None, tokens, sampling, randomness),
+                    backend.sample(target[:, 0], sampling, randomness)]
+
+        monkeypatch.delenv(PASSES_VARIABLE, raising=False)
+        want = outputs()
+        monkeypatch.setenv(PASSES_VARIABLE, "single")
+        _assert_same(outputs(), want)
+        _assert_same(outputs(), want)  # (a second call: nothing left over from the first)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outputs()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = outputs()
+        for step in range(2):
+            offset.fill_(step)
+            graph.replay()
+            monkeypatch.delenv(PASSES_VARIABLE)
+            _assert_same(graph_out, outputs())
+            monkeypatch.setenv(PASSES_VARIABLE, "single")
+
+
 @gpu
 def test_seed_none_inside_cuda_graph_capture(backend):
     """seed=None inside a CUDA-graph capture gets a fresh device-drawn seed per replay."""

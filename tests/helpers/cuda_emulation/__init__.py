@@ -9,8 +9,10 @@ before every source) maps the CUDA keywords and intrinsics onto the host: ``__sh
 at a time), the ``_rn`` intrinsics are IEEE float operations, ``max.NaN.f32`` takes the sources' portable branch;
 ``runtime.cpp`` runs each block's threads as fibers: ``__syncthreads``, full-mask warp shuffles and ballots are real
 rendezvous points, and a barrier reached at different lines or after some threads exited, a shuffle with an exited
-lane, a partial mask, a deadlock or a launch configuration the device refuses (block > 1024 threads, grid.y > 65535,
-dynamic shared memory > 48 KiB) is an error (``EmulatedOps.check``). Dynamic shared memory ends at an inaccessible page
+lane, a partial mask, a deadlock, a spin-wait that backs off (``__nanosleep``: it waits for a block that has not run,
+which one block at a time never releases) or a launch configuration the device refuses (block > 1024 threads,
+grid.y > 65535, dynamic shared memory > 48 KiB) is an error (``EmulatedOps.check``). ``cudaMemsetAsync`` is a
+``memset``; launches and memsets are counted (``EmulatedOps.stream_ops``). Dynamic shared memory ends at an inaccessible page
 and is refilled with garbage before each block. ``capi.cpp`` is the C entry point the ops below call through ctypes.
 
 ``EmulatedOps`` mirrors ``bindings.cpp`` (unit stride over V, mixed dtypes promoted to float32, contiguous cut and
@@ -50,7 +52,7 @@ _LAUNCH = re.compile(r"(\w+(?:<[^;<>]*>)?)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*st
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s+"
                             r"(\w+)\[\];")
 # kernel launches per source (count a new one here)
-LAUNCHES = {"verify_kernels.cu": 5, "rollback_kernels.cu": 1, "topk_kernels.cu": 1}
+LAUNCHES = {"verify_kernels.cu": 6, "rollback_kernels.cu": 1, "topk_kernels.cu": 1}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # csrc's LogitDtype
 
 
@@ -149,6 +151,8 @@ class EmulatedOps:
         lib.emu_kth_largest.restype = i32
         lib.emu_kth_largest.argtypes = [i32, p, i32, i32, i32, i64, i64, i32, p, i32, p, ctypes.c_size_t]
         lib.emu_errors.restype = i32
+        lib.emu_launches.restype, lib.emu_launches.argtypes = ctypes.c_longlong, []
+        lib.emu_memsets.restype, lib.emu_memsets.argtypes = ctypes.c_longlong, []
         lib.emu_set_reverse_order.restype, lib.emu_set_reverse_order.argtypes = None, [i32]
         lib.emu_set_reverse_blocks.restype, lib.emu_set_reverse_blocks.argtypes = None, [i32]
         self._buffers = []  # guarded copies stay mapped while the ops' results may still view them (small tests)
@@ -166,6 +170,10 @@ class EmulatedOps:
         and any of them may finish last: a kernel that counted on the order (the fused pass's combine taking the
         highest chunk for the row's last block) shows in one of the two."""
         self.lib.emu_set_reverse_blocks(int(bool(reverse)))
+
+    def stream_ops(self) -> tuple[int, int]:
+        """(kernel launches, cudaMemsetAsync calls) made so far: a call's counts are the differences around it."""
+        return self.lib.emu_launches(), self.lib.emu_memsets()
 
     def check(self) -> None:
         """RuntimeError if the emulation reported an error (a divergent barrier, a shuffle with an exited lane, ...;

@@ -26,6 +26,9 @@ int emu_errors() { return emu::errors; }
 void emu_set_reverse_order(int reverse) { emu::reverse_order = reverse; }
 void emu_set_reverse_blocks(int reverse) { emu::reverse_blocks = reverse; }
 long long emu_switches() { return emu::n_switches; }
+// Stream operations so far: kernel launches (emu::launch) and cudaMemsetAsync calls.
+long long emu_launches() { return emu::n_launches; }
+long long emu_memsets() { return emu::n_memsets; }
 size_t emu_workspace_bytes(int batch, int num_draft, int vocab, int has_draft) {
   return verify_workspace_bytes(batch, num_draft, vocab, has_draft != 0);
 }

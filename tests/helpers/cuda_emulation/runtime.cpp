@@ -28,6 +28,7 @@ static int or_acc = 0, or_result = 0;
 static std::vector<int> slots;
 static std::vector<int> warp_round;  // generation per warp
 long long n_switches = 0;
+long long n_launches = 0, n_memsets = 0;
 int errors = 0;
 // The order the ready threads of a block run in between rendezvous points: thread 0 first, or the last first. A
 // kernel that stores before a barrier what another thread loads after it (a missing __syncthreads) reads the stored
@@ -217,6 +218,7 @@ void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t s
     ++errors;
     return;
   }
+  ++n_launches;
   if (shared_bytes) map_shared(shared_bytes);
   g_griddim = {grid.x, grid.y, grid.z};
   g_blockdim = {block.x, block.y, block.z};
@@ -231,3 +233,10 @@ void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t s
     }
 }
 }  // namespace emu
+
+// cudaMemsetAsync on host memory (the kernels' workspace is host memory here), counted as a stream operation.
+extern "C" cudaError_t cudaMemsetAsync(void* ptr, int value, size_t count, cudaStream_t) {
+  ++emu::n_memsets;
+  std::memset(ptr, value, count);
+  return cudaSuccess;
+}

@@ -76,6 +76,11 @@ inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
 inline int atomicMax(int* p, int v) { int o = *p; *p = o > v ? o : v; return o; }
 inline void __threadfence() {}  // one block runs at a time: its writes are visible to the blocks after it
+// A spin-wait's back-off: reached only when a block waits for a block that has not run, which one block at a time
+// never releases (a kernel that claims its work in order never gets here): an error, not a hang.
+inline void __nanosleep(unsigned, std::source_location loc = std::source_location::current()) {
+  emu::fail("spin-wait on a block that never runs (blocks run one after another)", loc);
+}
 template <typename V>
 inline V __ldcg(const V* p) { return *p; }
 
@@ -93,4 +98,6 @@ namespace emu {
 // Runs every block of the grid, one after another; shared_bytes of dynamic shared memory (fresh and filled with a
 // garbage pattern for each block). A launch configuration the device would refuse is an error.
 void launch(const std::function<void()>& kernel, dim3 grid, dim3 block, size_t shared_bytes = 0);
+// Kernel launches and cudaMemsetAsync calls so far (emu_stream_ops): the tests count a call's stream operations.
+extern long long n_launches, n_memsets;
 }
