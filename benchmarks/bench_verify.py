@@ -8,7 +8,8 @@
 Backends: ``cuda`` (csrc extension), ``triton``, ``torch`` (the reference, ``reference.verify_reference``) and
 ``torch-compile`` (``torch.compile(fullgraph=True)`` of the reference); on request ``cuda-split`` / ``cuda-fused``
 (the CUDA kernels with their split or fused sampling passes at every batch size: ``--backends cuda-split cuda-fused
-torch --modes sampling`` compares them). An unavailable backend is skipped with the reason printed. Reports µs/call, effective GB/s against the bytes the op must read (sampling: target + draft logits,
+torch --modes sampling`` compares them) and ``cuda-single`` (every pass in one kernel after a memset, greedy and
+sampling, bf16 logits without a cut: ``SPECULATIVE_KERNELS_VERIFY_PASSES=single``, not the default until measured). An unavailable backend is skipped with the reason printed. Reports µs/call, effective GB/s against the bytes the op must read (sampling: target + draft logits,
 (2K+1)·V·2 per batch row in bf16; greedy with ``draft_logits=None``: (K+1)·V·2) and the speed-up over the torch
 reference; prints a markdown table and writes CSV, JSON and a plot of µs vs batch size to ``--out``.
 """
@@ -32,8 +33,9 @@ from speculative_kernels.ops.reference import verify_reference  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
 ALL_BACKENDS = ("cuda", "triton", "torch", "torch-compile")
-# The CUDA kernels with one pass structure at every batch size (``cuda`` picks by batch size: fused up to B = 4).
-PASS_VARIANTS = ("cuda-split", "cuda-fused")
+# The CUDA kernels with one pass structure at every batch size (``cuda`` picks by batch size: fused at B = 1 and while
+# B x V <= 131072; ``cuda-single``: one kernel, not picked by default).
+PASS_VARIANTS = ("cuda-split", "cuda-fused", "cuda-single")
 FULL = dict(batch=[1, 4, 16, 64, 256], k=[1, 4, 8], vocab=[32000, 128256, 151936])
 QUICK = dict(batch=[1, 16, 64], k=[4], vocab=[32000, 128256])
 CPU = dict(batch=[1, 4], k=[1, 4], vocab=[1000])

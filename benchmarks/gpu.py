@@ -28,7 +28,8 @@ Phases (each a subprocess with its own time limit, so one that hangs or fails le
 * ``cut``: ``bench_cut.py``: the top-k cut alone and with top_p=0.9 (k 50, B 1/8/64/256, K 4, V 32000/128256, bf16,
   CUDA graph, cold L2), the float32 element cut against the raw-logit topk, a two-stage topk and the Triton backend's;
   with top-p the V-length sort against the topk of k; then ``bench_verify.py`` at K=4, V=128256 (cuda, triton;
-  sampling, CUDA graph, cold L2) without a cut, with top_k=50 and with top_k=50, top_p=0.9.
+  sampling, CUDA graph, cold L2) without a cut, with top_k=50 and with top_k=50, top_p=0.9; and without a cut the
+  CUDA kernels' default structure against the one-kernel one (``cuda-single``), greedy and sampling, B 1/8/64.
 * ``e2e``: ``e2e.py`` on the synthetic Llama-3-8B / 3.2-1B shapes at alpha 0.8 (batch 1: the end-to-end targets'
   rows, compiled against HF's compiled static-cache ``generate``) and on the bundled demo pair (batching table at
   batch 1/4/16/64: ``model.generate``, HF assisted at batch 1, ours dynamic/static, compiled), with the efficiency
@@ -279,7 +280,13 @@ def cut_commands(out: Path, dry_run: bool) -> list[list[str]]:
     verify = [sys.executable, str(HERE / "bench_verify.py"), "--out", str(out), "--backends", "cuda", "triton",
               "--modes", "sampling", "--timings", "graph", "--cold-l2", "--k", "4", "--vocab", "128256",
               "--batch", "1", "8", "64", "256", "--rep-ms", "40"]
-    return [cut, verify + ["--top-k", "0"], verify + ["--top-k", "50"], verify + ["--top-k", "50", "--top-p", "0.9"]]
+    # the CUDA kernels' one-kernel structure (cuda-single) beside the default one, greedy and sampling, no cut: issue
+    # 10's B = 1 target (< 10 us in a graph), both measured by one command
+    single = [sys.executable, str(HERE / "bench_verify.py"), "--out", str(out), "--backends", "cuda", "cuda-single",
+              "--modes", "greedy", "sampling", "--timings", "graph", "--cold-l2", "--k", "4", "--vocab", "128256",
+              "--batch", "1", "8", "64", "--rep-ms", "40"]
+    return [cut, verify + ["--top-k", "0"], single, verify + ["--top-k", "50"],
+            verify + ["--top-k", "50", "--top-p", "0.9"]]
 
 
 E2E_CASES = ("synthetic", "demo")
@@ -481,7 +488,7 @@ def verify_targets(rows: list, copy_gbps: float | None) -> list[dict]:
 
     checks = []
     for mode in ("greedy", "sampling"):
-        for backend in ("cuda", "triton"):
+        for backend in ("cuda", "cuda-single", "triton"):
             b1 = pick(backend=backend, timing="graph", mode=mode, batch=1, k=4, vocab=128256)
             if b1:
                 checks.append({"target": f"{backend} {mode} B=1 graph < 10 us", "value": b1[0]["us"],

@@ -33,7 +33,7 @@ from bench_verify import load_backend, make_inputs  # noqa: E402
 from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
-KERNELS = "stats|race|finish|decide|finalize"  # the op's kernels (Triton and CUDA), not the inputs' setup
+KERNELS = "stats|race|finish|decide|finalize|single_pass"  # the op's kernels (Triton and CUDA), not the inputs' setup
 NCU_METRICS = ",".join([
     "gpu__time_duration.sum",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
