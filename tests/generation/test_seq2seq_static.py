@@ -171,12 +171,15 @@ def test_compiled_calls_of_other_source_lengths_reuse_the_compiled_steps(pairs, 
     """The captured steps read the cross-attention K/V, whose source length they are specialised to: the source is
     padded to a bucket (never attended), so sources of other lengths reuse them (every new length compiled three
     graphs, and after ~21 lengths dynamo's limit ended the process's compiled calls); outputs stay HF's, also with a
-    row whose source is all padding (not padded: T5's attention adds the mask, so such a row weighs every key), and
-    in batches of two (fixed shapes: no row is dropped) whose sources of other lengths reuse the batch's steps too.
-    (One test for what were three: each compiled its own steps, ~10-20 s of CPU apiece.)"""
+    row whose source is all padding (T5's only: not padded, since T5's attention adds the mask, so such a row weighs
+    every key; its batch compiles steps of its own, ~1/3 of the test's CPU), and in batches of two (fixed shapes: no
+    row is dropped) whose sources of other lengths reuse the batch's steps too. (One test for what were three: each
+    compiled its own steps, ~10-20 s of CPU apiece.)"""
     target, draft = pairs[family]
     common = dict(do_sample=False, max_new_tokens=8)
     for call, lengths in enumerate(([5], [6], [9], [4, 7], [5, 9], [8, 6])):
+        if call == 3 and family != "t5":
+            continue
         ids, mask = _source(target, lengths, seed=call)
         if call == 3:
             mask[0] = 0
