@@ -94,3 +94,38 @@ def test_serving_identity_reports_the_widest_first_difference(gpu, tmp_path):
     got = gpu.serving_identity(path)
     assert got == {"identical": {"continuous": False, "static": True}, "differing_requests": 3,
                    "max_gap_in_spacings": 1.0}
+
+
+def test_a_forked_command_runs_as_its_own_process_would(gpu, tmp_path):
+    """The dry run's commands in children forked from it (``ForkedPython``): the script runs as ``__main__`` with its
+    argv, its folder first on sys.path, the environment given and the repository as its directory; its exit status,
+    output (stdout and stderr), an exception's traceback, ``python -m`` and the time limit's kill are as for a
+    process of its own."""
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\n"
+                      "print('argv', sys.argv[1:], sys.path[0] == os.path.dirname(__file__), os.getcwd())\n"
+                      "print('env', os.environ.get('SK_FORKED_CHECK'), file=sys.stderr)\n"
+                      "if __name__ == '__main__':\n"
+                      "    if sys.argv[1] == 'raise':\n"
+                      "        raise RuntimeError('raised in the child')\n"
+                      "    if sys.argv[1] == 'sleep':\n"
+                      "        import time; time.sleep(60)\n"
+                      "    sys.exit(int(sys.argv[1]))\n")
+    log = tmp_path / "job.log"
+    cases = {"3": 3, "0": 0, "raise": 1}
+    for arg, status in cases.items():
+        result = gpu.run_logged([sys.executable, str(script), arg], log, timeout=60, forked=True,
+                                extra_env={"SK_FORKED_CHECK": "yes"})
+        assert result["rc"] == status and not result["timed_out"], (arg, result, log.read_text())
+    text = log.read_text()
+    assert f"argv ['3'] True {gpu.ROOT}" in text and "env yes" in text
+    assert "RuntimeError: raised in the child" in text
+    result = gpu.run_logged([sys.executable, str(script), "sleep"], log, timeout=1, forked=True)
+    assert result["timed_out"] and result["seconds"] < 30
+    result = gpu.run_logged([sys.executable, "-m", "json.tool", str(tmp_path / "missing.json")], log, timeout=60,
+                            forked=True)
+    assert result["rc"] != 0 and "missing.json" in log.read_text()
+    with pytest.raises(ValueError, match="this Python's commands only"):
+        gpu.ForkedPython(["/bin/echo", "x"], {}, tmp_path)
