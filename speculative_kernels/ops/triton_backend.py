@@ -18,7 +18,6 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -76,9 +75,29 @@ def _sm_count(device_index: int) -> int:
 
 def default_tuning(device: torch.device) -> Tuning:
     if device.type == "cuda":
-        return Tuning(num_sms=_sm_count(device.index if device.index is not None else torch.cuda.current_device()))
-    # Interpreter (CPU tests): big numpy tiles and one chunk per row are fastest.
-    return Tuning(block_v=4096, race_block_v=4096, programs_per_sm=1, num_sms=1)
+        return _cuda_tuning(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_TUNING
+
+
+@functools.cache
+def _cuda_tuning(device_index: int) -> Tuning:
+    """One frozen ``Tuning`` per device (built once: a dataclass per call cost ~3 µs of host time)."""
+    return Tuning(num_sms=_sm_count(device_index))
+
+
+# Interpreter (CPU tests): big numpy tiles and one chunk per row are fastest.
+_INTERPRETER_TUNING = Tuning(block_v=4096, race_block_v=4096, programs_per_sm=1, num_sms=1)
+
+
+def _cdiv(x, y):
+    """``triton.cdiv`` (the same expression, so a SymInt batch traces alike) without its ``constexpr_function``
+    wrapper, which costs ~3 µs per host call: make_plan made ~20 such calls, a third of the op's host path."""
+    return (x + (y - 1)) // y
+
+
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` of an int n >= 1 (see ``_cdiv``)."""
+    return 1 << (n - 1).bit_length()
 
 
 def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Plan:
@@ -86,18 +105,30 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
 
     The tiles are constexprs, which Triton needs as ints: under dynamic shapes (``torch.compile(dynamic=True)``,
     opcheck's AOT check) vocab and num_positions arrive as SymInts, and ``int()`` specialises the graph on them (a
-    guard; they do not change in a decode loop). batch stays symbolic: it sets only the grid and chunk sizes."""
+    guard; they do not change in a decode loop). batch stays symbolic: it sets only the grid and chunk sizes.
+    Plans of int sizes are memoised (a pure function of its arguments; a decode loop asks for the same few)."""
+    if type(batch) is int and type(num_positions) is int and type(vocab) is int:
+        return _int_plan(batch, num_positions, vocab, tuning)
+    return _plan(batch, num_positions, vocab, tuning)
+
+
+@functools.lru_cache(maxsize=256)
+def _int_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Plan:
+    return _plan(batch, num_positions, vocab, tuning)
+
+
+def _plan(batch, num_positions, vocab, tuning: Tuning) -> Plan:
     vocab, num_positions = int(vocab), int(num_positions)
     target = tuning.programs_per_sm * (tuning.num_sms or 1)
 
     def tile(block: int) -> int:
-        return max(16, min(block, triton.next_power_of_2(vocab)))
+        return max(16, min(block, _next_power_of_2(vocab)))
 
     def split(rows: int, block: int) -> tuple[int, int]:
-        tiles = triton.cdiv(vocab, block)
-        chunks = max(1, min(triton.cdiv(target, rows), tiles, tuning.max_chunks))
-        size = triton.cdiv(tiles, chunks) * block
-        return triton.cdiv(vocab, size), size
+        tiles = _cdiv(vocab, block)
+        chunks = max(1, min(_cdiv(target, rows), tiles, tuning.max_chunks))
+        size = _cdiv(tiles, chunks) * block
+        return _cdiv(vocab, size), size
 
     block_v, race_block_v = tile(tuning.block_v), tile(tuning.race_block_v)
     chunks, chunk_size = split(batch * num_positions, block_v)
@@ -114,8 +145,8 @@ def make_plan(batch: int, num_positions: int, vocab: int, tuning: Tuning) -> Pla
         chunk_size=chunk_size,
         race_chunks=race_chunks,
         race_chunk_size=race_chunk_size,
-        block_k=max(2, triton.next_power_of_2(num_positions)),
-        block_c=min(64, triton.next_power_of_2(most_chunks)),
+        block_k=max(2, _next_power_of_2(num_positions)),
+        block_c=min(64, _next_power_of_2(most_chunks)),
     )
 
 
@@ -129,7 +160,7 @@ def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tenso
     batch, rows, vocab = logits.shape
     params = sampling.rows
     z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
-    grid = (batch * rows, triton.cdiv(vocab, plan.block_v))
+    grid = (batch * rows, _cdiv(vocab, plan.block_v))
     wrap_triton(scale_kernel)[grid](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), z,
         params.temperature if params is not None else z, rows, vocab, sampling.temperature,
