@@ -20,6 +20,7 @@ Modes, per configuration (greedy and sampling, with and without draft logits, sa
   Python time; read it for shares, the timed/stubbed rows for µs.
 
     TRITON_INTERPRET=1 python benchmarks/triton_host_overhead.py --out DIR      # CPU (~1 minute)
+    TRITON_INTERPRET=1 python benchmarks/triton_host_overhead.py --out DIR --stub-only   # CPU, host path only
     python benchmarks/triton_host_overhead.py --out DIR                          # on a GPU (seconds)
 """
 
@@ -197,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--stub-calls", type=int, default=500)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--only", nargs="*", help="configuration names to run (default all)")
+    p.add_argument("--stub-only", action="store_true",
+                   help="interpreter: the stubbed and profiled rows only (no interpreted kernels; seconds, for A/B)")
     args = p.parse_args(argv)
     interpreted = isinstance(triton_backend.stats_kernel, InterpretedFunction)
     calls = args.calls or (10 if interpreted else 500)
@@ -211,13 +214,18 @@ def main(argv=None) -> int:
                 continue
             for _ in range(3):  # compiles, caches
                 call()
-            row = timed(call, timer, calls, args.device)
+            if args.stub_only and interpreted:
+                timer.reset()
+                call()
+                row = {"total_us": None, "launch_us": None, "rest_us": None, "launches": timer.launches}
+            else:
+                row = timed(call, timer, calls, args.device)
             row["stubbed_us"] = stubbed(call, timer, args.stub_calls) if interpreted else None
             row["profile"] = profiled(call, timer, args.stub_calls if interpreted else calls, args.top, interpreted)
             report["results"][name] = row
-            stub = f"{row['stubbed_us']:8.1f}" if row["stubbed_us"] is not None else "       -"
-            print(f"{name:32} {row['total_us']:10.1f} {row['launch_us']:10.1f} {row['rest_us']:8.1f} {stub} "
-                  f"{row['launches']:3d}")
+            cells = [f"{row[k]:{w}.1f}" if row[k] is not None else " " * (w - 1) + "-"
+                     for k, w in (("total_us", 10), ("launch_us", 10), ("rest_us", 8), ("stubbed_us", 8))]
+            print(f"{name:32} {' '.join(cells)} {row['launches']:3d}")
     for name, row in report["results"].items():
         prof = row["profile"]
         layers = ", ".join(f"{k} {v:.1f}" for k, v in prof["layers_us"].items())
