@@ -22,6 +22,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .backends import device_guard
+from .eager import plain_eager
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .randomness import Randomness
 from .sampling import RowSampling, Sampling
@@ -155,13 +156,19 @@ def precise_math(device: torch.device) -> bool:
     return device.type == "cuda" and torch.version.hip is None and not _interpreting()
 
 
-def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tensor:
+def _traceable(kernel):
+    """``wrap_triton(kernel)``, the registered ops' launches (this module's ``wrap_triton`` looked up at each launch:
+    ``triton_aot.recording`` stands in for it)."""
+    return wrap_triton(kernel)
+
+
+def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan, wrap=_traceable) -> torch.Tensor:
     """z [B*J, V] float32 of the logits [B, J, V], bit for bit the z the other kernels compute (``scale_kernel``)."""
     batch, rows, vocab = logits.shape
     params = sampling.rows
     z = torch.empty(batch * rows, vocab, dtype=torch.float32, device=logits.device)
     grid = (batch * rows, _cdiv(vocab, plan.block_v))
-    wrap_triton(scale_kernel)[grid](
+    wrap(scale_kernel)[grid](
         logits, logits.stride(0), logits.stride(1), logits.stride(2), z,
         params.temperature if params is not None else z, rows, vocab, sampling.temperature,
         SCALE=params is not None or sampling.temperature != 1.0, ROW_PARAMS=params is not None,
@@ -170,7 +177,7 @@ def _scaled(logits: torch.Tensor, sampling: Sampling, plan: Plan) -> torch.Tenso
     return z
 
 
-def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
+def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan, wrap=_traceable):
     """Per-row (cut_value, cut_index) of the warped logits [B, J, V], flattened to [B*J].
 
     One temperature with top-k (alone or with top-p) writes no float32 copy of z: its select (top-k alone:
@@ -184,7 +191,7 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
         # torch.topk), the cut value the z of that element: bit for bit warp_thresholds' value; index 0 either way
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        source = kth_largest_index(logits, sampling.top_k, plan.block_v, plan.chunk_size)
+        source = kth_largest_index(logits, sampling.top_k, plan.block_v, plan.chunk_size, wrap)
         source = source.to(torch.int64).unsqueeze(-1)  # [B, J, 1] (no reshape: a strided view stays one)
         cut_value = scale_logits(logits.gather(-1, source), sampling.temperature).reshape(-1)
         cut_index = torch.zeros(batch * rows, dtype=torch.int32, device=logits.device)
@@ -192,7 +199,7 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
         cut_value, cut_index = (c.reshape(-1) for c in top_k_top_p_cut_of_logits(
             logits, sampling.temperature, sampling.top_k, sampling.top_p))
     elif params is None:
-        cut_value, cut_index = warp_thresholds(_scaled(logits, sampling, plan), sampling.top_k, sampling.top_p)
+        cut_value, cut_index = warp_thresholds(_scaled(logits, sampling, plan, wrap), sampling.top_k, sampling.top_p)
     else:  # greedy rows get no cut: their z (temperature read as 1) must stay their logits
         per_position = (lambda t: t.view(batch, 1).expand(batch, rows).reshape(-1))
         if params.top_k_bound is not None and 0 < params.top_k_bound < vocab:  # (no copy of z, as above)
@@ -201,12 +208,13 @@ def _cuts(logits: torch.Tensor, sampling: Sampling, plan: Plan):
                 logits, per_row(params.safe_temperature()), per_row(params.sampled_top_k()),
                 per_row(params.sampled_top_p()), params.top_k_bound)
             return cut_value.reshape(-1).contiguous(), cut_index.reshape(-1).contiguous()
-        cut_value, cut_index = row_thresholds(_scaled(logits, sampling, plan), per_position(params.sampled_top_k()),
+        cut_value, cut_index = row_thresholds(_scaled(logits, sampling, plan, wrap),
+                                              per_position(params.sampled_top_k()),
                                               per_position(params.sampled_top_p()), params.top_k_bound)
     return cut_value.contiguous(), cut_index.contiguous()
 
 
-def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: bool):
+def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: bool, wrap):
     """Pass 1 -> (float32 workspace [2 (+1 per-row), B*NR, C], int32 workspace [2, B*NR, C], plane size)."""
     batch, num_positions, vocab = target.shape
     num_draft = num_positions - 1
@@ -217,7 +225,7 @@ def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: 
     ws_i = torch.empty(2 * plane, dtype=torch.int32, device=target.device)
     d = draft if draft is not None else target
     cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
-    wrap_triton(stats_kernel)[(batch * num_positions, plan.chunks)](
+    wrap(stats_kernel)[(batch * num_positions, plan.chunks)](
         target, target.stride(0), target.stride(1), target.stride(2),
         d, d.stride(0), d.stride(1), d.stride(2),
         cut_tv, cut_ti, cut_dv, cut_di,
@@ -232,8 +240,10 @@ def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: 
 
 
 def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stream_base: int, tuning: Tuning,
-         out_shape, limit=None):
-    """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K]; limit: num_draft_tokens [B] or None.
+         out_shape, limit, wrap):
+    """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K]; limit: num_draft_tokens [B] or None;
+    wrap: ``_traceable`` (``wrap_triton``), or ``_kernel`` where the caller knows that wrap_triton would return the
+    kernel itself (``plain_eager``).
 
     Returns (tokens ``out_shape`` int64 = [B, K+1] or [B] when K = 0, num_accepted [B] int64)."""
     temperature, seed, offset = sampling.temperature, randomness.seed, randomness.offset
@@ -250,17 +260,17 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     cuts = None
     if sampling.cuts(vocab):
-        cuts = _cuts(target, sampling, plan)
+        cuts = _cuts(target, sampling, plan, wrap)
         if draft is not None:
-            cuts = cuts + _cuts(draft, sampling, plan)
+            cuts = cuts + _cuts(draft, sampling, plan, wrap)
         else:
             cuts = cuts + cuts
-    ws_f, ws_i, plane = _stats(target, draft, cuts, sampling, limit, plan, precise)
+    ws_f, ws_i, plane = _stats(target, draft, cuts, sampling, limit, plan, precise, wrap)
     token_args = (tokens, tokens.stride(0), tokens.stride(1))
     out_args = (out, num_positions, num_accepted)
     limit_arg = limit if limit is not None else ws_i
     if greedy:
-        wrap_triton(finish_greedy_kernel)[(batch,)](
+        wrap(finish_greedy_kernel)[(batch,)](
             ws_f, ws_i, plane, *token_args, limit_arg, *out_args, vocab, num_draft, plan.chunks,
             HAS_DRAFT=draft is not None, HAS_LIMIT=limit is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c,
             num_warps=1,
@@ -272,7 +282,7 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
     d = draft if draft is not None else target
     cut_tv, cut_ti, cut_dv, cut_di = cuts if cuts is not None else (ws_f, ws_i, ws_f, ws_i)
     residual = num_draft > 0
-    wrap_triton(race_kernel)[(batch, plan.race_chunks)](
+    wrap(race_kernel)[(batch, plan.race_chunks)](
         target, target.stride(0), target.stride(1), target.stride(2),
         d, d.stride(0), d.stride(1), d.stride(2),
         *token_args,
@@ -287,7 +297,7 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
         PRECISE=precise, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, BLOCK_V=plan.race_block_v,
         num_warps=plan.race_num_warps,
     )
-    wrap_triton(finish_sample_kernel)[(batch,)](
+    wrap(finish_sample_kernel)[(batch,)](
         race_f, race_i, batch, *token_args, *out_args, num_draft, plan.race_chunks,
         RESIDUAL=residual, ROW_PARAMS=params is not None, BLOCK_K=plan.block_k, BLOCK_C=plan.block_c, num_warps=1,
     )
@@ -299,22 +309,30 @@ def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stre
 
 
 def launch_verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness,
-                  tuning: Optional[Tuning] = None, num_draft_tokens: Optional[torch.Tensor] = None):
+                  tuning: Optional[Tuning] = None, num_draft_tokens: Optional[torch.Tensor] = None, wrap=_traceable):
     """``verify`` with explicit launch knobs (tests force small tiles and many chunks through this)."""
     tuning = tuning or default_tuning(target_logits.device)
     with device_guard(target_logits.device):
         return _run(target_logits, draft_logits, draft_tokens, sampling, randomness, STREAM_POSITION, tuning,
-                    tuple(target_logits.shape[:2]), num_draft_tokens)
+                    tuple(target_logits.shape[:2]), num_draft_tokens, wrap)
 
 
-def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Optional[Tuning] = None):
+def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Optional[Tuning] = None,
+                  wrap=_traceable):
     """``sample`` with explicit launch knobs: verify's machinery with K = 0 on the STREAM_DRAFT counters."""
     tuning = tuning or default_tuning(logits.device)
     batch = logits.shape[0]
     no_tokens = torch.empty(batch, 0, dtype=torch.int64, device=logits.device)
     with device_guard(logits.device):
-        out, _ = _run(logits.unsqueeze(1), None, no_tokens, sampling, randomness, STREAM_DRAFT, tuning, (batch,))
+        out, _ = _run(logits.unsqueeze(1), None, no_tokens, sampling, randomness, STREAM_DRAFT, tuning, (batch,),
+                      None, wrap)
     return out
+
+
+def _kernel(kernel):
+    """The kernel itself: what ``wrap_triton`` returns inside the registered ops in eager mode (``triton_op`` turns
+    wrapping off there), without its ~4-8 µs of imports and checks per launch."""
+    return kernel
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, temperature_rows: Optional[torch.Tensor],
@@ -363,9 +381,16 @@ def verify_triton(
     """target_logits [B, K+1, V]; draft_logits [B, K, V] or None; draft_tokens [B, K]; per-row temperature [B]
     float32, top_k [B] int64, top_p [B] float64 (all or none); top_k_bound: ``RowSampling.top_k_bound`` (0: none);
     seed, offset [B] int64; num_draft_tokens [B] int64 or None."""
+    return _verify_body(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, temperature_rows,
+                        top_k_rows, top_p_rows, row_cut, top_k_bound, seed, offset, seed_per_row, num_draft_tokens)
+
+
+def _verify_body(target_logits, draft_logits, draft_tokens, temperature, top_k, top_p, temperature_rows, top_k_rows,
+                 top_p_rows, row_cut, top_k_bound, seed, offset, seed_per_row, num_draft_tokens, wrap=_traceable):
+    """``verify_triton``'s body, which ``verify`` also calls directly in plain eager mode (``eager.py``)."""
     sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut, top_k_bound)
     return launch_verify(target_logits, draft_logits, draft_tokens, sampling, Randomness(seed, offset, seed_per_row),
-                         num_draft_tokens=num_draft_tokens)
+                         num_draft_tokens=num_draft_tokens, wrap=wrap)
 
 
 @triton_op("speculative_kernels::sample_triton", mutates_args=())
@@ -384,21 +409,32 @@ def sample_triton(
     seed_per_row: bool,
 ) -> torch.Tensor:
     """logits [B, V]; per-row parameters as ``verify_triton``; seed, offset [B] int64 -> tokens [B] int64."""
+    return _sample_body(logits, temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut,
+                        top_k_bound, seed, offset, seed_per_row)
+
+
+def _sample_body(logits, temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut, top_k_bound,
+                 seed, offset, seed_per_row, wrap=_traceable):
+    """``sample_triton``'s body, which ``sample`` also calls directly in plain eager mode (``eager.py``)."""
     sampling = _sampling(temperature, top_k, top_p, temperature_rows, top_k_rows, top_p_rows, row_cut, top_k_bound)
-    return launch_sample(logits, sampling, Randomness(seed, offset, seed_per_row))
+    return launch_sample(logits, sampling, Randomness(seed, offset, seed_per_row), wrap=wrap)
 
 
 def verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, randomness: Randomness,
            num_draft_tokens: Optional[torch.Tensor] = None):
-    """Same contract as ``reference.verify_reference``."""
-    return torch.ops.speculative_kernels.verify_triton(
-        target_logits, draft_logits, draft_tokens, *_flat(sampling), randomness.seed, randomness.offset,
-        bool(randomness.seed_per_row), num_draft_tokens,
-    )
+    """Same contract as ``reference.verify_reference``. The registered op, or its body with the kernels launched
+    directly where nothing but the op's body would see the call (plain eager mode, ``eager.plain_eager``): the same
+    arguments reach the same code either way."""
+    args = (target_logits, draft_logits, draft_tokens, *_flat(sampling), randomness.seed, randomness.offset,
+            bool(randomness.seed_per_row), num_draft_tokens)
+    if plain_eager(args):
+        return _verify_body(*args, wrap=_kernel)
+    return torch.ops.speculative_kernels.verify_triton(*args)
 
 
 def sample(logits, sampling: Sampling, randomness: Randomness):
-    """Same contract as ``reference.sample_reference``."""
-    return torch.ops.speculative_kernels.sample_triton(
-        logits, *_flat(sampling), randomness.seed, randomness.offset, bool(randomness.seed_per_row),
-    )
+    """Same contract as ``reference.sample_reference``; the registered op or its body, as ``verify``."""
+    args = (logits, *_flat(sampling), randomness.seed, randomness.offset, bool(randomness.seed_per_row))
+    if plain_eager(args):
+        return _sample_body(*args, wrap=_kernel)
+    return torch.ops.speculative_kernels.sample_triton(*args)

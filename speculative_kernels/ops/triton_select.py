@@ -114,10 +114,13 @@ def find_kernel(X_ptr, stride_b, stride_j, positions, vocab, chunk, chunks, W_pt
         tl.atomic_min(out_ptr + r + tl.zeros([BLOCK], dtype=tl.int32), offs, mask=found)
 
 
-def kth_largest_index(logits: torch.Tensor, k: int, block: int, chunk: int) -> torch.Tensor:
+def kth_largest_index(logits: torch.Tensor, k: int, block: int, chunk: int, wrap=None) -> torch.Tensor:
     """logits [B, J, V] (unit stride over V), 1 <= k <= V -> [B, J] int32: the smallest id of each row holding its
     k-th largest value (a NaN row: unspecified). block: the kernels' tile (a power of two); chunk: ids per program, a
-    multiple of block (``triton_backend.Plan.chunk_size``: the statistics pass's chunking)."""
+    multiple of block (``triton_backend.Plan.chunk_size``: the statistics pass's chunking); wrap: None for this
+    module's ``wrap_triton`` (looked up at the call: ``triton_aot.recording`` stands in for it), or the identity in
+    plain eager mode (``triton_backend._kernel``)."""
+    wrap = wrap or wrap_triton
     batch, positions, vocab = logits.shape
     bits_dtype, key_bits = _KEY_DTYPES[logits.dtype]
     rows = batch * positions
@@ -131,10 +134,10 @@ def kth_largest_index(logits: torch.Tensor, k: int, block: int, chunk: int) -> t
     workspace = torch.zeros(passes * rows * 257 + 3 * rows, dtype=torch.int32, device=logits.device)
     strides = (bits.stride(0), bits.stride(1))
     for p in range(passes):
-        wrap_triton(radix_pass_kernel)[(rows * chunks,)](
+        wrap(radix_pass_kernel)[(rows * chunks,)](
             bits, *strides, positions, vocab, k, chunk, chunks, workspace, rows, p, KEY_BITS=key_bits, BLOCK=block,
         )
-    wrap_triton(find_kernel)[(rows * chunks,)](
+    wrap(find_kernel)[(rows * chunks,)](
         bits, *strides, positions, vocab, chunk, chunks, workspace, rows, KEY_BITS=key_bits, BLOCK=block,
     )
     return workspace[passes * rows * 257 + 2 * rows :].view(batch, positions)

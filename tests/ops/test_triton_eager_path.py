@@ -1,0 +1,141 @@
+"""The Triton backend's eager fast path (``ops/eager.py``): in plain eager mode ``triton_backend.verify``/``sample``
+call the registered op's body directly, with the kernels themselves, skipping torch's custom-op dispatch (~85 µs of
+host time per call, ``benchmarks/triton_host_overhead.py``); everywhere else they call the registered op.
+
+Deterministic checks, no timing: which Python layers a call goes through (``sys.setprofile``), when the fast path is
+taken, and that both paths launch the same kernels with the same arguments."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from speculative_kernels.ops import triton_backend  # noqa: E402
+from speculative_kernels.ops.eager import plain_eager  # noqa: E402
+from speculative_kernels.ops.randomness import Randomness  # noqa: E402
+from speculative_kernels.ops.sampling import Sampling  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+B, K, V = 2, 2, 40
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    target = (torch.randn(B, K + 1, V, generator=g) * 2).to(DEVICE)
+    draft = (target[:, :K] + torch.randn(B, K, V, generator=g).to(DEVICE))
+    tokens = torch.randint(0, V, (B, K), generator=g).to(DEVICE)
+    randomness = Randomness(torch.tensor([3, 4], device=DEVICE), torch.zeros(B, dtype=torch.int64, device=DEVICE),
+                            True)
+    return target, draft, tokens, randomness
+
+
+class _Ops(TorchDispatchMode):
+    """Records the ops it sees and runs them (an op counter, as benchmarks/op_counts.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _torch_library_calls(fn):
+    """The set of torch/_library/*.py files whose Python functions ``fn()`` calls."""
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and f"torch{os.sep}_library" in frame.f_code.co_filename:
+            seen.add(os.path.basename(frame.f_code.co_filename))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records each kernel launch (kernel name, grid, arguments: tensors as (shape, dtype, strides)) instead of
+    running it: the paths are compared by what they launch, without the interpreter's ~0.2 s per launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    kernel_type = InterpretedFunction if isinstance(triton_backend.stats_kernel, InterpretedFunction) else JITFunction
+    record = []
+
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype, value.stride())
+        return value
+
+    def run(kernel, *args, grid, warmup, **kwargs):
+        record.append((kernel.fn.__name__, tuple(grid), tuple(map(describe, args)),
+                       {name: describe(v) for name, v in kwargs.items()}))
+
+    monkeypatch.setattr(kernel_type, "run", run)
+    return record
+
+
+@pytest.mark.parametrize("case", ["greedy", "top_k", "sample"])
+def test_plain_eager_skips_the_dispatcher_with_the_same_launches(case, launches):
+    """A plain eager call reaches no torch/_library code (custom-op layers, ``wrap_triton``); under an op counter the
+    same call goes through the registered op, which the counter sees; both launch the same kernels with the same
+    grids and arguments (top-k: the radix select's launches too)."""
+    target, draft, tokens, randomness = _inputs()
+    if case == "sample":
+        logits = target[:, 0].contiguous()
+        call = (lambda: triton_backend.sample(logits, Sampling(0.8, 5), randomness))
+    else:
+        sampling = Sampling(0.0) if case == "greedy" else Sampling(0.8, 5)
+        call = (lambda: triton_backend.verify(target, draft, tokens, sampling, randomness))
+    assert _torch_library_calls(call) == set()
+    fast = launches[:]
+    launches.clear()
+    with _Ops() as ops:
+        call()
+    assert ops.names == [f"speculative_kernels.{'sample' if case == 'sample' else 'verify'}_triton.default"]
+    assert fast == launches
+    assert len(fast) == {"greedy": 2, "top_k": 13, "sample": 8}[case]  # (float32 keys: 5 select launches a tensor)
+
+
+def test_plain_eager_only_for_plain_calls():
+    """The fast path is refused wherever some layer would see the op: modes, function modes (a device context),
+    functorch transforms, the autograd profiler, tensor subclasses, inputs that require grad."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.zeros(3)
+    assert plain_eager((x, None, 1.0, True))
+    with torch.no_grad(), torch.inference_mode():
+        assert plain_eager((x,))
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Ops():
+        assert not plain_eager((x,))
+    with Passthrough():
+        assert not plain_eager((x,))
+    with torch.device("cpu"):
+        assert not plain_eager((x,))
+    with torch.autograd.profiler.profile():
+        assert not plain_eager((x,))
+    assert not plain_eager((x, torch.zeros(3, requires_grad=True)))
+    assert not plain_eager((torch.nn.Parameter(torch.zeros(3)),))
+    inside = []
+    torch.func.vmap(lambda t: inside.append(plain_eager((t,))) or t)(torch.zeros(2, 3))
+    torch.jit.trace(lambda t: inside.append(plain_eager((t,))) or t + 1, (x,), check_trace=False)
+    assert inside == [False, False]
+    fake = FakeTensorMode().from_tensor(x)
+    assert not plain_eager((fake,))
