@@ -139,3 +139,12 @@ def test_plain_eager_only_for_plain_calls():
     assert inside == [False, False]
     fake = FakeTensorMode().from_tensor(x)
     assert not plain_eager((fake,))
+
+
+def test_plain_eager_is_false_under_torch_compile():
+    """Dynamo traces the ops' front ends: ``plain_eager`` must trace (fullgraph) and be False there, so a compiled
+    graph holds the registered op (the GPU's compile tests run the ops themselves; the interpreter cannot)."""
+    x = torch.zeros(3)
+    compiled = torch.compile(lambda t: t + int(plain_eager((t, None, 1.0))), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), x)
+    assert plain_eager((x, None, 1.0))  # (and True outside)
