@@ -9,7 +9,8 @@ In eager mode at small batch the Triton op's time is its host time (issue 10). T
 * ``rest``: everything else, i.e. our host path (plan, allocations, cut, argument lists) and torch's custom-op
   machinery (dispatch, autograd layer, ``wrap_triton``): the same Python on the CPU and on a GPU.
 
-Modes, per configuration (greedy and sampling, with and without draft logits, sampling with a top-k cut):
+Times are the calling thread's CPU time (``time.thread_time``: other processes on a shared machine do not stretch
+it). Modes, per configuration (greedy and sampling, with and without draft logits, sampling with a top-k cut):
 
 * timed: ``--calls`` calls with the kernels run; per call total, launch and rest (medians);
 * stubbed (interpreter only): the launches replaced by a no-op, so the rest alone is timed over many calls
@@ -50,6 +51,9 @@ from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
 LAYERS = ("torch", "triton", "ours", "C calls", "other")
+# Host time as the calling thread's CPU time: on a shared machine other processes' load stretches wall time, not this
+# (the op does not synchronise with a GPU, so on one its host time is CPU time too; a full launch queue would block).
+clock = time.thread_time
 
 
 class LaunchTimer:
@@ -69,11 +73,11 @@ class LaunchTimer:
                 return None
             if timer.profiler is not None:
                 timer.profiler.disable()
-            start = time.perf_counter()
+            start = clock()
             try:
                 return timer.original(kernel, *args, **kwargs)
             finally:
-                timer.seconds += time.perf_counter() - start
+                timer.seconds += clock() - start
                 if timer.profiler is not None:
                     timer.profiler.enable()
 
@@ -118,9 +122,9 @@ def timed(call, timer, calls, device) -> dict:
     for _ in range(calls):
         sync(device)
         timer.reset()
-        start = time.perf_counter()
+        start = clock()
         call()
-        totals.append(time.perf_counter() - start)  # (host time: no synchronisation inside)
+        totals.append(clock() - start)  # (host time: no synchronisation inside)
         launches.append(timer.seconds)
     rests = [t - s for t, s in zip(totals, launches)]
     us = (lambda xs: statistics.median(xs) * 1e6)
@@ -135,10 +139,10 @@ def stubbed(call, timer, calls) -> float:
             call()
         best = float("inf")
         for _ in range(7):
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 call()
-            best = min(best, (time.perf_counter() - start) / calls)
+            best = min(best, (clock() - start) / calls)
         return best * 1e6
     finally:
         timer.stub = False
@@ -160,7 +164,7 @@ def profiled(call, timer, calls, top, stub) -> dict:
     profiler = cProfile.Profile()
     timer.profiler, timer.stub = profiler, stub
     timer.reset()
-    start = time.perf_counter()
+    start = clock()
     profiler.enable()
     try:
         for _ in range(calls):
@@ -168,15 +172,15 @@ def profiled(call, timer, calls, top, stub) -> dict:
     finally:
         profiler.disable()
         timer.profiler, timer.stub = None, False
-    wall = time.perf_counter() - start - timer.seconds
+    cpu = clock() - start - timer.seconds
     stats = pstats.Stats(profiler).stats  # key -> (primitive calls, calls, own s, cumulative s, callers)
     layers = dict.fromkeys(LAYERS, 0.0)
     for key, (_, _, own, _, _) in stats.items():
         layers[layer(key)] += own / calls * 1e6
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     return {
-        # (own times summing to more than the wall time would mean the profiler counted some time twice)
-        "wall_us": wall / calls * 1e6,
+        # (own times summing to more than the CPU time would mean the profiler counted some time twice)
+        "cpu_us": cpu / calls * 1e6,
         "own_sum_us": sum(layers.values()),
         "layers_us": layers,
         "top": [{"function": f"{Path(f).name}:{line}({name})" if f != "~" else name,
@@ -229,7 +233,7 @@ def main(argv=None) -> int:
     for name, row in report["results"].items():
         prof = row["profile"]
         layers = ", ".join(f"{k} {v:.1f}" for k, v in prof["layers_us"].items())
-        print(f"\n=== {name}: rest under cProfile {prof['wall_us']:.1f} µs per call (own times sum to "
+        print(f"\n=== {name}: rest under cProfile {prof['cpu_us']:.1f} µs per call (own times sum to "
               f"{prof['own_sum_us']:.1f}): {layers}")
         for r in prof["top"]:
             print(f"  {r['own_us']:8.2f} own {r['cumulative_us']:8.2f} cum {r['calls']:5.1f}x  {r['function']}")
