@@ -62,7 +62,7 @@ class LaunchTimer:
 
     def __init__(self, cls):
         self.cls, self.original = cls, cls.run
-        self.seconds, self.launches, self.profiler, self.stub = 0.0, 0, None, False
+        self.seconds, self.wall, self.launches, self.profiler, self.stub = 0.0, 0.0, 0, None, False
 
     def __enter__(self):
         timer = self
@@ -73,11 +73,12 @@ class LaunchTimer:
                 return None
             if timer.profiler is not None:
                 timer.profiler.disable()
-            start = clock()
+            start, start_wall = clock(), time.perf_counter()
             try:
                 return timer.original(kernel, *args, **kwargs)
             finally:
                 timer.seconds += clock() - start
+                timer.wall += time.perf_counter() - start_wall
                 if timer.profiler is not None:
                     timer.profiler.enable()
 
@@ -88,7 +89,7 @@ class LaunchTimer:
         self.cls.run = self.original
 
     def reset(self):
-        self.seconds, self.launches = 0.0, 0
+        self.seconds, self.wall, self.launches = 0.0, 0.0, 0
 
 
 def configurations(args):
@@ -164,7 +165,7 @@ def profiled(call, timer, calls, top, stub) -> dict:
     profiler = cProfile.Profile()
     timer.profiler, timer.stub = profiler, stub
     timer.reset()
-    start = clock()
+    start, start_wall = clock(), time.perf_counter()
     profiler.enable()
     try:
         for _ in range(calls):
@@ -173,14 +174,16 @@ def profiled(call, timer, calls, top, stub) -> dict:
         profiler.disable()
         timer.profiler, timer.stub = None, False
     cpu = clock() - start - timer.seconds
+    wall = time.perf_counter() - start_wall - timer.wall  # (cProfile's own clock)
     stats = pstats.Stats(profiler).stats  # key -> (primitive calls, calls, own s, cumulative s, callers)
     layers = dict.fromkeys(LAYERS, 0.0)
     for key, (_, _, own, _, _) in stats.items():
         layers[layer(key)] += own / calls * 1e6
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     return {
-        # (own times summing to more than the CPU time would mean the profiler counted some time twice)
+        # (own times summing to more than the wall time would mean the profiler counted some time twice)
         "cpu_us": cpu / calls * 1e6,
+        "wall_us": wall / calls * 1e6,
         "own_sum_us": sum(layers.values()),
         "layers_us": layers,
         "top": [{"function": f"{Path(f).name}:{line}({name})" if f != "~" else name,
@@ -233,8 +236,8 @@ def main(argv=None) -> int:
     for name, row in report["results"].items():
         prof = row["profile"]
         layers = ", ".join(f"{k} {v:.1f}" for k, v in prof["layers_us"].items())
-        print(f"\n=== {name}: rest under cProfile {prof['cpu_us']:.1f} µs per call (own times sum to "
-              f"{prof['own_sum_us']:.1f}): {layers}")
+        print(f"\n=== {name}: rest under cProfile {prof['cpu_us']:.1f} µs of CPU per call, {prof['wall_us']:.1f} µs "
+              f"wall (own times, wall clock, sum to {prof['own_sum_us']:.1f}): {layers}")
         for r in prof["top"]:
             print(f"  {r['own_us']:8.2f} own {r['cumulative_us']:8.2f} cum {r['calls']:5.1f}x  {r['function']}")
     (args.out / "triton-host-overhead.json").write_text(json.dumps(report, indent=1))

@@ -2,9 +2,9 @@
 
 A ``torch.library.triton_op`` call in eager mode goes through C++ dispatch, a Python autograd layer, a redispatch and
 a Python backend layer (``torch._dynamo`` disabled, ``wrap_triton`` turned off, an aliasing check) before it reaches
-the op's body: on this project's CPU machine that machinery cost more host time than the Triton verification op's
-body (``benchmarks/triton_host_overhead.py``, benchmarks/RESULTS.md). For plain tensors with no mode, tracer or
-profiler active, it ends in the body with the same arguments, so the ops' Python front ends
+the op's body: 80–110 µs of host time per call on the project's CPU machine, against ~45 µs for the Triton
+verification op's body itself (``benchmarks/triton_host_overhead.py``, benchmarks/RESULTS.md). For plain tensors with
+no mode, tracer or profiler active, it ends in the body with the same arguments, so the ops' Python front ends
 (``triton_backend.verify``/``sample``) call the body directly there, with the kernels themselves (what
 ``wrap_triton`` hands back inside the op in eager mode). Everywhere else (``torch.compile``, ``make_fx`` and export,
 fake or functional tensors, a ``TorchDispatchMode`` or ``TorchFunctionMode`` such as an op counter or

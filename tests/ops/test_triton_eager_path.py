@@ -1,5 +1,5 @@
 """The Triton backend's eager fast path (``ops/eager.py``): in plain eager mode ``triton_backend.verify``/``sample``
-call the registered op's body directly, with the kernels themselves, skipping torch's custom-op dispatch (~85 µs of
+call the registered op's body directly, with the kernels themselves, skipping torch's custom-op dispatch (80–110 µs of
 host time per call, ``benchmarks/triton_host_overhead.py``); everywhere else they call the registered op.
 
 Deterministic checks, no timing: which Python layers a call goes through (``sys.setprofile``), when the fast path is
