@@ -13,6 +13,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .backends import device_guard
+from .eager import kernel_itself, plain_eager
 
 __all__ = ["compact_kv"]
 
@@ -60,26 +61,40 @@ def slot_tile(device: torch.device) -> int:
 @triton_op("speculative_kernels::compact_kv_triton", mutates_args=("kv",))
 def compact_kv_triton(kv: torch.Tensor, slot_mask: torch.Tensor) -> None:
     """kv [B, H, S, D] (unit stride over D), in place; slot_mask [B, S] int8 contiguous (nonzero = real)."""
+    _compact_kv_body(kv, slot_mask, None)
+
+
+def _compact_kv_body(kv: torch.Tensor, slot_mask: torch.Tensor, wrap) -> None:
+    """``compact_kv_triton``'s body, which ``compact_kv`` also calls directly in plain eager mode (``eager.py``).
+    wrap: None for this module's ``wrap_triton`` (looked up here: ``triton_aot.recording`` stands in for it), or
+    ``eager.kernel_itself``."""
     batch, heads, slots, head_dim = kv.shape
     if kv.numel() == 0:
         return
     data = kv.view(_AS_INT[kv.element_size()])
-    block_d = min(triton.next_power_of_2(head_dim), 128)
+    # (plain arithmetic: triton.next_power_of_2 / triton.cdiv are constexpr_functions, ~3 µs per host call)
+    block_d = min(1 << (head_dim - 1).bit_length(), 128)
     block_s = slot_tile(kv.device)
-    grid = (batch * heads, triton.cdiv(head_dim, block_d))
+    grid = (batch * heads, (head_dim + block_d - 1) // block_d)
     with device_guard(kv.device):
-        wrap_triton(compact_kv_kernel)[grid](
+        (wrap or wrap_triton)(compact_kv_kernel)[grid](
             data, slot_mask, heads, slots, head_dim, data.stride(0), data.stride(1), data.stride(2),
             BLOCK_S=block_s, BLOCK_D=block_d,
         )
 
 
 def compact_kv(tensors, slot_mask) -> None:
-    """tensors: list of [B, H, S, D]; slot_mask: [B, S]. In place."""
+    """tensors: list of [B, H, S, D]; slot_mask: [B, S]. In place. One registered op call per tensor (a model's
+    layers: 2 per layer), or, in plain eager mode, its body with the kernel itself (``eager.py``)."""
     mask = (slot_mask != 0).to(torch.int8).contiguous()
     for kv in tensors:
         if kv.stride(-1) != 1:
             raise ValueError(f"compact_kv (triton) needs unit stride over the head dimension, got {kv.stride()}")
         if kv.element_size() not in _AS_INT:
             raise TypeError(f"compact_kv (triton): unsupported element size {kv.element_size()} ({kv.dtype})")
+    if plain_eager((mask, *tensors)):
+        for kv in tensors:
+            _compact_kv_body(kv, mask, kernel_itself)
+        return
+    for kv in tensors:
         torch.ops.speculative_kernels.compact_kv_triton(kv, mask)

@@ -80,10 +80,13 @@ def recording():
     saved = (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
              triton_select.wrap_triton, triton_backend.precise_math, compaction_triton.slot_tile,
              lookup_triton.window_tile)
+    saved_direct = (triton_backend.kernel_itself, compaction_triton.kernel_itself, lookup_triton.kernel_itself)
     precise, slot_tile = triton_backend.precise_math, compaction_triton.slot_tile
     window_tile = lookup_triton.window_tile
     triton_backend.wrap_triton = compaction_triton.wrap_triton = lookup_triton.wrap_triton = recorder
     triton_select.wrap_triton = recorder
+    # the plain eager path's launches (eager.py: the ops' bodies called directly, with the kernels themselves)
+    triton_backend.kernel_itself = compaction_triton.kernel_itself = lookup_triton.kernel_itself = recorder
     triton_backend.precise_math = lambda device: precise(cuda)
     compaction_triton.slot_tile = lambda device: slot_tile(cuda)
     lookup_triton.window_tile = lambda device: window_tile(cuda)
@@ -93,6 +96,7 @@ def recording():
         (triton_backend.wrap_triton, compaction_triton.wrap_triton, lookup_triton.wrap_triton,
          triton_select.wrap_triton, triton_backend.precise_math, compaction_triton.slot_tile,
          lookup_triton.window_tile) = saved
+        triton_backend.kernel_itself, compaction_triton.kernel_itself, lookup_triton.kernel_itself = saved_direct
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .backends import device_guard
-from .eager import plain_eager
+from .eager import kernel_itself, plain_eager
 from .philox import STREAM_DRAFT, STREAM_POSITION
 from .randomness import Randomness
 from .sampling import RowSampling, Sampling
@@ -242,8 +242,8 @@ def _stats(target, draft, cuts, sampling: Sampling, limit, plan: Plan, precise: 
 def _run(target, draft, tokens, sampling: Sampling, randomness: Randomness, stream_base: int, tuning: Tuning,
          out_shape, limit, wrap):
     """Shared driver. target [B, K+1, V]; draft [B, K, V] or None; tokens [B, K]; limit: num_draft_tokens [B] or None;
-    wrap: ``_traceable`` (``wrap_triton``), or ``_kernel`` where the caller knows that wrap_triton would return the
-    kernel itself (``plain_eager``).
+    wrap: ``_traceable`` (``wrap_triton``), or ``eager.kernel_itself`` where the caller knows that wrap_triton would
+    return the kernel itself (``plain_eager``).
 
     Returns (tokens ``out_shape`` int64 = [B, K+1] or [B] when K = 0, num_accepted [B] int64)."""
     temperature, seed, offset = sampling.temperature, randomness.seed, randomness.offset
@@ -327,12 +327,6 @@ def launch_sample(logits, sampling: Sampling, randomness: Randomness, tuning: Op
         out, _ = _run(logits.unsqueeze(1), None, no_tokens, sampling, randomness, STREAM_DRAFT, tuning, (batch,),
                       None, wrap)
     return out
-
-
-def _kernel(kernel):
-    """The kernel itself: what ``wrap_triton`` returns inside the registered ops in eager mode (``triton_op`` turns
-    wrapping off there), without its ~4-8 µs of imports and checks per launch."""
-    return kernel
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, temperature_rows: Optional[torch.Tensor],
@@ -428,7 +422,7 @@ def verify(target_logits, draft_logits, draft_tokens, sampling: Sampling, random
     args = (target_logits, draft_logits, draft_tokens, *_flat(sampling), randomness.seed, randomness.offset,
             bool(randomness.seed_per_row), num_draft_tokens)
     if plain_eager(args):
-        return _verify_body(*args, wrap=_kernel)
+        return _verify_body(*args, wrap=kernel_itself)
     return torch.ops.speculative_kernels.verify_triton(*args)
 
 
@@ -436,5 +430,5 @@ def sample(logits, sampling: Sampling, randomness: Randomness):
     """Same contract as ``reference.sample_reference``; the registered op or its body, as ``verify``."""
     args = (logits, *_flat(sampling), randomness.seed, randomness.offset, bool(randomness.seed_per_row))
     if plain_eager(args):
-        return _sample_body(*args, wrap=_kernel)
+        return _sample_body(*args, wrap=kernel_itself)
     return torch.ops.speculative_kernels.sample_triton(*args)

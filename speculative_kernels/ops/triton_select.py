@@ -119,7 +119,7 @@ def kth_largest_index(logits: torch.Tensor, k: int, block: int, chunk: int, wrap
     k-th largest value (a NaN row: unspecified). block: the kernels' tile (a power of two); chunk: ids per program, a
     multiple of block (``triton_backend.Plan.chunk_size``: the statistics pass's chunking); wrap: None for this
     module's ``wrap_triton`` (looked up at the call: ``triton_aot.recording`` stands in for it), or the identity in
-    plain eager mode (``triton_backend._kernel``)."""
+    plain eager mode (``eager.kernel_itself``)."""
     wrap = wrap or wrap_triton
     batch, positions, vocab = logits.shape
     bits_dtype, key_bits = _KEY_DTYPES[logits.dtype]

@@ -1,6 +1,7 @@
-"""The Triton backend's eager fast path (``ops/eager.py``): in plain eager mode ``triton_backend.verify``/``sample``
-call the registered op's body directly, with the kernels themselves, skipping torch's custom-op dispatch (80–110 µs of
-host time per call, ``benchmarks/triton_host_overhead.py``); everywhere else they call the registered op.
+"""The Triton backend's eager fast path (``ops/eager.py``): in plain eager mode ``triton_backend.verify``/``sample``,
+``compaction_triton.compact_kv`` and ``lookup_triton.prompt_lookup`` call the registered op's body directly, with the
+kernels themselves, skipping torch's custom-op dispatch (80–110 µs of host time per call,
+``benchmarks/triton_host_overhead.py``); everywhere else they call the registered op.
 
 Deterministic checks, no timing: which Python layers a call goes through (``sys.setprofile``), when the fast path is
 taken, and that both paths launch the same kernels with the same arguments."""
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from speculative_kernels.ops import triton_backend  # noqa: E402
+from speculative_kernels.ops import compaction_triton, lookup_triton, triton_backend  # noqa: E402
 from speculative_kernels.ops.eager import plain_eager  # noqa: E402
 from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
@@ -87,26 +88,40 @@ def launches(monkeypatch):
     return record
 
 
-@pytest.mark.parametrize("case", ["greedy", "top_k", "sample"])
+def _case(case):
+    """(call, the registered op it stands for, how many op calls, how many kernel launches)."""
+    target, draft, tokens, randomness = _inputs()
+    if case == "sample":
+        logits = target[:, 0].contiguous()
+        return (lambda: triton_backend.sample(logits, Sampling(0.8, 5), randomness)), "sample_triton", 1, 8
+    if case == "compact_kv":  # one op call per layer tensor
+        kv = [torch.randn(B, 2, 6, 4, device=DEVICE) for _ in range(3)]
+        mask = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 1]], device=DEVICE)
+        return (lambda: compaction_triton.compact_kv(kv, mask)), "compact_kv_triton", 3, 3
+    if case == "lookup":
+        context = torch.randint(0, 5, (B, 12), device=DEVICE)
+        start, end = torch.zeros(B, dtype=torch.int64, device=DEVICE), torch.full((B,), 12, device=DEVICE)
+        return (lambda: lookup_triton.prompt_lookup(context, start, end, 3, 2)), "prompt_lookup_triton", 1, 1
+    sampling = Sampling(0.0) if case == "greedy" else Sampling(0.8, 5)
+    launches = 2 if case == "greedy" else 13  # (top-k: float32 keys, 5 select launches a tensor)
+    return (lambda: triton_backend.verify(target, draft, tokens, sampling, randomness)), "verify_triton", 1, launches
+
+
+@pytest.mark.parametrize("case", ["greedy", "top_k", "sample", "compact_kv", "lookup"])
 def test_plain_eager_skips_the_dispatcher_with_the_same_launches(case, launches):
     """A plain eager call reaches no torch/_library code (custom-op layers, ``wrap_triton``); under an op counter the
     same call goes through the registered op, which the counter sees; both launch the same kernels with the same
     grids and arguments (top-k: the radix select's launches too)."""
-    target, draft, tokens, randomness = _inputs()
-    if case == "sample":
-        logits = target[:, 0].contiguous()
-        call = (lambda: triton_backend.sample(logits, Sampling(0.8, 5), randomness))
-    else:
-        sampling = Sampling(0.0) if case == "greedy" else Sampling(0.8, 5)
-        call = (lambda: triton_backend.verify(target, draft, tokens, sampling, randomness))
+    call, op, op_calls, launch_count = _case(case)
     assert _torch_library_calls(call) == set()
     fast = launches[:]
     launches.clear()
     with _Ops() as ops:
         call()
-    assert ops.names == [f"speculative_kernels.{'sample' if case == 'sample' else 'verify'}_triton.default"]
+    ours = [name for name in ops.names if name.startswith("speculative_kernels.")]
+    assert ours == [f"speculative_kernels.{op}.default"] * op_calls
     assert fast == launches
-    assert len(fast) == {"greedy": 2, "top_k": 13, "sample": 8}[case]  # (float32 keys: 5 select launches a tensor)
+    assert len(fast) == launch_count
 
 
 def test_plain_eager_only_for_plain_calls():
@@ -148,3 +163,21 @@ def test_plain_eager_is_false_under_torch_compile():
     compiled = torch.compile(lambda t: t + int(plain_eager((t, None, 1.0))), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), x)
     assert plain_eager((x, None, 1.0))  # (and True outside)
+
+
+def test_compaction_and_lookup_give_the_same_results_both_ways():
+    """compact_kv and prompt_lookup (the interpreter runs them: a few small programs) through their plain eager path
+    and through the registered op (under an op counter) write the same values."""
+    kv = torch.randn(B, 1, 6, 4, device=DEVICE)
+    mask = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 1]], device=DEVICE)
+    fast, registered = kv.clone(), kv.clone()
+    compaction_triton.compact_kv([fast], mask)
+    with _Ops():
+        compaction_triton.compact_kv([registered], mask)
+    assert torch.equal(fast, registered) and not torch.equal(fast, kv)
+    context = torch.tensor([[1, 2, 3, 1, 2, 4, 1, 2], [5, 6, 5, 6, 5, 6, 7, 5]], device=DEVICE)
+    start, end = torch.zeros(B, dtype=torch.int64, device=DEVICE), torch.full((B,), 8, device=DEVICE)
+    fast = lookup_triton.prompt_lookup(context, start, end, 3, 2)
+    with _Ops():
+        registered = lookup_triton.prompt_lookup(context, start, end, 3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fast, registered)) and int(fast[1].sum()) > 0
