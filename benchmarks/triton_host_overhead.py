@@ -9,6 +9,9 @@ In eager mode at small batch the Triton op's time is its host time (issue 10). T
 * ``rest``: everything else, i.e. our host path (plan, allocations, cut, argument lists) and torch's custom-op
   machinery (dispatch, autograd layer, ``wrap_triton``): the same Python on the CPU and on a GPU.
 
+Two more rows time the other Triton ops a decoding step may call: ``compact_kv`` of two [B, 8, 64, 64] layer tensors
+(one registered op call per tensor) and ``prompt_lookup`` of a [B, 256] context.
+
 Times are the calling thread's CPU time (``time.thread_time``: other processes on a shared machine do not stretch
 it). Modes, per configuration (greedy and sampling, with and without draft logits, sampling with a top-k cut):
 
@@ -46,7 +49,7 @@ sys.path.insert(1, str(HERE.parent))  # the package, when it is not installed
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from speculative_kernels.ops import triton_backend  # noqa: E402
+from speculative_kernels.ops import compaction_triton, lookup_triton, triton_backend  # noqa: E402
 from speculative_kernels.ops.randomness import Randomness  # noqa: E402
 from speculative_kernels.ops.sampling import Sampling  # noqa: E402
 
@@ -108,8 +111,16 @@ def configurations(args):
         "sampling, no draft": (Sampling(1.0), None),
         f"sampling top_k {args.top_k}, draft": (Sampling(1.0, args.top_k), draft),
     }
-    return [(name, lambda s=s, d=d: triton_backend.verify(target, d, tokens, s, randomness))
-            for name, (s, d) in settings.items()]
+    out = [(name, lambda s=s, d=d: triton_backend.verify(target, d, tokens, s, randomness))
+           for name, (s, d) in settings.items()]
+    # the other Triton ops a decoding step calls: a compaction (one op call per layer tensor) and prompt lookup
+    kv = [torch.randn(batch, 8, 64, 64, generator=g).to(device) for _ in range(2)]
+    mask = torch.ones(batch, 64, dtype=torch.int64, device=device)
+    context = torch.randint(0, 50, (batch, 256), generator=g).to(device)
+    start, end = torch.zeros(batch, dtype=torch.int64, device=device), torch.full((batch,), 256, device=device)
+    out.append(("compact_kv, 2 tensors", lambda: compaction_triton.compact_kv(kv, mask)))
+    out.append(("prompt_lookup", lambda: lookup_triton.prompt_lookup(context, start, end, 10, 2)))
+    return out
 
 
 def sync(device):
