@@ -4,7 +4,8 @@ kernels themselves, skipping torch's custom-op dispatch (80–110 µs of host ti
 ``benchmarks/triton_host_overhead.py``); everywhere else they call the registered op.
 
 Deterministic checks, no timing: which Python layers a call goes through (``sys.setprofile``), when the fast path is
-taken, and that both paths launch the same kernels with the same arguments."""
+taken, that both paths launch the same kernels with the same arguments, and that the host plan's plain arithmetic is
+Triton's."""
 
 import os
 import sys
@@ -181,3 +182,15 @@ def test_compaction_and_lookup_give_the_same_results_both_ways():
     with _Ops():
         registered = lookup_triton.prompt_lookup(context, start, end, 3, 2)
     assert all(torch.equal(a, b) for a, b in zip(fast, registered)) and int(fast[1].sum()) > 0
+
+
+def test_plan_arithmetic_is_tritons():
+    """make_plan's integer helpers (plain arithmetic: Triton's ``constexpr_function``s cost ~3 µs a host call, 20
+    calls a plan) agree with ``triton.cdiv`` / ``triton.next_power_of_2``, and a memoised plan is the computed one."""
+    import triton
+
+    assert all(triton_backend._next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 3000))
+    assert all(triton_backend._cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300, 7) for b in range(1, 70))
+    tuning = triton_backend.Tuning(num_sms=132)
+    for shape in ((1, 5, 128256), (64, 5, 32000), (3, 2, 1001)):
+        assert triton_backend.make_plan(*shape, tuning) == triton_backend._plan(*shape, tuning)
