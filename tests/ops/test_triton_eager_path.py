@@ -125,6 +125,7 @@ def test_plain_eager_skips_the_dispatcher_with_the_same_launches(case, launches)
     assert len(fast) == launch_count
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_plain_eager_only_for_plain_calls():
     """The fast path is refused wherever some layer would see the op: modes, function modes (a device context),
     functorch transforms, the autograd profiler, tensor subclasses, inputs that require grad."""
