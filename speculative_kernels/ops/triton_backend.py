@@ -10,7 +10,9 @@ largest raw logit from a radix select (``triton_select.py``: no torch.topk), wit
 and z is computed for the candidates only, with no copy of z: ``_cuts``; per-row parameters
 with a host bound of their top_k, ``RowSampling.top_k_bound``, the ops' ``top_k_bound`` argument, take one topk of the
 bound, not a sort per row). No host synchronisation, so the ops can be captured in CUDA graphs;
-``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``.
+``torch.library.triton_op`` makes them visible to ``torch.compile(fullgraph=True)``. ``verify``/``sample`` call the
+registered ops, or in plain eager mode their bodies with the kernels themselves (``eager.py``: torch's custom-op
+dispatch cost more host time than the bodies).
 """
 
 import dataclasses
