@@ -129,3 +129,14 @@ def test_a_forked_command_runs_as_its_own_process_would(gpu, tmp_path):
     assert result["rc"] != 0 and "missing.json" in log.read_text()
     with pytest.raises(ValueError, match="this Python's commands only"):
         gpu.ForkedPython(["/bin/echo", "x"], {}, tmp_path)
+
+
+def test_the_spin_wait_tests_run_first_alone_then_the_rest_without_them(gpu, tmp_path):
+    cmd = ["python", "-m", "pytest", "-v", "-n", "10", f"--junitxml={tmp_path / 'junit.xml'}", *gpu.GPU_TESTS]
+    first, rest = gpu.spin_wait_tests_first(cmd, tmp_path)
+    assert first == ["python", "-m", "pytest", "-v", f"--junitxml={tmp_path / 'junit.xml'}",
+                     "tests/ops/test_cuda_ops.py", "-k", "single_pass", f"--junitxml={tmp_path / 'junit-spin-wait.xml'}"]
+    assert rest == [*cmd, "-k", "not single_pass"]
+    assert "tests/ops/test_cuda_ops.py" in gpu.GPU_TESTS
+    source = (gpu.ROOT / "tests" / "ops" / "test_cuda_ops.py").read_text()
+    assert "def test_single_pass_kernel_matches_the_default_structure" in source
