@@ -135,7 +135,8 @@ def test_the_spin_wait_tests_run_first_alone_then_the_rest_without_them(gpu, tmp
     cmd = ["python", "-m", "pytest", "-v", "-n", "10", f"--junitxml={tmp_path / 'junit.xml'}", *gpu.GPU_TESTS]
     first, rest = gpu.spin_wait_tests_first(cmd, tmp_path)
     assert first == ["python", "-m", "pytest", "-v", f"--junitxml={tmp_path / 'junit.xml'}",
-                     "tests/ops/test_cuda_ops.py", "-k", "single_pass", f"--junitxml={tmp_path / 'junit-spin-wait.xml'}"]
+                     "tests/ops/test_cuda_ops.py", "-k", "single_pass",
+                     f"--junitxml={tmp_path / 'junit-spin-wait.xml'}"]
     assert rest == [*cmd, "-k", "not single_pass"]
     assert "tests/ops/test_cuda_ops.py" in gpu.GPU_TESTS
     source = (gpu.ROOT / "tests" / "ops" / "test_cuda_ops.py").read_text()
