@@ -87,15 +87,16 @@ def test_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert "model folder not found" in capsys.readouterr().err
 
 
-def test_console_script_runs(pair):
-    target, draft = pair
+def test_console_script_runs():
+    """The installed entry point reaches the CLI's parser (its generation runs in process in the tests around; CI's
+    side job runs the console script's whole demo, ``speculative-kernels demo --quick``, in a fresh process: a
+    generation here took ~7-14 s of CI, most of it importing torch and transformers)."""
     exe = shutil.which("speculative-kernels")
     cmd = [exe] if exe else [sys.executable, "-m", "speculative_kernels.cli"]
-    result = subprocess.run(cmd + ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "class",
-                                   "--max-new-tokens", "6", "--compare"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    result = subprocess.run(cmd + ["generate", "--help"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert result.returncode == 0, result.stderr
-    assert "outputs identical" in result.stdout
+    assert "--target" in result.stdout and "--compare" in result.stdout
 
 
 def test_empty_prompt_counts_only_new_tokens(pair, capsys):
