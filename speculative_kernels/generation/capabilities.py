@@ -339,15 +339,16 @@ def _step_size_clamp_reason(model) -> str | None:
     Nemotron-H's limit is (time_step_min, inf); the others read config.time_step_limit, (0, inf) by default). Such a
     target is exact (``step_size.py``: the prompt's forwards clamp, as model.generate's prefill; the recurrent runner
     lifts the limit on every later forward), except where the lift cannot reach the scan: a mixer that does not read
-    ``self.time_step_limit`` when it runs, or one in a model the recurrent runner does not drive. A draft is never
-    refused (only the target's forwards must match model.generate's)."""
+    ``self.time_step_limit`` (an instance attribute) when it runs, or one in a model the recurrent runner does not
+    drive. A draft is never refused (only the target's forwards must match model.generate's)."""
     mixers = bounded_mixers(model)
     if not mixers:
         return None
     unread = unread_limit_classes(mixers)
     if unread:
-        how = (f"its mixers ({', '.join(unread)}) do not pass dt_limit=self.time_step_limit to their scan as "
-               "transformers 5.17-5.24's do, so the verification forwards cannot lift the limit")
+        how = (f"its mixers ({', '.join(unread)}) do not pass dt_limit=self.time_step_limit (an attribute of "
+               "each instance) to their scan as transformers 5.17-5.24's do, so the verification forwards cannot "
+               "lift the limit")
     elif not _state_model_type(model.config.get_text_config(decoder=True)):
         how = ("the limit is lifted on the forwards after the prompt by the recurrent runner, which drives the model "
                f"types {sorted(STATE_SNAPSHOT_EXACT)} only")

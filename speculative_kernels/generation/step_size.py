@@ -16,14 +16,19 @@ So a model whose limit is bounded (Zamba2's and Nemotron-H's: (time_step_min, in
   (transformers 5.17 and 5.24, torch path).
 
 Every mixer reads ``self.time_step_limit`` when it runs (it passes ``dt_limit=self.time_step_limit`` to the scan,
-in every transformers from 5.17 to 5.24), so the limit is lifted by setting that attribute for one forward and
-restoring it afterwards, whatever the forward raises (``unread_limit_classes`` finds a mixer that does not).
-The attribute is the model's own: a forward of the same model run meanwhile from another thread would see it lifted.
+in every transformers from 5.17 to 5.24; ``unread_limit_classes`` finds a mixer that does not), so the limit is
+lifted where that read is answered. The attribute is the model's own, and HF lets other threads run the same model
+meanwhile (their model.generate, another call's prompt forward: both must stay clamped), so the lift is the lifting
+thread's alone: for the forward, each mixer's class is a subclass of its own (cached, same name) whose
+``time_step_limit`` property answers (0, inf) to the threads that lift that mixer now and the mixer's own value
+(kept in its ``__dict__``, where a write goes too) to every other; the last lift to end puts the class back,
+whatever the forward raised. A model is unchanged afterwards (class, attributes, state_dict).
 """
 
 import contextlib
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -53,9 +58,18 @@ def bounds_shown(mixers: list[torch.nn.Module]) -> str:
 
 def unread_limit_classes(mixers: list[torch.nn.Module]) -> list[str]:
     """The classes among ``mixers`` whose forward's class (the first in the MRO defining ``forward``) does not pass
-    ``dt_limit=self.time_step_limit`` to its scan: a mixer that reads its limit elsewhere would not see
-    ``unbounded_step_size``'s lift (none in transformers 5.17-5.24)."""
-    return sorted({type(module).__name__ for module in mixers if not _reads_limit(type(module))})
+    ``dt_limit=self.time_step_limit`` to its scan, or whose instance does not hold its limit as an attribute of its
+    own (a class attribute or property, which the lift's property would hide): ``unbounded_step_size`` could not
+    lift such a mixer's limit (none in transformers 5.17-5.24)."""
+    return sorted({type(module).__name__ for module in mixers
+                   if not _reads_limit(type(module)) or not _holds_own_limit(module)})
+
+
+def _holds_own_limit(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s time_step_limit is an attribute of the instance that no class of its own (ours, the
+    lift's, aside) defines too."""
+    return "time_step_limit" in vars(module) and not any(
+        "time_step_limit" in vars(base) for base in type(module).__mro__ if base not in _LIFTING_CLASSES)
 
 
 @functools.lru_cache(maxsize=None)  # (once per class: every layer's mixer is one, and each call checks the model)
@@ -68,15 +82,82 @@ def _reads_limit(klass: type) -> bool:
     return _READS_LIMIT in source
 
 
+# The lifts in progress: id(mixer) -> [count over all threads, the mixer's own class]; changed under _LOCK, which
+# makes each class swap and its count one step. _HERE.lifted: id(mixer) -> count of the calling thread's lifts.
+_LOCK = threading.Lock()
+_LIFTS: dict[int, list] = {}
+_HERE = threading.local()
+_LIFTING_CLASSES: set[type] = set()  # (every class ``_lifting_class`` made)
+
+
+@functools.lru_cache(maxsize=None)  # (one subclass per mixer class: a swap back and forth makes no new class)
+def _lifting_class(klass: type) -> type:
+    """``klass`` with ``time_step_limit`` a property: (0, inf) in a thread that lifts the instance now, else the
+    instance's own value (its ``__dict__``'s, which a write sets). Same name and module, so that messages, reprs and
+    output recorders see the mixer's own class; pickled or copied meanwhile, a mixer is of its own class."""
+    def read(mixer):
+        if id(mixer) in getattr(_HERE, "lifted", ()):
+            return UNBOUNDED
+        return mixer.__dict__["time_step_limit"]
+
+    def write(mixer, value):
+        mixer.__dict__["time_step_limit"] = value
+
+    def remove(mixer):
+        del mixer.__dict__["time_step_limit"]
+
+    def reduce_ex(mixer, protocol):  # (another thread's deepcopy or pickle during a lift: the mixer's own class)
+        reduced = klass.__reduce_ex__(mixer, protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is lifting:
+            reduced = (reduced[0], (klass, *reduced[1][1:]), *reduced[2:])
+        return reduced
+
+    lifting = type(klass.__name__, (klass,), {"time_step_limit": property(read, write, remove),
+                                              "__reduce_ex__": reduce_ex, "__module__": klass.__module__,
+                                              "__qualname__": klass.__qualname__})
+    _LIFTING_CLASSES.add(lifting)
+    return lifting
+
+
+def _lift(mixer: torch.nn.Module) -> None:
+    with _LOCK:
+        lifts = _LIFTS.get(id(mixer))
+        if lifts is None:
+            if not _holds_own_limit(mixer):  # (a draft's: a target's is refused before, ``unread_limit_classes``)
+                raise TypeError(f"{type(mixer).__name__}'s time_step_limit is not an attribute of the instance "
+                                "alone: its step-size bound cannot be lifted for one thread")
+            lifts = _LIFTS[id(mixer)] = [0, type(mixer)]
+            mixer.__class__ = _lifting_class(type(mixer))
+        lifts[0] += 1
+    if not hasattr(_HERE, "lifted"):  # (the thread's first lift)
+        _HERE.lifted = {}
+    _HERE.lifted[id(mixer)] = _HERE.lifted.get(id(mixer), 0) + 1
+
+
+def _unlift(mixer: torch.nn.Module) -> None:
+    here = _HERE.lifted
+    here[id(mixer)] -= 1
+    if not here[id(mixer)]:
+        del here[id(mixer)]
+    with _LOCK:
+        lifts = _LIFTS[id(mixer)]
+        lifts[0] -= 1
+        if not lifts[0]:
+            del _LIFTS[id(mixer)]
+            if type(mixer) is _lifting_class(lifts[1]):  # (a class set meanwhile by someone else is theirs: kept)
+                mixer.__class__ = lifts[1]
+
+
 @contextlib.contextmanager
 def unbounded_step_size(mixers: list[torch.nn.Module]):
-    """Within the block, every module of ``mixers`` has time_step_limit (0, inf); afterwards, whatever the block
-    raised, each has its own object back."""
-    saved = [module.time_step_limit for module in mixers]
+    """Within the block, every module of ``mixers`` reads time_step_limit (0, inf) in the calling thread and its
+    own value in every other; afterwards, whatever the block raised, each is as before (its class, its attribute)."""
+    lifted = []
     try:
         for module in mixers:
-            module.time_step_limit = UNBOUNDED
+            _lift(module)
+            lifted.append(module)
         yield
     finally:
-        for module, limit in zip(mixers, saved):
-            module.time_step_limit = limit
+        for module in reversed(lifted):
+            _unlift(module)

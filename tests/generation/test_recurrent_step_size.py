@@ -246,6 +246,96 @@ def test_the_limit_is_restored_after_every_forward_and_when_one_raises(monkeypat
     assert all(mixer.time_step_limit is limit for mixer, limit in zip(mixers, limits))
 
 
+def test_the_lift_leaves_another_threads_forwards_of_the_same_model_alone():
+    """The lift is the lifting thread's: while thread A's speculative call is held inside one of its lifted
+    forwards, thread B's model.generate on the same model (which HF allows) runs its prompt through the clamped scan,
+    so both outputs are those each gives alone, logits included. (The lift set the mixers' own attribute for the
+    forward: B's prefill ran lifted, its logits 1.5e-2 of their scale off, measured; silently other tokens where a
+    near-tie falls.)"""
+    import threading
+
+    target = zamba2(seed=6)
+    draft = perturbed(target, 0.3, seed=7)
+    ids_a, ids_b = _prompt(6), _prompt(7)
+    run_a = lambda: sk.generate(target, ids_a, draft_model=draft, num_speculative_tokens=3, **_greedy(ids_a, 8))
+    run_b = lambda: target.generate(ids_b, **_greedy(ids_b, 8))
+    expected_a, expected_b = run_a(), run_b()
+    mixer = step_size.bounded_mixers(target)[0]
+    a_inside, b_done, out = threading.Event(), threading.Event(), {}
+
+    def hold_a(module, args, output):  # (in A's first forward after the prompt, its lift in place)
+        if threading.current_thread().name == "A" and not a_inside.is_set() \
+                and module.time_step_limit == step_size.UNBOUNDED:
+            a_inside.set()
+            b_done.wait(60)
+
+    def thread_b():
+        a_inside.wait(60)
+        try:
+            out["b"] = run_b()
+        finally:
+            b_done.set()
+
+    holder = mixer.register_forward_hook(sk.per_token_hook(hold_a))
+    try:
+        threads = [threading.Thread(target=lambda: out.update(a=run_a()), name="A"),
+                   threading.Thread(target=thread_b, name="B")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        holder.remove()
+    assert a_inside.is_set() and set(out) == {"a", "b"}
+    for name, expected in (("b", expected_b), ("a", expected_a)):
+        got = out[name]
+        largest = max(((ours - theirs).abs().max() / theirs.abs().max()).item()
+                      for ours, theirs in zip(got.logits, expected.logits))
+        assert torch.equal(got.sequences, expected.sequences) and largest == 0.0, (name, largest)
+
+
+def test_the_lift_nests_overlaps_across_threads_and_leaves_the_mixer_as_it_was():
+    """``unbounded_step_size`` itself: (0, inf) in the lifting thread alone, through a nested lift and a lift of the
+    same mixer by another thread that ends first (a draft sharing the target's modules, two calls on one model);
+    a write meanwhile is kept; a deepcopy meanwhile is of the mixer's own class; afterwards the mixer's class,
+    attributes and state_dict are those before."""
+    import copy
+    import threading
+
+    mixer = step_size.bounded_mixers(zamba2(seed=3))[0]
+    own_class, own, state = type(mixer), dict(vars(mixer)), mixer.state_dict()
+    limit, reads = mixer.time_step_limit, {}
+    b_lifted, a_done = threading.Event(), threading.Event()
+
+    def other_thread():
+        reads["outside"] = mixer.time_step_limit
+        with step_size.unbounded_step_size([mixer]):
+            b_lifted.set()
+            a_done.wait(60)
+            reads["after A's lift"] = mixer.time_step_limit
+
+    thread = threading.Thread(target=other_thread)
+    try:
+        with step_size.unbounded_step_size([mixer]):
+            thread.start()
+            b_lifted.wait(60)
+            with step_size.unbounded_step_size([mixer]):
+                assert mixer.time_step_limit == step_size.UNBOUNDED
+            assert mixer.time_step_limit == step_size.UNBOUNDED and type(copy.deepcopy(mixer)) is own_class
+        assert mixer.time_step_limit is limit  # (B's lift runs on: ours ended)
+    finally:
+        a_done.set()
+        thread.join(60)
+    assert reads == {"outside": limit, "after A's lift": step_size.UNBOUNDED}
+    assert type(mixer) is own_class and vars(mixer).keys() == own.keys()
+    assert all(vars(mixer)[name] is value for name, value in own.items())
+    assert all(torch.equal(value, mixer.state_dict()[name]) for name, value in state.items())
+    with step_size.unbounded_step_size([mixer]):
+        mixer.time_step_limit = (0.01, 1.0)
+        assert mixer.time_step_limit == step_size.UNBOUNDED
+    assert mixer.time_step_limit == (0.01, 1.0)
+
+
 def test_one_host_read_per_iteration(monkeypatch):
     """The first iteration (the prompt's forward, no draft) and the verifications read the host once each."""
     target = zamba2(seed=4)
@@ -280,6 +370,21 @@ def test_a_mixer_that_does_not_read_its_limit_is_refused_by_name():
         sk.generate(target, ids, prompt_lookup_num_tokens=3, **_greedy(ids))
     same, largest, _ = _difference(zamba2(bounded=False, seed=5), ids, draft_model=target, num_speculative_tokens=3)
     assert same and largest < _EXACT
+
+
+def test_a_mixer_whose_class_defines_its_limit_is_refused_by_name():
+    """A mixer class that defines time_step_limit itself (here a property) would have it replaced, for every thread,
+    by the lift's per-thread property, which answers the instance's value: refused as a target by the class and the
+    limit."""
+    class PropertyLimitMixer(Zamba2MambaMixer):
+        time_step_limit = property(lambda mixer: mixer.__dict__["time_step_limit"])
+
+    target = zamba2(seed=5)
+    for mixer in step_size.bounded_mixers(target):
+        mixer.__class__ = PropertyLimitMixer
+    ids = _prompt(5)
+    with pytest.raises(ValueError, match=r"time_step_limit=\(0\.001, inf\).*PropertyLimitMixer"):
+        sk.generate(target, ids, prompt_lookup_num_tokens=3, **_greedy(ids))
 
 
 def _sharp_zamba2():
