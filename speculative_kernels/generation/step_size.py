@@ -68,8 +68,12 @@ def unread_limit_classes(mixers: list[torch.nn.Module]) -> list[str]:
 def _holds_own_limit(module: torch.nn.Module) -> bool:
     """Whether ``module``'s time_step_limit is an attribute of the instance that no class of its own (ours, the
     lift's, aside) defines too."""
-    return "time_step_limit" in vars(module) and not any(
-        "time_step_limit" in vars(base) for base in type(module).__mro__ if base not in _LIFTING_CLASSES)
+    return "time_step_limit" in vars(module) and not _class_defines_limit(type(module))
+
+
+@functools.lru_cache(maxsize=None)  # (once per class: checked at every lift)
+def _class_defines_limit(klass: type) -> bool:
+    return any("time_step_limit" in vars(base) for base in klass.__mro__ if base not in _LIFTING_CLASSES)
 
 
 @functools.lru_cache(maxsize=None)  # (once per class: every layer's mixer is one, and each call checks the model)
@@ -119,45 +123,49 @@ def _lifting_class(klass: type) -> type:
     return lifting
 
 
-def _lift(mixer: torch.nn.Module) -> None:
-    with _LOCK:
-        lifts = _LIFTS.get(id(mixer))
-        if lifts is None:
+def _lift(mixers: list[torch.nn.Module]) -> None:
+    """Lift ``mixers`` for the calling thread (its counts, then the shared ones; a mixer's first lift swaps its
+    class). All or none: a mixer that cannot be lifted raises before any is."""
+    for mixer in mixers:
+        if id(mixer) not in _LIFTS:
             if not _holds_own_limit(mixer):  # (a draft's: a target's is refused before, ``unread_limit_classes``)
                 raise TypeError(f"{type(mixer).__name__}'s time_step_limit is not an attribute of the instance "
                                 "alone: its step-size bound cannot be lifted for one thread")
-            lifts = _LIFTS[id(mixer)] = [0, type(mixer)]
-            mixer.__class__ = _lifting_class(type(mixer))
-        lifts[0] += 1
+            _lifting_class(type(mixer))  # (made here: nothing raises once the counts change)
     if not hasattr(_HERE, "lifted"):  # (the thread's first lift)
         _HERE.lifted = {}
-    _HERE.lifted[id(mixer)] = _HERE.lifted.get(id(mixer), 0) + 1
-
-
-def _unlift(mixer: torch.nn.Module) -> None:
     here = _HERE.lifted
-    here[id(mixer)] -= 1
-    if not here[id(mixer)]:
-        del here[id(mixer)]
     with _LOCK:
-        lifts = _LIFTS[id(mixer)]
-        lifts[0] -= 1
-        if not lifts[0]:
-            del _LIFTS[id(mixer)]
-            if type(mixer) is _lifting_class(lifts[1]):  # (a class set meanwhile by someone else is theirs: kept)
-                mixer.__class__ = lifts[1]
+        for mixer in mixers:
+            lifts = _LIFTS.get(id(mixer))
+            if lifts is None:
+                lifts = _LIFTS[id(mixer)] = [0, type(mixer)]
+                object.__setattr__(mixer, "__class__", _lifting_class(type(mixer)))  # (nn.Module's checks: none)
+            lifts[0] += 1
+            here[id(mixer)] = here.get(id(mixer), 0) + 1
+
+
+def _unlift(mixers: list[torch.nn.Module]) -> None:
+    here = _HERE.lifted
+    with _LOCK:
+        for mixer in mixers:
+            here[id(mixer)] -= 1
+            if not here[id(mixer)]:
+                del here[id(mixer)]
+            lifts = _LIFTS[id(mixer)]
+            lifts[0] -= 1
+            if not lifts[0]:
+                del _LIFTS[id(mixer)]
+                if type(mixer) is _lifting_class(lifts[1]):  # (a class set meanwhile by someone else is theirs)
+                    object.__setattr__(mixer, "__class__", lifts[1])
 
 
 @contextlib.contextmanager
 def unbounded_step_size(mixers: list[torch.nn.Module]):
     """Within the block, every module of ``mixers`` reads time_step_limit (0, inf) in the calling thread and its
     own value in every other; afterwards, whatever the block raised, each is as before (its class, its attribute)."""
-    lifted = []
+    _lift(mixers)
     try:
-        for module in mixers:
-            _lift(module)
-            lifted.append(module)
         yield
     finally:
-        for module in reversed(lifted):
-            _unlift(module)
+        _unlift(mixers)
