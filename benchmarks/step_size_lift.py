@@ -2,7 +2,7 @@
 around every forward after the prompt of a bounded Zamba2 / Nemotron-H target) against the attribute it replaced
 (each mixer's ``time_step_limit`` set for the forward and restored, which other threads saw), and of the mixers'
 reads of their limit. Mixers: copies of a tiny Zamba2's bounded mixer (the lift's cost does not depend on its size);
-81 is a Zamba2-7B's layer count.
+81 is Zamba2-7B-Instruct's num_hidden_layers, each layer with a Mamba2 mixer in transformers' Zamba2.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/step_size_lift.py --mixers 81
 """

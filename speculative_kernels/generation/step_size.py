@@ -91,14 +91,18 @@ def _reads_limit(klass: type) -> bool:
 _LOCK = threading.Lock()
 _LIFTS: dict[int, list] = {}
 _HERE = threading.local()
-_LIFTING_CLASSES: set[type] = set()  # (every class ``_lifting_class`` made)
+_LIFTING: dict[type, type] = {}  # a mixer's own class -> its lifting subclass, made once, under _LOCK
+_LIFTING_CLASSES: set[type] = set()  # (the values of _LIFTING)
 
 
-@functools.lru_cache(maxsize=None)  # (one subclass per mixer class: a swap back and forth makes no new class)
 def _lifting_class(klass: type) -> type:
     """``klass`` with ``time_step_limit`` a property: (0, inf) in a thread that lifts the instance now, else the
     instance's own value (its ``__dict__``'s, which a write sets). Same name and module, so that messages, reprs and
-    output recorders see the mixer's own class; pickled or copied meanwhile, a mixer is of its own class."""
+    output recorders see the mixer's own class; pickled or copied meanwhile, a mixer is of its own class. Called
+    under _LOCK: one subclass per class, made once (the swap back recognises it; a swap makes no new class)."""
+    if klass in _LIFTING:
+        return _LIFTING[klass]
+
     def read(mixer):
         if id(mixer) in getattr(_HERE, "lifted", ()):
             return UNBOUNDED
@@ -120,22 +124,23 @@ def _lifting_class(klass: type) -> type:
                                               "__reduce_ex__": reduce_ex, "__module__": klass.__module__,
                                               "__qualname__": klass.__qualname__})
     _LIFTING_CLASSES.add(lifting)
+    _LIFTING[klass] = lifting
     return lifting
 
 
 def _lift(mixers: list[torch.nn.Module]) -> None:
     """Lift ``mixers`` for the calling thread (its counts, then the shared ones; a mixer's first lift swaps its
     class). All or none: a mixer that cannot be lifted raises before any is."""
-    for mixer in mixers:
-        if id(mixer) not in _LIFTS:
-            if not _holds_own_limit(mixer):  # (a draft's: a target's is refused before, ``unread_limit_classes``)
-                raise TypeError(f"{type(mixer).__name__}'s time_step_limit is not an attribute of the instance "
-                                "alone: its step-size bound cannot be lifted for one thread")
-            _lifting_class(type(mixer))  # (made here: nothing raises once the counts change)
     if not hasattr(_HERE, "lifted"):  # (the thread's first lift)
         _HERE.lifted = {}
     here = _HERE.lifted
     with _LOCK:
+        for mixer in mixers:  # (checked, and their subclasses made, first: nothing raises once the counts change)
+            if id(mixer) not in _LIFTS:
+                if not _holds_own_limit(mixer):  # (a draft's: a target's is refused before, unread_limit_classes)
+                    raise TypeError(f"{type(mixer).__name__}'s time_step_limit is not an attribute of the instance "
+                                    "alone: its step-size bound cannot be lifted for one thread")
+                _lifting_class(type(mixer))
         for mixer in mixers:
             lifts = _LIFTS.get(id(mixer))
             if lifts is None:
@@ -156,7 +161,7 @@ def _unlift(mixers: list[torch.nn.Module]) -> None:
             lifts[0] -= 1
             if not lifts[0]:
                 del _LIFTS[id(mixer)]
-                if type(mixer) is _lifting_class(lifts[1]):  # (a class set meanwhile by someone else is theirs)
+                if type(mixer) is _LIFTING[lifts[1]]:  # (a class set meanwhile by someone else is theirs: kept)
                     object.__setattr__(mixer, "__class__", lifts[1])
 
 
