@@ -26,6 +26,7 @@ whatever the forward raised. A model is unchanged afterwards (class, attributes,
 """
 
 import contextlib
+import copyreg
 import functools
 import inspect
 import threading
@@ -114,10 +115,11 @@ def _lifting_class(klass: type) -> type:
     def remove(mixer):
         del mixer.__dict__["time_step_limit"]
 
-    def reduce_ex(mixer, protocol):  # (another thread's deepcopy or pickle during a lift: the mixer's own class)
+    def reduce_ex(mixer, protocol):  # (a deepcopy or pickle during a lift: the mixer's own class)
         reduced = klass.__reduce_ex__(mixer, protocol)
         if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is lifting:
-            reduced = (reduced[0], (klass, *reduced[1][1:]), *reduced[2:])
+            # (pickle refuses a __newobj__ of a class other than the object's: the standard library's reconstructor)
+            reduced = (copyreg._reconstructor, (klass, object, None), *reduced[2:])
         return reduced
 
     lifting = type(klass.__name__, (klass,), {"time_step_limit": property(read, write, remove),

@@ -297,9 +297,10 @@ def test_the_lift_leaves_another_threads_forwards_of_the_same_model_alone():
 def test_the_lift_nests_overlaps_across_threads_and_leaves_the_mixer_as_it_was():
     """``unbounded_step_size`` itself: (0, inf) in the lifting thread alone, through a nested lift and a lift of the
     same mixer by another thread that ends first (a draft sharing the target's modules, two calls on one model);
-    a write meanwhile is kept; a deepcopy meanwhile is of the mixer's own class; afterwards the mixer's class,
-    attributes and state_dict are those before."""
+    a write meanwhile is kept; a deepcopy or pickle meanwhile is of the mixer's own class; afterwards the mixer's
+    class, attributes and state_dict are those before."""
     import copy
+    import pickle
     import threading
 
     mixer = step_size.bounded_mixers(zamba2(seed=3))[0]
@@ -322,6 +323,7 @@ def test_the_lift_nests_overlaps_across_threads_and_leaves_the_mixer_as_it_was()
             with step_size.unbounded_step_size([mixer]):
                 assert mixer.time_step_limit == step_size.UNBOUNDED
             assert mixer.time_step_limit == step_size.UNBOUNDED and type(copy.deepcopy(mixer)) is own_class
+            assert type(pickle.loads(pickle.dumps(mixer))) is own_class
         assert mixer.time_step_limit is limit  # (B's lift runs on: ours ended)
     finally:
         a_done.set()
