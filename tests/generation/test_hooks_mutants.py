@@ -164,9 +164,8 @@ def test_our_own_position_hooks_do_not_refuse_another_threads_call(family, cache
     """The seq2seq runners' position hooks sit on the model's shared submodules during each forward. Another
     thread's speculative_kernels.generate on the same model meanwhile (a threaded server) checks the target's hooks:
     ours are not the caller's and are not refused; both calls are exact."""
-    import threading
-
     from helpers.seq2seq_models import SEQ2SEQ_FAMILIES, seq2seq_drafts_for, source_batch
+    from helpers.threads import run_while_held
 
     target = SEQ2SEQ_FAMILIES[family]()
     draft = seq2seq_drafts_for(family, target)["perturbed"]
@@ -175,38 +174,13 @@ def test_our_own_position_hooks_do_not_refuse_another_threads_call(family, cache
     kwargs = dict(do_sample=False, max_new_tokens=10, eos_token_id=None)
     expected_a = target.generate(ids_a, attention_mask=mask_a, **kwargs)
     expected_b = target.generate(ids_b, attention_mask=mask_b, **kwargs)
-    a_inside, b_done, out = threading.Event(), threading.Event(), {}
-
-    def hold_a(module, args, output):  # (inside A's first decoder forward, our position hooks registered)
-        if threading.current_thread().name == "A" and not a_inside.is_set():
-            a_inside.set()
-            b_done.wait(60)
-
-    def thread_a():
-        out["a"] = sk.generate(target, ids_a, attention_mask=mask_a, draft_model=draft, num_speculative_tokens=3,
-                               cache_implementation=cache, **kwargs)
-
-    def thread_b():
-        a_inside.wait(60)
-        try:
-            out["b"] = sk.generate(target, ids_b, attention_mask=mask_b, draft_model=draft, num_speculative_tokens=3,
-                                   **kwargs)
-        except ValueError as error:
-            out["b"] = error
-        finally:
-            b_done.set()
-
+    run_a = lambda: sk.generate(target, ids_a, attention_mask=mask_a, draft_model=draft, num_speculative_tokens=3,
+                                cache_implementation=cache, **kwargs)
+    run_b = lambda: sk.generate(target, ids_b, attention_mask=mask_b, draft_model=draft, num_speculative_tokens=3,
+                                **kwargs)
     decoder = target.get_decoder()
-    holder = (decoder.block[0] if family == "t5" else decoder.layers[0]).register_forward_hook(sk.per_token_hook(hold_a))
-    try:
-        threads = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        holder.remove()
-    assert a_inside.is_set() and set(out) == {"a", "b"}
+    # (held inside A's first decoder forward, our position hooks registered)
+    out = run_while_held(decoder.block[0] if family == "t5" else decoder.layers[0], run_a, run_b, catch=ValueError)
     assert not isinstance(out["b"], ValueError), out["b"]
     assert torch.equal(out["b"], expected_b)
     assert torch.equal(out["a"], expected_a)

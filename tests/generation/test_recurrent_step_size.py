@@ -252,7 +252,7 @@ def test_the_lift_leaves_another_threads_forwards_of_the_same_model_alone():
     so both outputs are those each gives alone, logits included. (The lift set the mixers' own attribute for the
     forward: B's prefill ran lifted, its logits 1.5e-2 of their scale off, measured; silently other tokens where a
     near-tie falls.)"""
-    import threading
+    from helpers.threads import run_while_held
 
     target = zamba2(seed=6)
     draft = perturbed(target, 0.3, seed=7)
@@ -261,32 +261,8 @@ def test_the_lift_leaves_another_threads_forwards_of_the_same_model_alone():
     run_b = lambda: target.generate(ids_b, **_greedy(ids_b, 8))
     expected_a, expected_b = run_a(), run_b()
     mixer = step_size.bounded_mixers(target)[0]
-    a_inside, b_done, out = threading.Event(), threading.Event(), {}
-
-    def hold_a(module, args, output):  # (in A's first forward after the prompt, its lift in place)
-        if threading.current_thread().name == "A" and not a_inside.is_set() \
-                and module.time_step_limit == step_size.UNBOUNDED:
-            a_inside.set()
-            b_done.wait(60)
-
-    def thread_b():
-        a_inside.wait(60)
-        try:
-            out["b"] = run_b()
-        finally:
-            b_done.set()
-
-    holder = mixer.register_forward_hook(sk.per_token_hook(hold_a))
-    try:
-        threads = [threading.Thread(target=lambda: out.update(a=run_a()), name="A"),
-                   threading.Thread(target=thread_b, name="B")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        holder.remove()
-    assert a_inside.is_set() and set(out) == {"a", "b"}
+    # (held in A's first forward after the prompt, its lift in place)
+    out = run_while_held(mixer, run_a, run_b, holds=lambda module: module.time_step_limit == step_size.UNBOUNDED)
     for name, expected in (("b", expected_b), ("a", expected_a)):
         got = out[name]
         largest = max(((ours - theirs).abs().max() / theirs.abs().max()).item()

@@ -435,7 +435,7 @@ def test_a_target_shared_with_another_thread_keeps_its_forwards_apart(family, ca
     self-attention) during each forward: another thread's forward of the same model meanwhile (its model.generate,
     which HF allows) got this call's positions, silently other tokens (or a crash with T5's static cache). The hooks
     now leave other threads' forwards alone. (Thread A's first decoder forward is held until B has finished.)"""
-    import threading
+    from helpers.threads import run_while_held
 
     target = SEQ2SEQ_FAMILIES[family]()
     draft = seq2seq_drafts_for(family, target)["perturbed"]
@@ -445,35 +445,12 @@ def test_a_target_shared_with_another_thread_keeps_its_forwards_apart(family, ca
     kwargs = dict(do_sample=False, max_new_tokens=12, eos_token_id=None)
     expected_a = target.generate(ids_a, attention_mask=mask_a, **kwargs)
     expected_b = target.generate(ids_b, attention_mask=mask_b, **kwargs)
-    a_inside, b_done, out = threading.Event(), threading.Event(), {}
-
-    def hold_a(module, args, output):  # (after the position hooks ran, inside A's forward)
-        if threading.current_thread().name == "A" and not a_inside.is_set():
-            a_inside.set()
-            b_done.wait(60)
-
-    def thread_a():
-        out["a"] = sk.generate(target, ids_a, attention_mask=mask_a, draft_model=draft, num_speculative_tokens=3,
-                               cache_implementation=cache, **kwargs)
-
-    def thread_b():
-        a_inside.wait(60)
-        try:
-            out["b"] = target.generate(ids_b, attention_mask=mask_b, **kwargs)
-        finally:
-            b_done.set()
-
-    holder = target.get_decoder().block[0].register_forward_hook(sk.per_token_hook(hold_a)) if family == "t5" else \
-        target.get_decoder().layers[0].register_forward_hook(sk.per_token_hook(hold_a))
-    try:
-        threads = [threading.Thread(target=thread_a, name="A"), threading.Thread(target=thread_b, name="B")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        holder.remove()
-    assert a_inside.is_set() and set(out) == {"a", "b"}
+    decoder = target.get_decoder()
+    run_a = lambda: sk.generate(target, ids_a, attention_mask=mask_a, draft_model=draft, num_speculative_tokens=3,
+                                cache_implementation=cache, **kwargs)
+    run_b = lambda: target.generate(ids_b, attention_mask=mask_b, **kwargs)
+    # (held after the position hooks ran, inside A's forward)
+    out = run_while_held(decoder.block[0] if family == "t5" else decoder.layers[0], run_a, run_b)
     assert torch.equal(out["b"], expected_b)
     assert torch.equal(out["a"], expected_a)
 
