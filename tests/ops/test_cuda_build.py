@@ -3,7 +3,8 @@
 Every ``csrc/*.cu`` is compiled with plain nvcc (no torch headers) for sm_90 (C++20: the whole build, ptxas included)
 and compute_80 (C++17: PTX only, ptxas skipped), one case per file and architecture so each stays short; the flags
 are those torch's extension builder adds (no implicit half/bf16 conversions), so the check is at least as strict as
-the real build. ``bindings.cpp`` is syntax-checked against the
+the real build. A case that compiled is recorded in pytest's cache (helpers/nvcc_builds.py) and not compiled again
+while nothing it depends on changes. ``bindings.cpp`` is syntax-checked against the
 installed torch's headers.
 """
 
@@ -19,33 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import nvcc_builds
 from helpers.cuda_toolkit import fake_cuda_home, torch_header_standards
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-KERNEL_FILES = sorted(CSRC.glob("*.cu"))
-# Each architecture once; the two language standards torch's extension builder may pick (by torch version) are spread
-# over them so that each file compiles twice, not four times. sm_80's case stops at the PTX (code=compute_80): the
-# standard (front end, host compiler) and the architecture (cicc's device code) are both checked, and ptxas, a third
-# of verify_kernels.cu's ~35 s, runs once, for sm_90 (the sources have no inline PTX, so ptxas checks the compiler's
-# own output there; what it could refuse for one architecture, such as static shared memory past 48 KiB, has the same
-# limit on both and is far below it here). The PTX-only case also builds its PTX unoptimised (-Xcicc -O0): what it
-# checks (the C++17 front end, sm_80's intrinsics and NVVM's code generation for that architecture) does not depend on
-# NVVM's optimisation, which was ~80% of verify_kernels.cu's 27 s there (5 s unoptimised); sm_90's case is the
-# build as the extension's (optimised NVVM and ptxas).
-ARCH_STD = (("80", "c++17", "compute_80"), ("90", "c++20", "sm_90"))
-UNOPTIMISED_PTX = ("-Xcicc", "-O0")
-NVCC = shutil.which("nvcc")
+# (the cases and their commands: helpers/nvcc_builds.py)
+ARCH_STD, NVCC, TIMEOUT_S = nvcc_builds.ARCH_STD, nvcc_builds.NVCC, nvcc_builds.TIMEOUT_S
+KERNEL_FILES = nvcc_builds.kernel_files()
 CXX = shutil.which("g++") or shutil.which("c++")
-# What torch.utils.cpp_extension passes to nvcc besides the gencode flags.
-TORCH_NVCC_FLAGS = (
-    "-D__CUDA_NO_HALF_OPERATORS__",
-    "-D__CUDA_NO_HALF_CONVERSIONS__",
-    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-D__CUDA_NO_HALF2_OPERATORS__",
-    "--expt-relaxed-constexpr",
-)
-TIMEOUT_S = 600
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: the CUDA sources cannot be compiled here")
 
@@ -97,14 +80,11 @@ def test_no_fast_math_in_builds():
 @needs_nvcc
 @pytest.mark.parametrize("arch,std,code", ARCH_STD)
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.name)
-def test_kernel_compiles(path, arch, std, code, tmp_path):
-    _run(
-        [
-            NVCC, f"-std={std}", "-O3", f"-gencode=arch=compute_{arch},code={code}", *TORCH_NVCC_FLAGS,
-            *(UNOPTIMISED_PTX if code.startswith("compute_") else ()),
-            "-Xcompiler", "-Wall", f"-I{CSRC}", "-c", str(path), "-o", str(tmp_path / f"{path.stem}.sm{arch}.o"),
-        ]
-    )
+def test_kernel_compiles(path, arch, std, code, tmp_path, request):
+    """nvcc compiles the source for the architecture (helpers/nvcc_builds.py's command), or a record in pytest's
+    cache says that the same command compiled the same csrc/ with the same nvcc and host compiler (CI's install
+    step compiles the cases on a core pip leaves idle, ``python tests/helpers/nvcc_builds.py``)."""
+    nvcc_builds.compile_or_recall(path, arch, std, code, tmp_path, request.config.cache.mkdir(nvcc_builds.RECORD_NAME))
 
 
 @needs_nvcc
