@@ -435,3 +435,32 @@ def test_sampled_continuations_with_warpers_follow_model_generate():
                           temperature=1.3, top_k=4, top_p=0.9, max_new_tokens=NEW, pad_token_id=0, seed=seed)
         codes.append(int((out[0, prompt.shape[1]:] * SAMPLING_VOCAB ** torch.arange(NEW - 1, -1, -1)).sum()))
     assert_matches(np.bincount(codes, minlength=SAMPLING_VOCAB**NEW), probs)
+
+
+def test_a_compiled_mixer_reads_the_lift_of_each_call_and_thread():
+    """A model compiled by its user (``model.compile()``, ``torch.compile(model)``: HF allows it, and
+    ``sk.generate`` runs such a model's compiled forwards) reads ``time_step_limit`` inside the traced code: dynamo
+    must guard on what the lift's property answers, or a graph traced clamped would run lifted forwards clamped (other
+    logits, silently), and one traced lifted would run another thread's forwards lifted. A compiled mixer gives the
+    eager mixer's output bit for bit, clamped, lifted, in another thread during the lift, and after it. (Checked
+    whole, 2026-11-28: a Zamba2 target after ``model.compile()`` or with its forward compiled, drafted by a
+    perturbed copy, gave model.generate's tokens and logits to 2.5e-6 of their scale.)"""
+    import threading
+
+    mixer = step_size.bounded_mixers(zamba2(seed=3))[0]
+    hidden = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(mixer, backend="eager")  # (dynamo's guards are the backend's whatever it is)
+    with torch.no_grad():
+        clamped = mixer(hidden)
+        with step_size.unbounded_step_size([mixer]):
+            lifted = mixer(hidden)
+        assert (lifted - clamped).abs().max() > _DIFFERS * clamped.abs().max()  # (the clamp binds here)
+        assert torch.equal(compiled(hidden), clamped)
+        with step_size.unbounded_step_size([mixer]):
+            assert torch.equal(compiled(hidden), lifted)
+            other = []
+            thread = threading.Thread(target=lambda: other.append(compiled(hidden)))
+            thread.start()
+            thread.join(120)
+            assert len(other) == 1 and torch.equal(other[0], clamped)
+        assert torch.equal(compiled(hidden), clamped)
