@@ -87,29 +87,6 @@ def test_compiled_requests_joining_and_leaving_match_each_request_alone(pair, ki
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-def test_each_batch_size_compiles_once(pair):
-    """Rounds of two requests joining an emptied batch and leaving it: the steps compile at the first round's batch
-    sizes and never again (joins and leaves change which rows are in use, not what the steps were compiled for)."""
-    target, draft = pair
-    decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=4,
-                                    cache_implementation="static", max_context=64, compile=COUNT_GRAPHS)
-    torch._dynamo.reset()  # nothing compiled by the other tests: the first round compiles
-    counters.clear()
-    graphs_per_round = []
-    for round_ in range(4):
-        before = counters["stats"]["unique_graphs"]
-        requests = {decoder.add_request(prompt, max_new_tokens=new, do_sample=False): (prompt, new)
-                    for prompt, new in (([5 + round_, 6, 7], 8), ([9, 8, 7, 6 + round_], 4))}
-        while decoder.has_work():
-            decoder.step()
-        graphs_per_round.append(counters["stats"]["unique_graphs"] - before)
-        for request_id, (prompt, new) in requests.items():
-            expected = target.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=new, do_sample=False,
-                                       pad_token_id=0)[0, len(prompt):]
-            assert decoder.result(request_id).token_ids == expected.tolist()
-    assert graphs_per_round[0] > 0 and graphs_per_round[1:] == [0, 0, 0], graphs_per_round
-
-
 def test_compile_needs_the_static_cache_and_is_set_on_the_decoder(pair):
     with pytest.raises(ValueError, match="cache_implementation='static' and max_context"):
         sk.SpeculativeDecoder(*pair, num_speculative_tokens=GAMMA, compile=True)
@@ -123,15 +100,17 @@ def test_compile_needs_the_static_cache_and_is_set_on_the_decoder(pair):
                               compile="yes")
 
 
-def test_batch_sizes_share_a_dynamic_graph(pair):
+def test_batch_sizes_share_a_dynamic_graph_and_compile_once(pair):
     """Six requests arriving together and finishing one by one visit batch sizes 6, 5, ..., 1: with automatic
     dynamic shapes each captured step compiles a graph for the first size, one with a symbolic batch for the sizes
     after it and one for size 1 (dynamo specialises 0 and 1): at most three per step, where fixed shapes (what
-    ``generate`` uses, ``dynamic=False``) would compile one per size, six."""
+    ``generate`` uses, ``dynamic=False``) would compile one per size, six. Then rounds of two requests joining the
+    emptied batch and leaving it compile nothing more (joins and leaves change which rows are in use, not what the
+    steps were compiled for), and each request gets model.generate's tokens."""
     target, draft = pair
     decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=GAMMA, max_batch_size=6,
                                     cache_implementation="static", max_context=64, compile=COUNT_GRAPHS)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # nothing compiled by the other tests: the first requests compile
     counters.clear()
     for i in range(6):
         decoder.add_request([5 + i, 6, 7], max_new_tokens=5 * (i + 1), do_sample=False)
@@ -142,6 +121,17 @@ def test_batch_sizes_share_a_dynamic_graph(pair):
     assert sizes >= {1, 2, 3, 4, 5, 6}, sizes
     steps = 3  # the verification step at gamma + 1, the draft steps at widths 1 and 2
     assert 0 < counters["stats"]["unique_graphs"] <= 3 * steps, dict(counters["stats"])
+    for round_ in range(2):
+        before = counters["stats"]["unique_graphs"]
+        requests = {decoder.add_request(prompt, max_new_tokens=new, do_sample=False): (prompt, new)
+                    for prompt, new in (([5 + round_, 6, 7], 8), ([9, 8, 7, 6 + round_], 4))}
+        while decoder.has_work():
+            decoder.step()
+        assert counters["stats"]["unique_graphs"] == before, round_
+        for request_id, (prompt, new) in requests.items():
+            expected = target.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=new, do_sample=False,
+                                       pad_token_id=0)[0, len(prompt):]
+            assert decoder.result(request_id).token_ids == expected.tolist()
 
 
 def test_compile_kwargs_follow_the_batch():
