@@ -79,15 +79,18 @@ def _key(command: list[str]) -> str:
     return digest.hexdigest()
 
 
-def compile_or_recall(path: Path, arch: str, std: str, code: str, work_dir: Path, record_dir: Path) -> bool:
+def compile_or_recall(path: Path, arch: str, std: str, code: str, work_dir: Path, record_dir: Path | None) -> bool:
     """Compile ``path`` for (arch, std, code) into ``work_dir`` unless ``record_dir`` records that the same case
-    compiled; True when recalled. AssertionError with nvcc's output when it fails (nothing is recorded then)."""
+    compiled; True when recalled. AssertionError with nvcc's output when it fails (nothing is recorded then).
+    record_dir None: no record read or written (pytest run with ``-p no:cacheprovider``, as gpu.py's tests phase)."""
     command = compile_command(path, arch, std, code, work_dir / f"{path.stem}.sm{arch}.o")
-    record = record_dir / f"{_key(command)}.ok"
-    if record.is_file():
+    record = None if record_dir is None else record_dir / f"{_key(command)}.ok"
+    if record is not None and record.is_file():
         return True
     proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(command)}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    if record is None:
+        return False
     record_dir.mkdir(parents=True, exist_ok=True)
     partial = record.with_suffix(f".{os.getpid()}.tmp")  # (written whole, then renamed: another process reads all or none)
     partial.write_text(" ".join(command) + "\n" + proc.stdout + proc.stderr)
