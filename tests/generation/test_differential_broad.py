@@ -40,6 +40,7 @@ import types
 
 import pytest
 import torch
+import transformers
 
 if __name__ == "__main__":  # run as a script: tests/ holds the helpers
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -433,6 +434,22 @@ def _hf_emits_from_invalid_scores(target, ids, s, stops) -> bool:
     return any(bool((~torch.isfinite(step.amax(dim=-1)) & live[:, t]).any()) for t, step in enumerate(out.scores))
 
 
+def _skip_where_hf_fails_with_the_static_cache_alone(target, ids, s: dict, error: Exception) -> None:
+    """Skips (naming the transformers version and its error) a static-cache draw whose ``model.generate`` fails
+    inside transformers where the same draw with the dynamic cache runs: there is no reference. Read off the
+    installed transformers: 5.18-5.20 hand Bloom's ALiBi the static cache's 4-D mask (``build_alibi_tensor``: "too
+    many values to unpack"; 5.17 and 5.21-5.24 run it). Ours runs such a draw: checked by hand, the dynamic cache's
+    tokens (FINDINGS of the middle-versions sweep, 2026-11-28). Returns (the caller re-raises) otherwise."""
+    if s.get("cache_implementation") != "static":
+        return
+    try:
+        _hf(target, ids, **{k: v for k, v in s.items() if k != "cache_implementation"})
+    except Exception:  # noqa: BLE001 -- not the static cache's failure alone: the caller re-raises the first one
+        return
+    pytest.skip(f"model.generate of transformers {transformers.__version__} fails on {type(target).__name__} with "
+                f"the static cache and runs with the dynamic one ({type(error).__name__}: {error}): no reference")
+
+
 def check(seed: int, verbose: bool = False) -> str:
     """Runs draw ``seed``: "same" or "refused: <message>"; AssertionError on anything else."""
     c = draw(seed)
@@ -444,7 +461,11 @@ def check(seed: int, verbose: bool = False) -> str:
                                                                                   for k, v in extra.items()})
     hf_stream, our_stream = (Collect(), Collect()) if c["streamer"] else (None, None)
     torch.manual_seed(0)
-    expected = _hf(target, ids, **s, **({"streamer": hf_stream} if hf_stream else {}))
+    try:
+        expected = _hf(target, ids, **s, **({"streamer": hf_stream} if hf_stream else {}))
+    except Exception as error:  # noqa: BLE001 -- HF's own failure: a draw without a reference, or the test's error
+        _skip_where_hf_fails_with_the_static_cache_alone(target, ids, s, error)
+        raise
     reference = None
     if not isinstance(expected, torch.Tensor) and (s.get("output_scores") or s.get("output_logits")):
         reference = _hf(target, ids, **{**s, "output_scores": True, "output_logits": True})
