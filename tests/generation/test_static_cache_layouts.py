@@ -16,7 +16,8 @@ from speculative_kernels.generation.runners.slot_cache import CacheLayout, SlotC
 def _dummy_layer_class():
     cache_utils = pytest.importorskip("transformers.cache_utils")
     if not hasattr(cache_utils, "DummyLayer"):
-        pytest.skip("this transformers has no DummyLayer (5.17 gives no layer type without a cache)")
+        pytest.skip("this transformers has no DummyLayer (it arrived in 5.23: 5.17-5.22 give no layer type "
+                    "without a cache)")
     return cache_utils.DummyLayer
 
 
