@@ -333,6 +333,17 @@ def test_the_statistics_count_the_prompts_forward_as_a_target_forward():
     assert stats.new_tokens == sum((n + 1) * count for n, count in enumerate(stats.accepted_histogram))
 
 
+def _refused_as_target(mixer_class, message: str):
+    """A bounded Zamba2 whose mixers are of ``mixer_class``, refused as a target with ``message``; (it, its prompt)."""
+    target = zamba2(seed=5)
+    for mixer in step_size.bounded_mixers(target):
+        mixer.__class__ = mixer_class
+    ids = _prompt(5)
+    with pytest.raises(ValueError, match=message):
+        sk.generate(target, ids, prompt_lookup_num_tokens=3, **_greedy(ids))
+    return target, ids
+
+
 def test_a_mixer_that_does_not_read_its_limit_is_refused_by_name():
     """A mixer class whose forward does not pass dt_limit=self.time_step_limit to its scan (here a subclass that
     wraps it) would not see the lift: refused as a target, by the class and the limit; allowed as a draft."""
@@ -340,12 +351,7 @@ def test_a_mixer_that_does_not_read_its_limit_is_refused_by_name():
         def forward(self, *args, **kwargs):
             return super().forward(*args, **kwargs)
 
-    target = zamba2(seed=5)
-    for mixer in step_size.bounded_mixers(target):
-        mixer.__class__ = WrappedMixer
-    ids = _prompt(5)
-    with pytest.raises(ValueError, match=r"Zamba2ForCausalLM.*time_step_limit=\(0\.001, inf\).*WrappedMixer"):
-        sk.generate(target, ids, prompt_lookup_num_tokens=3, **_greedy(ids))
+    target, ids = _refused_as_target(WrappedMixer, r"Zamba2ForCausalLM.*time_step_limit=\(0\.001, inf\).*WrappedMixer")
     same, largest, _ = _difference(zamba2(bounded=False, seed=5), ids, draft_model=target, num_speculative_tokens=3)
     assert same and largest < _EXACT
 
@@ -357,12 +363,7 @@ def test_a_mixer_whose_class_defines_its_limit_is_refused_by_name():
     class PropertyLimitMixer(Zamba2MambaMixer):
         time_step_limit = property(lambda mixer: mixer.__dict__["time_step_limit"])
 
-    target = zamba2(seed=5)
-    for mixer in step_size.bounded_mixers(target):
-        mixer.__class__ = PropertyLimitMixer
-    ids = _prompt(5)
-    with pytest.raises(ValueError, match=r"time_step_limit=\(0\.001, inf\).*PropertyLimitMixer"):
-        sk.generate(target, ids, prompt_lookup_num_tokens=3, **_greedy(ids))
+    _refused_as_target(PropertyLimitMixer, r"time_step_limit=\(0\.001, inf\).*PropertyLimitMixer")
 
 
 def _sharp_zamba2():

@@ -7,6 +7,7 @@ Needs neither torch nor pytest: ``python tests/helpers/nvcc_builds.py`` compiles
 it while the package installs, on the core pip leaves idle; the suite then finds the records).
 """
 
+import functools
 import hashlib
 import os
 import shutil
@@ -57,6 +58,7 @@ def compile_command(path: Path, arch: str, std: str, code: str, out: Path) -> li
     ]
 
 
+@functools.lru_cache(maxsize=None)  # (once per process: every case's key reads both compilers' versions)
 def _version(program: str | None) -> str:
     if program is None:
         return "absent"
