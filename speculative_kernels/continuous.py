@@ -219,12 +219,14 @@ class ContinuousBatcher:
                 raise ValueError(f"{name} is not a keyword add_request takes; it takes {', '.join(REQUEST_KEYWORDS)}")
         prompt = self._check_prompt(prompt_ids)
         seed = check_seed(kwargs.pop("seed", None))
-        stop = self._stop_criterion(kwargs.pop("stop_strings", None))
+        if kwargs.get("stop_strings") is not None:  # (refused by name before the settings resolve: they may warn)
+            self._check_stop_strings(kwargs["stop_strings"])
+        # stop_strings resolve with the other settings: the request's, an explicit None included (none, as in
+        # model.generate), else the model's generation_config's
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft, self.decoder.drafter)
         plan = settings.plan(target, len(prompt))
-        if stop is None and plan.stop_strings:  # the model's generation_config's, as generate takes them
-            stop = self._stop_criterion(list(plan.stop_strings))
+        stop = self._stop_criterion(plan.stop_strings) if plan.stop_strings else None
         mask = self._inferred_mask(prompt, settings)
         if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
             rows = torch.tensor([mask], device="cpu")  # (host values: never the caller's default device)
@@ -387,14 +389,17 @@ class ContinuousBatcher:
                              "the trailing pad ids")
         return mask
 
-    def _stop_criterion(self, stop_strings):
-        """stop_strings (a string or a list of them) -> HF's StopStringCriteria on the decoder's tokenizer, or None."""
-        if stop_strings is None:
-            return None
+    def _check_stop_strings(self, stop_strings) -> tuple:
+        """stop_strings (a string or a list of them) -> a tuple of them; TypeError for another value, ValueError
+        when the decoder has no tokenizer to match them with."""
         strings = parse_stop_strings(stop_strings)
         if self.decoder.tokenizer is None:
             raise ValueError("stop_strings needs the decoder's tokenizer: SpeculativeDecoder(..., tokenizer=...)")
-        return stop_criterion(strings, self.decoder.tokenizer)
+        return strings
+
+    def _stop_criterion(self, stop_strings: tuple):
+        """The request's resolved stop strings (non-empty) -> HF's StopStringCriteria on the decoder's tokenizer."""
+        return stop_criterion(self._check_stop_strings(list(stop_strings)), self.decoder.tokenizer)
 
     def _stopped_at(self, request: _Request, new: list[int]) -> int | None:
         """With stop strings: the index in ``new`` (the tokens just emitted, already in the result) of the first

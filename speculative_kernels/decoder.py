@@ -228,7 +228,8 @@ class SpeculativeDecoder:
         1-D integer tensor (or one row, [1, n], as a tokenizer returns it) or a list of ints. kwargs (the target's
         generation config gives the defaults, as in ``generate``): max_new_tokens, do_sample, temperature, top_k, top_p,
         seed (None: one drawn from torch's default generator), eos_token_id, min_new_tokens, stop_strings (needs
-        ``tokenizer=`` on the decoder; matched after every token as HF's StopStringCriteria), prefill_chunk_size
+        ``tokenizer=`` on the decoder; matched after every token as HF's StopStringCriteria; an explicit None turns
+        off the model's, as in ``model.generate``), prefill_chunk_size
         (requests admitted together are prefilled in chunks of the smallest given). Anything else is refused by name.
         Returns its request id."""
         self._follow_target()  # (a running batch goes on with its own draft; the request's rows join its runner)
