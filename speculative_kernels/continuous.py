@@ -226,6 +226,7 @@ class ContinuousBatcher:
         settings = resolve_settings(target, self.decoder.num_speculative_tokens, None, dict(kwargs),
                                     self.decoder.draft, self.decoder.drafter)
         plan = settings.plan(target, len(prompt))
+        self._check_drafting(settings)
         stop = self._stop_criterion(plan.stop_strings) if plan.stop_strings else None
         mask = self._inferred_mask(prompt, settings)
         if mask is not None:  # (pad_token_id inside the prompt: masked, as in HF)
@@ -388,6 +389,16 @@ class ContinuousBatcher:
                              "the prompt's mask is inferred from pad_token_id, which makes it right-padded; remove "
                              "the trailing pad ids")
         return mask
+
+    def _check_drafting(self, settings) -> None:
+        """A ValueError where nothing drafts for the request: no draft model, drafter, prompt lookup or early exit
+        on the decoder, nor a prompt_lookup_num_tokens / assistant_early_exit default in the target's
+        generation_config (the request would be accepted, then fail at its step)."""
+        d = self.decoder
+        if d.draft is None and d.drafter is None and not d.lookup and settings.prompt_lookup is None \
+                and getattr(settings.config, "assistant_early_exit", None) is None:
+            raise ValueError("the SpeculativeDecoder has nothing to draft with: pass a draft model, "
+                             "prompt_lookup_num_tokens=, assistant_early_exit= or drafter= to SpeculativeDecoder(...)")
 
     def _check_stop_strings(self, stop_strings) -> tuple:
         """stop_strings (a string or a list of them) -> a tuple of them; TypeError for another value, ValueError

@@ -3,6 +3,8 @@ with their own settings and seeds join and leave a running batch, and each one's
 greedy ones token-identical to ``model.generate``, seeded sampled ones to ``speculative_kernels.generate`` with the
 same seed (whole output); per-row sampling follows each row's warped target distribution (chi-square)."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -254,6 +256,25 @@ def test_bad_ids_and_arguments_are_refused_by_name(pair, call, error, message):
     with pytest.raises(error, match=message):
         call(decoder)
     assert not decoder.has_work()
+
+
+def test_a_decoder_with_nothing_to_draft_with_is_refused_by_add_request(pair):
+    """SpeculativeDecoder(target) with no draft model, drafter, prompt lookup or early exit: add_request accepted its
+    requests, and each finished with finish_reason "error" at its step. add_request now refuses it by name; a
+    checkpoint's prompt_lookup_num_tokens or assistant_early_exit still drafts."""
+    target, _ = pair
+    decoder = sk.SpeculativeDecoder(target)
+    with pytest.raises(ValueError, match="nothing to draft with"):
+        decoder.add_request([5, 6, 7], max_new_tokens=3)
+    assert not decoder.has_work()
+    for field in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        model = copy.deepcopy(target)
+        setattr(model.generation_config, field, 1)
+        decoder = sk.SpeculativeDecoder(model)
+        request = decoder.add_request([5, 6, 7], max_new_tokens=3, do_sample=False)
+        while decoder.has_work():
+            decoder.step()
+        assert decoder.result(request).finish_reason == "length", field
 
 
 def test_release_of_a_running_request_and_bad_batch_sizes(pair):
