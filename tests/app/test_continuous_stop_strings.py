@@ -81,13 +81,14 @@ def test_generate_stop_strings_per_row_as_model_generate(demo):
         decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
         request = decoder.add_request(tokenizer(prompts[0])["input_ids"], max_new_tokens=40, do_sample=False)
         # an explicit stop_strings=None turns the default off, as model.generate's does (add_request applied it)
-        off = decoder.add_request(tokenizer(prompts[0])["input_ids"], max_new_tokens=40, do_sample=False,
+        off = decoder.add_request(tokenizer(prompts[0])["input_ids"], max_new_tokens=6, do_sample=False,
                                   stop_strings=None)
         while decoder.has_work():
             decoder.step()
         assert decoder.result(request).finish_reason == "stop"
         one = tokenizer(prompts[:1], return_tensors="pt")
-        unstopped = target.generate(**one, **config_default, stop_strings=None)[0, one["input_ids"].shape[1]:]
+        unstopped = target.generate(**one, **{**config_default, "max_new_tokens": 6}, stop_strings=None)
+        unstopped = unstopped[0, one["input_ids"].shape[1]:]
         assert decoder.result(off).token_ids == unstopped.tolist() != decoder.result(request).token_ids
     finally:
         target.generation_config.stop_strings = None
