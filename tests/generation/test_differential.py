@@ -74,6 +74,24 @@ def test_differential_sweep(pair):
     assert sum(v == "same" for v in verdicts) >= len(verdicts) // 4  # the sweep does compare outputs
 
 
+def test_fsmt_static_cache_reference_is_its_dynamic_cache():
+    """transformers' FSMT attends every slot of a static cache, its unwritten zeros too: model.generate with
+    cache_implementation="static" gives other tokens than with its dynamic cache (5.17, 5.24), and the harness took
+    them as the reference (seed 52002 of ``--family fsmt``). Ours gives the model's own tokens, its dynamic cache's
+    (README, "Where we are stricter"), which the harness now compares with."""
+    target, draft = models("fsmt")
+    ids = torch.tensor([[34, 85, 83, 8, 86]])
+    kwargs = dict(do_sample=False, eos_token_id=None, max_new_tokens=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        static = target.generate(ids, cache_implementation="static", **kwargs)
+        dynamic = target.generate(ids, **kwargs)
+    assert not torch.equal(static, dynamic)  # (HF's static cache still differs: the case below can fail)
+    case = {"seed": 0, "ids": ids, "mask": None, "how": "kwargs",
+            "settings": {**kwargs, "cache_implementation": "static"}}
+    assert check_case(case, target, draft) == {"draft_model": "same", "prompt_lookup": "same"}
+
+
 def test_a_builtin_stopping_criterion_replaces_hf_own(pair):
     """HF's ``_merge_criteria_processor_list``: a MaxLengthCriteria / EosTokenCriteria in stopping_criteria replaces
     generate's own, so HF ran past max_length (or ignored eos_token_id) where we stopped: silently fewer tokens.
