@@ -13,7 +13,6 @@ import traceback
 
 from .cli_options import (
     ACCEPTANCE_LEGEND,
-    DEFAULT_GAMMA,
     DEFAULT_MAX_NEW_TOKENS,
     HelpFormatter,
     UsageError,
@@ -227,7 +226,7 @@ def _drafting(args) -> dict:
     if args.prompt_lookup is None:
         if args.max_ngram is not None:
             raise UsageError(f"--max-ngram only applies with --prompt-lookup; with {given[0]} it would be ignored")
-        args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
+        # (--gamma unset: None, so that generate takes a checkpoint's num_assistant_tokens, else its default 5)
         if args.early_exit is not None:
             return dict(assistant_early_exit=args.early_exit, num_speculative_tokens=args.gamma)
         return {}
@@ -272,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the text to complete (empty: start from the BOS token)")
     gen.add_argument("--compare", action="store_true", help="also run plain model.generate and compare")
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the folders' own model code")
-    add_common_options(gen, gamma_default=None)  # None: not given (DEFAULT_GAMMA with --draft; see _drafting)
+    add_common_options(gen, gamma_default=None)  # None: not given (generate's own gamma; see _drafting)
     gen.set_defaults(run=run_generate)
     add_demo_command(commands)
     return parser

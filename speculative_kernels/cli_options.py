@@ -230,7 +230,9 @@ def add_common_options(parser: argparse.ArgumentParser, gamma_default=DEFAULT_GA
                              "less activation memory for long prompts; default: the checkpoint's, else one forward)")
     parser.add_argument("--gamma", type=gamma_arg, default=gamma_default,
                         help="draft tokens per iteration, or 'auto' (chosen from the measured acceptance and costs)"
-                             + ("" if gamma_default else f" (default: {DEFAULT_GAMMA}, with a draft model)"))
+                             + ("" if gamma_default else " (with --draft or --early-exit; default: the checkpoint's "
+                                  f"num_assistant_tokens, the target's then the draft's generation_config, else "
+                                  f"{DEFAULT_GAMMA})"))
     parser.add_argument("--seed", type=seed_arg, default=0,
                         help="seed of the speculative run's random numbers (generate(seed=...): the same seed, the "
                              "same output); model.generate runs after torch.manual_seed(seed)")

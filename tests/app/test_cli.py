@@ -62,6 +62,37 @@ def test_sampling_options_left_unset_follow_the_checkpoint(pair, tmp_path, capsy
     assert any(completion("--temperature", "1.5", "--top-k", "0", "--seed", str(seed)) != greedy for seed in range(3))
 
 
+def test_gamma_left_unset_is_the_checkpoints_num_assistant_tokens(pair, tmp_path, monkeypatch, capsys):
+    """--gamma left unset with --draft: generate's own gamma, a checkpoint's num_assistant_tokens (the target's
+    generation_config, as sk.generate and model.generate read it), else 5; --gamma given wins. It was always 5,
+    the checkpoint's value silently ignored."""
+    import transformers
+
+    import speculative_kernels
+
+    target, draft = pair
+    tuned = tmp_path / "target-gamma-2"
+    shutil.copytree(target, tuned)
+    config = transformers.GenerationConfig.from_pretrained(target)
+    config.num_assistant_tokens = 2
+    config.save_pretrained(tuned)
+    widths = []
+
+    def generate(*args, speculation_stats=None, **kwargs):  # (the histogram has gamma + 1 bins)
+        output = real(*args, speculation_stats=speculation_stats, **kwargs)
+        if speculation_stats is not None:
+            widths.append(len(speculation_stats.accepted_histogram) - 1)
+        return output
+
+    real = speculative_kernels.generate  # (the command imports it from the package when it runs)
+    monkeypatch.setattr(speculative_kernels, "generate", generate)
+    for folder, extra, gamma in ((tuned, [], 2), (tuned, ["--gamma", "3"], 3), (target, [], 5)):
+        assert main(["generate", "--target", str(folder), "--draft", str(draft), "--prompt", "x",
+                     "--max-new-tokens", "12", *extra]) == 0
+        assert widths.pop() == gamma, (folder.name, extra)
+    capsys.readouterr()
+
+
 def test_logits_processor_options(pair, capsys):
     """--repetition-penalty/--no-repeat-ngram-size (greedy: identical to model.generate with them), --min-p when
     sampling; --min-p with greedy decoding is a usage error, as --top-k is."""
