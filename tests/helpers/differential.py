@@ -51,6 +51,28 @@ def quiet():
         logger.setLevel(level)
 
 
+def assert_same_output_form(got, expected) -> bool:
+    """AssertionError where ``got`` (ours) and ``expected`` (HF's ``generate`` output) differ in kind, sequences, or
+    the presence, count, shapes and dtypes of scores/logits. True when there is nothing more to compare (a tensor
+    result, or neither scores nor logits): the values are left to the caller (their float error)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"HF returned a tensor, ours {type(got).__name__}"
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected), (
+            f"sequences differ:\n  HF   {expected.tolist()}\n  ours {got.tolist()}")
+        return True
+    assert isinstance(got, type(expected)), f"HF returned {type(expected).__name__}, ours {type(got).__name__}"
+    assert got.sequences.shape == expected.sequences.shape and torch.equal(got.sequences, expected.sequences), (
+        f"sequences differ:\n  HF   {expected.sequences.tolist()}\n  ours {got.sequences.tolist()}")
+    for name in ("scores", "logits"):
+        theirs, mine = getattr(expected, name), getattr(got, name)
+        assert (theirs is None) == (mine is None), f"{name}: HF {theirs is None}, ours {mine is None}"
+        if theirs is not None:
+            assert len(theirs) == len(mine) and all(a.shape == b.shape and a.dtype == b.dtype
+                                                    for a, b in zip(theirs, mine)), (
+                f"{name}: HF {[tuple(t.shape) for t in theirs]}, ours {[tuple(t.shape) for t in mine]}")
+    return expected.scores is None and expected.logits is None
+
+
 def _prompt(rng: random.Random, batch: int, special: bool):
     """Left-padded prompts [batch, L] (pad id PAD on the left) and their mask; with ``special``, pad/bos/eos ids
     inside the prompts."""

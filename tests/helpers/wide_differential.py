@@ -44,7 +44,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 import speculative_kernels as sk
-from helpers.differential import quiet
+from helpers.differential import assert_same_output_form, quiet
 from helpers.float_error import NoFloat64Reference, assert_logits_as_accurate_as_hf, processor_gain
 from helpers.models import VOCAB, decoder_only_families, perturbed
 from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
@@ -352,22 +352,7 @@ def live_mask(seqs, width: int, steps: int, eos: set, pads: set) -> torch.Tensor
 def compare(target, got, expected, reference, ids, s: dict, resolved) -> None:
     """AssertionError where ``got`` (ours) differs from ``expected`` (HF's); ``reference``: HF's run with scores and
     logits both (their float error's reference); ``resolved``: the GenerationConfig HF's generate merged."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"HF tensor, ours {type(got).__name__}"
-        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected), (
-            f"sequences differ:\n  HF   {expected.tolist()}\n  ours {got.tolist()}")
-        return
-    assert isinstance(got, type(expected)), f"HF {type(expected).__name__}, ours {type(got).__name__}"
-    assert got.sequences.shape == expected.sequences.shape and torch.equal(got.sequences, expected.sequences), (
-        f"sequences differ:\n  HF   {expected.sequences.tolist()}\n  ours {got.sequences.tolist()}")
-    for name in ("scores", "logits"):
-        theirs, mine = getattr(expected, name), getattr(got, name)
-        assert (theirs is None) == (mine is None), f"{name}: HF {theirs is None}, ours {mine is None}"
-        if theirs is not None:
-            assert len(theirs) == len(mine) and all(a.shape == b.shape and a.dtype == b.dtype
-                                                    for a, b in zip(theirs, mine)), (
-                f"{name}: HF {[tuple(t.shape) for t in theirs]}, ours {[tuple(t.shape) for t in mine]}")
-    if expected.scores is None and expected.logits is None:
+    if assert_same_output_form(got, expected):
         return
     steps = len(reference.logits)
     width = expected.sequences.shape[1] - steps
