@@ -49,7 +49,7 @@ import speculative_kernels as sk
 from helpers.differential import assert_same_output_form, quiet
 from helpers.float_error import assert_logits_as_accurate_as_hf, processor_gain
 from helpers.models import VOCAB, decoder_only_families, perturbed
-from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+from helpers.seq2seq_models import family_model
 
 DECODER_ONLY = sorted(decoder_only_families())
 SEQ2SEQ = ["t5", "bart"]
@@ -63,14 +63,9 @@ NEVER = "@#@#"  # a stop string of the vocabulary's characters that these runs d
 # -- models ---------------------------------------------------------------------------------------------------------
 
 
-def _make(family: str, **kwargs):
-    make = SEQ2SEQ_FAMILIES[family] if family in SEQ2SEQ_FAMILIES else decoder_only_families()[family]
-    return make(**kwargs)
-
-
 @functools.lru_cache(maxsize=None)
 def _target(family: str):
-    return _make(family)
+    return family_model(family)
 
 
 def _never_right(model):
@@ -99,9 +94,9 @@ def _draft(family: str, kind: str, arg=None):
     if kind == "never_right":
         return _never_right(target)
     if kind == "unrelated":
-        return _make(family, layers=1, hidden=16, seed=123)
+        return family_model(family, layers=1, hidden=16, seed=123)
     if kind == "cross":
-        return _make(arg, layers=1, seed=7)
+        return family_model(arg, layers=1, seed=7)
     raise KeyError(kind)
 
 

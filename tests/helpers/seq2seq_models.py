@@ -28,7 +28,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from helpers.models import perturbed
+from helpers.models import decoder_only_families, perturbed
 
 VOCAB = 97
 
@@ -296,3 +296,10 @@ def special_ids(family: str) -> tuple[int, int, int]:
         return BART_LIKE[family][:3]
     return {"t5": (0, 1, 0), "t5gemma": (0, 1, 2), "t5gemma2": (0, 1, 2), "pegasus_x": (0, 1, 0),
             "fsmt": (1, 2, 2)}.get(family, (0, 1, 0) if family in T5_LIKE else (1, 2, 2))
+
+
+def family_model(family: str, **kwargs):
+    """A tiny random model of ``family``: a decoder-only family of ``helpers.models.decoder_only_families`` or one of
+    ``SEQ2SEQ_FAMILIES`` (t5, bart, mbart); kwargs go to its builder."""
+    make = SEQ2SEQ_FAMILIES[family] if family in SEQ2SEQ_FAMILIES else decoder_only_families()[family]
+    return make(**kwargs)

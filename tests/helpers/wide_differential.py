@@ -47,7 +47,7 @@ import speculative_kernels as sk
 from helpers.differential import assert_same_output_form, quiet
 from helpers.float_error import NoFloat64Reference, assert_logits_as_accurate_as_hf, processor_gain
 from helpers.models import VOCAB, decoder_only_families, perturbed
-from helpers.seq2seq_models import SEQ2SEQ_FAMILIES
+from helpers.seq2seq_models import family_model
 
 DECODER_ONLY = sorted(decoder_only_families())
 SEQ2SEQ = ["t5", "bart", "mbart"]
@@ -55,16 +55,10 @@ COMPILE_BACKEND = [None]  # --compile
 EARLY_EXIT_OK = {"llama", "qwen2", "mistral", "phi3", "qwen3", "gemma2"}  # slice layers by num_hidden_layers
 
 
-def _make(family: str, **kw):
-    """A tiny random model of ``family`` (decoder-only or ``SEQ2SEQ_FAMILIES``)."""
-    make = SEQ2SEQ_FAMILIES[family] if family in SEQ2SEQ_FAMILIES else decoder_only_families()[family]
-    return make(**kw)
-
-
 @functools.lru_cache(maxsize=None)
 def target_of(family: str):
     """The target of ``family``, built once per process."""
-    return _make(family)
+    return family_model(family)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +71,7 @@ def draft_of(family: str, kind: str, arg=None):
     if kind == "perturbed":
         return perturbed(t, scale=arg).eval()
     if kind == "unrelated":
-        return _make(family, layers=1, hidden=16, seed=123)
+        return family_model(family, layers=1, hidden=16, seed=123)
     raise KeyError(kind)
 
 
