@@ -7,8 +7,8 @@
         --max-context 4096 --compile        # static caches for max-batch-size rows, captured steps (CUDA graphs)
     curl -N localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "stream": true}'
 
-Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (default 1; 0 is greedy),
-``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty`` (extensions, as vLLM's server takes them), ``seed``,
+Request fields: ``prompt`` (a string), ``max_tokens`` (default 16), ``temperature`` (0 is greedy), ``top_p``,
+``top_k``, ``min_p`` and ``repetition_penalty`` (extensions, as vLLM's server takes them), ``seed``,
 ``stream``, ``stop`` (a string or a list: the decoder's ``stop_strings``, so the decoder needs ``tokenizer=``). A field
 set to ``null`` takes its default, as in OpenAI's API, and so do OpenAI's fields this server does not implement
 when they ask for nothing (``n`` 1, ``best_of`` 1, ``echo`` false, ``presence_penalty``/``frequency_penalty`` 0,
@@ -16,6 +16,16 @@ when they ask for nothing (``n`` 1, ``best_of`` 1, ``echo`` false, ``presence_pe
 type or out of range (checked with ``temperature`` 0 too, where the sampling fields do nothing) and a malformed request
 are answered 400 naming the field or what is wrong. ``finish_reason`` is ``"stop"`` (EOS or a stop string) or
 ``"length"``; as with HF's ``stop_strings``, the text includes the stop string.
+
+Defaults of the five sampling fields (``--generation-config``, as vLLM's server): ``auto`` (the default, as vLLM's)
+takes those the target's ``generation_config`` sets (its generation_config.json: Qwen's ``temperature`` 0.7,
+``top_p`` 0.8, ``top_k`` 20, ``repetition_penalty`` 1.05, say), logged at start; ``vllm`` ignores them. Fields
+neither the request nor (with ``auto``) the checkpoint sets take OpenAI's values: ``temperature`` 1, ``top_p`` 1,
+no top-k, no min-p, ``repetition_penalty`` 1. As in vLLM and OpenAI's API, ``temperature`` alone decides greedy or
+sampled (the checkpoint's ``do_sample`` is not read: a checkpoint that sets ``temperature`` 0.6 and ``do_sample``
+false samples at 0.6 here, as in vLLM, where ``model.generate`` would decode greedily). The checkpoint's other
+settings (``eos_token_id``, ``no_repeat_ngram_size``, ``bad_words_ids``, ...) apply in both modes, as
+``add_request`` takes them from it (vLLM has no such fields).
 
 Two threads: the asyncio event loop accepts connections, parses and answers requests and streams text; one engine
 thread owns the decoder and runs its steps (one draft + verify iteration each), so a step never stalls accepting or
@@ -61,6 +71,31 @@ def _same_value(value, default) -> bool:
 RANGES = {"max_tokens": (True, 0, False, None), "temperature": (False, 0, False, None), "top_p": (False, 0, True, 1),
           "top_k": (True, 0, False, None), "min_p": (False, 0, False, 1), "repetition_penalty": (False, 0, True, None)}
 MAX_BODY = 1 << 20
+# the sampling fields' defaults where neither the request nor (with --generation-config auto) the checkpoint sets them:
+# OpenAI's (top_k 0 and min_p 0: none)
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
+
+def sampling_defaults(generation_config, mode: str = "auto") -> dict:
+    """The defaults of ``OPENAI_DEFAULTS``' fields for requests that omit them. mode ``"auto"`` (vLLM's default):
+    OpenAI's, overridden by each one ``generation_config`` (the target's) sets; ``"vllm"``: OpenAI's. A checkpoint's
+    value out of the request field's range is refused by name (ValueError), as the same value in a request is."""
+    if mode not in GENERATION_CONFIG_MODES:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_MODES}, got {mode!r}")
+    defaults = dict(OPENAI_DEFAULTS)
+    if mode == "auto" and generation_config is not None:
+        for name in OPENAI_DEFAULTS:
+            value = getattr(generation_config, name, None)
+            if value is None:
+                continue
+            try:
+                _check_fields({name: value})
+            except HTTPError as error:
+                raise ValueError(f"the target's generation_config: {error} (serve with generation_config=\"vllm\" "
+                                 "to ignore it)") from None
+            defaults[name] = value
+    return defaults
 
 
 class HTTPError(Exception):
@@ -89,10 +124,19 @@ class Finished:
 class CompletionsServer:
     """decoder: a ``SpeculativeDecoder`` (continuous batching: ``add_request``/``step``); tokenizer: its HF
     tokenizer. ``serve`` runs it in the current event loop (and starts the engine thread); ``start_in_thread`` runs
-    the event loop in a thread of its own too. Only the engine thread touches the decoder once serving."""
+    the event loop in a thread of its own too. Only the engine thread touches the decoder once serving.
+    generation_config: ``"auto"`` or ``"vllm"``, the defaults of the sampling fields (``sampling_defaults``; the
+    module's docstring)."""
 
-    def __init__(self, decoder: SpeculativeDecoder, tokenizer, model_name: str = "speculative-kernels"):
+    def __init__(self, decoder: SpeculativeDecoder, tokenizer, model_name: str = "speculative-kernels",
+                 generation_config: str = "auto"):
         self.decoder, self.tokenizer, self.model_name = decoder, tokenizer, model_name
+        self.defaults = sampling_defaults(decoder.target.generation_config, generation_config)
+        self._checkpoint_min_p = getattr(decoder.target.generation_config, "min_p", None) is not None
+        taken = {name: value for name, value in self.defaults.items() if value != OPENAI_DEFAULTS[name]}
+        if taken:  # (as vLLM logs it: a server whose sampling changed with its checkpoint should say so)
+            logger.warning("completions server: default sampling fields from the target's generation_config: %s "
+                           "(generation_config=\"vllm\" ignores them)", taken)
         self._queues: dict[int, asyncio.Queue] = {}  # engine thread only: request id -> its handler's queue
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # callables the engine runs between steps
         self._stopping = False
@@ -209,19 +253,19 @@ class CompletionsServer:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise HTTPError(400, "prompt must be a non-empty string")
-        temperature = float(body.get("temperature", 1.0))  # (JSON's 2 is an int: generate takes floats, as HF's)
-        kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed")}
+        fields = {**self.defaults, **{name: body[name] for name in self.defaults if name in body}}
+        temperature = float(fields["temperature"])  # (JSON's 2 is an int: generate takes floats, as HF's)
+        kwargs = {"max_new_tokens": body.get("max_tokens", 16), "seed": body.get("seed"),
+                  "repetition_penalty": float(fields["repetition_penalty"])}  # (1: none, the checkpoint's too)
         if body.get("stop") is not None:
             kwargs["stop_strings"] = body["stop"]
-        if body.get("repetition_penalty") is not None:
-            kwargs["repetition_penalty"] = float(body["repetition_penalty"])
-        if body.get("min_p") is not None and temperature != 0:  # (greedy: no effect, as in generate)
-            kwargs["min_p"] = body["min_p"]
         if temperature == 0:
             kwargs["do_sample"] = False
         else:
-            kwargs.update(do_sample=True, temperature=temperature, top_p=float(body.get("top_p", 1.0)),
-                          top_k=body.get("top_k", 0))
+            kwargs.update(do_sample=True, temperature=temperature, top_p=float(fields["top_p"]),
+                          top_k=fields["top_k"])
+            if fields["min_p"] or self._checkpoint_min_p:  # (0 over the checkpoint's min_p: none, as HF's warper at 0)
+                kwargs["min_p"] = float(fields["min_p"])
         ids = self.tokenizer(prompt)["input_ids"]
         handler_queue, future = asyncio.Queue(), self._loop.create_future()
         self._commands.put(lambda: self._add(ids, kwargs, handler_queue, future))
@@ -466,6 +510,9 @@ def main() -> None:
                         "of this many tokens (prompt plus max_tokens; longer requests are answered 400)")
     parser.add_argument("--compile", action="store_true", help="capture the batch's steps (CUDA graphs on a GPU); "
                         "needs --max-context")
+    parser.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
+                        help="auto (as vLLM's default): requests that omit temperature, top_p, top_k, min_p or "
+                        "repetition_penalty take the target's generation_config values; vllm: OpenAI's defaults")
     args = parser.parse_args()
     if bool(args.target) != bool(args.draft):
         parser.error("give both --target and --draft, or neither")
@@ -477,7 +524,7 @@ def main() -> None:
     static = {} if args.max_context is None else dict(cache_implementation="static", max_context=args.max_context)
     decoder = SpeculativeDecoder(target, draft, num_speculative_tokens=4, max_batch_size=args.max_batch_size,
                                  tokenizer=tokenizer, compile=args.compile, **static)
-    server = CompletionsServer(decoder, tokenizer)
+    server = CompletionsServer(decoder, tokenizer, generation_config=args.generation_config)
 
     async def run():
         listening = await server.serve(args.host, args.port)

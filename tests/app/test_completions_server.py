@@ -2,6 +2,7 @@
 seeded sampling) each get the text of their request decoded alone; a client that disconnects mid-stream has its
 request cancelled; bad requests are answered 400/404 naming what is wrong."""
 
+import copy
 import http.client
 import importlib.util
 import json
@@ -453,3 +454,34 @@ def test_a_stream_ends_with_every_token_when_the_step_that_finished_it_raised(ow
     text = "".join(e["choices"][0]["text"] for e in events)
     assert text == _expected(models, bodies["short"]["prompt"], 9)
     assert any("error" in e for e in _events(replies["long"][1]))  # the long one: its batch failed
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_sampling_defaults_come_from_the_checkpoint_as_vllms_generation_config(served, mode):
+    """vLLM's server (``--generation-config auto``, its default) takes a request's omitted temperature, top_p, top_k,
+    min_p and repetition_penalty from the checkpoint's generation_config; ``vllm`` uses OpenAI's. This server used
+    OpenAI's top_p and top_k whatever the checkpoint set, but the checkpoint's repetition_penalty: a mix of both."""
+    _, _, models = served
+    target, draft, tokenizer = models
+    saved = target.generation_config
+    target.generation_config = copy.deepcopy(saved)
+    target.generation_config.update(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3)  # do_sample: False
+    try:
+        decoder = sk.SpeculativeDecoder(target, draft, num_speculative_tokens=4, tokenizer=tokenizer)
+        server = _module().CompletionsServer(decoder, tokenizer, generation_config=mode)
+        port = server.start_in_thread()
+        try:
+            omitted = _post(port, dict(prompt="def f(x):", max_tokens=8, seed=5))
+            given = _post(port, dict(prompt="def f(x):", max_tokens=8, seed=5, top_k=0, temperature=1))
+        finally:
+            server.stop()
+        checkpoint = (dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3) if mode == "auto" else
+                      dict(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0))
+        overridden = {**checkpoint, "top_k": 0, "temperature": 1.0}
+        for (status, data), expected in ((omitted, checkpoint), (given, overridden)):
+            assert status == 200, data
+            assert json.loads(data)["choices"][0]["text"] == _expected(models, "def f(x):", 8, seed=5, **expected)
+    finally:
+        target.generation_config = saved
+    with pytest.raises(ValueError, match="generation_config must be one of"):
+        _module().CompletionsServer(decoder, tokenizer, generation_config="openai")
