@@ -14,12 +14,15 @@ from the full decode. Here:
   last byte arrives (byte-level BPE). So is the text of a run of byte tokens ``<0xNN>`` of a ByteFallback decoder
   (SentencePiece-style), which decodes the run as a whole. ``flush`` emits whatever is held back, so an invalid
   byte sequence comes out as the full decode has it;
-* a tokenizer that cleans up tokenization spaces (its ``decode`` applies ``clean_up_tokenization``, which looks
-  across token boundaries) is streamed from the full decode instead, held back from its last space, and every push
-  checks that the text emitted so far is still a prefix of the full decode (``RuntimeError`` if not, never wrong
-  text). That costs a decode of the whole sequence per push.
+* a tokenizer that cleans up tokenization spaces (its ``decode`` applies ``clean_up_tokenization``, whose
+  replacements look across token boundaries: ``" ."`` -> ``"."``, and chained, ``"do n ' t"`` -> ``"don't"``)
+  streams its text without the clean-up as above, and cleans it up to the last point with no space in the 3
+  characters before it: every replacement begins with a space and reaches at most 3 characters past one, so no
+  later text can change the clean-up before that point. A trailing space and the 3 characters after a space are
+  held back; text without spaces (Chinese, Japanese) is not. (A tokenizer class that overrides
+  ``clean_up_tokenization`` is cleaned at flush only: all its text is held back.)
 
-Each push costs two decodes of a few tokens otherwise. ``skip_prompt`` has no counterpart: push only the new tokens
+Each push costs two decodes of a few tokens. ``skip_prompt`` has no counterpart: push only the new tokens
 (``DecodeSession.step`` returns only those).
 """
 
@@ -29,6 +32,7 @@ from collections.abc import Iterable
 import torch
 
 REPLACEMENT = "\ufffd"
+CLEAN_UP_REACH = 3  # transformers' clean_up_tokenization changes no text more than 3 characters past a space
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -48,9 +52,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix = 0  # window start: ids[prefix:read] are context, their text already emitted
         self._read = 0  # ids[read:] have not been emitted yet
-        self._emitted: list[str] = []  # everything returned, for the full-text paths' prefix check
-        self._sent = 0  # characters returned
+        self._text = ""  # the window's text so far (before the clean-up, where the tokenizer cleans up)
         self._cleans_up = _cleans_up(tokenizer, decode_kwargs)
+        if self._cleans_up:  # the window decodes without the clean-up; _clean_up applies it where it is final
+            self._decode_kwargs["clean_up_tokenization_spaces"] = False
+            self._clean_up_is_local = _default_clean_up(tokenizer)
+        self._cleaned = 0  # text[:cleaned] was cleaned up and returned (clean-up path)
         self._byte_fallback = _has_byte_fallback(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(
@@ -68,16 +75,17 @@ class IncrementalDetokenizer:
         if self._flushed:
             raise RuntimeError("the detokenizer was flushed; start a new one for a new request")
         self._ids.extend(_ids(token_ids))
-        return self._cleaned(final=False) if self._cleans_up else self._window(final=False)
+        text = self._window(final=False)
+        return self._clean_up(final=False) if self._cleans_up else text
 
     def flush(self) -> str:
         """The text held back, at the end of the request. After it, the concatenation of everything returned is
         ``tokenizer.decode(token_ids, ...)``."""
         if self._flushed:
             return ""
-        text = self._cleaned(final=True) if self._cleans_up else self._window(final=True)
+        text = self._window(final=True)
         self._flushed = True
-        return text
+        return self._clean_up(final=True) if self._cleans_up else text
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, **self._decode_kwargs)
@@ -115,28 +123,51 @@ class IncrementalDetokenizer:
             return True
         return self._decode_kwargs["skip_special_tokens"] and token in self._special_ids
 
-    def _cleaned(self, final: bool) -> str:
+    def _clean_up(self, final: bool) -> str:
+        """The cleaned-up text that is final now: the window's text up to its end (final=True) or to the last point
+        no later text can change (clean_up_split), cleaned up from the previous such point."""
         if final:
-            return self._from_full_text()
-        text = self._full_text()
-        end = text.rfind(" ", self._sent)  # clean-up patterns start with a space: hold back from the last one
-        return self._emit(text[self._sent:end]) if end > self._sent else ""
+            end = len(self._text)
+        elif self._clean_up_is_local:
+            end = clean_up_split(self._text, self._cleaned)
+        else:
+            return ""
+        if end == self._cleaned:
+            return ""
+        text = self._tokenizer.clean_up_tokenization(self._text[self._cleaned:end])
+        self._cleaned = end
+        return text
 
     def _full_text(self) -> str:
         """The full decode, checked to extend what was emitted (RuntimeError otherwise: never wrong text)."""
         text = self._decode(self._ids)
-        if not text.startswith("".join(self._emitted)):
+        if not text.startswith(self._text):
             raise RuntimeError("this tokenizer's decode changed text that was already streamed")
         return text
 
     def _from_full_text(self) -> str:
         self._read = len(self._ids)
-        return self._emit(self._full_text()[self._sent:])
+        return self._emit(self._full_text()[len(self._text):])
 
     def _emit(self, new: str) -> str:
-        self._emitted.append(new)
-        self._sent += len(new)
+        self._text += new
         return new
+
+
+def clean_up_split(raw: str, start: int) -> int:
+    """The last index end >= start of raw (or start) with no space in raw[end - CLEAN_UP_REACH:end].
+
+    Every replacement of transformers' clean_up_tokenization begins with a space, and none, chained ones included
+    ("do n ' t" -> "do n't" -> "don't": a space at least every 2 characters), spans more than 3 characters past
+    a space; so none spans such an end, and clean_up(raw[:end] + more) == clean_up(raw[:end]) + clean_up(more)
+    for any later text. start must be such an index (0 is)."""
+    end = len(raw)
+    while end > start:
+        space = raw.rfind(" ", max(0, end - CLEAN_UP_REACH), end)
+        if space < 0:
+            return end
+        end = space
+    return start
 
 
 def _ids(token_ids) -> list[int]:
@@ -159,9 +190,11 @@ def _ids(token_ids) -> list[int]:
 
 
 def _cleans_up(tokenizer, decode_kwargs: dict) -> bool:
-    """Whether ``tokenizer.decode`` applies ``clean_up_tokenization``. Recent transformers skip it for BPE models
-    unless forced (the tokenizer then has the forcing attribute); where that attribute is missing, a set flag is
-    taken to mean clean-up, which streams exactly either way, only at the cost of a full decode per push."""
+    """Whether ``tokenizer.decode`` applies ``clean_up_tokenization``: the flag is set, and the tokenizer is not one
+    whose decode skips it, a tokenizers-backed BPE model not forced to clean up (transformers 5's rule, with its
+    forcing attribute; slow and mistral-common tokenizers, which have no backend_tokenizer, clean up whenever the
+    flag is set, as transformers without that attribute did). The stream applies the clean-up itself, so this must
+    be what decode does (test_streaming streams a BPE with the flag, forced and not, WordPiece and Unigram ones)."""
     flag = decode_kwargs.get("clean_up_tokenization_spaces")
     if flag is None:
         flag = getattr(tokenizer, "clean_up_tokenization_spaces", False)
@@ -171,6 +204,14 @@ def _cleans_up(tokenizer, decode_kwargs: dict) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     skips_bpe = hasattr(tokenizer, forced) and not getattr(tokenizer, forced)
     return not (skips_bpe and backend is not None and type(backend.model).__name__ == "BPE")
+
+
+def _default_clean_up(tokenizer) -> bool:
+    """Whether the tokenizer's clean_up_tokenization is transformers' own (CLVP's, for one, is not), whose
+    replacements clean_up_split is written for."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return getattr(type(tokenizer), "clean_up_tokenization", None) is PreTrainedTokenizerBase.clean_up_tokenization
 
 
 def _has_byte_fallback(tokenizer) -> bool:

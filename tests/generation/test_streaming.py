@@ -106,8 +106,12 @@ def tokenizers_():
     demo = PreTrainedTokenizerFast.from_pretrained(demo_model_paths()[0])
     flagged = byte_level_bpe()  # the flag set on a BPE model, which recent transformers ignore (GPT-2's configs)
     flagged.clean_up_tokenization_spaces = True
+    forced = byte_level_bpe()  # and forced (LUKE's tokenizers): its decode cleans up, and so must the stream
+    forced.clean_up_tokenization_spaces = True
+    forced.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     return {"byte_level": byte_level_bpe(), "demo": demo, "metaspace": metaspace_bpe(),
-            "wordpiece_cleanup": wordpiece_with_cleanup(), "byte_level_cleanup_flag": flagged}
+            "wordpiece_cleanup": wordpiece_with_cleanup(), "byte_level_cleanup_flag": flagged,
+            "byte_level_cleanup_forced": forced}
 
 
 def stream(tokenizer, ids, chunks, **kwargs):
@@ -139,7 +143,7 @@ def test_random_token_sequences_stream_to_the_full_decode(tokenizers_, name, ski
         assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
 
-@pytest.mark.parametrize("name", ["byte_level", "demo", "metaspace", "wordpiece_cleanup"])
+@pytest.mark.parametrize("name", ["byte_level", "demo", "metaspace", "wordpiece_cleanup", "byte_level_cleanup_forced"])
 def test_real_text_streams_only_final_text(tokenizers_, name):
     """Encoded text pushed one token at a time: the pieces join to the decode, no piece holds a U+FFFD from a split
     character, and every piece is final (the text so far is a prefix of the decode)."""
@@ -155,6 +159,33 @@ def test_real_text_streams_only_final_text(tokenizers_, name):
             split_characters += "\ufffd" in tokenizer.decode(ids[:i])
     if name in ("byte_level", "demo"):
         assert split_characters > 5  # the test does meet characters split across tokens
+
+
+def t5_like_with_cleanup() -> PreTrainedTokenizerFast:
+    """A Unigram over a few pieces with Metaspace decoding and clean_up_tokenization_spaces, as T5's and mT5's
+    tokenizers are (transformers applies the clean-up to every model type but BPE)."""
+    pieces = ["<unk>", "▁", "▁i", "▁do", "▁n", "▁'", "'", "▁t", "t", "▁s", "▁a", "日", "本", "語", "▁."]
+    tok = Tokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=0))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", clean_up_tokenization_spaces=True)
+
+
+def test_clean_up_that_joins_across_two_spaces_streams_exactly_and_spaceless_text_is_not_held():
+    """clean_up_tokenization's replacements chain: " ' " -> "'" then " n't" -> "n't" or " 's" -> "'s", so
+    "i do n ' t" cleans to "i don't" and "a  ' s" to "a's": a space before the last one is removed. The stream held
+    back only from the last space, emitted " n" (or "a "), and raised RuntimeError at the next token (BERT
+    tokenizes "do n't" so; the server's stream ended without [DONE]). And text without spaces (Chinese, Japanese
+    from mT5) was held back entirely until flush: it comes out as it is decoded now."""
+    tokenizer = t5_like_with_cleanup()
+    for tokens in (["▁i", "▁do", "▁n", "▁'", "▁t", "▁."], ["▁a", "▁", "▁'", "▁s"], ["▁do", "▁n", "▁", "'", "▁t"],
+                   ["▁do", "▁n", "'", "t"]):  # (the last: " n't" spans 3 characters past its space)
+        ids = tokenizer.convert_tokens_to_ids(tokens)
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        pieces = [detokenizer.push([token]) for token in ids]
+        assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids), tokens
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert [detokenizer.push([token]) for token in tokenizer.convert_tokens_to_ids(["日", "本", "語"])] == \
+        ["日", "本", "語"]
 
 
 def test_text_is_held_back_until_a_character_is_complete(tokenizers_):
