@@ -188,6 +188,29 @@ def test_clean_up_that_joins_across_two_spaces_streams_exactly_and_spaceless_tex
         ["日", "本", "語"]
 
 
+def test_clean_up_is_final_where_clean_up_split_says():
+    """Every split of every string over " 'nt" up to 6 characters that clean_up_split calls final cleans up as its
+    two halves, with this transformers' clean_up_tokenization (a replacement that reached further, or 2 as the
+    reach, fails: " n'" + "t" -> "n't")."""
+    import itertools
+
+    from speculative_kernels.streaming import clean_up_split
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    def clean(text):
+        return PreTrainedTokenizerBase.clean_up_tokenization(None, text)
+
+    checked = 0
+    for length in range(2, 7):
+        for chars in itertools.product(" 'nt", repeat=length):
+            text = "".join(chars)
+            for end in range(1, length):
+                if clean_up_split(text[:end], 0) == end:
+                    checked += 1
+                    assert clean(text[:end]) + clean(text[end:]) == clean(text), (text[:end], text[end:])
+    assert checked > 10000
+
+
 def test_text_is_held_back_until_a_character_is_complete(tokenizers_):
     tokenizer = tokenizers_["byte_level"]
     ids = tokenizer.encode("🚀", add_special_tokens=False)
