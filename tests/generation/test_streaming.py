@@ -188,6 +188,18 @@ def test_clean_up_that_joins_across_two_spaces_streams_exactly_and_spaceless_tex
         ["日", "本", "語"]
 
 
+    class OwnCleanUp(PreTrainedTokenizerFast):  # (as CLVP's tokenizer): its text is cleaned up at flush only
+        def clean_up_tokenization(self, text):
+            return text.replace("日本", "にほん")
+
+    own = OwnCleanUp(tokenizer_object=tokenizer.backend_tokenizer, unk_token="<unk>",
+                     clean_up_tokenization_spaces=True)
+    ids = own.convert_tokens_to_ids(["▁a", "日", "本", "語"])
+    detokenizer = IncrementalDetokenizer(own)
+    assert [detokenizer.push([token]) for token in ids] + [detokenizer.flush()] == ["", "", "", "", "aにほん語"]
+    assert own.decode(ids) == "aにほん語"
+
+
 def test_clean_up_is_final_where_clean_up_split_says():
     """Every split of every string over " 'nt" up to 6 characters that clean_up_split calls final cleans up as its
     two halves, with this transformers' clean_up_tokenization (a replacement that reached further, or 2 as the
