@@ -162,8 +162,8 @@ def test_real_text_streams_only_final_text(tokenizers_, name):
 
 
 def t5_like_with_cleanup() -> PreTrainedTokenizerFast:
-    """A Unigram over a few pieces with Metaspace decoding and clean_up_tokenization_spaces, as T5's and mT5's
-    tokenizers are (transformers applies the clean-up to every model type but BPE)."""
+    """A Unigram over a few pieces with Metaspace decoding (T5-style) and clean_up_tokenization_spaces (set by a
+    checkpoint's tokenizer_config; transformers applies the clean-up to every model type but BPE)."""
     pieces = ["<unk>", "▁", "▁i", "▁do", "▁n", "▁'", "'", "▁t", "t", "▁s", "▁a", "日", "本", "語", "▁."]
     tok = Tokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=0))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
@@ -174,8 +174,8 @@ def test_clean_up_that_joins_across_two_spaces_streams_exactly_and_spaceless_tex
     """clean_up_tokenization's replacements chain: " ' " -> "'" then " n't" -> "n't" or " 's" -> "'s", so
     "i do n ' t" cleans to "i don't" and "a  ' s" to "a's": a space before the last one is removed. The stream held
     back only from the last space, emitted " n" (or "a "), and raised RuntimeError at the next token (BERT
-    tokenizes "do n't" so; the server's stream ended without [DONE]). And text without spaces (Chinese, Japanese
-    from mT5) was held back entirely until flush: it comes out as it is decoded now."""
+    tokenizes "do n't" so; the server's stream ended without [DONE]). And text without spaces (Chinese, Japanese)
+    was held back entirely until flush: it comes out as it is decoded now."""
     tokenizer = t5_like_with_cleanup()
     for tokens in (["▁i", "▁do", "▁n", "▁'", "▁t", "▁."], ["▁a", "▁", "▁'", "▁s"], ["▁do", "▁n", "▁", "'", "▁t"],
                    ["▁do", "▁n", "'", "t"]):  # (the last: " n't" spans 3 characters past its space)
