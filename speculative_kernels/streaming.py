@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
         self._cleans_up = _cleans_up(tokenizer, decode_kwargs)
         if self._cleans_up:  # the window decodes without the clean-up; _clean_up applies it where it is final
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
-            self._clean_up_is_local = _default_clean_up(tokenizer)
+        self._clean_up_is_local = self._cleans_up and _default_clean_up(tokenizer)  # (clean_up_split holds for it)
         self._cleaned = 0  # text[:cleaned] was cleaned up and returned (clean-up path)
         self._byte_fallback = _has_byte_fallback(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
