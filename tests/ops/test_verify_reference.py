@@ -294,3 +294,49 @@ def test_empty_batch_is_a_clear_error():
         ops.verify(torch.randn(0, 3, 8), None, torch.zeros(0, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="logits has an empty batch"):
         ops.sample(torch.randn(0, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_logits_are_verified_in_full_precision(dtype):
+    """Replay: bfloat16/float16 logits are verified as HF samples them, from their float32 values. Each row's
+    accepted count and emitted token are recomputed in float64 from the op's own random numbers (the accept test
+    r * q(x) < p(x), the race argmax w / E over the residual or p) and must agree wherever the float64 decision is
+    not within float32 rounding of the other side. A probability, ratio or residual computed in half precision
+    (or the temperature applied to the half values) moves p and q by about 2**-9 of themselves: 4e-4 to 8e-4 of
+    total variation in one verified position of ``helpers/half_sampling_differential.py``'s models, which a
+    chi-square test sees only with about 10**7 samples of it; here each of those five defects flipped 6 to 50
+    of the 16000 rows' decisions."""
+    from speculative_kernels.ops.philox import STREAM_POSITION
+    from speculative_kernels.ops.randomness import Randomness
+    from speculative_kernels.ops.reference import accept_uniforms, race_noise, verify_reference
+    from speculative_kernels.ops.sampling import Sampling
+
+    rows, k, vocab, temperature = 16000, 3, 16, 0.7
+    g = torch.Generator().manual_seed(0)
+    target = (torch.randn(rows, k + 1, vocab, generator=g) * 2).to(dtype)
+    draft = (target[:, :k].float() + torch.randn(rows, k, vocab, generator=g)).to(dtype)
+    tokens = torch.randint(0, vocab, (rows, k), generator=g)
+    randomness = Randomness(torch.full((rows,), 7), torch.full((rows,), 3))
+    out, n = verify_reference(target, draft, tokens, Sampling(temperature=temperature), randomness)
+
+    # (float64 from the half values; the op's float32 division by T differs by ~1e-7, far inside the margins kept)
+    p = torch.softmax(target.double() / temperature, dim=-1)
+    q = torch.softmax(draft.double() / temperature, dim=-1)
+    r = accept_uniforms(randomness, k).double()
+    p_x, q_x = p[:, :k].gather(-1, tokens[..., None])[..., 0], q.gather(-1, tokens[..., None])[..., 0]
+    margin = (r * q_x - p_x).abs() / p_x  # relative distance of each accept test from its boundary
+    n64 = (r * q_x < p_x).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    clear = (margin > 1e-5).all(dim=1)
+    assert clear.float().mean() > 0.99
+    assert int((n != n64)[clear].sum()) == 0, f"{int((n != n64)[clear].sum())} accepted counts differ"
+
+    index = torch.arange(rows)
+    q_n = torch.where((n < k)[:, None], q[index, n.clamp(max=k - 1)], 0.0)
+    residual = torch.clamp(p[index, n] - q_n, min=0.0)
+    weights = torch.where((residual.amax(dim=-1) > 0)[:, None], residual, p[index, n])
+    score = weights / race_noise(randomness, STREAM_POSITION + n, vocab).double()
+    top2 = score.topk(2, dim=-1)
+    clear_race = top2.values[:, 1] < top2.values[:, 0] * (1 - 1e-5)
+    assert clear_race.float().mean() > 0.99
+    differ = int((out[index, n] != top2.indices[:, 0])[clear_race].sum())
+    assert differ == 0, f"{differ} emitted tokens differ"
