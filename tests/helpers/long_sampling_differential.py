@@ -11,11 +11,17 @@ adjacent-pair joints of our rows and of ``model.generate``'s are compared by two
 below 5 expected); a case alarms ("!!!") when its smallest p-value times the number of tests (Bonferroni) is below
 1e-3: about one false alarm per thousand cases. Rerun an alarm with another ``--rows`` before believing it.
 ``--mutate-temperature 1.1`` runs ours 10% hotter than HF's (the power check: most cases then alarm).
+``--dtype``/``--draft-dtype`` run the target (and ``model.generate``) and the draft in bfloat16 or float16, the same
+or mixed; ``--autocast`` runs both sides under CPU bfloat16 autocast. The models keep SDPA attention, whose
+multi-token forwards round differently from one-token steps in half precision (``docs/half_precision.md``): a
+difference found here may be the model's rounding; ``half_sampling_differential`` tests without it, exactly.
 
     cd tests && python -m helpers.long_sampling_differential 0 30 [--rows 1500] [--new-tokens 16] [--auto]
+        [--dtype bfloat16] [--draft-dtype float32] [--autocast]
 """
 
 import argparse
+import contextlib
 import copy
 import random
 import sys
@@ -31,6 +37,7 @@ from helpers.models import llama, perturbed
 
 VOCAB = 8
 EOS = 2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ALARM = 1e-3
 PROMPTS = [[1, 4, 3, 5, 7], [6, 2, 4], [5]]
 # Each setting's values, its default repeated so that most cases leave it off (as sampling_differential's).
@@ -155,14 +162,20 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--auto", action="store_true", help='every case drafts with num_speculative_tokens="auto"')
     parser.add_argument("--mutate-temperature", type=float, default=1.0, help="ours at this times HF's temperature")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the target's dtype")
+    parser.add_argument("--draft-dtype", choices=sorted(DTYPES), help="the draft's dtype (default: the target's)")
+    parser.add_argument("--autocast", action="store_true", help="both sides under CPU bfloat16 autocast")
     args = parser.parse_args(argv)
     target, draft = models()
+    target, draft = target.to(DTYPES[args.dtype]), draft.to(DTYPES[args.draft_dtype or args.dtype])
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
     alarms = 0
     for seed in range(args.first, args.last):
         case = random_case(seed, args.auto)
         start = time.time()
         try:
-            p_min, tests = check_case(case, target, draft, args.rows, args.new_tokens, args.mutate_temperature)
+            with autocast:
+                p_min, tests = check_case(case, target, draft, args.rows, args.new_tokens, args.mutate_temperature)
             alarm = p_min * tests < ALARM
             alarms += alarm
             verdict = f"{'!!!' if alarm else 'ok '} min p={p_min:.2g} x {tests} tests"
