@@ -18,7 +18,8 @@ a draft model, a useless draft with ``num_speculative_tokens="auto"`` (drafting 
 prompt lookup, the n-gram drafter or the early-exit draft; temperature, top-k, top-p, min-p, repetition penalty;
 ``seed=`` or the global generator. ``--mutate NAME`` breaks the sampler on purpose (the power check, ``MUTATIONS``).
 
-    cd tests && python -m helpers.half_sampling_differential 0 20 [--rows 20000] [--new-tokens 12] [--mutate hot]
+    cd tests && python -m helpers.half_sampling_differential 0 20 [--rows 6000] [--new-tokens 12] [--mutate hot]
+    cd tests && python -m helpers.half_sampling_differential 40 44 --drafting useless_auto --new-tokens 28  # probes
 """
 
 import argparse
@@ -117,16 +118,18 @@ def prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PauseCounter:
-    """Counts the iterations run with "auto" drafting paused (gamma 0 after the calibrator chose to pause)."""
+    """Counts the iterations run with "auto" drafting paused (gamma 0 after the calibrator chose to pause), and the
+    probes among them (an iteration that drafts while paused, after ``gamma.PROBE_EVERY`` plain ones)."""
 
     def __init__(self):
         from speculative_kernels.generation.loop import SpeculativeLoop
-        self.paused, self._loop_class, self._verify = 0, SpeculativeLoop, SpeculativeLoop._verify
+        self.paused, self.probes, self._loop_class, self._verify = 0, 0, SpeculativeLoop, SpeculativeLoop._verify
         counter = self
 
         def verify(loop, *args, **kwargs):
-            if loop.calibrator is not None and loop.calibrator.paused and loop.gamma == 0:
-                counter.paused += 1
+            if loop.calibrator is not None and loop.calibrator.paused:
+                counter.paused += loop.gamma == 0
+                counter.probes += loop.gamma > 0
             return counter._verify(loop, *args, **kwargs)
 
         SpeculativeLoop._verify = verify
@@ -217,8 +220,8 @@ def case_p_values(tokens: np.ndarray, probs: np.ndarray) -> list[float]:
     return p_values
 
 
-def check_case(case: dict, rows: int, new: int, hotter: float = 1.0, chunk: int = 30000) -> tuple[float, int, int]:
-    """(the smallest p-value, the number of tests, iterations run paused) of one case."""
+def check_case(case: dict, rows: int, new: int, hotter: float = 1.0, chunk: int = 30000) -> tuple[float, int, str]:
+    """(the smallest p-value, the number of tests, iterations run paused and probes among them) of one case."""
     target_dtype, draft_dtype = case["dtypes"]
     target, draft, useless = models(target_dtype, draft_dtype)
     ids, mask = prompts(rows)
@@ -237,7 +240,7 @@ def check_case(case: dict, rows: int, new: int, hotter: float = 1.0, chunk: int 
     for g in range(len(PROMPTS)):
         part = slice(g * rows, (g + 1) * rows)
         p_values += case_p_values(tokens[part], probs[part])
-    return min(p_values), len(p_values), counter.paused
+    return min(p_values), len(p_values), f"{counter.paused} (probes {counter.probes})"
 
 
 def main(argv=None) -> int:
