@@ -32,7 +32,7 @@ from .stats import PhaseTimer
 from .stop_strings import stop_criterion
 from .retokenize import TokenizerPair
 from .retokenizing_drafter import MappedVocabularyDrafter, RetokenizingDrafter, VocabularyMap
-from .vocab import VocabBridge, logit_width, tokenizers_differ
+from .vocab import VocabBridge, logit_width, tokenizers_differ, vocabulary_size
 from .wrapped_seq2seq import (check_encoder_id_processors, check_encoder_input_keyword, encoder_input_name,
                               source_in_decoder_vocabulary)
 
@@ -284,9 +284,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
     if retokenize:  # (the target's text re-tokenized for the draft: ``retokenizing_drafter.py``)
         pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings, logit_width(model))
         limit = position_table_limit(draft_model)
+        embeddable = vocabulary_size(draft_model)  # (its tokenizer may hold more ids: fed as id 0)
         if plan.sampling.greedy:  # HF's UAD: drafts turned into target tokens through their text
             drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size,
-                                          position_limit=limit)
+                                          position_limit=limit, embeddable=embeddable)
         else:  # HF's USD: drafts drawn from the draft's q over the tokens both vocabularies have
             vocabulary = VocabularyMap(tokenizer, assistant_tokenizer, logit_width(model), logit_width(draft_model),
                                        device)
@@ -294,7 +295,8 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                 raise ValueError("tokenizer and assistant_tokenizer have no token in common: do_sample=True drafts "
                                  "from the draft's distribution over the tokens both vocabularies have (HF's USD)")
             drafter = MappedVocabularyDrafter(runners[1], pair, vocabulary, logit_width(model), dtype, device,
-                                              prefill_chunk_size=plan.prefill_chunk_size, position_limit=limit)
+                                              prefill_chunk_size=plan.prefill_chunk_size, position_limit=limit,
+                                              embeddable=embeddable)
     elif draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)

@@ -41,8 +41,12 @@ class DraftSlots:
     (``keep_prefix`` addresses slots). After a hole compaction (``runner.compactions`` grew) each row's real slots are
     its first ones."""
 
-    def __init__(self, runner: Runner, batch: int, device: torch.device, chunk_size: int | None):
+    def __init__(self, runner: Runner, batch: int, device: torch.device, chunk_size: int | None,
+                 embeddable: int | None = None):
         self.runner, self.device, self.chunk_size = runner, device, chunk_size  # (chunk_size: of the prompt's prefill)
+        # the ids the draft's input embedding takes (None: any): an assistant_tokenizer may hold more, which the
+        # draft is fed as id 0 (only acceptance depends on what the draft conditions on, as in ``vocab.py``)
+        self.embeddable = embeddable
         self.fed: list[list[int]] = [[] for _ in range(batch)]
         self.layout: list[list[bool]] = [[] for _ in range(batch)]
         self._compactions = runner.compactions
@@ -52,7 +56,8 @@ class DraftSlots:
         position's logits [B, 1, V_d]."""
         width = max(len(t) for t in tokens)
         pads = [width - len(t) for t in tokens]
-        ids = [[0] * p + t for p, t in zip(pads, tokens)]
+        limit = self.embeddable
+        ids = [[0] * p + (t if limit is None else [k if k < limit else 0 for k in t]) for p, t in zip(pads, tokens)]
         device = self.device
         real = None
         if any(pads):
@@ -114,8 +119,12 @@ class RetokenizingDrafter:
     READS_EMITTED_TOKENS = True  # the loop calls emitted_read with its host copy of the iteration's tokens
 
     def __init__(self, runner: Runner, pair: TokenizerPair, device: torch.device,
-                 prefill_chunk_size: int | None = None, position_limit: int | None = None):
+                 prefill_chunk_size: int | None = None, position_limit: int | None = None,
+                 embeddable: int | None = None):
         self.runner, self.pair, self.device = runner, pair, device
+        # the ids the draft's input embedding takes (``vocab.vocabulary_size``), or None (any): draft ids past it
+        # (an assistant_tokenizer with more ids than the draft model) are fed as id 0 (``DraftSlots``, ``_fed_ids``)
+        self.embeddable = embeddable
         self.prefill_chunk_size = prefill_chunk_size
         # the draft's learned position table (``capabilities.position_table_limit``), or None: a row whose draft
         # tokens would pass it drafts no more (the target goes on alone for it)
@@ -136,7 +145,7 @@ class RetokenizingDrafter:
                              f"prompt's text is {longest} of its tokens (assistant_tokenizer's): shorten the prompt, "
                              "or use a draft with a longer context")
         self.finished = [0] * len(self.rows)
-        self.slots = DraftSlots(self.runner, len(self.rows), self.device, self.prefill_chunk_size)
+        self.slots = DraftSlots(self.runner, len(self.rows), self.device, self.prefill_chunk_size, self.embeddable)
         prompts = [row.draft_ids[:-1] for row in self.rows]
         if any(prompts):
             self.slots.forward(prompts, prompt=True)
@@ -151,7 +160,8 @@ class RetokenizingDrafter:
             drafts = [logits[:, -1].argmax(dim=-1)]
             real = self._steps_real(active)
             for _ in range(gamma - 1):
-                logits = self.runner.forward(drafts[-1].unsqueeze(1), real, last_only=True)
+                fed = self._fed_ids(drafts[-1].unsqueeze(1), logits.shape[-1])
+                logits = self.runner.forward(fed, real, last_only=True)
                 drafts.append(logits[:, -1].argmax(dim=-1))
             self._forwards += gamma
             drafted = torch.stack(drafts, dim=1).tolist()  # the drafter's own read: [B, gamma] draft ids
@@ -179,6 +189,13 @@ class RetokenizingDrafter:
             active.append(True)
         self.slots.keep(keep)
         return tails, active
+
+    def _fed_ids(self, ids: torch.Tensor, width: int) -> torch.Tensor:
+        """Draft ids [B, n] below ``width`` (the draft's logit width) as fed to the draft: id 0 for those past its
+        input embedding (a head wider than its embedding only; one device op then)."""
+        if self.embeddable is None or width <= self.embeddable:
+            return ids
+        return torch.where(ids < self.embeddable, ids, torch.zeros_like(ids))
 
     def _steps_real(self, active: list[bool]) -> torch.Tensor | None:
         """real [B, 1] of the one-token draft steps: False for the rows that draft nothing (None: every row drafts)."""
@@ -304,8 +321,9 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
 
     def __init__(self, runner: Runner, pair: TokenizerPair, vocabulary: VocabularyMap, target_width: int,
                  dtype: torch.dtype, device: torch.device, keep_logits: bool = True,
-                 prefill_chunk_size: int | None = None, position_limit: int | None = None):
-        super().__init__(runner, pair, device, prefill_chunk_size, position_limit)
+                 prefill_chunk_size: int | None = None, position_limit: int | None = None,
+                 embeddable: int | None = None):
+        super().__init__(runner, pair, device, prefill_chunk_size, position_limit, embeddable)
         self.vocabulary, self.width, self.dtype, self.keep_logits = vocabulary, target_width, dtype, keep_logits
         self._fed: torch.Tensor | None = None  # [B, gamma - 1] draft ids fed while drafting, read with the loop's
         self._runner_reads = False  # the last lengths_to_read() began with the runner's lengths
@@ -333,8 +351,8 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
                     q = torch.empty(batch, gamma, self.width, dtype=mapped.dtype, device=self.device)
                 q[:, i] = mapped
             if i < gamma - 1:
-                logits = self.runner.forward(self.vocabulary.draft_ids(tokens[:, i : i + 1]), real,
-                                             last_only=True)[:, -1]
+                fed = self._fed_ids(self.vocabulary.draft_ids(tokens[:, i : i + 1]), logits.shape[-1])
+                logits = self.runner.forward(fed, real, last_only=True)[:, -1]
         self._forwards += gamma
         self._fed = self.vocabulary.draft_ids(tokens[:, :-1])
         num_draft = None if real is None else host_to_device([gamma * a for a in active], torch.int64, self.device)

@@ -455,3 +455,26 @@ def test_a_proposal_cut_at_an_id_past_the_targets_head_ends_without_the_eos():
     assert row.proposal(ids("fg") + [eos], 8) == ids("fg") + [target_eos]
     assert row.proposal(ids("fgqh") + [eos], 8) == ids("fg")
     assert row.proposal(ids("q") + [eos], 8) == []
+
+
+def test_draft_tokens_past_the_drafts_embedding_are_fed_as_id_0():
+    """An assistant_tokenizer with more ids than the draft model embeds ("c", "b", "a" here: ids 14-16 of a 14-id
+    embedding), in the prompt's text and drafted by a head wider than the embedding (17 ids, those 3 favoured): the
+    draft is fed id 0 for them, as a shared-vocabulary draft is fed the target tokens it cannot embed (``vocab.py``):
+    greedy token-identical to model.generate, and a sampled batch runs to its length. Before, the draft's forward
+    failed inside the embedding (IndexError; HF's UAD and USD fail there too)."""
+    target_tok, draft_tok = char_tokenizer(CHARS), char_tokenizer(CHARS[::-1])
+    target, draft = llama(vocab=len(CHARS)), llama(layers=1, vocab=len(CHARS) - 3, seed=4)
+    draft.config.tie_word_embeddings = False
+    draft.lm_head = torch.nn.Linear(32, len(CHARS), bias=False)
+    with torch.no_grad():
+        draft.lm_head.weight[len(CHARS) - 3:] *= 5
+    ids, mask = _left_padded(target_tok, ["abc de", "ba"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=0, eos_token_id=None)
+    expected = target.generate(ids, do_sample=False, **kwargs)
+    for do_sample in (False, True):
+        stats = sk.SpeculationStats()
+        got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                          do_sample=do_sample, num_speculative_tokens=3, seed=0, speculation_stats=stats, **kwargs)
+        assert torch.equal(got, expected) or (do_sample and got.shape == expected.shape)
+        assert stats.draft_forwards > 0
