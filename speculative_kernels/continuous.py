@@ -259,7 +259,10 @@ class ContinuousBatcher:
         # (every request joins one batch, whose rows near their end are verified with drafts past their last position)
         longest = (len(prompt) if mask is None else sum(mask)) + plan.max_new_tokens - 1
         check_positions(target, longest, overshoot=gamma)
-        for model, name in ((target, "target"), (self.decoder.draft, "draft")):
+        # (a draft of another tokenizer counts its own tokens: its drafter stops drafting a row at its table's end,
+        #  and refuses a prompt whose text is longer than the table, as in generate)
+        draft = None if self.decoder.draft_retokenizes else self.decoder.draft
+        for model, name in ((target, "target"), (draft, "draft")):
             if model is not None:
                 check_position_table(model, longest, name, overshoot=gamma)
         config = plan.generation_config

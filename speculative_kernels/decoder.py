@@ -165,7 +165,9 @@ class SpeculativeDecoder:
             self.draft = early_exit_draft(self.target, self.exit_layers)
         check_models(self.target, self.draft, names=("target", "draft"))  # not a model: refused here, by name
         check_helpers(tokenizer, assistant_tokenizer, None)
-        if self.draft is not None and tokenizers_differ(tokenizer, assistant_tokenizer):
+        # a draft of another tokenizer (re-tokenizing the text: ``retokenizing_drafter.py``), decided once
+        self.draft_retokenizes = self.draft is not None and tokenizers_differ(tokenizer, assistant_tokenizer)
+        if self.draft_retokenizes:
             # (a draft with another tokenizer: the dynamic cache only, refused here rather than by each request)
             what = ("with a draft model of another tokenizer (assistant_tokenizer= with another vocabulary than "
                     "tokenizer=)")

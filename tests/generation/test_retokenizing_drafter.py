@@ -478,3 +478,29 @@ def test_draft_tokens_past_the_drafts_embedding_are_fed_as_id_0():
                           do_sample=do_sample, num_speculative_tokens=3, seed=0, speculation_stats=stats, **kwargs)
         assert torch.equal(got, expected) or (do_sample and got.shape == expected.shape)
         assert stats.draft_forwards > 0
+
+
+def test_add_request_counts_a_position_table_drafts_own_tokens():
+    """SpeculativeDecoder.add_request with a GPT-2 draft of another tokenizer (a 24-position table; byte-level BPE
+    with merges, fewer tokens than the byte-level target's): the draft's table is the drafter's to count in its own
+    tokens, as in generate (``test_rows_stop_drafting_at_the_drafts_position_table``), so a request of 30 target
+    positions runs and matches model.generate alone. Before, add_request checked the draft's table against the
+    target's tokens and refused it by name."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target_tok, draft_tok = byte_bpe(259), byte_bpe(300)
+    target = llama(vocab=len(target_tok), seed=3)
+    torch.manual_seed(4)
+    draft = GPT2LMHeadModel(GPT2Config(vocab_size=len(draft_tok), n_embd=16, n_layer=1, n_head=2, n_positions=24,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    prompt = target_tok("the cat sat")["input_ids"]  # (11 target tokens, 4 draft tokens)
+    settings = dict(max_new_tokens=20, eos_token_id=None)
+    decoder = sk.SpeculativeDecoder(target, draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                                    num_speculative_tokens=3)
+    request_id = decoder.add_request(prompt, **settings)
+    while decoder.has_work():
+        decoder.step()
+    result = decoder.result(request_id)
+    expected = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **settings)
+    assert result.token_ids == expected[0, len(prompt):].tolist()
+    assert result.drafted_tokens > 0
