@@ -12,7 +12,7 @@ from ..ops.randomness import check_seed
 from .buffers import initial_slots
 from .capabilities import (check_caching, check_deterministic, check_expert_capacity, check_masked_slots, check_model,
                            check_position_table, check_positions, check_seeded_draft, check_window_applied,
-                           check_window_holes, position_table_limit, request_path)
+                           check_window_holes, position_table_limit, request_path, slot_table_limit)
 from .context_processors import build_row_processors, build_warpers
 from .decode_experts import DecodeExperts
 from .drafter import Drafter, ModelDrafter
@@ -285,9 +285,10 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
         pair = tokenizer_pair(tokenizer, assistant_tokenizer, draft_model, settings, logit_width(model))
         limit = position_table_limit(draft_model)
         embeddable = vocabulary_size(draft_model)  # (its tokenizer may hold more ids: fed as id 0)
+        limits = dict(position_limit=limit, embeddable=embeddable, slot_limit=slot_table_limit(draft_model))
         if plan.sampling.greedy:  # HF's UAD: drafts turned into target tokens through their text
             drafter = RetokenizingDrafter(runners[1], pair, device, prefill_chunk_size=plan.prefill_chunk_size,
-                                          position_limit=limit, embeddable=embeddable)
+                                          **limits)
         else:  # HF's USD: drafts drawn from the draft's q over the tokens both vocabularies have
             vocabulary = VocabularyMap(tokenizer, assistant_tokenizer, logit_width(model), logit_width(draft_model),
                                        device)
@@ -295,8 +296,7 @@ def build_loop(model, draft_model, input_ids: torch.Tensor | None = None, *, num
                 raise ValueError("tokenizer and assistant_tokenizer have no token in common: do_sample=True drafts "
                                  "from the draft's distribution over the tokens both vocabularies have (HF's USD)")
             drafter = MappedVocabularyDrafter(runners[1], pair, vocabulary, logit_width(model), dtype, device,
-                                              prefill_chunk_size=plan.prefill_chunk_size, position_limit=limit,
-                                              embeddable=embeddable)
+                                              prefill_chunk_size=plan.prefill_chunk_size, **limits)
     elif draft_model is not None:
         bridge = VocabBridge(model, draft_model, tokenizer, assistant_tokenizer)
         # (a greedy request's verification reads no q; a batch of requests may mix in sampled rows)

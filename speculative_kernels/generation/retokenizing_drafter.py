@@ -120,8 +120,12 @@ class RetokenizingDrafter:
 
     def __init__(self, runner: Runner, pair: TokenizerPair, device: torch.device,
                  prefill_chunk_size: int | None = None, position_limit: int | None = None,
-                 embeddable: int | None = None):
+                 embeddable: int | None = None, slot_limit: int | None = None):
         self.runner, self.pair, self.device = runner, pair, device
+        # the most key slots a forward of the draft can take (``capabilities.slot_table_limit``: GPT-Neo, MPT), or
+        # None: an iteration whose draft forwards would pass it drafts nothing (the holes of left padding and of
+        # dropped tokens take slots past the rows' positions)
+        self.slot_limit = slot_limit
         # the ids the draft's input embedding takes (``vocab.vocabulary_size``), or None (any): draft ids past it
         # (an assistant_tokenizer with more ids than the draft model) are fed as id 0 (``DraftSlots``, ``_fed_ids``)
         self.embeddable = embeddable
@@ -173,7 +177,8 @@ class RetokenizingDrafter:
     def _sync(self, gamma: int) -> tuple[list[list[int]], list[bool]]:
         """Roll the draft's cache back to the common prefix of what it holds and each row's draft tokens (keeping
         the last token out, to feed it). Returns each row's tokens to feed and whether it drafts: a finished row,
-        and one whose gamma drafts would pass the draft's position table, feed holes and draft nothing."""
+        and one whose gamma drafts would pass the draft's position table, feed holes and draft nothing; no row drafts
+        where the forwards would pass the draft's slot table (``slot_limit``)."""
         keep, tails, active = [], [], []
         for row, fed, f in zip(self.rows, self.slots.fed, self.finished):
             target = row.draft_ids
@@ -188,6 +193,9 @@ class RetokenizingDrafter:
             tails.append(target[n:])
             active.append(True)
         self.slots.keep(keep)
+        if self.slot_limit is not None and any(active):  # (the tail's forward, then gamma - 1 one-token steps)
+            if self.runner.num_slots + max(len(t) for t in tails) + gamma - 1 > self.slot_limit:
+                return [[] for _ in tails], [False] * len(tails)
         return tails, active
 
     def _fed_ids(self, ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -322,8 +330,8 @@ class MappedVocabularyDrafter(RetokenizingDrafter):
     def __init__(self, runner: Runner, pair: TokenizerPair, vocabulary: VocabularyMap, target_width: int,
                  dtype: torch.dtype, device: torch.device, keep_logits: bool = True,
                  prefill_chunk_size: int | None = None, position_limit: int | None = None,
-                 embeddable: int | None = None):
-        super().__init__(runner, pair, device, prefill_chunk_size, position_limit, embeddable)
+                 embeddable: int | None = None, slot_limit: int | None = None):
+        super().__init__(runner, pair, device, prefill_chunk_size, position_limit, embeddable, slot_limit)
         self.vocabulary, self.width, self.dtype, self.keep_logits = vocabulary, target_width, dtype, keep_logits
         self._fed: torch.Tensor | None = None  # [B, gamma - 1] draft ids fed while drafting, read with the loop's
         self._runner_reads = False  # the last lengths_to_read() began with the runner's lengths

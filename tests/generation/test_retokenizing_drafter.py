@@ -504,3 +504,25 @@ def test_add_request_counts_a_position_table_drafts_own_tokens():
     expected = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **settings)
     assert result.token_ids == expected[0, len(prompt):].tolist()
     assert result.drafted_tokens > 0
+
+
+def test_a_slot_table_draft_is_never_fed_past_its_table(bpe_pair):
+    """A GPT-Neo draft (its attention slices a causal table of max_position_embeddings = 32 key slots with the
+    cache's slot count) on byte tokens, in a left-padded batch: the holes of the left padding and of rejected drafts
+    take slots beyond the rows' positions, so an iteration whose forwards would pass the table drafts nothing (the
+    target goes on alone, exactly): token-identical to model.generate. Before, the draft's forward raised the
+    runner's ValueError mid-generation (the request itself fits: its rows stop drafting at the 32 positions)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    target, _, target_tok, draft_tok = bpe_pair
+    torch.manual_seed(5)
+    draft = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=len(draft_tok), hidden_size=16, num_layers=1, num_heads=2,
+                                           attention_types=[[["global"], 1]], max_position_embeddings=32,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    ids, mask = _left_padded(target_tok, ["the cat sat", "a dog"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0, eos_token_id=None, do_sample=False)
+    stats = sk.SpeculationStats()
+    got = sk.generate(target, ids, assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok,
+                      num_speculative_tokens=3, speculation_stats=stats, **kwargs)
+    assert torch.equal(got, target.generate(ids, **kwargs))
+    assert stats.drafted_tokens > 0
