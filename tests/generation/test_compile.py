@@ -153,6 +153,11 @@ def test_compiled_batch_keeps_every_row():
 
 @pytest.mark.skipif(ON_CUDA, reason="the CPU default (inductor, mode='default'); CUDA is checked below")
 def test_compile_true_on_cpu_uses_inductor_and_matches_hf():
+    """Greedy: model.generate's tokens. Then seeded sampling on the same captured steps: no new graph (the sampling
+    settings are outside the steps: a server varying them must not recompile) and the eager static path's samples
+    for the same seed (the rest of test_compile checks that with aot_eager only, whose numerics are eager's). The LM
+    heads are sharpened in place first (near-uniform draws hide a wrong logit: a captured step's logits 25% off
+    drew the same 24 tokens unsharpened), which the captured steps read (weights are their inputs, not constants)."""
     target, draft = llama(layers=1), llama(layers=1, seed=5)
     ids = _prompt(length=5, seed=6)
     expected = target.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -161,6 +166,15 @@ def test_compile_true_on_cpu_uses_inductor_and_matches_hf():
     got = sk.generate(target, ids, draft_model=draft, num_speculative_tokens=2, max_new_tokens=8, do_sample=False,
                       compile=True)
     assert torch.equal(got, expected)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+        draft.lm_head.weight.mul_(8.0)
+    graphs = counters["stats"]["unique_graphs"]
+    sampling = dict(draft_model=draft, num_speculative_tokens=2, max_new_tokens=24, do_sample=True, temperature=0.8,
+                    top_k=20, top_p=0.9, seed=3)
+    sampled = sk.generate(target, ids, compile=True, **sampling)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(sampled, sk.generate(target, ids, cache_implementation="static", **sampling))
 
 
 @needs_cuda
