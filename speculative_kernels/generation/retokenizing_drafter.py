@@ -33,6 +33,7 @@ from .retokenize import RowText, TokenizerPair, common_prefix
 from .runners import Runner
 from .runners.prefill import prefill
 from .transfer import host_to_device
+from .vocab import embeddable_ids
 
 
 class DraftSlots:
@@ -203,7 +204,7 @@ class RetokenizingDrafter:
         input embedding (a head wider than its embedding only; one device op then)."""
         if self.embeddable is None or width <= self.embeddable:
             return ids
-        return torch.where(ids < self.embeddable, ids, torch.zeros_like(ids))
+        return embeddable_ids(ids, self.embeddable)
 
     def _steps_real(self, active: list[bool]) -> torch.Tensor | None:
         """real [B, 1] of the one-token draft steps: False for the rows that draft nothing (None: every row drafts)."""

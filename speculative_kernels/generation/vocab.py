@@ -66,6 +66,12 @@ def check_ids_in_vocabulary(model, name: str, ids: torch.Tensor) -> None:
         raise ValueError(f"{name} holds id {bad}, outside the vocabulary [0, {vocab}) of the model's embedding")
 
 
+def embeddable_ids(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """ids [...] as a draft whose input embedding has ``size`` rows is fed them: those >= size become 0 (see the
+    module docstring: only what the draft conditions on, so acceptance, can change)."""
+    return torch.where(ids < size, ids, torch.zeros_like(ids))
+
+
 class VocabBridge:
     """Maps draft logits onto the target vocabulary and target tokens onto draft inputs."""
 
@@ -102,5 +108,5 @@ class VocabBridge:
     def draft_inputs(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target ids -> ids the draft can embed (ids >= V_d become 0; see the module docstring)."""
         if self.draft_width < self.target_width:
-            return torch.where(tokens < self.draft_width, tokens, torch.zeros_like(tokens))
+            return embeddable_ids(tokens, self.draft_width)
         return tokens
